@@ -1,0 +1,285 @@
+"""``KVHiveCache``: a transformers ``Cache`` whose layers keep a budget chosen by a policy.
+
+The cache owns storage, budgets and phases; it asks the policy (through the generic
+:class:`~kvhive.methods.base.Policy` interface) which tokens to keep and never knows which
+method it runs. The attention function (``kvhive.attention``) calls :meth:`after_prefill` and
+:meth:`after_decode` right after a layer's attention, so each layer is cut as soon as its own
+prefill is done and peak memory stays at one uncompressed layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from transformers.cache_utils import Cache, get_layer_types_and_kwargs
+
+from kvhive.cache.storage import LayerStore
+from kvhive.methods.base import DECODE, PREFILL, Policy, ScoringInputs
+
+
+_LAST_UPDATE: dict = {"cache": None, "layer": None, "keys": None}
+
+
+def active_update(keys: torch.Tensor) -> tuple[KVHiveCache | None, int | None]:
+    """The cache and layer whose ``update`` just returned ``keys``, or ``(None, None)``.
+
+    transformers does not pass the cache object to attention functions; every model calls
+    ``past_key_values.update`` right before its attention, so matching the returned tensor
+    identifies the layer without patching model code (and never mistakes another cache).
+    """
+    if _LAST_UPDATE["keys"] is keys:
+        return _LAST_UPDATE["cache"], _LAST_UPDATE["layer"]
+    return None, None
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Tokens kept per head per layer (``tokens``) or a fraction of the prompt (``ratio``)."""
+
+    tokens: int | None = None
+    ratio: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.tokens is None) == (self.ratio is None):
+            raise ValueError("give exactly one of budget (tokens per head) or ratio (fraction of the context)")
+        if self.tokens is not None:
+            if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 1:
+                raise ValueError(f"invalid budget={self.tokens!r}: expected an integer >= 1 (tokens per head)")
+        if self.ratio is not None:
+            ratio = self.ratio
+            if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or math.isnan(ratio) or not 0 < ratio <= 1:
+                raise ValueError(f"invalid ratio={ratio!r}: expected a number in (0, 1]")
+
+    @classmethod
+    def parse(cls, value: int | float | str) -> Budget:
+        """``128`` → tokens, ``0.2`` → ratio (a float in (0, 1]; ``1.0`` is the whole context)."""
+        if isinstance(value, str):
+            text = value.strip()
+            try:
+                value = int(text)
+            except ValueError:
+                try:
+                    value = float(text)
+                except ValueError:
+                    raise ValueError(
+                        f"invalid budget={text!r}: expected tokens per head (integer >= 1) or a ratio in (0, 1]"
+                    ) from None
+        if isinstance(value, float):
+            return cls(ratio=value)
+        return cls(tokens=value)
+
+    def resolve(self, context_length: int) -> int:
+        if self.tokens is not None:
+            return self.tokens
+        return max(1, round(self.ratio * context_length))
+
+    def __str__(self) -> str:
+        return str(self.tokens) if self.tokens is not None else f"{self.ratio:g}"
+
+
+class KVHiveCache(Cache):
+    """A cache that applies ``policy`` to keep ``budget`` tokens per head.
+
+    Args:
+        config: the model config (layer types and sliding windows are read from it).
+        policy: the compression method.
+        budget: a :class:`Budget`, an int (tokens per head) or a float ratio in (0, 1].
+        compress_sliding: also compress sliding-window layers (default: leave them as the
+            model defines them, already bounded by their window).
+        decode_every: in decoding, compress every N steps (the cache overshoots by < N).
+        decode_slack: in decoding, let the cache grow ``slack`` tokens past the budget before
+            compressing back to the budget (threshold policy).
+    """
+
+    def __init__(self, config, policy: Policy, budget: Budget | int | float, *, compress_sliding: bool = False,
+                 decode_every: int = 1, decode_slack: int = 0) -> None:
+        if isinstance(budget, (int, float)) and not isinstance(budget, bool):
+            budget = Budget.parse(budget)
+        if not isinstance(budget, Budget):
+            raise ValueError(f"invalid budget={budget!r}: expected an int >= 1 or a ratio in (0, 1]")
+        if isinstance(decode_every, bool) or not isinstance(decode_every, int) or decode_every < 1:
+            raise ValueError(f"invalid decode_every={decode_every!r}: expected an integer >= 1")
+        if isinstance(decode_slack, bool) or not isinstance(decode_slack, int) or decode_slack < 0:
+            raise ValueError(f"invalid decode_slack={decode_slack!r}: expected an integer >= 0")
+        text_config = config.get_text_config(decoder=True)
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+        layers = [
+            LayerStore(index, kwargs.get("sliding_window") if "sliding" in layer_type else None)
+            for index, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs))
+        ]
+        super().__init__(layers=layers)
+        self.policy = policy
+        self.budget = budget
+        self.compress_sliding = compress_sliding
+        self.decode_every = decode_every
+        self.decode_slack = decode_slack
+        self.num_query_heads = text_config.num_attention_heads
+        self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or self.num_query_heads
+        self.compressed_layers = [i for i, layer in enumerate(self.layers) if compress_sliding or not layer.is_sliding]
+        self.layer_budgets: dict[int, int] = {}
+
+    # -- budgets -------------------------------------------------------------------------------
+    def _resolve_budgets(self, context_length: int) -> None:
+        if self.layer_budgets:
+            return
+        base = self.budget.resolve(context_length)
+        minimum = self.policy.minimum_budget()
+        if base < minimum:
+            raise ValueError(
+                f"invalid budget={base} for method {self.policy.name!r}: it needs at least {minimum} tokens per head "
+                f"({self.policy.config})"
+            )
+        per_layer = self.policy.layer_budgets(base, len(self.compressed_layers))
+        self.layer_budgets = dict(zip(self.compressed_layers, per_layer))
+        for index, layer_budget in self.layer_budgets.items():
+            self.layers[index].budget = layer_budget
+
+    def is_compressed(self, layer_index: int) -> bool:
+        return layer_index in self.compressed_layers
+
+    # -- phases (called by the attention function) --------------------------------------------
+    def after_prefill(self, layer_index: int, make_scoring: Callable[[str], ScoringInputs]) -> None:
+        """Cut one layer right after its prefill attention ran."""
+        store: LayerStore = self.layers[layer_index]
+        if not self.is_compressed(layer_index):
+            self._trim_sliding(store)
+            return
+        self._resolve_budgets(store.tokens_seen)
+        budget = self.layer_budgets[layer_index]
+        scoring = make_scoring(PREFILL)
+        if DECODE in self.policy.phases:
+            self.policy.initialize_decode(scoring, store.policy_state)
+            store.policy_state["decode_initialized"] = True
+        keep = None
+        if scoring.num_tokens > budget:
+            if PREFILL in self.policy.phases:
+                keep = self.policy.select_prefill(scoring, budget, store.policy_state)
+            else:
+                # A decode-only method sees the prompt as a stream that already overflowed.
+                keep = self.policy.select_decode(scoring, budget, store.policy_state)
+        self._store_token_scores(store, scoring)
+        if self.policy.head_granularity == "query":
+            store.expand_to_query_heads(self.num_query_heads // self.num_kv_heads)
+        if keep is not None:
+            self._check_keep(keep, store, budget)
+            store.keep(keep)
+
+    def after_decode(self, layer_index: int, make_scoring: Callable[[str], ScoringInputs]) -> None:
+        """Keep the budget while decoding; the policy decides what goes."""
+        store: LayerStore = self.layers[layer_index]
+        if not self.is_compressed(layer_index):
+            self._trim_sliding(store)
+            return
+        if DECODE not in self.policy.phases:
+            return
+        if not store.is_uniform:
+            raise RuntimeError(
+                f"method {self.policy.name!r} compresses while decoding but layer {layer_index} holds a different "
+                "number of tokens per head; combine decode-phase methods with uniform prefill budgets"
+            )
+        self._resolve_budgets(store.tokens_seen)
+        budget = self.layer_budgets[layer_index]
+        scoring = make_scoring(DECODE)
+        if "decode_initialized" not in store.policy_state:
+            self.policy.initialize_decode(scoring, store.policy_state)
+            store.policy_state["decode_initialized"] = True
+        self.policy.observe_decode(scoring, store.policy_state)
+        self._store_token_scores(store, scoring)
+        store.decode_steps_since_compression += 1
+        length = scoring.num_tokens
+        if length <= budget:
+            return
+        if length <= budget + self.decode_slack and store.decode_steps_since_compression < self.decode_every:
+            return
+        keep = self.policy.select_decode(scoring, budget, store.policy_state)
+        self._store_token_scores(store, scoring)
+        if keep is None:
+            return
+        self._check_keep(keep, store, budget + self.decode_slack)
+        store.keep(keep)
+        store.decode_steps_since_compression = 0
+
+    @staticmethod
+    def _store_token_scores(store: LayerStore, scoring: ScoringInputs) -> None:
+        """Write back the per-token scores a policy set, so eviction keeps them aligned."""
+        for name, score in scoring.token_scores.items():
+            store.token_scores[name] = score.reshape(-1).to(torch.float32)
+
+    def _trim_sliding(self, store: LayerStore) -> None:
+        """A sliding layer keeps the last ``window - 1`` tokens, as transformers' own cache does."""
+        if not store.is_sliding or store.num_stored == 0:
+            return
+        oldest_needed = store.tokens_seen - store.sliding_window + 1
+        if store.is_uniform:
+            keep = store.dense()[2] >= oldest_needed
+        else:
+            keep = store.positions >= oldest_needed
+        store.keep(keep)
+
+    def _check_keep(self, keep: torch.Tensor, store: LayerStore, budget: int) -> None:
+        if keep.dtype != torch.bool:
+            raise TypeError(f"{self.policy.name}: a keep mask must be boolean, got {keep.dtype}")
+        kept_per_layer = int(keep.sum()) // store.batch_size
+        allowed = budget * keep.shape[1]
+        if kept_per_layer > allowed:
+            raise RuntimeError(
+                f"{self.policy.name} kept {kept_per_layer} tokens per sequence in layer {store.layer_index}, "
+                f"over its budget of {allowed}"
+            )
+
+    # -- transformers' Cache API ---------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        keys, values = self.layers[layer_idx].update(key_states, value_states)
+        # The attention function runs next; it recognises this cache by the tensor it returns.
+        _LAST_UPDATE["cache"], _LAST_UPDATE["layer"], _LAST_UPDATE["keys"] = self, layer_idx, keys
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if layer_idx >= len(self.layers):
+            return 0
+        return self.layers[layer_idx].tokens_seen
+
+    # -- accounting ----------------------------------------------------------------------------
+    def kept_tokens(self) -> dict[int, torch.Tensor]:
+        """Stored tokens per layer as ``[B, H]`` (H = stored heads)."""
+        return {i: layer.lengths.clone() for i, layer in enumerate(self.layers) if layer.lengths is not None}
+
+    def nbytes(self) -> int:
+        """Key/value bytes held by every layer (sliding layers included)."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def metadata_nbytes(self) -> int:
+        return sum(layer.metadata_nbytes() for layer in self.layers)
+
+    def full_cache_nbytes(self) -> int:
+        """Bytes an uncompressed transformers cache would hold for the same tokens.
+
+        Sliding layers count their window, as transformers' own cache keeps only that.
+        """
+        total = 0
+        for layer in self.layers:
+            if layer.keys is None:
+                continue
+            tokens = layer.tokens_seen
+            if layer.is_sliding:
+                tokens = min(tokens, layer.sliding_window - 1)
+            per_token = layer.bytes_per_token() * self.num_kv_heads * layer.batch_size
+            total += tokens * per_token
+        return total
+
+    def statistics(self) -> dict:
+        kept = self.kept_tokens()
+        return {
+            "method": self.policy.name,
+            "budget": str(self.budget),
+            "layer_budgets": {str(k): v for k, v in self.layer_budgets.items()},
+            "tokens_seen": self.get_seq_length(),
+            "kept_tokens_total": int(sum(int(v.sum()) for v in kept.values())),
+            "kept_tokens_per_layer": {str(i): v.tolist() for i, v in kept.items()},
+            "cache_bytes": self.nbytes(),
+            "metadata_bytes": self.metadata_nbytes(),
+            "full_cache_bytes": self.full_cache_nbytes(),
+        }

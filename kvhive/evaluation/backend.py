@@ -1,0 +1,335 @@
+"""The model interface the evaluation harness depends on, budget validation, and a fake backend.
+
+The harness (tasks, runner, report, claims) never imports model code: it talks to a
+:class:`Backend`. The real one (``kvhive/evaluation/kvhive_backend.py``) wraps ``kvhive.api``;
+:class:`FakeBackend` here is a deterministic stand-in used only by tests.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+__all__ = [
+    "Setting",
+    "Backend",
+    "FULL_METHOD",
+    "FULL_BUDGET",
+    "validate_budget",
+    "validate_budgets",
+    "parse_budget",
+    "parse_budgets",
+    "budget_key",
+    "budget_to_tokens",
+    "FakeTokenizer",
+    "FakeBackend",
+]
+
+FULL_METHOD = "full"
+FULL_BUDGET = 1.0  # the budget recorded for the uncompressed cache (a ratio of 1.0: keep everything)
+
+ACCEPTED_BUDGETS = "a ratio of the context (float in (0, 1]) or a number of tokens per head (int >= 1)"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One compression configuration.
+
+    ``method`` is a registry name ("full", "snapkv", "buzz", ...). ``budget`` is either a float in
+    (0, 1] (ratio of the context kept) or an int >= 1 (tokens kept per KV head per layer).
+    """
+
+    method: str
+    budget: float | int
+
+    @property
+    def label(self) -> str:
+        """Short human-readable name, e.g. ``snapkv@0.2`` or ``h2o@128``."""
+        return f"{self.method}@{budget_key(self.budget)}"
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the harness needs from a model. One backend = one model.
+
+    String prompts/contexts are tokenized by the backend with the tokenizer's defaults (BOS added
+    when the model uses one); ``token_ids`` given to :meth:`streaming_nll` are complete (the
+    harness already put the BOS token first) and must not be changed.
+    """
+
+    tokenizer: Any  # HF tokenizer
+    max_context: int  # the model's context length
+
+    def generate(self, prompt: str, max_new_tokens: int, settings: list[Setting]) -> list[str]:
+        """Greedy continuation of ``prompt`` (at most ``max_new_tokens`` tokens, stopping at EOS) for
+        each setting, in the order of ``settings``; the prompt's cache is compressed to the
+        setting's budget (ratio budgets are of the prompt length). One prefill may serve all
+        settings (implementation detail). Returns only the generated text, not the prompt."""
+        ...
+
+    def choice_loglikelihoods(
+        self, context: str, continuations: list[str], settings: list[Setting]
+    ) -> list[list[float]]:
+        """Per setting, per continuation: sum of log p(continuation tokens | context), with the
+        context's cache compressed to the setting's budget before the continuation is scored.
+        The continuation is tokenized as ``tokens(context + continuation)[len(tokens(context)):]``
+        (lm-eval-harness convention)."""
+        ...
+
+    def streaming_nll(self, token_ids: list[int], settings: list[Setting]) -> list[tuple[float, int]]:
+        """Feed ``token_ids`` one by one keeping the cache at the setting's budget (an int number
+        of tokens; the harness converts ratios before calling); returns per setting
+        ``(sum of negative log-likelihoods, number of predicted tokens)`` where the predicted
+        tokens are ``token_ids[1:]``."""
+        ...
+
+
+# --------------------------------------------------------------------------- budgets
+
+
+def validate_budget(budget: Any) -> float | int:
+    """Return ``budget`` if valid, else raise ValueError naming ``budgets`` and the accepted range.
+
+    Floats are ratios in (0, 1]; ints are token counts >= 1; NaN, infinities, bools, floats > 1
+    (use an int for a token budget) and non-numbers are rejected.
+    """
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise ValueError(f"budgets: {budget!r} is not a number; accepted: {ACCEPTED_BUDGETS}")
+    if isinstance(budget, int):
+        if budget < 1:
+            raise ValueError(f"budgets: token budget {budget} < 1; accepted: {ACCEPTED_BUDGETS}")
+        return int(budget)
+    if math.isnan(budget) or math.isinf(budget):
+        raise ValueError(f"budgets: {budget!r} is not finite; accepted: {ACCEPTED_BUDGETS}")
+    if not 0.0 < budget <= 1.0:
+        hint = " (write token budgets as integers, e.g. 128)" if budget > 1 else ""
+        raise ValueError(f"budgets: ratio {budget!r} outside (0, 1]{hint}; accepted: {ACCEPTED_BUDGETS}")
+    return float(budget)
+
+
+def validate_budgets(budgets: Sequence[Any]) -> list[float | int]:
+    """Validate a list of budgets (see :func:`validate_budget`); duplicates are dropped, order kept."""
+    if isinstance(budgets, (str, bytes)) or not isinstance(budgets, Sequence):
+        raise ValueError(f"budgets: expected a list of budgets, got {budgets!r}; accepted: {ACCEPTED_BUDGETS}")
+    out: list[float | int] = []
+    for budget in budgets:
+        budget = validate_budget(budget)
+        if not any(budget_key(budget) == budget_key(b) for b in out):
+            out.append(budget)
+    return out
+
+
+def parse_budget(text: str) -> float | int:
+    """Parse one budget from the command line: ``"128"`` -> 128 tokens, ``"0.2"``/``"1.0"`` -> ratio."""
+    text = text.strip()
+    if re.fullmatch(r"[+-]?\d+", text):
+        return validate_budget(int(text))
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"budgets: cannot parse {text!r}; accepted: {ACCEPTED_BUDGETS}") from None
+    return validate_budget(value)
+
+
+def parse_budgets(text: str) -> list[float | int]:
+    """Parse a comma-separated budget list like ``"0.1,0.5,128"``."""
+    items = [t for t in text.split(",") if t.strip()]
+    if not items:
+        raise ValueError(f"budgets: empty list; accepted: {ACCEPTED_BUDGETS}")
+    return validate_budgets([parse_budget(t) for t in items])
+
+
+def budget_key(budget: float | int) -> str:
+    """Canonical string of a budget, stable through a JSON round trip: ``0.5`` -> "0.5", ``128`` -> "128"."""
+    if isinstance(budget, bool):
+        raise ValueError(f"budgets: {budget!r} is not a number")
+    if isinstance(budget, int):
+        return str(budget)
+    return repr(float(budget))
+
+
+def budget_to_tokens(budget: float | int, num_tokens: int) -> int:
+    """Tokens kept for ``budget`` on a sequence of ``num_tokens``: ints as given, ratios rounded (>= 1)."""
+    if isinstance(budget, int) and not isinstance(budget, bool):
+        return budget
+    return max(1, int(round(float(budget) * num_tokens)))
+
+
+# --------------------------------------------------------------------------- fake model for tests
+
+_WORD_RE = re.compile(r"\S+\s*")
+
+
+def _norm_word(word: str) -> str:
+    return re.sub(r"[^0-9a-z]", "", word.lower())
+
+
+class FakeTokenizer:
+    """Word-level tokenizer (one token per whitespace-separated word plus its trailing space).
+
+    The vocabulary grows as text is seen, so ``decode(encode(text)) == text`` for any text that
+    does not start with whitespace. Ids 0-2 are reserved (pad, bos, eos).
+    """
+
+    pad_token_id = 0
+    bos_token_id = 1
+    eos_token_id = 2
+    name_or_path = "fake-word-tokenizer"
+
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {}
+        self._words: list[str] = ["<pad>", "<bos>", "<eos>"]
+
+    def __len__(self) -> int:
+        return len(self._words)
+
+    def _id(self, piece: str) -> int:
+        if piece not in self._ids:
+            self._ids[piece] = len(self._words)
+            self._words.append(piece)
+        return self._ids[piece]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = [self._id(piece) for piece in _WORD_RE.findall(text)]
+        return ([self.bos_token_id] if add_special_tokens else []) + ids
+
+    def __call__(self, text: str, add_special_tokens: bool = True, **_: Any) -> dict[str, list[int]]:
+        return {"input_ids": self.encode(text, add_special_tokens=add_special_tokens)}
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return "".join(self._words[i] for i in ids if i >= 3)  # special tokens decode to nothing
+
+
+class FakeBackend:
+    """Deterministic scripted "model" for tests; quality depends on method and budget in a known way.
+
+    The prompt is split into words; a setting keeps ``k`` of them (all for ``full``; ``budget``
+    words for an int budget; ``round(budget * n)`` for a ratio):
+
+    * ``local``: the last ``k`` words; ``streamingllm``: the first 4 + the last ``k - 4``;
+      ``random``: a seeded random half + the most recent half;
+    * any other method ("query-aware"): words near a rare word of the prompt's last 12 words score
+      high (a crude SnapKV), the top ``k`` by score are kept, ties broken by recency.
+
+    ``generate`` is an induction-head copier: it finds the longest suffix (2..8 words) of the
+    prompt that also occurs earlier among the kept words and copies the kept words that follow;
+    ``"unknown"`` when nothing matches. So retrieval tasks succeed exactly when the compression
+    kept the needle. ``choice_loglikelihoods`` scores each continuation word -0.5 if it occurs in
+    the kept context, -2.0 otherwise. ``streaming_nll`` charges 0.5 nats for a token present in
+    the kept cache, 3.0 otherwise (full cache keeps all previous tokens).
+
+    ``delay`` seconds of sleep per call (to test killing a run mid-grid); ``calls`` records
+    ``(kind, settings)`` of every call.
+    """
+
+    model_name = "fake"
+
+    def __init__(self, delay: float = 0.0, max_context: int = 1_000_000, tokenizer: Any = None) -> None:
+        self.tokenizer = tokenizer if tokenizer is not None else FakeTokenizer()
+        self.max_context = max_context
+        self.delay = delay
+        self.calls: list[tuple[str, list[Setting]]] = []
+
+    # -- helpers
+    def _record(self, kind: str, settings: list[Setting]) -> None:
+        self.calls.append((kind, list(settings)))
+        if self.delay:
+            time.sleep(self.delay)
+
+    @staticmethod
+    def _kept_count(budget: float | int, n: int, method: str) -> int:
+        if method == FULL_METHOD:
+            return n
+        return min(n, budget_to_tokens(budget, n))
+
+    def _kept_positions(self, words: list[str], setting: Setting) -> list[int]:
+        n = len(words)
+        k = self._kept_count(setting.budget, n, setting.method)
+        if k >= n:
+            return list(range(n))
+        method = setting.method
+        if method == "local":
+            return list(range(n - k, n))
+        if method == "streamingllm":
+            sink = min(4, k)
+            return list(range(sink)) + list(range(n - (k - sink), n)) if k > sink else list(range(sink))
+        if method == "random":
+            recent = k - k // 2
+            rng = random.Random(f"{n}-{k}")
+            older = sorted(rng.sample(range(n - recent), k // 2))
+            return older + list(range(n - recent, n))
+        # query-aware: rarity-weighted match with the last 12 words, spread to a window around it
+        normed = [_norm_word(w) for w in words]
+        counts: dict[str, int] = {}
+        for w in normed:
+            counts[w] = counts.get(w, 0) + 1
+        query = set(normed[-12:]) - {""}
+        base = [1.0 / counts[w] if w in query else 0.0 for w in normed]
+        score = [max(base[max(0, i - 8) : i + 3]) for i in range(n)]
+        order = sorted(range(n), key=lambda i: (score[i], i), reverse=True)
+        return sorted(order[:k])
+
+    def _generate_one(self, prompt: str, max_new_tokens: int, setting: Setting) -> str:
+        words = prompt.split()
+        if not words:
+            return "unknown"
+        kept = self._kept_positions(words, setting)
+        kept_words = [words[i] for i in kept]
+        normed = [_norm_word(w) for w in kept_words]
+        target = [_norm_word(w) for w in words]
+        for length in range(min(8, len(words) - 1), 1, -1):
+            suffix = target[-length:]
+            # search occurrences that end before the prompt's own suffix (the last `length` kept words)
+            for start in range(len(normed) - length - 1, -1, -1):
+                if normed[start : start + length] == suffix:
+                    follow = kept_words[start + length : start + length + max_new_tokens]
+                    if follow:
+                        return " " + " ".join(follow)
+        return " unknown"
+
+    # -- Backend protocol
+    def generate(self, prompt: str, max_new_tokens: int, settings: list[Setting]) -> list[str]:
+        self._record("generate", settings)
+        return [self._generate_one(prompt, max_new_tokens, s) for s in settings]
+
+    def choice_loglikelihoods(
+        self, context: str, continuations: list[str], settings: list[Setting]
+    ) -> list[list[float]]:
+        self._record("choice", settings)
+        words = context.split()
+        out = []
+        for setting in settings:
+            kept = {_norm_word(words[i]) for i in self._kept_positions(words, setting)}
+            out.append(
+                [sum(-0.5 if _norm_word(w) in kept else -2.0 for w in cont.split()) for cont in continuations]
+            )
+        return out
+
+    def streaming_nll(self, token_ids: list[int], settings: list[Setting]) -> list[tuple[float, int]]:
+        self._record("streaming", settings)
+        out = []
+        for setting in settings:
+            nll = 0.0
+            for i in range(1, len(token_ids)):
+                history = token_ids[:i]
+                if setting.method == FULL_METHOD:
+                    cache = history
+                else:
+                    k = min(len(history), budget_to_tokens(setting.budget, len(token_ids)))
+                    if setting.method in ("local", "streamingllm", "random"):
+                        sink = 4 if setting.method == "streamingllm" else 0
+                        cache = history[: min(sink, k)] + history[len(history) - max(0, k - sink) :]
+                    else:  # heavy hitters: most frequent tokens + recent half
+                        recent = history[len(history) - (k - k // 2) :] if k - k // 2 > 0 else []
+                        freq: dict[int, int] = {}
+                        for t in history:
+                            freq[t] = freq.get(t, 0) + 1
+                        heavy = sorted(freq, key=lambda t: (freq[t], t), reverse=True)[: k // 2]
+                        cache = recent + heavy
+                nll += 0.5 if token_ids[i] in set(cache) else 3.0
+            out.append((nll, len(token_ids) - 1))
+        return out

@@ -1,0 +1,171 @@
+"""Task base class, the ``Item`` record, and data-reading helpers shared by all tasks."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Iterator, Sequence
+
+from ..metrics import aggregate_item_metrics
+
+KINDS = ("generate", "choice", "perplexity")
+
+
+class TaskDataError(ValueError):
+    """A task's data file is malformed (the message names the file and line)."""
+
+
+@dataclass
+class Item:
+    """One evaluation example.
+
+    * ``generate``: ``prompt``, ``references`` (gold answers / summaries), ``max_new_tokens``.
+    * ``choice``: ``prompt`` is the context, ``choices`` the continuations, ``label`` the gold index.
+    * ``perplexity``: ``token_ids`` (BOS first), scored with ``Backend.streaming_nll``.
+    ``metadata`` holds what a breakdown needs (depth, length, gold position...); it is copied into
+    every result record, so keep it small and JSON-serialisable.
+    """
+
+    id: str
+    prompt: str = ""
+    references: list[str] = field(default_factory=list)
+    choices: list[str] = field(default_factory=list)
+    label: int | None = None
+    token_ids: list[int] = field(default_factory=list)
+    max_new_tokens: int = 0
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def context(self) -> str:
+        """Alias of ``prompt`` for choice items."""
+        return self.prompt
+
+
+class Task:
+    """Base class. Subclasses set the class attributes and implement ``load`` and ``score``.
+
+    Constructor keyword arguments are task parameters (e.g. ``lengths`` for ``needle``); they
+    must be JSON-serialisable and are recorded with the results.
+    """
+
+    name: ClassVar[str] = ""
+    kind: ClassVar[str] = "generate"
+    required_files: ClassVar[tuple[str, ...]] = ()  # relative to the data dir
+    chance: float = 0.0  # expected main-metric score of a model that ignores the context
+    main_metric: ClassVar[str] = ""
+    higher_is_better: ClassVar[bool] = True
+    default_budgets: ClassVar[tuple[float | int, ...]] = (0.2, 0.5)
+    source: ClassVar[str] = ""  # where prompt format and metric come from
+
+    def __init__(self, **params: Any) -> None:
+        unknown = sorted(set(params) - set(self.default_params()))
+        if unknown:
+            raise ValueError(
+                f"task {self.name!r}: unknown parameter(s) {unknown}; known: {sorted(self.default_params())}"
+            )
+        self.params: dict[str, Any] = {**self.default_params(), **params}
+
+    @classmethod
+    def default_params(cls) -> dict[str, Any]:
+        return {}
+
+    # -- to implement
+    def load(self, data_dir: str | Path | None, limit: int | None, seed: int, tokenizer: Any) -> list[Item]:
+        raise NotImplementedError
+
+    def score(self, item: Item, output: Any) -> dict[str, float]:
+        """Metrics of one output (main metric first). ``output`` is the generated text
+        (generate), the list of log-likelihoods (choice) or ``(nll_sum, n_tokens)`` (perplexity)."""
+        raise NotImplementedError
+
+    # -- shared
+    def aggregate(self, item_metrics: Sequence[dict[str, float]]) -> dict[str, float]:
+        return aggregate_item_metrics(self.kind, item_metrics)
+
+    def check_files(self, data_dir: str | Path | None) -> Path:
+        """Return the data dir as a Path; raise FileNotFoundError naming the task, data dir and the
+        first missing file."""
+        if not self.required_files:
+            return Path(data_dir) if data_dir is not None else Path(".")
+        if data_dir is None:
+            raise FileNotFoundError(
+                f"task {self.name!r} needs data files {list(self.required_files)} but no data dir was given"
+            )
+        root = Path(data_dir)
+        for relative in self.required_files:
+            path = root / relative
+            if not path.exists():
+                raise FileNotFoundError(
+                    f"task {self.name!r}: missing data file {relative!r} in data dir {str(root)!r} "
+                    f"(looked for {str(path)!r})"
+                )
+        return root
+
+    def describe(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
+        return f"{self.name}({params})"
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def open_text(path: Path):
+    """Open a text file, transparently gunzipping ``*.gz``."""
+    if str(path).endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, "r", encoding="utf-8")
+
+
+def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
+    """Yield ``(line_number, record)`` (1-based) from a JSON Lines file (``.gz`` allowed).
+
+    Blank lines are skipped; a malformed line raises :class:`TaskDataError` naming file and line.
+    """
+    with open_text(path) as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise TaskDataError(f"{path}: line {line_number}: malformed JSON ({error.msg})") from None
+            if not isinstance(record, dict):
+                raise TaskDataError(f"{path}: line {line_number}: expected a JSON object")
+            yield line_number, record
+
+
+def require_fields(record: dict, fields: Sequence[str], path: Path, line_number: int) -> None:
+    missing = [f for f in fields if f not in record]
+    if missing:
+        raise TaskDataError(f"{path}: line {line_number}: missing field(s) {missing}")
+
+
+def seeded_order(n: int, seed: int, salt: str) -> list[int]:
+    """A deterministic permutation of ``range(n)`` from ``seed`` (and a per-task salt)."""
+    order = list(range(n))
+    random.Random(f"{salt}:{seed}").shuffle(order)
+    return order
+
+
+def take(items: list[Item], limit: int | None) -> list[Item]:
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+    return items if limit is None else items[:limit]
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text`` without special tokens."""
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def decode(tokenizer: Any, ids: Sequence[int]) -> str:
+    return tokenizer.decode(list(ids))
+
+
+def as_list(value: Any) -> list:
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return [value]

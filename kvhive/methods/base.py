@@ -1,0 +1,278 @@
+"""The contract between a compression method and the cache.
+
+A method is a :class:`Policy` subclass with a frozen dataclass config holding its paper's
+defaults. It sees plain tensors through :class:`ScoringInputs` and answers with boolean keep
+masks; it never sees a model class, and the cache never sees which method runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+PREFILL = "prefill"
+DECODE = "decode"
+
+# Element count above which attention statistics are computed in query chunks, so that a long
+# prompt never materialises a full n x n probability tensor per head.
+_CHUNK_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Base of every method config. Subclasses add fields with their paper's defaults."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the parameter when a value is out of range."""
+
+
+def require(condition: bool, parameter: str, accepted: str, value: Any) -> None:
+    """Raise a ValueError naming ``parameter`` and the accepted values unless ``condition``."""
+    if not condition:
+        raise ValueError(f"invalid {parameter}={value!r}: expected {accepted}")
+
+
+def require_int_at_least(value: Any, minimum: int, parameter: str) -> None:
+    require(
+        isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
+        parameter,
+        f"an integer >= {minimum}",
+        value,
+    )
+
+
+def require_probability(value: Any, parameter: str, low_open: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    ok = ok and (0.0 < value <= 1.0 if low_open else 0.0 <= value <= 1.0)
+    require(ok, parameter, "a number in (0, 1]" if low_open else "a number in [0, 1]", value)
+
+
+@dataclass
+class ScoringInputs:
+    """What a policy may look at for one layer when it decides what to keep.
+
+    Tensors: ``keys``/``values`` ``[B, H, N, d]`` (stored heads, after RoPE), ``queries``
+    ``[B, Hq, q, d]`` (the queries of this forward pass, after RoPE), ``positions`` ``[B, H, N]``
+    original token positions, ``mask`` ``[B, 1|H, q, N]`` boolean (True = the query may attend the
+    key; the model's causal, padding and sliding-window mask) and ``valid`` ``[B, H, N]`` (False for
+    padding). Statistics are computed lazily and memoised.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    queries: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor
+    scaling: float
+    layer_index: int
+    num_layers: int
+    sequence_length: int
+    phase: str
+    token_scores: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    last_query_weights: torch.Tensor | None = None
+    _memo: dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict, repr=False)
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def num_heads(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def num_queries(self) -> int:
+        return self.queries.shape[2]
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per stored head."""
+        return self.queries.shape[1] // self.keys.shape[1]
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """``[B, H, N]``: the key is a real token for the newest query (not padding)."""
+        if "valid" not in self._memo:
+            last_row = self.mask[:, :, -1, :]
+            self._memo["valid"] = last_row.expand(self.batch_size, self.num_heads, self.num_tokens)
+        return self._memo["valid"]
+
+    def to_kv_heads(self, per_query_head: torch.Tensor) -> torch.Tensor:
+        """Mean over the query heads of each group: ``[B, Hq, ...] -> [B, H, ...]`` (METHODS.md)."""
+        b, hq = per_query_head.shape[:2]
+        grouped = per_query_head.reshape(b, self.num_heads, hq // self.num_heads, *per_query_head.shape[2:])
+        return grouped.mean(dim=2)
+
+    def attention_weights(self, query_rows: slice, logit_multiplier: float = 1.0) -> torch.Tensor:
+        """Softmax weights ``[B, Hq, rows, N]`` of the selected query rows, the model's mask applied."""
+        queries = self.queries[:, :, query_rows]
+        b, hq, rows, d = queries.shape
+        h = self.num_heads
+        grouped = queries.reshape(b, h, hq // h, rows, d)
+        logits = torch.matmul(grouped, self.keys.unsqueeze(2).transpose(-1, -2))
+        logits = logits.reshape(b, hq, rows, self.num_tokens) * (self.scaling * logit_multiplier)
+        mask = self.mask[:, :, query_rows]
+        if mask.shape[1] != 1:
+            mask = mask.repeat_interleave(hq // h, dim=1)
+        logits = logits.masked_fill(~mask, float("-inf"))
+        weights = torch.softmax(logits, dim=-1)
+        # Rows that see no key at all (fully masked padding queries) give NaN; they carry no evidence.
+        return torch.nan_to_num(weights, nan=0.0)
+
+    def summed_attention(self, first_row: int, logit_multiplier: float = 1.0) -> torch.Tensor:
+        """Column sums ``[B, Hq, N]`` of the weights of query rows ``first_row..q-1``, chunked."""
+        key = ("summed", first_row, logit_multiplier)
+        if key in self._memo:
+            return self._memo[key]
+        b, hq, q, _ = self.queries.shape
+        rows_per_chunk = max(1, _CHUNK_ELEMENTS // max(1, b * hq * self.num_tokens))
+        total = torch.zeros(b, hq, self.num_tokens, dtype=torch.float32, device=self.keys.device)
+        for start in range(first_row, q, rows_per_chunk):
+            stop = min(q, start + rows_per_chunk)
+            total += self.attention_weights(slice(start, stop), logit_multiplier).sum(dim=2).float()
+        self._memo[key] = total
+        return total
+
+    def observation_attention(self, window: int) -> torch.Tensor:
+        """Weights ``[B, Hq, w, N]`` of the last ``window`` queries (SnapKV's observation window)."""
+        start = max(0, self.num_queries - window)
+        return self.attention_weights(slice(start, self.num_queries))
+
+    def accumulated_attention(self) -> torch.Tensor:
+        """H2O's accumulated attention ``[B, Hq, N]``: column sums over all current queries."""
+        return self.summed_attention(0)
+
+    def recent_accumulated_attention(self, rows: int, logit_multiplier: float = 1.0) -> torch.Tensor:
+        """Column sums over the last ``rows`` queries, logits multiplied (AhaKV, Eq. 5 and 12)."""
+        return self.summed_attention(max(0, self.num_queries - rows), logit_multiplier)
+
+    def last_query_attention(self) -> torch.Tensor:
+        """Weights ``[B, Hq, N]`` of the newest query (TOVA; decode-phase accumulation)."""
+        if self.last_query_weights is not None:
+            return self.last_query_weights
+        key = "last"
+        if key not in self._memo:
+            self._memo[key] = self.attention_weights(slice(self.num_queries - 1, self.num_queries))[:, :, 0]
+        return self._memo[key]
+
+
+def keep_top_scores(scores: torch.Tensor, budget: int, valid: torch.Tensor | None = None,
+                    forced: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean keep mask ``[..., N]`` with exactly ``min(budget, N)`` True per row.
+
+    ``forced`` entries are kept first (e.g. the recent window), then the highest ``scores``;
+    padding (``valid`` False) ranks below every real token, so it is kept only when a row has
+    fewer real tokens than the budget (as the uncompressed cache would hold it too).
+    """
+    num_tokens = scores.shape[-1]
+    if budget >= num_tokens:
+        return torch.ones_like(scores, dtype=torch.bool)
+    ranking = scores.float().clone()
+    if forced is not None:
+        ranking = ranking.masked_fill(forced, float("inf"))
+    if valid is not None:
+        # Padding below every real score but still ordered, so topk stays deterministic.
+        ranking = torch.where(valid, ranking, torch.full_like(ranking, -1e30))
+    kept_indices = ranking.topk(budget, dim=-1).indices
+    keep = torch.zeros_like(scores, dtype=torch.bool)
+    keep.scatter_(-1, kept_indices, True)
+    return keep
+
+
+def recency(like: torch.Tensor) -> torch.Tensor:
+    """Score ``[..., N]`` that ranks newer stored tokens higher (tokens are stored oldest first)."""
+    return torch.arange(like.shape[-1], device=like.device, dtype=torch.float32).expand(like.shape)
+
+
+def first_real_tokens(valid: torch.Tensor, count: int) -> torch.Tensor:
+    """``[..., N]`` True on the first ``count`` non-padding tokens of each row (attention sinks)."""
+    return valid & (valid.long().cumsum(dim=-1) <= count)
+
+
+def recent_mask(num_tokens: int, window: int, like: torch.Tensor) -> torch.Tensor:
+    """``[..., N]`` True on the last ``window`` stored tokens (tokens are stored oldest first)."""
+    recent = torch.zeros(num_tokens, dtype=torch.bool, device=like.device)
+    if window > 0:
+        recent[max(0, num_tokens - window):] = True
+    return recent.expand(*like.shape[:-1], num_tokens)
+
+
+class Policy:
+    """A KV-cache compression method. Subclasses set ``name``, ``phases`` and ``config_class``."""
+
+    name: ClassVar[str] = ""
+    phases: ClassVar[frozenset[str]] = frozenset()
+    config_class: ClassVar[type[PolicyConfig]] = PolicyConfig
+    paper: ClassVar[str] = ""
+    # "kv": one stored entry per KV head; "query": one per query head (Ada-KV on 1-KV-head models).
+    head_granularity: str = "kv"
+
+    def __init__(self, config: PolicyConfig | None = None, **parameters: Any) -> None:
+        if config is not None and parameters:
+            raise ValueError("pass either a config object or keyword parameters, not both")
+        if config is None:
+            known = {field.name for field in dataclasses.fields(self.config_class)}
+            unknown = sorted(set(parameters) - known)
+            if unknown:
+                raise ValueError(
+                    f"unknown parameter(s) {unknown} for method {self.name!r}; accepted: {sorted(known)}"
+                )
+            config = self.config_class(**parameters)
+        config.validate()
+        self.config = config
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config})"
+
+    # -- budgets -----------------------------------------------------------------------------
+    def minimum_budget(self) -> int:
+        """Smallest budget (tokens per head) the method can honour."""
+        return 1
+
+    def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
+        """Per-layer budgets; uniform unless the method allocates across layers (PyramidKV)."""
+        return [budget] * num_layers
+
+    # -- prefill -----------------------------------------------------------------------------
+    def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+        raise NotImplementedError(f"{self.name} has no prefill phase")
+
+    # -- decode ------------------------------------------------------------------------------
+    needs_decode_attention: ClassVar[bool] = False
+
+    def initialize_decode(self, scoring: ScoringInputs, state: dict) -> None:
+        """Called once per layer before the first decode-phase decision (e.g. seed running
+        scores from the prompt into ``scoring.token_scores``)."""
+
+    def observe_decode(self, scoring: ScoringInputs, state: dict) -> None:
+        """Called after every decode step's attention (e.g. to accumulate scores)."""
+
+    def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor | None:
+        raise NotImplementedError(f"{self.name} has no decode phase")
+
+    # -- attention changes -------------------------------------------------------------------
+    def logit_scale(self, key_counts: torch.Tensor) -> torch.Tensor | None:
+        """Per-query multiplier of the model's attention logits (BUZZ log n); None = unchanged."""
+        return None
+
+    def extra_attention(self, state: dict, queries: torch.Tensor, scaling: float):
+        """Estimated attention over evicted tokens (SubGen): ``(numerator, denominator, max_logit)``."""
+        return None
+
+    @classmethod
+    def describe(cls) -> dict[str, Any]:
+        fields = dataclasses.fields(cls.config_class)
+        return {
+            "name": cls.name,
+            "phases": sorted(cls.phases),
+            "paper": cls.paper,
+            "parameters": {field.name: field.default for field in fields},
+        }

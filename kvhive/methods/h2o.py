@@ -1,0 +1,55 @@
+"""H2O (Zhang et al., 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference").
+
+Accumulated attention (the column sums of the attention matrix, Sec. 3 / Algorithm 1) ranks
+keys; keep the top ``heavy_fraction`` of the budget by score plus the most recent rest
+(METHODS.md: 50/50 as in H2O). While decoding, each new query's attention is added to the
+running scores and the lowest-score key outside the recent part is evicted (Algorithm 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvhive.methods.base import (DECODE, PREFILL, Policy, PolicyConfig, ScoringInputs, keep_top_scores,
+                                 recent_mask, require_probability)
+
+SCORE = "h2o_accumulated"
+
+
+@dataclass(frozen=True)
+class H2OConfig(PolicyConfig):
+    heavy_fraction: float = 0.5
+
+    def validate(self) -> None:
+        require_probability(self.heavy_fraction, "heavy_fraction")
+
+
+class H2O(Policy):
+    name = "h2o"
+    phases = frozenset({PREFILL, DECODE})
+    config_class = H2OConfig
+    paper = "Zhang et al. 2023, Algorithm 1 (heavy hitters + recent)"
+    needs_decode_attention = True
+
+    def _recent_count(self, budget: int) -> int:
+        return budget - int(budget * self.config.heavy_fraction)
+
+    def initialize_decode(self, scoring: ScoringInputs, state: dict) -> None:
+        scoring.token_scores[SCORE] = scoring.to_kv_heads(scoring.accumulated_attention())
+
+    def observe_decode(self, scoring: ScoringInputs, state: dict) -> None:
+        scores = scoring.token_scores[SCORE]
+        scores += scoring.to_kv_heads(scoring.last_query_attention()).to(scores.dtype)
+
+    def _keep(self, scoring: ScoringInputs, budget: int) -> torch.Tensor:
+        scores = scoring.token_scores[SCORE]
+        recent = recent_mask(scoring.num_tokens, self._recent_count(budget), scores)
+        return keep_top_scores(scores, budget, scoring.valid, forced=recent)
+
+    def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+        return self._keep(scoring, budget)
+
+    def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+        return self._keep(scoring, budget)

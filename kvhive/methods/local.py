@@ -1,0 +1,27 @@
+"""Local: keep the most recent ``budget`` tokens (the sliding-window baseline of every paper)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvhive.methods.base import DECODE, PREFILL, Policy, PolicyConfig, ScoringInputs, keep_top_scores, recency
+
+
+@dataclass(frozen=True)
+class LocalConfig(PolicyConfig):
+    pass
+
+
+class Local(Policy):
+    name = "local"
+    phases = frozenset({PREFILL, DECODE})
+    config_class = LocalConfig
+    paper = "baseline: window attention (StreamingLLM, Xiao et al. 2023, Fig. 1b)"
+
+    def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+        return keep_top_scores(recency(scoring.valid), budget, scoring.valid)
+
+    def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+        return keep_top_scores(recency(scoring.valid), budget, scoring.valid)

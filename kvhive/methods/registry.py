@@ -1,0 +1,38 @@
+"""Methods by registry name (the names of ../shared/METHODS.md, used by the CLI, the API and
+results files). Adding a method: write its module and add one line below."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from kvhive.methods.base import Policy
+
+# name -> "module:Class"; imported lazily so a broken optional method cannot break the rest.
+_METHODS: dict[str, str] = {
+    "full": "kvhive.methods.full:Full",
+    "local": "kvhive.methods.local:Local",
+    "random": "kvhive.methods.random_local:RandomLocal",
+    "streamingllm": "kvhive.methods.streamingllm:StreamingLLM",
+    "h2o": "kvhive.methods.h2o:H2O",
+    "snapkv": "kvhive.methods.snapkv:SnapKV",
+    "pyramidkv": "kvhive.methods.pyramidkv:PyramidKV",
+    "tova": "kvhive.methods.tova:TOVA",
+    "knorm": "kvhive.methods.knorm:KNorm",
+}
+
+
+def method_names() -> list[str]:
+    return list(_METHODS)
+
+
+def policy_class(name: str) -> type[Policy]:
+    if name not in _METHODS:
+        raise ValueError(f"unknown method={name!r}; available methods: {', '.join(_METHODS)}")
+    module_name, class_name = _METHODS[name].split(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def make_policy(name: str, **parameters: Any) -> Policy:
+    """Instantiate a method by registry name with paper defaults overridden by ``parameters``."""
+    return policy_class(name)(**parameters)

@@ -1,0 +1,39 @@
+"""StreamingLLM (Xiao et al., 2023, "Efficient Streaming Language Models with Attention Sinks"):
+keep the first ``sink`` tokens (attention sinks) and the most recent ``budget - sink``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvhive.methods.base import (DECODE, PREFILL, Policy, PolicyConfig, ScoringInputs, first_real_tokens,
+                                 keep_top_scores, recency, require_int_at_least)
+
+
+@dataclass(frozen=True)
+class StreamingLLMConfig(PolicyConfig):
+    sink: int = 4
+
+    def validate(self) -> None:
+        require_int_at_least(self.sink, 0, "sink")
+
+
+class StreamingLLM(Policy):
+    name = "streamingllm"
+    phases = frozenset({PREFILL, DECODE})
+    config_class = StreamingLLMConfig
+    paper = "Xiao et al. 2023, Sec. 3.2 (rolling KV cache with attention sinks)"
+
+    def minimum_budget(self) -> int:
+        return self.config.sink + 1
+
+    def _keep(self, scoring: ScoringInputs, budget: int) -> torch.Tensor:
+        sinks = first_real_tokens(scoring.valid, self.config.sink)
+        return keep_top_scores(recency(scoring.valid), budget, scoring.valid, forced=sinks)
+
+    def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+        return self._keep(scoring, budget)
+
+    def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+        return self._keep(scoring, budget)
