@@ -19,6 +19,16 @@ _METHODS: dict[str, str] = {
     "pyramidkv": "kvhive.methods.pyramidkv:PyramidKV",
     "tova": "kvhive.methods.tova:TOVA",
     "knorm": "kvhive.methods.knorm:KNorm",
+    "buzz": "kvhive.methods.buzz:Buzz",
+    "buzz-logn": "kvhive.methods.buzz:BuzzLogN",
+    "bumblebee": "kvhive.methods.bumblebee:BumbleBee",
+    "bumblebee-power": "kvhive.methods.bumblebee:BumbleBeePower",
+    "ada-snapkv": "kvhive.methods.adakv:AdaSnapKV",
+    "ada-pyramidkv": "kvhive.methods.adakv:AdaPyramidKV",
+    "ada-ahakv": "kvhive.methods.adakv:AdaAhaKV",
+    "subgen": "kvhive.methods.subgen:SubGen",
+    "subgen-attention": "kvhive.methods.subgen_attention:SubGenAttention",
+    "ahakv": "kvhive.methods.ahakv:AhaKV",
 }
 
 

@@ -170,14 +170,15 @@ class NeedleMultiKeyTask(NeedleTask):
         other_depths = [rng.uniform(0, 100) for _ in keys[1:]]
         placements = sorted(zip([depth] + other_depths, range(len(keys))), key=lambda p: -p[0])
         context = haystack
-        query_offset = 0
-        for needle_depth, index in placements:  # deepest first so earlier offsets stay valid
+        query_offset = None
+        for needle_depth, index in placements:  # deepest first
             needle = f"\nThe special magic number for {keys[index]} is {numbers[index]}.\n"
             context, offset = insert_at_depth(context, needle, needle_depth)
             if index == 0:
                 query_offset = offset
-            elif offset <= query_offset:
-                query_offset += len(needle)
+            elif query_offset is not None and offset <= query_offset:
+                query_offset += len(needle)  # inserted before the queried needle: it moved right
+        query_offset = query_offset or 0
         question = f"What is the special magic number for {keys[0]} mentioned in the text above?"
         prefix = f"The special magic number for {keys[0]} is"
         return Item(

@@ -1,0 +1,47 @@
+"""Shared test utilities: run prefill + greedy decode steps and compare with plain transformers."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+def left_padded_batch(vocab_size: int, length: int = 24, pad: int = 5, seed: int = 0):
+    """Two rows of random token ids; the second is left-padded by ``pad`` tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, vocab_size, (2, length), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :pad] = 0
+    input_ids[1, :pad] = 0
+    return input_ids, attention_mask
+
+
+@torch.no_grad()
+def prefill_and_decode(model, cache, input_ids, attention_mask, steps: int = 20, forced_tokens=None):
+    """Logits ``[steps + 1, B, V]`` of the prompt's last position and ``steps`` greedy decode steps.
+
+    ``forced_tokens[step]`` (``[B, 1]``) replaces the greedy token, so two runs can be compared
+    on the same inputs even when their predictions differ.
+    """
+    logits = []
+    output = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+    logits.append(output.logits[:, -1])
+    mask = attention_mask
+    for step in range(steps):
+        next_token = output.logits[:, -1].argmax(-1, keepdim=True)
+        if forced_tokens is not None:
+            next_token = forced_tokens[step]
+        mask = torch.cat([mask, torch.ones_like(next_token)], dim=1)
+        output = model(input_ids=next_token, attention_mask=mask, past_key_values=cache, use_cache=True)
+        logits.append(output.logits[:, -1])
+    return torch.stack(logits)
+
+
+def reference_logits(model, input_ids, attention_mask, steps: int = 20):
+    """The same run with plain transformers (sdpa attention, DynamicCache)."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        return prefill_and_decode(model, DynamicCache(config=model.config), input_ids, attention_mask, steps)
+    finally:
+        model.set_attn_implementation(previous)
