@@ -157,7 +157,7 @@ class KVHiveCache(Cache):
         if scoring.num_tokens > budget:
             if PREFILL in self.policy.phases:
                 keep = self.policy.select_prefill(scoring, budget, store.policy_state)
-            else:
+            elif DECODE in self.policy.phases:
                 # A decode-only method sees the prompt as a stream that already overflowed.
                 keep = self.policy.select_decode(scoring, budget, store.policy_state)
         self._store_token_scores(store, scoring)

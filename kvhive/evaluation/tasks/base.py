@@ -82,6 +82,12 @@ class Task:
         raise NotImplementedError
 
     # -- shared
+    def main_first(self, metrics: dict[str, float]) -> dict[str, float]:
+        """``metrics`` reordered so that the main metric comes first."""
+        if self.main_metric not in metrics:
+            return metrics
+        return {self.main_metric: metrics[self.main_metric], **{k: v for k, v in metrics.items() if k != self.main_metric}}
+
     def aggregate(self, item_metrics: Sequence[dict[str, float]]) -> dict[str, float]:
         return aggregate_item_metrics(self.kind, item_metrics)
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..metrics import best_subspan_em, first_line, normalize_answer
-from .base import Item, Task, decode, encode, take
+from .base import Item, Task, as_list, decode, encode, take
 
 ESSAYS_DIR = "paul_graham_essays/essays"
 
@@ -115,8 +115,8 @@ class NeedleTask(Task):
     def load(self, data_dir, limit, seed, tokenizer) -> list[Item]:
         root = self.check_files(data_dir)
         essays = load_essays(root)
-        lengths = [int(x) for x in self.params["lengths"]]
-        depths = [float(x) for x in self.params["depths"]]
+        lengths = [int(x) for x in as_list(self.params["lengths"])]
+        depths = [float(x) for x in as_list(self.params["depths"])]
         items = []
         haystacks: dict[tuple[int, int], str] = {}
         for repetition, length, depth in _cells(lengths, depths, limit):

@@ -1,0 +1,208 @@
+"""``results.jsonl``: crash-safe appending, tolerant reading, and an aggregated view.
+
+One JSON object per line, one line per (task, item, method, budget). Appends are single
+``os.write`` calls on an ``O_APPEND`` descriptor followed by ``fsync``, so after a SIGKILL the
+file holds whole lines plus at most one partial last line; :func:`repair_results_file` cuts that
+partial line off before a run appends again, and readers ignore it. An exclusive ``flock`` on
+``OUT/.results.lock`` keeps two runs from writing the same file at once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import warnings
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterable
+
+from .backend import FULL_METHOD, budget_key
+from .metrics import aggregate_item_metrics
+
+RESULTS_FILE = "results.jsonl"
+LOCK_FILE = ".results.lock"
+
+
+def results_path(out_dir: str | Path) -> Path:
+    path = Path(out_dir)
+    return path if path.suffix == ".jsonl" else path / RESULTS_FILE
+
+
+def result_key(record: dict) -> tuple[str, str, str, str]:
+    """Identity of a result: (task, item id, method, canonical budget)."""
+    return (record["task"], str(record["item_id"]), record["method"], budget_key(record["budget"]))
+
+
+def repair_results_file(path: Path) -> int:
+    """Truncate a partial last line (no trailing newline) left by a killed writer; returns the
+    number of bytes removed."""
+    if not path.exists():
+        return 0
+    with open(path, "r+b") as handle:
+        data = handle.read()
+        if not data or data.endswith(b"\n"):
+            return 0
+        keep = data.rfind(b"\n") + 1  # 0 when there is no complete line at all
+        handle.truncate(keep)
+        handle.flush()
+        os.fsync(handle.fileno())
+        return len(data) - keep
+
+
+def read_results(out_dir: str | Path) -> list[dict]:
+    """All complete, well-formed records (first occurrence of each key), in file order.
+
+    A partial last line is ignored; a malformed complete line is skipped with a warning.
+    """
+    path = results_path(out_dir)
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    if not data.endswith(b"\n"):
+        lines = lines[:-1]  # partial last line (writer killed mid-line)
+    records: list[dict] = []
+    seen: set[tuple] = set()
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            key = result_key(record)
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError):
+            warnings.warn(f"{path}: line {number}: skipping a malformed record")
+            continue
+        if key in seen:
+            continue
+        seen.add(key)
+        records.append(record)
+    return records
+
+
+class ResultsWriter:
+    """Exclusive appender for ``OUT/results.jsonl`` (use as a context manager)."""
+
+    def __init__(self, out_dir: str | Path) -> None:
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.out_dir / RESULTS_FILE
+        self._lock_fd = os.open(self.out_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise RuntimeError(f"another evaluation run is writing to {self.path}") from None
+        self.repaired_bytes = repair_results_file(self.path)
+        self.records = read_results(self.path)
+        self.done = {result_key(r) for r in self.records}
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def append(self, record: dict) -> None:
+        """Write one record as one line and make it durable before returning."""
+        key = result_key(record)
+        if key in self.done:
+            return
+        data = (json.dumps(record, ensure_ascii=False, allow_nan=True) + "\n").encode("utf-8")
+        written = 0
+        while written < len(data):  # os.write may be partial for huge records
+            written += os.write(self._fd, data[written:])
+        os.fsync(self._fd)
+        self.done.add(key)
+        self.records.append(record)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self._lock_fd is not None:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def __enter__(self) -> "ResultsWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class ResultsSummary:
+    """Aggregated view of result records: per (task, method, budget) the task's aggregate metrics.
+
+    The full cache is ``method == "full"`` at any budget (the runner records it at budget 1.0).
+    """
+
+    def __init__(self, records: Iterable[dict]) -> None:
+        self.records = list(records)
+        self._groups: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
+        self._budgets: dict[str, float | int] = {}
+        self.task_info: dict[str, dict[str, Any]] = {}
+        for record in self.records:
+            key = (record["task"], record["method"], budget_key(record["budget"]))
+            self._groups[key].append(record)
+            self._budgets[key[2]] = record["budget"]
+            info = self.task_info.setdefault(
+                record["task"],
+                {
+                    "kind": record.get("kind", "generate"),
+                    "main_metric": record.get("main_metric") or next(iter(record.get("metrics", {})), None),
+                    "higher_is_better": record.get("higher_is_better", True),
+                    "chance": record.get("chance"),
+                },
+            )
+            if info["chance"] is None and record.get("chance") is not None:
+                info["chance"] = record["chance"]
+        self._cache: dict[tuple, dict[str, float]] = {}
+
+    # -- structure
+    def tasks(self) -> list[str]:
+        return list(self.task_info)
+
+    def methods(self, task: str) -> list[str]:
+        return sorted({m for (t, m, _) in self._groups if t == task})
+
+    def budgets(self, task: str, method: str | None = None) -> list[float | int]:
+        keys = {b for (t, m, b) in self._groups if t == task and (method is None or m == method)}
+        return sorted((self._budgets[k] for k in keys), key=lambda b: (isinstance(b, int), float(b)))
+
+    def item_records(self, task: str, method: str, budget: float | int | None = None) -> list[dict]:
+        if budget is None or method == FULL_METHOD:
+            return [r for (t, m, _), rs in self._groups.items() if t == task and m == method for r in rs]
+        return list(self._groups.get((task, method, budget_key(budget)), []))
+
+    # -- numbers
+    def aggregate(self, task: str, method: str, budget: float | int | None = None) -> dict[str, float]:
+        key = (task, method, None if method == FULL_METHOD or budget is None else budget_key(budget))
+        if key not in self._cache:
+            records = self.item_records(task, method, budget)
+            kind = self.task_info.get(task, {}).get("kind", "generate")
+            self._cache[key] = aggregate_item_metrics(kind, [r["metrics"] for r in records]) if records else {}
+        return self._cache[key]
+
+    def main_metric(self, task: str) -> str | None:
+        return self.task_info.get(task, {}).get("main_metric")
+
+    def value(self, task: str, method: str, budget: float | int | None = None, metric: str | None = None) -> float | None:
+        metric = metric or self.main_metric(task)
+        value = self.aggregate(task, method, budget).get(metric) if metric else None
+        return None if value is None or (isinstance(value, float) and math.isnan(value)) else value
+
+    def count(self, task: str, method: str, budget: float | int | None = None) -> int:
+        return len(self.item_records(task, method, budget))
+
+    def full(self, task: str, metric: str | None = None) -> float | None:
+        return self.value(task, FULL_METHOD, None, metric)
+
+    def near_chance(self, task: str, margin: float = 0.05) -> bool | None:
+        """True when the full-cache main metric is within ``margin`` of the task's chance level
+        (absolute for higher-is-better metrics; relative for perplexity). None if unknown."""
+        info = self.task_info.get(task, {})
+        chance = info.get("chance")
+        full = self.full(task)
+        if full is None or chance is None or (isinstance(chance, float) and math.isnan(chance)):
+            return None
+        if info.get("higher_is_better", True):
+            return full <= chance + margin
+        return full >= chance * (1 - margin)

@@ -1,0 +1,113 @@
+"""Summarisation: XSum and CNN/DailyMail (H2O/HELM 0-shot prompts) and LongBench multi_news.
+
+* ``xsum`` / ``cnn_dailymail``: the records' ``article`` field is the complete prompt
+  ("###\\nArticle: ...\\n\\nSummarize the above article in N sentence(s)."), ``summary_gt`` the
+  reference, ``max_tokens`` the generation length (64 / 128). As H2O's ``run_summarization.py``
+  the generation is cut at the first ``"###"`` (the request's ``stop``); H2O samples with
+  temperature 0.3, this harness decodes greedily. CNN/DailyMail's duplicated item is dropped.
+* ``multi_news``: LongBench prompt (KVCache-Factory ``run_longbench.py``), 512 new tokens, no stop
+  string; the context is used as stored (with its ``NEWLINE_CHAR`` markers, as LongBench does).
+Metric: ROUGE-1/2/L F1 (rouge-score, stemming); the report also shows ``rouge_mean``, BUZZ's
+geometric mean of the three.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..metrics import cut_at_stop, rouge_scores_multi
+from .base import Item, Task, read_jsonl, require_fields, seeded_order, take
+
+MULTI_NEWS_TEMPLATE = (
+    "You are given several news passages. Write a one-page summary of all news. \n\nNews:\n{context}\n\n"
+    "Now, write a one-page summary of all the news.\n\nSummary:"
+)
+
+
+class _H2OSummarizationTask(Task):
+    kind = "generate"
+    chance = 0.0
+    main_metric = "rougeL"
+    default_budgets = (0.1, 0.2, 0.4, 0.6)
+    file = ""
+    default_max_new_tokens = 64
+
+    @classmethod
+    def default_params(cls) -> dict[str, Any]:
+        return {"max_new_tokens": None}  # None: the record's max_tokens
+
+    def load(self, data_dir, limit, seed, tokenizer) -> list[Item]:
+        root = self.check_files(data_dir)
+        path = root / self.file
+        items: list[Item] = []
+        seen_articles: set[str] = set()
+        for line_number, record in read_jsonl(path):
+            require_fields(record, ("article", "summary_gt"), path, line_number)
+            if record["article"] in seen_articles:
+                continue
+            seen_articles.add(record["article"])
+            max_new = self.params["max_new_tokens"] or int(record.get("max_tokens", self.default_max_new_tokens))
+            items.append(
+                Item(
+                    id=f"line{line_number}",
+                    prompt=record["article"],
+                    references=[record["summary_gt"]],
+                    max_new_tokens=int(max_new),
+                    metadata={"line": line_number, "stop": list(record.get("stop", ["###"]))},
+                )
+            )
+        return take([items[i] for i in seeded_order(len(items), seed, self.name)], limit)
+
+    def score(self, item: Item, output: str) -> dict[str, float]:
+        summary = cut_at_stop(output, item.metadata.get("stop", ["###"])).strip()
+        return self.main_first(rouge_scores_multi(summary, item.references))
+
+
+class XSumTask(_H2OSummarizationTask):
+    name = "xsum"
+    required_files = ("xsum/xsum_0shot.jsonl.gz",)
+    file = "xsum/xsum_0shot.jsonl.gz"
+    default_max_new_tokens = 64
+    source = "FMInference/H2O h2o_hf/data/summarization_data/xsum_0shot.jsonl, run_summarization.py"
+
+
+class CNNDailyMailTask(_H2OSummarizationTask):
+    name = "cnn_dailymail"
+    required_files = ("cnn_dailymail/cnn_dailymail_0shot.jsonl.gz",)
+    file = "cnn_dailymail/cnn_dailymail_0shot.jsonl.gz"
+    default_max_new_tokens = 128
+    source = "Kyriection/mamba data/cnn_dailymail_0shot.jsonl (H2O/HELM format); H2O run_summarization.py"
+
+
+class MultiNewsTask(Task):
+    name = "multi_news"
+    kind = "generate"
+    required_files = ("longbench/multi_news.jsonl.gz",)
+    chance = 0.0
+    main_metric = "rougeL"
+    default_budgets = (0.1, 0.2, 0.4)
+    source = "LongBench v1 multi_news via Zefan-Cai/KVCache-Factory (prompt, 512 new tokens, ROUGE-L)"
+
+    @classmethod
+    def default_params(cls) -> dict[str, Any]:
+        return {"max_new_tokens": 512}
+
+    def load(self, data_dir, limit, seed, tokenizer) -> list[Item]:
+        root = self.check_files(data_dir)
+        path = root / self.required_files[0]
+        items = []
+        for line_number, record in read_jsonl(path):
+            require_fields(record, ("context", "answers"), path, line_number)
+            items.append(
+                Item(
+                    id=str(record.get("_id", f"line{line_number}")),
+                    prompt=MULTI_NEWS_TEMPLATE.format(context=record["context"]),
+                    references=list(record["answers"]),
+                    max_new_tokens=int(self.params["max_new_tokens"]),
+                    metadata={"line": line_number, "words": record.get("length")},
+                )
+            )
+        return take([items[i] for i in seeded_order(len(items), seed, self.name)], limit)
+
+    def score(self, item: Item, output: str) -> dict[str, float]:
+        return self.main_first(rouge_scores_multi(output.strip(), item.references))

@@ -1,0 +1,67 @@
+"""``synthetic_recall``: key/value recall on generated text; needs no data dir (CI on a tiny model).
+
+Each item lists ``num_pairs`` lines "The value of key <word>-<word> is <5-digit number>." and asks
+for one value (its position varies over items): the prompt ends with
+"Question: What is the value of key X?\\nAnswer: The value of key X is". Metric: the first integer
+of the output equals the value. Everything is generated from the seed.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from ..metrics import first_integer
+from .base import Item, Task, take
+from .needle import _KEY_WORDS_A, _KEY_WORDS_B
+
+
+class SyntheticRecallTask(Task):
+    name = "synthetic_recall"
+    kind = "generate"
+    required_files = ()
+    chance = 0.0
+    main_metric = "accuracy"
+    default_budgets = (0.25, 0.5)
+    source = "generated in kvhive (no external data)"
+
+    @classmethod
+    def default_params(cls) -> dict[str, Any]:
+        return {"num_pairs": 24, "num_items": 20, "max_new_tokens": 8}
+
+    def load(self, data_dir, limit, seed, tokenizer) -> list[Item]:
+        num_pairs = int(self.params["num_pairs"])
+        if num_pairs > len(_KEY_WORDS_A) * len(_KEY_WORDS_B):
+            raise ValueError(f"task 'synthetic_recall': num_pairs {num_pairs} too large")
+        count = int(self.params["num_items"]) if limit is None else int(limit)
+        items = []
+        for index in range(count):
+            rng = random.Random(f"synthetic_recall:{seed}:{index}")
+            keys: list[str] = []
+            while len(keys) < num_pairs:
+                key = f"{rng.choice(_KEY_WORDS_A)}-{rng.choice(_KEY_WORDS_B)}"
+                if key not in keys:
+                    keys.append(key)
+            values = [rng.randrange(10_000, 100_000) for _ in keys]
+            queried = rng.randrange(num_pairs)
+            records = "\n".join(f"The value of key {k} is {v}." for k, v in zip(keys, values))
+            prompt = (
+                "Remember the following records.\n"
+                f"{records}\n\n"
+                f"Question: What is the value of key {keys[queried]}?\n"
+                f"Answer: The value of key {keys[queried]} is"
+            )
+            items.append(
+                Item(
+                    id=f"item{index}",
+                    prompt=prompt,
+                    references=[str(values[queried])],
+                    max_new_tokens=int(self.params["max_new_tokens"]),
+                    metadata={"num_pairs": num_pairs, "position": queried},
+                )
+            )
+        return take(items, limit)
+
+    def score(self, item: Item, output: str) -> dict[str, float]:
+        predicted = first_integer(output)
+        return {"accuracy": float(predicted is not None and str(predicted) == item.references[0])}

@@ -1,0 +1,67 @@
+"""Streaming perplexity on WikiText-2 (raw test split), as in BUZZ Table 3 (fixed cache sizes).
+
+The first ``num_tokens`` tokens of ``wikitext2/wiki.test.raw`` (the file as-is, i.e. the
+canonical raw text) are cut into windows of ``window`` tokens; each window is one item, fed token
+by token (``Backend.streaming_nll``) with the cache kept at the budget. Each window starts with
+the tokenizer's BOS token (when it has one), so every window token is predicted. The task's
+metric is corpus perplexity ``exp(sum NLL / sum tokens)`` over all windows, aggregated in the
+report from the per-item ``nll_sum`` and ``n_tokens``. Budgets are cache sizes in tokens (BUZZ
+uses 50 and 100); a ratio budget is converted to ``round(ratio * window)`` tokens by the runner.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..metrics import perplexity
+from .base import Item, Task, encode, take
+
+WIKITEXT_FILE = "wikitext2/wiki.test.raw"
+
+
+class WikiTextPerplexityTask(Task):
+    name = "ppl"
+    kind = "perplexity"
+    required_files = (WIKITEXT_FILE,)
+    chance = float("nan")  # set at load: the vocabulary size (perplexity of a uniform guess)
+    main_metric = "ppl"
+    higher_is_better = False
+    default_budgets = (50, 100, 200)
+    source = "WikiText-2 raw test (Merity et al., 2016); BUZZ Table 3 streaming perplexity"
+
+    @classmethod
+    def default_params(cls) -> dict[str, Any]:
+        return {"num_tokens": 1024, "window": 512}
+
+    def load(self, data_dir, limit, seed, tokenizer) -> list[Item]:
+        root = self.check_files(data_dir)
+        num_tokens = int(self.params["num_tokens"])
+        window = int(self.params["window"])
+        if num_tokens < 2 or window < 2:
+            raise ValueError(f"task 'ppl': num_tokens and window must be >= 2, got {num_tokens}, {window}")
+        text = (root / WIKITEXT_FILE).read_text(encoding="utf-8")
+        # tokenize a prefix generous enough for num_tokens (about 4 characters per token), else all
+        ids = encode(tokenizer, text[: 12 * num_tokens + 1000])
+        if len(ids) < num_tokens:
+            ids = encode(tokenizer, text)
+        ids = ids[:num_tokens]
+        bos = getattr(tokenizer, "bos_token_id", None)
+        prefix = [int(bos)] if bos is not None else []
+        self.chance = float(len(tokenizer))
+        items = []
+        for index, start in enumerate(range(0, len(ids), window)):
+            chunk = ids[start : start + window]
+            if len(prefix) + len(chunk) < 2:
+                continue
+            items.append(
+                Item(
+                    id=f"tokens{start}-{start + len(chunk)}",
+                    token_ids=prefix + chunk,
+                    metadata={"start_token": start, "window": len(chunk)},
+                )
+            )
+        return take(items, limit)
+
+    def score(self, item: Item, output: tuple[float, int]) -> dict[str, float]:
+        nll_sum, n_tokens = output
+        return {"ppl": perplexity(float(nll_sum), int(n_tokens)), "nll_sum": float(nll_sum), "n_tokens": int(n_tokens)}
