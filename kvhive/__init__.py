@@ -1,10 +1,10 @@
 """kvhive: KV-cache compression for Hugging Face causal LMs, without retraining."""
 
-from kvhive.api import compression, make_cache, use_kvhive_attention
+from kvhive.api import compression, generate, make_cache, use_kvhive_attention
 from kvhive.cache import Budget, KVHiveCache
 from kvhive.methods import make_policy, method_names
 
-__all__ = ["Budget", "KVHiveCache", "compression", "make_cache", "make_policy", "method_names",
+__all__ = ["Budget", "KVHiveCache", "compression", "generate", "make_cache", "make_policy", "method_names",
            "use_kvhive_attention", "load_model"]
 
 

@@ -52,3 +52,39 @@ def make_cache(model, method: str | Policy = "full", budget: int | float | str |
     use_kvhive_attention(model)
     return KVHiveCache(model.config, policy, budget_spec, compress_sliding=compress_sliding,
                        decode_every=decode_every, decode_slack=decode_slack)
+
+
+def context_length(model) -> int:
+    """The model's trained context length (``max_position_embeddings``)."""
+    return int(model.config.get_text_config(decoder=True).max_position_embeddings)
+
+
+def encode_prompt(tokenizer, prompt: str, model, max_new_tokens: int = 0):
+    """Tokenise ``prompt`` as a batch of one, with clear errors for empty or too long prompts."""
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError("invalid prompt: expected a non-empty string")
+    encoded = tokenizer(prompt, return_tensors="pt")
+    limit = context_length(model)
+    total = encoded["input_ids"].shape[1] + max_new_tokens
+    if total > limit:
+        raise ValueError(
+            f"invalid prompt: {encoded['input_ids'].shape[1]} prompt tokens + max_new_tokens={max_new_tokens} "
+            f"exceed the model's context length of {limit} tokens"
+        )
+    return encoded
+
+
+def generate(model, tokenizer, prompt: str, method: str | Policy = "full", budget: int | float | str | None = None,
+             max_new_tokens: int = 32, **cache_options: Any) -> tuple[str, KVHiveCache]:
+    """Greedy generation with a compressed cache; returns the generated text and the cache."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"invalid max_new_tokens={max_new_tokens!r}: expected an integer >= 1")
+    encoded = encode_prompt(tokenizer, prompt, model, max_new_tokens)
+    cache = make_cache(model, method, budget, **cache_options)
+    import torch
+
+    with torch.no_grad():
+        output = model.generate(**encoded, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False,
+                                pad_token_id=tokenizer.pad_token_id)
+    new_tokens = output[0, encoded["input_ids"].shape[1]:]
+    return tokenizer.decode(new_tokens, skip_special_tokens=True), cache

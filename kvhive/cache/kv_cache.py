@@ -120,6 +120,11 @@ class KVHiveCache(Cache):
         self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or self.num_query_heads
         self.compressed_layers = [i for i, layer in enumerate(self.layers) if compress_sliding or not layer.is_sliding]
         self.layer_budgets: dict[int, int] = {}
+        if budget.tokens is not None and budget.tokens < policy.minimum_budget():
+            raise ValueError(
+                f"invalid budget={budget.tokens} for method {policy.name!r}: it needs at least "
+                f"{policy.minimum_budget()} tokens per head ({policy.config})"
+            )
 
     # -- budgets -------------------------------------------------------------------------------
     def _resolve_budgets(self, context_length: int) -> None:

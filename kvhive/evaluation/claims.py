@@ -1,0 +1,328 @@
+"""The paper-claims suite, as data.
+
+Each :class:`Claim` names the paper, quotes what it reports (headline numbers from
+``shared/papers/*.txt``), the task and the methods/budgets that test it here, and a ``check``
+evaluated on a :class:`~kvhive.evaluation.results.ResultsSummary` returning
+``(holds, measured)``: ``holds`` is True / False, or None when data are missing, the compared
+scores tie, or the full cache itself scores near chance on the task (then the comparison says
+nothing). Budgets are adapted to this project's lengths (contexts of 0.1k-5k tokens instead of
+the papers' 4k-37k): token budgets for needle/mdqa are 64-256, ratios elsewhere.
+
+``claims_grid()`` turns the claims into the runner's per-task methods and budgets (the
+``--suite claims`` run).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from .backend import budget_key
+from .results import ResultsSummary
+
+CheckResult = tuple[bool | None, str]
+EPSILON = 1e-9
+
+
+@dataclass(frozen=True)
+class Claim:
+    id: str
+    paper: str
+    paper_says: str  # one sentence with the paper's numbers
+    task: str
+    methods: tuple[str, ...]  # the paper's method first, then what it is compared with
+    budgets: tuple[float | int, ...]
+    check: Callable[[ResultsSummary], CheckResult] = field(compare=False, repr=False)
+    metric: str | None = None  # None: the task's main metric
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.4g}"
+
+
+def _budget_text(budget: float | int) -> str:
+    return f"{budget} tok" if isinstance(budget, int) else f"{budget:g}"
+
+
+def _precheck(summary: ResultsSummary, task: str, metric: str | None) -> tuple[str | None, str | None]:
+    """(metric name, reason not to judge) for a task."""
+    if task not in summary.task_info:
+        return None, f"no results for task {task}"
+    metric = metric or summary.main_metric(task)
+    if summary.near_chance(task):
+        return metric, f"full cache {metric} = {_fmt(summary.full(task, metric))} is near chance on {task}"
+    return metric, None
+
+
+def outperforms(
+    task: str,
+    candidate: str,
+    baselines: Sequence[str],
+    budgets: Sequence[float | int],
+    metric: str | None = None,
+    mode: str = "each",
+    shown: Sequence[str] = (),
+) -> Callable[[ResultsSummary], CheckResult]:
+    """``candidate`` beats every baseline: at every budget (``mode="each"``) or on the mean over
+    ``budgets`` (``mode="mean"``). Lower is better when the task says so (perplexity).
+    ``shown``: extra methods listed in the measured text but not judged."""
+
+    def check(summary: ResultsSummary) -> CheckResult:
+        metric_name, reason = _precheck(summary, task, metric)
+        if metric_name is None:
+            return None, reason or "no data"
+        higher = summary.task_info[task].get("higher_is_better", True)
+        methods = [candidate, *baselines]
+        values = {(m, b): summary.value(task, m, b, metric_name) for m in [*methods, *shown] for b in budgets}
+        missing = [f"{m}@{_budget_text(b)}" for m in methods for b in budgets if values[(m, b)] is None]
+        n = min((summary.count(task, m, b) for m in methods for b in budgets), default=0)
+        full = summary.full(task, metric_name)
+        if mode == "mean":
+            def score(m: str) -> float | None:
+                vals = [values[(m, b)] for b in budgets]
+                return None if any(v is None for v in vals) else sum(vals) / len(vals)
+
+            listed = "; ".join(f"{m} {_fmt(score(m))}" for m in [*methods, *shown])
+            text = f"{metric_name}, mean over budgets {', '.join(map(_budget_text, budgets))}: {listed}"
+            comparisons = [(score(candidate), score(b)) for b in baselines]
+        else:
+            parts = []
+            for b in budgets:
+                parts.append(f"@{_budget_text(b)}: " + ", ".join(f"{m} {_fmt(values[(m, b)])}" for m in [*methods, *shown]))
+            text = f"{metric_name} " + "; ".join(parts)
+            comparisons = [(values[(candidate, b)], values[(base, b)]) for base in baselines for b in budgets]
+        text += f"; full {_fmt(full)}; n={n} items per setting"
+        if missing:
+            return None, text + f"; missing: {', '.join(missing)}"
+        if reason:
+            return None, text + f"; {reason}"
+        wins = losses = ties = 0
+        for mine, theirs in comparisons:
+            if abs(mine - theirs) <= EPSILON:
+                ties += 1
+            elif (mine > theirs) == higher:
+                wins += 1
+            else:
+                losses += 1
+        if losses:
+            return False, text
+        if ties:
+            return None, text + f"; {ties} tie(s): not distinguishable at this n"
+        return True, text
+
+    return check
+
+
+def retains_full(
+    task: str, method: str, budget: float | int, fraction: float, metric: str | None = None
+) -> Callable[[ResultsSummary], CheckResult]:
+    """``method`` at ``budget`` scores at least ``fraction`` of the full cache (higher is better)."""
+
+    def check(summary: ResultsSummary) -> CheckResult:
+        metric_name, reason = _precheck(summary, task, metric)
+        if metric_name is None:
+            return None, reason or "no data"
+        value = summary.value(task, method, budget, metric_name)
+        full = summary.full(task, metric_name)
+        n = summary.count(task, method, budget)
+        if value is None or full is None:
+            return None, f"{metric_name}: {method}@{_budget_text(budget)} {_fmt(value)}, full {_fmt(full)} (missing data)"
+        ratio = value / full if full else float("nan")
+        text = f"{metric_name}: {method}@{_budget_text(budget)} {_fmt(value)} = {_fmt(ratio)} of full ({_fmt(full)}); n={n}"
+        if reason:
+            return None, text + f"; {reason}"
+        return bool(value >= fraction * full - EPSILON), text
+
+    return check
+
+
+XSUM_BUDGETS = (0.1, 0.2, 0.4, 0.6)
+SMALL_TOKEN_BUDGETS = (64, 128, 256)
+
+CLAIMS: list[Claim] = [
+    # ---------------------------------------------------------------- BUZZ (buzz.txt)
+    Claim(
+        id="buzz-xsum-99pct",
+        paper="BUZZ",
+        paper_says="On XSUM (Llama-2-7B) BUZZ reaches and even exceeds the 99% accuracy baseline with only about 40% of the original cache size (abstract: 2.5x less cache at >99% accuracy).",
+        task="xsum",
+        methods=("buzz",),
+        budgets=(0.4,),
+        metric="rouge_mean",
+        check=retains_full("xsum", "buzz", 0.4, 0.99, metric="rouge_mean"),
+    ),
+    Claim(
+        id="buzz-xsum-vs-baselines",
+        paper="BUZZ",
+        paper_says="Table 2 (XSUM, geometric-mean ROUGE, 10-60% cache): BUZZ outperforms H2O and StreamingLLM overall (e.g. 12.3 vs 11.6 and 11.2 at 40%) and Local is far below (0.1-7.6).",
+        task="xsum",
+        methods=("buzz", "h2o", "streamingllm", "local"),
+        budgets=XSUM_BUDGETS,
+        metric="rouge_mean",
+        check=outperforms("xsum", "buzz", ["h2o", "streamingllm", "local"], XSUM_BUDGETS, "rouge_mean", mode="mean"),
+    ),
+    Claim(
+        id="buzz-logn-xsum-vs-baselines",
+        paper="BUZZ",
+        paper_says="Figure 5 / Table 2: BUZZ and BUZZ with log n consistently achieve the highest ROUGE scores on XSUM (log n: 10.4-12.3 mean ROUGE vs H2O 10.2-11.8, StreamingLLM 3.8-11.9).",
+        task="xsum",
+        methods=("buzz-logn", "h2o", "streamingllm", "local"),
+        budgets=XSUM_BUDGETS,
+        metric="rouge_mean",
+        check=outperforms("xsum", "buzz-logn", ["h2o", "streamingllm", "local"], XSUM_BUDGETS, "rouge_mean", mode="mean"),
+    ),
+    Claim(
+        id="buzz-xsum-10pct",
+        paper="BUZZ",
+        paper_says="Table 2: at 10% cache StreamingLLM collapses to 3.8 mean ROUGE on XSUM while BUZZ keeps 10.9 (H2O 10.2).",
+        task="xsum",
+        methods=("buzz", "h2o", "streamingllm"),
+        budgets=(0.1,),
+        metric="rouge_mean",
+        check=outperforms("xsum", "buzz", ["h2o", "streamingllm"], (0.1,), "rouge_mean"),
+    ),
+    Claim(
+        id="buzz-ppl",
+        paper="BUZZ",
+        paper_says="Table 3 (WikiText perplexity, cache 50 / 100 tokens): BUZZ 9.394 / 8.037 vs H2O 9.987 / 8.881, StreamingLLM 11.722 / 9.330, Local 194.8 / 35.98 (full 7.382).",
+        task="ppl",
+        methods=("buzz", "h2o", "streamingllm", "local", "buzz-logn"),
+        budgets=(50, 100),
+        check=outperforms("ppl", "buzz", ["h2o", "streamingllm", "local"], (50, 100), shown=("buzz-logn",)),
+    ),
+    Claim(
+        id="buzz-mdqa",
+        paper="BUZZ",
+        paper_says="Multi-document QA (10 documents, gold at position 0/4/9, cache about 25% of the input): BUZZ has the best average EM, ahead of H2O and StreamingLLM (abstract: +7.69%).",
+        task="mdqa",
+        methods=("buzz", "h2o", "streamingllm"),
+        budgets=(0.25,),
+        check=outperforms("mdqa", "buzz", ["h2o", "streamingllm"], (0.25,)),
+    ),
+    # ---------------------------------------------------------------- Ada-KV (adakv.txt)
+    Claim(
+        id="ada-snapkv-needle",
+        paper="Ada-KV",
+        paper_says="Needle-in-a-Haystack: adaptive allocation improves retrieval; average score Ada-SnapKV 95.99 vs SnapKV 94.84.",
+        task="needle",
+        methods=("ada-snapkv", "snapkv"),
+        budgets=SMALL_TOKEN_BUDGETS,
+        check=outperforms("needle", "ada-snapkv", ["snapkv"], SMALL_TOKEN_BUDGETS, mode="mean"),
+    ),
+    Claim(
+        id="ada-pyramid-needle",
+        paper="Ada-KV",
+        paper_says="Needle-in-a-Haystack: average score Ada-Pyramid 96.69 vs Pyramid 96.02.",
+        task="needle",
+        methods=("ada-pyramidkv", "pyramidkv"),
+        budgets=SMALL_TOKEN_BUDGETS,
+        check=outperforms("needle", "ada-pyramidkv", ["pyramidkv"], SMALL_TOKEN_BUDGETS, mode="mean"),
+    ),
+    Claim(
+        id="ada-snapkv-mdqa",
+        paper="Ada-KV",
+        paper_says="LongBench (16 datasets, Mistral-7B, B=128h): Ada-SnapKV raises the average from 35.09 to 36.71 over SnapKV, gains largest at small budgets.",
+        task="mdqa",
+        methods=("ada-snapkv", "snapkv"),
+        budgets=SMALL_TOKEN_BUDGETS,
+        check=outperforms("mdqa", "ada-snapkv", ["snapkv"], SMALL_TOKEN_BUDGETS, mode="mean"),
+    ),
+    Claim(
+        id="ada-pyramid-mdqa",
+        paper="Ada-KV",
+        paper_says="LongBench (Mistral-7B, B=128h): Ada-Pyramid raises the average from 35.58 to 36.81 over Pyramid.",
+        task="mdqa",
+        methods=("ada-pyramidkv", "pyramidkv"),
+        budgets=SMALL_TOKEN_BUDGETS,
+        check=outperforms("mdqa", "ada-pyramidkv", ["pyramidkv"], SMALL_TOKEN_BUDGETS, mode="mean"),
+    ),
+    # ---------------------------------------------------------------- BumbleBee (bumblebee.txt)
+    Claim(
+        id="bumblebee-piqa",
+        paper="BumbleBee",
+        paper_says="Table 1 (5-shot PIQA, 10% cache, LLaMA-7B): BumbleBee (log) 78.24 vs H2+Local 77.31, Attention sinks+Local 78.07, Local 58.27 (All 80.03).",
+        task="piqa",
+        methods=("bumblebee", "h2o", "streamingllm", "local", "random", "bumblebee-power"),
+        budgets=(0.1,),
+        check=outperforms("piqa", "bumblebee", ["h2o"], (0.1,), shown=("streamingllm", "local", "random", "bumblebee-power")),
+    ),
+    Claim(
+        id="bumblebee-openbookqa",
+        paper="BumbleBee",
+        paper_says="Table 1 (5-shot OpenBookQA, 10% cache, LLaMA-7B): BumbleBee (log) 43.2 vs H2+Local 41.4, Attention sinks+Local 41.6, Local 28.4 (All 44.6).",
+        task="openbookqa",
+        methods=("bumblebee", "h2o", "streamingllm", "local", "random", "bumblebee-power"),
+        budgets=(0.1,),
+        check=outperforms("openbookqa", "bumblebee", ["h2o"], (0.1,), shown=("streamingllm", "local", "random", "bumblebee-power")),
+    ),
+    # ---------------------------------------------------------------- SubGen (subgen.txt)
+    Claim(
+        id="subgen-lines",
+        paper="SubGen",
+        paper_says="Table 1 (LongEval lines, 200/300/400 lines, cache cut by 35/42/50%): SubGen 0.86/0.66/0.44 vs H2O 0.66/0.58/0.38 and Sink 0.56/0.56/0.38 (exact 0.98/1.0/0.68).",
+        task="lines",
+        methods=("subgen", "h2o", "streamingllm"),
+        budgets=(0.5, 0.65),
+        check=outperforms("lines", "subgen", ["h2o", "streamingllm"], (0.5, 0.65)),
+    ),
+    # ---------------------------------------------------------------- AhaKV (ahakv.readable.txt)
+    Claim(
+        id="ahakv-mdqa",
+        paper="AhaKV",
+        paper_says="Table 1 (LongBench multi-doc QA, LLaMA3-8B-Inst, 1000-token budget): AhaKV 31.85 vs SnapKV 31.06, H2O 30.76, TOVA 30.74, Sink 26.88 (full 32.33).",
+        task="mdqa",
+        methods=("ahakv", "snapkv", "h2o", "tova", "streamingllm"),
+        budgets=(128, 256),
+        check=outperforms("mdqa", "ahakv", ["snapkv", "h2o", "tova", "streamingllm"], (128, 256), mode="mean"),
+    ),
+    Claim(
+        id="ahakv-needle",
+        paper="AhaKV",
+        paper_says="Table 1 (LongBench passage retrieval, LLaMA3-8B-Inst): AhaKV 54.83 vs SnapKV 54.33, TOVA 53.30, H2O 41.70, Sink 26.50 (full 54.83).",
+        task="needle",
+        methods=("ahakv", "snapkv", "h2o", "tova", "streamingllm"),
+        budgets=(128, 256),
+        check=outperforms("needle", "ahakv", ["snapkv", "h2o", "tova", "streamingllm"], (128, 256), mode="mean"),
+    ),
+    Claim(
+        id="ahakv-openbookqa-4pct",
+        paper="AhaKV",
+        paper_says="Figure 4 (OpenBookQA and other short texts, budgets 60%-4%): AhaKV tends to beat H2O as the budget shrinks and is best at the most extreme 4% budget.",
+        task="openbookqa",
+        methods=("ahakv", "h2o"),
+        budgets=(0.04,),
+        check=outperforms("openbookqa", "ahakv", ["h2o"], (0.04,)),
+    ),
+]
+
+
+def evaluate_claims(summary: ResultsSummary, claims: Sequence[Claim] | None = None) -> list[CheckResult]:
+    return [claim.check(summary) for claim in (CLAIMS if claims is None else claims)]
+
+
+def claims_grid(claims: Sequence[Claim] | None = None) -> tuple[list[str], dict[str, list[str]], dict[str, list[float | int]]]:
+    """(tasks, methods per task, budgets per task) covering every claim (the union per task)."""
+    tasks: list[str] = []
+    methods: dict[str, list[str]] = {}
+    budgets: dict[str, list[float | int]] = {}
+    for claim in CLAIMS if claims is None else claims:
+        if claim.task not in tasks:
+            tasks.append(claim.task)
+        for method in claim.methods:
+            methods.setdefault(claim.task, [])
+            if method not in methods[claim.task]:
+                methods[claim.task].append(method)
+        for budget in claim.budgets:
+            known = budgets.setdefault(claim.task, [])
+            if budget_key(budget) not in {budget_key(b) for b in known}:
+                known.append(budget)
+    return tasks, methods, budgets
+
+
+def claim_ids() -> list[str]:
+    return [c.id for c in CLAIMS]
+
+
+__all__ = ["Claim", "CLAIMS", "outperforms", "retains_full", "evaluate_claims", "claims_grid", "claim_ids"]

@@ -1,0 +1,166 @@
+"""argparse wiring for ``kvhive eval`` and ``kvhive report`` (the main ``kvhive`` CLI calls these).
+
+    parser = argparse.ArgumentParser(prog="kvhive")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    add_eval_arguments(subparsers, backend_factory=make_backend, method_validator=is_registered)
+    add_report_arguments(subparsers)
+    args = parser.parse_args()
+    args.func(args)
+
+``backend_factory(model_name) -> Backend`` keeps model code out of this package.
+Lists are comma-separated: ``--tasks needle,mdqa --methods snapkv,h2o --budgets 0.1,0.5,128``;
+a task may carry parameters: ``--tasks needle:lengths=256+512:depths=0+50,xsum``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from .backend import Backend, parse_budgets
+from .report import write_report
+from .runner import run_eval
+from .suites import SUITES, get_suite
+
+BackendFactory = Callable[[str], Backend]
+DEFAULT_MODEL = "gemma-3-270m"
+
+
+def default_data_dir() -> Path:
+    """``$KVHIVE_DATA_DIR``, else ``<repo>/../shared/data``."""
+    env = os.environ.get("KVHIVE_DATA_DIR")
+    if env:
+        return Path(env)
+    repo = Path(__file__).resolve().parents[2]
+    return (repo.parent / "shared" / "data").resolve()
+
+
+def _comma_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _budget_list(text: str) -> list[float | int]:
+    try:
+        return parse_budgets(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def add_eval_arguments(
+    subparsers: Any,
+    backend_factory: BackendFactory | None = None,
+    method_validator: Callable[[str], Any] | None = None,
+) -> argparse.ArgumentParser:
+    """Add the ``eval`` sub-command; ``args.func(args)`` runs it."""
+    parser = subparsers.add_parser(
+        "eval",
+        help="run the evaluation grid (resumable) and write a report",
+        description="Run task x item x (method, budget); results go to OUT/results.jsonl (a rerun resumes).",
+    )
+    parser.add_argument("--tasks", type=_comma_list, help="comma-separated task names/specs (default: the suite's)")
+    parser.add_argument("--methods", type=_comma_list, help="comma-separated method registry names")
+    parser.add_argument(
+        "--budgets",
+        type=_budget_list,
+        help="comma-separated budgets: a decimal in (0, 1] is a ratio, an integer is tokens per head (e.g. 0.1,0.5,128); "
+        "default: each task's own",
+    )
+    parser.add_argument("--limit", type=int, help="max items per task (default: the suite's, else all)")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"model name for the backend (default {DEFAULT_MODEL})")
+    parser.add_argument("--data-dir", type=Path, default=None, help="shared data folder (default $KVHIVE_DATA_DIR or <repo>/../shared/data)")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default runs/eval-<model>-<suite>)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--suite", choices=sorted(SUITES), help="a predefined grid; explicit options override it")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-report", action="store_true", help="do not write report.md after the run")
+    parser.set_defaults(func=run_eval_command, backend_factory=backend_factory, method_validator=method_validator)
+    return parser
+
+
+def add_report_arguments(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``report`` sub-command (``report.md`` + PNGs from OUT/results.jsonl)."""
+    parser = subparsers.add_parser("report", help="write report.md and plots from an eval output folder")
+    parser.add_argument("out_dir", nargs="?", type=Path, help="the eval output folder")
+    parser.add_argument("--out", type=Path, dest="out_option", help="the eval output folder (same as the positional)")
+    parser.add_argument("--margin", type=float, default=0.05, help="flag tasks whose full-cache score is within this of chance")
+    parser.add_argument("--claims", choices=("auto", "yes", "no"), default="auto", help="include the paper-claims section")
+    parser.set_defaults(func=run_report_command)
+    return parser
+
+
+def resolve_eval_grid(args: argparse.Namespace) -> dict[str, Any]:
+    """Tasks, methods, budgets, limit and out dir from the options and the suite."""
+    suite = get_suite(args.suite) if args.suite else None
+    tasks = args.tasks or (list(suite.tasks) if suite else None)
+    if not tasks:
+        raise SystemExit("kvhive eval: give --tasks or --suite")
+    methods = args.methods or (suite.methods if suite else None)
+    if not methods:
+        raise SystemExit("kvhive eval: give --methods or --suite")
+    budgets = args.budgets if args.budgets is not None else (suite.budgets if suite else None)
+    limit = args.limit if args.limit is not None else (suite.limit if suite else None)
+    if suite is not None and args.tasks:
+        # restricting a suite to some tasks keeps the suite's per-task methods/budgets for them
+        names = [t.split(":")[0] for t in tasks]
+        if isinstance(methods, dict):
+            methods = {k: v for k, v in methods.items() if k in names} if not args.methods else methods
+        if isinstance(budgets, dict):
+            budgets = {k: v for k, v in budgets.items() if k in names}
+    out = args.out or Path("runs") / f"eval-{args.model}-{args.suite or 'custom'}"
+    return {"tasks": tasks, "methods": methods, "budgets": budgets, "limit": limit, "out_dir": out}
+
+
+def run_eval_command(args: argparse.Namespace) -> int:
+    factory = getattr(args, "backend_factory", None)
+    if factory is None:
+        raise SystemExit("kvhive eval: no backend factory was wired into the CLI")
+    grid = resolve_eval_grid(args)
+    data_dir = args.data_dir or default_data_dir()
+    backend = factory(args.model)
+    run = run_eval(
+        backend,
+        grid["tasks"],
+        grid["methods"],
+        grid["budgets"],
+        grid["limit"],
+        data_dir,
+        grid["out_dir"],
+        seed=args.seed,
+        progress=not args.no_progress,
+        method_validator=getattr(args, "method_validator", None),
+        model_name=args.model,
+        suite=args.suite,
+    )
+    print(f"{run.written} new results ({run.skipped} already done, {run.total} in the grid) -> {run.results_path}")
+    if not args.no_report:
+        write_report(grid["out_dir"])
+        print(f"report: {Path(grid['out_dir']) / 'report.md'}")
+    return 0
+
+
+def run_report_command(args: argparse.Namespace) -> int:
+    out = args.out_dir or args.out_option
+    if out is None:
+        raise SystemExit("kvhive report: give the eval output folder")
+    if not (Path(out) / "results.jsonl").exists():
+        raise SystemExit(f"kvhive report: no results.jsonl in {out}")
+    include = {"auto": None, "yes": True, "no": False}[args.claims]
+    write_report(out, margin=args.margin, include_claims=include)
+    print(f"report: {Path(out) / 'report.md'}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None, backend_factory: BackendFactory | None = None) -> int:
+    """Stand-alone entry (``python -m kvhive.evaluation.cli report OUT``); ``eval`` needs a factory."""
+    parser = argparse.ArgumentParser(prog="kvhive")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    add_eval_arguments(subparsers, backend_factory=backend_factory)
+    add_report_arguments(subparsers)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

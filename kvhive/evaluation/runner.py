@@ -1,0 +1,312 @@
+"""Resumable evaluation grid: task x item x (method, budget) -> ``OUT/results.jsonl``.
+
+For each item, every pending (method, budget) setting goes into ONE backend call (so the backend
+can prefill once and serve all settings); each result is appended as one JSON line as soon as
+it is known and made durable (``fsync``). A rerun with the same ``out_dir`` skips what is done; a
+run killed at any moment (SIGKILL included) leaves at most a partial last line, which is cut off
+on restart (see :mod:`kvhive.evaluation.results`). The full cache is always evaluated once per
+item (``method="full"``, budget 1.0) unless ``include_full=False``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from .backend import (
+    FULL_BUDGET,
+    FULL_METHOD,
+    Backend,
+    Setting,
+    budget_key,
+    budget_to_tokens,
+    validate_budgets,
+)
+from .results import RESULTS_FILE, ResultsWriter
+from .tasks import TASKS, Item, Task, get_task, parse_task_spec
+from .tasks.base import encode
+
+MethodValidator = Callable[[str], Any]
+
+
+@dataclass
+class EvalRun:
+    """What :func:`run_eval` did."""
+
+    results_path: Path
+    total: int  # results in the grid
+    skipped: int  # already in results.jsonl before this run
+    written: int  # appended by this run
+
+
+# --------------------------------------------------------------------------- argument resolution
+
+
+def resolve_tasks(tasks: Sequence[str | Task] | str) -> list[Task]:
+    """Task names / specs (``"needle:lengths=256+512"``) / instances -> Task instances."""
+    if isinstance(tasks, str):
+        tasks = [t for t in tasks.split(",") if t.strip()]
+    resolved: list[Task] = []
+    for task in tasks:
+        if isinstance(task, Task):
+            resolved.append(task)
+        elif isinstance(task, str):
+            name, params = parse_task_spec(task)
+            resolved.append(get_task(name, **params))
+        else:
+            raise ValueError(f"tasks: expected task names or Task objects, got {task!r}; known tasks: {', '.join(TASKS)}")
+    names = [t.name for t in resolved]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"tasks: {duplicates} given more than once")
+    if not resolved:
+        raise ValueError(f"tasks: no task given; known tasks: {', '.join(TASKS)}")
+    return resolved
+
+
+def _per_task(value: Any, task: Task, what: str) -> Any:
+    if isinstance(value, Mapping):
+        if task.name not in value:
+            raise ValueError(f"{what}: no entry for task {task.name!r} (given for {sorted(value)})")
+        return value[task.name]
+    return value
+
+
+def validate_methods(methods: Sequence[str], method_validator: MethodValidator | None) -> list[str]:
+    if isinstance(methods, str):
+        methods = [m for m in methods.split(",") if m.strip()]
+    out: list[str] = []
+    for method in methods:
+        if not isinstance(method, str) or not method.strip():
+            raise ValueError(f"methods: {method!r} is not a method name")
+        method = method.strip()
+        if method_validator is not None and method != FULL_METHOD:
+            if method_validator(method) is False:
+                raise ValueError(f"methods: unknown method {method!r}")
+        if method not in out:
+            out.append(method)
+    return out
+
+
+def settings_for(methods: Sequence[str], budgets: Sequence[float | int], include_full: bool) -> list[Setting]:
+    """The grid of one task: the full cache once, then every (method, budget)."""
+    settings = [Setting(FULL_METHOD, FULL_BUDGET)] if include_full or FULL_METHOD in methods else []
+    settings += [Setting(m, b) for m in methods if m != FULL_METHOD for b in budgets]
+    return settings
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def truncate_middle(prompt: str, tokenizer: Any, max_tokens: int) -> tuple[str, int]:
+    """LongBench-style middle truncation to ``max_tokens`` tokens; returns (prompt, original length)."""
+    ids = encode(tokenizer, prompt)
+    if len(ids) <= max_tokens:
+        return prompt, len(ids)
+    half = max_tokens // 2
+    kept = ids[:half] + ids[len(ids) - (max_tokens - half) :]
+    return tokenizer.decode(kept), len(ids)
+
+
+def _model_name(backend: Backend, model_name: str | None) -> str:
+    if model_name:
+        return model_name
+    for attribute in ("model_name", "name"):
+        value = getattr(backend, attribute, None)
+        if isinstance(value, str) and value:
+            return value
+    return str(getattr(getattr(backend, "tokenizer", None), "name_or_path", "unknown"))
+
+
+def _call_backend(backend: Backend, task: Task, item: Item, settings: list[Setting]) -> list[Any]:
+    if task.kind == "generate":
+        outputs = backend.generate(item.prompt, item.max_new_tokens, settings)
+    elif task.kind == "choice":
+        outputs = backend.choice_loglikelihoods(item.prompt, list(item.choices), settings)
+    elif task.kind == "perplexity":
+        token_settings = [
+            s if s.method == FULL_METHOD else Setting(s.method, budget_to_tokens(s.budget, len(item.token_ids)))
+            for s in settings
+        ]
+        outputs = backend.streaming_nll(list(item.token_ids), token_settings)
+    else:
+        raise ValueError(f"task {task.name!r}: unknown kind {task.kind!r}")
+    outputs = list(outputs)
+    if len(outputs) != len(settings):
+        raise RuntimeError(f"backend returned {len(outputs)} outputs for {len(settings)} settings ({task.name}/{item.id})")
+    return outputs
+
+
+def _json_output(kind: str, output: Any) -> Any:
+    if kind == "perplexity":
+        nll_sum, n_tokens = output
+        return [float(nll_sum), int(n_tokens)]
+    if kind == "choice":
+        return [float(x) for x in output]
+    return output
+
+
+def _write_run_config(out_dir: Path, config: dict) -> None:
+    tmp = out_dir / "run_config.json.tmp"
+    tmp.write_text(json.dumps(config, indent=2, default=str))
+    os.replace(tmp, out_dir / "run_config.json")
+
+
+# --------------------------------------------------------------------------- main entry
+
+
+def run_eval(
+    backend: Backend,
+    tasks: Sequence[str | Task] | str,
+    methods: Sequence[str] | Mapping[str, Sequence[str]],
+    budgets: Sequence[float | int] | Mapping[str, Sequence[float | int]] | None,
+    limit: int | None,
+    data_dir: str | Path | None,
+    out_dir: str | Path,
+    seed: int = 0,
+    progress: bool = True,
+    *,
+    method_validator: MethodValidator | None = None,
+    model_name: str | None = None,
+    include_full: bool = True,
+    suite: str | None = None,
+) -> EvalRun:
+    """Run (or resume) the grid task x item x (method, budget) and append to ``out_dir/results.jsonl``.
+
+    ``tasks``: names, specs like ``"needle:lengths=256+512"``, or Task objects. ``methods`` and
+    ``budgets`` are lists for all tasks or dicts ``{task name: list}``; ``budgets=None`` uses each
+    task's ``default_budgets``. Budgets: floats in (0, 1] are ratios, ints >= 1 are tokens per head.
+    ``method_validator(name)`` (e.g. the method registry's lookup) may raise or return False for
+    unknown methods. Results of another model or seed in ``out_dir`` are refused.
+    """
+    resolved_tasks = resolve_tasks(tasks)
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise ValueError(f"limit: expected an integer >= 0 or None, got {limit!r}")
+    plans: list[tuple[Task, list[Setting]]] = []
+    for task in resolved_tasks:
+        task_methods = validate_methods(_per_task(methods, task, "methods"), method_validator)
+        task_budgets = _per_task(budgets, task, "budgets") if budgets is not None else None
+        task_budgets = validate_budgets(list(task.default_budgets) if task_budgets is None else list(task_budgets))
+        plans.append((task, settings_for(task_methods, task_budgets, include_full)))
+
+    name = _model_name(backend, model_name)
+    tokenizer = backend.tokenizer
+    loaded = [(task, task.load(data_dir, limit, seed, tokenizer), settings) for task, settings in plans]
+
+    out_path = Path(out_dir)
+    with ResultsWriter(out_path) as writer:
+        others = {(r.get("model"), r.get("seed")) for r in writer.records} - {(name, seed)}
+        if others:
+            raise ValueError(
+                f"{writer.path} already holds results of (model, seed) {sorted(map(str, others))}; "
+                f"this run is model={name!r}, seed={seed}: use another out dir"
+            )
+        _write_run_config(
+            out_path,
+            {
+                "model": name,
+                "seed": seed,
+                "limit": limit,
+                "suite": suite,
+                "data_dir": str(data_dir) if data_dir is not None else None,
+                "tasks": [{"name": t.name, "params": t.params, "settings": [s.label for s in ss]} for t, ss in plans],
+                "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            },
+        )
+        total = sum(len(items) * len(settings) for _, items, settings in loaded)
+        skipped = sum(
+            (task.name, item.id, s.method, budget_key(s.budget)) in writer.done
+            for task, items, settings in loaded
+            for item in items
+            for s in settings
+        )
+        written = 0
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total, initial=skipped, desc="eval", unit="result", dynamic_ncols=True)
+        try:
+            for task, items, settings in loaded:
+                for item in items:
+                    pending = [s for s in settings if (task.name, item.id, s.method, budget_key(s.budget)) not in writer.done]
+                    if not pending:
+                        continue
+                    if bar is not None:
+                        bar.set_postfix_str(f"{task.name} {item.id}", refresh=False)
+                    written += _run_item(backend, task, item, pending, writer, name, seed, limit, suite)
+                    if bar is not None:
+                        bar.update(len(pending))
+        finally:
+            if bar is not None:
+                bar.close()
+    return EvalRun(results_path=out_path / RESULTS_FILE, total=total, skipped=skipped, written=written)
+
+
+def _run_item(
+    backend: Backend,
+    task: Task,
+    item: Item,
+    pending: list[Setting],
+    writer: ResultsWriter,
+    model: str,
+    seed: int,
+    limit: int | None,
+    suite: str | None,
+) -> int:
+    metadata = dict(item.metadata)
+    prompt_tokens = None
+    if task.kind in ("generate", "choice"):
+        max_context = getattr(backend, "max_context", None)
+        reserve = item.max_new_tokens + 8 if task.kind == "generate" else 0
+        if task.kind == "generate" and max_context:
+            prompt, prompt_tokens = truncate_middle(item.prompt, backend.tokenizer, max(16, int(max_context) - reserve))
+            if prompt != item.prompt:
+                metadata["truncated_from_tokens"] = prompt_tokens
+                item = Item(**{**item.__dict__, "prompt": prompt})
+        else:
+            prompt_tokens = len(encode(backend.tokenizer, item.prompt))
+    else:
+        prompt_tokens = len(item.token_ids)
+
+    start = time.perf_counter()
+    outputs = _call_backend(backend, task, item, pending)
+    wall = time.perf_counter() - start
+    timestamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    count = 0
+    for setting, output in zip(pending, outputs):
+        metrics = task.score(item, output)
+        record = {
+            "task": task.name,
+            "item_id": item.id,
+            "method": setting.method,
+            "budget": setting.budget,
+            "setting": setting.label,
+            "metrics": metrics,
+            "output": _json_output(task.kind, output),
+            "kind": task.kind,
+            "main_metric": task.main_metric,
+            "higher_is_better": task.higher_is_better,
+            "chance": None if isinstance(task.chance, float) and math.isnan(task.chance) else task.chance,
+            "model": model,
+            "seed": seed,
+            "limit": limit,
+            "suite": suite,
+            "task_params": task.params,
+            "metadata": metadata,
+            "prompt_tokens": prompt_tokens,
+            "wall_s": round(wall, 4),
+            "settings_in_call": len(pending),
+            "time": timestamp,
+        }
+        if task.kind == "perplexity" and setting.method != FULL_METHOD:
+            record["budget_tokens"] = budget_to_tokens(setting.budget, len(item.token_ids))
+        writer.append(record)
+        count += 1
+    return count

@@ -1,0 +1,55 @@
+"""Named evaluation suites: ``quick`` (minutes on 2 CPU cores with a 270M model) and ``claims``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from .claims import claims_grid
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    tasks: tuple[str, ...]  # task specs ("needle:lengths=512")
+    methods: Sequence[str] | Mapping[str, Sequence[str]]
+    budgets: Sequence[float | int] | Mapping[str, Sequence[float | int]] | None
+    limit: int | None
+    description: str = field(default="")
+
+
+QUICK = Suite(
+    name="quick",
+    tasks=(
+        "synthetic_recall",
+        "needle:lengths=512:depths=0+50+100:max_new_tokens=16",
+        "mdqa:max_new_tokens=32",
+        "xsum",
+        "piqa",
+    ),
+    methods=("streamingllm", "h2o", "snapkv"),
+    budgets=(0.2, 0.5),
+    limit=6,
+    description="5 tasks x 3 methods x 2 ratio budgets (+ full cache), 6 items each",
+)
+
+
+def claims_suite(limit: int | None = 20) -> Suite:
+    tasks, methods, budgets = claims_grid()
+    return Suite(
+        name="claims",
+        tasks=tuple(tasks),
+        methods=methods,
+        budgets=budgets,
+        limit=limit,
+        description="every method/budget the paper claims need (kvhive/evaluation/claims.py)",
+    )
+
+
+SUITES = {"quick": lambda: QUICK, "claims": claims_suite}
+
+
+def get_suite(name: str) -> Suite:
+    if name not in SUITES:
+        raise ValueError(f"unknown suite {name!r}; known suites: {', '.join(SUITES)}")
+    return SUITES[name]()
