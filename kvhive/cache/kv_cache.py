@@ -67,9 +67,14 @@ class Budget:
                     raise ValueError(
                         f"invalid budget={text!r}: expected tokens per head (integer >= 1) or a ratio in (0, 1]"
                     ) from None
-        if isinstance(value, float):
-            return cls(ratio=value)
-        return cls(tokens=value)
+        try:
+            if isinstance(value, float):
+                return cls(ratio=value)
+            return cls(tokens=value)
+        except ValueError:
+            raise ValueError(
+                f"invalid budget={value!r}: expected tokens per head (an integer >= 1) or a ratio (a float in (0, 1])"
+            ) from None
 
     def resolve(self, context_length: int) -> int:
         if self.tokens is not None:
@@ -89,9 +94,10 @@ class KVHiveCache(Cache):
         budget: a :class:`Budget`, an int (tokens per head) or a float ratio in (0, 1].
         compress_sliding: also compress sliding-window layers (default: leave them as the
             model defines them, already bounded by their window).
-        decode_every: in decoding, compress every N steps (the cache overshoots by < N).
+        decode_every: in decoding, compress at most every N steps (the cache overshoots by < N).
         decode_slack: in decoding, let the cache grow ``slack`` tokens past the budget before
-            compressing back to the budget (threshold policy).
+            compressing back to the budget (threshold policy). A step compresses when the layer
+            holds more than ``budget + slack`` tokens and ``decode_every`` steps have passed.
     """
 
     def __init__(self, config, policy: Policy, budget: Budget | int | float, *, compress_sliding: bool = False,
@@ -195,9 +201,7 @@ class KVHiveCache(Cache):
         self._store_token_scores(store, scoring)
         store.decode_steps_since_compression += 1
         length = scoring.num_tokens
-        if length <= budget:
-            return
-        if length <= budget + self.decode_slack and store.decode_steps_since_compression < self.decode_every:
+        if length <= budget + self.decode_slack or store.decode_steps_since_compression < self.decode_every:
             return
         keep = self.policy.select_decode(scoring, budget, store.policy_state)
         self._store_token_scores(store, scoring)

@@ -105,7 +105,7 @@ def resolve_eval_grid(args: argparse.Namespace) -> dict[str, Any]:
         # restricting a suite to some tasks keeps the suite's per-task methods/budgets for them
         names = [t.split(":")[0] for t in tasks]
         if isinstance(methods, dict):
-            methods = {k: v for k, v in methods.items() if k in names} if not args.methods else methods
+            methods = {k: v for k, v in methods.items() if k in names}
         if isinstance(budgets, dict):
             budgets = {k: v for k, v in budgets.items() if k in names}
     out = args.out or Path("runs") / f"eval-{args.model}-{args.suite or 'custom'}"

@@ -158,11 +158,10 @@ def claims_section(summary: ResultsSummary) -> str:
         "| claim | paper | task | the paper says | measured here | verdict |",
         "|---|---|---|---|---|---|",
     ]
+    counts = {v: 0 for v in verdict_text.values()}
     for claim, (holds, measured) in zip(CLAIMS, evaluate_claims(summary)):
         cells = [claim.id, claim.paper, claim.task, claim.paper_says, measured, f"**{verdict_text[holds]}**"]
         lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
-    counts = {v: 0 for v in verdict_text.values()}
-    for holds, _ in evaluate_claims(summary):
         counts[verdict_text[holds]] += 1
     lines += ["", ", ".join(f"{v}: {n}" for v, n in counts.items())]
     return "\n".join(lines)
@@ -204,8 +203,8 @@ def write_report(out_dir: str | Path, margin: float = CHANCE_MARGIN, include_cla
         near = summary.near_chance(task, margin)
         if near:
             lines += [
-                f"> **Warning:** the full cache scores {_fmt(summary.full(task))}, within {margin:g} of chance "
-                f"({_fmt(chance)}): this model cannot do the task, so differences between methods here are not evidence.",
+                f"> **Warning:** the full cache scores {_fmt(summary.full(task))}, no better than chance ({_fmt(chance)}) "
+                f"+ {margin:g}: this model cannot do the task, so differences between methods here are not evidence.",
                 "",
             ]
         elif summary.count(task, FULL_METHOD) == 0:

@@ -1,0 +1,177 @@
+"""AhaKV (Gu et al., 2025, "AhaKV: Adaptive Holistic Attention-Driven KV Cache Eviction for
+Efficient Inference of Large Language Models"), Algorithm 1, both phases.
+
+Prefill (Algorithm 1, lines 5-12), per layer and head:
+
+* **Recent accumulation** (Eq. 5): the eviction score of key ``j`` sums the attention weights
+  of the last ``r`` query rows only, ``S_j = sum_{i=n-r}^{n} a_ij``, so every key has the same
+  number of terms (the plain accumulated score of H2O, Eq. 2-4, decays with the position).
+  ``r`` = the recent budget ``B_r`` (``recent = 32``; METHODS.md choice).
+* **Step-gain softmax** (Eq. 9-12): the weights come from ``softmax(lambda q.k)`` with
+  ``lambda = sqrt(2 ln(n/k) / d)`` on raw ``q.k`` (Eq. 12), i.e. the model's usual logits
+  ``q.k * scaling`` multiplied by :func:`step_gain` ``= sqrt(2 ln(n/k))``; ``n`` = tokens seen so
+  far, ``k`` = the budget. This only changes the *scores*, never the model's attention. For
+  ``n <= k`` (nothing to evict) the gain is 0 (Eq. 12 gives ``ln 1 = 0`` at ``n = k``).
+* **Value prior** (Eq. 13-15): ``gamma = Avgpool(||v||^2)`` (mean filter of ``kernel = 7``
+  tokens along the sequence, METHODS.md choice), ``gamma_bar = gamma / max gamma`` per head,
+  ``S_hat = gamma_bar * S``.
+* Keep the top ``B_s = budget - B_r`` keys by ``S_hat`` outside the most recent ``B_r`` tokens,
+  plus those ``B_r`` recent tokens (``S^s ∪ S^r``, line 12).
+
+Decode (lines 17-30): the running score starts at ``F_0 = S_hat`` (line 19, so the value prior
+enters through the prompt's scores only); each step adds the new query's step-gain softmax over
+the kept keys, ``F_t = SG-softmax(A_t) + F_{t-1}`` (line 27, no prior on the new term, new
+tokens start at 0), and the cache is cut back to the top ``B_s`` by ``F_t`` plus the recent
+``B_r`` (lines 28-30). ``F`` lives in ``scoring.token_scores`` so the cache keeps it aligned with
+the stored tokens.
+
+GQA: scores are computed per query head and averaged over each KV group (METHODS.md choice);
+the value prior is per stored head. Padding (``valid`` False) is excluded from the mean filter
+and from ``max gamma`` and ranks last.
+
+:func:`ahakv_scores` computes ``S_hat`` for one layer; Ada-KV (``ada-ahakv``) reuses it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvhive.methods.base import (DECODE, PREFILL, Policy, PolicyConfig, ScoringInputs, keep_top_scores, recent_mask,
+                                 require, require_int_at_least)
+
+SCORE = "ahakv_running"
+_BUDGET_KEY = "ahakv_budget"
+
+
+def step_gain(num_tokens: int, budget: int) -> float:
+    """Multiplier of the usual logits ``q.k * scaling`` giving AhaKV's SG-softmax (Eq. 12).
+
+    ``lambda = sqrt(2 ln(n/k) / d)`` multiplies raw ``q.k``; since the usual logits already carry
+    ``1/sqrt(d)``, the multiplier is ``sqrt(2 ln(n/k))``. Zero while ``n <= k``.
+    """
+    if budget < 1:
+        raise ValueError(f"invalid budget={budget!r}: expected an integer >= 1")
+    if num_tokens <= budget:
+        return 0.0
+    return math.sqrt(2.0 * math.log(num_tokens / budget))
+
+
+def value_prior(values: torch.Tensor, valid: torch.Tensor | None, kernel: int) -> torch.Tensor:
+    """``gamma_bar [B, H, N]`` = mean filter of ``||v||^2`` (Eq. 13) divided by its maximum (Eq. 14).
+
+    The mean filter is centred with ``kernel`` taps and averages only real tokens (padding and
+    the sequence edges do not count), so a row's padding never dilutes its real values.
+    """
+    norms = values.float().pow(2).sum(dim=-1)
+    if valid is None:
+        valid = torch.ones_like(norms, dtype=torch.bool)
+    weight = valid.to(norms.dtype)
+    norms = norms * weight
+    if kernel > 1:
+        b, h, n = norms.shape
+        stacked = torch.stack([norms, weight], dim=2).reshape(b * h, 2, n)
+        pooled = F.avg_pool1d(stacked, kernel_size=kernel, stride=1, padding=kernel // 2, count_include_pad=True)
+        pooled = pooled.reshape(b, h, 2, n)
+        gamma = pooled[:, :, 0] / pooled[:, :, 1].clamp_min(1e-12)
+    else:
+        gamma = norms
+    gamma = torch.where(valid, gamma, torch.zeros_like(gamma))
+    peak = gamma.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(gamma.dtype).tiny)
+    return gamma / peak
+
+
+def ahakv_scores(scoring: ScoringInputs, budget: int, recent: int = 32, kernel: int = 7) -> torch.Tensor:
+    """AhaKV's prefill eviction scores ``S_hat [B, H, N]`` for one layer (Eq. 5, 12, 13-15).
+
+    Step-gain softmax weights of the last ``recent`` query rows, summed per key (per query
+    head, then averaged over each KV group), times the normalised value prior. ``budget`` is
+    the ``k`` of Eq. 12 (tokens kept per head); ``n`` is ``scoring.sequence_length``.
+    """
+    gain = step_gain(scoring.sequence_length, budget)
+    accumulated = scoring.recent_accumulated_attention(recent, logit_multiplier=gain)
+    scores = scoring.to_kv_heads(accumulated)
+    return value_prior(scoring.values, scoring.valid, kernel) * scores
+
+
+@dataclass(frozen=True)
+class AhaKVConfig(PolicyConfig):
+    recent: int = 32
+    kernel: int = 7
+
+    def validate(self) -> None:
+        require_int_at_least(self.recent, 1, "recent")
+        require_int_at_least(self.kernel, 1, "kernel")
+        require(self.kernel % 2 == 1, "kernel", "an odd integer (centred mean filter)", self.kernel)
+
+
+class AhaKV(Policy):
+    name = "ahakv"
+    phases = frozenset({PREFILL, DECODE})
+    config_class = AhaKVConfig
+    paper = "Gu et al. 2025, Algorithm 1 (Eq. 5, 12, 13-15)"
+    needs_decode_attention = False  # the SG-softmax of the new query is recomputed from q and K
+
+    def __init__(self, config=None, **parameters) -> None:
+        super().__init__(config, **parameters)
+        # The cache tells a policy its budget through layer_budgets() (once per cache, right
+        # before the first prefill decision) and select_*(); initialize_decode/observe_decode do
+        # not receive it, but Eq. 12 needs k there too. See _budget().
+        self._resolved_budget: int | None = None
+
+    def minimum_budget(self) -> int:
+        return self.config.recent
+
+    def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
+        self._resolved_budget = budget
+        return [budget] * num_layers
+
+    def _budget(self, state: dict) -> int | None:
+        if _BUDGET_KEY not in state and self._resolved_budget is not None:
+            state[_BUDGET_KEY] = self._resolved_budget
+        return state.get(_BUDGET_KEY)
+
+    def _check_budget(self, budget: int) -> None:
+        if budget < self.config.recent:
+            raise ValueError(
+                f"invalid budget={budget}: AhaKV keeps the recent budget B_r (recent={self.config.recent}) "
+                f"inside the budget, so it must be >= {self.config.recent}"
+            )
+
+    def _keep(self, scoring: ScoringInputs, scores: torch.Tensor, budget: int) -> torch.Tensor:
+        recent = recent_mask(scoring.num_tokens, self.config.recent, scores)
+        return keep_top_scores(scores, budget, scoring.valid, forced=recent)
+
+    # -- prefill ---------------------------------------------------------------------------------
+    def initialize_decode(self, scoring: ScoringInputs, state: dict) -> None:
+        """``F_0 = S_hat`` over the prompt (Algorithm 1, line 19)."""
+        budget = self._budget(state)
+        if budget is None:  # no budget known (a cache that never resolved one): no step gain
+            budget = scoring.sequence_length
+        scoring.token_scores[SCORE] = ahakv_scores(scoring, budget, self.config.recent, self.config.kernel)
+        state["ahakv_scored_with"] = budget
+
+    def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+        self._check_budget(budget)
+        state[_BUDGET_KEY] = budget
+        if SCORE not in scoring.token_scores or state.get("ahakv_scored_with") != budget:
+            self.initialize_decode(scoring, state)
+        return self._keep(scoring, scoring.token_scores[SCORE], budget)
+
+    # -- decode ----------------------------------------------------------------------------------
+    def observe_decode(self, scoring: ScoringInputs, state: dict) -> None:
+        """``F_t = SG-softmax(A_t) + F_{t-1}`` over the stored keys (line 27)."""
+        budget = self._budget(state) or scoring.sequence_length
+        gain = step_gain(scoring.sequence_length, budget)
+        # Every query of this forward pass (one while generating token by token).
+        new_rows = scoring.recent_accumulated_attention(scoring.num_queries, logit_multiplier=gain)
+        running = scoring.token_scores[SCORE]
+        running += scoring.to_kv_heads(new_rows).to(running.dtype)
+
+    def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+        self._check_budget(budget)
+        state[_BUDGET_KEY] = budget
+        return self._keep(scoring, scoring.token_scores[SCORE], budget)

@@ -1,0 +1,285 @@
+"""SubGen eviction (Zandieh et al., 2024, "SubGen: Token Generation in Sublinear Time and
+Memory", Sec. 3.2 "End-to-end Text Generation").
+
+The paper's experiments keep "the most recent ``r`` token embeddings, in addition to ``k``
+centers selected from the remaining tokens" by the greedy k-center algorithm (Dyer & Frieze
+1985 / Gonzalez: farthest-point clustering), with the cache budget ``r + k``. Per (batch, KV
+head), L2 distance between keys (after RoPE, as stored).
+
+Prefill (the paper's "apply the greedy k-center clustering algorithm once to compress the
+entire KV cache"): the first center is the oldest real token outside the recent window
+**(choice: the paper leaves the seed point open; the oldest token is deterministic and keeps
+the attention sink)**; each next center is the candidate farthest from the centers chosen so
+far. Computed exactly, but in blocks (see :func:`farthest_point_order`) so the keys are read
+once per ``block`` centers instead of once per center.
+
+Decode **(choice; the paper compresses once)**: when a token leaves the recent window it
+joins the candidate set (the ``k`` kept centers); while the set is larger than ``k`` the
+closest pair of candidates is found and its *newer* member is evicted. Evicting a member of
+the closest pair is the single removal that keeps the k-center covering radius of the
+candidates smallest; keeping the older one mirrors Algorithm 1, whose cluster representative
+is the first key of the cluster. Each candidate's nearest-neighbour distance and position are
+kept as per-token scores (compacted by the cache with the tokens), so a decode step costs
+``O(N·d)`` per head (distances of the newcomer to the candidates), not ``O(k²·d)``.
+
+Default ``recent = 32`` **(choice: the paper gives no value; 32 is the recent window of the
+other methods here, SnapKV's observation window and AhaKV's ``B_r``)**; ``budget ≥ recent + 1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvhive.methods.base import (DECODE, PREFILL, Policy, PolicyConfig, ScoringInputs, keep_top_scores,
+                                 recent_mask, require_int_at_least)
+
+# Per-token scores (kept aligned with the stored tokens by the cache).
+NEAREST_DISTANCE = "subgen_nn_sqdist"   # squared L2 distance to the nearest other candidate
+NEAREST_POSITION = "subgen_nn_position"  # original position of that candidate (-1: none)
+READY = "subgen_ready"                  # 1: the two entries above are current for this candidate
+
+# Elements of a distance block computed at once (rows x new tokens x stored tokens).
+_BLOCK_ELEMENTS = 1 << 22
+
+
+@dataclass(frozen=True)
+class SubGenConfig(PolicyConfig):
+    recent: int = 32
+
+    def validate(self) -> None:
+        require_int_at_least(self.recent, 0, "recent")
+
+
+# ---------------------------------------------------------------------------------------------
+# Greedy k-center (farthest point)
+# ---------------------------------------------------------------------------------------------
+
+
+def _squared_distances(points: torch.Tensor, points_sq: torch.Tensor, centers: torch.Tensor,
+                       centers_sq: torch.Tensor) -> torch.Tensor:
+    """``[R, N, d] x [R, P, d] -> [R, N, P]`` squared L2 distances (clamped at 0)."""
+    dots = torch.matmul(points, centers.transpose(-1, -2))
+    return (points_sq[..., :, None] - 2 * dots + centers_sq[..., None, :]).clamp_min_(0)
+
+
+def farthest_point_order(keys: torch.Tensor, candidates: torch.Tensor, count: int, *, block: int = 32,
+                         pool: int = 128) -> torch.Tensor:
+    """Greedy k-center on each row: ``[R, count]`` indices of the chosen centers in pick order.
+
+    ``keys [R, N, d]``, ``candidates [R, N]`` bool. The first center is each row's first
+    candidate; every next one is the candidate with the largest distance to its nearest chosen
+    center (ties: any maximiser). A row with fewer candidates than ``count`` gets ``-1`` after
+    its candidates run out.
+
+    Exact, but blocked: the distances of all points to the newest centers are applied in one
+    matrix product every ``block`` centers (the keys are read once per block, not once per
+    center). In between, the exact distances are maintained only for a pool of the ``pool``
+    points with the largest (possibly stale, i.e. too large) values; the pool's best point is
+    the true farthest point whenever its exact value is at least the largest stale value
+    outside the pool (stale values only overestimate), otherwise the block is applied early.
+    """
+    rows, num_points, _ = keys.shape
+    device = keys.device
+    order = torch.full((rows, count), -1, dtype=torch.long, device=device)
+    if count == 0 or num_points == 0:
+        return order
+    keys = keys.float()
+    keys_sq = (keys * keys).sum(-1)
+    row_index = torch.arange(rows, device=device)
+    neg_inf = float("-inf")
+    # nearest[x]: squared distance to the nearest of the centers applied so far; -inf = not
+    # eligible (not a candidate, or already a center).
+    nearest = torch.where(candidates, float("inf"), neg_inf)
+    centers = keys.new_empty(rows, count, keys.shape[-1])
+    centers_sq = keys.new_zeros(rows, count)
+    applied = 0
+    pool = max(1, min(pool, num_points))
+    pool_index = pool_keys = pool_sq = pool_value = None
+    threshold = torch.full((rows,), float("inf"), device=device)  # forces a refresh first
+
+    def refresh(upto: int):
+        nonlocal applied, pool_index, pool_keys, pool_sq, pool_value, threshold, nearest
+        if upto > applied:
+            distances = _squared_distances(keys, keys_sq, centers[:, applied:upto], centers_sq[:, applied:upto])
+            nearest = torch.minimum(nearest, distances.amin(-1))
+            applied = upto
+        take = min(pool + 1, num_points)
+        values, index = nearest.topk(take, dim=-1)
+        if take > pool:
+            threshold = values[:, pool]
+            values, index = values[:, :pool], index[:, :pool]
+        else:
+            threshold = torch.full((rows,), neg_inf, device=device)
+        pool_index, pool_value = index, values
+        pool_keys = keys.gather(1, index[..., None].expand(-1, -1, keys.shape[-1]))
+        pool_sq = keys_sq.gather(1, index)
+
+    for step in range(count):
+        if step == 0:
+            has_candidate = candidates.any(-1)
+            chosen = candidates.to(torch.int8).argmax(-1)
+        else:
+            if pool_value is None:
+                refresh(step)
+            best, slot = pool_value.max(-1)
+            if step - applied >= block or bool((best < threshold).any()):
+                refresh(step)
+                best, slot = pool_value.max(-1)
+            has_candidate = best > neg_inf
+            if not bool(has_candidate.any()):
+                break
+            chosen = pool_index.gather(1, slot[:, None]).squeeze(1)
+            pool_value[row_index, slot] = neg_inf
+        order[:, step] = torch.where(has_candidate, chosen, -1)
+        nearest[row_index, chosen] = torch.where(has_candidate, neg_inf, nearest[row_index, chosen])
+        center = keys[row_index, chosen]
+        centers[:, step] = center
+        centers_sq[:, step] = keys_sq[row_index, chosen]
+        if pool_value is not None:
+            distance = _squared_distances(pool_keys, pool_sq, center[:, None], centers_sq[:, step, None]).squeeze(-1)
+            pool_value = torch.minimum(pool_value, distance)
+    return order
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode-phase maintenance of the candidate set
+# ---------------------------------------------------------------------------------------------
+
+
+def _padded_indices(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mask [R, N]`` -> ``(index [R, a], present [R, a])`` with the True columns of each row."""
+    counts = mask.sum(-1)
+    width = int(counts.max()) if counts.numel() else 0
+    # Stable sort puts the True columns first, in order.
+    index = torch.sort((~mask).to(torch.int8), dim=-1, stable=True).indices[:, :width]
+    present = torch.arange(width, device=mask.device)[None, :] < counts[:, None]
+    return index, present
+
+
+def _nearest_among(keys: torch.Tensor, keys_sq: torch.Tensor, members: torch.Tensor, index: torch.Tensor,
+                   present: torch.Tensor):
+    """Yield ``(columns, distances [R, c, N])``: squared distances of the tokens ``index`` to
+    every token, ``inf`` where the token is not in ``members`` or is the token itself."""
+    rows, num_tokens, dim = keys.shape
+    step = max(1, _BLOCK_ELEMENTS // max(1, rows * num_tokens))
+    for start in range(0, index.shape[1], step):
+        columns = slice(start, start + step)
+        chosen = index[:, columns]
+        chosen_keys = keys.gather(1, chosen[..., None].expand(-1, -1, dim))
+        distances = _squared_distances(chosen_keys, keys_sq.gather(1, chosen), keys, keys_sq)
+        distances = distances.masked_fill(~members[:, None, :], float("inf"))
+        distances.scatter_(2, chosen[..., None], float("inf"))
+        distances = distances.masked_fill(~present[:, columns, None], float("inf"))
+        yield columns, distances
+
+
+def maintain_candidates(keys: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor, target: int,
+                        nearest_sq: torch.Tensor, nearest_position: torch.Tensor, ready: torch.Tensor):
+    """Shrink each row's candidate set to ``target`` by repeatedly evicting the newer member of
+    the closest pair. All ``[R, N]`` (keys ``[R, N, d]``); ``nearest_*`` are updated in place for
+    the candidates; returns the surviving candidates ``[R, N]`` bool."""
+    keys = keys.float()
+    keys_sq = (keys * keys).sum(-1)
+    positions = positions.to(nearest_position.dtype)
+    rows = keys.shape[0]
+    row_index = torch.arange(rows, device=keys.device)
+    candidates = candidates.clone()
+
+    def recompute(mask: torch.Tensor, update_others: bool) -> None:
+        index, present = _padded_indices(mask)
+        if index.shape[1] == 0:
+            return
+        for columns, distances in _nearest_among(keys, keys_sq, candidates, index, present):
+            chosen, here = index[:, columns], present[:, columns]
+            best, where_best = distances.min(-1)
+            found = torch.isfinite(best) & here
+            new_sq = torch.where(found, best, float("inf"))
+            new_pos = torch.where(found, positions.gather(1, where_best), -1.0)
+            # Rows without a valid entry scatter onto their own first index with its current value.
+            nearest_sq.scatter_(1, chosen, torch.where(here, new_sq, nearest_sq.gather(1, chosen)))
+            nearest_position.scatter_(1, chosen, torch.where(here, new_pos, nearest_position.gather(1, chosen)))
+            if update_others:
+                # The new tokens may be the nearest neighbour of candidates that were already there.
+                column_best, column_arg = distances.min(1)
+                source = positions.gather(1, chosen.gather(1, column_arg))
+                closer = ready & (column_best < nearest_sq)
+                nearest_sq.copy_(torch.where(closer, column_best, nearest_sq))
+                nearest_position.copy_(torch.where(closer, source, nearest_position))
+
+    newcomers = candidates & ~ready
+    if bool(newcomers.any()):
+        recompute(newcomers, update_others=True)
+    excess = candidates.sum(-1) - target
+    while bool((excess > 0).any()):
+        active = excess > 0
+        value = torch.where(candidates, nearest_sq, float("inf"))
+        first = value.argmin(-1)
+        partner_position = nearest_position[row_index, first]
+        partner_mask = candidates & (positions == partner_position[:, None])
+        partner = partner_mask.to(torch.int8).argmax(-1)
+        has_partner = partner_mask.any(-1)
+        newer_is_partner = has_partner & (positions[row_index, partner] > positions[row_index, first])
+        drop = torch.where(newer_is_partner, partner, first)
+        candidates[row_index[active], drop[active]] = False
+        dropped_position = torch.where(active, positions[row_index, drop], -2.0)
+        affected = candidates & (nearest_position == dropped_position[:, None])
+        if bool(affected.any()):
+            recompute(affected, update_others=False)
+        excess = excess - active.long()
+    ready.copy_(candidates.to(ready.dtype))
+    return candidates
+
+
+class SubGen(Policy):
+    name = "subgen"
+    phases = frozenset({PREFILL, DECODE})
+    config_class = SubGenConfig
+    paper = "Zandieh et al. 2024, Sec. 3.2 (recent r + greedy k-center of the rest, budget r + k)"
+
+    def minimum_budget(self) -> int:
+        return self.config.recent + 1
+
+    def _split(self, scoring: ScoringInputs):
+        valid = scoring.valid
+        forced = recent_mask(scoring.num_tokens, self.config.recent, valid) & valid
+        return valid, forced, valid & ~forced
+
+    def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+        valid, forced, candidates = self._split(scoring)
+        b, h, n, d = scoring.keys.shape
+        count = budget - self.config.recent
+        order = farthest_point_order(scoring.keys.reshape(b * h, n, d), candidates.reshape(b * h, n),
+                                     min(count, n))
+        rank = torch.zeros(b * h, n, dtype=torch.float32, device=scoring.keys.device)
+        # Earlier picks rank higher; -1 entries (no candidate left) go to a scratch column.
+        scores = torch.arange(order.shape[1], 0, -1, dtype=torch.float32, device=rank.device).expand_as(order)
+        scratch = torch.cat([rank, rank.new_zeros(b * h, 1)], dim=1)
+        scratch.scatter_(1, torch.where(order >= 0, order, n), scores)
+        rank = scratch[:, :n].reshape(b, h, n)
+        return keep_top_scores(rank, budget, valid, forced=forced)
+
+    def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+        valid, forced, candidates = self._split(scoring)
+        b, h, n, d = scoring.keys.shape
+        scores = scoring.token_scores
+        shape = (b * h, n)
+        device = scoring.keys.device
+        nearest_sq = scores.get(NEAREST_DISTANCE)
+        nearest_sq = (nearest_sq.reshape(shape).clone() if nearest_sq is not None
+                      else torch.full(shape, float("inf"), device=device))
+        nearest_position = scores.get(NEAREST_POSITION)
+        nearest_position = (nearest_position.reshape(shape).clone() if nearest_position is not None
+                            else torch.full(shape, -1.0, device=device))
+        ready = scores.get(READY)
+        ready = (ready.reshape(shape) > 0) if ready is not None else torch.zeros(shape, dtype=torch.bool,
+                                                                                  device=device)
+        ready = ready & candidates.reshape(shape)
+        kept = maintain_candidates(scoring.keys.reshape(b * h, n, d), scoring.positions.reshape(shape),
+                                   candidates.reshape(shape), budget - self.config.recent, nearest_sq,
+                                   nearest_position, ready)
+        scores[NEAREST_DISTANCE] = nearest_sq.reshape(b, h, n)
+        scores[NEAREST_POSITION] = nearest_position.reshape(b, h, n)
+        scores[READY] = ready.reshape(b, h, n).float()
+        return keep_top_scores(kept.reshape(b, h, n).float(), budget, valid, forced=forced)

@@ -1,0 +1,48 @@
+"""TOVA (Oren et al., 2024, "Transformers are Multi-State RNNs"), Token Omission Via Attention.
+
+Sec. 4 (TOVA policy): at every decoding step, once the multi-state (the cache) is full, drop the
+token whose attention from the *current* query is lowest. The scores are the newest query's
+softmax weights averaged over **all** heads of the layer (the paper's layer-wise variant: one
+kept set shared by every head, so each head keeps the same tokens; with GQA the average runs
+over all query heads). No running sum: only the current query's attention counts.
+
+Prefill: keep the top ``budget`` tokens by the last prompt query's attention (averaged the same
+way). Padding (``valid`` False) is never kept while real tokens remain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvhive.methods.base import DECODE, PREFILL, Policy, PolicyConfig, ScoringInputs, keep_top_scores
+
+
+@dataclass(frozen=True)
+class TOVAConfig(PolicyConfig):
+    pass
+
+
+def layer_scores(scoring: ScoringInputs) -> torch.Tensor:
+    """``[B, H, N]``: the newest query's attention averaged over every query head, one row per
+    batch element broadcast to every stored head (one kept set per layer)."""
+    averaged = scoring.last_query_attention().float().mean(dim=1, keepdim=True)
+    return averaged.expand(scoring.batch_size, scoring.num_heads, scoring.num_tokens)
+
+
+class TOVA(Policy):
+    name = "tova"
+    phases = frozenset({PREFILL, DECODE})
+    config_class = TOVAConfig
+    paper = "Oren et al. 2024, Sec. 4 (TOVA: drop the lowest current-query attention, averaged over heads)"
+    needs_decode_attention = True
+
+    def _keep(self, scoring: ScoringInputs, budget: int) -> torch.Tensor:
+        return keep_top_scores(layer_scores(scoring), budget, scoring.valid)
+
+    def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+        return self._keep(scoring, budget)
+
+    def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+        return self._keep(scoring, budget)

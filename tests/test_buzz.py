@@ -1,0 +1,453 @@
+"""BUZZ and BUZZ with log n (kvhive/methods/buzz.py; ../shared/papers/buzz.txt)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache
+from transformers.masking_utils import sdpa_mask
+
+from kvhive.api import make_cache
+from kvhive.methods import make_policy
+from kvhive.methods.base import DECODE, PREFILL, ScoringInputs
+from kvhive.methods.buzz import (EVICTIONS, OLD, SCORE, Buzz, BuzzLogN, layout_for_budget, local_max_mask,
+                                 old_sample_sizes, small_stride, theorem_ratio)
+from kvhive.models import TINY_ARCHITECTURES, TINY_ATTENTION_KINDS, load_model, tiny_model
+
+from helpers import left_padded_batch, prefill_and_decode, reference_logits
+
+ALL_TINY = [(a, k) for a in TINY_ARCHITECTURES for k in TINY_ATTENTION_KINDS]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny tensors: extra intra-op threads only add contention (10x slower on a busy 2-core box).
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+# ----------------------------------------------------------------------------------------------
+# Hand-made scoring inputs and a plain-Python model of Algorithms 1-2
+# ----------------------------------------------------------------------------------------------
+
+
+def scoring_for(scores: torch.Tensor, valid: torch.Tensor | None = None, phase: str = DECODE) -> ScoringInputs:
+    """ScoringInputs over ``scores[B, H, N]`` (BUZZ's accumulated attention) with dummy tensors."""
+    b, h, n = scores.shape
+    keys = torch.zeros(b, h, n, 2)
+    if valid is None:
+        valid = torch.ones(b, n, dtype=torch.bool)
+    return ScoringInputs(
+        keys=keys, values=keys.clone(), queries=torch.zeros(b, h, 1, 2),
+        positions=torch.arange(n).expand(b, h, n), mask=valid[:, None, None, :], scaling=1.0,
+        layer_index=0, num_layers=1, sequence_length=n, phase=phase, token_scores={SCORE: scores.clone()},
+    )
+
+
+def reference_eviction(tokens: list[int], score: dict[int, float], sink: int, window: int, old: int,
+                       stride: int, threshold: int) -> tuple[list[int], int]:
+    """Algorithm 1 (line 13-15) and Algorithm 2 on a Python list, for one head, plus Remark 2's
+    extra interval rounds when the samples still do not fit."""
+    hat = (stride + 1) // 2
+    body = tokens[sink:len(tokens) - window]
+    samples = body[:old][::hat]
+    new = body[old:]
+    for start in range(0, len(new), stride):
+        segment = new[start:start + stride]
+        best = max(range(len(segment)), key=lambda j: (score[segment[j]], -j))  # first maximum
+        samples.append(segment[best])
+    while len(samples) > threshold:
+        samples = samples[::hat]
+    return tokens[:sink] + samples + tokens[len(tokens) - window:], len(samples)
+
+
+def stream(policy: Buzz, budget: int, steps: int, heads: int = 2, seed: int = 0, bulk: bool = False):
+    """Feed tokens one by one (or in bulk up to the next eviction) through ``select_decode`` as the
+    cache does; compare every eviction with :func:`reference_eviction`. Returns the old-sample
+    sizes after each eviction and the stored length after each step."""
+    layout = policy.layout(budget)
+    generator = torch.Generator().manual_seed(seed)
+    kept = [[] for _ in range(heads)]
+    score = [dict() for _ in range(heads)]
+    state, olds, lengths, seen = {}, [], [], 0
+    while seen < steps:
+        arriving = (budget + 1 - len(kept[0])) if bulk else 1
+        for h in range(heads):
+            for token in range(seen, seen + arriving):
+                score[h][token] = float(torch.rand((), generator=generator))
+                kept[h].append(token)
+        seen += arriving
+        n = len(kept[0])
+        positions = torch.tensor(kept)[None]
+        scores = torch.tensor([[score[h][t] for t in kept[h]] for h in range(heads)])[None]
+        old_before = state.get(OLD, 0)
+        keep = policy.select_decode(scoring_for(scores), budget, state) if n > budget else None
+        if keep is not None:
+            expected = []
+            for h in range(heads):
+                tokens, count = reference_eviction(kept[h], score[h], layout.sink, layout.window, old_before,
+                                                   policy.config.stride, layout.threshold)
+                expected.append(tokens)
+                assert count == state[OLD]
+            assert positions[keep].view(heads, -1).tolist() == expected
+            kept = expected
+            olds.append(state[OLD])
+        lengths.append(len(kept[0]))
+    return layout, olds, lengths
+
+
+# ----------------------------------------------------------------------------------------------
+# Budget construction (Theorem 3.1)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stride,ratio", [(3, 10 / 4), (4, 3), (5, 26 / 6), (6, 5), (7, 50 / 8)])
+def test_theorem_ratio(stride, ratio):
+    assert float(theorem_ratio(stride)) == pytest.approx(ratio)
+
+
+@pytest.mark.parametrize("budget", [12, 37, 60, 200, 1000])
+@pytest.mark.parametrize("stride", [3, 4, 5, 8])
+def test_layout_fills_the_budget_with_theorem_ratio(budget, stride):
+    layout = layout_for_budget(budget, 4, stride)
+    ratio = float(theorem_ratio(stride))
+    assert layout.sink + layout.window + layout.threshold == budget == layout.peak
+    assert layout.window >= 1
+    # Rounding the window down keeps T/w inside Eq. 13/14's band [r, r + 2s/w).
+    assert ratio <= layout.threshold / layout.window < ratio + 2 * stride / layout.window
+
+
+def test_small_stride():
+    assert [small_stride(s) for s in (3, 4, 5, 6, 7)] == [2, 2, 3, 3, 4]
+
+
+# ----------------------------------------------------------------------------------------------
+# Eviction: local maxima, interval sampling, thresholds, recurrence (Eq. 10)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_local_max_picks_segment_argmax():
+    # sink 1, stride 3, budget 8: window 2, threshold 5 (T/w = 2.5 = (9 + 1)/(3 + 1)).
+    policy = Buzz(sink=1, stride=3)
+    assert policy.layout(8) == layout_for_budget(8, 1, 3)
+    assert (policy.layout(8).window, policy.layout(8).threshold) == (2, 5)
+    # N = 9: sink [0] | new [1..6] (T + 1 = 6 tokens, segments [1,2,3] and [4,5,6]) | window [7, 8].
+    scores = torch.tensor([[[9.0, 0.1, 0.7, 0.3, 0.2, 0.1, 0.9, 0.0, 0.0],
+                            [0.0, 0.8, 0.1, 0.2, 0.3, 0.6, 0.5, 0.0, 0.0]]])
+    state = {}
+    keep = policy.select_decode(scoring_for(scores), 8, state)
+    assert keep[0, 0].nonzero().flatten().tolist() == [0, 2, 6, 7, 8]
+    assert keep[0, 1].nonzero().flatten().tolist() == [0, 1, 5, 7, 8]
+    assert state[OLD] == 2 and state[EVICTIONS] == 1
+
+    # Second eviction: old samples [1, 2] are interval-sampled with ŝ = 2 (keeps the first),
+    # new tokens [3..6] are segments [3, 4, 5] and [6] (the short last one keeps its only token).
+    scores = torch.tensor([[[0.0, 5.0, 5.0, 0.1, 0.4, 0.2, 0.3, 0.0, 0.0]]])
+    keep = policy.select_decode(scoring_for(scores), 8, state)
+    assert keep[0, 0].nonzero().flatten().tolist() == [0, 1, 4, 6, 7, 8]
+    assert state[OLD] == 3
+
+
+def test_local_max_mask_matches_loop_and_prefers_first_on_ties():
+    generator = torch.Generator().manual_seed(3)
+    scores = torch.randint(0, 4, (2, 3, 23), generator=generator).float()  # many ties
+    mask = local_max_mask(scores, 2, 21, 5)
+    expected = torch.zeros_like(mask)
+    for b in range(2):
+        for h in range(3):
+            for start in range(2, 21, 5):
+                segment = scores[b, h, start:min(start + 5, 21)].tolist()
+                expected[b, h, start + segment.index(max(segment))] = True
+    assert torch.equal(mask, expected)
+
+
+def test_nothing_is_evicted_between_thresholds():
+    policy = Buzz(sink=2, stride=3)
+    layout = policy.layout(16)
+    state = {OLD: 3}
+    for n in range(layout.sink + layout.window, layout.peak + 1):  # old + new <= T
+        scores = torch.rand(1, 2, n)
+        assert policy.select_decode(scoring_for(scores), 16, state) is None
+    assert state == {OLD: 3, "buzz_layout": layout}  # no eviction recorded
+    keep = policy.select_decode(scoring_for(torch.rand(1, 2, layout.peak + 1)), 16, state)
+    assert keep is not None and state[EVICTIONS] == 1
+
+
+@pytest.mark.parametrize("stride,budget", [(3, 30), (4, 41), (5, 60), (7, 90)])
+def test_evictions_follow_recurrence_eq10_and_algorithms(stride, budget):
+    policy = Buzz(sink=4, stride=stride)
+    layout, olds, lengths = stream(policy, budget, steps=600)
+    assert len(olds) >= 8
+    # Exact sizes: a_n = ceil(a_{n-1}/ŝ) + ceil((T + 1 - a_{n-1})/s); within 2 of Eq. 10's floors.
+    assert olds == old_sample_sizes(layout.threshold, stride, len(olds))
+    hat, previous = small_stride(stride), 0
+    for size in olds:
+        # Eq. 10 with its first term read as floor(a/ŝ) (its bound Eq. 11 uses a/ŝ ~ 2a/(s+1)).
+        floors = previous // hat + (layout.threshold - previous) // stride
+        assert floors <= size <= floors + 2
+        previous = size
+    # Never more than the budget; between evictions the cache grows one token per step.
+    assert max(lengths) == budget
+    for before, after in zip(lengths, lengths[1:]):
+        assert after == before + 1 or (before == budget and after < budget)
+
+
+@pytest.mark.parametrize("stride", [3, 4, 5, 6, 7])
+@pytest.mark.parametrize("budget", [400, 2000])
+def test_theorem_ratio_steady_state_old_samples_approach_window(stride, budget):
+    policy = Buzz(stride=stride)
+    layout, olds, _ = stream(policy, budget, steps=budget * 6, heads=1, bulk=True)
+    tail = olds[-4:]
+    # Theorem 3.1: the limit of a_n is w (up to the floors of Eq. 11-14: a few tokens).
+    assert all(abs(size - layout.window) <= 3 for size in tail), (layout, olds)
+    # ... and not by accident: with another ratio the limit is far from w.
+    wrong = old_sample_sizes(2 * layout.threshold, stride, 30)
+    assert abs(wrong[-1] - layout.window) > 0.5 * layout.window
+
+
+# ----------------------------------------------------------------------------------------------
+# Prefill (Remark 2) and left padding
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("length", [40, 200, 900])
+def test_prefill_samples_until_it_fits(length):
+    policy = Buzz(sink=4, stride=5)
+    budget = 30
+    layout = policy.layout(budget)  # window 4, threshold 22
+    generator = torch.Generator().manual_seed(length)
+    scores = torch.rand(1, 2, length, generator=generator)
+    state = {}
+    keep = policy.select_prefill(scoring_for(scores, phase=PREFILL), budget, state)
+    kept = keep.sum(-1)
+    assert (kept == kept.flatten()[0]).all() and int(kept[0, 0]) <= layout.sink + layout.window + layout.threshold
+    assert state[OLD] <= layout.threshold and int(kept[0, 0]) == layout.sink + layout.window + state[OLD]
+    for h in range(2):
+        expected, _ = reference_eviction(list(range(length)), dict(enumerate(scores[0, h].tolist())),
+                                         layout.sink, layout.window, 0, 5, layout.threshold)
+        assert keep[0, h].nonzero().flatten().tolist() == expected
+
+
+def test_padding_is_never_kept_and_real_sinks_survive():
+    policy = Buzz(sink=2, stride=3)
+    budget = 16
+    n, pad = 30, 7
+    valid = torch.ones(2, n, dtype=torch.bool)
+    valid[1, :pad] = False
+    scores = torch.rand(2, 2, n, generator=torch.Generator().manual_seed(0))
+    scores[1, :, :pad] = 0.0
+    keep = policy.select_prefill(scoring_for(scores, valid, PREFILL), budget, {})
+    counts = keep.sum(-1)
+    assert (counts == counts[0, 0]).all()  # every row and head keeps the same number
+    assert not keep[1, :, :pad].any()  # the padded row spends nothing on padding
+    assert keep[1, :, pad:pad + 2].all() and keep[0, :, :2].all()  # each row's first real tokens
+    assert keep[:, :, -policy.layout(budget).window:].all()
+
+
+# ----------------------------------------------------------------------------------------------
+# With a model
+# ----------------------------------------------------------------------------------------------
+
+
+def compressed_layers(cache):
+    return cache.compressed_layers
+
+
+@torch.no_grad()
+def run_and_watch(model, cache, input_ids, attention_mask, steps):
+    """Prefill + ``steps`` greedy steps; after each forward, per compressed layer: lengths, old
+    samples, eviction count. Returns (logits [steps+1, B, V], records)."""
+    records = []
+
+    def record():
+        records.append({i: (cache.layers[i].lengths.clone(), cache.layers[i].policy_state.get(OLD, 0),
+                            cache.layers[i].policy_state.get(EVICTIONS, 0)) for i in compressed_layers(cache)})
+
+    logits = []
+    output = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+    logits.append(output.logits[:, -1])
+    record()
+    mask = attention_mask
+    for _ in range(steps):
+        token = output.logits[:, -1].argmax(-1, keepdim=True)
+        mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+        output = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
+        logits.append(output.logits[:, -1])
+        record()
+    return torch.stack(logits), records
+
+
+def check_decode_records(records, layout, stride):
+    """Lengths never pass the budget, grow by one between evictions, and old samples follow Eq. 10."""
+    budget = layout.peak
+    for layer in records[0]:
+        olds = [records[0][layer][1]]
+        for previous, current in zip(records, records[1:]):
+            before, after = int(previous[layer][0].flatten()[0]), int(current[layer][0].flatten()[0])
+            assert (current[layer][0] == after).all()  # uniform over batch and heads
+            assert after <= budget
+            evicted = current[layer][2] - previous[layer][2]
+            if before + 1 <= budget:
+                assert evicted == 0 and after == before + 1  # nothing evicted between thresholds
+            else:
+                assert evicted == 1 and after == layout.sink + layout.window + current[layer][1]
+                olds.append(current[layer][1])
+        assert olds[1:] == old_sample_sizes(layout.threshold, stride, len(olds) - 1, start=olds[0])
+        assert len(olds) >= 3  # several decode evictions happened
+
+
+@pytest.mark.parametrize("architecture,attention", ALL_TINY)
+def test_full_budget_matches_plain_transformers(architecture, attention):
+    model = tiny_model(architecture, attention)
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size)
+    expected = reference_logits(model, input_ids, attention_mask, steps=20)
+    cache = make_cache(model, "buzz", budget=input_ids.shape[1] + 21)
+    actual = prefill_and_decode(model, cache, input_ids, attention_mask, steps=20)
+    assert (actual - expected).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("architecture,attention", ALL_TINY)
+@pytest.mark.parametrize("method", ["buzz", "buzz-logn"])
+def test_prefill_and_50_decode_steps_small_budget(architecture, attention, method):
+    model = tiny_model(architecture, attention)
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=40, pad=9)
+    budget = 20
+    cache = make_cache(model, method, budget=budget, stride=3)
+    layout = cache.policy.layout(budget)
+    logits, records = run_and_watch(model, cache, input_ids, attention_mask, steps=50)
+    assert torch.isfinite(logits).all()
+    assert all(records[0][layer][2] == 1 for layer in records[0])  # the 40-token prompt was cut
+    check_decode_records(records, layout, 3)
+    for layer in compressed_layers(cache):
+        positions = cache.layers[layer].dense()[2]
+        assert (positions[0, :, :4] == torch.arange(4)).all()  # row 0 keeps its sinks
+        assert (positions[1, :, :4] == torch.arange(9, 13)).all()  # the padded row keeps its real sinks
+        assert (positions[1] >= 9).all()  # and no padding
+        assert (positions[:, :, -layout.window:] == torch.arange(90 - layout.window, 90)).all()
+
+
+def test_embedded_model_small_budget_50_steps():
+    model, tokenizer = load_model()
+    inputs = tokenizer(["The history of the bee hive begins with a small colony of workers that"],
+                       return_tensors="pt")
+    budget = 16
+    cache = make_cache(model, "buzz", budget=budget)
+    layout = cache.policy.layout(budget)
+    logits, records = run_and_watch(model, cache, inputs["input_ids"], inputs["attention_mask"], steps=50)
+    assert torch.isfinite(logits).all()
+    assert len(records[0]) == sum(not layer.is_sliding for layer in cache.layers) > 0
+    check_decode_records(records, layout, cache.policy.config.stride)
+    total = inputs["input_ids"].shape[1] + 50
+    for layer in compressed_layers(cache):
+        positions = cache.layers[layer].dense()[2]
+        assert (positions[..., :4] == torch.arange(4)).all()
+        assert (positions[..., -layout.window:] == torch.arange(total - layout.window, total)).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# log n
+# ----------------------------------------------------------------------------------------------
+
+
+def test_logn_scale_values():
+    policy = BuzzLogN()
+    counts = torch.tensor([1, 8, 64, 512, 4096, 1000])
+    expected = torch.tensor([0.0, 1 / 3, 2 / 3, 1.0, 4 / 3, math.log(1000, 512)])
+    torch.testing.assert_close(policy.logit_scale(counts), expected, rtol=0, atol=1e-6)
+    assert Buzz().logit_scale(counts) is None
+    assert float(BuzzLogN(log_base=64).logit_scale(torch.tensor([64]))[0]) == pytest.approx(1.0)
+
+
+_CAPTURED: dict[int, torch.Tensor] = {}
+
+
+def logn_reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Eager attention on the full cache with logits times log_512(number of keys attended)."""
+    batch, kv_heads, length, head_dim = key.shape
+    group = query.shape[1] // kv_heads
+    num_queries = query.shape[2]
+    counts = torch.arange(1, num_queries + 1) if num_queries == length else torch.full((num_queries,), length)
+    factor = torch.log(counts.double()) / math.log(512)
+    keys = key.repeat_interleave(group, dim=1)
+    values = value.repeat_interleave(group, dim=1)
+    logits = torch.matmul(query, keys.transpose(-1, -2)) * scaling * factor.float()[None, None, :, None]
+    logits = logits.masked_fill(~attention_mask, float("-inf"))
+    weights = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)
+    summed = weights.sum(dim=2).reshape(batch, kv_heads, group, length).sum(dim=2)
+    previous = _CAPTURED.get(module.layer_idx)
+    if previous is not None:
+        summed[..., :previous.shape[-1]] += previous
+    _CAPTURED[module.layer_idx] = summed
+    return torch.matmul(weights, values).transpose(1, 2).contiguous(), None
+
+
+def reference_mask(*args, **kwargs):
+    kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
+@pytest.mark.parametrize("architecture,attention", [("llama", "mha"), ("qwen3", "gqa")])
+def test_logn_changes_attention_logits_exactly_by_the_factor(architecture, attention):
+    AttentionInterface.register("buzz-logn-reference", logn_reference_attention)
+    AttentionMaskInterface.register("buzz-logn-reference", reference_mask)
+    model = tiny_model(architecture, attention)
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size)
+    steps = 20
+    plain = reference_logits(model, input_ids, attention_mask, steps=steps)
+    model.set_attn_implementation("buzz-logn-reference")
+    _CAPTURED.clear()
+    expected = prefill_and_decode(model, DynamicCache(config=model.config), input_ids, attention_mask, steps)
+    captured = dict(_CAPTURED)
+    cache = make_cache(model, "buzz-logn", budget=input_ids.shape[1] + steps + 1)
+    actual = prefill_and_decode(model, cache, input_ids, attention_mask, steps)
+    assert (actual - expected).abs().max().item() <= 1e-5
+    assert (actual - plain).abs().max().item() > 1e-2  # the factor really changes the model
+    # The running accumulated attention is the model's own (scaled) attention, prefill included.
+    for layer, summed in captured.items():
+        stored = cache.layers[layer].dense()[3][SCORE]
+        torch.testing.assert_close(stored, summed, atol=1e-4, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# Parameters
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("parameters,name", [
+    ({"stride": 0}, "stride"), ({"stride": 1}, "stride"), ({"stride": 2}, "stride"), ({"stride": 2.5}, "stride"),
+    ({"sink": -1}, "sink"), ({"sink": "4"}, "sink"), ({"window": 8}, "window"),
+])
+@pytest.mark.parametrize("method", ["buzz", "buzz-logn"])
+def test_invalid_parameters_raise(method, parameters, name):
+    with pytest.raises(ValueError, match=name):
+        make_policy(method, **parameters)
+
+
+def test_invalid_log_base_raises():
+    with pytest.raises(ValueError, match="log_base"):
+        BuzzLogN(log_base=1)
+
+
+@pytest.mark.parametrize("sink,stride,smallest", [(4, 5, 10), (0, 3, 4), (4, 4, 8), (1, 7, 9)])
+def test_budget_smaller_than_sink_plus_window_plus_threshold_raises(sink, stride, smallest):
+    policy = Buzz(sink=sink, stride=stride)
+    assert policy.minimum_budget() == smallest
+    assert policy.layout(smallest).window == 1
+    for budget in (smallest - 1, sink, 1):
+        with pytest.raises(ValueError, match="budget"):
+            policy.layout(budget)
+
+
+def test_cache_rejects_too_small_budget():
+    model = tiny_model("llama", "gqa")
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size)
+    cache = make_cache(model, "buzz", budget=9)
+    with pytest.raises(ValueError, match="budget"):
+        prefill_and_decode(model, cache, input_ids, attention_mask, steps=0)

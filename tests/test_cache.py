@@ -1,0 +1,308 @@
+"""The foundation: per-head variable-length storage, phases, positions, sliding layers, inputs."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+from transformers import AttentionInterface, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface
+
+import kvhive
+from kvhive.attention.integration import kvhive_mask
+from kvhive.cache import Budget, KVHiveCache
+from kvhive.methods.base import PREFILL, Policy, PolicyConfig
+from kvhive.models import TINY_ARCHITECTURES, tiny_model
+
+from helpers import left_padded_batch, prefill_and_decode, reference_logits
+
+
+@dataclass(frozen=True)
+class FixedMaskConfig(PolicyConfig):
+    pass
+
+
+class FixedMask(Policy):
+    """Test policy: keeps a given per-head mask after prefill (rows of different lengths)."""
+
+    name = "fixed-mask"
+    phases = frozenset({PREFILL})
+    config_class = FixedMaskConfig
+
+    def __init__(self, keep_by_layer: dict[int, torch.Tensor]):
+        super().__init__()
+        self.keep_by_layer = keep_by_layer
+
+    def select_prefill(self, scoring, budget, state):
+        return self.keep_by_layer[scoring.layer_index].clone()
+
+
+def uneven_masks(model, batch: int, length: int, seed: int = 0) -> dict[int, torch.Tensor]:
+    """A random keep mask per layer where every (batch, head) row keeps a different count."""
+    config = model.config
+    heads = config.num_key_value_heads
+    generator = torch.Generator().manual_seed(seed)
+    masks = {}
+    for layer in range(config.num_hidden_layers):
+        mask = torch.zeros(batch, heads, length, dtype=torch.bool)
+        for b in range(batch):
+            for h in range(heads):
+                count = 3 + (b * heads + h) * 2 + layer
+                chosen = torch.randperm(length - 1, generator=generator)[: count - 1]
+                mask[b, h, chosen] = True
+                mask[b, h, -1] = True  # every row sees the newest prompt token
+        masks[layer] = mask
+    return masks
+
+
+_EVICTED: dict[int, torch.Tensor] = {}
+
+
+def masked_reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Plain sdpa on an uncompressed cache, with evicted entries masked per head (the reference)."""
+    evicted = _EVICTED[module.layer_idx]  # [B, Hkv, N_prompt]
+    batch, kv_heads, length, _ = key.shape
+    group = query.shape[1] // kv_heads
+    allowed = attention_mask.expand(batch, kv_heads, query.shape[2], length).clone()
+    prompt = evicted.shape[-1]
+    if query.shape[2] < length:  # decode: the prompt part of the keys is cut per head
+        allowed[..., :prompt] &= ~evicted[:, :, None, :]
+    allowed = allowed.repeat_interleave(group, dim=1)
+    return sdpa_attention_forward(module, query, key, value, allowed, dropout=dropout, scaling=scaling, **kwargs)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+@pytest.mark.parametrize("attention", ["mha", "gqa"])
+def test_variable_length_heads_free_memory_and_match_masked_reference(architecture, attention):
+    model = tiny_model(architecture, attention)
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=24, pad=5)
+    masks = uneven_masks(model, batch=2, length=24)
+    # Never keep padding, so the reference and the compressed run see the same keys.
+    for mask in masks.values():
+        mask &= attention_mask.bool()[:, None, :]
+        mask[:, :, -1] = True
+
+    cache = kvhive.make_cache(model, FixedMask(masks), budget=20)
+    forced = [torch.randint(3, 200, (2, 1), generator=torch.Generator().manual_seed(s)) for s in range(10)]
+    logits = prefill_and_decode(model, cache, input_ids, attention_mask, steps=10, forced_tokens=forced)
+
+    for layer_index, layer in enumerate(cache.layers):
+        expected = masks[layer_index].sum(-1) + 10  # kept prompt tokens + 10 decoded ones
+        assert torch.equal(layer.lengths, expected)
+        assert not layer.is_uniform
+        stored = int(layer.lengths.sum())
+        assert layer.keys.shape[0] == stored  # nothing padded: one row per kept entry
+        assert layer.nbytes() == stored * layer.bytes_per_token()
+    total_kept = sum(int(v.sum()) for v in cache.kept_tokens().values())
+    assert cache.nbytes() == total_kept * cache.layers[0].bytes_per_token()
+
+    _EVICTED.clear()
+    _EVICTED.update({i: ~m for i, m in masks.items()})
+    AttentionInterface.register("masked_reference", masked_reference_attention)
+    AttentionMaskInterface.register("masked_reference", kvhive_mask)
+    model.set_attn_implementation("masked_reference")
+    reference = prefill_and_decode(model, DynamicCache(config=model.config), input_ids, attention_mask,
+                                   steps=10, forced_tokens=forced)
+    model.set_attn_implementation("sdpa")
+    # The prompt's last logits come from the uncompressed prefill in both runs.
+    assert (logits - reference).abs().max() <= 1e-5
+
+
+def test_storage_append_keeps_segments_in_order():
+    model = tiny_model("llama", "gqa")
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=12, pad=0)
+    masks = uneven_masks(model, batch=2, length=12, seed=3)
+    cache = kvhive.make_cache(model, FixedMask(masks), budget=10)
+    prefill_and_decode(model, cache, input_ids, attention_mask, steps=3)
+    layer = cache.layers[0]
+    offsets = layer.segment_offsets()
+    for segment in range(layer.lengths.numel()):
+        positions = layer.positions[offsets[segment]: offsets[segment + 1]]
+        b, h = divmod(segment, layer.num_heads)
+        kept = masks[0][b, h].nonzero().flatten()
+        assert positions.tolist() == kept.tolist() + [12, 13, 14]
+
+
+@pytest.mark.parametrize("architecture", TINY_ARCHITECTURES)
+def test_true_sequence_length_after_eviction_and_generate_positions(architecture):
+    model = tiny_model(architecture, "gqa")
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=20, pad=3)
+    cache = kvhive.make_cache(model, "local", budget=6)
+    prefill_and_decode(model, cache, input_ids, attention_mask, steps=4)
+    assert cache.get_seq_length() == 24
+    full_layers = [i for i, layer in enumerate(cache.layers) if not layer.is_sliding]
+    for index in full_layers:
+        assert cache.layers[index].num_stored == 2 * cache.layers[index].num_heads * 6
+        assert cache.layers[index].dense()[2][0, 0].tolist() == list(range(18, 24))
+
+
+@pytest.mark.parametrize("architecture", TINY_ARCHITECTURES)
+def test_generate_with_full_budget_matches_plain_generate(architecture):
+    model = tiny_model(architecture, "gqa")
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=16, pad=4)
+    plain = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=8, do_sample=False)
+    cache = kvhive.make_cache(model, "h2o", budget=1000)
+    compressed = model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
+                                max_new_tokens=8, do_sample=False)
+    model.set_attn_implementation("sdpa")
+    assert torch.equal(plain, compressed)
+
+
+def test_sliding_layers_keep_their_window_and_match_transformers():
+    model = tiny_model("gemma3", "gqa")
+    window = model.config.sliding_window
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=3 * window, pad=2)
+    reference = reference_logits(model, input_ids, attention_mask, steps=6)
+    cache = kvhive.make_cache(model, "full")
+    logits = prefill_and_decode(model, cache, input_ids, attention_mask, steps=6)
+    assert (logits - reference).abs().max() <= 1e-5
+    for layer in cache.layers:
+        if layer.is_sliding:
+            assert torch.all(layer.lengths == window - 1)
+        else:
+            assert torch.all(layer.lengths == 3 * window + 6)
+    assert cache.full_cache_nbytes() == cache.nbytes()
+
+
+def test_compress_sliding_layers_on_request():
+    model = tiny_model("gemma3", "gqa")
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=20, pad=0)
+    cache = kvhive.make_cache(model, "streamingllm", budget=6, compress_sliding=True, sink=2)
+    prefill_and_decode(model, cache, input_ids, attention_mask, steps=5)
+    for layer in cache.layers:
+        assert torch.all(layer.lengths == 6)
+    default = kvhive.make_cache(model, "streamingllm", budget=6, sink=2)
+    prefill_and_decode(model, default, input_ids, attention_mask, steps=5)
+    assert [int(l.lengths[0, 0]) for l in default.layers] == [
+        6 if not l.is_sliding else model.config.sliding_window - 1 for l in default.layers
+    ]
+
+
+def test_decode_schedule_every_and_slack():
+    model = tiny_model("llama", "gqa")
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=10, pad=0)
+    every = kvhive.make_cache(model, "local", budget=8, decode_every=4)
+    lengths = []
+    output = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=every, use_cache=True)
+    for _ in range(8):
+        output = model(input_ids=output.logits[:, -1:].argmax(-1), past_key_values=every, use_cache=True)
+        lengths.append(int(every.layers[0].lengths[0, 0]))
+    assert lengths == [9, 10, 11, 8, 9, 10, 11, 8]
+    slack = kvhive.make_cache(model, "local", budget=8, decode_slack=2)
+    output = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=slack, use_cache=True)
+    lengths = []
+    for _ in range(6):
+        output = model(input_ids=output.logits[:, -1:].argmax(-1), past_key_values=slack, use_cache=True)
+        lengths.append(int(slack.layers[0].lengths[0, 0]))
+    assert lengths == [9, 10, 8, 9, 10, 8]
+
+
+def test_statistics_and_accounting():
+    model = tiny_model("llama", "mha")
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=30, pad=0)
+    cache = kvhive.make_cache(model, "local", budget=10)
+    prefill_and_decode(model, cache, input_ids, attention_mask, steps=0)
+    stats = cache.statistics()
+    per_token = cache.layers[0].bytes_per_token()
+    heads = model.config.num_key_value_heads
+    layers = model.config.num_hidden_layers
+    assert stats["kept_tokens_total"] == 2 * heads * layers * 10
+    assert stats["cache_bytes"] == stats["kept_tokens_total"] * per_token
+    assert stats["full_cache_bytes"] == 2 * heads * layers * 30 * per_token
+    assert stats["layer_budgets"] == {str(i): 10 for i in range(layers)}
+
+
+def test_ratio_budget_resolves_against_the_prompt():
+    model = tiny_model("llama", "gqa")
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=40, pad=0)
+    cache = kvhive.make_cache(model, "local", ratio=0.25)
+    prefill_and_decode(model, cache, input_ids, attention_mask, steps=0)
+    assert all(int(layer.lengths[0, 0]) == 10 for layer in cache.layers)
+
+
+def test_context_manager_restores_attention_implementation():
+    model = tiny_model("llama", "gqa")
+    assert model.config._attn_implementation == "sdpa"
+    with kvhive.compression(model):
+        assert model.config._attn_implementation == "kvhive"
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_kvhive_attention_with_another_cache_is_plain_sdpa():
+    model = tiny_model("qwen2", "gqa")
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=12, pad=2)
+    reference = reference_logits(model, input_ids, attention_mask, steps=3)
+    with kvhive.compression(model):
+        logits = prefill_and_decode(model, DynamicCache(config=model.config), input_ids, attention_mask, steps=3)
+    assert (logits - reference).abs().max() <= 1e-5
+
+
+# -- bad input --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", [0, -3, True])
+def test_budget_tokens_must_be_positive(value):
+    model = tiny_model("llama", "gqa")
+    with pytest.raises(ValueError, match="budget"):
+        kvhive.make_cache(model, "local", budget=value)
+
+
+@pytest.mark.parametrize("value", [0.0, 1.5, -0.1, math.nan])
+def test_ratio_must_be_in_unit_interval(value):
+    model = tiny_model("llama", "gqa")
+    with pytest.raises(ValueError, match=r"ratio.*\(0, 1\]"):
+        kvhive.make_cache(model, "local", ratio=value)
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        kvhive.make_cache(model, "local", budget=value)
+
+
+def test_budget_strings_parse_or_fail_clearly():
+    assert Budget.parse("128") == Budget(tokens=128)
+    assert Budget.parse("0.25") == Budget(ratio=0.25)
+    with pytest.raises(ValueError, match="budget"):
+        Budget.parse("lots")
+    with pytest.raises(ValueError, match="budget"):
+        Budget.parse("nan")
+
+
+def test_unknown_method_and_parameter():
+    model = tiny_model("llama", "gqa")
+    with pytest.raises(ValueError, match="unknown method='nope'.*snapkv"):
+        kvhive.make_cache(model, "nope", budget=8)
+    with pytest.raises(ValueError, match="unknown parameter.*'windw'"):
+        kvhive.make_cache(model, "snapkv", budget=64, windw=3)
+
+
+def test_budget_below_method_minimum():
+    model = tiny_model("llama", "gqa")
+    with pytest.raises(ValueError, match="budget=8.*snapkv.*at least 32"):
+        kvhive.make_cache(model, "snapkv", budget=8)
+
+
+@pytest.mark.parametrize("name,value", [("decode_every", 0), ("decode_slack", -1)])
+def test_schedule_parameters(name, value):
+    model = tiny_model("llama", "gqa")
+    with pytest.raises(ValueError, match=name):
+        kvhive.make_cache(model, "local", budget=8, **{name: value})
+
+
+def test_empty_and_too_long_prompts():
+    from kvhive.models import tiny_tokenizer
+
+    model, tokenizer = tiny_model("llama", "gqa"), tiny_tokenizer()
+    with pytest.raises(ValueError, match="prompt"):
+        kvhive.generate(model, tokenizer, "   ", "local", 8)
+    too_long = "a" * (model.config.max_position_embeddings + 1)
+    with pytest.raises(ValueError, match="prompt.*context length"):
+        kvhive.generate(model, tokenizer, too_long, "local", 8)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        kvhive.generate(model, tokenizer, "hello", "local", 8, max_new_tokens=0)
+
+
+def test_cache_refuses_rollback():
+    model = tiny_model("llama", "gqa")
+    cache = KVHiveCache(model.config, kvhive.make_policy("local"), 8)
+    with pytest.raises(NotImplementedError):
+        cache.layers[0].crop(-1)

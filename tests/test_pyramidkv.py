@@ -1,0 +1,151 @@
+"""PyramidKV: linear layer budgets with an exact total, SnapKV selection inside a layer."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kvhive
+from kvhive.methods import make_policy
+from kvhive.methods.base import ScoringInputs
+from kvhive.methods.pyramidkv import PyramidKV, pyramid_budgets
+from kvhive.models import TINY_ARCHITECTURES, TINY_ATTENTION_KINDS, tiny_model
+
+from helpers import left_padded_batch, prefill_and_decode, reference_logits
+
+VARIANTS = [(architecture, attention) for architecture in TINY_ARCHITECTURES for attention in TINY_ATTENTION_KINDS]
+
+
+def _scoring(queries, keys, values=None, scaling=1.0):
+    """ScoringInputs for one sequence with a plain causal mask (hand-made test inputs)."""
+    n = keys.shape[2]
+    q = queries.shape[2]
+    mask = torch.ones(n, n, dtype=torch.bool).tril()[n - q:][None, None]
+    return ScoringInputs(
+        keys=keys, values=keys.clone() if values is None else values, queries=queries,
+        positions=torch.arange(n).expand(keys.shape[:3]), mask=mask, scaling=scaling, layer_index=0,
+        num_layers=1, sequence_length=n, phase="prefill",
+    )
+
+
+# -- layer budgets ------------------------------------------------------------------------------
+
+def test_layer_budgets_hand_computed():
+    # b = 72, window 32: pyramid over the selected 40 per layer: min 40/20 = 2, max 80 - 2 = 78,
+    # step (78 - 2) / 4 = 19 -> 78, 59, 40, 21, 2; plus the window in every layer.
+    assert PyramidKV().layer_budgets(72, 5) == [110, 91, 72, 53, 34]
+    # b = 10, window 2, 3 layers: 2 + (15.6, 8, 0.4) = 17.6, 10, 2.4 -> floors 17, 10, 2 (29), the
+    # missing token goes to the largest fraction (17.6).
+    assert PyramidKV(window=2).layer_budgets(10, 3) == [18, 10, 2]
+    # The literal reading (pyramid over the whole budget, window included): b = 800, beta 20:
+    # min 40, max 1560, step 760 -> 1560, 800, 40.
+    assert PyramidKV(window_in_pyramid=True).layer_budgets(800, 3) == [1560, 800, 40]
+    assert PyramidKV().layer_budgets(64, 1) == [64]
+
+
+@pytest.mark.parametrize("window_in_pyramid", [False, True])
+def test_layer_budgets_exact_total_linear_and_at_least_window(window_in_pyramid):
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        window = int(torch.randint(1, 40, (1,), generator=generator))
+        beta = float(torch.empty(1).uniform_(1.05, 40, generator=generator))
+        layers = int(torch.randint(1, 40, (1,), generator=generator))
+        budget = int(torch.randint(window, window * 60, (1,), generator=generator))
+        if window_in_pyramid:
+            budget = max(budget, math.ceil(window * beta) + 1)
+        budgets = pyramid_budgets(budget, layers, beta, window, window_in_pyramid)
+        assert sum(budgets) == budget * layers
+        assert len(budgets) == layers
+        assert min(budgets) >= window
+        assert all(a >= b for a, b in zip(budgets, budgets[1:])), budgets
+        if layers > 1:
+            base = budget if window_in_pyramid else budget - window
+            offset = 0 if window_in_pyramid else window
+            smallest, largest = base / beta, 2 * base - base / beta
+            targets = [offset + largest - i * (largest - smallest) / (layers - 1) for i in range(layers)]
+            assert all(abs(b - t) < 1 for b, t in zip(budgets, targets)), (budgets, targets)
+
+
+def test_layer_budgets_errors_name_the_parameter():
+    with pytest.raises(ValueError, match="budget"):
+        PyramidKV().layer_budgets(31, 4)  # below the window of 32
+    with pytest.raises(ValueError, match="window"):
+        # 200 / 20 = 10 < window: the last layer cannot hold its observation window.
+        PyramidKV(window_in_pyramid=True).layer_budgets(200, 4)
+
+
+@pytest.mark.parametrize("parameters, name", [
+    ({"beta": 1}, "beta"), ({"beta": 0.5}, "beta"), ({"beta": -3.0}, "beta"), ({"beta": float("inf")}, "beta"),
+    ({"beta": float("nan")}, "beta"), ({"beta": "20"}, "beta"), ({"window": 0}, "window"),
+    ({"kernel": 4}, "kernel"), ({"pooling": "mean"}, "pooling"), ({"window_in_pyramid": 1}, "window_in_pyramid"),
+])
+def test_invalid_parameters(parameters, name):
+    with pytest.raises(ValueError, match=name):
+        make_policy("pyramidkv", **parameters)
+
+
+def test_budget_below_window_is_rejected_by_the_cache():
+    model = tiny_model("llama", "gqa")
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=40)
+    cache = kvhive.make_cache(model, "pyramidkv", budget=8, window=16)
+    with pytest.raises(ValueError, match="budget"):
+        prefill_and_decode(model, cache, input_ids, attention_mask, steps=0)
+
+
+# -- selection ----------------------------------------------------------------------------------
+
+def test_kept_set_hand_checked():
+    # One head, d = 1, scaling 1: the two window queries (rows 8, 9) attend mostly to keys 1 and
+    # 5 (logit 6 vs 0); with kernel 1 and budget 4 the layer keeps {1, 5} + the window {8, 9}.
+    n = 10
+    keys = torch.zeros(1, 1, n, 1)
+    keys[0, 0, 1] = keys[0, 0, 5] = 6.0
+    keys[0, 0, 3] = 2.0  # the third best, left out
+    queries = torch.ones(1, 1, n, 1)
+    policy = PyramidKV(window=2, kernel=1)
+    keep = policy.select_prefill(_scoring(queries, keys), 4, {})
+    assert torch.nonzero(keep[0, 0]).flatten().tolist() == [1, 5, 8, 9]
+
+
+def _layer_compressed_model(architecture, attention):
+    # Every layer full attention so that the pyramid spans all of them (tiny gemma3: 4 layers, one
+    # of them full; with compress_sliding its sliding layers are compressed too).
+    return tiny_model(architecture, attention)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {variant: _layer_compressed_model(*variant) for variant in VARIANTS}
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=["-".join(v) for v in VARIANTS])
+def test_full_budget_matches_transformers(models, variant):
+    model = models[variant]
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size)
+    reference = reference_logits(model, input_ids, attention_mask, steps=20)
+    # Even the last layer (window + (b - window) / 20) holds the 24 + 20 tokens.
+    cache = kvhive.make_cache(model, "pyramidkv", budget=1200)
+    assert min(cache.policy.layer_budgets(1200, 4)) >= 44
+    logits = prefill_and_decode(model, cache, input_ids, attention_mask, steps=20)
+    assert (logits - reference).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=["-".join(v) for v in VARIANTS])
+def test_small_budget_prefill_and_50_decode_steps(models, variant):
+    model = models[variant]
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=40)
+    cache = kvhive.make_cache(model, "pyramidkv", budget=12, window=4, compress_sliding=True)
+    logits = prefill_and_decode(model, cache, input_ids, attention_mask, steps=0)
+    compressed = cache.compressed_layers
+    assert sum(cache.layer_budgets.values()) == 12 * len(compressed)  # exact total over layers
+    kept = cache.kept_tokens()
+    for layer in compressed:
+        # Exactly the layer's budget in every head and sequence (uniform within a layer).
+        assert (kept[layer] == cache.layer_budgets[layer]).all(), (layer, kept[layer], cache.layer_budgets)
+    logits = prefill_and_decode(model, cache, input_ids[:, -1:], attention_mask, steps=50)
+    assert torch.isfinite(logits).all()
+    kept = cache.kept_tokens()
+    for layer in compressed:
+        assert (kept[layer] == cache.layer_budgets[layer] + 51).all()  # prefill-only: decode appends
