@@ -36,7 +36,7 @@ def compression(model) -> Iterator[Any]:
 
 def make_cache(model, method: str | Policy = "full", budget: int | float | str | None = None, *,
                ratio: float | None = None, compress_sliding: bool = False, decode_every: int = 1,
-               decode_slack: int = 0, **method_parameters: Any) -> KVHiveCache:
+               decode_slack: int = 0, record_prefill: bool = False, **method_parameters: Any) -> KVHiveCache:
     """A :class:`KVHiveCache` for ``model`` running ``method`` at ``budget`` tokens per head
     (or ``ratio`` of the prompt). Also switches the model to kvhive attention (a no-op for
     other caches), so the cache can be passed straight to ``generate``."""
@@ -51,7 +51,38 @@ def make_cache(model, method: str | Policy = "full", budget: int | float | str |
         budget_spec = Budget.parse(budget)
     use_kvhive_attention(model)
     return KVHiveCache(model.config, policy, budget_spec, compress_sliding=compress_sliding,
-                       decode_every=decode_every, decode_slack=decode_slack)
+                       decode_every=decode_every, decode_slack=decode_slack, record_prefill=record_prefill)
+
+
+def changes_prefill_attention(policy: Policy) -> bool:
+    """Whether a method alters the model's attention (so its prefill cannot be shared)."""
+    return type(policy).logit_scale is not Policy.logit_scale
+
+
+def shared_prefill(model, input_ids, caches: list[KVHiveCache]):
+    """Run one prefill of ``input_ids`` and fill every cache in ``caches`` from it.
+
+    Returns, per cache, the logits of the last prompt position. Each cache is compressed by its own method
+    exactly as if it had run the prefill itself (a layer's cache is cut after its own attention,
+    so the forward pass is the same for all of them); a cache whose method changes the
+    attention (:func:`changes_prefill_attention`) runs its own prefill.
+    """
+    import torch
+
+    from kvhive.attention.integration import replay_prefill
+
+    recorder = make_cache(model, "full", compress_sliding=True, record_prefill=True)
+    per_cache_logits = []
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, past_key_values=recorder, use_cache=True, logits_to_keep=1).logits[:, -1]
+        for cache in caches:
+            if changes_prefill_attention(cache.policy):
+                own = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                per_cache_logits.append(own.logits[:, -1])
+            else:
+                replay_prefill(recorder, cache)
+                per_cache_logits.append(logits)
+    return per_cache_logits
 
 
 def context_length(model) -> int:

@@ -15,6 +15,8 @@ sliding-window pattern). The attention function:
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -24,6 +26,9 @@ from kvhive.cache.kv_cache import KVHiveCache, active_update
 from kvhive.methods.base import DECODE, ScoringInputs
 
 ATTENTION_NAME = "kvhive"
+
+# The variable-length path relies on CSR sampled products; torch flags the API as beta.
+warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
 
 
 def kvhive_mask(*args, **kwargs):
@@ -102,6 +107,17 @@ def _prefill(module, cache: KVHiveCache, layer_index, query, key, value, mask, s
     output, _ = sdpa_attention_forward(module, attended_queries, key, value, mask, dropout=dropout,
                                        scaling=scaling, **kwargs)
 
+    if cache.record_prefill:
+        cache.prefill_records[layer_index] = (query, mask, scaling)
+    cache.after_prefill(layer_index, _prefill_scoring(cache, layer_index, query, mask, scaling))
+    return output, None
+
+
+def _prefill_scoring(cache: KVHiveCache, layer_index: int, query, mask, scaling):
+    """A factory of the :class:`ScoringInputs` of one layer right after its prefill."""
+    store = cache.layers[layer_index]
+    policy = cache.policy
+
     def make_scoring(phase: str) -> ScoringInputs:
         keys, values, positions, token_scores = store.dense()
         if policy.head_granularity == "query" and cache.num_query_heads != keys.shape[1]:
@@ -115,8 +131,26 @@ def _prefill(module, cache: KVHiveCache, layer_index, query, key, value, mask, s
             phase=phase, token_scores=dict(token_scores),
         )
 
-    cache.after_prefill(layer_index, make_scoring)
-    return output, None
+    return make_scoring
+
+
+def replay_prefill(recorded: KVHiveCache, target: KVHiveCache) -> None:
+    """Fill ``target`` as if it had run the prefill that ``recorded`` ran.
+
+    Prefill-phase compression does not change the prefill forward pass (a layer is cut after its
+    own attention ran), so one recorded prefill (keys, values, queries, masks of every layer)
+    serves every method and budget whose decision is made from the prefill. Methods that change
+    the attention itself (``logit_scale``) cannot share a prefill.
+    """
+    if not recorded.record_prefill:
+        raise ValueError("the source cache did not record its prefill (make it with record_prefill=True)")
+    for layer_index, source in enumerate(recorded.layers):
+        keys, values, _, _ = source.dense()
+        if source.tokens_seen != keys.shape[2]:
+            raise ValueError("the recording cache evicted tokens; record with the 'full' method and compress_sliding=True")
+        target.layers[layer_index].update(keys, values)
+        query, mask, scaling = recorded.prefill_records[layer_index]
+        target.after_prefill(layer_index, _prefill_scoring(target, layer_index, query, mask, scaling))
 
 
 def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling, dropout, compressed, kwargs):
@@ -200,7 +234,7 @@ def _decode_variable_length(cache: KVHiveCache, layer_index, query, mask, scalin
 
     query_rows = query.reshape(batch, heads, group, num_queries, head_dim).reshape(num_rows, head_dim)
     pattern = torch.sparse_csr_tensor(row_starts, columns, query_rows.new_zeros(nonzeros),
-                                      size=(num_rows, store.num_stored))
+                                      size=(num_rows, store.num_stored), check_invariants=False)
     logits = torch.sparse.sampled_addmm(pattern, query_rows, store.keys.T, beta=0.0, alpha=scaling).values()
     batch_of_entry = segment_of_entry // heads
     query_of_entry = row_of_entry % num_queries
@@ -210,6 +244,7 @@ def _decode_variable_length(cache: KVHiveCache, layer_index, query, mask, scalin
     exponentials = torch.exp(logits - row_max.repeat_interleave(row_lengths))
     denominator = torch.segment_reduce(exponentials, "sum", lengths=row_lengths)
     weights = exponentials / denominator.repeat_interleave(row_lengths)
-    weight_matrix = torch.sparse_csr_tensor(row_starts, columns, weights, size=(num_rows, store.num_stored))
+    weight_matrix = torch.sparse_csr_tensor(row_starts, columns, weights, size=(num_rows, store.num_stored),
+                                            check_invariants=False)
     output = (weight_matrix @ store.values).reshape(batch, query_heads, num_queries, head_dim)
     return output.transpose(1, 2).contiguous(), None

@@ -98,10 +98,12 @@ class KVHiveCache(Cache):
         decode_slack: in decoding, let the cache grow ``slack`` tokens past the budget before
             compressing back to the budget (threshold policy). A step compresses when the layer
             holds more than ``budget + slack`` tokens and ``decode_every`` steps have passed.
+        record_prefill: keep each layer's prefill queries and mask (see
+            ``kvhive.attention.integration.replay_prefill``).
     """
 
     def __init__(self, config, policy: Policy, budget: Budget | int | float, *, compress_sliding: bool = False,
-                 decode_every: int = 1, decode_slack: int = 0) -> None:
+                 decode_every: int = 1, decode_slack: int = 0, record_prefill: bool = False) -> None:
         if isinstance(budget, (int, float)) and not isinstance(budget, bool):
             budget = Budget.parse(budget)
         if not isinstance(budget, Budget):
@@ -126,6 +128,9 @@ class KVHiveCache(Cache):
         self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or self.num_query_heads
         self.compressed_layers = [i for i, layer in enumerate(self.layers) if compress_sliding or not layer.is_sliding]
         self.layer_budgets: dict[int, int] = {}
+        # Queries and masks of every layer's prefill, kept so one prefill can serve many methods.
+        self.record_prefill = record_prefill
+        self.prefill_records: dict[int, tuple] = {}
         if budget.tokens is not None and budget.tokens < policy.minimum_budget():
             raise ValueError(
                 f"invalid budget={budget.tokens} for method {policy.name!r}: it needs at least "

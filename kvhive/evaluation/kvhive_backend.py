@@ -1,0 +1,132 @@
+"""The evaluation backend backed by kvhive: a model plus compressed caches.
+
+One prefill per item serves every (method, budget) whose decision is made from the prefill
+(:func:`kvhive.api.shared_prefill`); each setting then decodes on its own compressed cache.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import torch
+
+from kvhive.api import context_length, make_cache, shared_prefill
+from kvhive.evaluation.backend import Setting
+
+
+class KVHiveBackend:
+    """:class:`~kvhive.evaluation.backend.Backend` over a transformers model and kvhive caches."""
+
+    def __init__(self, model, tokenizer, model_name: str = "", share_prefill: bool = True) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_context = context_length(model)
+        self.share_prefill = share_prefill
+        text_config = model.config.get_text_config(decoder=True)
+        self.sliding_window = getattr(text_config, "sliding_window", None)
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        eos = eos if eos is not None else tokenizer.eos_token_id
+        self.stop_tokens = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _encode(self, text: str) -> torch.Tensor:
+        ids = self.tokenizer(text, return_tensors="pt")["input_ids"]
+        if ids.shape[1] > self.max_context:
+            raise ValueError(f"prompt of {ids.shape[1]} tokens exceeds the model's context of {self.max_context}")
+        return ids
+
+    def _caches(self, settings: list[Setting]):
+        return [make_cache(self.model, setting.method, setting.budget) for setting in settings]
+
+    def _prefilled(self, input_ids: torch.Tensor, settings: list[Setting]):
+        caches = self._caches(settings)
+        if self.share_prefill:
+            return caches, shared_prefill(self.model, input_ids, caches)
+        logits = []
+        with torch.no_grad():
+            for cache in caches:
+                output = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                logits.append(output.logits[:, -1])
+        return caches, logits
+
+    @torch.no_grad()
+    def _greedy(self, cache, logits: torch.Tensor, max_new_tokens: int) -> list[int]:
+        tokens: list[int] = []
+        for step in range(max_new_tokens):
+            token = int(logits.argmax(-1)[0])
+            if token in self.stop_tokens:
+                break
+            tokens.append(token)
+            if step + 1 == max_new_tokens:
+                break
+            output = self.model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+            logits = output.logits[:, -1]
+        return tokens
+
+    # -- Backend protocol ------------------------------------------------------------------------
+    def generate(self, prompt: str, max_new_tokens: int, settings: list[Setting]) -> list[str]:
+        input_ids = self._encode(prompt)
+        caches, logits = self._prefilled(input_ids, settings)
+        outputs = []
+        for cache, first_logits in zip(caches, logits):
+            tokens = self._greedy(cache, first_logits, max_new_tokens)
+            outputs.append(self.tokenizer.decode(tokens, skip_special_tokens=True))
+        return outputs
+
+    @torch.no_grad()
+    def choice_loglikelihoods(self, context: str, continuations: list[str], settings: list[Setting]) -> list[list[float]]:
+        context_ids = self._encode(context)
+        continuation_ids = []
+        for continuation in continuations:
+            full = self.tokenizer(context + continuation, return_tensors="pt")["input_ids"][0]
+            continuation_ids.append(full[context_ids.shape[1]:])
+        caches, logits = self._prefilled(context_ids, settings)
+        results = []
+        for cache, last_logits in zip(caches, logits):
+            scores = []
+            for tokens in continuation_ids:
+                if tokens.numel() == 0:
+                    scores.append(0.0)
+                    continue
+                step_logits = [last_logits]
+                if tokens.numel() > 1:
+                    own_cache = copy.deepcopy(cache)
+                    output = self.model(input_ids=tokens[:-1][None], past_key_values=own_cache, use_cache=True)
+                    step_logits.append(output.logits[0])
+                all_logits = torch.cat([step_logits[0].reshape(1, -1)] + step_logits[1:], dim=0)
+                log_probs = torch.log_softmax(all_logits.float(), dim=-1)
+                scores.append(float(log_probs.gather(1, tokens[:, None]).sum()))
+            results.append(scores)
+        return results
+
+    @torch.no_grad()
+    def streaming_nll(self, token_ids: list[int], settings: list[Setting]) -> list[tuple[float, int]]:
+        ids = torch.tensor(token_ids)
+        results = []
+        for setting in settings:
+            budget = setting.budget
+            # Tiny fixed caches (BUZZ Table 3) are below Gemma's 512-token sliding window.
+            compress_sliding = bool(self.sliding_window) and isinstance(budget, int) and budget < self.sliding_window
+            cache = make_cache(self.model, setting.method, budget, compress_sliding=compress_sliding)
+            total, count = 0.0, 0
+            for position in range(len(token_ids) - 1):
+                output = self.model(input_ids=ids[position][None, None], past_key_values=cache, use_cache=True)
+                log_probs = torch.log_softmax(output.logits[0, -1].float(), dim=-1)
+                nll = -float(log_probs[ids[position + 1]])
+                if not math.isfinite(nll):
+                    raise FloatingPointError(f"non-finite NLL at position {position} for {setting.label}")
+                total += nll
+                count += 1
+            results.append((total, count))
+        return results
+
+
+def make_backend(model_name: str) -> KVHiveBackend:
+    """Backend factory for the CLI: ``kvhive eval --model NAME``."""
+    from kvhive.models import load_model
+
+    model, tokenizer = load_model(model_name)
+    return KVHiveBackend(model, tokenizer, model_name=model_name)
