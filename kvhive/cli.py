@@ -1,0 +1,148 @@
+"""``kvhive`` command line: methods, generate, bench, eval, report."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+
+def _method_parameters(pairs: list[str] | None) -> dict:
+    """``--param window=16 --param pooling=avg`` → ``{"window": 16, "pooling": "avg"}``."""
+    parameters = {}
+    for pair in pairs or []:
+        if "=" not in pair:
+            raise SystemExit(f"kvhive: invalid --param {pair!r}: expected NAME=VALUE")
+        name, text = pair.split("=", 1)
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        parameters[name.strip()] = value
+    return parameters
+
+
+def _budget_argument(text: str):
+    from kvhive.cache import Budget
+
+    try:
+        Budget.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def command_methods(args: argparse.Namespace) -> int:
+    from kvhive.methods.registry import method_names, policy_class
+
+    rows = [policy_class(name).describe() for name in method_names()]
+    if args.json:
+        print(json.dumps(rows, indent=2, default=str))
+        return 0
+    for row in rows:
+        phases = ", ".join(row["phases"]) or "none (no eviction)"
+        parameters = ", ".join(f"{k}={v!r}" for k, v in row["parameters"].items()) or "-"
+        print(f"{row['name']:<18} phases: {phases:<17} parameters: {parameters}")
+        if row["paper"]:
+            print(f"{'':<18} {row['paper']}")
+    return 0
+
+
+def command_generate(args: argparse.Namespace) -> int:
+    import kvhive
+
+    if (args.prompt is None) == (args.prompt_file is None):
+        raise SystemExit("kvhive generate: give a PROMPT or --prompt-file (exactly one)")
+    prompt = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text(encoding="utf-8")
+    model, tokenizer = kvhive.load_model(args.model)
+    text, cache = kvhive.generate(
+        model, tokenizer, prompt, args.method, args.budget, max_new_tokens=args.max_new_tokens,
+        compress_sliding=args.compress_sliding, **_method_parameters(args.param),
+    )
+    if args.json:
+        print(json.dumps({"text": text, **cache.statistics()}, indent=2))
+    else:
+        print(text)
+    return 0
+
+
+def command_bench(args: argparse.Namespace) -> int:
+    from kvhive import bench
+
+    if args.varlen:
+        result = bench.variable_length_attention_benchmark(context=args.context, device=args.device)
+    else:
+        result = bench.run_benchmark(
+            shape=args.shape, method=args.method, budget=args.budget, context=args.context,
+            decode_tokens=args.decode_tokens, batch_size=args.batch_size, repeats=args.repeats,
+            num_layers=args.num_layers, device=args.device, method_parameters=_method_parameters(args.param),
+        )
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for key, value in result.items():
+            print(f"{key:<30} {value:.4g}" if isinstance(value, float) else f"{key:<30} {value}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvhive.evaluation.cli import add_eval_arguments, add_report_arguments
+    from kvhive.evaluation.kvhive_backend import make_backend
+    from kvhive.methods.registry import policy_class
+
+    parser = argparse.ArgumentParser(prog="kvhive", description="KV-cache compression for Hugging Face causal LMs")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+
+    methods = subparsers.add_parser("methods", help="list the methods with their phases and parameters")
+    methods.add_argument("--json", action="store_true")
+    methods.set_defaults(func=command_methods)
+
+    generate = subparsers.add_parser("generate", help="greedy generation with a compressed cache")
+    generate.add_argument("prompt", nargs="?", help="the prompt text")
+    generate.add_argument("--prompt-file", help="read the prompt from this file")
+    generate.add_argument("--model", default="gemma-3-270m", help="model name or path (default: the embedded Gemma-3-270M)")
+    generate.add_argument("--method", default="full", help="registry name (see `kvhive methods`)")
+    generate.add_argument("--budget", type=_budget_argument, default=None,
+                          help="tokens per head (integer >= 1) or a ratio of the prompt (float in (0, 1])")
+    generate.add_argument("--max-new-tokens", type=int, default=32)
+    generate.add_argument("--param", action="append", metavar="NAME=VALUE", help="method parameter (repeatable)")
+    generate.add_argument("--compress-sliding", action="store_true", help="also compress sliding-window layers")
+    generate.add_argument("--json", action="store_true", help="print the text with cache statistics")
+    generate.set_defaults(func=command_generate)
+
+    bench = subparsers.add_parser("bench", help="prefill/compression/decode time and cache memory for one method")
+    bench.add_argument("--shape", default="kv-heavy", choices=("embedded", "kv-heavy", "llama3-8b"))
+    bench.add_argument("--method", default="snapkv")
+    bench.add_argument("--budget", type=_budget_argument, default="0.1")
+    bench.add_argument("--context", type=int, default=8192)
+    bench.add_argument("--decode-tokens", type=int, default=32)
+    bench.add_argument("--batch-size", type=int, default=1)
+    bench.add_argument("--repeats", type=int, default=1)
+    bench.add_argument("--num-layers", type=int, default=None)
+    bench.add_argument("--device", default="cpu")
+    bench.add_argument("--param", action="append", metavar="NAME=VALUE")
+    bench.add_argument("--varlen", action="store_true",
+                       help="instead: variable-length decode attention vs dense sdpa at equal total length")
+    bench.add_argument("--json", action="store_true")
+    bench.set_defaults(func=command_bench)
+
+    add_eval_arguments(subparsers, backend_factory=make_backend, method_validator=policy_class)
+    add_report_arguments(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"kvhive {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Set up the environment if needed and run the test suite (pytest exits non-zero, 5, when no
+# test is collected, so an empty run fails too).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh
+# Convert the embedded model once before the workers start (about a minute the first time).
+.venv/bin/python -c "from kvhive.models import load_model; load_model()" > /dev/null
+exec .venv/bin/python -m pytest -q -n 2 "$@"
