@@ -36,7 +36,8 @@ def compression(model) -> Iterator[Any]:
 
 def make_cache(model, method: str | Policy = "full", budget: int | float | str | None = None, *,
                ratio: float | None = None, compress_sliding: bool = False, decode_every: int = 1,
-               decode_slack: int = 0, record_prefill: bool = False, **method_parameters: Any) -> KVHiveCache:
+               decode_slack: int = 0, record_prefill: bool = False, positions: str = "original",
+               **method_parameters: Any) -> KVHiveCache:
     """A :class:`KVHiveCache` for ``model`` running ``method`` at ``budget`` tokens per head
     (or ``ratio`` of the prompt). Also switches the model to kvhive attention (a no-op for
     other caches), so the cache can be passed straight to ``generate``."""
@@ -50,8 +51,14 @@ def make_cache(model, method: str | Policy = "full", budget: int | float | str |
     else:
         budget_spec = Budget.parse(budget)
     use_kvhive_attention(model)
+    rotator = None
+    if positions == "cache":
+        from kvhive.attention.rope import KeyRotator
+
+        rotator = KeyRotator(model)
     return KVHiveCache(model.config, policy, budget_spec, compress_sliding=compress_sliding,
-                       decode_every=decode_every, decode_slack=decode_slack, record_prefill=record_prefill)
+                       decode_every=decode_every, decode_slack=decode_slack, record_prefill=record_prefill,
+                       positions=positions, key_rotator=rotator)
 
 
 def changes_prefill_attention(policy: Policy) -> bool:

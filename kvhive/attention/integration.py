@@ -86,6 +86,9 @@ def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dr
     store = cache.layers[layer_index]
     policy = cache.policy
     batch, _, num_queries, _ = query.shape
+    if cache.positions == "cache":
+        # transformers built its mask over re-indexed positions; rebuild it over true positions.
+        attention_mask = None
     mask = _full_mask(attention_mask, batch, num_queries, store.tokens_seen, store.sliding_window, query.device)
     compressed = cache.is_compressed(layer_index)
 

@@ -20,6 +20,9 @@ from kvhive.cache.storage import LayerStore
 from kvhive.methods.base import DECODE, PREFILL, Policy, ScoringInputs
 
 
+# Per-token RoPE position of a cached key under positions="cache" (kept aligned by the store).
+ROPE_POSITION = "_rope_position"
+
 _LAST_UPDATE: dict = {"cache": None, "layer": None, "keys": None}
 
 
@@ -100,10 +103,16 @@ class KVHiveCache(Cache):
             holds more than ``budget + slack`` tokens and ``decode_every`` steps have passed.
         record_prefill: keep each layer's prefill queries and mask (see
             ``kvhive.attention.integration.replay_prefill``).
+        positions: ``"original"`` (keys keep their true positions) or ``"cache"``: kept keys are
+            re-rotated to contiguous positions and new tokens continue after them, so a token-by-
+            token stream (``model(input_ids, past_key_values=cache)`` calls, batch without
+            padding) can run past the model's trained length (StreamingLLM-style). Needs
+            ``key_rotator`` (``kvhive.attention.rope.KeyRotator``; ``make_cache`` passes it).
     """
 
     def __init__(self, config, policy: Policy, budget: Budget | int | float, *, compress_sliding: bool = False,
-                 decode_every: int = 1, decode_slack: int = 0, record_prefill: bool = False) -> None:
+                 decode_every: int = 1, decode_slack: int = 0, record_prefill: bool = False,
+                 positions: str = "original", key_rotator=None) -> None:
         if isinstance(budget, (int, float)) and not isinstance(budget, bool):
             budget = Budget.parse(budget)
         if not isinstance(budget, Budget):
@@ -112,6 +121,10 @@ class KVHiveCache(Cache):
             raise ValueError(f"invalid decode_every={decode_every!r}: expected an integer >= 1")
         if isinstance(decode_slack, bool) or not isinstance(decode_slack, int) or decode_slack < 0:
             raise ValueError(f"invalid decode_slack={decode_slack!r}: expected an integer >= 0")
+        if positions not in ("original", "cache"):
+            raise ValueError(f"invalid positions={positions!r}: expected 'original' or 'cache'")
+        if positions == "cache" and key_rotator is None:
+            raise ValueError("positions='cache' needs a key_rotator (use kvhive.make_cache)")
         text_config = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
         layers = [
@@ -131,6 +144,8 @@ class KVHiveCache(Cache):
         # Queries and masks of every layer's prefill, kept so one prefill can serve many methods.
         self.record_prefill = record_prefill
         self.prefill_records: dict[int, tuple] = {}
+        self.positions = positions
+        self.key_rotator = key_rotator
         if budget.tokens is not None and budget.tokens < policy.minimum_budget():
             raise ValueError(
                 f"invalid budget={budget.tokens} for method {policy.name!r}: it needs at least "
@@ -162,6 +177,7 @@ class KVHiveCache(Cache):
         store: LayerStore = self.layers[layer_index]
         if not self.is_compressed(layer_index):
             self._trim_sliding(store)
+            self._reindex(store)
             return
         self._resolve_budgets(store.tokens_seen)
         budget = self.layer_budgets[layer_index]
@@ -182,10 +198,17 @@ class KVHiveCache(Cache):
         if keep is not None:
             self._check_keep(keep, store, budget)
             store.keep(keep)
+        self._reindex(store)
 
     def after_decode(self, layer_index: int, make_scoring: Callable[[str], ScoringInputs]) -> None:
         """Keep the budget while decoding; the policy decides what goes."""
         store: LayerStore = self.layers[layer_index]
+        try:
+            self._decode_step(layer_index, store, make_scoring)
+        finally:
+            self._reindex(store)
+
+    def _decode_step(self, layer_index: int, store: LayerStore, make_scoring) -> None:
         if not self.is_compressed(layer_index):
             self._trim_sliding(store)
             return
@@ -215,6 +238,49 @@ class KVHiveCache(Cache):
         self._check_keep(keep, store, budget + self.decode_slack)
         store.keep(keep)
         store.decode_steps_since_compression = 0
+
+    # -- re-indexed positions ------------------------------------------------------------------
+    def _position_cap(self) -> float:
+        """The most tokens any layer can hold, so re-indexed positions stay below it."""
+        caps = []
+        for index, layer in enumerate(self.layers):
+            if index in self.layer_budgets:
+                caps.append(self.layer_budgets[index] + self.decode_slack + self.decode_every - 1)
+            elif layer.is_sliding and not self.is_compressed(index):
+                caps.append(layer.sliding_window - 1)
+            else:
+                return float("inf")
+        return max(caps) if caps else float("inf")
+
+    def _next_position(self, tokens_seen: int) -> int:
+        return int(min(tokens_seen, self._position_cap()))
+
+    def _reindex(self, store: LayerStore) -> None:
+        """Re-rotate kept keys to sit just before the next query's position."""
+        if self.positions != "cache" or store.num_stored == 0:
+            return
+        keys, _, original_positions, scores = store.dense()
+        length = keys.shape[2]
+        # Tokens appended since the last re-indexing were rotated at the position the model was
+        # given for them (get_seq_length at that forward); older ones sit where we put them.
+        given = self._next_position(store.rope_tokens_seen) + (original_positions - store.rope_tokens_seen)
+        current = given.to(torch.float32)
+        if ROPE_POSITION in scores:
+            is_new = original_positions >= store.rope_tokens_seen
+            current = torch.where(is_new, current, scores[ROPE_POSITION])
+        next_position = self._next_position(store.tokens_seen)
+        target = torch.arange(next_position - length, next_position, dtype=torch.float32, device=keys.device)
+        delta = target - current
+        if bool((delta != 0).any()):
+            rotated = self.key_rotator.rotate(store.layer_index, keys, delta)
+            store.keys = rotated.reshape(-1, rotated.shape[-1])
+        store.token_scores[ROPE_POSITION] = target.expand(keys.shape[:3]).reshape(-1).clone()
+        store.rope_tokens_seen = store.tokens_seen
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        if self.positions == "cache":
+            return self.get_seq_length(layer_idx) + query_length, 0
+        return super().get_mask_sizes(query_length, layer_idx)
 
     @staticmethod
     def _store_token_scores(store: LayerStore, scoring: ScoringInputs) -> None:
@@ -252,9 +318,13 @@ class KVHiveCache(Cache):
         return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The true number of tokens seen (``positions="cache"``: the next re-indexed position)."""
         if layer_idx >= len(self.layers):
             return 0
-        return self.layers[layer_idx].tokens_seen
+        tokens_seen = self.layers[layer_idx].tokens_seen
+        if self.positions == "cache":
+            return self._next_position(tokens_seen)
+        return tokens_seen
 
     # -- accounting ----------------------------------------------------------------------------
     def kept_tokens(self) -> dict[int, torch.Tensor]:

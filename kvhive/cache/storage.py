@@ -35,6 +35,7 @@ class LayerStore(CacheLayerMixin):
         self.policy_state: dict = {}
         self.budget: int | None = None
         self.decode_steps_since_compression = 0
+        self.rope_tokens_seen = 0
 
     # -- transformers' CacheLayerMixin ---------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

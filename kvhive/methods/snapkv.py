@@ -42,7 +42,7 @@ def observation_scores(scoring: ScoringInputs, window: int, kernel: int, pooling
         if pooling == "max":
             flat = F.max_pool1d(flat, kernel_size=kernel, stride=1, padding=kernel // 2)
         else:
-            flat = F.avg_pool1d(flat, kernel_size=kernel, stride=1, padding=kernel // 2, count_include_pad=False)
+            flat = F.avg_pool1d(flat, kernel_size=kernel, stride=1, padding=kernel // 2)  # zero padding counts, as in the SnapKV reference code
         prefix = flat.reshape(b, hq, n)
     return torch.cat([prefix, weights[..., num_prefix:]], dim=-1)
 
