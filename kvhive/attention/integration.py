@@ -239,10 +239,11 @@ def _decode_variable_length(cache: KVHiveCache, layer_index, query, mask, scalin
     pattern = torch.sparse_csr_tensor(row_starts, columns, query_rows.new_zeros(nonzeros),
                                       size=(num_rows, store.num_stored), check_invariants=False)
     logits = torch.sparse.sampled_addmm(pattern, query_rows, store.keys.T, beta=0.0, alpha=scaling).values()
-    batch_of_entry = segment_of_entry // heads
-    query_of_entry = row_of_entry % num_queries
-    allowed = mask[batch_of_entry, 0, query_of_entry, store.positions[columns].long()]
-    logits = logits.masked_fill(~allowed, float("-inf"))
+    if not bool(mask.all()):  # decode without padding sees every stored token: skip the gather
+        batch_of_entry = segment_of_entry // heads
+        query_of_entry = row_of_entry % num_queries
+        allowed = mask[batch_of_entry, 0, query_of_entry, store.positions[columns].long()]
+        logits = logits.masked_fill(~allowed, float("-inf"))
     row_max = torch.segment_reduce(logits, "max", lengths=row_lengths).clamp_min(torch.finfo(logits.dtype).min)
     exponentials = torch.exp(logits - row_max.repeat_interleave(row_lengths))
     denominator = torch.segment_reduce(exponentials, "sum", lengths=row_lengths)
