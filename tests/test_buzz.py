@@ -16,7 +16,7 @@ from kvhive.api import make_cache
 from kvhive.methods import make_policy
 from kvhive.methods.base import DECODE, PREFILL, ScoringInputs
 from kvhive.methods.buzz import (EVICTIONS, OLD, SCORE, Buzz, BuzzLogN, layout_for_budget, local_max_mask,
-                                 old_sample_sizes, small_stride, theorem_ratio)
+                                 old_sample_sizes, prefill_accumulated_attention, small_stride, theorem_ratio)
 from kvhive.models import TINY_ARCHITECTURES, TINY_ATTENTION_KINDS, load_model, tiny_model
 
 from helpers import left_padded_batch, prefill_and_decode, reference_logits
@@ -166,6 +166,22 @@ def test_local_max_mask_matches_loop_and_prefers_first_on_ties():
                 segment = scores[b, h, start:min(start + 5, 21)].tolist()
                 expected[b, h, start + segment.index(max(segment))] = True
     assert torch.equal(mask, expected)
+
+
+@pytest.mark.parametrize("max_elements", [1 << 22, 700])
+def test_prefill_accumulated_attention_matches_generic_column_sums(max_elements):
+    generator = torch.Generator().manual_seed(0)
+    b, h, group, n, d = 2, 2, 3, 37, 8
+    keys = torch.randn(b, h, n, d, generator=generator)
+    queries = torch.randn(b, h * group, n, d, generator=generator)
+    mask = torch.ones(n, n, dtype=torch.bool).tril().expand(b, 1, n, n).clone()
+    mask[1, :, :, :5] = False  # left padding of row 1 (its first 5 query rows see nothing)
+    inputs = ScoringInputs(keys=keys, values=keys, queries=queries, positions=torch.arange(n).expand(b, h, n),
+                           mask=mask, scaling=0.3, layer_index=0, num_layers=1, sequence_length=n, phase=PREFILL)
+    expected = inputs.accumulated_attention()
+    actual = prefill_accumulated_attention(queries, keys, mask, 0.3, max_elements=max_elements)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    assert float(actual[1, :, :5].abs().max()) == 0.0
 
 
 def test_nothing_is_evicted_between_thresholds():
@@ -408,7 +424,7 @@ def test_logn_changes_attention_logits_exactly_by_the_factor(architecture, atten
     cache = make_cache(model, "buzz-logn", budget=input_ids.shape[1] + steps + 1)
     actual = prefill_and_decode(model, cache, input_ids, attention_mask, steps)
     assert (actual - expected).abs().max().item() <= 1e-5
-    assert (actual - plain).abs().max().item() > 1e-2  # the factor really changes the model
+    assert (actual - plain).abs().max().item() > 1e-3  # the factor really changes the model (100x the tolerance)
     # The running accumulated attention is the model's own (scaled) attention, prefill included.
     for layer, summed in captured.items():
         stored = cache.layers[layer].dense()[3][SCORE]
@@ -448,6 +464,6 @@ def test_budget_smaller_than_sink_plus_window_plus_threshold_raises(sink, stride
 def test_cache_rejects_too_small_budget():
     model = tiny_model("llama", "gqa")
     input_ids, attention_mask = left_padded_batch(model.config.vocab_size)
-    cache = make_cache(model, "buzz", budget=9)
     with pytest.raises(ValueError, match="budget"):
+        cache = make_cache(model, "buzz", budget=9)
         prefill_and_decode(model, cache, input_ids, attention_mask, steps=0)

@@ -374,6 +374,9 @@ def test_runner_groups_settings_into_one_call_and_resumes(tmp_path):
     assert len(read_results(tmp_path)) == 21
     with pytest.raises(ValueError, match="seed"):
         run_eval(backend, ["synthetic_recall"], ["local"], [0.25], 3, None, tmp_path, seed=2, progress=False)
+    # same item ids, different content (a task parameter changed): refused rather than mixed
+    with pytest.raises(ValueError, match="now different.*synthetic_recall/item0"):
+        run_eval(backend, ["synthetic_recall:num_pairs=5"], ["local"], [0.25], 3, None, tmp_path, seed=1, progress=False)
 
 
 def test_runner_all_kinds_and_token_budget_conversion(tmp_path):

@@ -18,6 +18,15 @@ from helpers import left_padded_batch, prefill_and_decode, reference_logits
 VARIANTS = [(architecture, attention) for architecture in TINY_ARCHITECTURES for attention in TINY_ATTENTION_KINDS]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models run ~20x faster on one thread when the 2 cores are shared with other jobs."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def _scoring(queries, keys, values=None, scaling=1.0):
     """ScoringInputs for one sequence with a plain causal mask (hand-made test inputs)."""
     n = keys.shape[2]
@@ -89,8 +98,8 @@ def test_invalid_parameters(parameters, name):
 def test_budget_below_window_is_rejected_by_the_cache():
     model = tiny_model("llama", "gqa")
     input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=40)
-    cache = kvhive.make_cache(model, "pyramidkv", budget=8, window=16)
-    with pytest.raises(ValueError, match="budget"):
+    with pytest.raises(ValueError, match="budget"):  # at make_cache or at the first prefill
+        cache = kvhive.make_cache(model, "pyramidkv", budget=8, window=16)
         prefill_and_decode(model, cache, input_ids, attention_mask, steps=0)
 
 
@@ -137,15 +146,13 @@ def test_small_budget_prefill_and_50_decode_steps(models, variant):
     model = models[variant]
     input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=40)
     cache = kvhive.make_cache(model, "pyramidkv", budget=12, window=4, compress_sliding=True)
-    logits = prefill_and_decode(model, cache, input_ids, attention_mask, steps=0)
+    logits = prefill_and_decode(model, cache, input_ids, attention_mask, steps=50)
+    assert torch.isfinite(logits).all()
     compressed = cache.compressed_layers
     assert sum(cache.layer_budgets.values()) == 12 * len(compressed)  # exact total over layers
+    assert len(set(cache.layer_budgets.values())) == len(compressed)  # a real pyramid
     kept = cache.kept_tokens()
     for layer in compressed:
-        # Exactly the layer's budget in every head and sequence (uniform within a layer).
-        assert (kept[layer] == cache.layer_budgets[layer]).all(), (layer, kept[layer], cache.layer_budgets)
-    logits = prefill_and_decode(model, cache, input_ids[:, -1:], attention_mask, steps=50)
-    assert torch.isfinite(logits).all()
-    kept = cache.kept_tokens()
-    for layer in compressed:
-        assert (kept[layer] == cache.layer_budgets[layer] + 51).all()  # prefill-only: decode appends
+        # Exactly the layer's budget in every head and sequence after prefill (uniform within a
+        # layer); prefill-only, so each of the 50 decode steps appended one token.
+        assert (kept[layer] == cache.layer_budgets[layer] + 50).all(), (layer, kept[layer], cache.layer_budgets)

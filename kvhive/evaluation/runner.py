@@ -158,6 +158,26 @@ def _write_run_config(out_dir: Path, config: dict) -> None:
     os.replace(tmp, out_dir / "run_config.json")
 
 
+def _check_items_unchanged(records: list[dict], loaded: list, path: Path) -> None:
+    """Refuse to resume when an item id now denotes different content (task parameters, data or
+    prompt code changed): its old results would be mixed with new ones."""
+    previous = {(r["task"], str(r["item_id"])): r.get("item_hash") for r in records if r.get("item_hash")}
+    if not previous:
+        return
+    changed = [
+        f"{task.name}/{item.id}"
+        for task, items, _ in loaded
+        for item in items
+        if previous.get((task.name, item.id), item.fingerprint()) != item.fingerprint()
+    ]
+    if changed:
+        shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+        raise ValueError(
+            f"{path} holds results for items that are now different ({shown}): task parameters, data or "
+            f"prompts changed since; use another out dir"
+        )
+
+
 # --------------------------------------------------------------------------- main entry
 
 
@@ -207,6 +227,7 @@ def run_eval(
                 f"{writer.path} already holds results of (model, seed) {sorted(map(str, others))}; "
                 f"this run is model={name!r}, seed={seed}: use another out dir"
             )
+        _check_items_unchanged(writer.records, loaded, writer.path)
         _write_run_config(
             out_path,
             {
@@ -261,6 +282,7 @@ def _run_item(
     suite: str | None,
 ) -> int:
     metadata = dict(item.metadata)
+    item_hash = item.fingerprint()
     prompt_tokens = None
     if task.kind in ("generate", "choice"):
         max_context = getattr(backend, "max_context", None)
@@ -285,6 +307,7 @@ def _run_item(
         record = {
             "task": task.name,
             "item_id": item.id,
+            "item_hash": item_hash,
             "method": setting.method,
             "budget": setting.budget,
             "setting": setting.label,

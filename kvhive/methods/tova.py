@@ -1,10 +1,10 @@
 """TOVA (Oren et al., 2024, "Transformers are Multi-State RNNs"), Token Omission Via Attention.
 
-Sec. 4 (TOVA policy): at every decoding step, once the multi-state (the cache) is full, drop the
-token whose attention from the *current* query is lowest. The scores are the newest query's
-softmax weights averaged over **all** heads of the layer (the paper's layer-wise variant: one
-kept set shared by every head, so each head keeps the same tokens; with GQA the average runs
-over all query heads). No running sum: only the current query's attention counts.
+Sec. 3.3 ("Our proposed policy: TOVA"): at every decoding step, once the multi-state (the cache)
+is full, drop the token whose attention from the *current* query is lowest. The scores are the
+newest query's softmax weights averaged over **all** heads of the layer (METHODS.md), so a layer
+keeps one set shared by every head (with GQA the average runs over all query heads). No running
+sum: only the current query's attention counts.
 
 Prefill: keep the top ``budget`` tokens by the last prompt query's attention (averaged the same
 way). Padding (``valid`` False) is never kept while real tokens remain.
@@ -35,7 +35,7 @@ class TOVA(Policy):
     name = "tova"
     phases = frozenset({PREFILL, DECODE})
     config_class = TOVAConfig
-    paper = "Oren et al. 2024, Sec. 4 (TOVA: drop the lowest current-query attention, averaged over heads)"
+    paper = "Oren et al. 2024, Sec. 3.3 (TOVA: drop the lowest current-query attention, averaged over heads)"
     needs_decode_attention = True
 
     def _keep(self, scoring: ScoringInputs, budget: int) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import random
 from dataclasses import dataclass, field
@@ -42,6 +43,14 @@ class Item:
     def context(self) -> str:
         """Alias of ``prompt`` for choice items."""
         return self.prompt
+
+    def fingerprint(self) -> str:
+        """Short hash of what the model sees and what is scored (detects stale results on resume)."""
+        payload = json.dumps(
+            [self.prompt, self.references, self.choices, self.label, self.token_ids, self.max_new_tokens],
+            ensure_ascii=False,
+        )
+        return hashlib.sha1(payload.encode("utf-8")).hexdigest()[:16]
 
 
 class Task:

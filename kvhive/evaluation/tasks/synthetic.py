@@ -1,7 +1,8 @@
 """``synthetic_recall``: key/value recall on generated text; needs no data dir (CI on a tiny model).
 
-Each item lists ``num_pairs`` lines "The value of key <word>-<word> is <5-digit number>." and asks
-for one value (its position varies over items): the prompt ends with
+Each item lists ``num_pairs`` (default 16) lines "The value of key <word>-<word> is <5-digit
+number>." (keys with distinct first words) and asks for one value (its position varies over
+items): the prompt ends with
 "Question: What is the value of key X?\\nAnswer: The value of key X is". Metric: the first integer
 of the output equals the value. Everything is generated from the seed.
 """
@@ -27,21 +28,19 @@ class SyntheticRecallTask(Task):
 
     @classmethod
     def default_params(cls) -> dict[str, Any]:
-        return {"num_pairs": 24, "num_items": 20, "max_new_tokens": 8}
+        return {"num_pairs": 16, "num_items": 20, "max_new_tokens": 8}
 
     def load(self, data_dir, limit, seed, tokenizer) -> list[Item]:
         num_pairs = int(self.params["num_pairs"])
-        if num_pairs > len(_KEY_WORDS_A) * len(_KEY_WORDS_B):
-            raise ValueError(f"task 'synthetic_recall': num_pairs {num_pairs} too large")
+        if not 1 <= num_pairs <= len(_KEY_WORDS_A):
+            raise ValueError(f"task 'synthetic_recall': num_pairs must be in 1..{len(_KEY_WORDS_A)}, got {num_pairs}")
         count = int(self.params["num_items"]) if limit is None else int(limit)
         items = []
         for index in range(count):
             rng = random.Random(f"synthetic_recall:{seed}:{index}")
-            keys: list[str] = []
-            while len(keys) < num_pairs:
-                key = f"{rng.choice(_KEY_WORDS_A)}-{rng.choice(_KEY_WORDS_B)}"
-                if key not in keys:
-                    keys.append(key)
+            # distinct first words: keys sharing a first word confuse small models (gemma-3-270m
+            # full cache: 1/6 correct with shared words and 24 pairs, 7/8 with distinct words and 16)
+            keys = [f"{first}-{rng.choice(_KEY_WORDS_B)}" for first in rng.sample(_KEY_WORDS_A, num_pairs)]
             values = [rng.randrange(10_000, 100_000) for _ in keys]
             queried = rng.randrange(num_pairs)
             records = "\n".join(f"The value of key {k} is {v}." for k, v in zip(keys, values))

@@ -1,0 +1,212 @@
+"""BumbleBee (Kumari et al., "BumbleBee: Dynamic KV-Cache Streaming Submodular Summarization
+for Infinite-Context Transformers"; ../shared/papers/bumblebee.txt, METHODS.md).
+
+Per (layer, KV head) the cache holds a global summary ``S`` of ``tau_s`` tokens plus the most
+recent ``tau_l`` tokens (Figure 1), ``tau_s + tau_l = budget``. The summary maximises
+
+    g_lam(S) = lam * f_FL(S) + (1 - lam) * c(S)                                    (Eq. 4)
+
+with ``f_FL`` the facility location on ``ReLU(cos)`` of the keys (Eq. 2) and ``c`` the
+feature-based function ``phi(sum_{u in S} a_u)`` of the accumulated attention (Eq. 3), both
+normalised to ``f(empty) = 0``, ``f(V) = 1``. ``phi`` is ``log(1 + x)`` (♡, :class:`BumbleBee`)
+or ``g^{-1}`` with ``g(y) = 0.04 y^25 + y`` (♦, :class:`BumbleBeePower`).
+
+* **Prefill** (Algorithm 1): cardinality-constrained greedy on ``g_lam`` over the prompt tokens
+  outside the local window — stochastic greedy with ``epsilon = 1e-5`` (Appx. D, the default),
+  lazy or plain greedy; all (batch, head) rows of a layer at once (``kvhive.methods.submodular``).
+* **Decode** (Algorithm 2): each new token pushes the oldest token of the local window out; it
+  joins ``S' = S + {x}``, the accumulated scores include every new query's attention, and the
+  element of ``S'`` with the smallest ``g_lam(x | S' - x)`` is dropped. The similarity matrix of
+  the summary is cached in the layer's policy state, so a step costs ``O(tau_s d + tau_s)``
+  (Appx. E bounds it by ``O(tau_s d + tau_s^2)``).
+
+Choices the paper leaves open (METHODS.md style, **(choice)**):
+
+* ``local_fraction = 0.5``: the paper never states ``tau_l / tau_s`` for its LLM runs; its
+  synthetic study (Appx. B) uses equal sizes (``h = k = 32``) and its main baseline, H2 + Local,
+  splits the budget 50/50 — the same split keeps the comparison at equal budgets.
+  ``local_window`` (tokens) overrides the fraction.
+* The ground set ``V`` of both functions is the set of tokens the summary is chosen from: the
+  prompt outside the local window in prefill, ``S'`` in decode (the only tokens Alg. 2 keeps a
+  similarity matrix for). The local window represents itself.
+* ``c(S) = phi(a(S)) / phi(a(V))`` on the raw accumulated attention ``a`` (Sec. 5: the feature
+  weight of key ``k_i`` "is ``a_n^i``"), normalised at the output so ``c(V) = 1``.
+* Stochastic greedy draws its samples from a generator seeded with ``seed`` and the layer index,
+  so a run is reproducible.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvhive.methods.base import (DECODE, PREFILL, Policy, PolicyConfig, ScoringInputs, require,
+                                 require_int_at_least, require_probability)
+from kvhive.methods.submodular import (Concave, Mixture, StreamingSummary, greedy_maximize, key_norms,
+                                       relu_cosine_similarity)
+
+SCORE = "bumblebee_accumulated"
+SUMMARY = "bumblebee_summary"
+# How many times a layer's summary was (re)built from the stored keys in decode: once when the
+# prompt fit in the budget (no prefill selection), never after a prefill selection.
+REBUILDS = "bumblebee_rebuilds"
+GREEDY_METHODS = ("stochastic", "lazy", "plain")
+CONCAVE_FORMS = ("log", "power")
+# Largest similarity matrix (elements) built at once in prefill; more rows run in chunks.
+MAX_SIMILARITY_ELEMENTS = 1 << 28
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+
+
+@dataclass(frozen=True)
+class BumbleBeeConfig(PolicyConfig):
+    """BumbleBee's parameters (paper defaults: LongBench ``lambda = 0.3``, stochastic greedy
+    with ``epsilon = 1e-5``, ♦ with ``alpha = 0.04``, ``beta = 1``)."""
+
+    mixture_weight: float = 0.3  # lambda of Eq. 4: weight of the facility location
+    concave: str = "log"  # phi of Eq. 3: "log" (♡) or "power" (♦)
+    power_alpha: float = 0.04
+    power_beta: float = 1.0
+    local_fraction: float = 0.5  # tau_l = floor(budget * local_fraction) (choice, see module doc)
+    local_window: int | None = None  # tau_l in tokens; overrides local_fraction
+    greedy: str = "stochastic"  # prefill maximiser: "stochastic" | "lazy" | "plain"
+    epsilon: float = 1e-5  # stochastic greedy's epsilon
+    seed: int = 0
+
+    def validate(self) -> None:
+        require_probability(self.mixture_weight, "mixture_weight")
+        require(self.concave in CONCAVE_FORMS, "concave", "'log' or 'power'", self.concave)
+        require(_is_number(self.power_alpha) and 0 < self.power_alpha <= 1, "power_alpha", "a number in (0, 1]",
+                self.power_alpha)
+        require(_is_number(self.power_beta) and 0 <= self.power_beta < math.inf, "power_beta",
+                "a finite number >= 0", self.power_beta)
+        require(_is_number(self.local_fraction) and 0 <= self.local_fraction < 1, "local_fraction",
+                "a number in [0, 1)", self.local_fraction)
+        if self.local_window is not None:
+            require_int_at_least(self.local_window, 0, "local_window")
+        require(self.greedy in GREEDY_METHODS, "greedy", "'stochastic', 'lazy' or 'plain'", self.greedy)
+        require(_is_number(self.epsilon) and 0 < self.epsilon < 1, "epsilon", "a number in (0, 1)", self.epsilon)
+        require_int_at_least(self.seed, 0, "seed")
+
+
+@dataclass(frozen=True)
+class BumbleBeePowerConfig(BumbleBeeConfig):
+    concave: str = "power"
+
+
+class BumbleBee(Policy):
+    name = "bumblebee"
+    phases = frozenset({PREFILL, DECODE})
+    config_class = BumbleBeeConfig
+    paper = "Kumari et al. 2024, Algorithms 1-2 (submodular summary + local context), phi = log(1+x)"
+    needs_decode_attention = True
+
+    @property
+    def concave(self) -> Concave:
+        return Concave(self.config.concave, self.config.power_alpha, self.config.power_beta)
+
+    # -- budgets -------------------------------------------------------------------------------
+    def minimum_budget(self) -> int:
+        return (self.config.local_window or 0) + 1
+
+    def split(self, budget: int) -> tuple[int, int]:
+        """``(tau_s, tau_l)``: summary and local-window sizes for a per-head ``budget``."""
+        if self.config.local_window is not None:
+            local = self.config.local_window
+        else:
+            local = int(budget * self.config.local_fraction)
+        if budget < local + 1:
+            raise ValueError(
+                f"invalid budget={budget}: BumbleBee needs at least local_window + 1 = {local + 1} tokens per head "
+                "(a summary of one token or more)"
+            )
+        return budget - local, local
+
+    # -- scores --------------------------------------------------------------------------------
+    def initialize_decode(self, scoring: ScoringInputs, state: dict) -> None:
+        scoring.token_scores[SCORE] = scoring.to_kv_heads(scoring.accumulated_attention()).float()
+
+    def observe_decode(self, scoring: ScoringInputs, state: dict) -> None:
+        scores = scoring.token_scores[SCORE]
+        scores += scoring.to_kv_heads(scoring.last_query_attention()).to(scores.dtype)
+
+    def _accumulated(self, scoring: ScoringInputs) -> torch.Tensor:
+        if SCORE not in scoring.token_scores:
+            self.initialize_decode(scoring, {})
+        return scoring.token_scores[SCORE]
+
+    # -- prefill: Algorithm 1 ------------------------------------------------------------------
+    def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+        batch, heads, tokens, dim = scoring.keys.shape
+        if tokens <= budget:
+            return torch.ones(batch, heads, tokens, dtype=torch.bool, device=scoring.keys.device)
+        summary_size, local = self.split(budget)
+        candidates = tokens - local
+        rows = batch * heads
+        keys = scoring.keys[:, :, :candidates].reshape(rows, candidates, dim)
+        valid = scoring.valid[:, :, :candidates].reshape(rows, candidates)
+        weights = self._accumulated(scoring)[:, :, :candidates].reshape(rows, candidates)
+        positions = scoring.positions[:, :, :candidates].reshape(rows, candidates)
+        generator = torch.Generator(device=keys.device)
+        generator.manual_seed(self.config.seed * 1_000_003 + scoring.layer_index)
+        chosen = torch.zeros(rows, candidates, dtype=torch.bool, device=keys.device)
+        order = torch.arange(candidates, device=keys.device)
+        summaries = []
+        rows_per_chunk = max(1, MAX_SIMILARITY_ELEMENTS // (candidates * candidates))
+        for start in range(0, rows, rows_per_chunk):
+            part = slice(start, min(rows, start + rows_per_chunk))
+            sim = relu_cosine_similarity(keys[part], valid[part])
+            objective = Mixture(sim, weights[part], valid[part], self.config.mixture_weight, self.concave)
+            picked = greedy_maximize(objective, summary_size, self.config.greedy, self.config.epsilon, generator)
+            chosen[part] = picked
+            # The members in stored order, with their similarity matrix, seed Algorithm 2.
+            members = torch.where(picked, order, candidates).sort(dim=-1).values[:, :summary_size]
+            count = members.shape[0]
+            member_sim = sim.gather(1, members[:, :, None].expand(count, summary_size, candidates))
+            member_sim = member_sim.gather(2, members[:, None, :].expand(count, summary_size, summary_size))
+            member_keys = keys[part].gather(1, members[:, :, None].expand(count, summary_size, dim))
+            summaries.append(StreamingSummary.from_similarity(member_sim, key_norms(member_keys),
+                                                              valid[part].gather(1, members),
+                                                              positions[part].gather(1, members)))
+            del sim, objective
+        state[SUMMARY] = StreamingSummary.concatenate(summaries)
+        keep = torch.cat([chosen, chosen.new_ones(rows, local)], dim=1)
+        return keep.reshape(batch, heads, tokens)
+
+    # -- decode: Algorithm 2 -------------------------------------------------------------------
+    def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor | None:
+        batch, heads, tokens, dim = scoring.keys.shape
+        if tokens <= budget:
+            return None
+        summary_size, _ = self.split(budget)
+        rows = batch * heads
+        keys = scoring.keys.reshape(rows, tokens, dim)
+        valid = scoring.valid.reshape(rows, tokens)
+        positions = scoring.positions.reshape(rows, tokens)
+        weights = self._accumulated(scoring).reshape(rows, tokens)
+        summary: StreamingSummary | None = state.get(SUMMARY)
+        if summary is None or summary.size != summary_size or not summary.aligned_with(positions):
+            # The prompt fit in the budget (Alg. 2 lines 6-8 kept every token so far): the
+            # oldest tau_s stored tokens are the summary.
+            summary = StreamingSummary.from_keys(keys[:, :summary_size], valid[:, :summary_size],
+                                                 positions[:, :summary_size])
+            state[SUMMARY] = summary
+            state[REBUILDS] = state.get(REBUILDS, 0) + 1
+        # The tokens between the summary and the local window leave the window, oldest first.
+        dropped = summary.step(keys, valid, weights, positions, summary_size, tokens - budget,
+                               self.config.mixture_weight, self.concave)
+        keep = torch.ones(rows, tokens, dtype=torch.bool, device=keys.device)
+        keep.scatter_(1, dropped, False)
+        return keep.reshape(batch, heads, tokens)
+
+
+class BumbleBeePower(BumbleBee):
+    """BumbleBee ♦: ``phi = g^{-1}``, ``g(y) = alpha y^(1/alpha) + beta y`` (alpha 0.04, beta 1)."""
+
+    name = "bumblebee-power"
+    config_class = BumbleBeePowerConfig
+    paper = "Kumari et al. 2024, Algorithms 1-2, phi = g^-1 with g(y) = 0.04 y^25 + y"

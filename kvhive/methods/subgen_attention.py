@@ -1,0 +1,380 @@
+"""SubGen streaming attention (Zandieh et al., 2024, Algorithm 1 "SubGen: Sublinear Streaming
+Attention").
+
+Two data structures per (batch, KV head), updated for every token that leaves the exact
+window:
+
+* ``D`` (UPDATESOFTMAXNORMALIZER, Lemma 2): clusters of radius ``delta`` in key space. A key
+  within ``delta`` of the nearest representative joins that cluster (count + 1, and each of the
+  cluster's ``t`` reservoir slots is replaced by the key with probability ``1/count``);
+  otherwise it founds a new cluster (representative = the key, ``t`` copies of it, count 1).
+* ``M`` (UPDATEMATRIXPRODUCT, Lemma 1): ``s`` slots, each replaced by ``(k, v)`` with
+  probability ``‖v‖² / (μ + ‖v‖²)``, so every slot is an i.i.d. sample ∝ ``‖v‖²``; ``μ = Σ‖v‖²``.
+
+QUERYSTREAMATTN: ``z = Σ_{(k,v)∈M} μ/(s‖v‖²) · exp(q·k·scaling) · v`` estimates
+``Σ_i exp(q·k_i·scaling) v_i`` and ``τ = Σ_{clusters} n'/t · Σ_{k∈S} exp(q·k·scaling)`` the
+partition function; the paper's output is ``z / τ``. Logits use the model's scaling.
+
+**(choice, METHODS.md)** Combined with an exact recent window: the cache keeps the last
+``budget`` tokens as real tokens (exact attention); every token leaving the window (prefill:
+the prompt beyond the window, in order; decode: one per step) is inserted into ``D`` and ``M``.
+:meth:`SubGenAttention.extra_attention` returns ``(z, τ)`` relative to a common max logit, and
+the attention integration adds them to the window's numerator and denominator
+(``output = (z + Σ_window e^l v) / (τ + Σ_window e^l)``). The prefill attention itself is exact
+(all prompt tokens are present while the prompt is encoded).
+
+Radius **(choice)**: with ``relative_delta=True`` (default) the radius of a (batch, head) row is
+``delta`` times the mean L2 norm of its real keys at its first insertion (keys' scale differs
+per model, layer and head; ``relative_delta=False`` uses ``delta`` as is).
+
+Batch insertion is exactly the sequential algorithm: cluster assignment follows the stream
+order (a token's nearest representative is searched among the clusters founded before it), and
+the reservoir updates of a batch are drawn in closed form with the same distribution as the
+token-by-token coin flips (each slot independently: replaced with probability
+``added/(old+added)`` by a uniform / ``‖v‖²``-weighted draw among the added tokens).
+
+Memory: ``D`` holds ``clusters × (t + 1) × d`` key entries, ``M`` ``2 × s × d``; it grows with
+the number of clusters, never with ``n`` (tensors are allocated with doubling capacity over the
+rows' largest cluster count). :meth:`SubGenAttention.state_nbytes` gives a layer's bytes;
+:func:`structures_nbytes(cache)` sums over a cache's layers (``KVHiveCache.nbytes()`` only counts
+the stored window; see the module's report for the framework hook that would fold it in).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvhive.methods.base import (DECODE, PREFILL, Policy, PolicyConfig, ScoringInputs, keep_top_scores, recency,
+                                 require, require_int_at_least)
+
+STATE_KEY = "subgen_structures"
+
+# Tokens whose cluster assignment is resolved together (distances to the existing
+# representatives in one matrix product; the founding of new clusters loops inside a chunk).
+_ASSIGN_CHUNK = 128
+
+
+@dataclass(frozen=True)
+class SubGenAttentionConfig(PolicyConfig):
+    delta: float = 0.5
+    relative_delta: bool = True
+    t: int = 16
+    s: int = 128
+    seed: int = 0
+
+    def validate(self) -> None:
+        ok = (isinstance(self.delta, (int, float)) and not isinstance(self.delta, bool)
+              and math.isfinite(self.delta) and self.delta > 0)
+        require(ok, "delta", "a finite number > 0 (cluster radius)", self.delta)
+        require(isinstance(self.relative_delta, bool), "relative_delta", "a bool", self.relative_delta)
+        require_int_at_least(self.t, 1, "t")
+        require_int_at_least(self.s, 1, "s")
+        require_int_at_least(self.seed, 0, "seed")
+
+
+class StreamingStructures:
+    """``D`` and ``M`` of Algorithm 1 for ``rows`` independent streams (one per batch × KV head).
+
+    Tensors (``R`` rows, capacity ``C`` clusters):
+    ``representatives [R, C, d]``, ``counts [R, C]`` (0 = unused slot), ``samples [R, C, t, d]``,
+    ``num_clusters [R]``, ``radius [R]`` (NaN until the row's first insertion),
+    ``m_keys / m_values [R, s, d]``, ``m_sqnorm [R, s]`` (0 = empty slot), ``mu [R]`` (float64).
+    """
+
+    def __init__(self, rows: int, dim: int, t: int, s: int, *, dtype: torch.dtype, device: torch.device,
+                 generator: torch.Generator, delta: float, relative_delta: bool) -> None:
+        self.rows, self.dim, self.t, self.s = rows, dim, t, s
+        self.delta, self.relative_delta = float(delta), relative_delta
+        self.generator = generator
+        self.representatives = torch.zeros(rows, 0, dim, dtype=dtype, device=device)
+        self.counts = torch.zeros(rows, 0, dtype=torch.long, device=device)
+        self.samples = torch.zeros(rows, 0, t, dim, dtype=dtype, device=device)
+        self.num_clusters = torch.zeros(rows, dtype=torch.long, device=device)
+        self.radius = torch.full((rows,), float("nan"), dtype=torch.float32, device=device)
+        self.m_keys = torch.zeros(rows, s, dim, dtype=dtype, device=device)
+        self.m_values = torch.zeros(rows, s, dim, dtype=dtype, device=device)
+        self.m_sqnorm = torch.zeros(rows, s, dtype=torch.float32, device=device)
+        self.mu = torch.zeros(rows, dtype=torch.float64, device=device)
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
+
+    # -- accounting ------------------------------------------------------------------------------
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {
+            "representatives": self.representatives, "counts": self.counts, "samples": self.samples,
+            "num_clusters": self.num_clusters, "radius": self.radius, "m_keys": self.m_keys,
+            "m_values": self.m_values, "m_sqnorm": self.m_sqnorm, "mu": self.mu, "tokens": self.tokens,
+        }
+
+    def nbytes(self) -> int:
+        """Bytes allocated by the structures (capacity included)."""
+        return sum(x.numel() * x.element_size() for x in self.tensors().values())
+
+    def used_nbytes(self) -> int:
+        """Bytes of the entries in use: each row's clusters (representative, ``t`` samples,
+        count) plus ``M`` and the per-row scalars; what a ragged layout would hold."""
+        element = self.samples.element_size()
+        clusters = int(self.num_clusters.sum())
+        per_cluster = (self.t + 1) * self.dim * element + self.counts.element_size()
+        fixed = sum(x.numel() * x.element_size() for name, x in self.tensors().items()
+                    if name not in ("representatives", "counts", "samples"))
+        return clusters * per_cluster + fixed
+
+    @property
+    def capacity(self) -> int:
+        return self.counts.shape[1]
+
+    def _grow(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        new_capacity = max(needed, 2 * self.capacity, 4)
+        extra = new_capacity - self.capacity
+        self.representatives = torch.cat(
+            [self.representatives, self.representatives.new_zeros(self.rows, extra, self.dim)], dim=1)
+        self.counts = torch.cat([self.counts, self.counts.new_zeros(self.rows, extra)], dim=1)
+        self.samples = torch.cat(
+            [self.samples, self.samples.new_zeros(self.rows, extra, self.t, self.dim)], dim=1)
+
+    def _rand(self, *shape: int) -> torch.Tensor:
+        return torch.rand(*shape, generator=self.generator, device=self.generator.device).to(self.mu.device)
+
+    # -- insertion -------------------------------------------------------------------------------
+    def insert(self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Insert the tokens ``keys/values [R, n, d]`` where ``mask [R, n]``, in stream order.
+
+        Returns the cluster index of each token ``[R, n]`` (-1 where not inserted).
+        """
+        keys = keys.to(self.samples.dtype)
+        values = values.to(self.m_values.dtype)
+        if not bool(mask.any()):
+            return torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)
+        self._set_radius(keys, mask)
+        self._update_matrix_product(keys, values, mask)
+        assignment = self._assign(keys, mask)
+        self._update_cluster_samples(keys, assignment)
+        self.tokens += mask.sum(-1)
+        return assignment
+
+    def _set_radius(self, keys: torch.Tensor, mask: torch.Tensor) -> None:
+        unset = torch.isnan(self.radius) & mask.any(-1)
+        if not bool(unset.any()):
+            return
+        if self.relative_delta:
+            norms = keys.float().norm(dim=-1)
+            mean_norm = (norms * mask).sum(-1) / mask.sum(-1).clamp_min(1)
+            # A row of all-zero keys still needs a positive radius.
+            scale = torch.where(mean_norm > 0, mean_norm, torch.ones_like(mean_norm))
+            value = self.delta * scale
+        else:
+            value = torch.full_like(self.radius, self.delta)
+        self.radius = torch.where(unset, value, self.radius)
+
+    def _update_matrix_product(self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> None:
+        """UPDATEMATRIXPRODUCT for a batch: the net effect of the token-by-token coin flips."""
+        weights = (values.double() ** 2).sum(-1) * mask  # ‖v‖², 0 for tokens not inserted
+        added = weights.sum(-1)
+        probability = torch.where(added > 0, added / (self.mu + added), torch.zeros_like(added))
+        replace = self._rand(self.rows, self.s).double() < probability[:, None]
+        safe = torch.where(added[:, None] > 0, weights, torch.ones_like(weights))
+        drawn = torch.multinomial(safe.float(), self.s, replacement=True,
+                                  generator=self.generator if self.generator.device == safe.device else None)
+        expand = drawn[..., None].expand(-1, -1, self.dim)
+        self.m_keys = torch.where(replace[..., None], keys.gather(1, expand), self.m_keys)
+        self.m_values = torch.where(replace[..., None], values.gather(1, expand), self.m_values)
+        new_sq = (values.float() ** 2).sum(-1).gather(1, drawn)
+        self.m_sqnorm = torch.where(replace, new_sq, self.m_sqnorm)
+        self.mu = self.mu + added
+
+    def _assign(self, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """UPDATESOFTMAXNORMALIZER's clustering for a batch, in stream order (founds clusters)."""
+        rows, length, _ = keys.shape
+        device = keys.device
+        assignment = torch.full((rows, length), -1, dtype=torch.long, device=device)
+        threshold = (self.radius.float() ** 2)[:, None]
+        row_index = torch.arange(rows, device=device)
+        work = keys.float()
+        for start in range(0, length, _ASSIGN_CHUNK):
+            chunk = work[:, start:start + _ASSIGN_CHUNK]
+            present = mask[:, start:start + _ASSIGN_CHUNK]
+            width = chunk.shape[1]
+            used = int(self.num_clusters.max())
+            if used > 0:
+                reps = self.representatives[:, :used].float()
+                dots = torch.matmul(chunk, reps.transpose(-1, -2))
+                distances = ((chunk * chunk).sum(-1)[..., None] - 2 * dots
+                             + (reps * reps).sum(-1)[:, None, :]).clamp_min_(0)
+                unused = torch.arange(used, device=device)[None, :] >= self.num_clusters[:, None]
+                distances = distances.masked_fill(unused[:, None, :], float("inf"))
+                best, best_index = distances.min(-1)
+            else:
+                best = torch.full((rows, width), float("inf"), device=device)
+                best_index = torch.full((rows, width), -1, dtype=torch.long, device=device)
+            columns = torch.arange(width, device=device)[None, :]
+            uncovered = present & (best > threshold)
+            while bool(uncovered.any()):
+                founding = uncovered.any(-1)
+                first = uncovered.to(torch.int8).argmax(-1)
+                self._grow(int(self.num_clusters.max()) + 1)
+                slot = self.num_clusters.clone()
+                founder = chunk[row_index, first]
+                # Rows that found nothing write their current slot content back.
+                current = self.representatives[row_index, slot.clamp_max(self.capacity - 1)]
+                self.representatives[row_index, slot.clamp_max(self.capacity - 1)] = torch.where(
+                    founding[:, None], founder.to(self.representatives.dtype), current)
+                self.num_clusters = self.num_clusters + founding.long()
+                # Direct differences: the founder's own distance is exactly 0.
+                to_founder = ((chunk - founder[:, None, :]) ** 2).sum(-1)
+                later = founding[:, None] & (columns >= first[:, None])
+                closer = later & (to_founder < best)
+                best = torch.where(closer, to_founder, best)
+                best_index = torch.where(closer, slot[:, None], best_index)
+                uncovered = present & (best > threshold)
+            assignment[:, start:start + width] = torch.where(present, best_index, -1)
+        return assignment
+
+    def _update_cluster_samples(self, keys: torch.Tensor, assignment: torch.Tensor) -> None:
+        """Reservoir update of every cluster's ``t`` samples and its count for a batch."""
+        rows, length, dim = keys.shape
+        capacity = self.capacity
+        inserted = assignment >= 0
+        flat_cluster = torch.where(inserted, torch.arange(rows, device=keys.device)[:, None] * capacity + assignment,
+                                   rows * capacity)
+        added = torch.bincount(flat_cluster.reshape(-1), minlength=rows * capacity + 1)[:-1].view(rows, capacity)
+        touched_row, touched_cluster = torch.nonzero(added, as_tuple=True)
+        if touched_row.numel() == 0:
+            return
+        # Members of each touched cluster, grouped: stable sort of the tokens by cluster id.
+        order = torch.sort(flat_cluster.reshape(-1), stable=True).indices
+        starts = torch.cumsum(added.reshape(-1), 0) - added.reshape(-1)
+        touched = touched_row * capacity + touched_cluster
+        new = added.reshape(-1)[touched]
+        old = self.counts.reshape(-1)[touched]
+        pairs = touched.numel()
+        replace = self._rand(pairs, self.t) * (old + new)[:, None] < new[:, None]
+        rank = (self._rand(pairs, self.t) * new[:, None]).long().clamp_max_(new[:, None] - 1)
+        member = order[starts[touched][:, None] + rank]  # flat token index (row * length + i)
+        drawn = keys.reshape(rows * length, dim)[member]
+        current = self.samples[touched_row, touched_cluster]
+        self.samples[touched_row, touched_cluster] = torch.where(replace[..., None], drawn, current)
+        self.counts = self.counts + added
+
+    # -- query -----------------------------------------------------------------------------------
+    def query(self, queries: torch.Tensor, scaling: float):
+        """QUERYSTREAMATTN relative to a max logit for ``queries [R, Q, d]``.
+
+        Returns ``(z [R, Q, d], tau [R, Q], max_logit [R, Q])`` with
+        ``z = Σ_M μ/(s‖v‖²) e^{l − max} v`` and ``tau = Σ_D n'/t Σ_S e^{l − max}``.
+        """
+        rows, num_queries, dim = queries.shape
+        work = queries.float()
+        used = int(self.num_clusters.max())
+        samples = self.samples[:, :used].reshape(rows, used * self.t, dim).float()
+        cluster_weight = (self.counts[:, :used].float() / self.t).repeat_interleave(self.t, dim=1)
+        sample_logits = torch.matmul(work, samples.transpose(-1, -2)) * scaling
+        sample_logits = sample_logits.masked_fill((cluster_weight == 0)[:, None, :], float("-inf"))
+        filled = self.m_sqnorm > 0
+        product_logits = torch.matmul(work, self.m_keys.float().transpose(-1, -2)) * scaling
+        product_logits = product_logits.masked_fill(~filled[:, None, :], float("-inf"))
+        max_logit = product_logits.amax(-1)
+        if used:
+            max_logit = torch.maximum(max_logit, sample_logits.amax(-1))
+        # Rounded to the queries' dtype first, so the returned max and the exponentials agree.
+        max_logit = max_logit.clamp_min(torch.finfo(queries.dtype).min).to(queries.dtype).float()
+        tau = (torch.exp(sample_logits - max_logit[..., None]) * cluster_weight[:, None, :]).sum(-1)
+        product_weight = torch.where(filled, self.mu.float()[:, None] / (self.s * self.m_sqnorm.clamp_min(1e-30)),
+                                     torch.zeros_like(self.m_sqnorm))
+        scaled = torch.exp(product_logits - max_logit[..., None]) * product_weight[:, None, :]
+        z = torch.matmul(scaled, self.m_values.float())
+        return z, tau, max_logit
+
+
+class SubGenAttention(Policy):
+    name = "subgen-attention"
+    phases = frozenset({PREFILL, DECODE})
+    config_class = SubGenAttentionConfig
+    paper = "Zandieh et al. 2024, Algorithm 1 (clusters D + l2 samples M; z/tau) + exact recent window"
+
+    # -- structures ------------------------------------------------------------------------------
+    def _structures(self, scoring: ScoringInputs, state: dict) -> StreamingStructures:
+        structures = state.get(STATE_KEY)
+        if structures is None:
+            b, h, _, d = scoring.keys.shape
+            generator = torch.Generator(device="cpu")
+            generator.manual_seed(self.config.seed * 1_000_003 + scoring.layer_index)
+            structures = StreamingStructures(
+                b * h, d, self.config.t, self.config.s, dtype=scoring.keys.dtype, device=scoring.keys.device,
+                generator=generator, delta=self.config.delta, relative_delta=self.config.relative_delta)
+            state[STATE_KEY] = structures
+        return structures
+
+    def _window(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+        """Keep the last ``budget`` real tokens; insert every real token that leaves."""
+        valid = scoring.valid
+        keep = keep_top_scores(recency(valid), budget, valid)
+        leaving = valid & ~keep
+        if bool(leaving.any()):
+            b, h, n, d = scoring.keys.shape
+            # Tokens are stored oldest first, so the leaving ones lie in a prefix of the columns.
+            upto = int(leaving.reshape(-1, n).any(0).nonzero().max()) + 1
+            self._structures(scoring, state).insert(
+                scoring.keys[:, :, :upto].reshape(b * h, upto, d),
+                scoring.values[:, :, :upto].reshape(b * h, upto, scoring.values.shape[-1]),
+                leaving[:, :, :upto].reshape(b * h, upto))
+        return keep
+
+    def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+        return self._window(scoring, budget, state)
+
+    def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+        return self._window(scoring, budget, state)
+
+    # -- attention -------------------------------------------------------------------------------
+    def extra_attention(self, state: dict, queries: torch.Tensor, scaling: float):
+        structures: StreamingStructures | None = state.get(STATE_KEY)
+        if structures is None:
+            return None
+        batch, query_heads, num_queries, dim = queries.shape
+        heads = structures.rows // batch
+        group = query_heads // heads
+        grouped = queries.reshape(batch * heads, group * num_queries, dim)
+        z, tau, max_logit = structures.query(grouped, scaling)
+        dtype = queries.dtype
+        return (z.reshape(batch, query_heads, num_queries, dim).to(dtype),
+                tau.reshape(batch, query_heads, num_queries).to(dtype),
+                max_logit.reshape(batch, query_heads, num_queries).to(dtype))
+
+    def estimate(self, state: dict, queries: torch.Tensor, scaling: float) -> torch.Tensor | None:
+        """The paper's output ``z / τ`` over the inserted tokens only, ``[B, Hq, q, d]``."""
+        extra = self.extra_attention(state, queries, scaling)
+        if extra is None:
+            return None
+        z, tau, _ = extra
+        return z / tau[..., None]
+
+    # -- accounting ------------------------------------------------------------------------------
+    def state_nbytes(self, state: dict) -> int:
+        """Bytes allocated by one layer's ``D`` and ``M`` (0 before any insertion)."""
+        structures = state.get(STATE_KEY)
+        return 0 if structures is None else structures.nbytes()
+
+
+def structures_nbytes(cache) -> int:
+    """Bytes of every layer's SubGen structures in a ``KVHiveCache`` (add to ``cache.nbytes()``)."""
+    total = 0
+    for layer in cache.layers:
+        structures = getattr(layer, "policy_state", {}).get(STATE_KEY)
+        if structures is not None:
+            total += structures.nbytes()
+    return total
+
+
+def cluster_counts(cache) -> dict[int, torch.Tensor]:
+    """Clusters held per layer as ``[B*H]`` (layers that inserted tokens only)."""
+    counts = {}
+    for index, layer in enumerate(cache.layers):
+        structures = getattr(layer, "policy_state", {}).get(STATE_KEY)
+        if structures is not None:
+            counts[index] = structures.num_clusters.clone()
+    return counts

@@ -1,0 +1,471 @@
+"""BumbleBee (kvhive/methods/bumblebee.py, kvhive/methods/submodular.py; ../shared/papers/bumblebee.txt)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+from kvhive.api import make_cache
+from kvhive.methods import make_policy
+from kvhive.methods.base import DECODE, ScoringInputs
+from kvhive.methods.bumblebee import REBUILDS, SCORE, SUMMARY, BumbleBee, BumbleBeePower
+from kvhive.methods.submodular import (Concave, Mixture, greedy_maximize, power_concave, relu_cosine_similarity,
+                                       stochastic_sample_size)
+from kvhive.models import TINY_ARCHITECTURES, TINY_ATTENTION_KINDS, load_model, tiny_model
+
+from helpers import left_padded_batch, prefill_and_decode, reference_logits
+
+ALL_TINY = [(a, k) for a in TINY_ARCHITECTURES for k in TINY_ATTENTION_KINDS]
+CONCAVES = [Concave("log"), Concave("power")]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny tensors: extra intra-op threads only add contention on a busy 2-core box.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def random_objective(rows=4, n=10, dim=4, lam=0.3, phi=Concave("log"), seed=0, padding=True) -> Mixture:
+    """Random keys (some near-duplicates, so facility location matters) and attention weights
+    spanning three orders of magnitude; row 1 starts with 3 padding elements."""
+    generator = torch.Generator().manual_seed(seed)
+    keys = torch.randn(rows, n, dim, generator=generator)
+    keys[:, 1::3] = keys[:, 0::3][:, : keys[:, 1::3].shape[1]] + 0.1 * torch.randn(
+        rows, keys[:, 1::3].shape[1], dim, generator=generator)
+    weights = torch.rand(rows, n, generator=generator) ** 3 * 20
+    valid = torch.ones(rows, n, dtype=torch.bool)
+    if padding and rows > 1:
+        valid[1, :3] = False
+    return Mixture(relu_cosine_similarity(keys, valid), weights, valid, lam, phi)
+
+
+def brute_force_best(objective: Mixture, k: int) -> torch.Tensor:
+    best = torch.full((objective.rows,), -math.inf, dtype=torch.float64)
+    for subset in itertools.combinations(range(objective.size), k):
+        chosen = torch.zeros(objective.rows, objective.size, dtype=torch.bool)
+        chosen[:, list(subset)] = True
+        best = torch.maximum(best, objective.value(chosen))
+    return best
+
+
+def reference_greedy(objective: Mixture, k: int) -> torch.Tensor:
+    """Algorithm 1 lines 4-7 straight from the definition: argmax of g(S + e) - g(S) (one row at a
+    time, plain Python over elements; padding only when nothing else is left)."""
+    chosen = torch.zeros(objective.rows, objective.size, dtype=torch.bool)
+    for row in range(objective.rows):
+        for _ in range(k):
+            base = objective.value(chosen)[row]
+            best, best_gain = None, -math.inf
+            for element in range(objective.size):
+                if chosen[row, element]:
+                    continue
+                trial = chosen.clone()
+                trial[row, element] = True
+                gain = (objective.value(trial)[row] - base).item()
+                if not objective.valid[row, element]:
+                    gain = -1e30
+                if gain > best_gain:
+                    best, best_gain = element, gain
+            chosen[row, best] = True
+    return chosen
+
+
+# ----------------------------------------------------------------------------------------------
+# The objective
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("phi", CONCAVES, ids=lambda p: p.kind)
+def test_normalisation_empty_is_zero_ground_set_is_one(phi):
+    for lam in (0.0, 0.3, 1.0):
+        objective = random_objective(lam=lam, phi=phi)
+        empty = torch.zeros(objective.rows, objective.size, dtype=torch.bool)
+        assert torch.allclose(objective.value(empty), torch.zeros(objective.rows, dtype=torch.float64))
+        everything = torch.ones_like(empty)
+        for part in (objective.facility_location, objective.feature, objective.value):
+            assert torch.allclose(part(everything), torch.ones(objective.rows, dtype=torch.float64), atol=1e-12)
+        # Only the valid elements count: the ground set without padding is already worth 1.
+        assert torch.allclose(objective.value(objective.valid), torch.ones(objective.rows, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("phi", CONCAVES, ids=lambda p: p.kind)
+def test_lambda_extremes_reduce_to_the_pure_components(phi):
+    feature_only = random_objective(lam=0.0, phi=phi, seed=3)
+    facility_only = random_objective(lam=1.0, phi=phi, seed=3)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        chosen = torch.rand(4, 10, generator=generator) < 0.4
+        assert torch.allclose(feature_only.value(chosen), feature_only.feature(chosen))
+        assert torch.allclose(facility_only.value(chosen), facility_only.facility_location(chosen))
+    # lambda = 0: c is a concave function of a modular sum, so greedy keeps the top attention mass.
+    picked = greedy_maximize(feature_only, 4, "lazy")
+    top = feature_only.weights.masked_fill(~feature_only.valid, -1).topk(4).indices
+    assert (picked == torch.zeros_like(picked).scatter(1, top, True)).all()
+    # lambda = 1: pure facility location, whatever the attention says.
+    reweighted = Mixture(facility_only.sim, facility_only.weights.flip(-1), facility_only.valid, 1.0, phi)
+    assert (greedy_maximize(facility_only, 4, "plain") == greedy_maximize(reweighted, 4, "plain")).all()
+
+
+@pytest.mark.parametrize("phi", CONCAVES, ids=lambda p: p.kind)
+@pytest.mark.parametrize("method", ["plain", "lazy", "stochastic"])
+def test_greedy_reaches_one_minus_one_over_e_of_brute_force(phi, method):
+    ratios = []
+    for seed, (n, k) in enumerate([(9, 3), (10, 4), (11, 5), (8, 2)]):
+        objective = random_objective(n=n, phi=phi, seed=seed)
+        chosen = greedy_maximize(objective, k, method, 1e-5, torch.Generator().manual_seed(seed))
+        assert (chosen.sum(-1) == k).all()
+        optimum = brute_force_best(objective, k)
+        ratio = objective.value(chosen) / optimum
+        assert (ratio >= 1 - 1 / math.e).all(), ratio
+        ratios.append(ratio)
+    assert torch.cat(ratios).min() <= 1.0 + 1e-9  # brute force is the optimum
+
+
+@pytest.mark.parametrize("phi", CONCAVES, ids=lambda p: p.kind)
+def test_plain_greedy_follows_the_definition(phi):
+    objective = random_objective(rows=3, n=12, phi=phi, seed=5)
+    assert (greedy_maximize(objective, 5, "plain") == reference_greedy(objective, 5)).all()
+
+
+@pytest.mark.parametrize("phi", CONCAVES, ids=lambda p: p.kind)
+@pytest.mark.parametrize("lam", [0.0, 0.3, 1.0])
+def test_lazy_greedy_returns_the_same_set_as_plain_greedy(phi, lam):
+    for seed in range(2):
+        objective = random_objective(rows=6, n=80, dim=8, lam=lam, phi=phi, seed=seed)
+        for k in (1, 7, 25):
+            plain = greedy_maximize(objective, k, "plain")
+            assert (greedy_maximize(objective, k, "lazy") == plain).all()
+            # epsilon this small makes the sample the whole ground set: stochastic == plain too.
+            assert (greedy_maximize(objective, k, "stochastic", 1e-300) == plain).all()
+
+
+def test_stochastic_greedy_samples_and_keeps_exact_counts():
+    assert stochastic_sample_size(1000, 100, 1e-5) == math.ceil(10 * math.log(1e5))
+    assert stochastic_sample_size(100, 50, 1e-5) == 24
+    assert stochastic_sample_size(20, 2, 1e-5) == 20
+    objective = random_objective(rows=5, n=400, dim=8, seed=1)
+    chosen = greedy_maximize(objective, 60, "stochastic", 0.5, torch.Generator().manual_seed(0))
+    assert (chosen.sum(-1) == 60).all()
+    assert not (chosen & ~objective.valid).any()  # padding only once real elements run out
+    plain = greedy_maximize(objective, 60, "plain")
+    assert (objective.value(chosen) >= 0.9 * objective.value(plain)).all()
+    # Reproducible with the same generator seed; a different seed samples differently.
+    again = greedy_maximize(objective, 60, "stochastic", 0.5, torch.Generator().manual_seed(0))
+    other = greedy_maximize(objective, 60, "stochastic", 0.5, torch.Generator().manual_seed(1))
+    assert (again == chosen).all() and not (other == chosen).all()
+
+
+def test_greedy_takes_padding_only_when_real_elements_run_out():
+    objective = random_objective(rows=2, n=8, seed=2)  # row 1: 3 padding, 5 real
+    for method in ("plain", "lazy", "stochastic"):
+        chosen = greedy_maximize(objective, 6, method, 1e-5)
+        assert (chosen.sum(-1) == 6).all()
+        assert chosen[1, 3:].all() and chosen[1, :3].sum() == 1
+
+
+def test_power_concave_inverse_is_accurate():
+    x = torch.cat([torch.zeros(1), torch.logspace(-10, 10, 401, dtype=torch.float64)])
+    for alpha, beta in [(0.04, 1.0), (0.5, 1.0), (0.04, 0.0), (1.0, 2.0)]:
+        y = power_concave(x, alpha, beta)
+        back = alpha * y.pow(1 / alpha) + beta * y
+        assert torch.allclose(back, x, rtol=1e-12, atol=1e-300), (alpha, beta)
+        assert (y[1:] > y[:-1]).all() and y[0] == 0
+    # Concave (BumbleBee ♦): second differences on a uniform grid are <= 0.
+    grid = torch.linspace(0, 50, 2001, dtype=torch.float64)
+    values = power_concave(grid)
+    assert (values[2:] - 2 * values[1:-1] + values[:-2] <= 1e-12).all()
+    # Near zero it is the identity (beta = 1); for large x it grows like (x / alpha) ** alpha.
+    assert torch.allclose(power_concave(torch.tensor([1e-6], dtype=torch.float64)), torch.tensor([1e-6], dtype=torch.float64))
+    big = torch.tensor([1e8], dtype=torch.float64)
+    assert abs(power_concave(big).item() / (big / 0.04).pow(0.04).item() - 1) < 1e-3
+
+
+# ----------------------------------------------------------------------------------------------
+# Streaming (Algorithm 2)
+# ----------------------------------------------------------------------------------------------
+
+
+def decode_scoring(keys: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> ScoringInputs:
+    """ScoringInputs of a decode step over stored ``keys[B, H, N, d]`` with running ``scores``."""
+    b, h, n, d = keys.shape
+    return ScoringInputs(
+        keys=keys, values=keys.clone(), queries=torch.zeros(b, h, 1, d), positions=positions,
+        mask=valid[:, :, None, :], scaling=1.0, layer_index=0, num_layers=1, sequence_length=int(positions.max()) + 1,
+        phase=DECODE, token_scores={SCORE: scores.clone()},
+    )
+
+
+def marginal_gains(keys: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor, lam: float, phi: Concave):
+    """``g(x | S' - x)`` of every element of ``S'`` (one row per problem), from the definition,
+    with ``S'`` as the ground set; invalid elements get -inf (dropped first)."""
+    objective = Mixture(relu_cosine_similarity(keys, valid), weights, valid, lam, phi)
+    everything = torch.ones_like(valid)
+    gains = []
+    for element in range(valid.shape[1]):
+        without = everything.clone()
+        without[:, element] = False
+        gains.append(objective.value(everything) - objective.value(without))
+    return torch.stack(gains, dim=1).masked_fill(~valid, -math.inf)
+
+
+def test_streaming_step_hand_checked():
+    """S = {u1=(1,0), u2=(0,1)}, the token leaving the local window x=(1, 0.1); lambda = 0.3, log.
+
+    Facility location on S' (every element covers itself): gain = 1 - the largest similarity to
+    another element, over f_FL(S') = 3. u1 and x are near-duplicates (cos = 1/sqrt(1.01)); u2 is
+    nearly unique (cos(u2, x) = 0.1/sqrt(1.01), cos(u2, u1) = 0).
+    Feature part: c gain of u = [ln(1 + A) - ln(1 + A - a_u)] / ln(1 + A), A = a(S').
+    """
+    cos = 1 / math.sqrt(1.01)
+    facility = {"u1": (1 - cos) / 3, "u2": (1 - 0.1 * cos) / 3, "x": (1 - cos) / 3}
+    for attention, expected_drop in [({"u1": 5.0, "u2": 0.2, "x": 3.0}, "u2"), ({"u1": 5.0, "u2": 1.0, "x": 0.5}, "x")]:
+        total = sum(attention.values())
+        feature = {u: (math.log1p(total) - math.log1p(total - a)) / math.log1p(total) for u, a in attention.items()}
+        gains = {u: 0.3 * facility[u] + 0.7 * feature[u] for u in facility}
+        assert min(gains, key=gains.get) == expected_drop
+        # First case by hand: u1 0.3 * 0.00165 + 0.7 * 0.353 = 0.248; u2 0.3 * 0.300 + 0.7 * 0.0099
+        # = 0.097; x 0.3 * 0.00165 + 0.7 * 0.178 = 0.125 -> the unique but unattended u2 goes.
+        if expected_drop == "u2":
+            assert gains["u1"] == pytest.approx(0.2478, abs=1e-3)
+            assert gains["u2"] == pytest.approx(0.0970, abs=1e-3)
+            assert gains["x"] == pytest.approx(0.1251, abs=1e-3)
+
+        # Stored: u1, u2 (summary, tau_s = 2), x, newest (local window of 1 after the append).
+        keys = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.1], [0.3, -0.7]])[None, None]
+        scores = torch.tensor([attention["u1"], attention["u2"], attention["x"], 1.0])[None, None]
+        valid = torch.ones(1, 1, 4, dtype=torch.bool)
+        positions = torch.arange(4, dtype=torch.int32)[None, None]
+        brute = marginal_gains(keys[0, :, :3], scores[0, :, :3], valid[0, :, :3], 0.3, Concave("log"))[0]
+        assert brute.tolist() == pytest.approx([gains["u1"], gains["u2"], gains["x"]], abs=1e-6)
+
+        policy = BumbleBee(local_window=1)
+        state = {}
+        keep = policy.select_decode(decode_scoring(keys, scores, valid, positions), 3, state)
+        dropped = {"u1": 0, "u2": 1, "x": 2}[expected_drop]
+        assert keep[0, 0].tolist() == [index != dropped for index in range(4)]
+        assert state[REBUILDS] == 1  # nothing was selected in prefill: S = the oldest tau_s tokens
+
+
+def simulate_stream(policy: BumbleBee, budget: int, steps: int, joiners: int = 1, seed: int = 0, dim: int = 6):
+    """Drive ``select_decode`` as the cache does (append, accumulate, compact) over 2 x 2 rows,
+    row (1, *) left-padded by 2; check every drop against the brute-force argmin of
+    ``g(x | S' - x)`` for one joiner at a time. Returns the policy state."""
+    generator = torch.Generator().manual_seed(seed)
+    summary_size, _ = policy.split(budget)
+    lam, phi = policy.config.mixture_weight, policy.concave
+
+    def fresh_keys(count):
+        return torch.randn(2, 2, count, dim, generator=generator)
+
+    keys = fresh_keys(budget)
+    scores = torch.rand(2, 2, budget, generator=generator) * 4
+    valid = torch.ones(2, 2, budget, dtype=torch.bool)
+    valid[1, :, :2] = False
+    scores[~valid] = 0
+    positions = torch.arange(budget, dtype=torch.int32).expand(2, 2, budget).clone()
+    seen = budget
+    state = {}
+    for step in range(steps):
+        new = fresh_keys(joiners)
+        if step % 2:  # every other step, near-duplicates of the oldest members: redundancy to resolve
+            new = keys[:, :, :joiners] + 0.05 * torch.randn(2, 2, joiners, dim, generator=generator)
+        keys = torch.cat([keys, new], dim=2)
+        scores = torch.cat([scores, torch.zeros(2, 2, joiners)], dim=2)
+        scores += torch.rand(scores.shape, generator=generator) ** 4 * torch.cat(
+            [valid, torch.ones(2, 2, joiners, dtype=torch.bool)], dim=2)
+        valid = torch.cat([valid, torch.ones(2, 2, joiners, dtype=torch.bool)], dim=2)
+        positions = torch.cat([positions, torch.arange(seen, seen + joiners, dtype=torch.int32).expand(2, 2, joiners)], dim=2)
+        seen += joiners
+
+        # Reference: joiners enter one at a time, each followed by the argmin drop.
+        members = [list(range(summary_size)) for _ in range(4)]
+        flat = lambda t: t.reshape(4, *t.shape[2:])  # noqa: E731
+        expected_sets = []
+        for row in range(4):
+            current = members[row]
+            for j in range(joiners):
+                candidate = current + [summary_size + j]
+                index = torch.tensor(candidate)
+                gains = marginal_gains(flat(keys)[row:row + 1, index], flat(scores)[row:row + 1, index],
+                                       flat(valid)[row:row + 1, index], lam, phi)[0]
+                order = gains.argsort(stable=True)
+                assert gains[order[1]] - gains[order[0]] > 1e-9 or not torch.isfinite(gains[order[0]])
+                current = [c for c in candidate if c != candidate[int(order[0])]]
+            expected_sets.append(sorted(current))
+
+        keep = policy.select_decode(decode_scoring(keys, scores, valid, positions), budget, state)
+        assert keep.shape == keys.shape[:3] and (keep.sum(-1) == budget).all()
+        assert keep[..., summary_size + joiners:].all()  # the local window stays
+        for row in range(4):
+            kept_summary = flat(keep)[row, :summary_size + joiners].nonzero().squeeze(1).tolist()
+            assert kept_summary == expected_sets[row], (step, row)
+        keys = keys[keep].reshape(2, 2, budget, dim)
+        scores = scores[keep].reshape(2, 2, budget)
+        valid = valid[keep].reshape(2, 2, budget)
+        positions = positions[keep].reshape(2, 2, budget)
+        # The cached matrix stays aligned with the stored order (oldest first).
+        summary = state[SUMMARY]
+        assert (summary.positions == positions.reshape(4, budget)[:, :summary_size]).all()
+        by_rank = summary.sim.gather(1, summary.slot_of_rank[:, :, None].expand(-1, -1, summary_size))
+        by_rank = by_rank.gather(2, summary.slot_of_rank[:, None, :].expand(-1, summary_size, -1))
+        fresh = relu_cosine_similarity(keys.reshape(4, budget, dim)[:, :summary_size], valid.reshape(4, budget)[:, :summary_size])
+        assert torch.allclose(by_rank, fresh, atol=1e-5)
+        others = summary.sim.clone()
+        others.diagonal(dim1=1, dim2=2).zero_()
+        assert torch.allclose(summary.nearest, others.amax(-1), atol=1e-6)
+    assert not valid[1, :, :].logical_not().any()  # the padding was dropped first
+    return state
+
+
+@pytest.mark.parametrize("method", ["bumblebee", "bumblebee-power"])
+@pytest.mark.parametrize("joiners", [1, 3])
+def test_streaming_drops_the_minimum_marginal_gain_with_the_cached_matrix(method, joiners):
+    policy = make_policy(method, local_window=3)
+    state = simulate_stream(policy, budget=9, steps=24 // joiners, joiners=joiners)
+    assert state[REBUILDS] == 1  # built once from the stored tokens, then only updated
+
+
+# ----------------------------------------------------------------------------------------------
+# Through the cache and the model
+# ----------------------------------------------------------------------------------------------
+
+
+def compressed_layers(cache):
+    return [i for i, layer in enumerate(cache.layers) if cache.is_compressed(i)]
+
+
+@torch.no_grad()
+def run_checked(model, cache, input_ids, attention_mask, budget: int, steps: int, pad: int):
+    """Prefill + ``steps`` greedy decode steps; after each, every compressed layer holds exactly
+    ``budget`` tokens per (batch, head) row, no padding, and its local window."""
+    policy = cache.policy
+    _, local = policy.split(budget)
+    output = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+    mask, seen = attention_mask, input_ids.shape[1]
+    logits = [output.logits[:, -1]]
+    for step in range(steps + 1):
+        for index in compressed_layers(cache):
+            layer = cache.layers[index]
+            assert (layer.lengths == budget).all(), (step, index, layer.lengths)
+            positions = layer.dense()[2]
+            assert (positions[1] >= pad).all()  # the padded row keeps no padding
+            assert (positions[..., budget - local:] == torch.arange(seen - local, seen)).all()
+            summary = layer.policy_state[SUMMARY]
+            assert (summary.positions == positions.reshape(summary.positions.shape[0], -1)[:, :budget - local]).all()
+            assert REBUILDS not in layer.policy_state  # the prefill selection seeded Algorithm 2
+        if step == steps:
+            break
+        next_token = output.logits[:, -1].argmax(-1, keepdim=True)
+        mask = torch.cat([mask, torch.ones_like(next_token)], dim=1)
+        output = model(input_ids=next_token, attention_mask=mask, past_key_values=cache, use_cache=True)
+        logits.append(output.logits[:, -1])
+        seen += 1
+    return torch.stack(logits)
+
+
+@pytest.mark.parametrize("architecture,attention", ALL_TINY)
+def test_full_budget_matches_plain_transformers(architecture, attention):
+    model = tiny_model(architecture, attention)
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size)
+    expected = reference_logits(model, input_ids, attention_mask, steps=20)
+    for method in ("bumblebee", "bumblebee-power"):
+        cache = make_cache(model, method, budget=input_ids.shape[1] + 21)
+        actual = prefill_and_decode(model, cache, input_ids, attention_mask, steps=20)
+        assert (actual - expected).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("architecture,attention", ALL_TINY)
+def test_prefill_and_50_decode_steps_small_budget(architecture, attention):
+    model = tiny_model(architecture, attention)
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=40, pad=9)
+    method = "bumblebee-power" if attention == "gqa" else "bumblebee"
+    cache = make_cache(model, method, budget=14)
+    logits = run_checked(model, cache, input_ids, attention_mask, budget=14, steps=50, pad=9)
+    assert torch.isfinite(logits).all()
+
+
+def test_embedded_model_small_budget_50_steps():
+    model, tokenizer = load_model()
+    prompts = ["The history of the bee hive begins with a small colony of workers that gather pollen",
+               "Bumblebees are large fuzzy insects that live in small colonies underground"]
+    inputs = tokenizer(prompts, return_tensors="pt", padding=True)
+    pad = int((inputs["attention_mask"][1] == 0).sum())
+    budget = 10
+    assert pad > 0 and inputs["input_ids"].shape[1] - pad > budget  # left-padded, and both rows get cut
+    cache = make_cache(model, "bumblebee", budget=budget)
+    logits = run_checked(model, cache, inputs["input_ids"], inputs["attention_mask"], budget, steps=50, pad=pad)
+    assert torch.isfinite(logits).all()
+    assert len(compressed_layers(cache)) == sum(not layer.is_sliding for layer in cache.layers) > 0
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+def test_greedy_variants_agree_inside_the_model(architecture):
+    model = tiny_model(architecture, "gqa")
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=48, pad=7)
+    kept = {}
+    for greedy in ("plain", "lazy", "stochastic"):
+        cache = make_cache(model, "bumblebee", budget=16, greedy=greedy, epsilon=1e-300)
+        prefill_and_decode(model, cache, input_ids, attention_mask, steps=0)
+        kept[greedy] = [cache.layers[i].dense()[2].clone() for i in compressed_layers(cache)]
+    for greedy in ("lazy", "stochastic"):
+        assert all((a == b).all() for a, b in zip(kept["plain"], kept[greedy]))
+
+
+def test_prefill_keeps_padding_only_when_a_row_has_too_few_real_tokens():
+    model = tiny_model("llama", "mha")
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=40, pad=34)  # 6 real tokens
+    cache = make_cache(model, "bumblebee", budget=16)
+    prefill_and_decode(model, cache, input_ids, attention_mask, steps=3)
+    for index in compressed_layers(cache):
+        layer = cache.layers[index]
+        assert (layer.lengths == 16).all()
+        positions = layer.dense()[2]
+        assert ((positions[1] >= 34).sum(-1) == 9).all()  # all 6 + 3 generated real tokens are kept
+        assert (positions[0] >= 0).all()
+
+
+def test_registry_and_defaults():
+    plain, power = make_policy("bumblebee"), make_policy("bumblebee-power")
+    assert isinstance(plain, BumbleBee) and isinstance(power, BumbleBeePower)
+    assert plain.concave.kind == "log" and power.concave.kind == "power"
+    assert plain.config.mixture_weight == 0.3 and plain.config.greedy == "stochastic" and plain.config.epsilon == 1e-5
+    assert (power.config.power_alpha, power.config.power_beta) == (0.04, 1.0)
+    assert plain.split(100) == (50, 50) and plain.split(7) == (4, 3)
+    assert BumbleBee(local_window=10).split(25) == (15, 10)
+    assert BumbleBee(local_fraction=0.0).split(5) == (5, 0)
+
+
+@pytest.mark.parametrize("parameters,name", [
+    ({"mixture_weight": -0.1}, "mixture_weight"), ({"mixture_weight": 1.5}, "mixture_weight"),
+    ({"mixture_weight": float("nan")}, "mixture_weight"),
+    ({"epsilon": 0.0}, "epsilon"), ({"epsilon": -1e-5}, "epsilon"), ({"epsilon": 1.0}, "epsilon"),
+    ({"greedy": "fast"}, "greedy"), ({"concave": "sqrt"}, "concave"),
+    ({"power_alpha": 0.0}, "power_alpha"), ({"power_alpha": 2.0}, "power_alpha"), ({"power_beta": -1.0}, "power_beta"),
+    ({"local_fraction": 1.0}, "local_fraction"), ({"local_fraction": -0.5}, "local_fraction"),
+    ({"local_window": -1}, "local_window"), ({"local_window": 2.5}, "local_window"), ({"seed": -1}, "seed"),
+])
+@pytest.mark.parametrize("method", ["bumblebee", "bumblebee-power"])
+def test_invalid_parameters_raise(method, parameters, name):
+    with pytest.raises(ValueError, match=name):
+        make_policy(method, **parameters)
+
+
+def test_budget_below_local_window_plus_one_raises():
+    policy = BumbleBee(local_window=8)
+    assert policy.minimum_budget() == 9 and policy.split(9) == (1, 8)
+    with pytest.raises(ValueError, match="budget"):
+        policy.split(8)
+    model = tiny_model("llama", "gqa")
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size)
+    with pytest.raises(ValueError, match="budget"):
+        cache = make_cache(model, "bumblebee", budget=8, local_window=8)
+        prefill_and_decode(model, cache, input_ids, attention_mask, steps=0)

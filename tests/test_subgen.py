@@ -1,0 +1,537 @@
+"""SubGen: k-center eviction (`subgen`) and the streaming attention estimator (`subgen-attention`).
+
+The paper's testable statements (../shared/papers/subgen.txt, ../shared/METHODS.md):
+* Eq. (3) / Theorem 1 on (m, δ)-clusterable streams, with Eq. (5) for the partition function;
+* memory O(d·(m·t + s)): grows with the number of clusters, not with n;
+* Lemma 1 (M holds i.i.d. samples ∝ ‖v‖²) and Lemma 2 (clusters: representatives > δ apart,
+  members within δ, counts, t i.i.d. uniform samples per cluster), checked by chi-square;
+* greedy k-center: farthest point each step, 2-approximation of the optimal radius.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+import kvhive
+from kvhive.methods.base import DECODE, PREFILL, ScoringInputs
+from kvhive.methods.registry import make_policy
+from kvhive.methods.subgen import (NEAREST_DISTANCE, NEAREST_POSITION, READY, SubGen, farthest_point_order)
+from kvhive.methods.subgen_attention import (STATE_KEY, StreamingStructures, SubGenAttention, cluster_counts,
+                                             structures_nbytes)
+from kvhive.models import TINY_ARCHITECTURES, TINY_ATTENTION_KINDS, tiny_model
+
+from helpers import left_padded_batch, prefill_and_decode, reference_logits
+
+ALL_TINY = [(a, k) for a in TINY_ARCHITECTURES for k in TINY_ATTENTION_KINDS]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Every test here runs many small ops: on a busy 2-core machine two intra-op threads wait on
+    each other's scheduling (measured 10-20x slower than one thread); restored afterwards."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def chi_square_p_value(observed: torch.Tensor, expected: torch.Tensor) -> float:
+    """Upper tail of the chi-square statistic (dof = cells - 1), via the regularised gamma."""
+    statistic = float(((observed - expected) ** 2 / expected).sum())
+    dof = observed.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(statistic / 2, dtype=torch.float64)))
+
+
+def scoring_for(keys: torch.Tensor, valid: torch.Tensor | None = None, phase: str = PREFILL,
+                positions: torch.Tensor | None = None, token_scores: dict | None = None) -> ScoringInputs:
+    """ScoringInputs over keys ``[B, H, N, d]`` (values = keys; one query)."""
+    b, h, n, d = keys.shape
+    if valid is None:
+        valid = torch.ones(b, h, n, dtype=torch.bool)
+    if positions is None:
+        positions = torch.arange(n, dtype=torch.int32).expand(b, h, n)
+    mask = valid[:, :1, None, :].clone()  # [B, 1, 1, N]
+    return ScoringInputs(keys=keys, values=keys.clone(), queries=torch.zeros(b, h, 1, d), positions=positions,
+                         mask=mask, scaling=1.0, layer_index=0, num_layers=1, sequence_length=n, phase=phase,
+                         token_scores=dict(token_scores or {}))
+
+
+def line_keys(xs) -> torch.Tensor:
+    """Points on a line as keys ``[1, 1, N, 2]``."""
+    return torch.tensor([[x, 0.0] for x in xs]).reshape(1, 1, len(xs), 2)
+
+
+# ==============================================================================================
+# Greedy k-center (subgen)
+# ==============================================================================================
+
+
+def test_kcenter_picks_the_farthest_point_each_step_hand_checked():
+    #            0     1    2    3    4    5    6
+    keys = line_keys([0.0, 10.0, 1.0, 4.0, 7.0, 9.5, 2.9])
+    order = farthest_point_order(keys[0], torch.ones(1, 7, dtype=torch.bool), 5)
+    # first = oldest (0); farthest from {0}: 10; from {0, 10}: 4 (distance 4, vs 3 for 7 and 2.9);
+    # from {0, 10, 4}: 7 (distance 3); from {0, 10, 4, 7}: 2.9 (1.1, vs 1 for 1 and 0.5 for 9.5).
+    assert order.tolist() == [[0, 1, 3, 4, 6]]
+    policy = SubGen(recent=0)
+    keep = policy.select_prefill(scoring_for(keys), 3, {})
+    assert keep[0, 0].tolist() == [True, True, False, True, False, False, False]
+    # recent=2 keeps 9.5 and 3 (the last two) and 2 centers of the rest: 0, then 10.
+    keep = SubGen(recent=2).select_prefill(scoring_for(keys), 4, {})
+    assert keep[0, 0].tolist() == [True, True, False, False, False, True, True]
+
+
+def test_kcenter_never_spends_budget_on_padding():
+    # Row 1 is left-padded by 3 tokens whose (garbage) keys are far from everything: a naive
+    # farthest-point search would pick them first.
+    keys = torch.randn(2, 2, 12, 4)
+    keys[1, :, :3] = 1000.0
+    valid = torch.ones(2, 2, 12, dtype=torch.bool)
+    valid[1, :, :3] = False
+    keep = SubGen(recent=2).select_prefill(scoring_for(keys, valid), 6, {})
+    assert (keep.sum(-1) == 6).all()
+    assert not keep[1, :, :3].any()
+    assert keep[..., -2:].all()
+    # Fewer real tokens than the budget: every real token is kept, padding fills the rest.
+    keep = SubGen(recent=2).select_prefill(scoring_for(keys[:, :, :8], valid[:, :, :8]), 7, {})
+    assert (keep.sum(-1) == 7).all() and keep[1, :, 3:8].all()
+
+
+def test_kcenter_is_a_2_approximation_against_brute_force():
+    generator = torch.Generator().manual_seed(1)
+    for trial in range(25):
+        n, k = 9, 2 + trial % 3
+        points = torch.randn(n, 2, generator=generator).double() * (1 + trial % 4)
+        distances = torch.cdist(points, points)
+        order = farthest_point_order(points[None].float(), torch.ones(1, n, dtype=torch.bool), k)[0]
+        greedy = float(distances[:, order].min(-1).values.max())
+        subsets = torch.tensor(list(itertools.combinations(range(n), k)))
+        optimum = float(distances[:, subsets].min(-1).values.max(0).values.min())
+        assert greedy <= 2 * optimum + 1e-6, (trial, greedy, optimum)
+        # The greedy picks are pairwise at least the final radius apart (Gonzalez' argument).
+        separation = distances[order][:, order] + torch.eye(k, dtype=torch.float64) * 1e9
+        assert float(separation.min()) >= greedy - 1e-5
+
+
+def _naive_farthest_point(keys: torch.Tensor, candidates: torch.Tensor, count: int) -> torch.Tensor:
+    """The textbook loop: distances of every point to each new center, in float64."""
+    rows, n, _ = keys.shape
+    order = torch.full((rows, count), -1, dtype=torch.long)
+    for r in range(rows):
+        pool = candidates[r].nonzero().squeeze(-1)
+        if pool.numel() == 0:
+            continue
+        points = keys[r, pool].double()
+        nearest = torch.full((pool.numel(),), float("inf"), dtype=torch.float64)
+        chosen = 0
+        for step in range(min(count, pool.numel())):
+            order[r, step] = pool[chosen]
+            nearest = torch.minimum(nearest, ((points - points[chosen]) ** 2).sum(-1))
+            nearest[chosen] = -1.0
+            chosen = int(nearest.argmax())
+    return order
+
+
+def test_blocked_farthest_point_equals_the_plain_algorithm(one_thread):
+    # Small blocks and pools force every refresh path (pool exhausted, stale bound violated).
+    generator = torch.Generator().manual_seed(2)
+    for trial in range(6):
+        n = 40 + 23 * trial
+        keys = torch.randn(3, n, 5, generator=generator)
+        candidates = torch.rand(3, n, generator=generator) > 0.25
+        count = 5 + 4 * trial
+        expected = _naive_farthest_point(keys, candidates, count)
+        for block, pool in [(1, 1), (3, 4), (8, 16), (32, 128)]:
+            assert torch.equal(farthest_point_order(keys, candidates, count, block=block, pool=pool), expected)
+
+
+def test_decode_evicts_the_newer_member_of_the_closest_pair_hand_checked():
+    policy = SubGen(recent=1)
+    # Candidates 0, 10, 4 (positions 0, 1, 3) and a newcomer at stored index 3; index 4 is recent.
+    near = line_keys([0.0, 10.0, 4.0, 4.5, 50.0])
+    keep = policy.select_decode(scoring_for(near, phase=DECODE), 4, {})
+    assert keep[0, 0].tolist() == [True, True, True, False, True]  # (4, 4.5): newer 4.5 goes
+    far = line_keys([0.0, 10.0, 4.0, 20.0, 50.0])
+    scoring = scoring_for(far, phase=DECODE)
+    keep = policy.select_decode(scoring, 4, {})
+    assert keep[0, 0].tolist() == [True, True, False, True, True]  # (0, 4): newer 4 goes
+    assert scoring.token_scores[READY][0, 0].tolist() == [1.0, 1.0, 0.0, 1.0, 0.0]
+    # Nearest neighbours among the survivors {0, 10, 20}: 10 for 0, 0|20 for 10, 10 for 20.
+    distances = scoring.token_scores[NEAREST_DISTANCE][0, 0]
+    assert distances[[0, 1, 3]].tolist() == [100.0, 100.0, 100.0]
+    assert scoring.token_scores[NEAREST_POSITION][0, 0, 0].item() == 1.0
+
+
+def _brute_force_decode(keys: list[torch.Tensor], positions: list[int], target: int) -> set[int]:
+    """Reference: while more than ``target`` candidates, drop the newer of the closest pair."""
+    alive = list(range(len(keys)))
+    while len(alive) > target:
+        best = None
+        for a, b in itertools.combinations(alive, 2):
+            distance = float(((keys[a] - keys[b]) ** 2).sum())
+            if best is None or distance < best[0]:
+                best = (distance, a, b)
+        _, a, b = best
+        alive.remove(a if positions[a] > positions[b] else b)
+    return {positions[i] for i in alive}
+
+
+def test_decode_bookkeeping_matches_a_from_scratch_reference_over_a_stream():
+    # Simulates what the cache does (compaction of tokens and per-token scores by the keep mask)
+    # and checks every step against the brute-force rule on the same candidates.
+    generator = torch.Generator().manual_seed(3)
+    recent, budget, d = 2, 7, 3
+    policy = SubGen(recent=recent)
+    stream = torch.randn(60, d, generator=generator)
+    keys = stream[:12][None, None]
+    positions = torch.arange(12, dtype=torch.int32)[None, None]
+    keep = policy.select_prefill(scoring_for(keys, positions=positions), budget, {})
+    keys, positions = keys[keep].reshape(1, 1, -1, d), positions[keep].reshape(1, 1, -1)
+    scores: dict = {}
+    for step in range(12, 60):
+        keys = torch.cat([keys, stream[step][None, None, None]], dim=2)
+        positions = torch.cat([positions, torch.tensor([[[step]]], dtype=torch.int32)], dim=2)
+        scores = {name: torch.cat([value, value.new_zeros(1, 1, 1)], dim=2) for name, value in scores.items()}
+        candidates_before = positions[0, 0, :-recent].tolist()
+        scoring = scoring_for(keys, phase=DECODE, positions=positions, token_scores=scores)
+        keep = policy.select_decode(scoring, budget, {})
+        assert int(keep.sum()) == budget
+        expected = _brute_force_decode([stream[p] for p in candidates_before], candidates_before, budget - recent)
+        kept = set(positions[keep].tolist())
+        assert kept == expected | set(positions[0, 0, -recent:].tolist()), step
+        keys, positions = keys[keep].reshape(1, 1, -1, d), positions[keep].reshape(1, 1, -1)
+        scores = {name: value[keep].reshape(1, 1, -1) for name, value in scoring.token_scores.items()}
+
+
+# ==============================================================================================
+# Streaming structures (subgen-attention): Lemma 1, Lemma 2, Eq. (3), memory
+# ==============================================================================================
+
+
+def structures(rows: int, dim: int, t: int, s: int, delta: float, seed: int = 0) -> StreamingStructures:
+    return StreamingStructures(rows, dim, t, s, dtype=torch.float32, device=torch.device("cpu"),
+                               generator=torch.Generator().manual_seed(seed), delta=delta, relative_delta=False)
+
+
+def insert_in_pieces(target: StreamingStructures, keys, values, pieces):
+    """Insert ``[R, n, d]`` in consecutive pieces of the given sizes (batch and one-by-one paths)."""
+    start, assignments = 0, []
+    for size in pieces:
+        chunk = slice(start, start + size)
+        mask = torch.ones(keys.shape[0], size, dtype=torch.bool)
+        assignments.append(target.insert(keys[:, chunk], values[:, chunk], mask))
+        start += size
+    assert start == keys.shape[1]
+    return torch.cat(assignments, dim=1)
+
+
+def test_lemma1_value_samples_are_iid_proportional_to_squared_norms(one_thread):
+    rows, s = 3000, 4
+    weights = torch.arange(1.0, 7.0)  # ‖v_i‖² = i + 1
+    keys = torch.arange(6.0)[None, :, None].expand(rows, 6, 2).contiguous()  # key[0] identifies the token
+    values = torch.zeros(rows, 6, 2)
+    values[..., 1] = weights.sqrt()
+    target = structures(rows, 2, t=1, s=s, delta=100.0)
+    insert_in_pieces(target, keys, values, [2, 1, 1, 2])
+    assert torch.allclose(target.mu, torch.full((rows,), float(weights.sum()), dtype=torch.float64))
+    drawn = target.m_keys[..., 0].long()  # [rows, s]
+    probability = weights / weights.sum()
+    observed = torch.bincount(drawn.reshape(-1), minlength=6).double()
+    assert chi_square_p_value(observed, probability.double() * drawn.numel()) > 1e-3
+    # Slots are independent: the joint law of slots 0 and 1 is the product law.
+    joint = torch.bincount((drawn[:, 0] * 6 + drawn[:, 1]), minlength=36).double()
+    expected = (probability[:, None] * probability[None, :]).reshape(-1).double() * rows
+    assert chi_square_p_value(joint, expected) > 1e-3
+    assert torch.allclose(target.m_sqnorm, weights[drawn])
+
+
+def test_lemma2_cluster_samples_are_iid_uniform_and_invariants_hold(one_thread):
+    rows, t, n = 2000, 5, 7
+    keys = torch.zeros(rows, n, 2)
+    keys[..., 0] = 1.0 + 0.01 * torch.arange(n)  # one cluster (all within 0.06 of the first key)
+    target = structures(rows, 2, t=t, s=1, delta=0.5)
+    insert_in_pieces(target, keys, keys.clone(), [3, 1, 3])
+    assert (target.num_clusters == 1).all() and (target.counts[:, 0] == n).all()
+    assert torch.equal(target.representatives[:, 0], keys[:, 0])  # the first key represents it
+    drawn = ((target.samples[:, 0, :, 0] - 1.0) / 0.01).round().long()
+    observed = torch.bincount(drawn.reshape(-1), minlength=n).double()
+    assert chi_square_p_value(observed, torch.full((n,), drawn.numel() / n, dtype=torch.float64)) > 1e-3
+    joint = torch.bincount(drawn[:, 0] * n + drawn[:, 1], minlength=n * n).double()
+    assert chi_square_p_value(joint, torch.full((n * n,), rows / n ** 2, dtype=torch.float64)) > 1e-3
+
+
+def _sequential_clusters(points: torch.Tensor, delta: float):
+    """Algorithm 1's UPDATESOFTMAXNORMALIZER, one key at a time (assignment only)."""
+    representatives, counts, assignment = [], [], []
+    for point in points:
+        if representatives:
+            distances = torch.stack([(point - rep).norm() for rep in representatives])
+            best = int(distances.argmin())
+            if distances[best] <= delta:
+                counts[best] += 1
+                assignment.append(best)
+                continue
+        representatives.append(point)
+        counts.append(1)
+        assignment.append(len(representatives) - 1)
+    return torch.stack(representatives), counts, assignment
+
+
+def test_batch_insertion_clusters_exactly_like_the_sequential_algorithm():
+    generator = torch.Generator().manual_seed(4)
+    rows, n, d, delta = 3, 300, 3, 0.6
+    keys = torch.randn(rows, n, d, generator=generator)
+    target = structures(rows, d, t=2, s=2, delta=delta)
+    assignment = insert_in_pieces(target, keys, keys, [1, 200, 1, 1, 97])  # crosses _ASSIGN_CHUNK
+    for r in range(rows):
+        representatives, counts, expected = _sequential_clusters(keys[r], delta)
+        m = len(counts)
+        assert int(target.num_clusters[r]) == m
+        assert torch.allclose(target.representatives[r, :m], representatives)
+        assert target.counts[r, :m].tolist() == counts and assignment[r].tolist() == expected
+        # Lemma 2 (3) and (4): members within δ of their representative, representatives > δ apart.
+        assert float((keys[r] - representatives[assignment[r]]).norm(dim=-1).max()) <= delta + 1e-5
+        separation = torch.cdist(representatives, representatives) + torch.eye(m) * 1e9
+        assert float(separation.min()) > delta
+        # Lemma 2 (5): every reservoir sample is a member of its cluster.
+        for c in range(m):
+            members = keys[r][assignment[r] == c]
+            for sample in target.samples[r, c]:
+                assert bool(((members - sample).abs().sum(-1) == 0).any())
+
+
+def clusterable_stream(rows: int, n: int, d: int, m: int, delta: float, query_norm: float, seed: int,
+                       spread: float = 2.0):
+    """(m, δ)-clusterable keys (each within δ/2 of one of m centers), values of varying norms."""
+    generator = torch.Generator().manual_seed(seed)
+    centers = torch.randn(rows, m, d, generator=generator) * spread
+    which = torch.randint(0, m, (rows, n), generator=generator)
+    direction = torch.randn(rows, n, d, generator=generator)
+    direction = direction / direction.norm(dim=-1, keepdim=True)
+    offset = direction * torch.rand(rows, n, 1, generator=generator) * (delta / 2)
+    keys = centers.gather(1, which[..., None].expand(-1, -1, d)) + offset
+    values = torch.randn(rows, n, d, generator=generator) * (1 + 2 * torch.rand(rows, n, 1, generator=generator))
+    query = torch.randn(rows, 1, d, generator=generator)
+    query = query / query.norm(dim=-1, keepdim=True) * query_norm
+    return keys, values, query
+
+
+def estimator_error(target: StreamingStructures, keys, values, query, epsilon: float):
+    z, tau, max_logit = target.query(query, 1.0)
+    logits = (keys @ query.transpose(-1, -2)).squeeze(-1)
+    probabilities = torch.softmax(logits, dim=-1)
+    exact = (probabilities[:, None, :] @ values)[:, 0]
+    error = ((z / tau[..., None])[:, 0] - exact).norm(dim=-1)
+    bound = epsilon * probabilities.norm(dim=-1) * torch.linalg.matrix_norm(values, ord=2)
+    # Eq. (5): τ relative to the true partition function (both relative to the max logit).
+    log_ratio = (tau[:, 0].log() + max_logit[:, 0]) - torch.logsumexp(logits, dim=-1)
+    return error, bound, log_ratio
+
+
+@pytest.mark.parametrize("delta, query_norm, m", [(1.0, 0.5, 8), (0.5, 2.0, 16)])
+def test_eq3_error_bound_holds_with_probability_099_on_clusterable_streams(one_thread, delta, query_norm, m):
+    # Theorem 1: t = Ω(ε⁻² e^{2δr} log n), s = Ω(ε⁻² d) give Eq. (3) w.p. ≥ 0.99. Each of the 400
+    # rows is an independent stream (its own keys, values, query and random coins).
+    rows, n, d, epsilon = 400, 1000, 16, 0.5
+    keys, values, query = clusterable_stream(rows, n, d, m, delta, query_norm, seed=10 + m)
+    target = structures(rows, d, t=64, s=256, delta=delta, seed=m)
+    insert_in_pieces(target, keys, values, [n - 20] + [1] * 20)
+    assert int(target.num_clusters.max()) <= m  # pigeonhole (Theorem 1's memory argument)
+    error, bound, log_ratio = estimator_error(target, keys, values, query, epsilon)
+    assert float((error <= bound).double().mean()) >= 0.99
+    assert float((log_ratio.abs() <= math.log1p(epsilon / 3)).double().mean()) >= 0.99
+    # Not vacuous: with one sample per structure the guarantee is lost (fails for >10% of rows).
+    weak = structures(rows, d, t=1, s=1, delta=delta, seed=m)
+    insert_in_pieces(weak, keys, values, [n])
+    error, bound, _ = estimator_error(weak, keys, values, query, epsilon)
+    assert float((error <= bound).double().mean()) < 0.9
+
+
+def test_memory_grows_with_the_number_of_clusters_not_with_n(one_thread):
+    rows, d, t, s, delta = 4, 8, 8, 16, 0.5
+    by_length = {}
+    for n in (500, 1000, 4000):
+        keys, values, _ = clusterable_stream(rows, n, d, 8, delta, 1.0, seed=5)
+        target = structures(rows, d, t, s, delta)
+        insert_in_pieces(target, keys, values, [n])
+        assert int(target.num_clusters.max()) <= 8
+        by_length[n] = (target.nbytes(), target.used_nbytes(), int(target.num_clusters.sum()))
+    assert len({nbytes for nbytes, _, _ in by_length.values()}) == 1  # same allocation for 8x the tokens
+    full_kv_bytes_4000 = rows * 4000 * 2 * d * 4
+    assert by_length[4000][0] < full_kv_bytes_4000 / 10
+    by_clusters = []
+    for m in (4, 16, 64):
+        # Far-apart centers: the algorithm finds exactly the m clusters.
+        keys, values, _ = clusterable_stream(rows, 2000, d, m, delta, 1.0, seed=6, spread=50.0)
+        target = structures(rows, d, t, s, delta)
+        insert_in_pieces(target, keys, values, [2000])
+        clusters = int(target.num_clusters.sum())
+        assert (target.num_clusters == m).all()
+        per_cluster = (t + 1) * d * 4 + 8
+        fixed = target.used_nbytes() - clusters * per_cluster
+        by_clusters.append((clusters, target.used_nbytes(), target.nbytes(), fixed))
+    assert len({fixed for *_, fixed in by_clusters}) == 1  # M and the per-row scalars do not grow
+    for clusters, used, allocated, _ in by_clusters:
+        assert used <= allocated <= 2 * used  # doubling capacity: at most twice what is used
+
+
+def test_extra_attention_maps_query_heads_to_their_kv_head():
+    # GQA: 4 query heads on 2 KV heads; compare with the estimator written out per query head.
+    policy = SubGenAttention(t=3, s=5, delta=0.3, relative_delta=False)
+    generator = torch.Generator().manual_seed(7)
+    b, h, n, d = 2, 2, 30, 4
+    keys = torch.randn(b, h, n, d, generator=generator)
+    scoring = scoring_for(keys)
+    scoring.values = torch.randn(b, h, n, d, generator=generator)
+    state: dict = {}
+    keep = policy.select_prefill(scoring, 6, state)
+    assert (keep.sum(-1) == 6).all() and keep[..., -6:].all()
+    st = state[STATE_KEY]
+    assert (st.tokens == n - 6).all() and (st.counts.sum(-1) == n - 6).all()
+    queries = torch.randn(b, 4, 2, d, generator=generator)
+    z, tau, max_logit = policy.extra_attention(state, queries, 0.7)
+    for batch, query_head in itertools.product(range(b), range(4)):
+        row = batch * h + query_head // 2
+        q = queries[batch, query_head]
+        m = int(st.num_clusters[row])
+        sample_logits = (q @ st.samples[row, :m].reshape(-1, d).T) * 0.7
+        weights = (st.counts[row, :m].float() / st.t).repeat_interleave(st.t)
+        expected_tau = (torch.exp(sample_logits - max_logit[batch, query_head, :, None]) * weights).sum(-1)
+        product_logits = (q @ st.m_keys[row].T) * 0.7
+        scale = st.mu[row].float() / (st.s * st.m_sqnorm[row])
+        expected_z = (torch.exp(product_logits - max_logit[batch, query_head, :, None]) * scale) @ st.m_values[row]
+        assert torch.allclose(tau[batch, query_head], expected_tau, rtol=1e-5)
+        assert torch.allclose(z[batch, query_head], expected_z, rtol=1e-4, atol=1e-6)
+        exact_max = torch.maximum(sample_logits.amax(-1), product_logits.amax(-1))
+        assert torch.allclose(max_logit[batch, query_head], exact_max)
+
+
+# ==============================================================================================
+# Models: full budget, decode runs, the embedded model
+# ==============================================================================================
+
+
+@pytest.mark.parametrize("architecture, attention", ALL_TINY)
+def test_full_budget_matches_plain_transformers(architecture, attention):
+    model = tiny_model(architecture, attention)
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=24, pad=5)
+    expected = reference_logits(model, input_ids, attention_mask, steps=6)
+    for method in ("subgen", "subgen-attention"):
+        cache = kvhive.make_cache(model, method, budget=64, recent=4) if method == "subgen" else \
+            kvhive.make_cache(model, method, budget=64)
+        logits = prefill_and_decode(model, cache, input_ids, attention_mask, steps=6)
+        assert (logits - expected).abs().max() <= 1e-5, method
+
+
+@pytest.mark.parametrize("architecture, attention", ALL_TINY)
+def test_prefill_and_50_decode_steps_keep_exact_budgets(architecture, attention):
+    model = tiny_model(architecture, attention)
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=30, pad=7)
+    real_tokens = attention_mask.sum(-1)
+    steps = 50
+    caches = {
+        "subgen": kvhive.make_cache(model, "subgen", budget=12, recent=4),
+        "subgen-attention": kvhive.make_cache(model, "subgen-attention", budget=8),
+    }
+    for method, cache in caches.items():
+        logits = prefill_and_decode(model, cache, input_ids, attention_mask, steps=steps)
+        assert torch.isfinite(logits).all()
+        budget = cache.layer_budgets
+        assert budget and all(i in budget for i in cache.compressed_layers)
+        for index in cache.compressed_layers:
+            assert (cache.kept_tokens()[index] == budget[index]).all(), (method, index)
+    # Every real token that left the window was inserted into D and M exactly once.
+    cache = caches["subgen-attention"]
+    heads = cache.num_kv_heads
+    for index, counts in cluster_counts(cache).items():
+        st = cache.layers[index].policy_state[STATE_KEY]
+        expected = (real_tokens + steps - 8).repeat_interleave(heads)
+        assert torch.equal(st.tokens, expected) and torch.equal(st.counts.sum(-1), expected)
+        assert (counts >= 1).all()
+    assert structures_nbytes(cache) > 0
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gemma3"])
+def test_estimator_recovers_the_evicted_tokens_attention(architecture):
+    # δ tiny (each key its own cluster, τ exact) and many ℓ2 samples: subgen-attention with a
+    # window of 8 must come much closer to the full cache than the window alone (local).
+    model = tiny_model(architecture, "gqa")
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=40, pad=5)
+    expected = reference_logits(model, input_ids, attention_mask, steps=8)
+    forced = [expected[i].argmax(-1, keepdim=True) for i in range(8)]
+
+    def error(method, **options):
+        cache = kvhive.make_cache(model, method, budget=8, **options)
+        logits = prefill_and_decode(model, cache, input_ids, attention_mask, steps=8, forced_tokens=forced)
+        return float((logits[1:] - expected[1:]).abs().max())
+
+    local = error("local")
+    estimated = error("subgen-attention", delta=1e-4, t=1, s=4096)
+    assert estimated < local / 5, (estimated, local)
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    return kvhive.load_model()
+
+
+@pytest.mark.parametrize("method, options", [("subgen", dict(budget=48, recent=16)),
+                                             ("subgen-attention", dict(budget=32))])
+def test_embedded_model_prefill_and_50_decode_steps(embedded, method, options):
+    model, tokenizer = embedded
+    text = open("/work/shared/data/wikitext2/wiki.test.raw", encoding="utf-8").read()[:1200]
+    encoded = tokenizer(text, return_tensors="pt")
+    cache = kvhive.make_cache(model, method, **options)
+    logits = prefill_and_decode(model, cache, encoded["input_ids"], encoded["attention_mask"], steps=50)
+    assert torch.isfinite(logits).all()
+    prompt = encoded["input_ids"].shape[1]
+    assert prompt > options["budget"] + 50
+    for index in cache.compressed_layers:
+        assert (cache.kept_tokens()[index] == options["budget"]).all()
+    if method == "subgen-attention":
+        counts = cluster_counts(cache)
+        assert sorted(counts) == cache.compressed_layers
+        for index in counts:
+            assert (cache.layers[index].policy_state[STATE_KEY].tokens == prompt + 50 - options["budget"]).all()
+
+
+# ==============================================================================================
+# Parameters
+# ==============================================================================================
+
+
+@pytest.mark.parametrize("parameter, value", [
+    ("delta", 0), ("delta", -1.0), ("delta", float("nan")), ("delta", float("inf")), ("delta", "1"),
+    ("t", 0), ("t", 1.5), ("t", True), ("s", 0), ("s", -3), ("seed", -1), ("relative_delta", 1),
+])
+def test_invalid_subgen_attention_parameters(parameter, value):
+    with pytest.raises(ValueError, match=parameter):
+        make_policy("subgen-attention", **{parameter: value})
+
+
+@pytest.mark.parametrize("value", [-1, 2.5, None, True])
+def test_invalid_subgen_recent(value):
+    with pytest.raises(ValueError, match="recent"):
+        make_policy("subgen", recent=value)
+
+
+def test_subgen_budget_must_exceed_recent():
+    model = tiny_model("llama", "gqa")
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=24, pad=0)
+    for budget in (4, 3):
+        with pytest.raises(ValueError, match="budget"):
+            cache = kvhive.make_cache(model, "subgen", budget=budget, recent=4)
+            prefill_and_decode(model, cache, input_ids, attention_mask, steps=0)
+    cache = kvhive.make_cache(model, "subgen", budget=5, recent=4)  # k = 1 works
+    prefill_and_decode(model, cache, input_ids, attention_mask, steps=3)
+    assert (cache.kept_tokens()[0] == 5).all()
+    with pytest.raises(ValueError, match="unknown parameter"):
+        make_policy("subgen", window=4)
