@@ -318,6 +318,8 @@ def claims_grid(claims: Sequence[Claim] | None = None) -> tuple[list[str], dict[
             known = budgets.setdefault(claim.task, [])
             if budget_key(budget) not in {budget_key(b) for b in known}:
                 known.append(budget)
+    for task, values in budgets.items():
+        values.sort(key=lambda b: (isinstance(b, int), float(b)))  # ratios first, then tokens, ascending
     return tasks, methods, budgets
 
 

@@ -87,7 +87,11 @@ def validate_methods(methods: Sequence[str], method_validator: MethodValidator |
             raise ValueError(f"methods: {method!r} is not a method name")
         method = method.strip()
         if method_validator is not None and method != FULL_METHOD:
-            if method_validator(method) is False:
+            try:
+                accepted = method_validator(method)
+            except Exception as error:  # a registry lookup raising KeyError etc.
+                raise ValueError(f"methods: unknown method {method!r} ({error})") from error
+            if accepted is False:
                 raise ValueError(f"methods: unknown method {method!r}")
         if method not in out:
             out.append(method)
