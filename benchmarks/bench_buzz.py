@@ -53,25 +53,27 @@ def prefill_seconds(model, input_ids, method: str | None, budget: int | None, re
 
 
 @torch.no_grad()
-def decode_ms_per_token(model, input_ids, method: str | None, budget: int | None, tokens: int,
-                        **parameters) -> tuple[float, int, int]:
-    """ms/token over ``tokens`` greedy steps after the prompt; also the evictions and the final
-    stored length of layer 0."""
+def start_stream(model, input_ids, method: str | None, budget: int | None, **parameters):
+    """A cache holding the prompt plus one decoded token (so lazy initialisation is not timed)."""
     cache = _plain_cache(model) if method is None else make_cache(model, method, budget, **parameters)
     output = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
     token = output.logits[:, -1].argmax(-1, keepdim=True)
-    # One untimed step so lazy initialisation is not counted.
     output = model(input_ids=token, past_key_values=cache, use_cache=True)
-    token = output.logits[:, -1].argmax(-1, keepdim=True)
+    return cache, output.logits[:, -1].argmax(-1, keepdim=True)
+
+
+@torch.no_grad()
+def stream_ms_per_token(model, cache, token, method: str | None, tokens: int):
+    """ms/token over ``tokens`` greedy steps; returns (ms, next token)."""
+    if method is None:
+        model.set_attn_implementation("sdpa")
+    else:
+        model.set_attn_implementation("kvhive")
     start = time.perf_counter()
     for _ in range(tokens):
         output = model(input_ids=token, past_key_values=cache, use_cache=True)
         token = output.logits[:, -1].argmax(-1, keepdim=True)
-    elapsed = time.perf_counter() - start
-    if method is None:
-        return 1000 * elapsed / tokens, 0, cache.get_seq_length()
-    layer = cache.layers[0]
-    return 1000 * elapsed / tokens, layer.policy_state.get(EVICTIONS, 0), int(layer.lengths.max())
+    return 1000 * (time.perf_counter() - start) / tokens, token
 
 
 def main() -> None:
@@ -84,6 +86,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--skip-prefill", action="store_true", help="only the streaming part")
     arguments = parser.parse_args()
     if arguments.threads:
         torch.set_num_threads(arguments.threads)
@@ -97,34 +100,52 @@ def main() -> None:
           f"{torch.get_num_threads()}; BUZZ budget {arguments.budget} = sink {layout.sink} + window "
           f"{layout.window} + threshold {layout.threshold} (stride {arguments.stride})")
 
+    lengths = [] if arguments.skip_prefill else arguments.lengths
     warm_up = torch.randint(3, vocab, (1, 2 * arguments.budget), generator=generator)
     for method in (None, "full", "buzz"):  # lazy initialisation, allocator, kernels
         prefill_seconds(model, warm_up, method, arguments.budget if method == "buzz" else None, 1,
                         **(buzz if method == "buzz" else {}))
 
-    print("\n1. prefill + compress / prefill")
-    print(f"{'tokens':>7} {'plain sdpa s':>13} {'kvhive full s':>14} {'buzz s':>9} {'buzz/full':>10} {'buzz/plain':>11}")
-    for length in arguments.lengths:
+    if lengths:
+        print("\n1. prefill + compress / prefill")
+        print(f"{'tokens':>7} {'plain sdpa s':>13} {'kvhive full s':>14} {'buzz s':>9} {'buzz/full':>10} {'buzz/plain':>11}")
+    for length in lengths:
         input_ids = torch.randint(3, vocab, (1, length), generator=generator)
         repeats = arguments.repeats if length <= 4096 else max(1, arguments.repeats // 2)
-        plain = prefill_seconds(model, input_ids, None, None, repeats)
-        full = prefill_seconds(model, input_ids, "full", None, repeats)
-        compressed = prefill_seconds(model, input_ids, "buzz", arguments.budget, repeats, **buzz)
+        times = {"plain": [], "full": [], "buzz": []}
+        for _ in range(repeats):  # interleaved, so a change of machine load hits every cache alike
+            times["plain"].append(prefill_seconds(model, input_ids, None, None, 1))
+            times["full"].append(prefill_seconds(model, input_ids, "full", None, 1))
+            times["buzz"].append(prefill_seconds(model, input_ids, "buzz", arguments.budget, 1, **buzz))
+        plain, full, compressed = (statistics.median(times[key]) for key in ("plain", "full", "buzz"))
         print(f"{length:>7} {plain:>13.3f} {full:>14.3f} {compressed:>9.3f} {compressed / full:>10.2f} "
               f"{compressed / plain:>11.2f}", flush=True)
 
-    print(f"\n2. streaming: {arguments.decode_tokens} tokens after a {arguments.decode_prompt}-token prompt")
-    print(f"{'cache':>22} {'ms/token':>9} {'evictions':>10} {'stored':>7}")
+    print(f"\n2. streaming: {arguments.decode_tokens} tokens after a {arguments.decode_prompt}-token prompt "
+          f"(median of {arguments.repeats} interleaved rounds)")
     input_ids = torch.randint(3, vocab, (1, arguments.decode_prompt), generator=generator)
+    no_eviction = arguments.decode_prompt + (arguments.repeats + 1) * arguments.decode_tokens + 8
     runs = [("plain sdpa (full)", None, None, {}), ("kvhive full", "full", None, {}),
             (f"buzz C={arguments.budget}", "buzz", arguments.budget, buzz),
-            (f"buzz C={4 * arguments.budget}", "buzz", 4 * arguments.budget, buzz)]
+            (f"buzz C={4 * arguments.budget}", "buzz", 4 * arguments.budget, buzz),
+            ("buzz, never evicting", "buzz", no_eviction, buzz)]
+    streams = {label: start_stream(model, input_ids, method, budget, **parameters)
+               for label, method, budget, parameters in runs}
+    times = {label: [] for label, *_ in runs}
+    for _ in range(arguments.repeats):
+        for label, method, _, _ in runs:
+            cache, token = streams[label]
+            ms, token = stream_ms_per_token(model, cache, token, method, arguments.decode_tokens)
+            streams[label] = (cache, token)
+            times[label].append(ms)
+    print(f"{'cache':>22} {'ms/token':>9} {'evictions':>10} {'stored':>7}")
     results = {}
-    for label, method, budget, parameters in runs:
-        ms, evictions, stored = decode_ms_per_token(model, input_ids, method, budget, arguments.decode_tokens,
-                                                    **parameters)
-        results[label] = ms
-        print(f"{label:>22} {ms:>9.2f} {evictions:>10} {stored:>7}", flush=True)
+    for label, method, _, _ in runs:
+        cache = streams[label][0]
+        evictions = 0 if method is None else cache.layers[0].policy_state.get(EVICTIONS, 0)
+        stored = cache.get_seq_length() if method is None else int(cache.layers[0].lengths.max())
+        results[label] = statistics.median(times[label])
+        print(f"{label:>22} {results[label]:>9.2f} {evictions:>10} {stored:>7}", flush=True)
     reference = results["kvhive full"]
     for label, ms in results.items():
         if label.startswith("buzz"):

@@ -10,7 +10,10 @@ the number of clusters at several prefix lengths ``n`` for several radii.
 The radius is relative: ``δ = delta_rel × mean ‖k‖`` of the layer's keys (the same scale the
 ``subgen-attention`` default uses), printed with typical nearest-neighbour and pairwise
 distances so the choice can be judged. The growth exponent is the least-squares slope of
-``log(clusters)`` against ``log(n)`` (1 = linear, no compression from clustering).
+``log(clusters)`` against ``log(n)`` (1 = linear, no compression from clustering); the
+last-doubling slope is the same over the last two checkpoints only (sublinear growth should
+flatten as n grows). The memory column compares ``D`` at ``t`` samples per cluster (plus the
+representative) with the full keys + values of those tokens.
 
     python benchmarks/subgen_cluster_growth.py [--tokens 4096] [--deltas 0.25 0.5 0.75 1.0]
 
@@ -114,21 +117,25 @@ def main() -> None:
         print(f"\nlayer {layer}: {heads} KV head(s), d = {d}, mean ‖k‖ = {mean_norm:.2f}, median nearest-neighbour "
               f"distance = {nearest:.2f} ({nearest / mean_norm:.2f}·‖k‖), median pairwise = {pairwise:.2f} "
               f"({pairwise / mean_norm:.2f}·‖k‖)")
-        header = "  δ/‖k‖      δ " + "".join(f"{c:>8}" for c in checkpoints) + "   slope  m/n@max  D bytes/KV bytes"
+        header = ("  δ/‖k‖      δ " + "".join(f"{c:>8}" for c in checkpoints)
+                  + "   slope  last-doubling slope  m/n@max  D bytes/KV bytes")
         print(header)
         for relative in args.deltas:
             radius = relative * mean_norm
             counts = cluster_counts(keys, radius, checkpoints)
             exponent = slope(checkpoints, counts)
+            # Local exponent over the last step (e.g. 2048 -> 4096): does growth slow down with n?
+            tail = slope(checkpoints[-2:], counts[-2:])
             # Bytes of D at t samples (+ representative) per cluster vs the full keys+values.
             memory_ratio = counts[-1] * (args.t + 1) * d / (2 * heads * n * d)
             print(f"  {relative:6.2f} {radius:6.2f} " + "".join(f"{c:>8}" for c in counts)
-                  + f"   {exponent:5.2f}  {counts[-1] / (heads * n):7.3f}  {memory_ratio:8.2f}")
+                  + f"   {exponent:5.2f}  {tail:19.2f}  {counts[-1] / (heads * n):7.3f}  {memory_ratio:8.2f}")
             for tokens, clusters in zip(checkpoints, counts):
                 rows.append({"layer": layer, "heads": heads, "delta_relative": relative, "delta": round(radius, 4),
                              "mean_key_norm": round(mean_norm, 4), "n": tokens, "clusters": clusters,
                              "clusters_per_token": round(clusters / (heads * tokens), 4),
-                             "slope": round(exponent, 4)})
+                             "slope": round(exponent, 4), "last_doubling_slope": round(tail, 4),
+                             "d_bytes_over_kv_bytes_t16": round(memory_ratio, 4)})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))

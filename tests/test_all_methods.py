@@ -37,7 +37,12 @@ def _reference(architecture: str, attention: str, length: int, steps: int):
     return _MODEL_CACHE[key]
 
 
-@pytest.mark.parametrize("method", method_names())
+# BUZZ with log n rescales the model's attention logits by design (tests/test_buzz.py checks
+# that it does so by exactly log_512(n)), so a full budget does not give the model's logits.
+LOSSLESS_METHODS = [name for name in method_names() if name != "buzz-logn"]
+
+
+@pytest.mark.parametrize("method", LOSSLESS_METHODS)
 @pytest.mark.parametrize("architecture,attention", MODELS)
 def test_full_budget_is_lossless(method, architecture, attention):
     model = _model(architecture, attention)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -107,8 +107,11 @@ def _prefill(module, cache: KVHiveCache, layer_index, query, key, value, mask, s
     if compressed:
         key_counts = torch.arange(1, num_queries + 1, device=query.device)
         attended_queries = _row_logit_scale(policy, key_counts, query)
-    output, _ = sdpa_attention_forward(module, attended_queries, key, value, mask, dropout=dropout,
-                                       scaling=scaling, **kwargs)
+    # A purely causal mask (no padding, no window in reach) lets sdpa use its causal kernels.
+    causal_only = num_queries == key.shape[2] and torch.equal(
+        mask, torch.ones(num_queries, num_queries, dtype=torch.bool, device=mask.device).tril().expand_as(mask))
+    output, _ = sdpa_attention_forward(module, attended_queries, key, value, None if causal_only else mask,
+                                       dropout=dropout, scaling=scaling, **kwargs)
 
     if cache.record_prefill:
         cache.prefill_records[layer_index] = (query, mask, scaling)
@@ -175,16 +178,24 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
         sdpa_mask_ = stored_mask
         if sdpa_mask_.shape[1] not in (1, query_heads):
             sdpa_mask_ = sdpa_mask_.repeat_interleave(group, dim=1)
-        output, _ = sdpa_attention_forward(module, query, keys, values, sdpa_mask_, dropout=dropout,
-                                           scaling=scaling, **kwargs)
+        if heads == query_heads and getattr(module, "num_key_value_groups", 1) > 1:
+            # Stored per query head (Ada-KV on GQA): transformers would regroup the heads again.
+            output = torch.nn.functional.scaled_dot_product_attention(
+                query, keys, values, attn_mask=sdpa_mask_, scale=scaling).transpose(1, 2).contiguous()
+        else:
+            output, _ = sdpa_attention_forward(module, query, keys, values, sdpa_mask_, dropout=dropout,
+                                               scaling=scaling, **kwargs)
     else:
-        grouped = query.reshape(batch, heads, group, num_queries, head_dim)
-        logits = torch.matmul(grouped, keys.unsqueeze(2).transpose(-1, -2)) * scaling
+        # [B, H, G*q, d] @ [B, H, d, L]: one matmul per stored head, keys and values read once.
+        grouped = query.reshape(batch, heads, group * num_queries, head_dim)
+        logits = torch.matmul(grouped, keys.transpose(-1, -2)) * scaling
+        logits = logits.view(batch, heads, group, num_queries, -1)
         logits = logits.masked_fill(~stored_mask.unsqueeze(2), float("-inf"))
         row_max = logits.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(logits.dtype).min)
         exponentials = torch.exp(logits - row_max)
         denominator = exponentials.sum(dim=-1)
-        numerator = torch.matmul(exponentials, values.unsqueeze(2))
+        numerator = torch.matmul(exponentials.view(batch, heads, group * num_queries, -1), values)
+        numerator = numerator.view(batch, heads, group, num_queries, head_dim)
         if extra is not None:
             extra_numerator, extra_denominator, extra_max = (
                 t.reshape(batch, heads, group, num_queries, *t.shape[3:]) for t in extra

@@ -182,6 +182,7 @@ class KVHiveCache(Cache):
         self._resolve_budgets(store.tokens_seen)
         budget = self.layer_budgets[layer_index]
         scoring = make_scoring(PREFILL)
+        scoring.budget = budget
         if DECODE in self.policy.phases:
             self.policy.initialize_decode(scoring, store.policy_state)
             store.policy_state["decode_initialized"] = True
@@ -222,6 +223,7 @@ class KVHiveCache(Cache):
         self._resolve_budgets(store.tokens_seen)
         budget = self.layer_budgets[layer_index]
         scoring = make_scoring(DECODE)
+        scoring.budget = budget
         if "decode_initialized" not in store.policy_state:
             self.policy.initialize_decode(scoring, store.policy_state)
             store.policy_state["decode_initialized"] = True

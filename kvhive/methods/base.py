@@ -73,6 +73,7 @@ class ScoringInputs:
     sequence_length: int
     phase: str
     token_scores: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    budget: int | None = None  # this layer's budget (tokens per stored head), set by the cache
     last_query_weights: torch.Tensor | None = None
     _memo: dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict, repr=False)
 
@@ -111,19 +112,23 @@ class ScoringInputs:
         grouped = per_query_head.reshape(b, self.num_heads, hq // self.num_heads, *per_query_head.shape[2:])
         return grouped.mean(dim=2)
 
-    def attention_weights(self, query_rows: slice, logit_multiplier: float = 1.0) -> torch.Tensor:
-        """Softmax weights ``[B, Hq, rows, N]`` of the selected query rows, the model's mask applied."""
+    def attention_weights(self, query_rows: slice, logit_multiplier: float = 1.0,
+                          num_keys: int | None = None) -> torch.Tensor:
+        """Softmax weights ``[B, Hq, rows, K]`` of the selected query rows over the first
+        ``num_keys`` stored tokens (default all), the model's mask applied."""
+        num_keys = self.num_tokens if num_keys is None else num_keys
         queries = self.queries[:, :, query_rows]
         b, hq, rows, d = queries.shape
         h = self.num_heads
-        grouped = queries.reshape(b, h, hq // h, rows, d)
-        logits = torch.matmul(grouped, self.keys.unsqueeze(2).transpose(-1, -2))
-        logits = logits.reshape(b, hq, rows, self.num_tokens) * (self.scaling * logit_multiplier)
-        mask = self.mask[:, :, query_rows]
-        if mask.shape[1] != 1:
-            mask = mask.repeat_interleave(hq // h, dim=1)
+        group = hq // h
+        keys = self.keys[:, :, :num_keys]
+        # [B, H, G*rows, d] @ [B, H, d, K]: keys are read once per stored head.
+        grouped = queries.reshape(b, h, group, rows, d).reshape(b, h, group * rows, d)
+        logits = torch.matmul(grouped, keys.transpose(-1, -2)) * (self.scaling * logit_multiplier)
+        logits = logits.view(b, h, group, rows, num_keys)
+        mask = self.mask[:, :, query_rows, :num_keys].unsqueeze(2)
         logits = logits.masked_fill(~mask, float("-inf"))
-        weights = torch.softmax(logits, dim=-1)
+        weights = torch.softmax(logits, dim=-1).reshape(b, hq, rows, num_keys)
         # Rows that see no key at all (fully masked padding queries) give NaN; they carry no evidence.
         return torch.nan_to_num(weights, nan=0.0)
 
@@ -135,9 +140,16 @@ class ScoringInputs:
         b, hq, q, _ = self.queries.shape
         rows_per_chunk = max(1, _CHUNK_ELEMENTS // max(1, b * hq * self.num_tokens))
         total = torch.zeros(b, hq, self.num_tokens, dtype=torch.float32, device=self.keys.device)
+        # Stored tokens are in order and the queries are the newest ones, so query row r cannot
+        # see keys past ``offset + r``: each chunk only multiplies against the keys it may see.
+        offset = self.num_tokens - q
+        causal = self.phase == "prefill" and bool((self.positions[..., offset:] == self.positions[..., -1:] -
+                                                   (q - 1) + torch.arange(q, device=self.positions.device)).all())
         for start in range(first_row, q, rows_per_chunk):
             stop = min(q, start + rows_per_chunk)
-            total += self.attention_weights(slice(start, stop), logit_multiplier).sum(dim=2).float()
+            visible = offset + stop if causal else self.num_tokens
+            weights = self.attention_weights(slice(start, stop), logit_multiplier, num_keys=visible)
+            total[..., :visible] += weights.sum(dim=2).float()
         self._memo[key] = total
         return total
 

@@ -18,7 +18,9 @@ or ``g^{-1}`` with ``g(y) = 0.04 y^25 + y`` (♦, :class:`BumbleBeePower`).
   joins ``S' = S + {x}``, the accumulated scores include every new query's attention, and the
   element of ``S'`` with the smallest ``g_lam(x | S' - x)`` is dropped. The similarity matrix of
   the summary is cached in the layer's policy state, so a step costs ``O(tau_s d + tau_s)``
-  (Appx. E bounds it by ``O(tau_s d + tau_s^2)``).
+  plus a row scan for the members whose nearest member left (Appx. E: ``O(tau_s d + tau_s^2)``).
+  The state also records the members' positions; a step checks them against the stored
+  tokens (``scoring.positions``) and rebuilds the matrix from the keys if they ever differ.
 
 Choices the paper leaves open (METHODS.md style, **(choice)**):
 
@@ -31,8 +33,11 @@ Choices the paper leaves open (METHODS.md style, **(choice)**):
   similarity matrix for). The local window represents itself.
 * ``c(S) = phi(a(S)) / phi(a(V))`` on the raw accumulated attention ``a`` (Sec. 5: the feature
   weight of key ``k_i`` "is ``a_n^i``"), normalised at the output so ``c(V) = 1``.
-* Stochastic greedy draws its samples from a generator seeded with ``seed`` and the layer index,
-  so a run is reproducible.
+* Stochastic greedy draws its samples (independent uniform draws from the remaining
+  elements, the form analysed in Mirzasoleiman et al.'s Lemma 2) from a generator seeded with
+  ``seed`` and the layer index, so a run is reproducible.
+* Padding (left-padded batches) never enters the summary while real tokens remain and leaves it
+  first in decode.
 """
 
 from __future__ import annotations

@@ -51,8 +51,11 @@ Cache layout per head (Sec. 3.3, Fig. 3)::
 ``n`` = the number of keys the query attends to (the ``logit_scale`` hook: ``1..q`` causally in
 prefill, the stored length in decode; METHODS.md). For ``n < 512`` the factor is below 1 and is
 **not** clamped: Eq. 7 has no clamp, Lemma 3.1's entropy argument holds for every ``n``, and the
-reference code multiplies by ``math.log(kv_len, 512)`` unconditionally. ``n = 1`` gives 0, which
-is harmless (one key gets weight 1 whatever its logit).
+log-n line of the reference code (``modify_llama_forward.py``, left commented out there)
+multiplies by ``math.log(key_states.shape[2], 512)`` unconditionally. ``n = 1`` gives 0, which is
+harmless (one key gets weight 1 whatever its logit). That reference line uses the whole key
+length for every prefill row; METHODS.md's per-query count (row ``i`` attends ``i + 1`` keys) is
+what the causal mask actually lets each row see, and equals it for the last row and in decode.
 """
 
 from __future__ import annotations

@@ -80,11 +80,70 @@ def farthest_point_order(keys: torch.Tensor, candidates: torch.Tensor, count: in
     the true farthest point whenever its exact value is at least the largest stale value
     outside the pool (stale values only overestimate), otherwise the block is applied early.
     """
-    rows, num_points, _ = keys.shape
+    rows, num_points, dim = keys.shape
     device = keys.device
     order = torch.full((rows, count), -1, dtype=torch.long, device=device)
-    if count == 0 or num_points == 0:
+    available = candidates.sum(-1)
+    steps = min(count, int(available.max())) if rows else 0
+    if steps == 0:
         return order
+    keys = keys.float()
+    keys_sq = (keys * keys).sum(-1)
+    row_index = torch.arange(rows, device=device)
+    neg_inf = float("-inf")
+    # nearest[x]: squared distance to the nearest of the centers applied so far (stale: the
+    # centers picked since the last refresh are not applied); -inf = not eligible (not a
+    # candidate, or a center as of the last refresh).
+    nearest = torch.where(candidates, float("inf"), neg_inf)
+    applied = 0
+    pool = max(1, min(pool, num_points))
+    state: dict = {}
+
+    def refresh(upto: int) -> None:
+        nonlocal applied, nearest
+        if upto > applied:
+            picked = order[:, applied:upto]
+            centers = keys.gather(1, picked[..., None].expand(-1, -1, dim))
+            # min_j |x - c_j|² = |x|² + min_j (|c_j|² - 2 x·c_j): one fused product, one reduction.
+            partial = torch.baddbmm(keys_sq.gather(1, picked)[:, None, :], keys, centers.transpose(1, 2), alpha=-2)
+            nearest = torch.minimum(nearest, (partial.amin(-1) + keys_sq).clamp_min_(0))
+            nearest.scatter_(1, order[:, applied:upto], neg_inf)
+            applied = upto
+        take = min(pool + 1, num_points)
+        values, index = nearest.topk(take, dim=-1)
+        if take > pool:
+            state["threshold"] = values[:, pool]
+            values, index = values[:, :pool], index[:, :pool]
+        else:
+            state["threshold"] = torch.full((rows,), neg_inf, device=device)
+        state["index"], state["value"] = index, values.contiguous()
+        state["keys"] = keys.gather(1, index[..., None].expand(-1, -1, dim))
+        state["sq"] = keys_sq.gather(1, index)
+
+    # A row that runs out of candidates keeps "picking" ineligible points (value -inf); those
+    # picks are harmless and replaced by -1 at the end.
+    chosen = candidates.to(torch.int8).argmax(-1)
+    for step in range(steps):
+        if step > 0:
+            if not state:
+                refresh(step)
+            best, slot = state["value"].max(-1)
+            if step - applied >= block or bool((best < state["threshold"]).any()):
+                refresh(step)
+                best, slot = state["value"].max(-1)
+            chosen = state["index"].gather(1, slot[:, None]).squeeze(1)
+            state["value"][row_index, slot] = neg_inf
+        order[:, step] = chosen
+        if state:
+            # Exact distances of the pool to the new center: |p|² + |c|² - 2 p·c (a batched
+            # matrix-vector product is several times slower than this on CPU at pool sizes).
+            center = keys[row_index, chosen]
+            dots = (state["keys"] * center[:, None, :]).sum(-1)
+            distance = torch.add(state["sq"] + keys_sq[row_index, chosen][:, None], dots, alpha=-2).clamp_min_(0)
+            torch.minimum(state["value"], distance, out=state["value"])
+    exhausted = torch.arange(count, device=device)[None, :] >= available[:, None]
+    order.masked_fill_(exhausted, -1)
+    return order
     keys = keys.float()
     keys_sq = (keys * keys).sum(-1)
     row_index = torch.arange(rows, device=device)
@@ -102,8 +161,11 @@ def farthest_point_order(keys: torch.Tensor, candidates: torch.Tensor, count: in
     def refresh(upto: int):
         nonlocal applied, pool_index, pool_keys, pool_sq, pool_value, threshold, nearest
         if upto > applied:
-            distances = _squared_distances(keys, keys_sq, centers[:, applied:upto], centers_sq[:, applied:upto])
-            nearest = torch.minimum(nearest, distances.amin(-1))
+            picked = order[:, applied:upto]
+            centers = keys.gather(1, picked[..., None].expand(-1, -1, dim))
+            # min_j |x - c_j|² = |x|² + min_j (|c_j|² - 2 x·c_j): one fused product, one reduction.
+            partial = torch.baddbmm(keys_sq.gather(1, picked)[:, None, :], keys, centers.transpose(1, 2), alpha=-2)
+            nearest = torch.minimum(nearest, (partial.amin(-1) + keys_sq).clamp_min_(0))
             applied = upto
         take = min(pool + 1, num_points)
         values, index = nearest.topk(take, dim=-1)

@@ -36,8 +36,15 @@ token-by-token coin flips (each slot independently: replaced with probability
 Memory: ``D`` holds ``clusters × (t + 1) × d`` key entries, ``M`` ``2 × s × d``; it grows with
 the number of clusters, never with ``n`` (tensors are allocated with doubling capacity over the
 rows' largest cluster count). :meth:`SubGenAttention.state_nbytes` gives a layer's bytes;
-:func:`structures_nbytes(cache)` sums over a cache's layers (``KVHiveCache.nbytes()`` only counts
-the stored window; see the module's report for the framework hook that would fold it in).
+:func:`structures_nbytes(cache)` sums over a cache's layers. ``KVHiveCache.nbytes()`` counts only
+the stored window (the cache does not look into ``policy_state``), so the method's true memory
+is ``cache.nbytes() + structures_nbytes(cache)``; a cache that summed
+``policy.state_nbytes(layer.policy_state)`` over its layers would report it directly.
+
+Limitations: the structures' keys keep the rotation they had when inserted, so the method
+assumes ``positions="original"`` (with ``positions="cache"`` the window is re-rotated but ``D``
+and ``M`` are not); on sliding-window layers compressed with ``compress_sliding=True`` the
+estimator keeps tokens that the model's window would already have dropped.
 """
 
 from __future__ import annotations
@@ -90,6 +97,7 @@ class StreamingStructures:
         self.delta, self.relative_delta = float(delta), relative_delta
         self.generator = generator
         self.representatives = torch.zeros(rows, 0, dim, dtype=dtype, device=device)
+        self.representative_sq = torch.zeros(rows, 0, dtype=torch.float32, device=device)
         self.counts = torch.zeros(rows, 0, dtype=torch.long, device=device)
         self.samples = torch.zeros(rows, 0, t, dim, dtype=dtype, device=device)
         self.num_clusters = torch.zeros(rows, dtype=torch.long, device=device)
@@ -103,7 +111,8 @@ class StreamingStructures:
     # -- accounting ------------------------------------------------------------------------------
     def tensors(self) -> dict[str, torch.Tensor]:
         return {
-            "representatives": self.representatives, "counts": self.counts, "samples": self.samples,
+            "representatives": self.representatives, "representative_sq": self.representative_sq,
+            "counts": self.counts, "samples": self.samples,
             "num_clusters": self.num_clusters, "radius": self.radius, "m_keys": self.m_keys,
             "m_values": self.m_values, "m_sqnorm": self.m_sqnorm, "mu": self.mu, "tokens": self.tokens,
         }
@@ -117,9 +126,10 @@ class StreamingStructures:
         count) plus ``M`` and the per-row scalars; what a ragged layout would hold."""
         element = self.samples.element_size()
         clusters = int(self.num_clusters.sum())
-        per_cluster = (self.t + 1) * self.dim * element + self.counts.element_size()
+        per_cluster = ((self.t + 1) * self.dim * element + self.counts.element_size()
+                       + self.representative_sq.element_size())
         fixed = sum(x.numel() * x.element_size() for name, x in self.tensors().items()
-                    if name not in ("representatives", "counts", "samples"))
+                    if name not in ("representatives", "representative_sq", "counts", "samples"))
         return clusters * per_cluster + fixed
 
     @property
@@ -133,6 +143,8 @@ class StreamingStructures:
         extra = new_capacity - self.capacity
         self.representatives = torch.cat(
             [self.representatives, self.representatives.new_zeros(self.rows, extra, self.dim)], dim=1)
+        self.representative_sq = torch.cat(
+            [self.representative_sq, self.representative_sq.new_zeros(self.rows, extra)], dim=1)
         self.counts = torch.cat([self.counts, self.counts.new_zeros(self.rows, extra)], dim=1)
         self.samples = torch.cat(
             [self.samples, self.samples.new_zeros(self.rows, extra, self.t, self.dim)], dim=1)
@@ -177,15 +189,18 @@ class StreamingStructures:
         added = weights.sum(-1)
         probability = torch.where(added > 0, added / (self.mu + added), torch.zeros_like(added))
         replace = self._rand(self.rows, self.s).double() < probability[:, None]
+        self.mu = self.mu + added
+        row, slot = torch.nonzero(replace, as_tuple=True)
+        if row.numel() == 0:
+            return
         safe = torch.where(added[:, None] > 0, weights, torch.ones_like(weights))
         drawn = torch.multinomial(safe.float(), self.s, replacement=True,
                                   generator=self.generator if self.generator.device == safe.device else None)
-        expand = drawn[..., None].expand(-1, -1, self.dim)
-        self.m_keys = torch.where(replace[..., None], keys.gather(1, expand), self.m_keys)
-        self.m_values = torch.where(replace[..., None], values.gather(1, expand), self.m_values)
-        new_sq = (values.float() ** 2).sum(-1).gather(1, drawn)
-        self.m_sqnorm = torch.where(replace, new_sq, self.m_sqnorm)
-        self.mu = self.mu + added
+        token = drawn[row, slot]
+        # Only the replaced slots are written (in decode a slot changes with probability ~1/n).
+        self.m_keys[row, slot] = keys[row, token]
+        self.m_values[row, slot] = values[row, token]
+        self.m_sqnorm[row, slot] = (values[row, token].float() ** 2).sum(-1)
 
     def _assign(self, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """UPDATESOFTMAXNORMALIZER's clustering for a batch, in stream order (founds clusters)."""
@@ -204,7 +219,7 @@ class StreamingStructures:
                 reps = self.representatives[:, :used].float()
                 dots = torch.matmul(chunk, reps.transpose(-1, -2))
                 distances = ((chunk * chunk).sum(-1)[..., None] - 2 * dots
-                             + (reps * reps).sum(-1)[:, None, :]).clamp_min_(0)
+                             + self.representative_sq[:, None, :used]).clamp_min_(0)
                 unused = torch.arange(used, device=device)[None, :] >= self.num_clusters[:, None]
                 distances = distances.masked_fill(unused[:, None, :], float("inf"))
                 best, best_index = distances.min(-1)
@@ -219,10 +234,10 @@ class StreamingStructures:
                 self._grow(int(self.num_clusters.max()) + 1)
                 slot = self.num_clusters.clone()
                 founder = chunk[row_index, first]
-                # Rows that found nothing write their current slot content back.
-                current = self.representatives[row_index, slot.clamp_max(self.capacity - 1)]
-                self.representatives[row_index, slot.clamp_max(self.capacity - 1)] = torch.where(
-                    founding[:, None], founder.to(self.representatives.dtype), current)
+                new_rows = founding.nonzero().squeeze(-1)
+                self.representatives[new_rows, slot[new_rows]] = founder[new_rows].to(self.representatives.dtype)
+                self.representative_sq[new_rows, slot[new_rows]] = (
+                    self.representatives[new_rows, slot[new_rows]].float() ** 2).sum(-1)
                 self.num_clusters = self.num_clusters + founding.long()
                 # Direct differences: the founder's own distance is exactly 0.
                 to_founder = ((chunk - founder[:, None, :]) ** 2).sum(-1)
@@ -254,11 +269,12 @@ class StreamingStructures:
         pairs = touched.numel()
         replace = self._rand(pairs, self.t) * (old + new)[:, None] < new[:, None]
         rank = (self._rand(pairs, self.t) * new[:, None]).long().clamp_max_(new[:, None] - 1)
-        member = order[starts[touched][:, None] + rank]  # flat token index (row * length + i)
-        drawn = keys.reshape(rows * length, dim)[member]
-        current = self.samples[touched_row, touched_cluster]
-        self.samples[touched_row, touched_cluster] = torch.where(replace[..., None], drawn, current)
-        self.counts = self.counts + added
+        self.counts += added
+        pair, sample = torch.nonzero(replace, as_tuple=True)
+        if pair.numel() == 0:
+            return
+        member = order[starts[touched[pair]] + rank[pair, sample]]  # flat token index (row * length + i)
+        self.samples[touched_row[pair], touched_cluster[pair], sample] = keys.reshape(rows * length, dim)[member]
 
     # -- query -----------------------------------------------------------------------------------
     def query(self, queries: torch.Tensor, scaling: float):

@@ -25,7 +25,8 @@ import torch
 _SYMMETRIC_BLOCK = 1024
 # Rank given to invalid (padding) elements: below every real gain, above "not selectable".
 PADDING_GAIN = -1e30
-# Lazy evaluation: exact gains computed per round for each row still looking for its argmax.
+# Lazy evaluation: elements per row whose exact gain a round computes (the first round of a
+# step takes as many as the previous step needed, up to 4x this).
 _LAZY_EVALUATIONS = 8
 # Plain greedy: elements of the temporary [rows, candidates, n] tensor per chunk.
 _PLAIN_CHUNK = 1 << 24
@@ -83,16 +84,14 @@ def power_concave(x: torch.Tensor, alpha: float = 0.04, beta: float = 1.0, toler
     relative.
     """
     x = x.double().clamp_min(0)
-    exponent = 1.0 / alpha
     y = (x / alpha).pow(alpha)
     if beta > 0:
         y = torch.minimum(y, x / beta)
     for _ in range(max_iterations):
-        value = alpha * y.pow(exponent) + beta * y - x
-        slope = y.pow(exponent - 1.0) + beta
-        step = torch.where(slope > 0, value / slope, torch.zeros_like(value))
-        y = (y - step).clamp_min(0)
-        if not bool((step.abs() > tolerance * y.clamp_min(1e-300)).any()):
+        power = y.pow(1.0 / alpha - 1.0)  # g'(y) - beta
+        step = (alpha * power * y + beta * y - x) / (power + beta).clamp_min(1e-300)
+        y = (y - step).clamp_min_(0)
+        if not bool((step.abs() > tolerance * y).any()):
             break
     return y
 
@@ -160,6 +159,9 @@ class Mixture:
         self.phi = phi
         self.fl_total = sim.amax(dim=-1).double().sum(dim=-1)  # f_FL(V)
         self.phi_total = phi(self.weights.sum(dim=-1))  # phi(a(V))
+        # Unnormalised gains times these give the two terms of g's gain (0 for an empty row).
+        self.facility_scale = _safe_divide(torch.full_like(self.fl_total, self.lam), self.fl_total)
+        self.feature_scale = _safe_divide(torch.full_like(self.phi_total, 1.0 - self.lam), self.phi_total)
 
     @property
     def rows(self) -> int:
@@ -207,24 +209,25 @@ class _GreedyState:
         self.phi_mass = objective.weights.new_zeros(rows)  # phi(a(S))
 
     def facility_gains(self, rows: torch.Tensor, elements: torch.Tensor) -> torch.Tensor:
-        """Exact ``[f_FL(S + e) - f_FL(S)] / f_FL(V)`` ``[len(rows), m]`` (float64) of ``elements``."""
+        """``lam [f_FL(S + e) - f_FL(S)] / f_FL(V)`` ``[len(rows), m]`` (float64) of ``elements``."""
         objective = self.objective
         # Rows of the symmetric matrix (contiguous, unlike its columns): [r, m, n].
         similarity = objective.sim.view(-1, objective.size).index_select(
             0, (rows[:, None] * objective.size + elements).reshape(-1)).view(*elements.shape, objective.size)
         similarity.sub_(self.coverage[rows][:, None, :]).clamp_(min=0)
-        return _safe_divide(similarity.sum(dim=-1).double(), objective.fl_total[rows][:, None])
+        return similarity.sum(dim=-1).double() * objective.facility_scale[rows][:, None]
 
     def feature_gains(self, elements: torch.Tensor) -> torch.Tensor:
-        """Exact ``[c(S + e) - c(S)]`` ``[R, m]`` (float64) of ``elements[R, m]`` (every row)."""
+        """``(1 - lam) [c(S + e) - c(S)]`` ``[R, m]`` (float64) of ``elements[R, m]`` (every row)."""
         objective = self.objective
         added = objective.weights.gather(1, elements)
         gain = objective.phi.gain(self.mass[:, None], added, self.phi_mass[:, None])
-        return _safe_divide(gain, objective.phi_total[:, None])
+        return gain * objective.feature_scale[:, None]
 
-    def combine(self, facility: torch.Tensor, feature: torch.Tensor, elements_valid: torch.Tensor) -> torch.Tensor:
-        lam = self.objective.lam
-        return (lam * facility + (1.0 - lam) * feature).masked_fill(~elements_valid, PADDING_GAIN)
+    @staticmethod
+    def combine(facility: torch.Tensor, feature: torch.Tensor, elements_valid: torch.Tensor) -> torch.Tensor:
+        """``g(e | S)`` from the two weighted terms; padding gets ``PADDING_GAIN``."""
+        return (facility + feature).masked_fill_(~elements_valid, PADDING_GAIN)
 
     def add(self, picks: torch.Tensor) -> None:
         """Add ``picks[R]`` (one element per row) to ``S``."""
@@ -242,11 +245,13 @@ def greedy_maximize(objective: Mixture, k: int, method: str = "stochastic", epsi
     ``method``:
       * ``"plain"``: Nemhauser et al. — every step evaluates every remaining element.
       * ``"lazy"``: Minoux's accelerated greedy — stale gains are upper bounds (submodularity);
-        each step re-evaluates the best bounds until the best one is fresh. Same set as plain.
+        each step evaluates elements in decreasing order of their bounds until the best exact
+        gain beats the next bound. Same set as plain (ties go to the lowest index in both).
       * ``"stochastic"``: stochastic greedy (Mirzasoleiman et al. 2015, the paper's fast path)
-        — each step takes the best element of a uniform random sample of
-        ``(n / k) ln(1 / epsilon)`` remaining elements; its argmax over the sample is found
-        lazily, so the result is exactly stochastic greedy's, at lazy-greedy cost.
+        — each step takes the best element of ``s = (n / k) ln(1 / epsilon)`` uniform draws
+        from the remaining elements (independent draws, the form of their Lemma 2; when
+        ``s`` covers what remains, all of it); the argmax over the sample is found lazily, so
+        the result is exactly stochastic greedy's, at lazy-greedy cost.
 
     Only the facility-location part of a bound is stale: the feature part ``c(e | S)`` costs
     ``O(1)`` per element and is recomputed exactly at every step, which keeps the bounds tight.
@@ -274,20 +279,32 @@ def greedy_maximize(objective: Mixture, k: int, method: str = "stochastic", epsi
         raise ValueError(f"invalid greedy={method!r}: expected 'stochastic', 'lazy' or 'plain'")
 
     # Stale facility-location gains: upper bounds of the current ones (submodularity).
-    facility_bounds = _safe_divide(objective.sim.sum(dim=-1).double(), objective.fl_total[:, None])
-    padding = ~valid
+    facility_bounds = objective.sim.sum(dim=-1).double() * objective.facility_scale[:, None]
     sample = n if method == "lazy" else stochastic_sample_size(n, k, epsilon)
     everything = torch.arange(n, device=device).expand(rows, n)
+    # Stochastic greedy draws its sample from the valid elements left (padding only once none
+    # is left): independent uniform draws from a static valid-first index list, the chosen
+    # ones rejected, as many draws as give ``sample`` elements of V \ S in expectation.
+    valid_first = torch.sort((~valid).long(), dim=-1, stable=True).indices
+    valid_count = valid.sum(dim=-1)
+    valid_left = valid_count.clone()
     batch = _LAZY_EVALUATIONS  # evaluations per row in the first round of a step; adapts
-    for _ in range(k):
-        if sample < n:
-            priority = torch.rand(rows, n, generator=generator, device=device)
-            priority = priority.masked_fill(padding, -1.0).masked_fill(state.chosen, float("-inf"))
-            pool = priority.topk(sample, dim=-1).indices
-            eligible = priority.gather(1, pool) > float("-inf")
-        else:
+    for step in range(k):
+        from_valid = valid_left > 0
+        population = torch.where(from_valid, valid_count, n - valid_count)
+        left = torch.where(from_valid, valid_left, n - valid_count - (step - (valid_count - valid_left)))
+        draws = math.ceil(sample * float((population / left).max()))
+        if draws >= n:  # the sample would cover V \ S: evaluate all of it (a plain greedy step)
             pool = everything
-            eligible = ~state.chosen
+            eligible = ~state.chosen & (valid == from_valid[:, None])
+        else:
+            offset = torch.where(from_valid, 0, valid_count)[:, None]
+            while True:
+                drawn = torch.rand(rows, draws, generator=generator, device=device) * population[:, None]
+                pool = valid_first.gather(1, drawn.long().clamp_(max=n - 1) + offset)
+                eligible = ~state.chosen.gather(1, pool)
+                if bool(eligible.any(dim=-1).all()):
+                    break
         pool_feature = state.feature_gains(pool)
         bounds = state.combine(facility_bounds.gather(1, pool), pool_feature, valid.gather(1, pool))
         bounds = bounds.masked_fill(~eligible, float("-inf"))
@@ -303,7 +320,7 @@ def greedy_maximize(objective: Mixture, k: int, method: str = "stochastic", epsi
         picks = torch.full((rows,), n, dtype=torch.long, device=device)
         start = 0
         while True:
-            stop = min(sample, start + batch)
+            stop = min(pool.shape[1], start + batch)
             chunk = elements[:, start:stop]
             facility = state.facility_gains(all_rows, chunk)
             facility_bounds.scatter_(1, chunk, facility)
@@ -314,7 +331,7 @@ def greedy_maximize(objective: Mixture, k: int, method: str = "stochastic", epsi
             picks = torch.where(chunk_best > best_gain, chunk_pick,
                                 torch.where(chunk_best == best_gain, torch.minimum(picks, chunk_pick), picks))
             best_gain = torch.maximum(best_gain, chunk_best)
-            if stop == sample:
+            if stop == pool.shape[1]:
                 break
             following = bounds[:, stop]
             settled = (best_gain > following) | (following == float("-inf")) | (best_gain == PADDING_GAIN)
@@ -323,6 +340,7 @@ def greedy_maximize(objective: Mixture, k: int, method: str = "stochastic", epsi
             start = stop
         batch = max(_LAZY_EVALUATIONS, min(4 * _LAZY_EVALUATIONS, stop))
         state.add(picks)
+        valid_left -= valid.gather(1, picks[:, None]).squeeze(1).long()
     return state.chosen
 
 
@@ -397,6 +415,7 @@ class StreamingSummary:
         rows, size = self.slot_of_rank.shape
         device = keys.device
         slots = torch.arange(size, device=device)
+        all_rows = torch.arange(rows, device=device)
         member_index = self.rank_of_slot.clone()  # stored index of each slot's member
         dropped = torch.empty(rows, joiners, dtype=torch.long, device=device)
         for j in range(joiners):
@@ -422,45 +441,36 @@ class StreamingSummary:
             gains = lam * _safe_divide(facility, facility_total[:, None]) + (1.0 - lam) * feature
             drop = gains.masked_fill_(~valid_all, float("-inf")).argmin(dim=-1)  # == size: x itself goes
 
+            # x takes the slot y of the dropped member (rows where x itself goes keep their state:
+            # every update below is a no-op there).
             replace = drop < size
-            slot = drop.clamp(max=size - 1)
-            dropped[:, j] = torch.where(replace, member_index.gather(1, slot[:, None]).squeeze(1), x)
-            if not bool(replace.any()):
-                continue
-            r = replace.nonzero().squeeze(1)
-            y = slot[r]
-            count = torch.arange(r.numel(), device=device)
-            # The joiner takes slot y: write its row and column of the cached matrix (O(T)).
-            row = sim_x[r]
-            row[count, y] = self_x[r]
-            self.sim[r, y, :] = row
-            self.sim[r, :, y] = row
-            self.self_sim[r, y] = self_x[r]
-            self.norms[r, y] = norm_x[r]
-            self.valid[r, y] = valid_x[r]
-            member_index[r, y] = x
+            y = drop.clamp(max=size - 1)[:, None]
+            dropped[:, j] = torch.where(replace, member_index.gather(1, y).squeeze(1), x)
+            keep_old = ~replace[:, None]
+            # Write x's row and column of the cached matrix (O(T)).
+            row = torch.where(keep_old, self.sim[all_rows, y[:, 0]], sim_x.scatter(1, y, self_x[:, None]))
+            self.sim[all_rows, y[:, 0]] = row
+            self.sim[all_rows, :, y[:, 0]] = row
+            for field, value in ((self.self_sim, self_x), (self.norms, norm_x), (self.valid, valid_x)):
+                field.scatter_(1, y, torch.where(keep_old, field.gather(1, y), value[:, None]))
+            member_index.scatter_(1, y, torch.where(keep_old, member_index.gather(1, y), x))
             # Nearest other member: x beats the old one, or the old one stays, except for the
             # members whose nearest one just left, and for x: scan their rows.
-            old_slot = self.nearest_slot[r]
-            new_nearest = nearest_with_x[r]
-            new_slot = torch.where(sim_x[r] > self.nearest[r], y[:, None], old_slot)
-            rescan = old_slot == y[:, None]
-            rescan[count, y] = True
+            old_slot = self.nearest_slot
+            rescan = replace[:, None] & ((old_slot == y) | (slots == y))
+            self.nearest_slot = torch.where(keep_old | (sim_x <= self.nearest), old_slot, y)
+            self.nearest = torch.where(keep_old, self.nearest, nearest_with_x)
             which, members = rescan.nonzero(as_tuple=True)
-            scanned = self.sim[r[which], members]
+            scanned = self.sim[which, members]
             scanned[torch.arange(which.numel(), device=device), members] = 0.0
             value, argument = scanned.max(dim=-1)
-            new_nearest[which, members] = value
-            new_slot[which, members] = argument
-            self.nearest[r] = new_nearest
-            self.nearest_slot[r] = new_slot
+            self.nearest[which, members] = value
+            self.nearest_slot[which, members] = argument
             # x is the newest member: its slot moves to the last rank, the later ones move up.
-            rank_of_slot = self.rank_of_slot[r]
-            rank_y = rank_of_slot.gather(1, y[:, None])
-            rank_of_slot -= (rank_of_slot > rank_y).long()
-            rank_of_slot[count, y] = size - 1
-            self.rank_of_slot[r] = rank_of_slot
-            self.slot_of_rank[r] = torch.empty_like(rank_of_slot).scatter_(1, rank_of_slot, slots.expand(r.numel(), size))
+            rank_y = self.rank_of_slot.gather(1, y)
+            shifted = (self.rank_of_slot - (self.rank_of_slot > rank_y).long()).scatter_(1, y, size - 1)
+            self.rank_of_slot = torch.where(keep_old, self.rank_of_slot, shifted)
+            self.slot_of_rank = torch.empty_like(shifted).scatter_(1, self.rank_of_slot, slots.expand(rows, size))
         self.positions = positions.gather(1, member_index.gather(1, self.slot_of_rank))
         return dropped
 
