@@ -96,6 +96,9 @@ def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dr
         return _prefill(module, cache, layer_index, query, key, value, mask, scaling, dropout, compressed, kwargs)
     if store.is_uniform:
         return _decode_dense(module, cache, layer_index, query, mask, scaling, dropout, compressed, kwargs)
+    if compressed and policy.extra_attention(store.policy_state, query, scaling) is not None:
+        raise RuntimeError(f"method {policy.name!r} adds estimated attention, which the variable-length "
+                           "path does not support; keep its heads at equal lengths")
     return _decode_variable_length(cache, layer_index, query, mask, scaling)
 
 

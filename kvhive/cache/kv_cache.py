@@ -125,6 +125,9 @@ class KVHiveCache(Cache):
             raise ValueError(f"invalid positions={positions!r}: expected 'original' or 'cache'")
         if positions == "cache" and key_rotator is None:
             raise ValueError("positions='cache' needs a key_rotator (use kvhive.make_cache)")
+        if positions == "cache" and type(policy).extra_attention is not Policy.extra_attention:
+            raise ValueError(f"positions='cache' is not supported by method {policy.name!r}: its estimator "
+                             "keeps keys outside the cache that cannot be re-indexed")
         text_config = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
         layers = [
@@ -340,6 +343,10 @@ class KVHiveCache(Cache):
     def metadata_nbytes(self) -> int:
         return sum(layer.metadata_nbytes() for layer in self.layers)
 
+    def policy_state_nbytes(self) -> int:
+        """Bytes the method holds beside the cached tokens (SubGen's estimator structures)."""
+        return sum(self.policy.state_nbytes(layer.policy_state) for layer in self.layers)
+
     def full_cache_nbytes(self) -> int:
         """Bytes an uncompressed transformers cache would hold for the same tokens.
 
@@ -367,5 +374,6 @@ class KVHiveCache(Cache):
             "kept_tokens_per_layer": {str(i): v.tolist() for i, v in kept.items()},
             "cache_bytes": self.nbytes(),
             "metadata_bytes": self.metadata_nbytes(),
+            "policy_state_bytes": self.policy_state_nbytes(),
             "full_cache_bytes": self.full_cache_nbytes(),
         }

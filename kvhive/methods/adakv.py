@@ -177,22 +177,6 @@ class _AdaKV(Policy):
     def minimum_budget(self) -> int:
         return self._window()
 
-    def extra_attention(self, state: dict, queries: torch.Tensor, scaling: float):
-        """An empty extra term (zero weight) when storing per query head.
-
-        Workaround: with storage expanded to query heads, the cache's *dense* decode path (taken
-        when every head happens to hold the same number of tokens, e.g. a prompt within the
-        budget) calls transformers' ``sdpa_attention_forward``, which regroups the queries by
-        ``module.num_key_value_groups`` and fails on the already expanded keys. Returning an extra
-        term routes that path through its exact manual attention (group size 1); the term itself
-        contributes nothing (``max_logit = -inf`` gives it weight ``exp(-inf) = 0``).
-        """
-        if self.head_granularity != "query":
-            return None
-        batch, heads, rows, dim = queries.shape
-        denominator = queries.new_zeros(batch, heads, rows)
-        return queries.new_zeros(batch, heads, rows, dim), denominator, torch.full_like(denominator, float("-inf"))
-
     def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
         window = self._window()
         if budget < window:

@@ -270,6 +270,10 @@ class Policy:
     def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor | None:
         raise NotImplementedError(f"{self.name} has no decode phase")
 
+    def state_nbytes(self, state: dict) -> int:
+        """Bytes a method holds per layer beside the cached tokens (e.g. SubGen's clusters)."""
+        return 0
+
     # -- attention changes -------------------------------------------------------------------
     def logit_scale(self, key_counts: torch.Tensor) -> torch.Tensor | None:
         """Per-query multiplier of the model's attention logits (BUZZ log n); None = unchanged."""

@@ -59,8 +59,10 @@ SUMMARY = "bumblebee_summary"
 REBUILDS = "bumblebee_rebuilds"
 GREEDY_METHODS = ("stochastic", "lazy", "plain")
 CONCAVE_FORMS = ("log", "power")
-# Largest similarity matrix (elements) built at once in prefill; more rows run in chunks.
-MAX_SIMILARITY_ELEMENTS = 1 << 28
+# Largest similarity matrix (elements; 2 GiB of float32) built at once in prefill: one layer
+# of 8 KV heads at an 8k prompt fits, so the greedy steps run once for all heads; more rows run
+# in chunks (each chunk repeats the tau_s greedy steps).
+MAX_SIMILARITY_ELEMENTS = 1 << 29
 
 
 def _is_number(value) -> bool:

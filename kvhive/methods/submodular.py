@@ -21,8 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-# Similarity blocks above this many rows are computed on the upper block triangle only.
-_SYMMETRIC_BLOCK = 1024
 # Rank given to invalid (padding) elements: below every real gain, above "not selectable".
 PADDING_GAIN = -1e30
 # Lazy evaluation: elements per row whose exact gain a round computes (the first round of a
@@ -45,22 +43,12 @@ def key_norms(keys: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
 def relu_cosine_similarity(keys: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
     """``[R, n, n]`` ReLU of the pairwise cosine similarity of ``keys[R, n, d]`` (float32).
 
-    Rows and columns of invalid elements are zero. Large ``n`` computes only the upper block
-    triangle with matrix products and mirrors it (the matrix is symmetric): half the flops.
+    Rows and columns of invalid elements are zero. One batched matrix product: computing only
+    the upper block triangle and mirroring it halves the flops but was slower on CPU because of
+    the transposed copy (1.17 s vs 0.76 s for 8 x 4096 x 4096, d = 128, one thread).
     """
     units = keys.float() / key_norms(keys)[..., None]
-    rows, n, _ = units.shape
-    if n <= 2 * _SYMMETRIC_BLOCK:
-        sim = torch.bmm(units, units.transpose(1, 2))
-    else:
-        sim = units.new_empty(rows, n, n)
-        transposed = units.transpose(1, 2)
-        for start in range(0, n, _SYMMETRIC_BLOCK):
-            stop = min(n, start + _SYMMETRIC_BLOCK)
-            block = torch.bmm(units[:, start:stop], transposed[:, :, start:])
-            sim[:, start:stop, start:] = block
-            if stop < n:
-                sim[:, stop:, start:stop] = block[:, :, stop - start:].transpose(1, 2)
+    sim = torch.bmm(units, units.transpose(1, 2))
     sim.clamp_(min=0)
     if valid is not None and not bool(valid.all()):
         weight = valid.to(sim.dtype)
