@@ -24,14 +24,6 @@ from helpers import left_padded_batch, prefill_and_decode, reference_logits
 VARIANTS = [(architecture, attention) for architecture in TINY_ARCHITECTURES for attention in TINY_ATTENTION_KINDS]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run ~20x faster on one thread when the 2 cores are shared with other jobs."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 def _scoring(queries, keys, values=None, scaling=1.0):
     n = keys.shape[2]

@@ -24,14 +24,6 @@ PREFILL_ONLY = ["knorm", "snapkv"]
 EXTRA = {"snapkv": {"window": 8}}  # SnapKV's default window (32) is longer than the tiny prompts
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors: extra intra-op threads only add contention (10x slower on a busy 2-core box).
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 def scoring(num_tokens: int, *, batch: int = 1, heads: int = 1, query_heads: int | None = None,
             keys: torch.Tensor | None = None, queries: torch.Tensor | None = None, valid: torch.Tensor | None = None,

@@ -25,14 +25,6 @@ ALL_TINY = [(a, k) for a in TINY_ARCHITECTURES for k in TINY_ATTENTION_KINDS]
 CONCAVES = [Concave("log"), Concave("power")]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors: extra intra-op threads only add contention on a busy 2-core box.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 def random_objective(rows=4, n=10, dim=4, lam=0.3, phi=Concave("log"), seed=0, padding=True) -> Mixture:
     """Random keys (some near-duplicates, so facility location matters) and attention weights

@@ -24,14 +24,6 @@ from helpers import left_padded_batch, prefill_and_decode, reference_logits
 ALL_TINY = [(a, k) for a in TINY_ARCHITECTURES for k in TINY_ATTENTION_KINDS]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors: extra intra-op threads only add contention (10x slower on a busy 2-core box).
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 # ----------------------------------------------------------------------------------------------
 # Hand-made scoring inputs and a plain-Python model of Algorithms 1-2

@@ -32,15 +32,6 @@ from helpers import left_padded_batch, prefill_and_decode, reference_logits
 ALL_TINY = [(a, k) for a in TINY_ARCHITECTURES for k in TINY_ATTENTION_KINDS]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Every test here runs many small ops: on a busy 2-core machine two intra-op threads wait on
-    each other's scheduling (measured 10-20x slower than one thread); restored afterwards."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 def chi_square_p_value(observed: torch.Tensor, expected: torch.Tensor) -> float:
     """Upper tail of the chi-square statistic (dof = cells - 1), via the regularised gamma."""

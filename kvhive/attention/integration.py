@@ -103,7 +103,6 @@ def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 
 def _prefill(module, cache: KVHiveCache, layer_index, query, key, value, mask, scaling, dropout, compressed, kwargs):
-    store = cache.layers[layer_index]
     policy = cache.policy
     num_queries = query.shape[2]
     attended_queries = query
