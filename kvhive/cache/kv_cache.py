@@ -88,6 +88,23 @@ class Budget:
         return str(self.tokens) if self.tokens is not None else f"{self.ratio:g}"
 
 
+def _cap_and_redistribute(budgets: list[int], context_length: int) -> list[int]:
+    """Cap layer budgets at the prompt length and give the excess to layers with room, so a
+    layer-wise allocation (PyramidKV) keeps its total on short prompts, as the PyramidKV
+    reference code does. Layers earlier in the list get the excess first."""
+    budgets = list(budgets)
+    excess = sum(max(0, b - context_length) for b in budgets)
+    budgets = [min(b, context_length) for b in budgets]
+    for index in range(len(budgets)):
+        if excess <= 0:
+            break
+        room = context_length - budgets[index]
+        given = min(room, excess)
+        budgets[index] += given
+        excess -= given
+    return budgets
+
+
 class KVHiveCache(Cache):
     """A cache that applies ``policy`` to keep ``budget`` tokens per head.
 
@@ -166,7 +183,7 @@ class KVHiveCache(Cache):
                 f"invalid budget={base} for method {self.policy.name!r}: it needs at least {minimum} tokens per head "
                 f"({self.policy.config})"
             )
-        per_layer = self.policy.layer_budgets(base, len(self.compressed_layers))
+        per_layer = _cap_and_redistribute(self.policy.layer_budgets(base, len(self.compressed_layers)), context_length)
         self.layer_budgets = dict(zip(self.compressed_layers, per_layer))
         for index, layer_budget in self.layer_budgets.items():
             self.layers[index].budget = layer_budget
