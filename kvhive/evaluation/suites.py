@@ -22,15 +22,15 @@ QUICK = Suite(
     name="quick",
     tasks=(
         "synthetic_recall",
-        "needle:lengths=512:depths=0+50+100:max_new_tokens=16",
-        "mdqa:max_new_tokens=32",
-        "xsum",
+        "needle:lengths=512:depths=0+50+100:max_new_tokens=12",
+        "mdqa:max_new_tokens=16",
+        "xsum:max_new_tokens=32",
         "piqa",
     ),
     methods=("streamingllm", "h2o", "snapkv"),
     budgets=(0.2, 0.5),
-    limit=6,
-    description="5 tasks x 3 methods x 2 ratio budgets (+ full cache), 6 items each",
+    limit=4,
+    description="5 tasks x 3 methods x 2 ratio budgets (+ full cache), 4 items each",
 )
 
 
