@@ -183,7 +183,11 @@ class KVHiveCache(Cache):
                 f"invalid budget={base} for method {self.policy.name!r}: it needs at least {minimum} tokens per head "
                 f"({self.policy.config})"
             )
-        per_layer = _cap_and_redistribute(self.policy.layer_budgets(base, len(self.compressed_layers)), context_length)
+        per_layer = self.policy.layer_budgets(base, len(self.compressed_layers))
+        if len(set(per_layer)) > 1:
+            # Only an uneven split can lose budget on a short prompt; a uniform budget above the
+            # prompt must stay as given, since decoding grows the cache towards it.
+            per_layer = _cap_and_redistribute(per_layer, context_length)
         self.layer_budgets = dict(zip(self.compressed_layers, per_layer))
         for index, layer_budget in self.layer_budgets.items():
             self.layers[index].budget = layer_budget
