@@ -131,7 +131,7 @@ def _naive_farthest_point(keys: torch.Tensor, candidates: torch.Tensor, count: i
     return order
 
 
-def test_blocked_farthest_point_equals_the_plain_algorithm(one_thread):
+def test_blocked_farthest_point_equals_the_plain_algorithm():
     # Small blocks and pools force every refresh path (pool exhausted, stale bound violated).
     generator = torch.Generator().manual_seed(2)
     for trial in range(6):
@@ -224,7 +224,7 @@ def insert_in_pieces(target: StreamingStructures, keys, values, pieces):
     return torch.cat(assignments, dim=1)
 
 
-def test_lemma1_value_samples_are_iid_proportional_to_squared_norms(one_thread):
+def test_lemma1_value_samples_are_iid_proportional_to_squared_norms():
     rows, s = 3000, 4
     weights = torch.arange(1.0, 7.0)  # ‖v_i‖² = i + 1
     keys = torch.arange(6.0)[None, :, None].expand(rows, 6, 2).contiguous()  # key[0] identifies the token
@@ -244,7 +244,7 @@ def test_lemma1_value_samples_are_iid_proportional_to_squared_norms(one_thread):
     assert torch.allclose(target.m_sqnorm, weights[drawn])
 
 
-def test_lemma2_cluster_samples_are_iid_uniform_and_invariants_hold(one_thread):
+def test_lemma2_cluster_samples_are_iid_uniform_and_invariants_hold():
     rows, t, n = 2000, 5, 7
     keys = torch.zeros(rows, n, 2)
     keys[..., 0] = 1.0 + 0.01 * torch.arange(n)  # one cluster (all within 0.06 of the first key)
@@ -328,7 +328,7 @@ def estimator_error(target: StreamingStructures, keys, values, query, epsilon: f
 
 
 @pytest.mark.parametrize("delta, query_norm, m", [(1.0, 0.5, 8), (0.5, 2.0, 16)])
-def test_eq3_error_bound_holds_with_probability_099_on_clusterable_streams(one_thread, delta, query_norm, m):
+def test_eq3_error_bound_holds_with_probability_099_on_clusterable_streams(delta, query_norm, m):
     # Theorem 1: t = Ω(ε⁻² e^{2δr} log n), s = Ω(ε⁻² d) give Eq. (3) w.p. ≥ 0.99. Each of the 400
     # rows is an independent stream (its own keys, values, query and random coins).
     rows, n, d, epsilon = 400, 1000, 16, 0.5
@@ -346,7 +346,7 @@ def test_eq3_error_bound_holds_with_probability_099_on_clusterable_streams(one_t
     assert float((error <= bound).double().mean()) < 0.9
 
 
-def test_memory_grows_with_the_number_of_clusters_not_with_n(one_thread):
+def test_memory_grows_with_the_number_of_clusters_not_with_n():
     rows, d, t, s, delta = 4, 8, 8, 16, 0.5
     by_length = {}
     for n in (500, 1000, 4000):
