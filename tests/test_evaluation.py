@@ -602,7 +602,10 @@ def test_cli_suites_resolve():
     subparsers = parser.add_subparsers()
     add_eval_arguments(subparsers, backend_factory=lambda m: FakeBackend())
     quick = resolve_eval_grid(parser.parse_args(["eval", "--suite", "quick"]))
-    assert quick["limit"] and len(quick["budgets"]) == 2 and len(quick["tasks"]) >= 3
+    assert quick["limit"] and len(quick["tasks"]) >= 3
+    # every quick task has its budgets, each a valid ratio
+    assert set(quick["budgets"]) == {task.split(":")[0] for task in quick["tasks"]}
+    assert all(0 < b <= 1 for budgets in quick["budgets"].values() for b in budgets)
     claims = resolve_eval_grid(parser.parse_args(["eval", "--suite", "claims", "--tasks", "xsum", "--limit", "3"]))
     assert claims["tasks"] == ["xsum"] and set(claims["methods"]) == {"xsum"} and claims["limit"] == 3
     assert "buzz" in claims["methods"]["xsum"] and 0.4 in claims["budgets"]["xsum"]
