@@ -116,8 +116,9 @@ def _prefill(module, cache: KVHiveCache, layer_index, query, key, value, mask, s
                                        dropout=dropout, scaling=scaling, **kwargs)
 
     if cache.record_prefill:
-        cache.prefill_records[layer_index] = (query, mask, scaling)
-    cache.after_prefill(layer_index, _prefill_scoring(cache, layer_index, query, mask, scaling))
+        cache.prefill_records[layer_index] = (attended_queries, mask, scaling)
+    # Policies score with the queries the model attended with (as in decode).
+    cache.after_prefill(layer_index, _prefill_scoring(cache, layer_index, attended_queries, mask, scaling))
     return output, None
 
 

@@ -219,12 +219,6 @@ class LayerStore(CacheLayerMixin):
         self.token_scores = {name: score[flat_mask] for name, score in self.token_scores.items()}
         self.lengths = new_lengths
 
-    def add_token_score(self, name: str, initial: torch.Tensor | None = None) -> None:
-        """Register a per-token running score kept aligned with the stored tokens."""
-        if initial is None:
-            initial = torch.zeros(self.num_stored, dtype=torch.float32, device=self.device)
-        self.token_scores[name] = initial.reshape(-1).to(torch.float32)
-
     # -- accounting ----------------------------------------------------------------------------
     def nbytes(self) -> int:
         """Bytes of the key/value payload held."""

@@ -212,13 +212,9 @@ class Buzz(Policy):
         return layout_for_budget(budget, self.config.sink, self.config.stride)
 
     # -- scores --------------------------------------------------------------------------------
-    def _prefill_queries(self, scoring: ScoringInputs) -> torch.Tensor:
-        """The queries whose attention the model ran in prefill."""
-        return scoring.queries
-
     def initialize_decode(self, scoring: ScoringInputs, state: dict) -> None:
         if scoring.phase == PREFILL and scoring.num_queries == scoring.num_tokens:
-            accumulated = prefill_accumulated_attention(self._prefill_queries(scoring), scoring.keys, scoring.mask,
+            accumulated = prefill_accumulated_attention(scoring.queries, scoring.keys, scoring.mask,
                                                         scoring.scaling)
         else:
             accumulated = scoring.accumulated_attention()
@@ -299,12 +295,3 @@ class BuzzLogN(Buzz):
     def logit_scale(self, key_counts: torch.Tensor) -> torch.Tensor:
         counts = key_counts.to(torch.float64).clamp_min(1.0)
         return (torch.log(counts) / math.log(self.config.log_base)).to(torch.float32)
-
-    def _prefill_queries(self, scoring: ScoringInputs) -> torch.Tensor:
-        # The attention integration runs the model on scaled queries but hands the policy the
-        # unscaled prefill queries (its decode queries are already scaled). The accumulated
-        # attention must be the model's own (scaled) attention, as in the reference code, so
-        # rescale here: prefill row i attends i + 1 keys.
-        counts = torch.arange(1, scoring.num_queries + 1, device=scoring.queries.device)
-        scale = self.logit_scale(counts).to(scoring.queries.dtype)
-        return scoring.queries * scale[None, None, :, None]
