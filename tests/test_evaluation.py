@@ -406,6 +406,32 @@ def test_runner_all_kinds_and_token_budget_conversion(tmp_path):
     assert any(r["task"] == "openbookqa" and len(r["output"]) == 4 for r in records)
 
 
+def test_runner_records_settings_below_a_methods_minimum_as_infeasible(tmp_path):
+    # synthetic_recall prompts are 132 tokens: 0.1 of them is below a 20-token minimum, 0.9 is not; token budgets are checked as given. The backend refuses infeasible settings, so
+    # the run completes only if the runner keeps them away from it.
+    backend = FakeBackend(minimum_budgets={"snapkv": 20})
+    run = run_eval(backend, ["synthetic_recall"], ["snapkv", "local"], [0.1, 0.9, 24], 2, None, tmp_path, progress=False)
+    assert run.written == 2 * 7
+    records = read_results(tmp_path)
+    infeasible = [r for r in records if r.get("status") == "infeasible"]
+    assert {(r["method"], r["budget"]) for r in infeasible} == {("snapkv", 0.1)}
+    assert len(infeasible) == 2 and all("minimum 20" in r["reason"] and r["metrics"] == {} for r in infeasible)
+    assert all(Setting("snapkv", 0.1) not in settings for _, settings in backend.calls)
+    summary = ResultsSummary(records)
+    assert summary.value("synthetic_recall", "snapkv", 0.1) is None and summary.count("synthetic_recall", "snapkv", 0.1) == 0
+    assert summary.value("synthetic_recall", "snapkv", 0.9) is not None
+    assert summary.infeasible_settings("synthetic_recall")[0][:3] == ("snapkv", 0.1, 2)
+    # resume: infeasible settings count as done
+    again = run_eval(FakeBackend(minimum_budgets={"snapkv": 20}), ["synthetic_recall"], ["snapkv", "local"], [0.1, 0.9, 24], 2,
+                     None, tmp_path, progress=False)
+    assert again.written == 0 and again.skipped == 14
+    report = write_report(tmp_path)
+    assert "Could not run" in report and "snapkv @ 0.1: 2 item(s)" in report
+    # claims name the infeasible setting instead of silently treating it as missing
+    holds, measured = outperforms("synthetic_recall", "snapkv", ["local"], [0.1])(summary)
+    assert holds is None and "snapkv@0.1 (infeasible" in measured
+
+
 def test_generate_prompts_are_middle_truncated_to_the_context(tmp_path):
     tokenizer = FakeTokenizer()
     prompt = " ".join(f"w{i}" for i in range(100))

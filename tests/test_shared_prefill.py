@@ -87,3 +87,18 @@ def test_backend_choice_loglikelihood_matches_plain_forward():
             log_probs = torch.log_softmax(model(input_ids=ids).logits[0], dim=-1)
         expected = sum(float(log_probs[i - 1, ids[0, i]]) for i in range(start, ids.shape[1]))
         assert math.isclose(score, expected, rel_tol=1e-4, abs_tol=1e-4)
+
+
+def test_backend_says_which_ratio_budgets_are_infeasible_on_a_context():
+    model, tokenizer = tiny_model("llama", "gqa"), tiny_tokenizer()
+    backend = KVHiveBackend(model, tokenizer)
+    # SnapKV needs its 32-token observation window: 0.2 of 100 tokens is 20.
+    reason = backend.infeasible(Setting("snapkv", 0.2), 100)
+    assert reason is not None and "snapkv" in reason and "32" in reason
+    assert backend.infeasible(Setting("snapkv", 0.2), 200) is None
+    assert backend.infeasible(Setting("snapkv", 32), 10) is None
+    assert backend.infeasible(Setting("full", 0.01), 10) is None
+    # And running it anyway fails with that same reason rather than a wrong result.
+    prompt = "the quick brown fox jumps over the lazy dog " * 3
+    with pytest.raises(ValueError, match="needs at least 32"):
+        backend.generate(prompt, 2, [Setting("snapkv", 0.2)])

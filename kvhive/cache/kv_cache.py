@@ -173,16 +173,25 @@ class KVHiveCache(Cache):
             )
 
     # -- budgets -------------------------------------------------------------------------------
-    def _resolve_budgets(self, context_length: int) -> None:
-        if self.layer_budgets:
-            return
+    def budget_problem(self, context_length: int) -> str | None:
+        """Why this cache's budget cannot be honoured on a prompt of ``context_length`` tokens
+        (a ratio resolving below the method's minimum), or None when it can."""
         base = self.budget.resolve(context_length)
         minimum = self.policy.minimum_budget()
         if base < minimum:
-            raise ValueError(
+            return (
                 f"invalid budget={base} for method {self.policy.name!r}: it needs at least {minimum} tokens per head "
                 f"({self.policy.config})"
             )
+        return None
+
+    def _resolve_budgets(self, context_length: int) -> None:
+        if self.layer_budgets:
+            return
+        problem = self.budget_problem(context_length)
+        if problem is not None:
+            raise ValueError(problem)
+        base = self.budget.resolve(context_length)
         per_layer = self.policy.layer_budgets(base, len(self.compressed_layers))
         if len(set(per_layer)) > 1:
             # Only an uneven split can lose budget on a short prompt; a uniform budget above the

@@ -87,6 +87,10 @@ class Backend(Protocol):
         tokens are ``token_ids[1:]``."""
         ...
 
+    # Optional: ``infeasible(setting, context_tokens) -> str | None`` says why a setting cannot run
+    # on a context of that many tokens (e.g. a ratio resolving below the method's minimum budget);
+    # the runner then records the setting as infeasible instead of calling the backend with it.
+
 
 # --------------------------------------------------------------------------- budgets
 
@@ -223,16 +227,39 @@ class FakeBackend:
     the kept cache, 3.0 otherwise (full cache keeps all previous tokens).
 
     ``delay`` seconds of sleep per call (to test killing a run mid-grid); ``calls`` records
-    ``(kind, settings)`` of every call.
+    ``(kind, settings)`` of every call. ``minimum_budgets`` ({method: tokens}) makes a setting whose
+    budget resolves below its method's minimum infeasible, as a real method's window would.
     """
 
     model_name = "fake"
 
-    def __init__(self, delay: float = 0.0, max_context: int = 1_000_000, tokenizer: Any = None) -> None:
+    def __init__(
+        self,
+        delay: float = 0.0,
+        max_context: int = 1_000_000,
+        tokenizer: Any = None,
+        minimum_budgets: dict[str, int] | None = None,
+    ) -> None:
         self.tokenizer = tokenizer if tokenizer is not None else FakeTokenizer()
         self.max_context = max_context
         self.delay = delay
+        self.minimum_budgets = dict(minimum_budgets or {})
         self.calls: list[tuple[str, list[Setting]]] = []
+
+    def infeasible(self, setting: Setting, context_tokens: int) -> str | None:
+        minimum = self.minimum_budgets.get(setting.method)
+        if minimum is None or setting.method == FULL_METHOD:
+            return None
+        tokens = budget_to_tokens(setting.budget, context_tokens)
+        if tokens < minimum:
+            return f"budget {tokens} tokens < {setting.method}'s minimum {minimum}"
+        return None
+
+    def _check_feasible(self, settings: list[Setting], context_tokens: int) -> None:
+        for setting in settings:
+            reason = self.infeasible(setting, context_tokens)
+            if reason:
+                raise ValueError(f"FakeBackend called with an infeasible setting {setting.label}: {reason}")
 
     # -- helpers
     def _record(self, kind: str, settings: list[Setting]) -> None:
@@ -294,12 +321,14 @@ class FakeBackend:
     # -- Backend protocol
     def generate(self, prompt: str, max_new_tokens: int, settings: list[Setting]) -> list[str]:
         self._record("generate", settings)
+        self._check_feasible(settings, len(self.tokenizer.encode(prompt)))
         return [self._generate_one(prompt, max_new_tokens, s) for s in settings]
 
     def choice_loglikelihoods(
         self, context: str, continuations: list[str], settings: list[Setting]
     ) -> list[list[float]]:
         self._record("choice", settings)
+        self._check_feasible(settings, len(self.tokenizer.encode(context)))
         words = context.split()
         out = []
         for setting in settings:
@@ -311,6 +340,7 @@ class FakeBackend:
 
     def streaming_nll(self, token_ids: list[int], settings: list[Setting]) -> list[tuple[float, int]]:
         self._record("streaming", settings)
+        self._check_feasible(settings, len(token_ids))
         out = []
         for setting in settings:
             nll = 0.0

@@ -76,7 +76,12 @@ def outperforms(
         higher = summary.task_info[task].get("higher_is_better", True)
         methods = [candidate, *baselines]
         values = {(m, b): summary.value(task, m, b, metric_name) for m in [*methods, *shown] for b in budgets}
-        missing = [f"{m}@{_budget_text(b)}" for m in methods for b in budgets if values[(m, b)] is None]
+        missing = [
+            f"{m}@{_budget_text(b)}" + (" (infeasible: budget below the method's minimum)" if summary.infeasible(task, m, b) else "")
+            for m in methods
+            for b in budgets
+            if values[(m, b)] is None
+        ]
         n = min((summary.count(task, m, b) for m in methods for b in budgets), default=0)
         full = summary.full(task, metric_name)
         if mode == "mean":

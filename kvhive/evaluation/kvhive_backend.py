@@ -12,7 +12,7 @@ import math
 import torch
 
 from kvhive.api import context_length, make_cache, shared_prefill
-from kvhive.evaluation.backend import Setting
+from kvhive.evaluation.backend import FULL_METHOD, Setting
 
 
 class KVHiveBackend:
@@ -66,6 +66,13 @@ class KVHiveBackend:
         return tokens
 
     # -- Backend protocol ------------------------------------------------------------------------
+    def infeasible(self, setting: Setting, context_tokens: int) -> str | None:
+        """Why ``setting`` cannot run on a context of ``context_tokens`` tokens (its budget resolves
+        below what the method needs), or None."""
+        if setting.method == FULL_METHOD:
+            return None
+        return make_cache(self.model, setting.method, setting.budget).budget_problem(context_tokens)
+
     def generate(self, prompt: str, max_new_tokens: int, settings: list[Setting]) -> list[str]:
         input_ids = self._encode(prompt)
         caches, logits = self._prefilled(input_ids, settings)

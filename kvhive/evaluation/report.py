@@ -89,6 +89,12 @@ def task_table(summary: ResultsSummary, task: str) -> str:
         ratio = value / full_value if value is not None and full_value not in (None, 0) else None
         ratio_text = f"{ratio:.2f}×" if ratio is not None and not math.isnan(ratio) else "–"
         lines.append("| " + " | ".join([method, budget, *(_cell(aggregate, k) for k in names), str(n), ratio_text]) + " |")
+    infeasible = summary.infeasible_settings(task)
+    if infeasible:
+        lines.append("")
+        lines.append("Could not run (budget below the method's minimum on these contexts; not counted above):")
+        for method, budget, count, reason in infeasible:
+            lines.append(f"- {method} @ {_budget_label(budget)}: {count} item(s) — {reason}")
     return "\n".join(lines)
 
 

@@ -139,8 +139,15 @@ class ResultsSummary:
         self._groups: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
         self._budgets: dict[str, float | int] = {}
         self.task_info: dict[str, dict[str, Any]] = {}
+        # Settings a method could not honour on an item (budget below its minimum) are kept apart:
+        # they have no metrics and must not count as a score.
+        self._infeasible: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
         for record in self.records:
             key = (record["task"], record["method"], budget_key(record["budget"]))
+            if record.get("status") == "infeasible":
+                self._infeasible[key].append(record)
+                self._budgets.setdefault(key[2], record["budget"])
+                continue
             self._groups[key].append(record)
             self._budgets[key[2]] = record["budget"]
             info = self.task_info.setdefault(
@@ -155,6 +162,19 @@ class ResultsSummary:
             if info["chance"] is None and record.get("chance") is not None:
                 info["chance"] = record["chance"]
         self._cache: dict[tuple, dict[str, float]] = {}
+
+    def infeasible_settings(self, task: str) -> list[tuple[str, float | int, int, str]]:
+        """(method, budget, number of items, first reason) of settings that could not run on
+        some items of ``task``."""
+        out = []
+        for (t, method, key), records in self._infeasible.items():
+            if t == task:
+                out.append((method, self._budgets[key], len(records), records[0].get("reason", "infeasible")))
+        return sorted(out, key=lambda row: (row[0], isinstance(row[1], int), float(row[1])))
+
+    def infeasible(self, task: str, method: str, budget: float | int) -> list[str]:
+        """Reasons recorded for items on which (method, budget) could not run."""
+        return [r.get("reason", "infeasible") for r in self._infeasible.get((task, method, budget_key(budget)), [])]
 
     # -- structure
     def tasks(self) -> list[str]:

@@ -128,16 +128,20 @@ def _model_name(backend: Backend, model_name: str | None) -> str:
     return str(getattr(getattr(backend, "tokenizer", None), "name_or_path", "unknown"))
 
 
+def _backend_setting(task: Task, item: Item, setting: Setting) -> Setting:
+    """The setting as the backend sees it: streaming takes token budgets (ratios of the text)."""
+    if task.kind == "perplexity" and setting.method != FULL_METHOD:
+        return Setting(setting.method, budget_to_tokens(setting.budget, len(item.token_ids)))
+    return setting
+
+
 def _call_backend(backend: Backend, task: Task, item: Item, settings: list[Setting]) -> list[Any]:
     if task.kind == "generate":
         outputs = backend.generate(item.prompt, item.max_new_tokens, settings)
     elif task.kind == "choice":
         outputs = backend.choice_loglikelihoods(item.prompt, list(item.choices), settings)
     elif task.kind == "perplexity":
-        token_settings = [
-            s if s.method == FULL_METHOD else Setting(s.method, budget_to_tokens(s.budget, len(item.token_ids)))
-            for s in settings
-        ]
+        token_settings = [_backend_setting(task, item, s) for s in settings]
         outputs = backend.streaming_nll(list(item.token_ids), token_settings)
     else:
         raise ValueError(f"task {task.name!r}: unknown kind {task.kind!r}")
@@ -301,13 +305,33 @@ def _run_item(
     else:
         prompt_tokens = len(item.token_ids)
 
+    # A ratio budget can resolve below what a method needs on a short context (SnapKV's window on
+    # a 100-token prompt): that setting is recorded as infeasible, the others still run.
+    if task.kind == "perplexity":
+        context_tokens = len(item.token_ids)
+    else:  # as the backend tokenizes it: with the tokenizer's special tokens (BOS)
+        context_tokens = len(backend.tokenizer(item.prompt)["input_ids"])
+    infeasible = getattr(backend, "infeasible", None)
+    reasons = {}
+    if infeasible is not None:
+        for setting in pending:
+            reason = infeasible(_backend_setting(task, item, setting), context_tokens)
+            if reason:
+                reasons[setting] = str(reason)
+    feasible = [s for s in pending if s not in reasons]
+
     start = time.perf_counter()
-    outputs = _call_backend(backend, task, item, pending)
+    outputs = _call_backend(backend, task, item, feasible) if feasible else []
     wall = time.perf_counter() - start
     timestamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    results = dict(zip(feasible, outputs))
     count = 0
-    for setting, output in zip(pending, outputs):
-        metrics = task.score(item, output)
+    for setting in pending:
+        if setting in reasons:
+            metrics, output, status = {}, None, "infeasible"
+        else:
+            output = results[setting]
+            metrics, status = task.score(item, output), "ok"
         record = {
             "task": task.name,
             "item_id": item.id,
@@ -316,7 +340,8 @@ def _run_item(
             "budget": setting.budget,
             "setting": setting.label,
             "metrics": metrics,
-            "output": _json_output(task.kind, output),
+            "output": None if output is None else _json_output(task.kind, output),
+            "status": status,
             "kind": task.kind,
             "main_metric": task.main_metric,
             "higher_is_better": task.higher_is_better,
@@ -329,9 +354,12 @@ def _run_item(
             "metadata": metadata,
             "prompt_tokens": prompt_tokens,
             "wall_s": round(wall, 4),
-            "settings_in_call": len(pending),
+            "settings_in_call": len(feasible),
             "time": timestamp,
         }
+        if status == "infeasible":
+            record["reason"] = reasons[setting]
+            record["context_tokens"] = context_tokens
         if task.kind == "perplexity" and setting.method != FULL_METHOD:
             record["budget_tokens"] = budget_to_tokens(setting.budget, len(item.token_ids))
         writer.append(record)
