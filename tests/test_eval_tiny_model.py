@@ -1,0 +1,58 @@
+"""The harness end to end on a real (tiny, random) model through the ``kvhive`` command: every
+method given a budget that covers the whole sequence reproduces the full cache's scores, and the
+report is written. This is CI's tiny version of the README's main job."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from kvhive.cli import main as kvhive_main
+from kvhive.evaluation import read_results
+from kvhive.methods.registry import method_names
+
+DATA_DIR = (Path(__file__).resolve().parents[2] / "shared" / "data").resolve()
+
+# BUZZ with log n rescales attention logits by design, so even an uncompressed cache changes the
+# model's outputs (tests/test_all_methods.py checks that rescale on its own).
+CHANGES_ATTENTION = {"buzz-logn"}
+# Longer than any prompt plus its generated tokens: nothing is ever evicted, in either phase.
+COVERING_BUDGET = 4000
+
+
+def test_every_method_at_a_covering_budget_reproduces_full_scores(tmp_path):
+    assert DATA_DIR.exists(), f"shared data not found at {DATA_DIR}"
+    methods = [m for m in method_names() if m != "full" and m not in CHANGES_ATTENTION]
+    out = tmp_path / "run"
+    code = kvhive_main([
+        "eval", "--model", "tiny-qwen2-gqa",
+        "--tasks", "synthetic_recall:num_pairs=6,needle:lengths=300:depths=50:max_new_tokens=6,"
+                   "ppl:num_tokens=64:window=32,piqa",
+        "--methods", ",".join(methods), "--budgets", str(COVERING_BUDGET),
+        "--limit", "2", "--data-dir", str(DATA_DIR), "--out", str(out), "--no-progress",
+    ])
+    assert code == 0
+    records = read_results(out)
+    full = {(r["task"], r["item_id"]): r for r in records if r["method"] == "full"}
+    assert {task for task, _ in full} == {"synthetic_recall", "needle", "ppl", "piqa"}
+    compressed = [r for r in records if r["method"] != "full"]
+    assert len(compressed) == len(full) * len(methods)
+    assert all(r.get("status") == "ok" for r in records)
+    for record in compressed:
+        reference = full[(record["task"], record["item_id"])]
+        if record["kind"] == "generate":
+            assert record["output"] == reference["output"], record["setting"]
+            assert record["metrics"] == reference["metrics"], record["setting"]
+        else:  # log-likelihoods: the same computation, summed in the same order
+            for mine, theirs in zip(record["output"], reference["output"]):
+                assert math.isclose(mine, theirs, rel_tol=1e-5, abs_tol=1e-4), record["setting"]
+            if record["kind"] == "choice":
+                assert record["metrics"] == reference["metrics"], record["setting"]
+    assert (out / "report.md").exists() and list(out.glob("quality_*.png"))
+
+
+def test_eval_refuses_an_unknown_method_before_loading_anything(tmp_path, capsys):
+    code = kvhive_main(["eval", "--model", "tiny-llama-gqa", "--tasks", "synthetic_recall", "--methods", "snapkv,nosuch",
+                        "--budgets", "0.5", "--out", str(tmp_path / "x"), "--no-progress"])
+    assert code == 2 and "unknown method 'nosuch'" in capsys.readouterr().err
+    assert not (tmp_path / "x" / "results.jsonl").exists()
