@@ -580,6 +580,25 @@ def test_claim_checks():
     assert keeps(summary({("buzz", 0.4): 0.995}))[0] is True and keeps(summary({("buzz", 0.4): 0.9}))[0] is False
 
 
+def test_claim_differences_within_paired_noise_are_not_verdicts():
+    def summary(candidate_hits, baseline_hits, n=12):
+        records = [_record("needle", "full", 1.0, f"i{i}", {"m": 1.0}, main_metric="m", chance=0.0) for i in range(n)]
+        for method, hits in (("ada-snapkv", candidate_hits), ("snapkv", baseline_hits)):
+            records += [_record("needle", method, 64, f"i{i}", {"m": float(i in hits)}, main_metric="m", chance=0.0)
+                        for i in range(n)]
+        return ResultsSummary(records)
+
+    check = outperforms("needle", "ada-snapkv", ["snapkv"], (64,))
+    one_item = check(summary({0, 1, 2}, {0, 1}))  # one more item of 12: 0.083 ± 0.083
+    assert one_item[0] is None and "within 2 standard errors" in one_item[1] and "n=12" in one_item[1]
+    one_item_loss = check(summary({0, 1}, {0, 1, 2}))
+    assert one_item_loss[0] is None
+    assert check(summary(set(range(8)), set()))[0] is True  # 8 of 12 items, none the other way
+    assert check(summary(set(), set(range(8))))[0] is False
+    # the paired test sees what unpaired standard errors would hide: same items, consistent gain
+    assert check(summary(set(range(6)), set(range(2))))[0] is True
+
+
 def test_claims_are_well_formed_and_grid_covers_them():
     assert len({c.id for c in CLAIMS}) == len(CLAIMS)
     assert {c.paper for c in CLAIMS} == {"BUZZ", "Ada-KV", "BumbleBee", "SubGen", "AhaKV"}

@@ -14,6 +14,7 @@ the papers' 4k-37k): token budgets for needle/mdqa are 64-256, ratios elsewhere.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -56,6 +57,33 @@ def _precheck(summary: ResultsSummary, task: str, metric: str | None) -> tuple[s
     return metric, None
 
 
+NOISE_STANDARD_ERRORS = 2.0  # a difference within this many paired standard errors is not a verdict
+
+
+def paired_difference(
+    summary: ResultsSummary, task: str, metric: str, candidate: str, baseline: str, budgets: Sequence[float | int]
+) -> tuple[float, float, int] | None:
+    """Mean over items of (candidate - baseline), each item's value averaged over ``budgets``, with
+    its standard error and the number of items both ran. Items are shared between methods, so the
+    paired difference removes the item-to-item spread that dwarfs method differences at small n.
+    None when items have no per-item value of ``metric`` (corpus-level or derived metrics)."""
+    per_item: dict[str, list[float]] = {}
+    for budget in budgets:
+        mine = {str(r["item_id"]): r["metrics"].get(metric) for r in summary.item_records(task, candidate, budget)}
+        theirs = {str(r["item_id"]): r["metrics"].get(metric) for r in summary.item_records(task, baseline, budget)}
+        for item in mine.keys() & theirs.keys():
+            if mine[item] is None or theirs[item] is None:
+                return None
+            per_item.setdefault(item, []).append(float(mine[item]) - float(theirs[item]))
+    differences = [sum(values) / len(values) for values in per_item.values() if len(values) == len(budgets)]
+    if len(differences) < 2:
+        return None
+    n = len(differences)
+    mean_difference = sum(differences) / n
+    variance = sum((d - mean_difference) ** 2 for d in differences) / (n - 1)
+    return mean_difference, math.sqrt(variance / n), n
+
+
 def outperforms(
     task: str,
     candidate: str,
@@ -91,30 +119,46 @@ def outperforms(
 
             listed = "; ".join(f"{m} {_fmt(score(m))}" for m in [*methods, *shown])
             text = f"{metric_name}, mean over budgets {', '.join(map(_budget_text, budgets))}: {listed}"
-            comparisons = [(score(candidate), score(b)) for b in baselines]
+            comparisons = [(score(candidate), score(base), base, tuple(budgets)) for base in baselines]
         else:
             parts = []
             for b in budgets:
                 parts.append(f"@{_budget_text(b)}: " + ", ".join(f"{m} {_fmt(values[(m, b)])}" for m in [*methods, *shown]))
             text = f"{metric_name} " + "; ".join(parts)
-            comparisons = [(values[(candidate, b)], values[(base, b)]) for base in baselines for b in budgets]
+            comparisons = [(values[(candidate, b)], values[(base, b)], base, (b,)) for base in baselines for b in budgets]
         text += f"; full {_fmt(full)}; n={n} items per setting"
         if missing:
             return None, text + f"; missing: {', '.join(missing)}"
         if reason:
             return None, text + f"; {reason}"
-        wins = losses = ties = 0
-        for mine, theirs in comparisons:
+        wins = losses = ties = within_noise = 0
+        noise_notes = []
+        for mine, theirs, base, compared_budgets in comparisons:
             if abs(mine - theirs) <= EPSILON:
                 ties += 1
-            elif (mine > theirs) == higher:
+                continue
+            paired = paired_difference(summary, task, metric_name, candidate, base, compared_budgets)
+            if paired is not None:
+                difference, standard_error, items = paired
+                if abs(difference) <= NOISE_STANDARD_ERRORS * standard_error:
+                    within_noise += 1
+                    noise_notes.append(f"vs {base}: {difference:+.3g} ± {standard_error:.2g} (paired, n={items})")
+                    continue
+            if (mine > theirs) == higher:
                 wins += 1
             else:
                 losses += 1
         if losses:
             return False, text
-        if ties:
-            return None, text + f"; {ties} tie(s): not distinguishable at this n"
+        if ties or within_noise:
+            reasons = []
+            if ties:
+                reasons.append(f"{ties} tie(s)")
+            if within_noise:
+                reasons.append(
+                    f"{within_noise} difference(s) within {NOISE_STANDARD_ERRORS:g} standard errors ({'; '.join(noise_notes)})"
+                )
+            return None, text + f"; {', '.join(reasons)}: not distinguishable at this n"
         return True, text
 
     return check
