@@ -159,7 +159,7 @@ def claims_section(summary: ResultsSummary) -> str:
         "",
         "Each claim is checked on this run's results (the model, lengths and budgets differ from the papers'; "
         "see `kvhive/evaluation/claims.py`). *holds*: the paper's method beats the baseline(s) as stated; "
-        "*not enough data*: settings missing, a tie, or the full cache scores near chance on the task.",
+        "*not enough data*: settings missing or infeasible, a tie, a difference within two standard errors of the per-item paired difference, or the full cache scoring near chance on the task.",
         "",
         "| claim | paper | task | the paper says | measured here | verdict |",
         "|---|---|---|---|---|---|",
