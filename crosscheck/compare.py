@@ -33,12 +33,9 @@ EXPLANATIONS = {
         "(kvpress averages over the window, kvhive sums: same ranking), averaged over the query heads of a KV "
         "group, 1-D pooling over the non-window prefix only, top-(n - window) plus the window itself (kvpress "
         "pads the window's score with max + 1, kvhive forces it): the window **is counted in the budget** on both "
-        "sides. One difference: at the two ends of the prefix, kvpress's `F.avg_pool1d(..., padding=k//2)` "
-        "counts the zero padding (torch's default `count_include_pad=True`, also what the SnapKV/PyramidKV "
-        "reference code does), kvhive passes `count_include_pad=False`, so the first and last `k//2` prefix "
-        "tokens (positions 0, 1 and N-window-2, N-window-1 here) score up to 5/3 higher in kvhive and are kept "
-        "more often. The `count_include_pad` ablation (kvhive run with torch's default there) removes every "
-        "difference."
+        "sides, and both average-pool with the zero padding counted (torch's default `count_include_pad=True`, "
+        "as the SnapKV/PyramidKV reference code; kvhive once excluded it, which this cross-check found). The sets "
+        "are identical at equal counts; a native row differs only where ratio rounding gives one more token."
     ),
     "snapkv/max-pool": (
         "Deliberate (METHODS.md, *Observation window*): kvhive's default pooling is **max** (the Ada-KV paper), "
@@ -47,7 +44,7 @@ EXPLANATIONS = {
     ),
     "snapkv/w32-k7": (
         "kvhive's default window/kernel (32/7) run on both sides with average pooling: same rule as `snapkv`, "
-        "same single difference (edge pooling: positions 0..2 and N-window-3..N-window-1)."
+        "identical at equal counts."
     ),
     "streamingllm": (
         "Same rule: the first `sink=4` tokens plus the most recent `n - 4` (kvpress scores the "
@@ -72,17 +69,16 @@ EXPLANATIONS = {
         "bitwise-equal float32 scores in the same order."
     ),
     "pyramidkv": (
-        "Selection inside a layer is SnapKV's on both sides (same edge-pooling difference as `snapkv`; the "
-        "ablation at kvpress's per-layer counts removes it). The **layer budgets differ by design**. With "
+        "Selection inside a layer is SnapKV's on both sides (identical at kvpress's per-layer counts). The "
+        "**layer budgets differ by design**. With "
         "b = N(1 - c) the average kept count: kvpress (`PyramidKVPress.get_layer_budget`) keeps, *window "
         "included*, a line from `max_num = 2b - b/beta` (first layer) to `min_num = b/beta` (last); when "
         "`max_num > N - window` it caps `max_num = N - window` and sets `min_num = 2b - max_num`, and it falls "
         "back to uniform SnapKV when `min_num < window`. kvhive (`pyramid_budgets`, default "
         "`window_in_pyramid=False`, as the PyramidKV reference code) keeps `window + p_l` with the line `p_l` "
-        "from `2(b - window) - (b - window)/beta` to `(b - window)/beta`, rounded to sum exactly to b·L, and has "
-        "no cap. Both keep b·L in total when no layer overflows; kvhive's last layers keep more and its first "
-        "fewer. When kvhive's first-layer target exceeds N that layer keeps the whole prompt and the excess is "
-        "lost (see *Kept counts* and *Discrepancies*)."
+        "from `2(b - window) - (b - window)/beta` to `(b - window)/beta`, rounded to sum exactly to b·L; a layer "
+        "target above N is capped at N and the excess goes to the other layers (as the reference code). Both keep "
+        "b·L in total; kvhive's last layers keep more and its first fewer (see *Kept counts*)."
     ),
 }
 
@@ -343,32 +339,26 @@ def discrepancies(pyramid_rows, num_tokens, num_layers) -> list[str]:
             for ratio, targets, counts in lost)
     else:
         evidence = "not triggered by this run's prompt length and ratios"
-    return [
-        "1. **PyramidKV loses budget when the first layer's target exceeds the prompt** "
-        "(`kvhive/methods/pyramidkv.py`, `pyramid_budgets`, no prompt-length cap; the cache then keeps "
-        "`min(budget, N)` in that layer). METHODS.md (*Budget*): layer-wise methods keep the total equal to "
-        "`budget × heads × layers`; the module docstring instead accepts that 'the first layer's budget may exceed "
-        "a short prompt (that layer then keeps everything)'. The excess is not redistributed, so at high ratios / "
-        "short prompts PyramidKV keeps less than asked and compares unfairly with uniform methods at the same "
-        f"nominal ratio. Evidence: {evidence}. The PyramidKV reference code (`PyramidKVCluster.update_kv`: "
-        "`if max_num >= q_len - window_size: max_num = q_len - window_size; min_num = (max_capacity_prompt - "
-        "window_size) * 2 - max_num`) and kvpress cap the first layer and give the excess to the others. "
-        "`Policy.layer_budgets(budget, num_layers)` does not receive the prompt length, so a fix needs N passed in "
-        "(the cache has it in `KVHiveCache._resolve_budgets`).",
-        "2. **Average pooling ignores the zero padding** (`kvhive/methods/snapkv.py`, `observation_scores`: "
-        "`F.avg_pool1d(..., count_include_pad=False)`), used by `snapkv` and `pyramidkv` with `pooling=\"avg\"`. "
-        "The SnapKV and PyramidKV reference code and kvpress call `F.avg_pool1d(..., padding=kernel//2)` with "
-        "torch's default `count_include_pad=True`. METHODS.md does not make this choice (it only picks max pooling "
-        "as the default), so `pooling=\"avg\"` is not the reference's average pooling: it raises the scores of "
-        "the first and last `kernel//2` prefix tokens by up to kernel/(kernel//2 + 1) (5/3 for kernel 5). It is "
-        "the only difference left in the snapkv/pyramidkv rows (the `count_include_pad` ablation gives identical "
-        "sets). Either record it as a choice in METHODS.md or drop the argument.",
-        "3. *Deliberate, not bugs* — TOVA keeps the last prompt token only on merit in kvhive (the paper), always "
+    deliberate = (
+        "*Deliberate, not bugs* — TOVA keeps the last prompt token only on merit in kvhive (the paper), always "
         "in kvpress; ratio rounding (kvpress floor, kvhive round-half-even); max pooling by default (METHODS.md); "
         "the SnapKV window is counted inside the budget on both sides; for PyramidKV kvhive adds the window on top "
-        "of the pyramid of `b - window` (the reference code's accounting) while kvpress puts it inside its line.",
+        "of the pyramid of `b - window` (the reference code's accounting) while kvpress puts it inside its line."
+    )
+    if lost:
+        return [
+            "1. **PyramidKV loses budget when a layer's target exceeds the prompt**: " + evidence + ". The PyramidKV "
+            "reference code (`PyramidKVCluster.update_kv`) and kvpress cap that layer and give the excess to the others.",
+            "2. " + deliberate,
+        ]
+    return [
+        "Found by earlier runs of this cross-check and fixed in kvhive since (the rows above show the result): "
+        "(a) average pooling now counts the zero padding like the reference code and kvpress "
+        "(`F.avg_pool1d(..., count_include_pad=True)` in `kvhive/methods/snapkv.py`), which made the matched snapkv "
+        "and pyramidkv sets identical; (b) a PyramidKV layer budget above the prompt length is capped and the excess "
+        "redistributed to the other layers (`KVHiveCache._resolve_budgets`), so the total is kept at short prompts.",
+        deliberate,
     ]
-
 
 if __name__ == "__main__":
     main()
