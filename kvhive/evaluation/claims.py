@@ -132,7 +132,7 @@ def outperforms(
         if reason:
             return None, text + f"; {reason}"
         wins = losses = ties = within_noise = 0
-        noise_notes = []
+        paired_notes: list[str] = []
         for mine, theirs, base, compared_budgets in comparisons:
             if abs(mine - theirs) <= EPSILON:
                 ties += 1
@@ -140,14 +140,17 @@ def outperforms(
             paired = paired_difference(summary, task, metric_name, candidate, base, compared_budgets)
             if paired is not None:
                 difference, standard_error, items = paired
+                where = "" if mode == "mean" or len(budgets) == 1 else f"@{_budget_text(compared_budgets[0])}"
+                paired_notes.append(f"vs {base}{where} {difference:+.3g} ± {standard_error:.2g}")
                 if abs(difference) <= NOISE_STANDARD_ERRORS * standard_error:
                     within_noise += 1
-                    noise_notes.append(f"vs {base}: {difference:+.3g} ± {standard_error:.2g} (paired, n={items})")
                     continue
             if (mine > theirs) == higher:
                 wins += 1
             else:
                 losses += 1
+        if paired_notes:
+            text += f"; {candidate} minus baseline per item (mean ± s.e.): " + ", ".join(paired_notes)
         if losses:
             return False, text
         if ties or within_noise:
@@ -155,9 +158,7 @@ def outperforms(
             if ties:
                 reasons.append(f"{ties} tie(s)")
             if within_noise:
-                reasons.append(
-                    f"{within_noise} difference(s) within {NOISE_STANDARD_ERRORS:g} standard errors ({'; '.join(noise_notes)})"
-                )
+                reasons.append(f"{within_noise} difference(s) within {NOISE_STANDARD_ERRORS:g} standard errors")
             return None, text + f"; {', '.join(reasons)}: not distinguishable at this n"
         return True, text
 
