@@ -56,3 +56,26 @@ def test_eval_refuses_an_unknown_method_before_loading_anything(tmp_path, capsys
                         "--budgets", "0.5", "--out", str(tmp_path / "x"), "--no-progress"])
     assert code == 2 and "unknown method 'nosuch'" in capsys.readouterr().err
     assert not (tmp_path / "x" / "results.jsonl").exists()
+
+
+def test_results_record_the_cache_size_each_setting_held(tmp_path):
+    # BUZZ's beehive stays below its peak budget between samplings; H2O is pinned at its budget.
+    # Both must appear as measured, next to the score.
+    out = tmp_path / "sizes"
+    code = kvhive_main([
+        "eval", "--model", "tiny-llama-gqa", "--tasks", "ppl:num_tokens=96:window=96,synthetic_recall:num_pairs=4",
+        "--methods", "buzz,h2o", "--budgets", "24", "--limit", "1", "--data-dir", str(DATA_DIR), "--out", str(out),
+        "--no-progress",
+    ])
+    assert code == 0
+    records = {(r["task"], r["method"]): r for r in read_results(out)}
+    h2o = records[("ppl", "h2o")]["cache"]
+    buzz = records[("ppl", "buzz")]["cache"]
+    full = records[("ppl", "full")]["cache"]
+    assert h2o["final_kept_per_head"] == 24 and 12 < h2o["mean_kept_per_head"] < 24  # grows to 24, then stays
+    assert buzz["final_kept_per_head"] <= 24 and buzz["mean_kept_per_head"] < h2o["mean_kept_per_head"]
+    assert full["final_kept_per_head"] == 96  # BOS + 96 text tokens, all fed but the last (only predicted)
+    recall = records[("synthetic_recall", "h2o")]["cache"]
+    assert recall["final_kept_per_head"] <= 24 and recall["mean_kept_per_head"] <= 24
+    report = (out / "report.md").read_text()
+    assert "mean kept / head" in report

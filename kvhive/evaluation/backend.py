@@ -90,6 +90,8 @@ class Backend(Protocol):
     # Optional: ``infeasible(setting, context_tokens) -> str | None`` says why a setting cannot run
     # on a context of that many tokens (e.g. a ratio resolving below the method's minimum budget);
     # the runner then records the setting as infeasible instead of calling the backend with it.
+    # Optional: ``last_cache_sizes``, a list of dicts aligned with the settings of the last call
+    # (e.g. ``{"mean_kept_per_head": ..., "final_kept_per_head": ...}``), stored as ``cache``.
 
 
 # --------------------------------------------------------------------------- budgets

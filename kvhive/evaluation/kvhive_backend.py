@@ -15,6 +15,34 @@ from kvhive.api import context_length, make_cache, shared_prefill
 from kvhive.evaluation.backend import FULL_METHOD, Setting
 
 
+def kept_per_head(cache) -> float:
+    """Mean number of tokens held per stored head over the cache's compressed layers."""
+    lengths = [cache.layers[i].lengths for i in cache.compressed_layers if cache.layers[i].lengths is not None]
+    if not lengths:
+        return 0.0
+    return float(torch.stack([length.float().mean() for length in lengths]).mean())
+
+
+class _SizeTracker:
+    """Cache size over a run: a method whose size moves below its budget (BUZZ's beehive, SubGen's
+    clusters) holds fewer tokens on average than one pinned at the budget, and a fair comparison
+    needs that number next to the score."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+
+    def observe(self, cache) -> None:
+        self.samples.append(kept_per_head(cache))
+
+    def summary(self) -> dict[str, float]:
+        if not self.samples:
+            return {}
+        return {
+            "mean_kept_per_head": round(sum(self.samples) / len(self.samples), 3),
+            "final_kept_per_head": round(self.samples[-1], 3),
+        }
+
+
 class KVHiveBackend:
     """:class:`~kvhive.evaluation.backend.Backend` over a transformers model and kvhive caches."""
 
@@ -29,6 +57,9 @@ class KVHiveBackend:
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         eos = eos if eos is not None else tokenizer.eos_token_id
         self.stop_tokens = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+        # Per setting of the last call: {"mean_kept_per_head", "final_kept_per_head"} (the runner
+        # stores it with each result).
+        self.last_cache_sizes: list[dict[str, float]] = []
 
     # -- helpers ---------------------------------------------------------------------------------
     def _encode(self, text: str) -> torch.Tensor:
@@ -52,8 +83,9 @@ class KVHiveBackend:
         return caches, logits
 
     @torch.no_grad()
-    def _greedy(self, cache, logits: torch.Tensor, max_new_tokens: int) -> list[int]:
+    def _greedy(self, cache, logits: torch.Tensor, max_new_tokens: int, sizes: _SizeTracker) -> list[int]:
         tokens: list[int] = []
+        sizes.observe(cache)
         for step in range(max_new_tokens):
             token = int(logits.argmax(-1)[0])
             if token in self.stop_tokens:
@@ -63,6 +95,7 @@ class KVHiveBackend:
                 break
             output = self.model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
             logits = output.logits[:, -1]
+            sizes.observe(cache)
         return tokens
 
     # -- Backend protocol ------------------------------------------------------------------------
@@ -76,10 +109,12 @@ class KVHiveBackend:
     def generate(self, prompt: str, max_new_tokens: int, settings: list[Setting]) -> list[str]:
         input_ids = self._encode(prompt)
         caches, logits = self._prefilled(input_ids, settings)
-        outputs = []
+        outputs, self.last_cache_sizes = [], []
         for cache, first_logits in zip(caches, logits):
-            tokens = self._greedy(cache, first_logits, max_new_tokens)
+            sizes = _SizeTracker()
+            tokens = self._greedy(cache, first_logits, max_new_tokens, sizes)
             outputs.append(self.tokenizer.decode(tokens, skip_special_tokens=True))
+            self.last_cache_sizes.append(sizes.summary())
         return outputs
 
     @torch.no_grad()
@@ -91,7 +126,11 @@ class KVHiveBackend:
             continuation_ids.append(full[context_ids.shape[1]:])
         caches, logits = self._prefilled(context_ids, settings)
         results = []
+        self.last_cache_sizes = []
         for cache, last_logits in zip(caches, logits):
+            sizes = _SizeTracker()
+            sizes.observe(cache)  # the compressed context every continuation is scored against
+            self.last_cache_sizes.append(sizes.summary())
             scores = []
             for tokens in continuation_ids:
                 if tokens.numel() == 0:
@@ -112,14 +151,17 @@ class KVHiveBackend:
     def streaming_nll(self, token_ids: list[int], settings: list[Setting]) -> list[tuple[float, int]]:
         ids = torch.tensor(token_ids)
         results = []
+        self.last_cache_sizes = []
         for setting in settings:
             budget = setting.budget
             # Tiny fixed caches (BUZZ Table 3) are below Gemma's 512-token sliding window.
             compress_sliding = bool(self.sliding_window) and isinstance(budget, int) and budget < self.sliding_window
             cache = make_cache(self.model, setting.method, budget, compress_sliding=compress_sliding)
             total, count = 0.0, 0
+            sizes = _SizeTracker()
             for position in range(len(token_ids) - 1):
                 output = self.model(input_ids=ids[position][None, None], past_key_values=cache, use_cache=True)
+                sizes.observe(cache)
                 log_probs = torch.log_softmax(output.logits[0, -1].float(), dim=-1)
                 nll = -float(log_probs[ids[position + 1]])
                 if not math.isfinite(nll):
@@ -127,6 +169,7 @@ class KVHiveBackend:
                 total += nll
                 count += 1
             results.append((total, count))
+            self.last_cache_sizes.append(sizes.summary())
         return results
 
 

@@ -69,26 +69,34 @@ def task_table(summary: ResultsSummary, task: str) -> str:
     """Markdown table of one task: rows = full cache, then method x budget."""
     main = summary.main_metric(task)
     full_value = summary.full(task)
-    rows: list[tuple[str, str, dict[str, float], int]] = []
+    rows: list[tuple[str, str, dict[str, float], int, float | None]] = []
     if summary.count(task, FULL_METHOD):
-        rows.append((FULL_METHOD, "(all)", summary.aggregate(task, FULL_METHOD), summary.count(task, FULL_METHOD)))
+        rows.append((FULL_METHOD, "(all)", summary.aggregate(task, FULL_METHOD), summary.count(task, FULL_METHOD),
+                     summary.mean_kept_per_head(task, FULL_METHOD)))
     for method in sorted(summary.methods(task), key=_method_sort_key):
         if method == FULL_METHOD:
             continue
         for budget in summary.budgets(task, method):
-            rows.append((method, _budget_label(budget), summary.aggregate(task, method, budget), summary.count(task, method, budget)))
+            rows.append((method, _budget_label(budget), summary.aggregate(task, method, budget),
+                         summary.count(task, method, budget), summary.mean_kept_per_head(task, method, budget)))
+    # Shown when the backend reported it: what the cache really held, since a method may stay
+    # below its nominal budget (BUZZ) and should be compared at what it used.
+    show_kept = any(row[4] is not None for row in rows)
     names: list[str] = []
-    for _, _, aggregate, _ in rows:
+    for _, _, aggregate, _, _ in rows:
         for name in _metric_names(aggregate, main):
             if name not in names:
                 names.append(name)
-    header = ["method", "budget", *names, "n", f"{main} / full"]
+    header = ["method", "budget", *names, "n", f"{main} / full"] + (["mean kept / head"] if show_kept else [])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for method, budget, aggregate, n in rows:
+    for method, budget, aggregate, n, kept in rows:
         value = aggregate.get(main)
         ratio = value / full_value if value is not None and full_value not in (None, 0) else None
         ratio_text = f"{ratio:.2f}×" if ratio is not None and not math.isnan(ratio) else "–"
-        lines.append("| " + " | ".join([method, budget, *(_cell(aggregate, k) for k in names), str(n), ratio_text]) + " |")
+        cells = [method, budget, *(_cell(aggregate, k) for k in names), str(n), ratio_text]
+        if show_kept:
+            cells.append(_fmt(kept, 1) if kept is not None else "–")
+        lines.append("| " + " | ".join(cells) + " |")
     infeasible = summary.infeasible_settings(task)
     if infeasible:
         lines.append("")

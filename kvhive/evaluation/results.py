@@ -201,6 +201,13 @@ class ResultsSummary:
             self._cache[key] = aggregate_item_metrics(kind, [r["metrics"] for r in records]) if records else {}
         return self._cache[key]
 
+    def mean_kept_per_head(self, task: str, method: str, budget: float | int | None = None) -> float | None:
+        """Tokens the cache actually held per head, averaged over the run and the items (None when
+        the backend did not report it)."""
+        values = [r["cache"]["mean_kept_per_head"] for r in self.item_records(task, method, budget)
+                  if isinstance(r.get("cache"), dict) and "mean_kept_per_head" in r["cache"]]
+        return sum(values) / len(values) if values else None
+
     def main_metric(self, task: str) -> str | None:
         return self.task_info.get(task, {}).get("main_metric")
 

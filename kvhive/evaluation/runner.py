@@ -325,6 +325,9 @@ def _run_item(
     wall = time.perf_counter() - start
     timestamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
     results = dict(zip(feasible, outputs))
+    # Optional: the cache size each setting actually held (a backend attribute aligned with the call).
+    sizes = getattr(backend, "last_cache_sizes", None) if feasible else None
+    cache_sizes = dict(zip(feasible, sizes)) if isinstance(sizes, list) and len(sizes) == len(feasible) else {}
     count = 0
     for setting in pending:
         if setting in reasons:
@@ -357,6 +360,8 @@ def _run_item(
             "settings_in_call": len(feasible),
             "time": timestamp,
         }
+        if cache_sizes.get(setting):
+            record["cache"] = cache_sizes[setting]
         if status == "infeasible":
             record["reason"] = reasons[setting]
             record["context_tokens"] = context_tokens
