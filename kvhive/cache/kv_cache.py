@@ -366,6 +366,13 @@ class KVHiveCache(Cache):
         """Stored tokens per layer as ``[B, H]`` (H = stored heads)."""
         return {i: layer.lengths.clone() for i, layer in enumerate(self.layers) if layer.lengths is not None}
 
+    def mean_kept_per_head(self) -> float:
+        """Tokens held per stored head, averaged over the compressed layers (0 before prefill)."""
+        lengths = [self.layers[i].lengths for i in self.compressed_layers if self.layers[i].lengths is not None]
+        if not lengths:
+            return 0.0
+        return float(torch.stack([length.float().mean() for length in lengths]).mean())
+
     def nbytes(self) -> int:
         """Key/value bytes held by every layer (sliding layers included)."""
         return sum(layer.nbytes() for layer in self.layers)

@@ -15,14 +15,6 @@ from kvhive.api import context_length, make_cache, shared_prefill
 from kvhive.evaluation.backend import FULL_METHOD, Setting
 
 
-def kept_per_head(cache) -> float:
-    """Mean number of tokens held per stored head over the cache's compressed layers."""
-    lengths = [cache.layers[i].lengths for i in cache.compressed_layers if cache.layers[i].lengths is not None]
-    if not lengths:
-        return 0.0
-    return float(torch.stack([length.float().mean() for length in lengths]).mean())
-
-
 class _SizeTracker:
     """Cache size over a run: a method whose size moves below its budget (BUZZ's beehive, SubGen's
     clusters) holds fewer tokens on average than one pinned at the budget, and a fair comparison
@@ -32,7 +24,7 @@ class _SizeTracker:
         self.samples: list[float] = []
 
     def observe(self, cache) -> None:
-        self.samples.append(kept_per_head(cache))
+        self.samples.append(cache.mean_kept_per_head())
 
     def summary(self) -> dict[str, float]:
         if not self.samples:
