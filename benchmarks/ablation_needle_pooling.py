@@ -1,8 +1,7 @@
 """Why AhaKV trails SnapKV on the single needle (results/claims): an ablation on the embedded model.
 
-Needle at 1,000 tokens, depths 25-100 (the claims run's items 3-12, i.e. without the depth-0
-items that every method gets from its sink/first tokens), budget 128 tokens per head, greedy 12
-tokens. Variants: AhaKV as is; AhaKV without decode-phase eviction (``decode_every`` larger
+Needle at 1,000 tokens, the claims run's needle items 3-12 (depths 50, 75, 100, then the second
+and third repetitions of depths 0-100), budget 128 tokens per head, greedy 12 tokens. Variants: AhaKV as is; AhaKV without decode-phase eviction (``decode_every`` larger
 than the generation); SnapKV as is (pooling kernel 7); SnapKV with ``kernel=1`` (no pooling);
 AhaKV with a 1-tap value-prior filter. Prints exact-match counts.
 
