@@ -37,7 +37,7 @@ import torch
 from transformers import DynamicCache
 
 import kvhive.methods.bumblebee as bumblebee
-from kvhive.api import make_cache
+from kvhive.api import make_cache, plain_attention
 from kvhive.cache.storage import LayerStore
 from kvhive.methods.base import ScoringInputs
 from kvhive.methods.submodular import Concave, Mixture, greedy_maximize, relu_cosine_similarity
@@ -94,12 +94,8 @@ def bench_prefill(lengths: list[int], ratio: float, method: str) -> None:
     model = kv_heavy_model()
     for length in lengths:
         input_ids = random_prompt(length, model.config.vocab_size)
-        previous = model.config._attn_implementation
-        model.set_attn_implementation("sdpa")
-        try:
+        with plain_attention(model):
             sdpa = prefill_seconds(model, DynamicCache(config=model.config), input_ids)
-        finally:
-            model.set_attn_implementation(previous)
         full = prefill_seconds(model, make_cache(model, "full"), input_ids)
         totals: dict[str, float] = {}
         targets = [
@@ -244,12 +240,8 @@ def bench_decode(lengths: list[int], ratio: float, steps: int, method: str) -> N
     model = kv_heavy_model()
     for length in lengths:
         input_ids = random_prompt(length, model.config.vocab_size)
-        previous = model.config._attn_implementation
-        model.set_attn_implementation("sdpa")
-        try:
+        with plain_attention(model):
             sdpa, _ = decode_step_times(model, DynamicCache(config=model.config), input_ids, steps)
-        finally:
-            model.set_attn_implementation(previous)
         full, _ = decode_step_times(model, make_cache(model, "full"), input_ids, steps)
         targets = [
             (bumblebee.BumbleBee, "observe_decode", "policy"),

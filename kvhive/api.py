@@ -34,6 +34,18 @@ def compression(model) -> Iterator[Any]:
             model.set_attn_implementation(previous)
 
 
+@contextlib.contextmanager
+def plain_attention(model) -> Iterator[Any]:
+    """Run ``model`` with transformers' own sdpa attention inside the block (the uncompressed
+    baseline benchmarks compare against), restoring the previous implementation after."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(previous)
+
+
 def make_cache(model, method: str | Policy = "full", budget: int | float | str | None = None, *,
                ratio: float | None = None, compress_sliding: bool = False, decode_every: int = 1,
                decode_slack: int = 0, record_prefill: bool = False, positions: str = "original",

@@ -12,6 +12,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
 import kvhive
+from kvhive.api import plain_attention
 from kvhive.attention.integration import kvhive_mask
 from kvhive.cache import Budget, KVHiveCache
 from kvhive.methods.base import PREFILL, Policy, PolicyConfig
@@ -229,6 +230,10 @@ def test_context_manager_restores_attention_implementation():
     with kvhive.compression(model):
         assert model.config._attn_implementation == "kvhive"
     assert model.config._attn_implementation == "sdpa"
+    kvhive.make_cache(model, "local", budget=8)  # switches to kvhive
+    with plain_attention(model):
+        assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == "kvhive"
 
 
 def test_kvhive_attention_with_another_cache_is_plain_sdpa():
