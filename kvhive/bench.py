@@ -136,7 +136,8 @@ def run_benchmark(shape: str = "kv-heavy", method: str = "snapkv", budget: int |
 @torch.no_grad()
 def variable_length_attention_benchmark(context: int = 8192, kv_heads: int = 8, group_size: int = 2,
                                         head_dim: int = 128, batch_size: int = 1, spread: float = 0.5,
-                                        repeats: int = 20, device: str = "cpu", seed: int = 0) -> dict[str, Any]:
+                                        repeats: int = 20, device: str = "cpu", seed: int = 0,
+                                        dtype: torch.dtype | None = None) -> dict[str, Any]:
     """Decode attention over heads holding different token counts (mean ``context``, counts
     uniform in ``context·(1 ± spread)``) vs dense sdpa over ``context`` tokens per head."""
     from kvhive.attention.integration import _decode_variable_length
@@ -148,20 +149,20 @@ def variable_length_attention_benchmark(context: int = 8192, kv_heads: int = 8, 
     lengths = torch.randint(low, high + 1, (segments,), generator=generator)
     lengths = lengths - (lengths.sum() - context * segments) // segments  # same total as dense
     total = int(lengths.sum())
+    longest = int(lengths.max())
     store = LayerStore(0)
-    store.keys = torch.randn(total, head_dim, generator=generator).to(device)
-    store.values = torch.randn(total, head_dim, generator=generator).to(device)
-    store.positions = torch.cat([torch.arange(int(n), dtype=torch.int32) for n in lengths]).to(device)
-    store.lengths = lengths.view(batch_size, kv_heads).to(device)
-    store.tokens_seen = int(lengths.max()) + 1
-    store.is_initialized = True
+    dtype = torch.float32 if dtype is None else dtype
+    store.update(torch.randn(batch_size, kv_heads, longest, head_dim, generator=generator).to(device, dtype),
+                 torch.randn(batch_size, kv_heads, longest, head_dim, generator=generator).to(device, dtype))
+    keep = torch.arange(longest)[None, :] < lengths[:, None]
+    store.keep(keep.view(batch_size, kv_heads, longest).to(device), lengths.view(batch_size, kv_heads))
+    store.tokens_seen = longest + 1
 
     class _Cache:
         layers = [store]
 
-    query = torch.randn(batch_size, kv_heads * group_size, 1, head_dim, generator=generator).to(device)
-    mask = torch.ones(batch_size, 1, 1, store.tokens_seen, dtype=torch.bool, device=device)
-    dense_keys = torch.randn(batch_size, kv_heads, total // segments, head_dim, generator=generator).to(device)
+    query = torch.randn(batch_size, kv_heads * group_size, 1, head_dim, generator=generator).to(device, dtype)
+    dense_keys = torch.randn(batch_size, kv_heads, total // segments, head_dim, generator=generator).to(device, dtype)
     dense_values = torch.randn_like(dense_keys)
 
     def timed(function) -> float:
@@ -175,7 +176,7 @@ def variable_length_attention_benchmark(context: int = 8192, kv_heads: int = 8, 
             samples.append(time.perf_counter() - start)
         return 1e3 * statistics.median(samples)
 
-    variable_ms = timed(lambda: _decode_variable_length(_Cache, 0, query, mask, head_dim ** -0.5))
+    variable_ms = timed(lambda: _decode_variable_length(_Cache, 0, query, None, head_dim ** -0.5))
     dense_ms = timed(lambda: F.scaled_dot_product_attention(query, dense_keys, dense_values, enable_gqa=True))
     return {
         "context": context, "kv_heads": kv_heads, "group_size": group_size, "head_dim": head_dim,

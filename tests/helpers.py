@@ -45,3 +45,13 @@ def reference_logits(model, input_ids, attention_mask, steps: int = 20):
         return prefill_and_decode(model, DynamicCache(config=model.config), input_ids, attention_mask, steps)
     finally:
         model.set_attn_implementation(previous)
+
+
+def materialised_mask(*args, **kwargs):
+    """transformers' sdpa mask, always materialised (for reference attention functions that mask
+    evicted keys by hand)."""
+    from transformers.masking_utils import sdpa_mask
+
+    kwargs["allow_is_causal_skip"] = False
+    kwargs["allow_is_bidirectional_skip"] = False
+    return sdpa_mask(*args, **kwargs)

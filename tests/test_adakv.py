@@ -11,7 +11,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 
 import kvhive
-from kvhive.attention.integration import kvhive_mask
+
 from kvhive.methods import make_policy
 from kvhive.methods.adakv import AdaAhaKV, AdaPyramidKV, AdaSnapKV, ada_keep, adaptive_allocation, safeguard_count
 from kvhive.methods.ahakv import ahakv_scores
@@ -19,7 +19,7 @@ from kvhive.methods.base import ScoringInputs, keep_top_scores
 from kvhive.methods.pyramidkv import pyramid_budgets
 from kvhive.models import TINY_ARCHITECTURES, TINY_ATTENTION_KINDS, load_model, tiny_model
 
-from helpers import left_padded_batch, prefill_and_decode, reference_logits
+from helpers import left_padded_batch, materialised_mask, prefill_and_decode, reference_logits
 
 VARIANTS = [(architecture, attention) for architecture in TINY_ARCHITECTURES for attention in TINY_ATTENTION_KINDS]
 
@@ -272,7 +272,7 @@ def _masked_attention(module, query, key, value, attention_mask, scaling=None, d
 
 
 AttentionInterface.register(_MASKED, _masked_attention)
-AttentionMaskInterface.register(_MASKED, kvhive_mask)
+AttentionMaskInterface.register(_MASKED, materialised_mask)
 
 
 def _kept_prompt_positions(store, prompt_length, query_heads):
@@ -280,7 +280,7 @@ def _kept_prompt_positions(store, prompt_length, query_heads):
     batch, heads = store.lengths.shape
     segment = torch.repeat_interleave(torch.arange(batch * heads), store.lengths.reshape(-1))
     kept = torch.zeros(batch * heads, store.tokens_seen, dtype=torch.bool)
-    kept[segment, store.positions.long()] = True
+    kept[segment, store.stored_flat_positions().long()] = True
     kept = kept[:, :prompt_length].reshape(batch, heads, prompt_length)
     return kept.repeat_interleave(query_heads // heads, dim=1)
 
@@ -294,7 +294,7 @@ def _compare_with_masked_reference(model, method, budget, input_ids, attention_m
     # Storage: bytes held == tokens kept x bytes per token, in every layer (compressed or not).
     stored = sum(int(layer.lengths.sum()) * layer.bytes_per_token() for layer in cache.layers)
     assert cache.nbytes() == stored
-    assert all(layer.keys.shape[0] == int(layer.lengths.sum()) for layer in cache.layers)
+    assert all(layer.stored_keys().shape[0] == int(layer.lengths.sum()) for layer in cache.layers)
     for layer in cache.compressed_layers:
         lengths = cache.layers[layer].lengths
         # After `steps` appended tokens: the prefill kept exactly b_l x H per sequence.

@@ -171,7 +171,7 @@ def test_prefill_accumulated_attention_matches_generic_column_sums(max_elements)
     inputs = ScoringInputs(keys=keys, values=keys, queries=queries, positions=torch.arange(n).expand(b, h, n),
                            mask=mask, scaling=0.3, layer_index=0, num_layers=1, sequence_length=n, phase=PREFILL)
     expected = inputs.accumulated_attention()
-    actual = prefill_accumulated_attention(queries, keys, mask, 0.3, max_elements=max_elements)
+    actual = prefill_accumulated_attention(queries, keys, inputs.mask_rows, 0.3, max_elements=max_elements)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
     assert float(actual[1, :, :5].abs().max()) == 0.0
 

@@ -13,12 +13,13 @@ from transformers.masking_utils import AttentionMaskInterface
 
 import kvhive
 from kvhive.api import plain_attention
-from kvhive.attention.integration import kvhive_mask
+
 from kvhive.cache import Budget, KVHiveCache
+from kvhive.cache.storage import SEGMENT_RESERVE_TOKENS
 from kvhive.methods.base import PREFILL, Policy, PolicyConfig
 from kvhive.models import TINY_ARCHITECTURES, tiny_model
 
-from helpers import left_padded_batch, prefill_and_decode, reference_logits
+from helpers import left_padded_batch, materialised_mask, prefill_and_decode, reference_logits
 
 
 @dataclass(frozen=True)
@@ -95,15 +96,17 @@ def test_variable_length_heads_free_memory_and_match_masked_reference(architectu
         assert torch.equal(layer.lengths, expected)
         assert not layer.is_uniform
         stored = int(layer.lengths.sum())
-        assert layer.keys.shape[0] == stored  # nothing padded: one row per kept entry
+        assert layer.stored_keys().shape[0] == stored  # nothing padded: one row per kept entry
         assert layer.nbytes() == stored * layer.bytes_per_token()
+        # Allocated: the kept entries plus each segment's bounded append reserve.
+        assert layer.reserved_nbytes() <= (stored + layer.num_segments * SEGMENT_RESERVE_TOKENS) * layer.bytes_per_token()
     total_kept = sum(int(v.sum()) for v in cache.kept_tokens().values())
     assert cache.nbytes() == total_kept * cache.layers[0].bytes_per_token()
 
     _EVICTED.clear()
     _EVICTED.update({i: ~m for i, m in masks.items()})
     AttentionInterface.register("masked_reference", masked_reference_attention)
-    AttentionMaskInterface.register("masked_reference", kvhive_mask)
+    AttentionMaskInterface.register("masked_reference", materialised_mask)
     model.set_attn_implementation("masked_reference")
     reference = prefill_and_decode(model, DynamicCache(config=model.config), input_ids, attention_mask,
                                    steps=10, forced_tokens=forced)
@@ -121,7 +124,7 @@ def test_storage_append_keeps_segments_in_order():
     layer = cache.layers[0]
     offsets = layer.segment_offsets()
     for segment in range(layer.lengths.numel()):
-        positions = layer.positions[offsets[segment]: offsets[segment + 1]]
+        positions = layer.stored_flat_positions()[offsets[segment]: offsets[segment + 1]]
         b, h = divmod(segment, layer.num_heads)
         kept = masks[0][b, h].nonzero().flatten()
         assert positions.tolist() == kept.tolist() + [12, 13, 14]

@@ -15,25 +15,36 @@ sliding-window pattern). The attention function:
 
 from __future__ import annotations
 
-import warnings
+import contextlib
+import os
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from kvhive.attention.varlen import kernel_supports, varlen_attention, varlen_attention_kernel
 from kvhive.cache.kv_cache import KVHiveCache, active_update
 from kvhive.methods.base import DECODE, ScoringInputs
 
 ATTENTION_NAME = "kvhive"
 
-# The variable-length path relies on CSR sampled products; torch flags the API as beta.
-warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+# kvhive picks its own sdpa backends: cuDNN's sdpa re-plans for every new key length (milliseconds
+# of host time per call on torch 2.11 / H100), so a decode step would depend on it.
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# Dense decode attention on CUDA: "kernel" (kvhive's split-K Triton kernel) or "sdpa".
+DENSE_DECODE = os.environ.get("KVHIVE_DENSE_DECODE", "kernel")
+
+
+def _backends(device: torch.device):
+    return sdpa_kernel(_SDPA_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def kvhive_mask(*args, **kwargs):
-    """transformers' sdpa mask, always materialised: kept tokens are gathered from it by position."""
-    kwargs["allow_is_causal_skip"] = False
+    """transformers' sdpa mask. It is None when nothing needs masking (no padding, no window in
+    reach), which the attention reads as "causal over original positions"; otherwise it spans
+    every original position and kept tokens are gathered from it by position."""
     kwargs["allow_is_bidirectional_skip"] = False
     return sdpa_mask(*args, **kwargs)
 
@@ -44,12 +55,17 @@ def register() -> None:
     AttentionMaskInterface.register(ATTENTION_NAME, kvhive_mask)
 
 
+def _model_mask(attention_mask):
+    """The model's mask as boolean (True = may attend), or None."""
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        attention_mask = attention_mask == 0
+    return attention_mask
+
+
 def _full_mask(attention_mask, batch_size, num_queries, tokens_seen, sliding_window, device):
     """``[B, 1, q, N]`` boolean mask over every original position."""
     if attention_mask is not None:
-        if attention_mask.dtype != torch.bool:
-            attention_mask = attention_mask == 0
-        return attention_mask
+        return _model_mask(attention_mask)
     key_positions = torch.arange(tokens_seen, device=device)
     query_positions = key_positions[tokens_seen - num_queries:]
     allowed = key_positions[None, :] <= query_positions[:, None]
@@ -58,12 +74,21 @@ def _full_mask(attention_mask, batch_size, num_queries, tokens_seen, sliding_win
     return allowed[None, None].expand(batch_size, 1, num_queries, tokens_seen)
 
 
-def _gather_mask(mask: torch.Tensor, positions: torch.Tensor, tokens_seen: int) -> torch.Tensor:
-    """Columns of the model's mask at the stored tokens' positions: ``[B, H|1, q, L]``."""
+def _gather_mask(mask: torch.Tensor | None, positions: torch.Tensor, tokens_seen: int,
+                 num_queries: int) -> torch.Tensor | None:
+    """The mask over the stored tokens: ``[B, H|1, q, L]``, or None when nothing is masked.
+
+    The model's mask (padding, a window in reach) is gathered at the stored tokens' positions.
+    Without one (no padding, no window in reach) a single new query sees every stored token
+    (None, so sdpa keeps its fast kernels); several new queries are causal among themselves."""
     batch, heads, length = positions.shape
+    if mask is None:
+        if num_queries == 1:
+            return None
+        query_positions = torch.arange(tokens_seen - num_queries, tokens_seen, device=positions.device)
+        return positions[:, :, None, :] <= query_positions[None, None, :, None]
     if length == tokens_seen:  # nothing was ever evicted: the stored order is the original one
         return mask
-    num_queries = mask.shape[2]
     index = positions.long()[:, :, None, :].expand(batch, heads, num_queries, length)
     return mask.expand(batch, heads, num_queries, mask.shape[-1]).gather(3, index)
 
@@ -79,8 +104,9 @@ def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dr
     """Attention over a :class:`KVHiveCache` layer; plain sdpa for any other cache."""
     cache, layer_index = active_update(key)
     if cache is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
+        with _backends(query.device):
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                          scaling=scaling, **kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     store = cache.layers[layer_index]
@@ -88,18 +114,21 @@ def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dr
     batch, _, num_queries, _ = query.shape
     if cache.positions == "cache":
         # transformers built its mask over re-indexed positions; rebuild it over true positions.
-        attention_mask = None
-    mask = _full_mask(attention_mask, batch, num_queries, store.tokens_seen, store.sliding_window, query.device)
+        mask = _full_mask(None, batch, num_queries, store.tokens_seen, store.sliding_window, query.device)
+    else:
+        mask = _model_mask(attention_mask)
     compressed = cache.is_compressed(layer_index)
 
-    if store.tokens_seen == num_queries:
-        return _prefill(module, cache, layer_index, query, key, value, mask, scaling, dropout, compressed, kwargs)
-    if store.is_uniform:
-        return _decode_dense(module, cache, layer_index, query, mask, scaling, dropout, compressed, kwargs)
+    with _backends(query.device):
+        if store.tokens_seen == num_queries:
+            return _prefill(module, cache, layer_index, query, key, value, mask, scaling, dropout, compressed,
+                            kwargs)
+        if store.is_uniform:
+            return _decode_dense(module, cache, layer_index, query, mask, scaling, dropout, compressed, kwargs)
     if compressed and policy.extra_attention(store.policy_state, query, scaling) is not None:
         raise RuntimeError(f"method {policy.name!r} adds estimated attention, which the variable-length "
                            "path does not support; keep its heads at equal lengths")
-    return _decode_variable_length(cache, layer_index, query, mask, scaling)
+    return _decode_variable_length(cache, layer_index, query, mask, scaling), None
 
 
 def _prefill(module, cache: KVHiveCache, layer_index, query, key, value, mask, scaling, dropout, compressed, kwargs):
@@ -109,10 +138,8 @@ def _prefill(module, cache: KVHiveCache, layer_index, query, key, value, mask, s
     if compressed:
         key_counts = torch.arange(1, num_queries + 1, device=query.device)
         attended_queries = _row_logit_scale(policy, key_counts, query)
-    # A purely causal mask (no padding, no window in reach) lets sdpa use its causal kernels.
-    causal_only = num_queries == key.shape[2] and torch.equal(
-        mask, torch.ones(num_queries, num_queries, dtype=torch.bool, device=mask.device).tril().expand_as(mask))
-    output, _ = sdpa_attention_forward(module, attended_queries, key, value, None if causal_only else mask,
+    # No mask (no padding, no window in reach): transformers' sdpa runs its causal kernels.
+    output, _ = sdpa_attention_forward(module, attended_queries, key, value, mask,
                                        dropout=dropout, scaling=scaling, **kwargs)
 
     if cache.record_prefill:
@@ -166,8 +193,8 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
     store = cache.layers[layer_index]
     policy = cache.policy
     keys, values, positions, token_scores = store.dense()
-    stored_mask = _gather_mask(mask, positions, store.tokens_seen)
     batch, query_heads, num_queries, head_dim = query.shape
+    stored_mask = _gather_mask(mask, positions, store.tokens_seen, num_queries)
     heads = keys.shape[1]
     group = query_heads // heads
     wants_weights = compressed and DECODE in policy.phases and policy.needs_decode_attention
@@ -178,30 +205,39 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
 
     last_weights = None
     if not wants_weights and extra is None:
-        sdpa_mask_ = stored_mask
-        if sdpa_mask_.shape[1] not in (1, query_heads):
-            sdpa_mask_ = sdpa_mask_.repeat_interleave(group, dim=1)
-        if heads == query_heads and getattr(module, "num_key_value_groups", 1) > 1:
-            # Stored per query head (Ada-KV on GQA): transformers would regroup the heads again.
-            output = torch.nn.functional.scaled_dot_product_attention(
-                query, keys, values, attn_mask=sdpa_mask_, scale=scaling).transpose(1, 2).contiguous()
+        rows = query.reshape(batch * heads, group * num_queries, head_dim)
+        if (stored_mask is None and DENSE_DECODE == "kernel" and num_queries == 1
+                and kernel_supports(rows, keys, values)):
+            # kvhive's split-K kernel reads the dense buffer's slice in place.
+            buffer_keys, buffer_values = store.buffers()
+            capacity = buffer_keys.shape[2]
+            output = varlen_attention_kernel(
+                rows, buffer_keys.view(-1, head_dim), buffer_values.view(-1, buffer_values.shape[-1]), scaling,
+                keys.shape[2], uniform=(capacity, store.slice_start, keys.shape[2]))
+            output = output.view(batch, query_heads, 1, -1).transpose(1, 2)
         else:
-            output, _ = sdpa_attention_forward(module, query, keys, values, sdpa_mask_, dropout=dropout,
-                                               scaling=scaling, **kwargs)
+            sdpa_mask_ = stored_mask
+            if sdpa_mask_ is not None and sdpa_mask_.shape[1] not in (1, query_heads):
+                sdpa_mask_ = sdpa_mask_.repeat_interleave(group, dim=1)
+            # Stored heads may be query heads (Ada-KV on GQA): sdpa regroups by its own head counts.
+            output = torch.nn.functional.scaled_dot_product_attention(
+                query, keys, values, attn_mask=sdpa_mask_, scale=scaling,
+                enable_gqa=heads != query_heads).transpose(1, 2)
     else:
         # [B, H, G*q, d] @ [B, H, d, L]: one matmul per stored head, keys and values read once.
         grouped = query.reshape(batch, heads, group * num_queries, head_dim)
-        logits = torch.matmul(grouped, keys.transpose(-1, -2)) * scaling
+        logits = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scaling
         logits = logits.view(batch, heads, group, num_queries, -1)
-        logits = logits.masked_fill(~stored_mask.unsqueeze(2), float("-inf"))
+        if stored_mask is not None:
+            logits = logits.masked_fill(~stored_mask.unsqueeze(2), float("-inf"))
         row_max = logits.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(logits.dtype).min)
         exponentials = torch.exp(logits - row_max)
         denominator = exponentials.sum(dim=-1)
-        numerator = torch.matmul(exponentials.view(batch, heads, group * num_queries, -1), values)
-        numerator = numerator.view(batch, heads, group, num_queries, head_dim)
+        numerator = torch.matmul(exponentials.view(batch, heads, group * num_queries, -1).to(values.dtype), values)
+        numerator = numerator.view(batch, heads, group, num_queries, head_dim).float()
         if extra is not None:
             extra_numerator, extra_denominator, extra_max = (
-                t.reshape(batch, heads, group, num_queries, *t.shape[3:]) for t in extra
+                t.reshape(batch, heads, group, num_queries, *t.shape[3:]).float() for t in extra
             )
             common = torch.maximum(row_max.squeeze(-1), extra_max)
             exact_weight = torch.exp(row_max.squeeze(-1) - common)
@@ -213,7 +249,7 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
         else:
             output = numerator / denominator[..., None]
             weights = exponentials / denominator[..., None]
-        output = output.reshape(batch, query_heads, num_queries, head_dim).transpose(1, 2).contiguous()
+        output = output.to(query.dtype).reshape(batch, query_heads, num_queries, head_dim).transpose(1, 2)
         last_weights = weights[:, :, :, -1].reshape(batch, query_heads, -1)
 
     def make_scoring(phase: str) -> ScoringInputs:
@@ -228,41 +264,20 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
 
 
 def _decode_variable_length(cache: KVHiveCache, layer_index, query, mask, scaling):
-    """Attention when heads hold different numbers of tokens, without padding them.
-
-    Each (query row, head) attends its own segment of the flat buffers: the logits are a
-    sampled dense-dense product on a CSR pattern (only stored entries are computed), the
-    softmax is a segment reduction, and the output a sparse-dense product.
-    """
+    """Attention when heads hold different numbers of tokens, without padding them: each
+    (batch, head) segment is attended by its group's query rows (``kvhive.attention.varlen``)."""
     store = cache.layers[layer_index]
     batch, query_heads, num_queries, head_dim = query.shape
     heads = store.num_heads
     group = query_heads // heads
-    per_segment = group * num_queries
-    segment_lengths = store.lengths.reshape(-1)
-    offsets = store.segment_offsets()
-    row_lengths = segment_lengths.repeat_interleave(per_segment)
-    num_rows = row_lengths.numel()
-    row_starts = torch.cat([row_lengths.new_zeros(1), row_lengths.cumsum(0)])
-    nonzeros = int(row_starts[-1])
-    row_of_entry = torch.repeat_interleave(torch.arange(num_rows, device=query.device), row_lengths)
-    segment_of_entry = row_of_entry // per_segment
-    columns = offsets[segment_of_entry] + torch.arange(nonzeros, device=query.device) - row_starts[row_of_entry]
-
-    query_rows = query.reshape(batch, heads, group, num_queries, head_dim).reshape(num_rows, head_dim)
-    pattern = torch.sparse_csr_tensor(row_starts, columns, query_rows.new_zeros(nonzeros),
-                                      size=(num_rows, store.num_stored), check_invariants=False)
-    logits = torch.sparse.sampled_addmm(pattern, query_rows, store.keys.T, beta=0.0, alpha=scaling).values()
-    if not bool(mask.all()):  # decode without padding sees every stored token: skip the gather
-        batch_of_entry = segment_of_entry // heads
-        query_of_entry = row_of_entry % num_queries
-        allowed = mask[batch_of_entry, 0, query_of_entry, store.positions[columns].long()]
-        logits = logits.masked_fill(~allowed, float("-inf"))
-    row_max = torch.segment_reduce(logits, "max", lengths=row_lengths).clamp_min(torch.finfo(logits.dtype).min)
-    exponentials = torch.exp(logits - row_max.repeat_interleave(row_lengths))
-    denominator = torch.segment_reduce(exponentials, "sum", lengths=row_lengths)
-    weights = exponentials / denominator.repeat_interleave(row_lengths)
-    weight_matrix = torch.sparse_csr_tensor(row_starts, columns, weights, size=(num_rows, store.num_stored),
-                                            check_invariants=False)
-    output = (weight_matrix @ store.values).reshape(batch, query_heads, num_queries, head_dim)
-    return output.transpose(1, 2).contiguous(), None
+    keys, values, positions, segment_start, segment_length, max_length = store.packed()
+    rows = query.reshape(batch, heads, group, num_queries, head_dim).reshape(batch * heads, group * num_queries,
+                                                                            head_dim)
+    if mask is None and num_queries > 1:
+        mask = _full_mask(None, batch, num_queries, store.tokens_seen, None, query.device)
+    flat_mask = None if mask is None else mask[:, 0]
+    output = varlen_attention(rows, keys, values, segment_start, segment_length, store.lengths_host.reshape(-1),
+                              max_length, scaling, positions=positions, mask=flat_mask, heads=heads,
+                              num_queries=num_queries)
+    output = output.reshape(batch, query_heads, num_queries, -1)
+    return output.transpose(1, 2)

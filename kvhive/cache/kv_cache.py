@@ -230,8 +230,7 @@ class KVHiveCache(Cache):
         if self.policy.head_granularity == "query":
             store.expand_to_query_heads(self.num_query_heads // self.num_kv_heads)
         if keep is not None:
-            self._check_keep(keep, store, budget)
-            store.keep(keep)
+            store.keep(keep, self._check_keep(keep, store, budget))
         self._reindex(store)
 
     def after_decode(self, layer_index: int, make_scoring: Callable[[str], ScoringInputs]) -> None:
@@ -270,8 +269,7 @@ class KVHiveCache(Cache):
         self._store_token_scores(store, scoring)
         if keep is None:
             return
-        self._check_keep(keep, store, budget + self.decode_slack)
-        store.keep(keep)
+        store.keep(keep, self._check_keep(keep, store, budget + self.decode_slack))
         store.decode_steps_since_compression = 0
 
     # -- re-indexed positions ------------------------------------------------------------------
@@ -307,9 +305,8 @@ class KVHiveCache(Cache):
         target = torch.arange(next_position - length, next_position, dtype=torch.float32, device=keys.device)
         delta = target - current
         if bool((delta != 0).any()):
-            rotated = self.key_rotator.rotate(store.layer_index, keys, delta)
-            store.keys = rotated.reshape(-1, rotated.shape[-1])
-        store.token_scores[ROPE_POSITION] = target.expand(keys.shape[:3]).reshape(-1).clone()
+            store.set_keys(self.key_rotator.rotate(store.layer_index, keys, delta))
+        store.set_token_scores(ROPE_POSITION, target.expand(keys.shape[:3]))
         store.rope_tokens_seen = store.tokens_seen
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
@@ -321,29 +318,32 @@ class KVHiveCache(Cache):
     def _store_token_scores(store: LayerStore, scoring: ScoringInputs) -> None:
         """Write back the per-token scores a policy set, so eviction keeps them aligned."""
         for name, score in scoring.token_scores.items():
-            store.token_scores[name] = score.reshape(-1).to(torch.float32)
+            store.set_token_scores(name, score.to(torch.float32))
 
     def _trim_sliding(self, store: LayerStore) -> None:
         """A sliding layer keeps the last ``window - 1`` tokens, as transformers' own cache does."""
         if not store.is_sliding or store.num_stored == 0:
             return
-        oldest_needed = store.tokens_seen - store.sliding_window + 1
         if store.is_uniform:
-            keep = store.dense()[2] >= oldest_needed
-        else:
-            keep = store.positions >= oldest_needed
-        store.keep(keep)
+            # An uncompressed layer holds its tokens contiguously, newest last: drop the oldest
+            # (host-side arithmetic, no device read-back).
+            store.drop_oldest(store.dense_length - (store.sliding_window - 1))
+            return
+        store.keep(store.stored_positions() >= store.tokens_seen - store.sliding_window + 1)
 
-    def _check_keep(self, keep: torch.Tensor, store: LayerStore, budget: int) -> None:
+    def _check_keep(self, keep: torch.Tensor, store: LayerStore, budget: int) -> torch.Tensor:
+        """Kept tokens per row ``[B, H]`` (read back once, on the host); refuses a mask over budget."""
         if keep.dtype != torch.bool:
             raise TypeError(f"{self.policy.name}: a keep mask must be boolean, got {keep.dtype}")
-        kept_per_layer = int(keep.sum()) // store.batch_size
+        counts = keep.sum(dim=-1).cpu()
+        kept_per_sequence = int(counts.reshape(counts.shape[0], -1).sum(-1).max())
         allowed = budget * keep.shape[1]
-        if kept_per_layer > allowed:
+        if kept_per_sequence > allowed:
             raise RuntimeError(
-                f"{self.policy.name} kept {kept_per_layer} tokens per sequence in layer {store.layer_index}, "
+                f"{self.policy.name} kept {kept_per_sequence} tokens per sequence in layer {store.layer_index}, "
                 f"over its budget of {allowed}"
             )
+        return counts
 
     # -- transformers' Cache API ---------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -363,19 +363,23 @@ class KVHiveCache(Cache):
 
     # -- accounting ----------------------------------------------------------------------------
     def kept_tokens(self) -> dict[int, torch.Tensor]:
-        """Stored tokens per layer as ``[B, H]`` (H = stored heads)."""
-        return {i: layer.lengths.clone() for i, layer in enumerate(self.layers) if layer.lengths is not None}
+        """Stored tokens per layer as ``[B, H]`` (H = stored heads), on the host."""
+        return {i: layer.lengths_host for i, layer in enumerate(self.layers) if layer.is_initialized}
 
     def mean_kept_per_head(self) -> float:
         """Tokens held per stored head, averaged over the compressed layers (0 before prefill)."""
-        lengths = [self.layers[i].lengths for i in self.compressed_layers if self.layers[i].lengths is not None]
+        lengths = [self.layers[i].lengths_host for i in self.compressed_layers if self.layers[i].is_initialized]
         if not lengths:
             return 0.0
         return float(torch.stack([length.float().mean() for length in lengths]).mean())
 
     def nbytes(self) -> int:
-        """Key/value bytes held by every layer (sliding layers included)."""
+        """Key/value bytes of the kept tokens of every layer (sliding layers included)."""
         return sum(layer.nbytes() for layer in self.layers)
+
+    def reserved_nbytes(self) -> int:
+        """Key/value bytes allocated (kept tokens plus each layer's append reserve)."""
+        return sum(layer.reserved_nbytes() for layer in self.layers)
 
     def metadata_nbytes(self) -> int:
         return sum(layer.metadata_nbytes() for layer in self.layers)
@@ -391,7 +395,7 @@ class KVHiveCache(Cache):
         """
         total = 0
         for layer in self.layers:
-            if layer.keys is None:
+            if not layer.is_initialized or layer.nbytes() == 0:
                 continue
             tokens = layer.tokens_seen
             if layer.is_sliding:
@@ -410,6 +414,7 @@ class KVHiveCache(Cache):
             "kept_tokens_total": int(sum(int(v.sum()) for v in kept.values())),
             "kept_tokens_per_layer": {str(i): v.tolist() for i, v in kept.items()},
             "cache_bytes": self.nbytes(),
+            "reserved_bytes": self.reserved_nbytes(),
             "metadata_bytes": self.metadata_nbytes(),
             "policy_state_bytes": self.policy_state_nbytes(),
             "full_cache_bytes": self.full_cache_nbytes(),

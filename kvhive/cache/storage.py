@@ -1,10 +1,21 @@
 """Per-layer key/value storage with a different number of tokens per head.
 
-Tokens are held in flat buffers ``keys[T, d]``, ``values[T, d]``, ``positions[T]`` sorted by
-segment (``segment = batch_index * H + head``) with ``lengths[B, H]`` tokens each. Nothing is
-padded: an evicted entry is gone (eviction builds new, smaller tensors), so the bytes held are
-exactly the kept tokens. When every head holds the same number of tokens, the flat buffers are
-viewed as ``[B, H, L, d]`` without a copy, which is the fast dense path.
+Two layouts, chosen by what the layer holds:
+
+* **dense** — every (batch, head) row holds the same number of tokens ``L``. Keys live in a
+  buffer ``[B, H, capacity, d]`` and the stored tokens are the slice ``[start, start + L)``,
+  so the dense view handed to attention is a strided view (no copy). Appending writes into the
+  slice's tail (O(new tokens)); the buffer grows geometrically when full and the oldest tokens
+  of a sliding layer are dropped by moving ``start`` (compacted when the tail is reached).
+* **packed** — rows hold different counts (head-wise budgets). Tokens live in flat buffers
+  ``[capacity, d]``: segment ``s = b * H + h`` occupies ``[segment_start[s],
+  segment_start[s] + length[s])`` of its reserved range. Nothing is padded to a common length;
+  each segment has a small reserve for decode appends, re-laid out when one is full.
+
+Lengths are mirrored on the host (they only change by appends, whose size the host knows,
+and by evictions, which report their counts once), so a decode step that evicts nothing reads
+nothing back from the device. ``nbytes()`` counts the kept tokens' payload exactly;
+``reserved_nbytes()`` the allocated buffers (kept tokens plus append reserve).
 """
 
 from __future__ import annotations
@@ -13,6 +24,15 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 POSITION_DTYPE = torch.int32
+# Append reserve: a buffer re-allocated for ``n`` tokens gets room for ``reserve(n)`` more, so
+# appends are amortised O(new tokens) while the over-allocation stays a small fraction.
+MIN_RESERVE_TOKENS = 64
+RESERVE_FRACTION = 16  # reserve n // 16 tokens on top of n
+SEGMENT_RESERVE_TOKENS = 32  # per packed segment
+
+
+def reserve(tokens: int) -> int:
+    return max(MIN_RESERVE_TOKENS, tokens // RESERVE_FRACTION)
 
 
 class LayerStore(CacheLayerMixin):
@@ -26,44 +46,58 @@ class LayerStore(CacheLayerMixin):
         self.layer_index = layer_index
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
-        self.positions: torch.Tensor | None = None
-        self.lengths: torch.Tensor | None = None
         self.tokens_seen = 0
         # Replication of each KV head when a policy stores one copy per query head.
         self.heads_per_kv_head = 1
-        self.token_scores: dict[str, torch.Tensor] = {}
         self.policy_state: dict = {}
         self.budget: int | None = None
         self.decode_steps_since_compression = 0
         self.rope_tokens_seen = 0
+        self._clear()
+
+    def _clear(self) -> None:
+        self.is_initialized = False
+        self._packed = False
+        # dense layout
+        self._key_buffer: torch.Tensor | None = None  # [B, H, C, d] (dense) or [C, d] (packed)
+        self._value_buffer: torch.Tensor | None = None
+        self._position_buffer: torch.Tensor | None = None  # [B, H, C] or [C]
+        self._score_buffers: dict[str, torch.Tensor] = {}
+        self._start = 0
+        self._length = 0
+        self._batch = 0
+        self._heads = 0
+        # packed layout (host mirrors + device copies)
+        self._segment_start_host: torch.Tensor | None = None  # int64 [S]
+        self._segment_length_host: torch.Tensor | None = None  # int64 [S]
+        self._segment_capacity_host: torch.Tensor | None = None  # int64 [S]
+        self._segment_start: torch.Tensor | None = None  # device int64 [S]
+        self._segment_length: torch.Tensor | None = None  # device int32 [S]
+        self._lengths_cache: torch.Tensor | None = None
 
     # -- transformers' CacheLayerMixin ---------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        batch, heads, _, head_dim = key_states.shape
-        self.keys = key_states.new_empty((0, head_dim))
-        self.values = value_states.new_empty((0, value_states.shape[-1]))
-        self.positions = torch.empty(0, dtype=POSITION_DTYPE, device=self.device)
-        self.lengths = torch.zeros(batch, heads, dtype=torch.long, device=self.device)
+        self._batch, self._heads = key_states.shape[0], key_states.shape[1]
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append the new tokens; returns the dense view (or the flat buffers when uneven)."""
+        """Append the new tokens; returns the dense view (or the flat buffers when packed)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.heads_per_kv_head > 1:
             key_states = key_states.repeat_interleave(self.heads_per_kv_head, dim=1)
             value_states = value_states.repeat_interleave(self.heads_per_kv_head, dim=1)
         new_tokens = key_states.shape[2]
-        new_positions = torch.arange(
-            self.tokens_seen, self.tokens_seen + new_tokens, dtype=POSITION_DTYPE, device=self.device
-        )
-        self._append(key_states, value_states, new_positions)
+        if self._packed:
+            self._append_packed(key_states, value_states, new_tokens)
+        else:
+            self._append_dense(key_states, value_states, new_tokens)
         self.tokens_seen += new_tokens
-        if self.is_uniform:
+        if not self._packed:
             view = self.dense()
             return view[0], view[1]
-        return self.keys.unsqueeze(0).unsqueeze(0), self.values.unsqueeze(0).unsqueeze(0)
+        return self._key_buffer.unsqueeze(0).unsqueeze(0), self._value_buffer.unsqueeze(0).unsqueeze(0)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # The mask always spans every original position; attention gathers it at kept tokens.
@@ -76,10 +110,8 @@ class LayerStore(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.keys = self.values = self.positions = self.lengths = None
-        self.is_initialized = False
+        self._clear()
         self.tokens_seen = 0
-        self.token_scores = {}
         self.policy_state = {}
         self.heads_per_kv_head = 1
         self.decode_steps_since_compression = 0
@@ -96,84 +128,189 @@ class LayerStore(CacheLayerMixin):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         raise NotImplementedError("selecting batch rows of a compressed cache is not supported")
 
-    # -- shape ---------------------------------------------------------------------------------
+    # -- shape (host-side: never reads the device) ---------------------------------------------
     @property
     def batch_size(self) -> int:
-        return int(self.lengths.shape[0]) if self.lengths is not None else -1
+        return self._batch if self.is_initialized else -1
 
     @property
     def num_heads(self) -> int:
-        return int(self.lengths.shape[1])
+        return self._heads
 
     @property
-    def num_stored(self) -> int:
-        return int(self.keys.shape[0]) if self.keys is not None else 0
+    def num_segments(self) -> int:
+        return self._batch * self._heads
 
     @property
     def is_uniform(self) -> bool:
-        if self.lengths is None or self.lengths.numel() == 0:
-            return True
-        return bool((self.lengths == self.lengths.reshape(-1)[0]).all())
+        """Every row holds the same number of tokens (the dense layout)."""
+        return not self._packed
 
+    @property
+    def num_stored(self) -> int:
+        if not self.is_initialized:
+            return 0
+        if self._packed:
+            return int(self._segment_length_host.sum())
+        return self.num_segments * self._length
+
+    @property
+    def dense_length(self) -> int:
+        """Tokens per row in the dense layout."""
+        if self._packed:
+            raise RuntimeError(f"layer {self.layer_index} is packed (rows hold different counts)")
+        return self._length
+
+    @property
+    def max_length(self) -> int:
+        """The longest row (host-side)."""
+        if self._packed:
+            return int(self._segment_length_host.max()) if self.num_segments else 0
+        return self._length
+
+    @property
+    def lengths_host(self) -> torch.Tensor:
+        """Stored tokens per row as a CPU ``[B, H]`` int64 tensor."""
+        if not self.is_initialized:
+            return torch.zeros(0, 0, dtype=torch.long)
+        if self._packed:
+            return self._segment_length_host.view(self._batch, self._heads).clone()
+        return torch.full((self._batch, self._heads), self._length, dtype=torch.long)
+
+    @property
+    def lengths(self) -> torch.Tensor | None:
+        """Stored tokens per row, ``[B, H]`` on the cache's device (made from the host mirror)."""
+        if not self.is_initialized:
+            return None
+        return self.lengths_host.to(self.device)
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the allocated buffers can hold (all rows together)."""
+        if self._key_buffer is None:
+            return 0
+        if self._packed:
+            return int(self._key_buffer.shape[0])
+        return self.num_segments * int(self._key_buffer.shape[2])
+
+    # -- dense layout ----------------------------------------------------------------------------
     def dense(self):
         """``(keys, values, positions, token_scores)`` viewed as ``[B, H, L, ...]`` (no copy)."""
-        if not self.is_uniform:
+        if self._packed:
             raise RuntimeError(
                 f"layer {self.layer_index} holds a different number of tokens per head; "
                 "no dense view exists (use the variable-length path)"
             )
-        b, h = self.lengths.shape
-        length = int(self.lengths.reshape(-1)[0]) if self.lengths.numel() else 0
-        keys = self.keys.view(b, h, length, self.keys.shape[-1])
-        values = self.values.view(b, h, length, self.values.shape[-1])
-        positions = self.positions.view(b, h, length)
-        scores = {name: score.view(b, h, length) for name, score in self.token_scores.items()}
-        return keys, values, positions, scores
+        if self._key_buffer is None:
+            raise RuntimeError(f"layer {self.layer_index} holds no tokens yet")
+        window = slice(self._start, self._start + self._length)
+        scores = {name: buffer[:, :, window] for name, buffer in self._score_buffers.items()}
+        return (self._key_buffer[:, :, window], self._value_buffer[:, :, window],
+                self._position_buffer[:, :, window], scores)
 
-    def segment_offsets(self) -> torch.Tensor:
-        """``[B*H + 1]`` start of each (batch, head) segment in the flat buffers."""
-        flat = self.lengths.reshape(-1)
-        return torch.cat([flat.new_zeros(1), flat.cumsum(0)])
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The allocated key and value buffers (dense: ``[B, H, capacity, d]``)."""
+        return self._key_buffer, self._value_buffer
 
-    # -- mutation ------------------------------------------------------------------------------
-    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor, new_positions: torch.Tensor) -> None:
-        b, h, new_tokens, _ = key_states.shape
-        if self.is_uniform:
-            old_keys, old_values, old_positions, old_scores = self.dense()
-            self.keys = torch.cat([old_keys, key_states], dim=2).reshape(-1, key_states.shape[-1])
-            self.values = torch.cat([old_values, value_states], dim=2).reshape(-1, value_states.shape[-1])
-            expanded = new_positions.expand(b, h, new_tokens)
-            self.positions = torch.cat([old_positions, expanded], dim=2).reshape(-1)
-            self.token_scores = {
-                name: torch.cat([score, score.new_zeros(b, h, new_tokens)], dim=2).reshape(-1)
-                for name, score in old_scores.items()
-            }
+    @property
+    def slice_start(self) -> int:
+        """Dense layout: index of the oldest stored token in every row of the buffers."""
+        return self._start
+
+    @property
+    def token_scores(self) -> dict[str, torch.Tensor]:
+        """Per-token float32 scores aligned with the stored tokens (``[B, H, L]`` views when
+        dense, flat ``[T]`` in segment order when packed)."""
+        if not self.is_initialized or self._key_buffer is None:
+            return {}
+        if self._packed:
+            index = self._stored_index()
+            return {name: buffer[index] for name, buffer in self._score_buffers.items()}
+        return self.dense()[3]
+
+    def set_token_scores(self, name: str, scores: torch.Tensor) -> None:
+        """Store per-token scores ``[B, H, L]`` (dense) aligned with the stored tokens."""
+        if self._packed:
+            raise RuntimeError(f"layer {self.layer_index} is packed; per-token scores need the dense layout")
+        buffer = self._score_buffers.get(name)
+        if buffer is None:
+            buffer = torch.zeros(self._key_buffer.shape[:3], dtype=torch.float32, device=self.device)
+            self._score_buffers[name] = buffer
+        target = buffer[:, :, self._start:self._start + self._length]
+        if scores.data_ptr() == target.data_ptr() and scores.stride() == target.stride():
+            return  # the policy handed back the stored view itself
+        target.copy_(scores.reshape(self._batch, self._heads, -1))
+
+    def _allocate_dense(self, capacity: int, head_dim: int, value_dim: int):
+        b, h = self._batch, self._heads
+        keys = torch.empty(b, h, capacity, head_dim, dtype=self.dtype, device=self.device)
+        values = torch.empty(b, h, capacity, value_dim, dtype=self.dtype, device=self.device)
+        positions = torch.empty(b, h, capacity, dtype=POSITION_DTYPE, device=self.device)
+        return keys, values, positions
+
+    def _move_dense(self, capacity: int) -> None:
+        """Copy the stored slice to the front of new (or the same, when it fits) buffers."""
+        window = slice(self._start, self._start + self._length)
+        same = capacity == self._key_buffer.shape[2]
+        if same:
+            # Overlapping ranges: stage through a copy (rare: only when a sliding slice reaches the end).
+            keys = self._key_buffer[:, :, window].clone()
+            values = self._value_buffer[:, :, window].clone()
+            positions = self._position_buffer[:, :, window].clone()
+            scores = {name: buffer[:, :, window].clone() for name, buffer in self._score_buffers.items()}
+            new_keys, new_values, new_positions = self._key_buffer, self._value_buffer, self._position_buffer
+            new_scores = self._score_buffers
         else:
-            # Scatter old and new tokens into a buffer where each segment grew by new_tokens.
-            flat_lengths = self.lengths.reshape(-1)
-            segments = torch.arange(flat_lengths.numel(), device=self.device)
-            old_segment_of_token = torch.repeat_interleave(segments, flat_lengths)
-            old_destination = torch.arange(self.num_stored, device=self.device) + old_segment_of_token * new_tokens
-            new_offsets = torch.cat([flat_lengths.new_zeros(1), (flat_lengths + new_tokens).cumsum(0)])
-            new_destination = (
-                new_offsets[:-1, None] + flat_lengths[:, None] + torch.arange(new_tokens, device=self.device)
-            ).reshape(-1)
-            total = self.num_stored + new_tokens * flat_lengths.numel()
+            keys, values = self._key_buffer[:, :, window], self._value_buffer[:, :, window]
+            positions = self._position_buffer[:, :, window]
+            scores = {name: buffer[:, :, window] for name, buffer in self._score_buffers.items()}
+            new_keys, new_values, new_positions = self._allocate_dense(
+                capacity, self._key_buffer.shape[-1], self._value_buffer.shape[-1])
+            new_scores = {name: torch.empty(new_keys.shape[:3], dtype=torch.float32, device=self.device)
+                          for name in self._score_buffers}
+        length = self._length
+        new_keys[:, :, :length].copy_(keys)
+        new_values[:, :, :length].copy_(values)
+        new_positions[:, :, :length].copy_(positions)
+        for name, score in scores.items():
+            new_scores[name][:, :, :length].copy_(score)
+        self._key_buffer, self._value_buffer, self._position_buffer = new_keys, new_values, new_positions
+        self._score_buffers = new_scores
+        self._start = 0
 
-            def merged(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-                out = old.new_empty((total, *old.shape[1:]))
-                out[old_destination] = old
-                out[new_destination] = new
-                return out
+    def _append_dense(self, key_states, value_states, new_tokens: int) -> None:
+        if self._key_buffer is None:
+            # First tokens (the prompt): exactly their size; a later append grows the buffer.
+            self._key_buffer, self._value_buffer, self._position_buffer = self._allocate_dense(
+                new_tokens, key_states.shape[-1], value_states.shape[-1])
+            self._start, self._length = 0, 0
+        end = self._start + self._length
+        if end + new_tokens > self._key_buffer.shape[2]:
+            needed = self._length + new_tokens
+            capacity = self._key_buffer.shape[2]
+            if needed + reserve(needed) // 2 > capacity:
+                # Grow geometrically; otherwise (a sliding slice reached the end) move it to the front.
+                capacity = needed + reserve(needed)
+            self._move_dense(capacity)
+            end = self._length
+        stop = end + new_tokens
+        self._key_buffer[:, :, end:stop].copy_(key_states)
+        self._value_buffer[:, :, end:stop].copy_(value_states)
+        self._position_buffer[:, :, end:stop].copy_(
+            torch.arange(self.tokens_seen, self.tokens_seen + new_tokens, dtype=POSITION_DTYPE, device=self.device))
+        for buffer in self._score_buffers.values():
+            buffer[:, :, end:stop].zero_()
+        self._length += new_tokens
 
-            self.keys = merged(self.keys, key_states.reshape(-1, key_states.shape[-1]))
-            self.values = merged(self.values, value_states.reshape(-1, value_states.shape[-1]))
-            self.positions = merged(self.positions, new_positions.repeat(b * h))
-            self.token_scores = {
-                name: merged(score, score.new_zeros(new_tokens * b * h))
-                for name, score in self.token_scores.items()
-            }
-        self.lengths = self.lengths + new_tokens
+    def drop_oldest(self, count: int) -> None:
+        """Forget the ``count`` oldest tokens of every row (dense layout: moves ``start``)."""
+        if count <= 0:
+            return
+        if self._packed:
+            raise RuntimeError("drop_oldest needs the dense layout")
+        count = min(count, self._length)
+        self._start += count
+        self._length -= count
 
     def expand_to_query_heads(self, heads_per_kv_head: int) -> None:
         """Store one copy of each KV head per query head of its group (Ada-KV on GQA/MQA)."""
@@ -182,59 +319,218 @@ class LayerStore(CacheLayerMixin):
         if self.heads_per_kv_head != 1:
             raise RuntimeError("heads were already expanded with a different factor")
         keys, values, positions, scores = self.dense()
-        self.keys = keys.repeat_interleave(heads_per_kv_head, dim=1).reshape(-1, keys.shape[-1])
-        self.values = values.repeat_interleave(heads_per_kv_head, dim=1).reshape(-1, values.shape[-1])
-        self.positions = positions.repeat_interleave(heads_per_kv_head, dim=1).reshape(-1)
-        self.token_scores = {n: s.repeat_interleave(heads_per_kv_head, dim=1).reshape(-1) for n, s in scores.items()}
-        self.lengths = self.lengths.repeat_interleave(heads_per_kv_head, dim=1)
+        self._heads *= heads_per_kv_head
+        self._key_buffer = keys.repeat_interleave(heads_per_kv_head, dim=1)
+        self._value_buffer = values.repeat_interleave(heads_per_kv_head, dim=1)
+        self._position_buffer = positions.repeat_interleave(heads_per_kv_head, dim=1)
+        self._score_buffers = {n: s.repeat_interleave(heads_per_kv_head, dim=1) for n, s in scores.items()}
+        self._start = 0
         self.heads_per_kv_head = heads_per_kv_head
 
-    def keep(self, keep_mask: torch.Tensor) -> None:
+    # -- eviction ----------------------------------------------------------------------------------
+    def keep(self, keep_mask: torch.Tensor, counts: torch.Tensor | None = None) -> None:
         """Drop every token whose entry in ``keep_mask`` is False and free it.
 
-        ``keep_mask`` is ``[B, H, L]`` over the dense view, or ``[T]`` over the flat buffers.
-        Rows may keep different counts; the store then becomes variable-length.
+        ``keep_mask`` is ``[B, H, L]`` over the dense view, or ``[T]`` over the stored tokens in
+        segment order (packed). ``counts`` (``[B, H]`` kept per row, on the host) saves reading
+        them back when the caller already has them. Rows may keep different counts; the layer is
+        then packed. Buffers are re-allocated when the kept tokens fill less than half of them,
+        so evicted memory is released.
         """
+        if keep_mask.dtype != torch.bool:
+            raise TypeError(f"a keep mask must be boolean, got {keep_mask.dtype}")
         if keep_mask.dim() == 3:
-            if keep_mask.shape != tuple(self.lengths.shape) + (int(self.lengths.reshape(-1)[0]),):
+            if self._packed or tuple(keep_mask.shape) != (self._batch, self._heads, self._length):
                 raise ValueError(f"keep mask shape {tuple(keep_mask.shape)} does not match the stored layout")
-            new_lengths = keep_mask.sum(dim=-1)
-            flat_mask = keep_mask.reshape(-1)
-        else:
-            if keep_mask.shape[0] != self.num_stored:
-                raise ValueError("flat keep mask must cover every stored token")
-            flat_mask = keep_mask
-            segment = torch.repeat_interleave(
-                torch.arange(self.lengths.numel(), device=self.device), self.lengths.reshape(-1)
-            )
-            new_lengths = torch.zeros_like(self.lengths.reshape(-1)).index_add_(
-                0, segment, flat_mask.long()
-            ).view_as(self.lengths)
-        if bool(flat_mask.all()):
+            if counts is None:
+                counts = keep_mask.sum(dim=-1).cpu()
+            counts = counts.reshape(self._batch, self._heads).long()
+            first = int(counts.reshape(-1)[0]) if counts.numel() else 0
+            if bool((counts == first).all()):
+                if first == self._length:
+                    return
+                self._compact_dense(keep_mask, first)
+            else:
+                self._pack(keep_mask.reshape(-1), counts.reshape(-1), dense_source=True)
             return
-        # Boolean indexing allocates new tensors, so the evicted entries' memory is released.
-        self.keys = self.keys[flat_mask]
-        self.values = self.values[flat_mask]
-        self.positions = self.positions[flat_mask]
-        self.token_scores = {name: score[flat_mask] for name, score in self.token_scores.items()}
-        self.lengths = new_lengths
+        if keep_mask.shape[0] != self.num_stored:
+            raise ValueError("flat keep mask must cover every stored token")
+        if counts is None:
+            segment = torch.repeat_interleave(
+                torch.arange(self.num_segments, device=self.device), self.lengths_host.reshape(-1).to(self.device),
+                output_size=keep_mask.shape[0])
+            counts = torch.zeros(self.num_segments, dtype=torch.long, device=self.device).index_add_(
+                0, segment, keep_mask.long()).cpu()
+        counts = counts.reshape(-1).long()
+        if not self._packed:
+            # Stored order is segment order: the dense view's mask is the same bits.
+            self.keep(keep_mask.view(self._batch, self._heads, self._length), counts)
+        else:
+            if torch.equal(counts, self._segment_length_host):
+                return
+            self._pack(keep_mask, counts, dense_source=False)
+
+    def _compact_dense(self, keep_mask: torch.Tensor, kept: int) -> None:
+        # Kept tokens in their stored (oldest first) order: a stable sort puts True first.
+        order = torch.argsort((~keep_mask).to(torch.int8), dim=-1, stable=True)[..., :kept]
+        keys, values, positions, scores = self.dense()
+        d, dv = keys.shape[-1], values.shape[-1]
+        gathered_keys = keys.gather(2, order[..., None].expand(-1, -1, -1, d))
+        gathered_values = values.gather(2, order[..., None].expand(-1, -1, -1, dv))
+        gathered_positions = positions.gather(2, order)
+        gathered_scores = {name: score.gather(2, order) for name, score in scores.items()}
+        capacity = self._key_buffer.shape[2]
+        if capacity > 2 * (kept + reserve(kept)):
+            # Release the evicted memory: new buffers sized to what is kept.
+            capacity = kept + reserve(kept)
+            self._key_buffer, self._value_buffer, self._position_buffer = self._allocate_dense(capacity, d, dv)
+            self._score_buffers = {name: torch.zeros(self._key_buffer.shape[:3], dtype=torch.float32,
+                                                     device=self.device) for name in scores}
+        self._key_buffer[:, :, :kept].copy_(gathered_keys)
+        self._value_buffer[:, :, :kept].copy_(gathered_values)
+        self._position_buffer[:, :, :kept].copy_(gathered_positions)
+        for name, score in gathered_scores.items():
+            self._score_buffers[name][:, :, :kept].copy_(score)
+        self._start, self._length = 0, kept
+
+    # -- packed layout -----------------------------------------------------------------------------
+    def _stored_index(self) -> torch.Tensor:
+        """Buffer index of every stored token, in segment order (``[T]`` on the device)."""
+        lengths = self._segment_length_host if self._packed else self.lengths_host.reshape(-1)
+        total = int(lengths.sum())
+        if self._packed:
+            starts = self._segment_start_host
+        else:
+            capacity = self._key_buffer.shape[2]
+            starts = torch.arange(self.num_segments, dtype=torch.long) * capacity + self._start
+        # token j of segment s sits at starts[s] + j = (starts[s] - offset[s]) + global index.
+        offsets = torch.cumsum(lengths, 0) - lengths
+        shift = (starts - offsets).to(self.device)
+        return torch.repeat_interleave(shift, lengths.to(self.device), output_size=total) + torch.arange(
+            total, device=self.device)
+
+    def _flat_buffers(self):
+        if self._packed:
+            return self._key_buffer, self._value_buffer, self._position_buffer, self._score_buffers
+        d, dv = self._key_buffer.shape[-1], self._value_buffer.shape[-1]
+        return (self._key_buffer.view(-1, d), self._value_buffer.view(-1, dv), self._position_buffer.view(-1),
+                {name: buffer.view(-1) for name, buffer in self._score_buffers.items()})
+
+    def _pack(self, flat_mask: torch.Tensor, counts: torch.Tensor, dense_source: bool) -> None:
+        """Re-lay the kept tokens (``flat_mask`` over stored tokens in segment order) out packed,
+        each segment with its own append reserve."""
+        source_index = self._stored_index()[flat_mask]
+        keys, values, positions, scores = self._flat_buffers()
+        self._set_packed(counts, keys, values, positions, scores, source_index)
+
+    def _set_packed(self, counts, keys, values, positions, scores, source_index) -> None:
+        counts = counts.reshape(-1).long().cpu()
+        capacities = counts + SEGMENT_RESERVE_TOKENS
+        starts = torch.cumsum(capacities, 0) - capacities
+        total = int(counts.sum())
+        offsets = torch.cumsum(counts, 0) - counts
+        destination = torch.repeat_interleave((starts - offsets).to(self.device), counts.to(self.device),
+                                              output_size=total) + torch.arange(total, device=self.device)
+        size = int(capacities.sum())
+        new_keys = keys.new_empty((size, keys.shape[-1]))
+        new_values = values.new_empty((size, values.shape[-1]))
+        new_positions = positions.new_zeros(size)
+        new_keys[destination] = keys[source_index]
+        new_values[destination] = values[source_index]
+        new_positions[destination] = positions[source_index]
+        new_scores = {}
+        for name, score in scores.items():
+            new_scores[name] = score.new_zeros(size)
+            new_scores[name][destination] = score[source_index]
+        self._key_buffer, self._value_buffer, self._position_buffer = new_keys, new_values, new_positions
+        self._score_buffers = new_scores
+        self._packed = True
+        self._segment_start_host, self._segment_length_host, self._segment_capacity_host = starts, counts, capacities
+        self._segment_start = starts.to(self.device)
+        self._segment_length = counts.to(device=self.device, dtype=torch.int32)
+        self._start, self._length = 0, 0
+
+    def _append_packed(self, key_states, value_states, new_tokens: int) -> None:
+        lengths = self._segment_length_host
+        if bool((lengths + new_tokens > self._segment_capacity_host).any()):
+            # One segment is full: re-lay every segment out with a fresh reserve (host-decided).
+            keys, values, positions, scores = self._flat_buffers()
+            self._set_packed(lengths.clone(), keys, values, positions, scores, self._stored_index())
+            lengths = self._segment_length_host
+        grow = torch.arange(new_tokens, device=self.device)
+        destination = ((self._segment_start + self._segment_length.long())[:, None] + grow).reshape(-1)
+        d, dv = key_states.shape[-1], value_states.shape[-1]
+        self._key_buffer.index_copy_(0, destination, key_states.reshape(-1, d))
+        self._value_buffer.index_copy_(0, destination, value_states.reshape(-1, dv))
+        new_positions = (grow + self.tokens_seen).to(POSITION_DTYPE).repeat(self.num_segments)
+        self._position_buffer.index_copy_(0, destination, new_positions)
+        for buffer in self._score_buffers.values():
+            buffer.index_fill_(0, destination, 0.0)
+        self._segment_length += new_tokens
+        self._segment_length_host = lengths + new_tokens
+
+    def packed(self):
+        """``(keys [C, d], values [C, dv], positions [C], segment_start [S] int64, segment_length
+        [S] int32, max_length)``: the flat layout read by the variable-length attention."""
+        if not self._packed:
+            raise RuntimeError(f"layer {self.layer_index} is dense")
+        return (self._key_buffer, self._value_buffer, self._position_buffer, self._segment_start,
+                self._segment_length, self.max_length)
+
+    def stored_positions(self) -> torch.Tensor:
+        """Original positions of the stored tokens (``[B, H, L]`` dense, ``[T]`` packed)."""
+        if self._packed:
+            return self._position_buffer[self._stored_index()]
+        return self.dense()[2]
+
+    def stored_flat_positions(self) -> torch.Tensor:
+        """Original positions of the stored tokens, ``[T]`` in segment order."""
+        _, _, positions, _ = self._flat_buffers()
+        return positions[self._stored_index()]
+
+    def stored_keys(self) -> torch.Tensor:
+        """Keys of the stored tokens, ``[T, d]`` in segment order (a copy)."""
+        keys, _, _, _ = self._flat_buffers()
+        return keys[self._stored_index()]
+
+    def stored_values(self) -> torch.Tensor:
+        """Values of the stored tokens, ``[T, dv]`` in segment order (a copy)."""
+        _, values, _, _ = self._flat_buffers()
+        return values[self._stored_index()]
+
+    def segment_offsets(self) -> torch.Tensor:
+        """``[B*H + 1]`` (host) start of each row in the segment order of ``stored_*``."""
+        flat = self.lengths_host.reshape(-1)
+        return torch.cat([flat.new_zeros(1), flat.cumsum(0)])
+
+    def set_keys(self, keys: torch.Tensor) -> None:
+        """Overwrite the stored keys (dense ``[B, H, L, d]``), e.g. after re-rotating them."""
+        self.dense()[0].copy_(keys)
 
     # -- accounting ----------------------------------------------------------------------------
     def nbytes(self) -> int:
-        """Bytes of the key/value payload held."""
-        if self.keys is None:
+        """Bytes of the kept tokens' key/value payload."""
+        if self._key_buffer is None:
             return 0
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        return self.num_stored * self.bytes_per_token()
+
+    def reserved_nbytes(self) -> int:
+        """Bytes of the allocated key/value buffers (kept tokens plus the append reserve)."""
+        if self._key_buffer is None:
+            return 0
+        return (self._key_buffer.numel() * self._key_buffer.element_size()
+                + self._value_buffer.numel() * self._value_buffer.element_size())
 
     def metadata_nbytes(self) -> int:
-        """Bytes of bookkeeping (positions, lengths, per-token scores)."""
-        if self.keys is None:
+        """Bytes of bookkeeping (positions, lengths, per-token scores) of the kept tokens."""
+        if self._key_buffer is None:
             return 0
-        total = self.positions.numel() * self.positions.element_size()
-        total += self.lengths.numel() * self.lengths.element_size()
-        total += sum(s.numel() * s.element_size() for s in self.token_scores.values())
+        per_token = self._position_buffer.element_size() + 4 * len(self._score_buffers)
+        total = self.num_stored * per_token
+        if self._packed:
+            total += self.num_segments * (8 + 4)
         return total
 
     def bytes_per_token(self) -> int:
         """Key + value bytes of one token in one stored head."""
-        return (self.keys.shape[-1] + self.values.shape[-1]) * self.keys.element_size()
+        return (self._key_buffer.shape[-1] + self._value_buffer.shape[-1]) * self._key_buffer.element_size()

@@ -66,7 +66,7 @@ class ScoringInputs:
     values: torch.Tensor
     queries: torch.Tensor
     positions: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None  # None: causal over original positions, no padding, no window in reach
     scaling: float
     layer_index: int
     num_layers: int
@@ -102,9 +102,24 @@ class ScoringInputs:
     def valid(self) -> torch.Tensor:
         """``[B, H, N]``: the key is a real token for the newest query (not padding)."""
         if "valid" not in self._memo:
-            last_row = self.mask[:, :, -1, :]
+            if self.mask is None:
+                last_row = torch.ones(1, 1, self.num_tokens, dtype=torch.bool, device=self.keys.device)
+            else:
+                last_row = self.mask[:, :, -1, :]
             self._memo["valid"] = last_row.expand(self.batch_size, self.num_heads, self.num_tokens)
         return self._memo["valid"]
+
+    def mask_rows(self, query_rows: slice, num_keys: int | None = None) -> torch.Tensor:
+        """Boolean mask ``[B, 1|H, rows, K]`` of the selected query rows over the first ``num_keys``
+        stored tokens. Without a model mask (no padding) it is causal over original positions,
+        built only for the rows asked for (a long prompt never materialises ``n x n``)."""
+        num_keys = self.num_tokens if num_keys is None else num_keys
+        if self.mask is not None:
+            return self.mask[:, :, query_rows, :num_keys]
+        start, stop, _ = query_rows.indices(self.num_queries)
+        query_positions = torch.arange(self.sequence_length - self.num_queries + start,
+                                       self.sequence_length - self.num_queries + stop, device=self.keys.device)
+        return self.positions[:, :, None, :num_keys] <= query_positions[None, None, :, None]
 
     def to_kv_heads(self, per_query_head: torch.Tensor) -> torch.Tensor:
         """Mean over the query heads of each group: ``[B, Hq, ...] -> [B, H, ...]`` (METHODS.md)."""
@@ -126,7 +141,7 @@ class ScoringInputs:
         grouped = queries.reshape(b, h, group, rows, d).reshape(b, h, group * rows, d)
         logits = torch.matmul(grouped, keys.transpose(-1, -2)) * (self.scaling * logit_multiplier)
         logits = logits.view(b, h, group, rows, num_keys)
-        mask = self.mask[:, :, query_rows, :num_keys].unsqueeze(2)
+        mask = self.mask_rows(query_rows, num_keys).unsqueeze(2)
         logits = logits.masked_fill(~mask, float("-inf"))
         weights = torch.softmax(logits, dim=-1).reshape(b, hq, rows, num_keys)
         # Rows that see no key at all (fully masked padding queries) give NaN; they carry no evidence.

@@ -154,7 +154,7 @@ def group_sum(per_query_head: torch.Tensor, num_heads: int) -> torch.Tensor:
     return per_query_head.reshape(b, num_heads, hq // num_heads, *per_query_head.shape[2:]).sum(dim=2)
 
 
-def prefill_accumulated_attention(queries: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scaling: float,
+def prefill_accumulated_attention(queries: torch.Tensor, keys: torch.Tensor, mask_rows, scaling: float,
                                   max_elements: int = 1 << 22) -> torch.Tensor:
     """Column sums ``[B, Hq, N]`` of the prefill attention (H2O's accumulated attention), chunked
     over query rows. Prefill is causal, so a chunk of rows ``[start, stop)`` only multiplies the
@@ -170,7 +170,7 @@ def prefill_accumulated_attention(queries: torch.Tensor, keys: torch.Tensor, mas
         stop = min(n, start + rows)
         chunk = queries[:, :, start:stop].reshape(b, h, group, stop - start, d)
         logits = torch.matmul(chunk, keys[:, :, None, :stop].transpose(-1, -2)).reshape(b, hq, stop - start, stop)
-        allowed = mask[:, :, start:stop, :stop]
+        allowed = mask_rows(slice(start, stop), stop)
         if allowed.shape[1] not in (1, hq):
             allowed = allowed.repeat_interleave(group, dim=1)
         logits = (logits * scaling).masked_fill(~allowed, float("-inf"))
@@ -214,7 +214,7 @@ class Buzz(Policy):
     # -- scores --------------------------------------------------------------------------------
     def initialize_decode(self, scoring: ScoringInputs, state: dict) -> None:
         if scoring.phase == PREFILL and scoring.num_queries == scoring.num_tokens:
-            accumulated = prefill_accumulated_attention(scoring.queries, scoring.keys, scoring.mask,
+            accumulated = prefill_accumulated_attention(scoring.queries, scoring.keys, scoring.mask_rows,
                                                         scoring.scaling)
         else:
             accumulated = scoring.accumulated_attention()

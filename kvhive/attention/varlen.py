@@ -1,0 +1,215 @@
+"""Attention over segments of different lengths (head-wise budgets), without padding storage.
+
+Layout (``kvhive.cache.storage``): segment ``s = b * H + h`` holds ``segment_length[s]`` tokens
+at ``keys[segment_start[s] : segment_start[s] + segment_length[s]]``. Each segment is attended by
+``R = group * q`` query rows (the query heads of its group, times the new tokens).
+
+Two implementations of one function:
+
+* CUDA: a Triton split-K kernel in the style of flash-decoding. Program ``(s, j)`` reads only
+  the ``j``-th chunk of segment ``s`` (work proportional to the kept tokens; programs past a
+  short segment's end return at once) and keeps a running max / sum / weighted value in
+  registers; a second kernel merges the chunks by log-sum-exp. No host synchronisation: the
+  grid is sized from the host's mirror of the longest segment.
+* everywhere else: a vectorised torch version over fixed-size blocks of each segment (one
+  batched matmul per step, segment softmax by ``scatter_reduce``/``index_add``), which works
+  in every dtype on every device and is the reference for the kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:  # Triton ships with CUDA builds of PyTorch; CPU builds may lack it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the installation
+    triton = None
+    tl = None
+
+TORCH_BLOCK = 64
+
+
+def _segment_table(segment_start, segment_length_host, block):
+    """Blocks of every segment: ``(segment_of_block [NB], token_index [NB, block], in_segment [NB, block])``."""
+    device = segment_start.device
+    blocks_per_segment = (segment_length_host + block - 1) // block
+    total_blocks = int(blocks_per_segment.sum())
+    segments = torch.arange(segment_length_host.numel(), device=device)
+    counts = blocks_per_segment.to(device)
+    segment_of_block = torch.repeat_interleave(segments, counts, output_size=total_blocks)
+    first_block = torch.cumsum(counts, 0) - counts
+    block_in_segment = torch.arange(total_blocks, device=device) - first_block[segment_of_block]
+    offset = block_in_segment[:, None] * block + torch.arange(block, device=device)[None, :]
+    lengths = segment_length_host.to(device)
+    in_segment = offset < lengths[segment_of_block][:, None]
+    token_index = segment_start[segment_of_block][:, None] + torch.where(in_segment, offset, 0)
+    return segment_of_block, token_index, in_segment
+
+
+def varlen_attention_torch(query_rows, keys, values, segment_start, segment_length_host, scaling,
+                           positions=None, mask=None, heads=1, num_queries=1, block=TORCH_BLOCK):
+    """Reference/CPU path. ``query_rows [S, R, d]`` → ``[S, R, dv]``.
+
+    ``mask`` (optional) is the model's boolean mask ``[B, q, N]`` over original positions; row
+    ``r`` of a segment is query ``r % num_queries`` and is masked at the stored tokens'
+    ``positions``.
+    """
+    num_segments, rows, _ = query_rows.shape
+    segment_of_block, token_index, in_segment = _segment_table(segment_start, segment_length_host.reshape(-1), block)
+    block_keys = keys[token_index]  # [NB, block, d]
+    block_values = values[token_index]
+    block_queries = query_rows[segment_of_block]  # [NB, R, d]
+    logits = torch.matmul(block_queries, block_keys.transpose(1, 2)).float() * scaling  # [NB, R, block]
+    allowed = in_segment[:, None, :]
+    if mask is not None:
+        batch_of_block = segment_of_block // heads
+        query_index = torch.arange(rows, device=mask.device) % num_queries
+        stored_positions = positions[token_index].long()  # [NB, block]
+        allowed = allowed & mask[batch_of_block[:, None, None], query_index[None, :, None], stored_positions[:, None, :]]
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    block_max = logits.amax(dim=-1)  # [NB, R]
+    segment_max = torch.full((num_segments, rows), float("-inf"), device=logits.device)
+    segment_max = segment_max.scatter_reduce(0, segment_of_block[:, None].expand(-1, rows), block_max, "amax")
+    # A row that may see no key at all (only possible for masked prompt rows) stays finite.
+    segment_max = torch.where(torch.isfinite(segment_max), segment_max, torch.zeros_like(segment_max))
+    weights = torch.exp(logits - segment_max[segment_of_block][:, :, None])
+    denominator = torch.zeros(num_segments, rows, device=logits.device).index_add_(0, segment_of_block, weights.sum(-1))
+    partial = torch.matmul(weights.to(values.dtype), block_values).float()  # [NB, R, dv]
+    numerator = torch.zeros(num_segments, rows, values.shape[-1], device=logits.device)
+    numerator.index_add_(0, segment_of_block, partial)
+    return (numerator / denominator[:, :, None]).to(query_rows.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _split_kernel(query_ptr, key_ptr, value_ptr, start_ptr, length_ptr, part_out_ptr, part_max_ptr,
+                      part_sum_ptr, scaling, rows, chunk, num_splits, uniform_stride, uniform_start,
+                      uniform_length, stride_qs, stride_qr, stride_k, stride_v,
+                      UNIFORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr):
+        segment = tl.program_id(0)
+        split = tl.program_id(1)
+        if UNIFORM:
+            start = segment.to(tl.int64) * uniform_stride + uniform_start
+            length = uniform_length
+        else:
+            start = tl.load(start_ptr + segment)
+            length = tl.load(length_ptr + segment)
+        low = split * chunk
+        high = tl.minimum(low + chunk, length)
+        row = tl.arange(0, BLOCK_R)
+        dim = tl.arange(0, HEAD_DIM)
+        vdim = tl.arange(0, VALUE_DIM)
+        row_ok = row < rows
+        query = tl.load(query_ptr + segment.to(tl.int64) * stride_qs + row[:, None] * stride_qr + dim[None, :],
+                        mask=row_ok[:, None], other=0.0)
+        running_max = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+        running_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
+        accumulator = tl.zeros([BLOCK_R, VALUE_DIM], dtype=tl.float32)
+        token = tl.arange(0, BLOCK_N)
+        for first in range(low, high, BLOCK_N):
+            index = first + token
+            valid = index < high
+            address = start + index.to(tl.int64)
+            key = tl.load(key_ptr + address[:, None] * stride_k + dim[None, :], mask=valid[:, None], other=0.0)
+            logits = tl.dot(query, tl.trans(key)) * scaling
+            logits = tl.where(valid[None, :], logits, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(logits, 1))
+            correction = tl.exp(running_max - new_max)
+            weights = tl.exp(logits - new_max[:, None])
+            running_sum = running_sum * correction + tl.sum(weights, 1)
+            value = tl.load(value_ptr + address[:, None] * stride_v + vdim[None, :], mask=valid[:, None], other=0.0)
+            accumulator = accumulator * correction[:, None] + tl.dot(weights.to(value.dtype), value)
+            running_max = new_max
+        part = (segment * num_splits + split).to(tl.int64)
+        tl.store(part_max_ptr + part * BLOCK_R + row, running_max)
+        tl.store(part_sum_ptr + part * BLOCK_R + row, running_sum)
+        tl.store(part_out_ptr + (part * BLOCK_R + row[:, None]) * VALUE_DIM + vdim[None, :], accumulator)
+
+    @triton.jit
+    def _merge_kernel(part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, rows, num_splits, stride_os, stride_or,
+                      BLOCK_R: tl.constexpr, VALUE_DIM: tl.constexpr):
+        segment = tl.program_id(0)
+        row = tl.arange(0, BLOCK_R)
+        vdim = tl.arange(0, VALUE_DIM)
+        base = segment.to(tl.int64) * num_splits
+        overall = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+        for split in range(0, num_splits):
+            overall = tl.maximum(overall, tl.load(part_max_ptr + (base + split) * BLOCK_R + row))
+        overall = tl.where(overall == float("-inf"), 0.0, overall)
+        total = tl.zeros([BLOCK_R], dtype=tl.float32)
+        accumulator = tl.zeros([BLOCK_R, VALUE_DIM], dtype=tl.float32)
+        for split in range(0, num_splits):
+            part = base + split
+            weight = tl.exp(tl.load(part_max_ptr + part * BLOCK_R + row) - overall)
+            total += tl.load(part_sum_ptr + part * BLOCK_R + row) * weight
+            accumulator += tl.load(part_out_ptr + (part * BLOCK_R + row[:, None]) * VALUE_DIM + vdim[None, :]) * weight[:, None]
+        result = accumulator / total[:, None]
+        tl.store(out_ptr + segment.to(tl.int64) * stride_os + row[:, None] * stride_or + vdim[None, :],
+                 result.to(out_ptr.dtype.element_ty), mask=(row < rows)[:, None])
+
+
+_SM_COUNT: dict[int, int] = {}
+KERNEL_BLOCK = 64
+
+
+def kernel_supports(query_rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether the Triton kernel handles these shapes and dtypes."""
+    if triton is None or not query_rows.is_cuda:
+        return False
+    d, dv = keys.shape[-1], values.shape[-1]
+    power_of_two = lambda n: n >= 16 and n & (n - 1) == 0  # noqa: E731
+    return (power_of_two(d) and power_of_two(dv) and d <= 256 and dv <= 256 and query_rows.shape[1] <= 64
+            and query_rows.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and keys.stride(-1) == 1 and values.stride(-1) == 1 and query_rows.stride(-1) == 1)
+
+
+def varlen_attention_kernel(query_rows, keys, values, scaling, max_length, *, segment_start=None,
+                            segment_length=None, uniform=None):
+    """Triton path (CUDA). ``uniform = (stride, start, length)`` reads segment ``s`` at
+    ``s * stride + start`` with ``length`` tokens each (a dense buffer's slice) instead of the
+    per-segment tensors. ``keys``/``values`` are 2-D ``[C, d]`` row views."""
+    num_segments, rows, _ = query_rows.shape
+    device = query_rows.device
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    block_r = max(16, triton.next_power_of_2(rows))
+    # Enough programs to fill the GPU a few times over; each chunk a whole number of blocks.
+    max_blocks = max(1, math.ceil(max_length / KERNEL_BLOCK))
+    num_splits = max(1, min(max_blocks, math.ceil(4 * _SM_COUNT[index] / max(1, num_segments))))
+    chunk = math.ceil(max_blocks / num_splits) * KERNEL_BLOCK
+    num_splits = max(1, math.ceil(max_length / chunk))
+    value_dim = values.shape[-1]
+    part_out = torch.empty(num_segments * num_splits * block_r * value_dim, device=device, dtype=torch.float32)
+    part_max = torch.empty(num_segments * num_splits * block_r, device=device, dtype=torch.float32)
+    part_sum = torch.empty_like(part_max)
+    output = torch.empty(num_segments, rows, value_dim, device=device, dtype=query_rows.dtype)
+    if uniform is not None:
+        stride, start, length = uniform
+        start_tensor = length_tensor = part_max  # unused
+    else:
+        stride = start = length = 0
+        start_tensor, length_tensor = segment_start, segment_length
+    _split_kernel[(num_segments, num_splits)](
+        query_rows, keys, values, start_tensor, length_tensor, part_out, part_max, part_sum, scaling, rows,
+        chunk, num_splits, stride, start, length, query_rows.stride(0), query_rows.stride(1), keys.stride(0),
+        values.stride(0), UNIFORM=uniform is not None, BLOCK_R=block_r, BLOCK_N=KERNEL_BLOCK,
+        HEAD_DIM=keys.shape[-1], VALUE_DIM=value_dim, num_warps=4, num_stages=2)
+    _merge_kernel[(num_segments,)](part_out, part_max, part_sum, output, rows, num_splits, output.stride(0),
+                                   output.stride(1), BLOCK_R=block_r, VALUE_DIM=value_dim, num_warps=4)
+    return output
+
+
+def varlen_attention(query_rows, keys, values, segment_start, segment_length, segment_length_host, max_length,
+                     scaling, positions=None, mask=None, heads=1, num_queries=1):
+    """``[S, R, d]`` query rows attending their own segment → ``[S, R, dv]`` (see module doc)."""
+    if mask is None and kernel_supports(query_rows, keys, values):
+        return varlen_attention_kernel(query_rows, keys, values, scaling, max_length,
+                                       segment_start=segment_start, segment_length=segment_length)
+    return varlen_attention_torch(query_rows, keys, values, segment_start, segment_length_host, scaling,
+                                  positions=positions, mask=mask, heads=heads, num_queries=num_queries)
