@@ -36,10 +36,11 @@ def _segment_table(segment_start, segment_length_host, block):
     """Blocks of every segment: ``(segment_of_block [NB], token_index [NB, block], in_segment [NB, block])``."""
     device = segment_start.device
     blocks_per_segment = (segment_length_host + block - 1) // block
-    total_blocks = int(blocks_per_segment.sum())
     segments = torch.arange(segment_length_host.numel(), device=device)
     counts = blocks_per_segment.to(device)
-    segment_of_block = torch.repeat_interleave(segments, counts, output_size=total_blocks)
+    # This path runs where the lengths live on the host (CPU), so the size is no device read.
+    segment_of_block = torch.repeat_interleave(segments, counts)
+    total_blocks = segment_of_block.numel()
     first_block = torch.cumsum(counts, 0) - counts
     block_in_segment = torch.arange(total_blocks, device=device) - first_block[segment_of_block]
     offset = block_in_segment[:, None] * block + torch.arange(block, device=device)[None, :]

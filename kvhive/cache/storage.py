@@ -165,7 +165,7 @@ class LayerStore(CacheLayerMixin):
     def max_length(self) -> int:
         """The longest row (host-side)."""
         if self._packed:
-            return int(self._segment_length_host.max()) if self.num_segments else 0
+            return self._packed_max_length
         return self._length
 
     @property
@@ -449,14 +449,17 @@ class LayerStore(CacheLayerMixin):
         self._segment_start = starts.to(self.device)
         self._segment_length = counts.to(device=self.device, dtype=torch.int32)
         self._start, self._length = 0, 0
+        # Host-side ints, so a decode append decides without touching any tensor.
+        self._packed_max_length = int(counts.max()) if counts.numel() else 0
+        self._packed_headroom = SEGMENT_RESERVE_TOKENS
 
     def _append_packed(self, key_states, value_states, new_tokens: int) -> None:
-        lengths = self._segment_length_host
-        if bool((lengths + new_tokens > self._segment_capacity_host).any()):
-            # One segment is full: re-lay every segment out with a fresh reserve (host-decided).
+        if new_tokens > self._packed_headroom:
+            # A segment is full: re-lay every segment out with a fresh reserve (host-decided).
             keys, values, positions, scores = self._flat_buffers()
-            self._set_packed(lengths.clone(), keys, values, positions, scores, self._stored_index())
-            lengths = self._segment_length_host
+            self._set_packed(self._segment_length_host.clone(), keys, values, positions, scores,
+                             self._stored_index())
+        lengths = self._segment_length_host
         grow = torch.arange(new_tokens, device=self.device)
         destination = ((self._segment_start + self._segment_length.long())[:, None] + grow).reshape(-1)
         d, dv = key_states.shape[-1], value_states.shape[-1]
@@ -468,6 +471,8 @@ class LayerStore(CacheLayerMixin):
             buffer.index_fill_(0, destination, 0.0)
         self._segment_length += new_tokens
         self._segment_length_host = lengths + new_tokens
+        self._packed_headroom -= new_tokens
+        self._packed_max_length += new_tokens
 
     def packed(self):
         """``(keys [C, d], values [C, dv], positions [C], segment_start [S] int64, segment_length
