@@ -96,9 +96,9 @@ def make(model, config: str, budget: float):
     import kvhive
 
     config, _, dense_decode = config.partition("@")
-    try:  # "snapkv@sdpa": dense decode through sdpa instead of kvhive's kernel (this kvhive only)
+    try:  # "snapkv@kernel": dense decode through kvhive's Triton kernel instead of sdpa
         from kvhive.attention import integration
-        integration.DENSE_DECODE = dense_decode or os.environ.get("KVHIVE_DENSE_DECODE", "kernel")
+        integration.DENSE_DECODE = dense_decode or os.environ.get("KVHIVE_DENSE_DECODE", "sdpa")
     except ImportError:
         pass
     if config == "full":
@@ -183,8 +183,8 @@ def main(argv=None) -> None:
     parser.add_argument("--budget", type=float, default=0.1, help="ratio of the prompt kept")
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--configs", default="stock-cudnn-on,stock-cudnn-off,full,snapkv,ada-snapkv,pyramidkv,"
-                                             "tova,knorm,streamingllm")
+    parser.add_argument("--configs", default="stock-cudnn-on,stock-cudnn-off,full,full@kernel,snapkv,snapkv@kernel,"
+                                             "ada-snapkv,pyramidkv,tova,knorm,streamingllm")
     parser.add_argument("--profile", default="", help="comma-separated configs to profile")
     parser.add_argument("--varlen", action="store_true", help="also time variable-length vs dense attention")
     parser.add_argument("--label", default="kvhive")

@@ -33,8 +33,10 @@ ATTENTION_NAME = "kvhive"
 # kvhive picks its own sdpa backends: cuDNN's sdpa re-plans for every new key length (milliseconds
 # of host time per call on torch 2.11 / H100), so a decode step would depend on it.
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-# Dense decode attention on CUDA: "kernel" (kvhive's split-K Triton kernel) or "sdpa".
-DENSE_DECODE = os.environ.get("KVHIVE_DENSE_DECODE", "kernel")
+# Dense decode attention on CUDA: "sdpa" (flash / memory-efficient, cuDNN excluded) or "kernel"
+# (kvhive's split-K Triton kernel over the buffer's slice). sdpa stays the default until the
+# kernel has been timed against it on a GPU (benchmarks/bench_gpu.py runs both: "snapkv@kernel").
+DENSE_DECODE = os.environ.get("KVHIVE_DENSE_DECODE", "sdpa")
 
 
 def _backends(device: torch.device):

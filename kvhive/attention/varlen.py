@@ -158,6 +158,16 @@ _SM_COUNT: dict[int, int] = {}
 KERNEL_BLOCK = 64
 
 
+def _target_programs(device: torch.device) -> int:
+    """Programs to launch: four per multiprocessor on CUDA (a few for Triton's CPU interpreter)."""
+    if device.type != "cuda":
+        return 16
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return 4 * _SM_COUNT[index]
+
+
 def kernel_supports(query_rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
     """Whether the Triton kernel handles these shapes and dtypes."""
     if triton is None or not query_rows.is_cuda:
@@ -176,13 +186,10 @@ def varlen_attention_kernel(query_rows, keys, values, scaling, max_length, *, se
     per-segment tensors. ``keys``/``values`` are 2-D ``[C, d]`` row views."""
     num_segments, rows, _ = query_rows.shape
     device = query_rows.device
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
     block_r = max(16, triton.next_power_of_2(rows))
     # Enough programs to fill the GPU a few times over; each chunk a whole number of blocks.
     max_blocks = max(1, math.ceil(max_length / KERNEL_BLOCK))
-    num_splits = max(1, min(max_blocks, math.ceil(4 * _SM_COUNT[index] / max(1, num_segments))))
+    num_splits = max(1, min(max_blocks, math.ceil(_target_programs(device) / max(1, num_segments))))
     chunk = math.ceil(max_blocks / num_splits) * KERNEL_BLOCK
     num_splits = max(1, math.ceil(max_length / chunk))
     value_dim = values.shape[-1]

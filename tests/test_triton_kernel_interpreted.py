@@ -1,0 +1,32 @@
+"""kvhive's Triton split-K decode kernel, run on CPU through Triton's interpreter.
+
+CI has no GPU; the interpreter executes the kernel's program logic (segment bounds, split-K
+chunking, the running max/sum rescaling, the log-sum-exp merge, uniform slice addressing) on
+CPU tensors, so a wrong index or merge fails here. The GPU test in
+``test_dtypes_and_decode_path.py`` covers bf16 and the compiled kernel where a GPU exists.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton", reason="triton is a test dependency (pip install -e '.[test]')")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kernel_matches_float64_reference_in_the_interpreter(seed):
+    environment = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = Path(__file__).resolve().parents[1]
+    environment["PYTHONPATH"] = os.pathsep.join([str(root), environment.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, str(Path(__file__).with_name("triton_kernel_check.py")), str(seed)],
+                            capture_output=True, text=True, env=environment, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    errors = json.loads(result.stdout.strip().splitlines()[-1])
+    assert set(errors) == {"segments-torch.float32", "segments-torch.float16", "uniform-float32"}
+    assert errors["segments-torch.float32"] <= 1e-5
+    assert errors["uniform-float32"] <= 1e-5
+    assert errors["segments-torch.float16"] <= 2e-3

@@ -1,0 +1,55 @@
+"""Run kvhive's Triton decode kernel in Triton's CPU interpreter (``TRITON_INTERPRET=1`` must be
+set before this module imports triton) against a float64 per-segment reference; prints JSON
+``{case: relative error}``. Used by ``test_triton_kernel_interpreted.py``.
+
+bf16 is left out here: the interpreter computes ``tl.dot`` on bf16 operands wrongly (numpy has
+no bf16; a plain bf16 16x16 product already differs by 1e10), so bf16 can only be checked on a
+GPU (``test_dtypes_and_decode_path.py::test_triton_varlen_kernel_matches_reference``).
+"""
+
+import json
+import sys
+
+import torch
+
+from kvhive.attention.varlen import varlen_attention_kernel
+
+
+def relative(actual, expected):
+    return float((actual.double() - expected).norm() / expected.norm())
+
+
+def main():
+    generator = torch.Generator().manual_seed(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
+    errors = {}
+    lengths = [1, 63, 64, 65, 300, 3, 700, 128]
+    dim = 32
+    starts = torch.tensor([sum(lengths[:i]) + 7 * i for i in range(len(lengths))])
+    capacity = sum(lengths) + 7 * len(lengths)
+    for dtype in (torch.float32, torch.float16):
+        keys = torch.randn(capacity, dim, generator=generator).to(dtype)
+        values = torch.randn(capacity, dim, generator=generator).to(dtype)
+        rows = torch.randn(len(lengths), 4, dim, generator=generator).to(dtype)
+        expected = []
+        for s, length in enumerate(lengths):
+            k = keys[starts[s]: starts[s] + length].double()
+            v = values[starts[s]: starts[s] + length].double()
+            expected.append(torch.softmax(rows[s].double() @ k.T * 0.2, -1) @ v)
+        output = varlen_attention_kernel(rows, keys, values, 0.2, max(lengths), segment_start=starts,
+                                         segment_length=torch.tensor(lengths, dtype=torch.int32))
+        errors[f"segments-{dtype}"] = relative(output, torch.stack(expected))
+    # A dense buffer's slice [start, start + length) of every row, read in place.
+    batch, heads, capacity, length, start = 2, 3, 50, 37, 5
+    keys = torch.randn(batch, heads, capacity, dim, generator=generator)
+    values = torch.randn(batch, heads, capacity, dim, generator=generator)
+    rows = torch.randn(batch * heads, 2, dim, generator=generator)
+    output = varlen_attention_kernel(rows, keys.view(-1, dim), values.view(-1, dim), 0.3, length,
+                                     uniform=(capacity, start, length))
+    k = keys[:, :, start:start + length].reshape(batch * heads, length, dim).double()
+    v = values[:, :, start:start + length].reshape(batch * heads, length, dim).double()
+    errors["uniform-float32"] = relative(output, torch.softmax(rows.double() @ k.transpose(1, 2) * 0.3, -1) @ v)
+    print(json.dumps(errors))
+
+
+if __name__ == "__main__":
+    main()
