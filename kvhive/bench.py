@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from kvhive.api import make_cache
 
 SHAPES = ("embedded", "kv-heavy", "llama3-8b")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def peak_rss_bytes() -> int:
@@ -76,14 +77,14 @@ def _timed_run(model, input_ids, method: str, budget, decode_tokens: int, method
 def run_benchmark(shape: str = "kv-heavy", method: str = "snapkv", budget: int | float | str = 0.1,
                   context: int = 8192, decode_tokens: int = 32, batch_size: int = 1, repeats: int = 1,
                   num_layers: int | None = None, device: str = "cpu", method_parameters: dict | None = None,
-                  ) -> dict[str, Any]:
+                  dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """Benchmark ``method`` against an uncompressed cache; returns a dict of numbers."""
     if isinstance(context, bool) or not isinstance(context, int) or context < 2:
         raise ValueError(f"invalid context={context!r}: expected an integer >= 2 (prompt tokens)")
     if isinstance(decode_tokens, bool) or not isinstance(decode_tokens, int) or decode_tokens < 0:
         raise ValueError(f"invalid decode_tokens={decode_tokens!r}: expected an integer >= 0")
     method_parameters = method_parameters or {}
-    model = load_shape(shape, num_layers, device)
+    model = load_shape(shape, num_layers, device, dtype=dtype)
     limit = model.config.get_text_config().max_position_embeddings
     if context + decode_tokens > limit:
         raise ValueError(f"invalid context={context}: context + decode tokens exceed the model's {limit} positions")
@@ -120,7 +121,9 @@ def run_benchmark(shape: str = "kv-heavy", method: str = "snapkv", budget: int |
         "prefill_ratio": compressed_prefill / prefill,
         "decode_ms_per_token_full": 1e3 * statistics.median(full_steps) if full_steps else None,
         "decode_ms_per_token": 1e3 * statistics.median(method_steps) if method_steps else None,
+        "dtype": str(dtype).removeprefix("torch."),
         "cache_bytes": cache.nbytes(),
+        "reserved_bytes": cache.reserved_nbytes(),
         "metadata_bytes": cache.metadata_nbytes(),
         "full_cache_bytes": full_bytes,
         "cache_fraction": cache.nbytes() / full_bytes if full_bytes else None,
@@ -137,7 +140,7 @@ def run_benchmark(shape: str = "kv-heavy", method: str = "snapkv", budget: int |
 def variable_length_attention_benchmark(context: int = 8192, kv_heads: int = 8, group_size: int = 2,
                                         head_dim: int = 128, batch_size: int = 1, spread: float = 0.5,
                                         repeats: int = 20, device: str = "cpu", seed: int = 0,
-                                        dtype: torch.dtype | None = None) -> dict[str, Any]:
+                                        dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """Decode attention over heads holding different token counts (mean ``context``, counts
     uniform in ``context·(1 ± spread)``) vs dense sdpa over ``context`` tokens per head."""
     from kvhive.attention.integration import _decode_variable_length
@@ -151,7 +154,6 @@ def variable_length_attention_benchmark(context: int = 8192, kv_heads: int = 8, 
     total = int(lengths.sum())
     longest = int(lengths.max())
     store = LayerStore(0)
-    dtype = torch.float32 if dtype is None else dtype
     store.update(torch.randn(batch_size, kv_heads, longest, head_dim, generator=generator).to(device, dtype),
                  torch.randn(batch_size, kv_heads, longest, head_dim, generator=generator).to(device, dtype))
     keep = torch.arange(longest)[None, :] < lengths[:, None]
@@ -188,5 +190,5 @@ def variable_length_attention_benchmark(context: int = 8192, kv_heads: int = 8, 
         "context": context, "kv_heads": kv_heads, "group_size": group_size, "head_dim": head_dim,
         "batch_size": batch_size, "min_length": int(lengths.min()), "max_length": int(lengths.max()),
         "variable_length_ms": variable_ms, "dense_sdpa_ms": dense_ms, "slowdown": variable_ms / dense_ms,
-        "device": device,
+        "device": device, "dtype": str(dtype).removeprefix("torch."),
     }

@@ -72,12 +72,14 @@ def command_bench(args: argparse.Namespace) -> int:
     from kvhive import bench
 
     if args.varlen:
-        result = bench.variable_length_attention_benchmark(context=args.context, device=args.device)
+        result = bench.variable_length_attention_benchmark(context=args.context, device=args.device,
+                                                           batch_size=args.batch_size, dtype=bench.DTYPES[args.dtype])
     else:
         result = bench.run_benchmark(
             shape=args.shape, method=args.method, budget=args.budget, context=args.context,
             decode_tokens=args.decode_tokens, batch_size=args.batch_size, repeats=args.repeats,
             num_layers=args.num_layers, device=args.device, method_parameters=_method_parameters(args.param),
+            dtype=bench.DTYPES[args.dtype],
         )
     if args.json:
         print(json.dumps(result, indent=2))
@@ -121,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch-size", type=int, default=1)
     bench.add_argument("--repeats", type=int, default=1)
     bench.add_argument("--num-layers", type=int, default=None)
-    bench.add_argument("--device", default="cpu")
+    bench.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    bench.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     bench.add_argument("--param", action="append", metavar="NAME=VALUE")
     bench.add_argument("--varlen", action="store_true",
                        help="instead: variable-length decode attention vs dense sdpa at equal total length")
