@@ -60,8 +60,9 @@ def varlen_attention_torch(query_rows, keys, values, segment_start, segment_leng
     """
     num_segments, rows, _ = query_rows.shape
     segment_of_block, token_index, in_segment = _segment_table(segment_start, segment_length_host.reshape(-1), block)
-    block_keys = keys[token_index]  # [NB, block, d]
-    block_values = values[token_index]
+    flat_index = token_index.reshape(-1)  # index_select copies whole rows (much faster than keys[index])
+    block_keys = keys.index_select(0, flat_index).view(*token_index.shape, keys.shape[-1])  # [NB, block, d]
+    block_values = values.index_select(0, flat_index).view(*token_index.shape, values.shape[-1])
     block_queries = query_rows[segment_of_block]  # [NB, R, d]
     logits = torch.matmul(block_queries, block_keys.transpose(1, 2)).float() * scaling  # [NB, R, block]
     allowed = in_segment[:, None, :]
