@@ -75,7 +75,7 @@ def make_cache(model, method: str | Policy = "full", budget: int | float | str |
 
 def changes_prefill_attention(policy: Policy) -> bool:
     """Whether a method alters the model's attention (so its prefill cannot be shared)."""
-    return type(policy).logit_scale is not Policy.logit_scale
+    return policy.changes_attention_logits
 
 
 def shared_prefill(model, input_ids, caches: list[KVHiveCache]):

@@ -19,6 +19,26 @@ def relative(actual, expected):
     return float((actual.double() - expected).norm() / expected.norm())
 
 
+def dense_layer_error(generator):
+    """The attention's dense-decode glue: a real sliding LayerStore whose stored slice starts
+    past the buffer's front (oldest tokens dropped), one GQA query, kernel vs float64 reference."""
+    from kvhive.attention.integration import _dense_decode_by_kernel
+    from kvhive.cache.storage import LayerStore
+
+    store = LayerStore(0, sliding_window=40)
+    store.update(torch.randn(2, 2, 50, 16, generator=generator), torch.randn(2, 2, 50, 16, generator=generator))
+    store.update(torch.randn(2, 2, 1, 16, generator=generator), torch.randn(2, 2, 1, 16, generator=generator))
+    store.drop_oldest(store.dense_length - 40)
+    assert store.slice_start > 0
+    query = torch.randn(2, 4, 1, 16, generator=generator)
+    output = _dense_decode_by_kernel(store, query, 0.25)  # [B, 1, Hq, d]
+    keys, values, _, _ = store.dense()
+    keys = keys.repeat_interleave(2, dim=1).double()
+    values = values.repeat_interleave(2, dim=1).double()
+    expected = torch.softmax(query.double() @ keys.transpose(-1, -2) * 0.25, -1) @ values  # [B, Hq, 1, d]
+    return relative(output.transpose(1, 2), expected)
+
+
 def main():
     generator = torch.Generator().manual_seed(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
     errors = {}
@@ -48,6 +68,7 @@ def main():
     k = keys[:, :, start:start + length].reshape(batch * heads, length, dim).double()
     v = values[:, :, start:start + length].reshape(batch * heads, length, dim).double()
     errors["uniform-float32"] = relative(output, torch.softmax(rows.double() @ k.transpose(1, 2) * 0.3, -1) @ v)
+    errors["dense-layer-float32"] = dense_layer_error(generator)
     print(json.dumps(errors))
 
 

@@ -26,7 +26,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvhive.attention.varlen import kernel_supports, varlen_attention, varlen_attention_kernel
 from kvhive.cache.kv_cache import KVHiveCache, active_update
-from kvhive.methods.base import DECODE, ScoringInputs
+from kvhive.methods.base import DECODE, ScoringInputs, causal_mask
 
 ATTENTION_NAME = "kvhive"
 
@@ -87,8 +87,7 @@ def _gather_mask(mask: torch.Tensor | None, positions: torch.Tensor, tokens_seen
     if mask is None:
         if num_queries == 1:
             return None
-        query_positions = torch.arange(tokens_seen - num_queries, tokens_seen, device=positions.device)
-        return positions[:, :, None, :] <= query_positions[None, None, :, None]
+        return causal_mask(positions, tokens_seen - num_queries, tokens_seen)
     if length == tokens_seen:  # nothing was ever evicted: the stored order is the original one
         return mask
     index = positions.long()[:, :, None, :].expand(batch, heads, num_queries, length)
@@ -137,7 +136,7 @@ def _prefill(module, cache: KVHiveCache, layer_index, query, key, value, mask, s
     policy = cache.policy
     num_queries = query.shape[2]
     attended_queries = query
-    if compressed:
+    if compressed and policy.changes_attention_logits:
         key_counts = torch.arange(1, num_queries + 1, device=query.device)
         attended_queries = _row_logit_scale(policy, key_counts, query)
     # No mask (no padding, no window in reach): transformers' sdpa runs its causal kernels.
@@ -201,23 +200,16 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
     group = query_heads // heads
     wants_weights = compressed and DECODE in policy.phases and policy.needs_decode_attention
     extra = policy.extra_attention(store.policy_state, query, scaling) if compressed else None
-    if compressed:
+    if compressed and policy.changes_attention_logits:
         key_counts = torch.full((num_queries,), keys.shape[2], device=query.device)
         query = _row_logit_scale(policy, key_counts, query)
 
     last_weights = None
     if not wants_weights and extra is None:
-        rows = query.reshape(batch * heads, group * num_queries, head_dim)
-        if (stored_mask is None and DENSE_DECODE == "kernel" and num_queries == 1
-                and kernel_supports(rows, keys, values)):
-            # kvhive's split-K kernel reads the dense buffer's slice in place.
-            buffer_keys, buffer_values = store.buffers()
-            capacity = buffer_keys.shape[2]
-            output = varlen_attention_kernel(
-                rows, buffer_keys.view(-1, head_dim), buffer_values.view(-1, buffer_values.shape[-1]), scaling,
-                keys.shape[2], uniform=(capacity, store.slice_start, keys.shape[2]))
-            output = output.view(batch, query_heads, 1, -1).transpose(1, 2)
-        else:
+        output = None
+        if stored_mask is None and num_queries == 1 and DENSE_DECODE == "kernel":
+            output = _dense_decode_by_kernel(store, query, scaling)
+        if output is None:
             sdpa_mask_ = stored_mask
             if sdpa_mask_ is not None and sdpa_mask_.shape[1] not in (1, query_heads):
                 sdpa_mask_ = sdpa_mask_.repeat_interleave(group, dim=1)
@@ -263,6 +255,21 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
 
     cache.after_decode(layer_index, make_scoring)
     return output, None
+
+
+def _dense_decode_by_kernel(store, query, scaling):
+    """One new query over a dense layer through kvhive's split-K kernel, reading the buffer's
+    stored slice in place; None when the kernel does not handle these shapes/dtypes."""
+    batch, query_heads, _, head_dim = query.shape
+    rows = query.reshape(batch * store.num_heads, query_heads // store.num_heads, head_dim)
+    buffer_keys, buffer_values = store.buffers()
+    keys, values = buffer_keys.view(-1, head_dim), buffer_values.view(-1, buffer_values.shape[-1])
+    if not kernel_supports(rows, keys, values):
+        return None
+    length = store.dense_length
+    output = varlen_attention_kernel(rows, keys, values, scaling, length,
+                                     uniform=(buffer_keys.shape[2], store.slice_start, length))
+    return output.view(batch, query_heads, 1, -1).transpose(1, 2)
 
 
 def _decode_variable_length(cache: KVHiveCache, layer_index, query, mask, scaling):

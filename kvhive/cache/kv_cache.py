@@ -329,7 +329,7 @@ class KVHiveCache(Cache):
             # (host-side arithmetic, no device read-back).
             store.drop_oldest(store.dense_length - (store.sliding_window - 1))
             return
-        store.keep(store.stored_positions() >= store.tokens_seen - store.sliding_window + 1)
+        store.keep(store.stored_flat_positions() >= store.tokens_seen - store.sliding_window + 1)
 
     def _check_keep(self, keep: torch.Tensor, store: LayerStore, budget: int) -> torch.Tensor:
         """Kept tokens per row ``[B, H]`` (read back once, on the host); refuses a mask over budget."""

@@ -351,7 +351,7 @@ class LayerStore(CacheLayerMixin):
                     return
                 self._compact_dense(keep_mask, first)
             else:
-                self._pack(keep_mask.reshape(-1), counts.reshape(-1), dense_source=True)
+                self._pack(keep_mask.reshape(-1), counts.reshape(-1))
             return
         if keep_mask.shape[0] != self.num_stored:
             raise ValueError("flat keep mask must cover every stored token")
@@ -368,7 +368,7 @@ class LayerStore(CacheLayerMixin):
         else:
             if torch.equal(counts, self._segment_length_host):
                 return
-            self._pack(keep_mask, counts, dense_source=False)
+            self._pack(keep_mask, counts)
 
     def _compact_dense(self, keep_mask: torch.Tensor, kept: int) -> None:
         # Kept tokens in their stored (oldest first) order: a stable sort puts True first.
@@ -416,7 +416,7 @@ class LayerStore(CacheLayerMixin):
         return (self._key_buffer.view(-1, d), self._value_buffer.view(-1, dv), self._position_buffer.view(-1),
                 {name: buffer.view(-1) for name, buffer in self._score_buffers.items()})
 
-    def _pack(self, flat_mask: torch.Tensor, counts: torch.Tensor, dense_source: bool) -> None:
+    def _pack(self, flat_mask: torch.Tensor, counts: torch.Tensor) -> None:
         """Re-lay the kept tokens (``flat_mask`` over stored tokens in segment order) out packed,
         each segment with its own append reserve."""
         source_index = self._stored_index()[flat_mask]
@@ -481,12 +481,6 @@ class LayerStore(CacheLayerMixin):
             raise RuntimeError(f"layer {self.layer_index} is dense")
         return (self._key_buffer, self._value_buffer, self._position_buffer, self._segment_start,
                 self._segment_length, self.max_length)
-
-    def stored_positions(self) -> torch.Tensor:
-        """Original positions of the stored tokens (``[B, H, L]`` dense, ``[T]`` packed)."""
-        if self._packed:
-            return self._position_buffer[self._stored_index()]
-        return self.dense()[2]
 
     def stored_flat_positions(self) -> torch.Tensor:
         """Original positions of the stored tokens, ``[T]`` in segment order."""

@@ -117,9 +117,8 @@ class ScoringInputs:
         if self.mask is not None:
             return self.mask[:, :, query_rows, :num_keys]
         start, stop, _ = query_rows.indices(self.num_queries)
-        query_positions = torch.arange(self.sequence_length - self.num_queries + start,
-                                       self.sequence_length - self.num_queries + stop, device=self.keys.device)
-        return self.positions[:, :, None, :num_keys] <= query_positions[None, None, :, None]
+        first = self.sequence_length - self.num_queries
+        return causal_mask(self.positions[..., :num_keys], first + start, first + stop)
 
     def to_kv_heads(self, per_query_head: torch.Tensor) -> torch.Tensor:
         """Mean over the query heads of each group: ``[B, Hq, ...] -> [B, H, ...]`` (METHODS.md)."""
@@ -189,6 +188,13 @@ class ScoringInputs:
         if key not in self._memo:
             self._memo[key] = self.attention_weights(slice(self.num_queries - 1, self.num_queries))[:, :, 0]
         return self._memo[key]
+
+
+def causal_mask(key_positions: torch.Tensor, first_query: int, stop_query: int) -> torch.Tensor:
+    """``[B, H, q, K]``: query at position ``p`` in ``[first_query, stop_query)`` may attend the
+    stored key at original position ``key_positions[b, h, k]`` iff it is not in the future."""
+    query_positions = torch.arange(first_query, stop_query, device=key_positions.device)
+    return key_positions[:, :, None, :] <= query_positions[None, None, :, None]
 
 
 def keep_top_scores(scores: torch.Tensor, budget: int, valid: torch.Tensor | None = None,
@@ -290,6 +296,12 @@ class Policy:
         return 0
 
     # -- attention changes -------------------------------------------------------------------
+    @property
+    def changes_attention_logits(self) -> bool:
+        """Whether :meth:`logit_scale` is overridden (the attention skips the hook otherwise, so
+        an unchanged method costs no per-layer work)."""
+        return type(self).logit_scale is not Policy.logit_scale
+
     def logit_scale(self, key_counts: torch.Tensor) -> torch.Tensor | None:
         """Per-query multiplier of the model's attention logits (BUZZ log n); None = unchanged."""
         return None
