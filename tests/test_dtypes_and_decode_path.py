@@ -203,6 +203,24 @@ def test_blocked_varlen_attention_matches_per_segment_reference(dtype):
     assert _relative(actual, expected) <= tolerance
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_paged_varlen_attention_reads_pages_in_place_and_matches_reference(dtype):
+    generator = torch.Generator().manual_seed(4)
+    lengths = [1, 63, 64, 65, 200, 3]
+    capacities = [(n + 32 + 63) // 64 * 64 for n in lengths]
+    starts = torch.tensor([sum(capacities[:i]) for i in range(len(lengths))])
+    keys = torch.randn(sum(capacities), 32, generator=generator).to(dtype)
+    values = torch.randn(sum(capacities), 32, generator=generator).to(dtype)
+    rows = torch.randn(len(lengths), 4, 32, generator=generator).to(dtype)
+    expected = _per_segment_reference(rows, keys, values, starts, lengths, 0.2)
+    actual = varlen_attention_torch(rows, keys, values, starts, torch.tensor(lengths), 0.2,
+                                    segment_capacity_host=torch.tensor(capacities))
+    assert _relative(actual, expected) <= (1e-5 if dtype == torch.float32 else 1e-2)
+    with pytest.raises(ValueError, match="not .* pages"):
+        varlen_attention_torch(rows, keys[:-1], values[:-1], starts, torch.tensor(lengths), 0.2,
+                               segment_capacity_host=torch.tensor(capacities))
+
+
 def test_blocked_varlen_attention_applies_the_model_mask_by_position():
     generator = torch.Generator().manual_seed(2)
     lengths = [5, 9]

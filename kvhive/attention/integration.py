@@ -26,6 +26,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvhive.attention.varlen import kernel_supports, varlen_attention, varlen_attention_kernel
 from kvhive.cache.kv_cache import KVHiveCache, active_update
+from kvhive.cache.storage import PAGE_TOKENS
 from kvhive.methods.base import DECODE, ScoringInputs, causal_mask
 
 ATTENTION_NAME = "kvhive"
@@ -287,6 +288,7 @@ def _decode_variable_length(cache: KVHiveCache, layer_index, query, mask, scalin
     flat_mask = None if mask is None else mask[:, 0]
     output = varlen_attention(rows, keys, values, segment_start, segment_length, store.lengths_host.reshape(-1),
                               max_length, scaling, positions=positions, mask=flat_mask, heads=heads,
-                              num_queries=num_queries)
+                              num_queries=num_queries, segment_capacity_host=store.segment_capacity_host,
+                              page=PAGE_TOKENS)
     output = output.reshape(batch, query_heads, num_queries, -1)
     return output.transpose(1, 2)

@@ -51,19 +51,45 @@ def _segment_table(segment_start, segment_length_host, block):
     return segment_of_block, token_index, in_segment
 
 
+def _page_table(segment_capacity_host, segment_length_host, page, device):
+    """Pages of a paged buffer (segments tile it in order, each capacity a multiple of ``page``):
+    ``(segment_of_page [P], in_segment [P, page])``."""
+    pages_per_segment = (segment_capacity_host // page).to(device)
+    segments = torch.arange(segment_capacity_host.numel(), device=device)
+    segment_of_page = torch.repeat_interleave(segments, pages_per_segment)
+    first_page = torch.cumsum(pages_per_segment, 0) - pages_per_segment
+    page_in_segment = torch.arange(segment_of_page.numel(), device=device) - first_page[segment_of_page]
+    offset = page_in_segment[:, None] * page + torch.arange(page, device=device)[None, :]
+    return segment_of_page, offset < segment_length_host.to(device)[segment_of_page][:, None]
+
+
 def varlen_attention_torch(query_rows, keys, values, segment_start, segment_length_host, scaling,
-                           positions=None, mask=None, heads=1, num_queries=1, block=TORCH_BLOCK):
+                           positions=None, mask=None, heads=1, num_queries=1, block=TORCH_BLOCK,
+                           segment_capacity_host=None):
     """Reference/CPU path. ``query_rows [S, R, d]`` → ``[S, R, dv]``.
 
     ``mask`` (optional) is the model's boolean mask ``[B, q, N]`` over original positions; row
     ``r`` of a segment is query ``r % num_queries`` and is masked at the stored tokens'
-    ``positions``.
+    ``positions``. With ``segment_capacity_host`` the buffer is paged (segments tile it in order,
+    capacities multiples of ``block``): its pages are the blocks, viewed without a copy;
+    otherwise each segment's blocks are gathered.
     """
     num_segments, rows, _ = query_rows.shape
-    segment_of_block, token_index, in_segment = _segment_table(segment_start, segment_length_host.reshape(-1), block)
-    flat_index = token_index.reshape(-1)  # index_select copies whole rows (much faster than keys[index])
-    block_keys = keys.index_select(0, flat_index).view(*token_index.shape, keys.shape[-1])  # [NB, block, d]
-    block_values = values.index_select(0, flat_index).view(*token_index.shape, values.shape[-1])
+    if segment_capacity_host is not None:
+        segment_of_block, in_segment = _page_table(segment_capacity_host.reshape(-1), segment_length_host.reshape(-1),
+                                                   block, keys.device)
+        pages = segment_of_block.numel()
+        if pages * block != keys.shape[0]:
+            raise ValueError(f"paged buffer of {keys.shape[0]} rows is not {pages} pages of {block}")
+        block_keys = keys.view(pages, block, keys.shape[-1])  # [NB, block, d], no copy
+        block_values = values.view(pages, block, values.shape[-1])
+        token_index = torch.arange(pages * block, device=keys.device).view(pages, block)
+    else:
+        segment_of_block, token_index, in_segment = _segment_table(segment_start, segment_length_host.reshape(-1),
+                                                                   block)
+        flat_index = token_index.reshape(-1)  # index_select copies whole rows (much faster than keys[index])
+        block_keys = keys.index_select(0, flat_index).view(*token_index.shape, keys.shape[-1])  # [NB, block, d]
+        block_values = values.index_select(0, flat_index).view(*token_index.shape, values.shape[-1])
     block_queries = query_rows[segment_of_block]  # [NB, R, d]
     logits = torch.matmul(block_queries, block_keys.transpose(1, 2)).float() * scaling  # [NB, R, block]
     allowed = in_segment[:, None, :]
@@ -217,10 +243,12 @@ def varlen_attention_kernel(query_rows, keys, values, scaling, max_length, *, se
 
 
 def varlen_attention(query_rows, keys, values, segment_start, segment_length, segment_length_host, max_length,
-                     scaling, positions=None, mask=None, heads=1, num_queries=1):
+                     scaling, positions=None, mask=None, heads=1, num_queries=1, segment_capacity_host=None,
+                     page=TORCH_BLOCK):
     """``[S, R, d]`` query rows attending their own segment → ``[S, R, dv]`` (see module doc)."""
     if mask is None and kernel_supports(query_rows, keys, values):
         return varlen_attention_kernel(query_rows, keys, values, scaling, max_length,
                                        segment_start=segment_start, segment_length=segment_length)
     return varlen_attention_torch(query_rows, keys, values, segment_start, segment_length_host, scaling,
-                                  positions=positions, mask=mask, heads=heads, num_queries=num_queries)
+                                  positions=positions, mask=mask, heads=heads, num_queries=num_queries,
+                                  block=page, segment_capacity_host=segment_capacity_host)

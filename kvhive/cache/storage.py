@@ -28,7 +28,11 @@ POSITION_DTYPE = torch.int32
 # appends are amortised O(new tokens) while the over-allocation stays a small fraction.
 MIN_RESERVE_TOKENS = 64
 RESERVE_FRACTION = 16  # reserve n // 16 tokens on top of n
-SEGMENT_RESERVE_TOKENS = 32  # per packed segment
+SEGMENT_RESERVE_TOKENS = 32  # per packed segment (at least; rounded up to whole pages)
+# Packed segments are whole pages: every capacity is a multiple of PAGE_TOKENS and segments tile
+# the buffer in order, so attention reads the buffer as [pages, PAGE_TOKENS, d] without a copy.
+# At most one partly filled page per segment beyond the reserve (reported by reserved_nbytes).
+PAGE_TOKENS = 64
 
 
 def reserve(tokens: int) -> int:
@@ -430,15 +434,17 @@ class LayerStore(CacheLayerMixin):
 
     def _set_packed(self, counts, keys, values, positions, scores, source_index) -> None:
         counts = counts.reshape(-1).long().cpu()
-        capacities = counts + SEGMENT_RESERVE_TOKENS
+        capacities = (counts + SEGMENT_RESERVE_TOKENS + PAGE_TOKENS - 1) // PAGE_TOKENS * PAGE_TOKENS
         starts = torch.cumsum(capacities, 0) - capacities
         total = int(counts.sum())
         offsets = torch.cumsum(counts, 0) - counts
         destination = torch.repeat_interleave((starts - offsets).to(self.device), counts.to(self.device),
                                               output_size=total) + torch.arange(total, device=self.device)
         size = int(capacities.sum())
-        new_keys = keys.new_empty((size, keys.shape[-1]))
-        new_values = values.new_empty((size, values.shape[-1]))
+        # Zeros, not empty: the paged torch path multiplies whole pages, reserve rows included, by
+        # weights that are 0 there, and 0 x uninitialised memory can be NaN.
+        new_keys = keys.new_zeros((size, keys.shape[-1]))
+        new_values = values.new_zeros((size, values.shape[-1]))
         new_positions = positions.new_zeros(size)
         new_keys[destination] = keys[source_index]
         new_values[destination] = values[source_index]
@@ -456,7 +462,7 @@ class LayerStore(CacheLayerMixin):
         self._start, self._length = 0, 0
         # Host-side ints, so a decode append decides without touching any tensor.
         self._packed_max_length = int(counts.max()) if counts.numel() else 0
-        self._packed_headroom = SEGMENT_RESERVE_TOKENS
+        self._packed_headroom = int((capacities - counts).min()) if counts.numel() else SEGMENT_RESERVE_TOKENS
 
     def _append_packed(self, key_states, value_states, new_tokens: int) -> None:
         if new_tokens > self._packed_headroom:
@@ -478,6 +484,11 @@ class LayerStore(CacheLayerMixin):
         self._segment_length_host = lengths + new_tokens
         self._packed_headroom -= new_tokens
         self._packed_max_length += new_tokens
+
+    @property
+    def segment_capacity_host(self) -> torch.Tensor:
+        """Packed layout: tokens reserved per segment (whole pages), CPU ``[S]``."""
+        return self._segment_capacity_host
 
     def packed(self):
         """``(keys [C, d], values [C, dv], positions [C], segment_start [S] int64, segment_length
