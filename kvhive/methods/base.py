@@ -131,20 +131,23 @@ class ScoringInputs:
         """Softmax weights ``[B, Hq, rows, K]`` of the selected query rows over the first
         ``num_keys`` stored tokens (default all), the model's mask applied."""
         num_keys = self.num_tokens if num_keys is None else num_keys
-        queries = self.queries[:, :, query_rows]
+        # The scale goes on the queries (rows x d), not on the logits (rows x K): one pass fewer.
+        queries = self.queries[:, :, query_rows] * (self.scaling * logit_multiplier)
         b, hq, rows, d = queries.shape
         h = self.num_heads
         group = hq // h
         keys = self.keys[:, :, :num_keys]
         # [B, H, G*rows, d] @ [B, H, d, K]: keys are read once per stored head.
         grouped = queries.reshape(b, h, group, rows, d).reshape(b, h, group * rows, d)
-        logits = torch.matmul(grouped, keys.transpose(-1, -2)) * (self.scaling * logit_multiplier)
-        logits = logits.view(b, h, group, rows, num_keys)
+        logits = torch.matmul(grouped, keys.transpose(-1, -2)).view(b, h, group, rows, num_keys)
         mask = self.mask_rows(query_rows, num_keys).unsqueeze(2)
-        logits = logits.masked_fill(~mask, float("-inf"))
-        weights = torch.softmax(logits, dim=-1).reshape(b, hq, rows, num_keys)
-        # Rows that see no key at all (fully masked padding queries) give NaN; they carry no evidence.
-        return torch.nan_to_num(weights, nan=0.0)
+        logits.masked_fill_(~mask, float("-inf"))  # in place: the product is a fresh tensor
+        weights = torch.softmax(logits, dim=-1)
+        if self.mask is not None:
+            # A padding query may see no key at all: its softmax row is NaN and carries no
+            # evidence, so it becomes 0 (a NaN from the model itself stays NaN).
+            weights = torch.where(mask.any(dim=-1, keepdim=True), weights, 0.0)
+        return weights.reshape(b, hq, rows, num_keys)
 
     def summed_attention(self, first_row: int, logit_multiplier: float = 1.0) -> torch.Tensor:
         """Column sums ``[B, Hq, N]`` of the weights of query rows ``first_row..q-1``, chunked."""

@@ -169,12 +169,14 @@ def prefill_accumulated_attention(queries: torch.Tensor, keys: torch.Tensor, mas
     for start in range(0, n, rows):
         stop = min(n, start + rows)
         chunk = queries[:, :, start:stop].reshape(b, h, group, stop - start, d)
-        logits = torch.matmul(chunk, keys[:, :, None, :stop].transpose(-1, -2)).reshape(b, hq, stop - start, stop)
+        logits = torch.matmul(chunk * scaling, keys[:, :, None, :stop].transpose(-1, -2))
+        logits = logits.reshape(b, hq, stop - start, stop).float()
         allowed = mask_rows(slice(start, stop), stop)
         if allowed.shape[1] not in (1, hq):
             allowed = allowed.repeat_interleave(group, dim=1)
-        logits = (logits * scaling).masked_fill(~allowed, float("-inf"))
-        weights = torch.nan_to_num(torch.softmax(logits.float(), dim=-1), nan=0.0)
+        logits.masked_fill_(~allowed, float("-inf"))
+        # Fully masked (padding) query rows give NaN rows; they count 0 (a model NaN stays NaN).
+        weights = torch.where(allowed.any(dim=-1, keepdim=True), torch.softmax(logits, dim=-1), 0.0)
         total[..., :stop] += weights.sum(dim=2)
     return total
 
