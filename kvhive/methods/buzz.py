@@ -168,8 +168,10 @@ def prefill_accumulated_attention(queries: torch.Tensor, keys: torch.Tensor, mas
     rows = max(1, max_elements // max(1, b * hq * n))
     for start in range(0, n, rows):
         stop = min(n, start + rows)
-        chunk = queries[:, :, start:stop].reshape(b, h, group, stop - start, d)
-        logits = torch.matmul(chunk * scaling, keys[:, :, None, :stop].transpose(-1, -2))
+        # [B, H, G*rows, d] @ [B, H, d, stop]: no broadcast over the group, so the keys are not
+        # expanded (copied) once per chunk.
+        chunk = queries[:, :, start:stop].reshape(b, h, group * (stop - start), d) * scaling
+        logits = torch.matmul(chunk, keys[:, :, :stop].transpose(-1, -2))
         logits = logits.reshape(b, hq, stop - start, stop).float()
         allowed = mask_rows(slice(start, stop), stop)
         if allowed.shape[1] not in (1, hq):
