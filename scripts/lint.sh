@@ -4,9 +4,13 @@
 # script exits non-zero if either does. Pass paths to check only those (default: the repository).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-RUFF=(.venv/bin/ruff)
-if [[ ! -x .venv/bin/ruff ]]; then
+if [[ -x .venv/bin/ruff ]]; then
+    RUFF=(.venv/bin/ruff)
+elif .venv/bin/python -c "import ruff" 2>/dev/null; then
     RUFF=(.venv/bin/python -m ruff)
+else
+    echo "lint.sh: ruff is not installed in .venv (it belongs in the [test] extras of pyproject.toml)" >&2
+    exit 2
 fi
 paths=("$@")
 if [[ ${#paths[@]} -eq 0 ]]; then
