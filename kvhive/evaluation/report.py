@@ -138,7 +138,7 @@ def task_table(summary: ResultsSummary, task: str) -> str:
             else:
                 cells.append(_cell(aggregate, name))
         ratio, paired_n = paired_ratio_to_full(summary, task, method, budget) if has_full else (None, 0)
-        if has_full and paired_n != n:
+        if has_full and (paired_n != n or paired_n != summary.count(task, FULL_METHOD)):
             unpaired = True
         cells += [str(n), f"{ratio:.2f}×" if ratio is not None else "–", str(paired_n) if has_full else "–"]
         if show_kept:
