@@ -70,3 +70,13 @@ def test_a_non_finite_item_is_named_not_silently_blanked(tmp_path):
     text = write_report(tmp_path)
     assert "| snapkv | 0.2 | – (1 of 4 items non-finite) | 4 |" in text
     assert "**Warning:** snapkv @ 0.2: `m` is NaN or infinite on 1 of 4 item(s) (i2)" in text
+
+
+def test_rouge_mean_is_said_to_be_a_geometric_mean(tmp_path):
+    records = [{**_record(method, budget, f"i{i}", 0.0, task="xsum"), "main_metric": "rougeL",
+                "metrics": {"rougeL": 0.3, "rouge1": 0.4, "rouge2": 0.0}} for method, budget in (("full", 1.0), ("h2o", 0.2))
+               for i in range(2)]
+    _write(tmp_path, records)
+    text = write_report(tmp_path)
+    assert "`rouge_mean` is the geometric mean" in text and "0 whenever ROUGE-2 is 0" in text
+    assert "| h2o | 0.2 | 0.300 ± 0.000 | 0.400 ± 0.000 | 0.000 ± 0.000 | 0.000 | 2 |" in text

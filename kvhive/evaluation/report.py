@@ -330,6 +330,12 @@ def write_report(out_dir: str | Path, margin: float = CHANCE_MARGIN, include_cla
             f"Kind: {info.get('kind')}; main metric: `{info.get('main_metric')}` ({direction}); chance level: {_fmt(chance)}.",
             "",
         ]
+        if any("rouge_mean" in summary.aggregate(task, m, b) for m in summary.methods(task) for b in summary.budgets(task, m)):
+            lines += [
+                "`rouge_mean` is the geometric mean of the item-averaged ROUGE-1, ROUGE-2 and ROUGE-L F1 (BUZZ's \"Mean "
+                "ROUGE\"), so it is 0 whenever ROUGE-2 is 0; it has no per-item standard error.",
+                "",
+            ]
         near = summary.near_chance(task, margin)
         if near:
             lines += [
