@@ -136,9 +136,13 @@ def outperforms(
         higher = summary.task_info[task].get("higher_is_better", True)
         methods = [candidate, *baselines]
         settings = [(m, b) for m in methods for b in budgets]
-        if all(summary.count(task, m, b) for m, b in settings) and not paired_items(summary, task, settings):
-            return None, f"{metric_name}: no item was run in every compared setting ({', '.join(methods)})"
-        summary, n, left_out = _paired_view(summary, task, settings)
+        if all(summary.count(task, m, b) for m, b in settings):
+            if not paired_items(summary, task, settings):
+                return None, f"{metric_name}: no item was run in every compared setting ({', '.join(methods)})"
+            summary, n, left_out = _paired_view(summary, task, settings)
+            n_text = f"n={n} items, the same in every compared setting{left_out}"
+        else:  # some setting has no result at all: no verdict; show what there is
+            n_text = f"n={min(summary.count(task, m, b) for m, b in settings)} items in the smallest setting"
         values = {(m, b): summary.value(task, m, b, metric_name) for m in [*methods, *shown] for b in budgets}
         missing = [
             f"{m}@{_budget_text(b)}" + (" (infeasible: budget below the method's minimum)" if summary.infeasible(task, m, b) else "")
@@ -161,7 +165,7 @@ def outperforms(
                 parts.append(f"@{_budget_text(b)}: " + ", ".join(f"{m} {_fmt(values[(m, b)])}" for m in [*methods, *shown]))
             text = f"{metric_name} " + "; ".join(parts)
             comparisons = [(values[(candidate, b)], values[(base, b)], base, (b,)) for base in baselines for b in budgets]
-        text += f"; full {_fmt(full)}; n={n} items, the same in every compared setting{left_out}"
+        text += f"; full {_fmt(full)}; {n_text}"
         if missing:
             return None, text + f"; missing: {', '.join(missing)}"
         if reason:
