@@ -13,11 +13,11 @@ import matplotlib
 import pytest
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.container import ErrorbarContainer  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.container import ErrorbarContainer
 
-from kvhive.evaluation.report import plot_task  # noqa: E402
-from kvhive.evaluation.results import ResultsSummary  # noqa: E402
+from kvhive.evaluation.report import plot_task
+from kvhive.evaluation.results import ResultsSummary
 
 
 def _record(method, budget, item, value, chance=0.25):

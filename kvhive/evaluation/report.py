@@ -11,6 +11,7 @@ what was measured here, and the verdict.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from datetime import datetime, timezone
@@ -145,8 +146,8 @@ def task_table(summary: ResultsSummary, task: str) -> str:
             cells.append(f"{kept:.1f}" if kept is not None else "–")
         lines.append("| " + " | ".join(cells) + " |")
     if unpaired:
-        lines += ["", f"Some settings ran on other items than the full cache: `{main} / full` is computed on the items "
-                      "both ran (`n paired with full`), so it can differ from the ratio of the two means shown."]
+        lines += ["", (f"Some settings ran on other items than the full cache: `{main} / full` is computed on the items "
+                       "both ran (`n paired with full`), so it can differ from the ratio of the two means shown.")]
     if warnings_lines:
         lines += ["", *warnings_lines]
     infeasible = summary.infeasible_settings(task)
@@ -172,7 +173,7 @@ def _dodged(budgets: list[float], index: int, count: int, log_axis: bool) -> lis
     if log_axis:
         return [b * 2 ** (centred * DODGE_SPREAD / count) for b in budgets]
     distinct = sorted(set(budgets))
-    gaps = [high - low for low, high in zip(distinct, distinct[1:])]
+    gaps = [high - low for low, high in itertools.pairwise(distinct)]
     gap = min(gaps) if gaps else max(0.1 * abs(distinct[0]), 0.05)
     return [b + centred * gap * DODGE_SPREAD / count for b in budgets]
 
@@ -332,8 +333,8 @@ def write_report(out_dir: str | Path, margin: float = CHANCE_MARGIN, include_cla
         ]
         if any("rouge_mean" in summary.aggregate(task, m, b) for m in summary.methods(task) for b in summary.budgets(task, m)):
             lines += [
-                "`rouge_mean` is the geometric mean of the item-averaged ROUGE-1, ROUGE-2 and ROUGE-L F1 (BUZZ's \"Mean "
-                "ROUGE\"), so it is 0 whenever ROUGE-2 is 0; it has no per-item standard error.",
+                ("`rouge_mean` is the geometric mean of the item-averaged ROUGE-1, ROUGE-2 and ROUGE-L F1 (BUZZ's \"Mean "
+                 "ROUGE\"), so it is 0 whenever ROUGE-2 is 0; it has no per-item standard error."),
                 "",
             ]
         near = summary.near_chance(task, margin)
