@@ -46,6 +46,42 @@ def plain_attention(model) -> Iterator[Any]:
         model.set_attn_implementation(previous)
 
 
+_EQUIVALENCE_WARNED: set[tuple[str, int, int, str]] = set()
+
+
+def warn_if_allocation_cannot_differ(policy: Policy, config) -> None:
+    """Warn (once per method and head shape) when a method that allocates its budget across heads
+    runs where there is only one stored head per layer: it then keeps what its base
+    method keeps (e.g. an Ada-KV variant at ``head_granularity="kv"`` on a one-KV-head model).
+
+    A method declares head-wise allocation by its config's ``head_granularity`` parameter; the
+    stored heads per layer are the KV heads (``"kv"``) or the query heads (``"query"``).
+    """
+    import dataclasses
+    import warnings
+
+    if not any(field.name == "head_granularity" for field in dataclasses.fields(policy.config)):
+        return
+    text_config = config.get_text_config(decoder=True)
+    query_heads = text_config.num_attention_heads
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or query_heads
+    granularity = policy.head_granularity
+    stored_heads = {"kv": kv_heads, "query": query_heads}.get(granularity)
+    key = (policy.name, query_heads, kv_heads, granularity)
+    if stored_heads != 1 or key in _EQUIVALENCE_WARNED:
+        return
+    _EQUIVALENCE_WARNED.add(key)
+    hint = (f" Pass head_granularity='query' to allocate over the {query_heads} query heads."
+            if granularity == "kv" and query_heads > 1 else "")
+    warnings.warn(
+        f"method {policy.name!r} allocates its budget across heads, but with head_granularity={granularity!r} this "
+        f"model stores one head per layer ({kv_heads} KV head(s), {query_heads} query head(s)): it keeps what its base "
+        f"method keeps (up to how ties between equal scores are broken).{hint}",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
 def make_cache(model, method: str | Policy = "full", budget: int | float | str | None = None, *,
                ratio: float | None = None, compress_sliding: bool = False, decode_every: int = 1,
                decode_slack: int = 0, record_prefill: bool = False, positions: str = "original",
@@ -63,6 +99,7 @@ def make_cache(model, method: str | Policy = "full", budget: int | float | str |
     else:
         budget_spec = Budget.parse(budget)
     use_kvhive_attention(model)
+    warn_if_allocation_cannot_differ(policy, model.config)
     rotator = None
     if positions == "cache":
         from kvhive.attention.rope import KeyRotator

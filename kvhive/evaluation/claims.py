@@ -57,6 +57,38 @@ def _precheck(summary: ResultsSummary, task: str, metric: str | None) -> tuple[s
     return metric, None
 
 
+def paired_items(summary: ResultsSummary, task: str, settings: Sequence[tuple[str, float | int]]) -> set[str]:
+    """Item ids that every (method, budget) in ``settings`` ran on (the full cache: any budget)."""
+    shared: set[str] | None = None
+    for method, budget in settings:
+        items = {str(r["item_id"]) for r in summary.item_records(task, method, budget)}
+        shared = items if shared is None else shared & items
+    return shared or set()
+
+
+def on_items(summary: ResultsSummary, task: str, items: set[str]) -> ResultsSummary:
+    """``summary`` with ``task``'s scored records restricted to ``items`` (infeasible records kept,
+    so missing settings still name their reason)."""
+    return ResultsSummary(
+        r for r in summary.records
+        if r["task"] != task or r.get("status") == "infeasible" or str(r["item_id"]) in items
+    )
+
+
+def _paired_view(
+    summary: ResultsSummary, task: str, settings: Sequence[tuple[str, float | int]]
+) -> tuple[ResultsSummary, int, str]:
+    """(summary on the items every compared setting ran, their number, a note on items left out).
+
+    Settings that ran on different items (a later run with another ``--limit``) are compared on
+    the items they share, never a mean over 8 items against a mean over 2."""
+    items = paired_items(summary, task, settings)
+    ran = {str(r["item_id"]) for method, budget in settings for r in summary.item_records(task, method, budget)}
+    left_out = len(ran - items)
+    note = f"; {left_out} item(s) not run in every compared setting left out" if left_out and items else ""
+    return on_items(summary, task, items), len(items), note
+
+
 NOISE_STANDARD_ERRORS = 2.0  # a difference within this many paired standard errors is not a verdict
 
 
@@ -103,6 +135,14 @@ def outperforms(
             return None, reason or "no data"
         higher = summary.task_info[task].get("higher_is_better", True)
         methods = [candidate, *baselines]
+        settings = [(m, b) for m in methods for b in budgets]
+        if all(summary.count(task, m, b) for m, b in settings):
+            if not paired_items(summary, task, settings):
+                return None, f"{metric_name}: no item was run in every compared setting ({', '.join(methods)})"
+            summary, n, left_out = _paired_view(summary, task, settings)
+            n_text = f"n={n} items, the same in every compared setting{left_out}"
+        else:  # some setting has no result at all: no verdict; show what there is
+            n_text = f"n={min(summary.count(task, m, b) for m, b in settings)} items in the smallest setting"
         values = {(m, b): summary.value(task, m, b, metric_name) for m in [*methods, *shown] for b in budgets}
         missing = [
             f"{m}@{_budget_text(b)}" + (" (infeasible: budget below the method's minimum)" if summary.infeasible(task, m, b) else "")
@@ -110,7 +150,6 @@ def outperforms(
             for b in budgets
             if values[(m, b)] is None
         ]
-        n = min((summary.count(task, m, b) for m in methods for b in budgets), default=0)
         full = summary.full(task, metric_name)
         if mode == "mean":
             def score(m: str) -> float | None:
@@ -126,7 +165,7 @@ def outperforms(
                 parts.append(f"@{_budget_text(b)}: " + ", ".join(f"{m} {_fmt(values[(m, b)])}" for m in [*methods, *shown]))
             text = f"{metric_name} " + "; ".join(parts)
             comparisons = [(values[(candidate, b)], values[(base, b)], base, (b,)) for base in baselines for b in budgets]
-        text += f"; full {_fmt(full)}; n={n} items per setting"
+        text += f"; full {_fmt(full)}; {n_text}"
         if missing:
             return None, text + f"; missing: {', '.join(missing)}"
         if reason:
@@ -174,13 +213,14 @@ def retains_full(
         metric_name, reason = _precheck(summary, task, metric)
         if metric_name is None:
             return None, reason or "no data"
+        summary, n, left_out = _paired_view(summary, task, [(method, budget), ("full", None)])
         value = summary.value(task, method, budget, metric_name)
         full = summary.full(task, metric_name)
-        n = summary.count(task, method, budget)
         if value is None or full is None:
             return None, f"{metric_name}: {method}@{_budget_text(budget)} {_fmt(value)}, full {_fmt(full)} (missing data)"
         ratio = value / full if full else float("nan")
-        text = f"{metric_name}: {method}@{_budget_text(budget)} {_fmt(value)} = {_fmt(ratio)} of full ({_fmt(full)}); n={n}"
+        text = (f"{metric_name}: {method}@{_budget_text(budget)} {_fmt(value)} = {_fmt(ratio)} of full ({_fmt(full)}); "
+                f"n={n} items run by both{left_out}")
         if reason:
             return None, text + f"; {reason}"
         return bool(value >= fraction * full - EPSILON), text
@@ -406,4 +446,4 @@ def claim_ids() -> list[str]:
     return [c.id for c in CLAIMS]
 
 
-__all__ = ["Claim", "CLAIMS", "outperforms", "retains_full", "evaluate_claims", "claims_grid", "claim_ids"]
+__all__ = ["Claim", "CLAIMS", "paired_items", "on_items", "outperforms", "retains_full", "evaluate_claims", "claims_grid", "claim_ids"]

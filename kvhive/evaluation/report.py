@@ -11,6 +11,7 @@ what was measured here, and the verdict.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from datetime import datetime, timezone
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .backend import FULL_METHOD
+from .metrics import aggregate_item_metrics
 from .results import ResultsSummary, read_results
 
 REPORT_FILE = "report.md"
@@ -65,38 +67,89 @@ def _cell(aggregate: dict[str, float], name: str) -> str:
     return _fmt(value)
 
 
-def task_table(summary: ResultsSummary, task: str) -> str:
-    """Markdown table of one task: rows = full cache, then method x budget."""
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def non_finite_items(records: list[dict], name: str) -> list[str]:
+    """Item ids whose per-item ``name`` is NaN or infinite (one such item makes the mean NaN)."""
+    return [str(r["item_id"]) for r in records
+            if name in r.get("metrics", {}) and r["metrics"][name] is not None and not _finite(r["metrics"][name])]
+
+
+def paired_ratio_to_full(summary: ResultsSummary, task: str, method: str, budget: float | int | None) -> tuple[float | None, int]:
+    """(main metric of the setting ÷ the full cache's, number of items) on the items both ran.
+
+    Computed on the shared items only, so a setting run with a smaller ``--limit`` is not compared
+    with the full cache's mean over other items."""
     main = summary.main_metric(task)
-    full_value = summary.full(task)
-    rows: list[tuple[str, str, dict[str, float], int, float | None]] = []
+    mine = {str(r["item_id"]): r for r in summary.item_records(task, method, budget)}
+    full = {str(r["item_id"]): r for r in summary.item_records(task, FULL_METHOD)}
+    shared = sorted(mine.keys() & full.keys())
+    if not shared or main is None:
+        return None, len(shared)
+    kind = summary.task_info[task].get("kind", "generate")
+    value = aggregate_item_metrics(kind, [mine[i]["metrics"] for i in shared]).get(main)
+    reference = aggregate_item_metrics(kind, [full[i]["metrics"] for i in shared]).get(main)
+    if not _finite(value) or not _finite(reference) or reference == 0:
+        return None, len(shared)
+    return value / reference, len(shared)
+
+
+def task_table(summary: ResultsSummary, task: str) -> str:
+    """Markdown table of one task: rows = full cache, then method x budget.
+
+    The ratio to full is paired (computed on the items both the row and the full cache ran, their
+    number in the next column). A metric that is NaN or infinite on some items is not averaged:
+    the cell names the count and a warning below the table lists the items."""
+    main = summary.main_metric(task)
+    rows: list[tuple[str, str, float | int | None, dict[str, float], int, float | None]] = []
     if summary.count(task, FULL_METHOD):
-        rows.append((FULL_METHOD, "(all)", summary.aggregate(task, FULL_METHOD), summary.count(task, FULL_METHOD),
+        rows.append((FULL_METHOD, "(all)", None, summary.aggregate(task, FULL_METHOD), summary.count(task, FULL_METHOD),
                      summary.mean_kept_per_head(task, FULL_METHOD)))
     for method in sorted(summary.methods(task), key=_method_sort_key):
         if method == FULL_METHOD:
             continue
         for budget in summary.budgets(task, method):
-            rows.append((method, _budget_label(budget), summary.aggregate(task, method, budget),
+            rows.append((method, _budget_label(budget), budget, summary.aggregate(task, method, budget),
                          summary.count(task, method, budget), summary.mean_kept_per_head(task, method, budget)))
     # Shown when the backend reported it: what the cache really held, since a method may stay
     # below its nominal budget (BUZZ) and should be compared at what it used.
-    show_kept = any(row[4] is not None for row in rows)
+    show_kept = any(row[5] is not None for row in rows)
     names: list[str] = []
-    for _, _, aggregate, _, _ in rows:
+    for _, _, _, aggregate, _, _ in rows:
         for name in _metric_names(aggregate, main):
             if name not in names:
                 names.append(name)
-    header = ["method", "budget", *names, "n", f"{main} / full"] + (["mean kept / head"] if show_kept else [])
+    has_full = summary.count(task, FULL_METHOD) > 0
+    header = ["method", "budget", *names, "n", f"{main} / full", "n paired with full"] + (["mean kept / head"] if show_kept else [])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for method, budget, aggregate, n, kept in rows:
-        value = aggregate.get(main)
-        ratio = value / full_value if value is not None and full_value not in (None, 0) else None
-        ratio_text = f"{ratio:.2f}×" if ratio is not None and not math.isnan(ratio) else "–"
-        cells = [method, budget, *(_cell(aggregate, k) for k in names), str(n), ratio_text]
+    warnings_lines: list[str] = []
+    unpaired = False
+    for method, budget_text, budget, aggregate, n, kept in rows:
+        records = summary.item_records(task, method, budget)
+        cells = [method, budget_text]
+        for name in names:
+            bad = non_finite_items(records, name)
+            if bad:
+                cells.append(f"– ({len(bad)} of {n} items non-finite)")
+                shown = ", ".join(bad[:5]) + (", …" if len(bad) > 5 else "")
+                warnings_lines.append(f"> **Warning:** {method} @ {budget_text}: `{name}` is NaN or infinite on "
+                                      f"{len(bad)} of {n} item(s) ({shown}); no mean is shown for it.")
+            else:
+                cells.append(_cell(aggregate, name))
+        ratio, paired_n = paired_ratio_to_full(summary, task, method, budget) if has_full else (None, 0)
+        if has_full and (paired_n != n or paired_n != summary.count(task, FULL_METHOD)):
+            unpaired = True
+        cells += [str(n), f"{ratio:.2f}×" if ratio is not None else "–", str(paired_n) if has_full else "–"]
         if show_kept:
-            cells.append(_fmt(kept, 1) if kept is not None else "–")
+            cells.append(f"{kept:.1f}" if kept is not None else "–")
         lines.append("| " + " | ".join(cells) + " |")
+    if unpaired:
+        lines += ["", (f"Some settings ran on other items than the full cache: `{main} / full` is computed on the items "
+                       "both ran (`n paired with full`), so it can differ from the ratio of the two means shown.")]
+    if warnings_lines:
+        lines += ["", *warnings_lines]
     infeasible = summary.infeasible_settings(task)
     if infeasible:
         lines.append("")
@@ -106,52 +159,116 @@ def task_table(summary: ResultsSummary, task: str) -> str:
     return "\n".join(lines)
 
 
-def plot_task(summary: ResultsSummary, task: str, out_dir: Path) -> list[Path]:
-    """Quality vs budget PNG(s) of one task: one for ratio budgets, one for token budgets."""
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "*", "h", "p")
+DODGE_SPREAD = 0.5  # the series at one budget spread over this fraction of the gap to the next budget
+
+
+def _dodged(budgets: list[float], index: int, count: int, log_axis: bool) -> list[float]:
+    """x positions of series ``index`` of ``count``: a small horizontal offset per series, so that
+    methods with equal scores are drawn side by side instead of on top of each other. Offsets are
+    in log2 units on a log axis, else a fraction of the smallest gap between budgets."""
+    if count == 1:
+        return list(budgets)
+    centred = index - (count - 1) / 2
+    if log_axis:
+        return [b * 2 ** (centred * DODGE_SPREAD / count) for b in budgets]
+    distinct = sorted(set(budgets))
+    gaps = [high - low for low, high in itertools.pairwise(distinct)]
+    gap = min(gaps) if gaps else max(0.1 * abs(distinct[0]), 0.05)
+    return [b + centred * gap * DODGE_SPREAD / count for b in budgets]
+
+
+def quality_figures(summary: ResultsSummary, task: str):
+    """``[(budget type, figure)]``: the main metric against the budget, one figure for ratio
+    budgets and one for token budgets.
+
+    Every method is visible: its own marker, a small horizontal dodge, error bars of one standard
+    error over items (n per series in the legend); the full cache is a dashed line with its
+    standard error as a band, the task's chance level a dotted line; a metric bounded by 1
+    (accuracy, exact match, ROUGE) is drawn on a 0-1 axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     main = summary.main_metric(task)
+    info = summary.task_info[task]
+    higher_is_better = info.get("higher_is_better", True)
     full_value = summary.full(task)
+    full_se = summary.aggregate(task, FULL_METHOD).get(f"{main}_se") if summary.count(task, FULL_METHOD) else None
+    chance = info.get("chance")
     methods = [m for m in sorted(summary.methods(task), key=_method_sort_key) if m != FULL_METHOD]
-    paths: list[Path] = []
+    figures = []
     for budget_type, label in ((float, "cache budget (fraction of the context)"), (int, "cache budget (tokens per head)")):
         series = []
         for method in methods:
-            budgets = [b for b in summary.budgets(task, method) if isinstance(b, budget_type)]
-            points = [(b, summary.value(task, method, b)) for b in budgets]
-            points = [(b, v) for b, v in points if v is not None]
+            points = []
+            for budget in summary.budgets(task, method):
+                value = summary.value(task, method, budget) if isinstance(budget, budget_type) else None
+                if value is None:
+                    continue
+                se = summary.aggregate(task, method, budget).get(f"{main}_se")
+                points.append((budget, value, se if _finite(se) else 0.0, summary.count(task, method, budget)))
             if points:
                 series.append((method, points))
         if not series:
             continue
-        figure, axis = plt.subplots(figsize=(6.4, 4.2), dpi=110)
-        for method, points in series:
-            axis.plot([b for b, _ in points], [v for _, v in points], marker="o", label=method)
+        all_budgets = [p[0] for _, points in series for p in points]
+        log_axis = budget_type is int and max(all_budgets) / max(1, min(all_budgets)) >= 8
+        values = [p[1] for _, points in series for p in points] + ([full_value] if full_value is not None else [])
+        bounded = higher_is_better and all(0.0 <= v <= 1.0 for v in values) and (chance is None or 0 <= chance <= 1)
+        figure, axis = plt.subplots(figsize=(7.2, 4.6), dpi=110)
+        for index, (method, points) in enumerate(series):
+            xs = _dodged([float(p[0]) for p in points], index, len(series), log_axis)
+            counts = sorted({p[3] for p in points})
+            n_text = f"n={counts[0]}" if len(counts) == 1 else f"n={counts[0]}-{counts[-1]}"
+            axis.errorbar(xs, [p[1] for p in points], yerr=[p[2] for p in points], marker=MARKERS[index % len(MARKERS)],
+                          markersize=6, linewidth=1.2, capsize=3, label=f"{method} ({n_text})", gid=f"series:{method}")
         if full_value is not None:
-            axis.axhline(full_value, color="black", linestyle="--", linewidth=1.2, label="full cache")
-        if budget_type is int:
-            all_budgets = [b for _, pts in series for b, _ in pts]
-            if max(all_budgets) / max(1, min(all_budgets)) >= 8:
-                axis.set_xscale("log", base=2)
-        axis.set_xlabel(label)
-        axis.set_ylabel(main or "metric")
-        axis.set_title(f"{task}: {main} vs cache budget" + (" (lower is better)" if not summary.task_info[task].get("higher_is_better", True) else ""))
+            n_full = summary.count(task, FULL_METHOD)
+            axis.axhline(full_value, color="black", linestyle="--", linewidth=1.2, label=f"full cache (n={n_full})")
+            if _finite(full_se) and full_se > 0:
+                axis.axhspan(full_value - full_se, full_value + full_se, color="black", alpha=0.08, linewidth=0)
+        if chance is not None and bounded:
+            axis.axhline(chance, color="grey", linestyle=":", linewidth=1.5, label=f"chance ({chance:.2f})")
+        if log_axis:
+            axis.set_xscale("log", base=2)
+        distinct = sorted(set(all_budgets))
+        axis.set_xticks(distinct)
+        axis.set_xticklabels([_budget_label(b) for b in distinct])
+        axis.minorticks_off()
+        if len(distinct) == 1:  # one budget: room for the dodged series around it
+            width = max(0.1 * float(distinct[0]), 0.05) if not log_axis else float(distinct[0]) * 0.5
+            axis.set_xlim(float(distinct[0]) - width, float(distinct[0]) + width)
+        if bounded:
+            axis.set_ylim(-0.03, 1.03)
+        elif min(values) >= 0 and max(values) / max(min(values), 1e-12) < 10:
+            axis.set_ylim(bottom=0)
+        elif min(values) > 0:
+            axis.set_yscale("log")
+        axis.set_xlabel(label + ("; methods dodged sideways" if len(series) > 1 else ""))
+        axis.set_ylabel(f"{main or 'metric'} (mean ± s.e. over items)" if info.get("kind") != "perplexity" else f"{main} (corpus)")
+        axis.set_title(f"{task}: {main} vs cache budget" + ("" if higher_is_better else " (lower is better)"))
         axis.grid(alpha=0.3)
-        axis.legend(fontsize=8)
+        axis.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
         figure.tight_layout()
-        suffix = "" if len([1 for t in (float, int) if _has_budget_type(summary, task, t)]) == 1 else ("_ratio" if budget_type is float else "_tokens")
+        figures.append((budget_type, figure))
+    return figures
+
+
+def plot_task(summary: ResultsSummary, task: str, out_dir: Path) -> list[Path]:
+    """Quality vs budget PNG(s) of one task (see :func:`quality_figures`)."""
+    import matplotlib.pyplot as plt
+
+    figures = quality_figures(summary, task)
+    paths: list[Path] = []
+    for budget_type, figure in figures:
+        suffix = "" if len(figures) == 1 else ("_ratio" if budget_type is float else "_tokens")
         path = out_dir / f"quality_{_safe(task)}{suffix}.png"
         figure.savefig(path)
         plt.close(figure)
         paths.append(path)
     return paths
-
-
-def _has_budget_type(summary: ResultsSummary, task: str, budget_type: type) -> bool:
-    return any(isinstance(b, budget_type) for m in summary.methods(task) if m != FULL_METHOD for b in summary.budgets(task, m))
 
 
 def _safe(name: str) -> str:
@@ -214,6 +331,12 @@ def write_report(out_dir: str | Path, margin: float = CHANCE_MARGIN, include_cla
             f"Kind: {info.get('kind')}; main metric: `{info.get('main_metric')}` ({direction}); chance level: {_fmt(chance)}.",
             "",
         ]
+        if any("rouge_mean" in summary.aggregate(task, m, b) for m in summary.methods(task) for b in summary.budgets(task, m)):
+            lines += [
+                ("`rouge_mean` is the geometric mean of the item-averaged ROUGE-1, ROUGE-2 and ROUGE-L F1 (BUZZ's \"Mean "
+                 "ROUGE\"), so it is 0 whenever ROUGE-2 is 0; it has no per-item standard error."),
+                "",
+            ]
         near = summary.near_chance(task, margin)
         if near:
             lines += [
@@ -235,4 +358,4 @@ def write_report(out_dir: str | Path, margin: float = CHANCE_MARGIN, include_cla
     return text
 
 
-__all__ = ["write_report", "task_table", "plot_task", "claims_section"]
+__all__ = ["write_report", "task_table", "plot_task", "quality_figures", "paired_ratio_to_full", "claims_section"]
