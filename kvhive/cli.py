@@ -90,6 +90,7 @@ def command_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvhive.bench import SHAPES
     from kvhive.evaluation.cli import add_eval_arguments, add_report_arguments
     from kvhive.evaluation.kvhive_backend import make_backend
     from kvhive.methods.registry import policy_class
@@ -118,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.set_defaults(func=command_generate)
 
     bench = subparsers.add_parser("bench", help="prefill/compression/decode time and cache memory for one method")
-    bench.add_argument("--shape", default="kv-heavy", choices=("embedded", "kv-heavy", "llama3-8b"))
+    bench.add_argument("--shape", default="kv-heavy", choices=SHAPES,
+                       help=f"model: random-weight kv-heavy / llama3-8b shapes, or an embedded model ({DEFAULT_MODEL} = embedded)")
     bench.add_argument("--method", default="snapkv")
     bench.add_argument("--budget", type=_budget_argument, default="0.1")
     bench.add_argument("--context", type=int, default=8192)

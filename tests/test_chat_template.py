@@ -16,7 +16,12 @@ from kvhive.evaluation import read_results
 from kvhive.evaluation.kvhive_backend import KVHiveBackend
 from kvhive.evaluation.runner import run_eval
 from kvhive.evaluation.tasks import get_task
-from kvhive.evaluation.tasks.base import Item, Task, apply_chat_template, render_chat_prompt
+from kvhive.evaluation.tasks.base import (
+    Item,
+    Task,
+    apply_chat_template,
+    render_chat_prompt,
+)
 from kvhive.models import tiny_model, tiny_tokenizer
 
 # ChatML, the format of the Qwen models' template (reduced to what the tasks use).

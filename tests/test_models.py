@@ -387,3 +387,11 @@ def test_cli_defaults_read_the_single_default_model():
     parser = build_parser()
     assert parser.parse_args(["generate", "hi"]).model == DEFAULT_MODEL
     assert parser.parse_args(["eval", "--suite", "quick"]).model == DEFAULT_MODEL
+
+
+def test_bench_shapes_include_every_embedded_model():
+    from kvhive.bench import SHAPES
+    from kvhive.cli import build_parser
+
+    assert set(EMBEDDED_MODELS) <= set(SHAPES)
+    assert build_parser().parse_args(["bench", "--shape", "qwen2.5-0.5b"]).shape == "qwen2.5-0.5b"
