@@ -19,8 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from kvhive.api import make_cache
+from kvhive.models.embedded import EMBEDDED_MODELS
 
-SHAPES = ("embedded", "kv-heavy", "llama3-8b")
+# "embedded" is the default embedded model; an embedded model's name picks that one.
+SHAPES = ("embedded", *EMBEDDED_MODELS, "kv-heavy", "llama3-8b")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -34,8 +36,8 @@ def load_shape(shape: str, num_layers: int | None = None, device: str = "cpu", d
     """The model of a benchmark shape (random weights except ``embedded``)."""
     from kvhive import models
 
-    if shape == "embedded":
-        model, _ = models.load_model(models.DEFAULT_MODEL, dtype=dtype)
+    if shape == "embedded" or shape in models.EMBEDDED_MODELS:
+        model, _ = models.load_model(models.DEFAULT_MODEL if shape == "embedded" else shape, dtype=dtype)
     elif shape == "kv-heavy":
         model = models.kv_heavy_model(num_layers=num_layers or 4, dtype=dtype)
     elif shape == "llama3-8b":

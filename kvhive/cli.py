@@ -145,9 +145,11 @@ def command_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvhive.bench import SHAPES
     from kvhive.evaluation.cli import add_eval_arguments, add_report_arguments
     from kvhive.evaluation.kvhive_backend import make_backend
     from kvhive.methods.registry import policy_class
+    from kvhive.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS
 
     parser = argparse.ArgumentParser(prog="kvhive", description="KV-cache compression for Hugging Face causal LMs")
     subparsers = parser.add_subparsers(dest="command", required=True)
@@ -159,7 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate = subparsers.add_parser("generate", help="greedy generation with a compressed cache")
     generate.add_argument("prompt", nargs="?", help="the prompt text")
     generate.add_argument("--prompt-file", help="read the prompt from this file")
-    generate.add_argument("--model", default="gemma-3-270m", help="model name or path (default: the embedded Gemma-3-270M)")
+    generate.add_argument("--model", default=DEFAULT_MODEL,
+                          help=f"model name or path: {', '.join(EMBEDDED_MODELS)} (embedded; default {DEFAULT_MODEL}), "
+                          "a tiny-* test model, a local directory or .gguf file")
     generate.add_argument("--method", default="full", help="registry name (see `kvhive methods`)")
     generate.add_argument("--budget", type=_budget_argument, default=None,
                           help="tokens per head (integer >= 1) or a ratio of the prompt (float in (0, 1])")
@@ -172,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.set_defaults(func=command_generate)
 
     bench = subparsers.add_parser("bench", help="prefill/compression/decode time and cache memory for one method")
-    bench.add_argument("--shape", default="kv-heavy", choices=("embedded", "kv-heavy", "llama3-8b"))
+    bench.add_argument("--shape", default="kv-heavy", choices=SHAPES,
+                       help=f"model: random-weight kv-heavy / llama3-8b shapes, or an embedded model ({DEFAULT_MODEL} = embedded)")
     bench.add_argument("--method", default="snapkv")
     bench.add_argument("--budget", type=_budget_argument, default="0.1")
     bench.add_argument("--context", type=int, default=8192)

