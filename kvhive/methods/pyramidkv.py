@@ -31,10 +31,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
-from kvhive.methods.base import PREFILL, Policy, ScoringInputs, keep_top_scores, recent_mask, require
-from kvhive.methods.snapkv import SnapKVConfig, observation_scores
+from kvhive.methods.base import require
+from kvhive.methods.snapkv import SnapKV, SnapKVConfig
 
 
 def require_beta(beta: object) -> None:
@@ -100,21 +98,13 @@ class PyramidKVConfig(SnapKVConfig):
         require(isinstance(self.window_in_pyramid, bool), "window_in_pyramid", "True or False", self.window_in_pyramid)
 
 
-class PyramidKV(Policy):
+class PyramidKV(SnapKV):
+    """SnapKV inside each layer; only the layer budgets differ."""
+
     name = "pyramidkv"
-    phases = frozenset({PREFILL})
     config_class = PyramidKVConfig
     paper = "Cai et al. 2024, Sec. 3.3 (pyramidal layer budgets) with SnapKV selection"
-
-    def minimum_budget(self) -> int:
-        return self.config.window
 
     def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
         config = self.config
         return pyramid_budgets(budget, num_layers, config.beta, config.window, config.window_in_pyramid)
-
-    def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
-        config = self.config
-        scores = scoring.to_kv_heads(observation_scores(scoring, config.window, config.kernel, config.pooling))
-        window = recent_mask(scoring.num_tokens, config.window, scores)
-        return keep_top_scores(scores, budget, scoring.valid, forced=window)

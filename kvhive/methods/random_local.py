@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvhive.methods.base import (DECODE, PREFILL, Policy, PolicyConfig, ScoringInputs, keep_top_scores,
-                                 recent_mask, require, require_int_at_least, require_probability)
+from kvhive.methods.base import (DECODE, PREFILL, PolicyConfig, ScorerPolicy, ScoringInputs, recent_mask, require,
+                                 require_int_at_least, require_probability)
 
 PRIORITY = "random_priority"
 GENERATOR = "random_generator"
@@ -37,7 +37,7 @@ class RandomLocalConfig(PolicyConfig):
         require(self.seed < 2**63, "seed", "an integer in [0, 2**63)", self.seed)
 
 
-class RandomLocal(Policy):
+class RandomLocal(ScorerPolicy):
     name = "random"
     phases = frozenset({PREFILL, DECODE})
     config_class = RandomLocalConfig
@@ -77,13 +77,8 @@ class RandomLocal(Policy):
     def observe_decode(self, scoring: ScoringInputs, state: dict) -> None:
         self._priorities(scoring, state)
 
-    def _keep(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
-        priorities = self._priorities(scoring, state)
-        recent = recent_mask(scoring.num_tokens, self.recent_count(budget), priorities)
-        return keep_top_scores(priorities, budget, scoring.valid, forced=recent)
+    def score(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+        return self._priorities(scoring, state)
 
-    def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
-        return self._keep(scoring, budget, state)
-
-    def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
-        return self._keep(scoring, budget, state)
+    def protected(self, scoring: ScoringInputs, budget: int) -> torch.Tensor:
+        return recent_mask(scoring.num_tokens, self.recent_count(budget), scoring.valid)
