@@ -17,7 +17,7 @@ import torch
 from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
 from kvhive.cache.storage import LayerStore
-from kvhive.methods.base import DECODE, PREFILL, Policy, ScoringInputs
+from kvhive.methods.base import AUTO_HEADS, DECODE, PREFILL, QUERY_HEADS, Policy, ScoringInputs
 
 
 # Per-token RoPE position of a cached key under positions="cache" (kept aligned by the store).
@@ -201,6 +201,14 @@ class KVHiveCache(Cache):
         for index, layer_budget in self.layer_budgets.items():
             self.layers[index].budget = layer_budget
 
+    @property
+    def stores_query_heads(self) -> bool:
+        """Whether each query head stores its own copy of its group's keys/values (the policy's
+        ``head_granularity``: ``"query"``, or ``"auto"`` on a model with one KV head)."""
+        granularity = self.policy.head_granularity
+        return self.num_query_heads != self.num_kv_heads and (
+            granularity == QUERY_HEADS or (granularity == AUTO_HEADS and self.num_kv_heads == 1))
+
     def is_compressed(self, layer_index: int) -> bool:
         return layer_index in self.compressed_layers
 
@@ -227,7 +235,7 @@ class KVHiveCache(Cache):
                 # A decode-only method sees the prompt as a stream that already overflowed.
                 keep = self.policy.select_decode(scoring, budget, store.policy_state)
         self._store_token_scores(store, scoring)
-        if self.policy.head_granularity == "query":
+        if self.stores_query_heads:
             store.expand_to_query_heads(self.num_query_heads // self.num_kv_heads)
         if keep is not None:
             store.keep(keep, self._check_keep(keep, store, budget))

@@ -56,8 +56,9 @@ from typing import Any, ClassVar, Final, Literal
 
 import torch
 
-from kvhive.methods.base import (PREFILL, AUTO_HEADS, HeadGranularity, Policy, PolicyConfig, ScorerPolicy, ScoringInputs,
-                                 recent_mask, require_choice, require_probability)
+from kvhive.methods.base import (AUTO_HEADS, PREFILL, HeadGranularity, Policy, PolicyConfig, ScorerPolicy,
+                                 ScoringInputs, require_choice, require_probability)
+from kvhive.methods.snapkv import MEAN_THEN_POOL
 
 _PADDING_RANK = -1e30  # below every real score, above the entries already kept (-inf)
 
@@ -192,8 +193,8 @@ class AdaKVOptions(PolicyConfig):
     """Ada-KV's own parameters, added to the wrapped scorer's."""
 
     alpha: float = 0.5
-    allocation: Allocation = KVPRESS_ALLOCATION
-    head_granularity: HeadGranularity = "kv"
+    allocation: Allocation = AUTHORS_ALLOCATION
+    head_granularity: HeadGranularity = AUTO_HEADS
 
     def validate(self) -> None:
         require_probability(self.alpha, "alpha")
@@ -203,7 +204,7 @@ class AdaKVOptions(PolicyConfig):
 
 # Scorer parameters whose default differs under Ada-KV: the authors average a GQA group's
 # weights before pooling (``gqa_support``).
-_ADA_SCORER_DEFAULTS: dict[str, Any] = {}
+_ADA_SCORER_DEFAULTS: dict[str, Any] = {"group_pooling": MEAN_THEN_POOL}
 # Registry names of the Ada-KV combinations the paper ran (Algorithm 3): the others are kvhive's.
 PAPER_COMBINATIONS = {"snapkv": "Ada-SnapKV", "pyramidkv": "Ada-Pyramid"}
 
