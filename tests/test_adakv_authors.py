@@ -70,3 +70,23 @@ def test_authors_head_budgets_hand_checked():
     # b' = 4, alpha 0.5: the global top 8 gives f = (3, 5), floor 2: targets 3.5 and 4.5, rounded
     # half to even (torch.round, as the authors): 4 and 4, exact. kvpress's rule: 3 and 5.
     assert authors_head_budgets(scores, 4, 0.5).tolist() == [[4, 4]]
+
+
+def test_one_kv_head_model_allocates_per_query_head_by_default():
+    # Fails on the old default (per KV head): with one KV head Ada-SnapKV was SnapKV.
+    import kvhive
+    from kvhive.models import tiny_model
+
+    from helpers import left_padded_batch
+
+    model = tiny_model("llama", "gqa", num_key_value_heads=1)
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=40)
+    kept = {}
+    for method in ("ada-snapkv", "snapkv"):
+        cache = kvhive.make_cache(model, method, budget=12, window=4)
+        with torch.no_grad():
+            model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+        kept[method] = [cache.layers[i].lengths_host for i in cache.compressed_layers]
+    assert all(lengths.shape[1] == 4 for lengths in kept["ada-snapkv"])  # one entry per query head
+    assert all(lengths.shape[1] == 1 for lengths in kept["snapkv"])
+    assert any(len(set(lengths.flatten().tolist())) > 1 for lengths in kept["ada-snapkv"])  # heads differ

@@ -1,50 +1,41 @@
 """Ada-KV (Feng et al., 2024, "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget
-Allocation for Efficient LLM Inference"): adaptive head-wise budget allocation.
+Allocation for Efficient LLM Inference", arXiv:2407.11550): adaptive head-wise budget allocation
+over any score-based method (``ada-<scorer>``, like kvpress's ``AdaKVPress(press)``).
 
-Algorithm 2 (adaptive allocation) inside Algorithm 3 (Ada-SnapKV / Ada-Pyramid in one layer),
-as settled by METHODS.md "Ada-KV":
+Algorithm 2 (adaptive allocation) inside Algorithm 3 (Ada-SnapKV / Ada-Pyramid in one layer):
 
 * The layer's total budget is ``B = b × H`` (``b`` tokens per stored head on average, ``H``
-  stored heads). Every head keeps its recent window (the SnapKV observation window, or AhaKV's
-  recent budget ``B_r``), so the part left to allocate is ``B' = (b - w) × H``; with
-  ``b' = b - w`` the selectable budget of an average head.
-* **Safeguard** (Sec. 3.4, ``alpha = 0.5``): every head first keeps its own top
-  ``floor(alpha × b')`` keys.
-* **Adaptive part** (Algorithm 2): the remaining ``B' - H floor(alpha × b')`` entries go to the
-  largest scores across *all heads of the layer* (the safeguard picks excluded); a head's budget
-  ``B_i`` is how many of the layer's selected scores it owns.
-* The window is kept in every head on top of its ``B_i``.
+  stored heads). Every head keeps the scorer's protected tokens (SnapKV's observation window,
+  AhaKV's recent budget ``B_r``, StreamingLLM's sinks, ...), ``w`` per head, inside the budget, so
+  the part left to allocate is ``H × b'`` with ``b' = b - w``.
+* **Allocation as the authors' code** (``allocation="authors"``, default; FFY0/AdaKV
+  ``AdaptiveSnapKVCluster``): ``f_i`` = how many of the layer's global top ``H b'`` scores head
+  ``i`` owns; head budget ``B_i = round((1 - alpha) f_i + floor(alpha b'))`` (``alpha = 0.5``,
+  the safeguard of Sec. 3.4; ``torch.round``: half to even). The authors' rounding can miss the
+  layer total by a few tokens; kvhive settles the difference by largest remainder so a layer
+  keeps *exactly* ``b × H`` (:func:`authors_head_budgets`). Each head keeps its own top ``B_i``.
+* ``allocation="kvpress"``: kvpress's rule — each head first keeps its own top
+  ``floor(alpha b')``, the rest of ``H b'`` goes to the largest remaining scores over all heads
+  (:func:`adaptive_allocation`); Theorem 4 holds for it with the safeguard on.
 
-Window accounting (documented choice, as in the authors' code ``AdaptiveSnapKVCluster``, where
-``base_capacity = budget - window_size`` and ``floor_capacity = int(base_capacity × alpha)``):
-the window counts against the budget, so a layer keeps *exactly* ``b × H`` tokens per sequence
-(``H w`` window entries + ``H b'`` selected ones). Each head keeps at least
-``w + floor(alpha (b - w)) >= floor(alpha × b)`` tokens. With ``alpha = 1`` every head keeps
-exactly ``b`` and Ada-SnapKV is SnapKV. (The authors' code rescales the global top counts to
-``floor + (1 - alpha) × count``; METHODS.md's "own top floor first, then global top of the rest"
-is used here, which also makes Theorem 4 hold with the safeguard on.)
+Scores are compared across heads as the scorer gives them (for SnapKV/PyramidKV/AhaKV softmax
+attention weights, comparable across heads). On GQA with per-KV-head storage the authors average
+the group's window weights *before* pooling (``gqa_support``): the Ada-KV wrappers default to the
+scorer option ``group_pooling="mean_then_pool"`` where the scorer has it.
 
-Scores are compared across heads as softmax-normalised attention weights (every head's window
-rows sum to one): SnapKV's pooled observation-window weights for Ada-SnapKV / Ada-Pyramid, and
-AhaKV's step-gain-softmax recent accumulation times the normalised value prior for Ada-AhaKV.
-The allocation (:func:`adaptive_allocation`, :func:`ada_keep`) is vectorised over batch and
-heads (no Python loop over heads) and takes any scorer's ``[B, H, N]`` scores.
-
-Theorem 4 (App. A.5): for the same scores and total budget, the summed kept weight under the
-adaptive allocation is >= under the uniform one (the global top-k of the post-safeguard
-remainder dominates the per-head picks).
+**Head granularity** (``head_granularity``): ``"kv"`` allocates per KV head; ``"query"`` stores one
+copy of each KV head per query head (the cache grows by the group size before compression, as in
+the original Ada-KV runs on GQA models) and allocates per query head, the budget ``b`` then being
+per *query* head; ``"auto"`` (default) is ``"query"`` on a model with one KV head (Gemma-3-270M),
+where per-KV-head allocation has nothing to allocate across, and ``"kv"`` otherwise.
 
 **Storage**: heads keep different numbers of tokens; the cache stores them for real (variable
 per-head lengths, evicted entries freed) and decodes with its variable-length path.
 
-**Head granularity**: ``head_granularity="kv"`` (default) allocates per KV head. ``"query"``
-stores one copy of each KV head per query head (the cache grows by the group size before
-compression, as in the original Ada-KV runs on GQA models) and allocates per query head; the
-budget ``b`` is then per *query* head (``b × Hq`` per layer). On a model with one KV head
-(Gemma-3-270M) only ``"query"`` makes the allocation adaptive.
-
 Prefill phase only, as in the paper (Algorithm 3 runs after each layer's prefill); tokens
-generated afterwards are appended to every head.
+generated afterwards are appended to every head. Only ``ada-snapkv`` and ``ada-pyramidkv`` are
+the paper's methods; every other ``ada-<scorer>`` (``ada-ahakv`` included) is a kvhive combination
+and says so in :meth:`describe`.
 """
 
 from __future__ import annotations
