@@ -217,8 +217,8 @@ class AdaKV(Policy):
     def minimum_budget(self) -> int:
         return self.scorer.minimum_budget()
 
-    def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
-        return self.scorer.layer_budgets(budget, num_layers)
+    def layer_budgets(self, budget: int, num_layers: int, context_length: int | None = None) -> list[int]:
+        return self.scorer.layer_budgets(budget, num_layers, context_length)
 
     def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
         minimum = self.minimum_budget()

@@ -289,8 +289,10 @@ class Policy:
         """Smallest budget (tokens per head) the method can honour."""
         return 1
 
-    def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
-        """Per-layer budgets; uniform unless the method allocates across layers (PyramidKV)."""
+    def layer_budgets(self, budget: int, num_layers: int, context_length: int | None = None) -> list[int]:
+        """Per-layer budgets for one sequence of ``context_length`` real tokens (None: long enough
+        for any split); uniform unless the method allocates across layers (PyramidKV). The cache
+        calls it through ``kvhive.cache.budget.layer_budgets``."""
         return [budget] * num_layers
 
     # -- prefill -----------------------------------------------------------------------------
