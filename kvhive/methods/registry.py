@@ -29,6 +29,7 @@ _METHODS: dict[str, str] = {
     "subgen": "kvhive.methods.subgen:SubGen",
     "subgen-attention": "kvhive.methods.subgen_attention:SubGenAttention",
     "ahakv": "kvhive.methods.ahakv:AhaKV",
+    "vnorm": "kvhive.methods.vnorm:ValueNorm",  # kvhive example scorer (adding a method: this file + one line)
 }
 
 
