@@ -14,7 +14,6 @@ import kvhive
 
 from kvhive.methods import make_policy
 from kvhive.methods.adakv import AdaAhaKV, AdaPyramidKV, AdaSnapKV, ada_keep, adaptive_allocation, safeguard_count
-from kvhive.methods.ahakv import ahakv_scores
 from kvhive.methods.base import ScoringInputs, keep_top_scores
 from kvhive.methods.pyramidkv import pyramid_budgets
 from kvhive.models import TINY_ARCHITECTURES, TINY_ATTENTION_KINDS, load_model, tiny_model

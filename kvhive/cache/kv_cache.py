@@ -9,15 +9,20 @@ prefill is done and peak memory stays at one uncompressed layer.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Final, Literal
 
 import torch
 from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
 from kvhive.cache.budget import Budget, layer_budgets, minimum_budget_problem
 from kvhive.cache.storage import LayerStore
-from kvhive.methods.base import AUTO_HEADS, DECODE, PREFILL, QUERY_HEADS, Policy, ScoringInputs
+from kvhive.methods.base import AUTO_HEADS, DECODE, PREFILL, QUERY_HEADS, Policy, ScoringInputs, require_choice
 
+
+Positions = Literal["original", "cache"]
+"""Keys keep their true positions (``"original"``) or are re-indexed to contiguous ones (``"cache"``)."""
+ORIGINAL_POSITIONS: Final[Positions] = "original"
+CACHE_POSITIONS: Final[Positions] = "cache"
 
 # Per-token RoPE position of a cached key under positions="cache" (kept aligned by the store).
 ROPE_POSITION = "_rope_position"
@@ -68,7 +73,7 @@ class KVHiveCache(Cache):
 
     def __init__(self, config, policy: Policy, budget: Budget | int | float, *, compress_sliding: bool = False,
                  decode_every: int = 1, decode_slack: int = 0, record_prefill: bool = False,
-                 positions: str = "original", key_rotator=None) -> None:
+                 positions: Positions = ORIGINAL_POSITIONS, key_rotator=None) -> None:
         if isinstance(budget, (int, float)) and not isinstance(budget, bool):
             budget = Budget.parse(budget)
         if not isinstance(budget, Budget):
@@ -77,11 +82,10 @@ class KVHiveCache(Cache):
             raise ValueError(f"invalid decode_every={decode_every!r}: expected an integer >= 1")
         if isinstance(decode_slack, bool) or not isinstance(decode_slack, int) or decode_slack < 0:
             raise ValueError(f"invalid decode_slack={decode_slack!r}: expected an integer >= 0")
-        if positions not in ("original", "cache"):
-            raise ValueError(f"invalid positions={positions!r}: expected 'original' or 'cache'")
-        if positions == "cache" and key_rotator is None:
+        require_choice(positions, "positions", Positions)
+        if positions == CACHE_POSITIONS and key_rotator is None:
             raise ValueError("positions='cache' needs a key_rotator (use kvhive.make_cache)")
-        if positions == "cache" and type(policy).extra_attention is not Policy.extra_attention:
+        if positions == CACHE_POSITIONS and type(policy).extra_attention is not Policy.extra_attention:
             raise ValueError(f"positions='cache' is not supported by method {policy.name!r}: its estimator "
                              "keeps keys outside the cache that cannot be re-indexed")
         text_config = config.get_text_config(decoder=True)
@@ -253,7 +257,7 @@ class KVHiveCache(Cache):
 
     def _reindex(self, store: LayerStore) -> None:
         """Re-rotate kept keys to sit just before the next query's position."""
-        if self.positions != "cache" or store.num_stored == 0:
+        if self.positions != CACHE_POSITIONS or store.num_stored == 0:
             return
         keys, _, original_positions, scores = store.dense()
         length = keys.shape[2]
@@ -273,7 +277,7 @@ class KVHiveCache(Cache):
         store.rope_tokens_seen = store.tokens_seen
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        if self.positions == "cache":
+        if self.positions == CACHE_POSITIONS:
             return self.get_seq_length(layer_idx) + query_length, 0
         return super().get_mask_sizes(query_length, layer_idx)
 
@@ -322,7 +326,7 @@ class KVHiveCache(Cache):
         if layer_idx >= len(self.layers):
             return 0
         tokens_seen = self.layers[layer_idx].tokens_seen
-        if self.positions == "cache":
+        if self.positions == CACHE_POSITIONS:
             return self._next_position(tokens_seen)
         return tokens_seen
 

@@ -49,7 +49,9 @@ import torch
 
 from kvhive.methods.base import (AUTO_HEADS, PREFILL, HeadGranularity, Policy, PolicyConfig, ScorerPolicy,
                                  ScoringInputs, require_choice, require_probability)
-from kvhive.methods.snapkv import MEAN_THEN_POOL
+from kvhive.methods.ahakv import AhaKV
+from kvhive.methods.pyramidkv import PyramidKV
+from kvhive.methods.snapkv import MEAN_THEN_POOL, SnapKV
 
 _PADDING_RANK = -1e30  # below every real score, above the entries already kept (-inf)
 
@@ -286,10 +288,7 @@ def ada_class(scorer_class: type[ScorerPolicy]) -> type[AdaKV]:
                                            "config_class": config_class, "paper": paper, "__module__": __name__})
 
 
-from kvhive.methods.ahakv import AhaKV  # noqa: E402  (the registry's fixed names)
-from kvhive.methods.pyramidkv import PyramidKV  # noqa: E402
-from kvhive.methods.snapkv import SnapKV  # noqa: E402
-
+# The registry's fixed names (the paper's two combinations and kvhive's ada-ahakv).
 AdaSnapKV = ada_class(SnapKV)
 AdaPyramidKV = ada_class(PyramidKV)
 AdaAhaKV = ada_class(AhaKV)
