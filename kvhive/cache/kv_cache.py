@@ -14,7 +14,7 @@ from typing import Callable, Final, Literal
 import torch
 from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
-from kvhive.cache.budget import Budget, layer_budgets, minimum_budget_problem
+from kvhive.cache.budget import Budget, budget_label, layer_budgets, minimum_budget_problem
 from kvhive.cache.storage import LayerStore
 from kvhive.methods.base import AUTO_HEADS, DECODE, PREFILL, QUERY_HEADS, Policy, ScoringInputs, require_choice
 
@@ -377,7 +377,7 @@ class KVHiveCache(Cache):
         kept = self.kept_tokens()
         return {
             "method": self.policy.name,
-            "budget": str(self.budget),
+            "budget": budget_label(self.budget),  # "ratio 1" vs "1 tok", never the same string
             "layer_budgets": {str(k): v for k, v in self.layer_budgets.items()},
             "layer_budgets_per_row": {str(k): v for k, v in self.row_layer_budgets.items()},
             "tokens_seen": self.get_seq_length(),
