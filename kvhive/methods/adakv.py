@@ -238,8 +238,7 @@ class AdaKV(Policy):
             keep = ada_keep(scores, budget, window, self.config.alpha, scoring.valid, self.config.allocation)
         else:  # protected tokens anywhere (sinks): they rank first, the allocation sees the rest
             keep = self._keep_with_protected(scores, protected, budget, scoring.valid)
-        state["ada_head_budgets"] = keep.sum(dim=-1)
-        return keep
+        return keep  # head budgets: keep.sum(-1), held by the cache as its per-head lengths
 
     def _keep_with_protected(self, scores, protected, budget, valid) -> torch.Tensor:
         # Protected tokens are the same count in every head of a row (sinks, windows); the row
