@@ -14,7 +14,6 @@ import kvhive
 
 from kvhive.methods import make_policy
 from kvhive.methods.adakv import AdaAhaKV, AdaPyramidKV, AdaSnapKV, ada_keep, adaptive_allocation, safeguard_count
-from kvhive.methods.ahakv import ahakv_scores
 from kvhive.methods.base import ScoringInputs, keep_top_scores
 from kvhive.methods.pyramidkv import pyramid_budgets
 from kvhive.models import TINY_ARCHITECTURES, TINY_ATTENTION_KINDS, load_model, tiny_model
@@ -143,15 +142,48 @@ def _two_head_case():
 
 
 def test_ada_snapkv_kept_set_hand_checked():
-    # Budget 5, window 2: b' = 3, safeguard floor(1.5) = 1: head 0 keeps key 3, head 1 keeps key 9;
-    # the 4 remaining picks over both heads go to head 1 (keys 8, 7, 6, 5, weights ~0.1 each vs
-    # ~e^-20 for head 0's other keys). Head 0: 3 tokens, head 1: 7 tokens, 10 = 5 x 2 in all.
-    keep = AdaSnapKV(window=2, kernel=1).select_prefill(_two_head_case(), 5, {})
+    # Budget 5, window 2: b' = 3, safeguard floor(1.5) = 1. Head 0 attends almost only key 3
+    # (weight ~1), head 1 spreads ~0.1 over keys 0-9 (key 9 largest); head 0's other keys ~e^-20.
+    # kvpress's rule: each head keeps its own top 1 (head 0: key 3, head 1: key 9), the 4 other picks
+    # go to the largest remaining scores: head 1's keys 8, 7, 6, 5.
+    keep = AdaSnapKV(window=2, kernel=1, allocation="kvpress").select_prefill(_two_head_case(), 5, {})
     assert _kept_indices(keep[0, 0]) == [3, 10, 11]
     assert _kept_indices(keep[0, 1]) == [5, 6, 7, 8, 9, 10, 11]
+    # The authors' rule (default): the global top 6 are head 0's key 3 and head 1's keys 5-9, so
+    # f = (1, 5); B_i = round(0.5 f_i + 1) = round(1.5) = 2 and round(3.5) = 4 (half to even).
+    keep = AdaSnapKV(window=2, kernel=1).select_prefill(_two_head_case(), 5, {})
+    assert keep[0, 0].sum() == 2 + 2 and bool(keep[0, 0, 3])
+    assert _kept_indices(keep[0, 1]) == [6, 7, 8, 9, 10, 11]
     # SnapKV (uniform) would give head 0 three selected keys: two of them are wasted.
     uniform = make_policy("snapkv", window=2, kernel=1).select_prefill(_two_head_case(), 5, {})
     assert uniform.sum(-1).tolist() == [[5, 5]]
+
+
+def _authors_allocation_reference(scores, budget, window, alpha):
+    """A plain-Python reading of the authors' rule, independent of kvhive's vectorised one: the
+    global top ``H b'`` candidates give ``f_i``; ``B_i = round((1 - alpha) f_i + floor(alpha b'))``
+    (half to even), the total settled by largest remainder; each head keeps its own top ``B_i``."""
+    batch, heads, n = scores.shape
+    selectable = budget - window
+    floor = math.floor(alpha * selectable + 1e-9)
+    keep = torch.zeros(batch, heads, n, dtype=torch.bool)
+    keep[..., n - window:] = True
+    for b in range(batch):
+        entries = sorted(((float(scores[b, h, j]), h, j) for h in range(heads) for j in range(n - window)),
+                         reverse=True)
+        owned = [0] * heads
+        for _, h, _ in entries[:heads * selectable]:
+            owned[h] += 1
+        targets = [(1 - alpha) * f + floor for f in owned]
+        budgets = [round(t) for t in targets]  # Python's round is half to even, like torch.round
+        while sum(budgets) != heads * selectable:
+            step = 1 if sum(budgets) < heads * selectable else -1
+            head = max(range(heads), key=lambda i: ((targets[i] - budgets[i]) * step, -i))
+            budgets[head] += step
+        for h in range(heads):
+            order = sorted(range(n - window), key=lambda j: -float(scores[b, h, j]))
+            keep[b, h, order[:budgets[h]]] = True
+    return keep
 
 
 def test_ada_ahakv_allocates_over_ahakv_scores():
@@ -161,8 +193,9 @@ def test_ada_ahakv_allocates_over_ahakv_scores():
     values = torch.randn(2, 4, 96, 8, generator=generator)
     scoring = _scoring(queries, keys, values, scaling=8 ** -0.5)
     keep = AdaAhaKV(recent=8, alpha=0.25).select_prefill(scoring, 24, {})
-    expected = ada_keep(ahakv_scores(scoring, 24, recent=8, kernel=7), 24, 8, 0.25)
-    assert torch.equal(keep, expected)
+    # Reference: AhaKV's own scores (the registered method), allocated by the plain-Python rule.
+    scores = make_policy("ahakv", recent=8).score(_scoring(queries, keys, values, scaling=8 ** -0.5), 24, {})
+    assert torch.equal(keep, _authors_allocation_reference(scores, 24, 8, 0.25))
     assert (keep.sum(dim=(1, 2)) == 24 * 4).all()
     assert len(set(keep.sum(-1).flatten().tolist())) > 1  # heads with different concentration differ
 
@@ -324,7 +357,8 @@ def _compare_with_masked_reference(model, method, budget, input_ids, attention_m
     (("llama", "gqa"), "ada-snapkv", {"window": 4}),
     (("llama", "gqa"), "ada-snapkv", {"window": 4, "head_granularity": "query"}),
     (("qwen2", "mha"), "ada-pyramidkv", {"window": 4}),
-    (("qwen3", "gqa"), "ada-ahakv", {"recent": 4, "head_granularity": "query"}),
+    # alpha 0.2: with the authors' rounding (half to even) alpha 0.5 happens to give equal heads here.
+    (("qwen3", "gqa"), "ada-ahakv", {"recent": 4, "head_granularity": "query", "alpha": 0.2}),
     (("gemma3", "gqa"), "ada-snapkv", {"window": 4, "head_granularity": "query"}),
     (("mistral", "mha"), "ada-ahakv", {"recent": 4, "alpha": 0.0}),
 ], ids=["llama-gqa-kv", "llama-gqa-query", "qwen2-mha-pyramid", "qwen3-gqa-aha-query", "gemma3-gqa-query",

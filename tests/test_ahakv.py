@@ -191,7 +191,8 @@ def test_decode_adds_the_new_query_sg_softmax_to_the_running_score():
     previous = torch.rand(2, 2, stored, generator=generator)
     scoring.token_scores[SCORE] = previous.clone()
     policy = AhaKV(recent=4)
-    state = {"ahakv_budget": budget}
+    scoring.budget = budget  # the layer budget, set by the cache
+    state = {}
     policy.observe_decode(scoring, state)
     gain = math.sqrt(2 * math.log(seen / budget))
     logits = queries @ keys.repeat_interleave(2, dim=1).transpose(-1, -2)  # [2, 4, 1, stored]
@@ -237,7 +238,7 @@ def test_small_budget_prefill_and_50_decode_steps(models, variant):
         store = cache.layers[layer]
         assert (store.lengths == 12).all()  # exactly the budget in every head, after 50 evictions
         assert store.token_scores[SCORE].numel() == store.num_stored  # running scores stay aligned
-        assert store.policy_state["ahakv_budget"] == 12
+        assert store.policy_state["ahakv_scored_with"] == 12
 
 
 def test_decode_phase_evicts_once_the_budget_is_reached():
@@ -259,7 +260,7 @@ def test_decode_phase_evicts_once_the_budget_is_reached():
             logits.append(output.logits)
             for i in cache.compressed_layers:
                 assert (cache.layers[i].lengths == min(30, 25 + step)).all()
-                assert cache.layers[i].policy_state["ahakv_budget"] == 30
+                assert cache.layers[i].policy_state["ahakv_scored_with"] == 30
     assert torch.isfinite(torch.cat(logits)).all()
 
 

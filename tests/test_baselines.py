@@ -342,3 +342,59 @@ def test_phases():
     assert make_policy("tova").phases == {PREFILL, DECODE}
     assert make_policy("random").phases == {PREFILL, DECODE}
     assert make_policy("knorm").phases == {PREFILL}
+
+
+def _random_scoring(n: int, pad: int, batch_rows: int, token_scores=None) -> ScoringInputs:
+    keys = torch.zeros(batch_rows, 2, n, 4)
+    mask = torch.ones(batch_rows, 1, 1, n, dtype=torch.bool)
+    if pad:
+        mask[-1, ..., :pad] = False
+    return ScoringInputs(keys=keys, values=keys, queries=torch.zeros(batch_rows, 2, 1, 4),
+                         positions=torch.arange(n).expand(batch_rows, 2, n), mask=mask, scaling=1.0, layer_index=1,
+                         num_layers=2, sequence_length=n, phase="prefill", token_scores=dict(token_scores or {}))
+
+
+def test_random_row_draws_what_it_draws_alone():
+    # Fails on one generator per layer: the padded row's draws depended on the rows before it
+    # and on its padding.
+    from kvhive.methods.random_local import PRIORITY
+
+    policy = make_policy("random", seed=3)
+    batch_state, alone_state = {}, {}
+    batch = _random_scoring(20, pad=6, batch_rows=2)
+    alone = _random_scoring(14, pad=0, batch_rows=1)
+    kept_batch = policy.select_prefill(batch, 8, batch_state)
+    kept_alone = policy.select_prefill(alone, 8, alone_state)
+    assert torch.equal(kept_batch[1, :, 6:], kept_alone[0])
+    assert torch.equal(batch.token_scores[PRIORITY][1, :, 6:], alone.token_scores[PRIORITY][0])
+    # A decode step: one new token per row draws the same priority in the batch as alone.
+    new = torch.zeros(2, 2, 1)
+    batch_step = _random_scoring(21, pad=6, batch_rows=2,
+                                 token_scores={PRIORITY: torch.cat([batch.token_scores[PRIORITY], new], dim=-1)})
+    alone_step = _random_scoring(15, pad=0, batch_rows=1,
+                                 token_scores={PRIORITY: torch.cat([alone.token_scores[PRIORITY], new[:1]], dim=-1)})
+    policy.observe_decode(batch_step, batch_state)
+    policy.observe_decode(alone_step, alone_state)
+    assert torch.equal(batch_step.token_scores[PRIORITY][1, :, -1], alone_step.token_scores[PRIORITY][0, :, -1])
+
+
+def test_h2o_decode_adds_the_new_querys_attention_and_evicts_by_it():
+    # Kills observe_decode as a no-op: Algorithm 1 adds each new query's weights to the running
+    # scores, and the eviction follows the updated sums.
+    previous = torch.tensor([[[0.9, 0.2, 0.5, 0.1, 0.3, 0.0]]]).expand(1, 2, 6).clone()
+    weights = torch.full((1, 4, 6), 0.05)  # [B, Hq, N], group size 2
+    weights[:, :, 1] = 3.0  # the new query attends token 1 heavily (without it token 2 would stay)
+    weights[:, 1, 3] = 0.8  # one query head of the first group: mean 0.425 over the group
+    keys = torch.zeros(1, 2, 6, 4)
+    scoring = ScoringInputs(keys=keys, values=keys, queries=torch.zeros(1, 4, 1, 4),
+                            positions=torch.arange(6).expand(1, 2, 6), mask=None, scaling=1.0, layer_index=0,
+                            num_layers=1, sequence_length=6, phase="decode",
+                            token_scores={H2O_SCORE: previous.clone()}, last_query_weights=weights)
+    policy = make_policy("h2o")
+    policy.observe_decode(scoring, {})
+    expected = previous + torch.stack([weights[:, 0:2].mean(1), weights[:, 2:4].mean(1)], dim=1)
+    torch.testing.assert_close(scoring.token_scores[H2O_SCORE], expected)
+    # Budget 4: the recent 2 (tokens 4, 5) plus the 2 best sums: token 1 (0.2 + 3.0) and token 0
+    # (0.95); token 2 (0.55) and, in head 0, token 3 (0.1 + 0.425) go.
+    keep = policy.select_decode(scoring, 4, {})
+    assert [torch.nonzero(keep[0, h]).flatten().tolist() for h in range(2)] == [[0, 1, 4, 5], [0, 1, 4, 5]]

@@ -318,9 +318,3 @@ def test_cache_refuses_rollback():
         cache.layers[0].crop(-1)
 
 
-def test_layer_budgets_above_the_prompt_are_redistributed():
-    from kvhive.cache.kv_cache import _cap_and_redistribute
-
-    assert _cap_and_redistribute([684, 483, 281, 80], 509) == [509, 509, 430, 80]
-    assert sum(_cap_and_redistribute([684, 483, 281, 80], 509)) == 684 + 483 + 281 + 80
-    assert _cap_and_redistribute([10, 8, 6], 100) == [10, 8, 6]

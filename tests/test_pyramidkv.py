@@ -148,3 +148,34 @@ def test_small_budget_prefill_and_50_decode_steps(models, variant):
         # Exactly the layer's budget in every head and sequence after prefill (uniform within a
         # layer); prefill-only, so each of the 50 decode steps appended one token.
         assert (kept[layer] == cache.layer_budgets[layer] + 50).all(), (layer, kept[layer], cache.layer_budgets)
+
+
+# -- short prompts, as the reference code (issue: fail on the old "cap and push the excess on") ----
+
+def test_short_prompt_falls_back_to_uniform_budgets():
+    # n < 2 (b - w) = 80: every layer gets b, as the reference code's SnapKV branch.
+    assert pyramid_budgets(72, 5, 20.0, 32, context_length=79) == [72] * 5
+    assert pyramid_budgets(72, 5, 20.0, 32, context_length=50) == [72] * 5  # shorter than b: kept whole
+    assert PyramidKV().layer_budgets(72, 5, 79) == [72] * 5
+
+
+def test_prompt_below_the_first_layer_share_clamps_it_and_raises_the_last():
+    # b = 72, w = 32, n = 100: p_max = 78 >= n - w = 68 -> p_max = 68, p_min = 80 - 68 = 12, step 14:
+    # 32 + (68, 54, 40, 26, 12). The old rule capped at 100 and pushed the excess on:
+    # [100, 100, 73, 53, 34].
+    assert pyramid_budgets(72, 5, 20.0, 32, context_length=100) == [100, 86, 72, 58, 44]
+    # Long enough: the full pyramid.
+    assert pyramid_budgets(72, 5, 20.0, 32, context_length=200) == [110, 91, 72, 53, 34]
+
+
+def test_layer_budgets_use_each_rows_real_length():
+    model = tiny_model("llama", "gqa")  # 2 layers
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=80, pad=20)
+    cache = kvhive.make_cache(model, "pyramidkv", budget=40, window=4)
+    prefill_and_decode(model, cache, input_ids, attention_mask, steps=0)
+    # Row 0: 80 real tokens >= 2 (40 - 4): pyramid 4 + (70.2, 1.8) -> 74, 6. Row 1: 60 real tokens:
+    # uniform 40, 40 (on the padded length it got the pyramid too).
+    assert cache.row_layer_budgets == {0: [74, 40], 1: [6, 40]}
+    for layer, expected in ((0, [74, 40]), (1, [6, 40])):
+        lengths = cache.layers[layer].lengths_host
+        assert lengths.tolist() == [[expected[0]] * 2, [expected[1]] * 2]

@@ -154,11 +154,10 @@ def _prefill(module, cache: KVHiveCache, layer_index, query, key, value, mask, s
 def _prefill_scoring(cache: KVHiveCache, layer_index: int, query, mask, scaling):
     """A factory of the :class:`ScoringInputs` of one layer right after its prefill."""
     store = cache.layers[layer_index]
-    policy = cache.policy
 
     def make_scoring(phase: str) -> ScoringInputs:
         keys, values, positions, token_scores = store.dense()
-        if policy.head_granularity == "query" and cache.num_query_heads != keys.shape[1]:
+        if cache.stores_query_heads and cache.num_query_heads != keys.shape[1]:
             factor = cache.num_query_heads // keys.shape[1]
             keys = keys.repeat_interleave(factor, dim=1)
             values = values.repeat_interleave(factor, dim=1)

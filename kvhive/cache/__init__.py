@@ -1,6 +1,7 @@
 """Storage with per-head lengths, budgets and phases."""
 
-from kvhive.cache.kv_cache import Budget, KVHiveCache
+from kvhive.cache.budget import Budget, budget_label
+from kvhive.cache.kv_cache import KVHiveCache
 from kvhive.cache.storage import LayerStore
 
-__all__ = ["Budget", "KVHiveCache", "LayerStore"]
+__all__ = ["Budget", "KVHiveCache", "LayerStore", "budget_label"]

@@ -9,16 +9,20 @@ prefill is done and peak memory stays at one uncompressed layer.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Final, Literal
 
 import torch
 from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
+from kvhive.cache.budget import Budget, budget_label, layer_budgets, minimum_budget_problem
 from kvhive.cache.storage import LayerStore
-from kvhive.methods.base import DECODE, PREFILL, Policy, ScoringInputs
+from kvhive.methods.base import AUTO_HEADS, DECODE, PREFILL, QUERY_HEADS, Policy, ScoringInputs, require_choice
 
+
+Positions = Literal["original", "cache"]
+"""Keys keep their true positions (``"original"``) or are re-indexed to contiguous ones (``"cache"``)."""
+ORIGINAL_POSITIONS: Final[Positions] = "original"
+CACHE_POSITIONS: Final[Positions] = "cache"
 
 # Per-token RoPE position of a cached key under positions="cache" (kept aligned by the store).
 ROPE_POSITION = "_rope_position"
@@ -38,71 +42,11 @@ def active_update(keys: torch.Tensor) -> tuple[KVHiveCache | None, int | None]:
     return None, None
 
 
-@dataclass(frozen=True)
-class Budget:
-    """Tokens kept per head per layer (``tokens``) or a fraction of the prompt (``ratio``)."""
-
-    tokens: int | None = None
-    ratio: float | None = None
-
-    def __post_init__(self) -> None:
-        if (self.tokens is None) == (self.ratio is None):
-            raise ValueError("give exactly one of budget (tokens per head) or ratio (fraction of the context)")
-        if self.tokens is not None:
-            if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 1:
-                raise ValueError(f"invalid budget={self.tokens!r}: expected an integer >= 1 (tokens per head)")
-        if self.ratio is not None:
-            ratio = self.ratio
-            if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or math.isnan(ratio) or not 0 < ratio <= 1:
-                raise ValueError(f"invalid ratio={ratio!r}: expected a number in (0, 1]")
-
-    @classmethod
-    def parse(cls, value: int | float | str) -> Budget:
-        """``128`` → tokens, ``0.2`` → ratio (a float in (0, 1]; ``1.0`` is the whole context)."""
-        if isinstance(value, str):
-            text = value.strip()
-            try:
-                value = int(text)
-            except ValueError:
-                try:
-                    value = float(text)
-                except ValueError:
-                    raise ValueError(
-                        f"invalid budget={text!r}: expected tokens per head (integer >= 1) or a ratio in (0, 1]"
-                    ) from None
-        try:
-            if isinstance(value, float):
-                return cls(ratio=value)
-            return cls(tokens=value)
-        except ValueError:
-            raise ValueError(
-                f"invalid budget={value!r}: expected tokens per head (an integer >= 1) or a ratio (a float in (0, 1])"
-            ) from None
-
-    def resolve(self, context_length: int) -> int:
-        if self.tokens is not None:
-            return self.tokens
-        return max(1, round(self.ratio * context_length))
-
-    def __str__(self) -> str:
-        return str(self.tokens) if self.tokens is not None else f"{self.ratio:g}"
-
-
-def _cap_and_redistribute(budgets: list[int], context_length: int) -> list[int]:
-    """Cap layer budgets at the prompt length and give the excess to layers with room, so a
-    layer-wise allocation (PyramidKV) keeps its total on short prompts, as the PyramidKV
-    reference code does. Layers earlier in the list get the excess first."""
-    budgets = list(budgets)
-    excess = sum(max(0, b - context_length) for b in budgets)
-    budgets = [min(b, context_length) for b in budgets]
-    for index in range(len(budgets)):
-        if excess <= 0:
-            break
-        room = context_length - budgets[index]
-        given = min(room, excess)
-        budgets[index] += given
-        excess -= given
-    return budgets
+def _real_lengths(scoring: ScoringInputs) -> list[int]:
+    """Real (unpadded) tokens of each row: the keys some query of the prompt may attend."""
+    if scoring.mask is None:
+        return [scoring.num_tokens] * scoring.batch_size
+    return scoring.mask[:, 0].any(dim=-2).sum(dim=-1).tolist()
 
 
 class KVHiveCache(Cache):
@@ -129,7 +73,7 @@ class KVHiveCache(Cache):
 
     def __init__(self, config, policy: Policy, budget: Budget | int | float, *, compress_sliding: bool = False,
                  decode_every: int = 1, decode_slack: int = 0, record_prefill: bool = False,
-                 positions: str = "original", key_rotator=None) -> None:
+                 positions: Positions = ORIGINAL_POSITIONS, key_rotator=None) -> None:
         if isinstance(budget, (int, float)) and not isinstance(budget, bool):
             budget = Budget.parse(budget)
         if not isinstance(budget, Budget):
@@ -138,11 +82,10 @@ class KVHiveCache(Cache):
             raise ValueError(f"invalid decode_every={decode_every!r}: expected an integer >= 1")
         if isinstance(decode_slack, bool) or not isinstance(decode_slack, int) or decode_slack < 0:
             raise ValueError(f"invalid decode_slack={decode_slack!r}: expected an integer >= 0")
-        if positions not in ("original", "cache"):
-            raise ValueError(f"invalid positions={positions!r}: expected 'original' or 'cache'")
-        if positions == "cache" and key_rotator is None:
+        require_choice(positions, "positions", Positions)
+        if positions == CACHE_POSITIONS and key_rotator is None:
             raise ValueError("positions='cache' needs a key_rotator (use kvhive.make_cache)")
-        if positions == "cache" and type(policy).extra_attention is not Policy.extra_attention:
+        if positions == CACHE_POSITIONS and type(policy).extra_attention is not Policy.extra_attention:
             raise ValueError(f"positions='cache' is not supported by method {policy.name!r}: its estimator "
                              "keeps keys outside the cache that cannot be re-indexed")
         text_config = config.get_text_config(decoder=True)
@@ -160,46 +103,52 @@ class KVHiveCache(Cache):
         self.num_query_heads = text_config.num_attention_heads
         self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or self.num_query_heads
         self.compressed_layers = [i for i, layer in enumerate(self.layers) if compress_sliding or not layer.is_sliding]
+        # Per compressed layer: the largest row's budget, and every row's (they differ only when a
+        # layer-wise split depends on a row's real length).
         self.layer_budgets: dict[int, int] = {}
+        self.row_layer_budgets: dict[int, list[int]] = {}
         # Queries and masks of every layer's prefill, kept so one prefill can serve many methods.
         self.record_prefill = record_prefill
         self.prefill_records: dict[int, tuple] = {}
         self.positions = positions
         self.key_rotator = key_rotator
-        if budget.tokens is not None and budget.tokens < policy.minimum_budget():
-            raise ValueError(
-                f"invalid budget={budget.tokens} for method {policy.name!r}: it needs at least "
-                f"{policy.minimum_budget()} tokens per head ({policy.config})"
-            )
+        if budget.tokens is not None:
+            problem = minimum_budget_problem(policy, budget.tokens)
+            if problem is not None:
+                raise ValueError(problem)
 
-    # -- budgets -------------------------------------------------------------------------------
+    # -- budgets (rules in kvhive.cache.budget) ------------------------------------------------
     def budget_problem(self, context_length: int) -> str | None:
         """Why this cache's budget cannot be honoured on a prompt of ``context_length`` tokens
         (a ratio resolving below the method's minimum), or None when it can."""
-        base = self.budget.resolve(context_length)
-        minimum = self.policy.minimum_budget()
-        if base < minimum:
-            return (
-                f"invalid budget={base} for method {self.policy.name!r}: it needs at least {minimum} tokens per head "
-                f"({self.policy.config})"
-            )
-        return None
+        return minimum_budget_problem(self.policy, self.budget.resolve(context_length))
 
-    def _resolve_budgets(self, context_length: int) -> None:
+    def _resolve_budgets(self, context_length: int, row_lengths: list[int] | None = None) -> None:
+        """Layer budgets, once per cache. A ratio resolves on the prompt length ``context_length``
+        (the same for every row, so every row keeps the same count); a layer-wise split
+        (PyramidKV) is computed on each row's real, unpadded length ``row_lengths``."""
         if self.layer_budgets:
             return
         problem = self.budget_problem(context_length)
         if problem is not None:
             raise ValueError(problem)
-        base = self.budget.resolve(context_length)
-        per_layer = self.policy.layer_budgets(base, len(self.compressed_layers))
-        if len(set(per_layer)) > 1:
-            # Only an uneven split can lose budget on a short prompt; a uniform budget above the
-            # prompt must stay as given, since decoding grows the cache towards it.
-            per_layer = _cap_and_redistribute(per_layer, context_length)
-        self.layer_budgets = dict(zip(self.compressed_layers, per_layer))
-        for index, layer_budget in self.layer_budgets.items():
-            self.layers[index].budget = layer_budget
+        tokens = self.budget.resolve(context_length)
+        per_row = [layer_budgets(self.policy, tokens, len(self.compressed_layers), length)
+                   for length in (row_lengths or [context_length])]
+        self.row_layer_budgets = {layer: [row[i] for row in per_row] for i, layer in enumerate(self.compressed_layers)}
+        self.layer_budgets = {layer: max(budgets) for layer, budgets in self.row_layer_budgets.items()}
+
+    def _row_budgets(self, layer_index: int, batch_size: int) -> list[int]:
+        budgets = self.row_layer_budgets[layer_index]
+        return budgets if len(budgets) == batch_size else [self.layer_budgets[layer_index]] * batch_size
+
+    @property
+    def stores_query_heads(self) -> bool:
+        """Whether each query head stores its own copy of its group's keys/values (the policy's
+        ``head_granularity``: ``"query"``, or ``"auto"`` on a model with one KV head)."""
+        granularity = self.policy.head_granularity
+        return self.num_query_heads != self.num_kv_heads and (
+            granularity == QUERY_HEADS or (granularity == AUTO_HEADS and self.num_kv_heads == 1))
 
     def is_compressed(self, layer_index: int) -> bool:
         return layer_index in self.compressed_layers
@@ -212,26 +161,46 @@ class KVHiveCache(Cache):
             self._trim_sliding(store)
             self._reindex(store)
             return
-        self._resolve_budgets(store.tokens_seen)
-        budget = self.layer_budgets[layer_index]
         scoring = make_scoring(PREFILL)
-        scoring.budget = budget
+        self._resolve_budgets(store.tokens_seen, _real_lengths(scoring))
+        row_budgets = self._row_budgets(layer_index, scoring.batch_size)
+        scoring.budget = self.layer_budgets[layer_index]
         if DECODE in self.policy.phases:
             self.policy.initialize_decode(scoring, store.policy_state)
-            store.policy_state["decode_initialized"] = True
-        keep = None
-        if scoring.num_tokens > budget:
-            if PREFILL in self.policy.phases:
-                keep = self.policy.select_prefill(scoring, budget, store.policy_state)
-            elif DECODE in self.policy.phases:
-                # A decode-only method sees the prompt as a stream that already overflowed.
-                keep = self.policy.select_decode(scoring, budget, store.policy_state)
+        keep = self._select_prefill(scoring, row_budgets, store.policy_state)
         self._store_token_scores(store, scoring)
-        if self.policy.head_granularity == "query":
+        if self.stores_query_heads:
             store.expand_to_query_heads(self.num_query_heads // self.num_kv_heads)
         if keep is not None:
-            store.keep(keep, self._check_keep(keep, store, budget))
+            store.keep(keep, self._check_keep(keep, store, row_budgets))
         self._reindex(store)
+
+    def _select_prefill(self, scoring: ScoringInputs, row_budgets: list[int], state: dict) -> torch.Tensor | None:
+        """The policy's prefill decision, once per distinct row budget (one call unless rows of a
+        padded batch got different layer budgets); None when nothing is evicted."""
+        keep = None
+        for budget in sorted(set(row_budgets)):
+            if scoring.num_tokens <= budget:
+                continue
+            if PREFILL in self.policy.phases:
+                part = self.policy.select_prefill(scoring, budget, state)
+            elif DECODE in self.policy.phases:
+                # A decode-only method sees the prompt as a stream that already overflowed.
+                part = self.policy.select_decode(scoring, budget, state)
+            else:
+                part = None
+            if part is None:
+                continue
+            if len(set(row_budgets)) == 1:
+                return part
+            rows = torch.tensor([b == budget for b in row_budgets], device=part.device)
+            keep = part if keep is None else keep
+            keep = torch.where(rows[:, None, None], part, keep)
+        if keep is not None:
+            # Rows whose budget covers the prompt keep everything.
+            covered = torch.tensor([scoring.num_tokens <= b for b in row_budgets], device=keep.device)
+            keep = keep | covered[:, None, None]
+        return keep
 
     def after_decode(self, layer_index: int, make_scoring: Callable[[str], ScoringInputs]) -> None:
         """Keep the budget while decoding; the policy decides what goes."""
@@ -256,9 +225,7 @@ class KVHiveCache(Cache):
         budget = self.layer_budgets[layer_index]
         scoring = make_scoring(DECODE)
         scoring.budget = budget
-        if "decode_initialized" not in store.policy_state:
-            self.policy.initialize_decode(scoring, store.policy_state)
-            store.policy_state["decode_initialized"] = True
+        # initialize_decode ran in after_prefill (every layer's first forward is its prefill).
         self.policy.observe_decode(scoring, store.policy_state)
         self._store_token_scores(store, scoring)
         store.decode_steps_since_compression += 1
@@ -269,7 +236,7 @@ class KVHiveCache(Cache):
         self._store_token_scores(store, scoring)
         if keep is None:
             return
-        store.keep(keep, self._check_keep(keep, store, budget + self.decode_slack))
+        store.keep(keep, self._check_keep(keep, store, [budget + self.decode_slack] * keep.shape[0]))
         store.decode_steps_since_compression = 0
 
     # -- re-indexed positions ------------------------------------------------------------------
@@ -290,7 +257,7 @@ class KVHiveCache(Cache):
 
     def _reindex(self, store: LayerStore) -> None:
         """Re-rotate kept keys to sit just before the next query's position."""
-        if self.positions != "cache" or store.num_stored == 0:
+        if self.positions != CACHE_POSITIONS or store.num_stored == 0:
             return
         keys, _, original_positions, scores = store.dense()
         length = keys.shape[2]
@@ -310,7 +277,7 @@ class KVHiveCache(Cache):
         store.rope_tokens_seen = store.tokens_seen
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        if self.positions == "cache":
+        if self.positions == CACHE_POSITIONS:
             return self.get_seq_length(layer_idx) + query_length, 0
         return super().get_mask_sizes(query_length, layer_idx)
 
@@ -331,17 +298,19 @@ class KVHiveCache(Cache):
             return
         store.keep(store.stored_flat_positions() >= store.tokens_seen - store.sliding_window + 1)
 
-    def _check_keep(self, keep: torch.Tensor, store: LayerStore, budget: int) -> torch.Tensor:
+    def _check_keep(self, keep: torch.Tensor, store: LayerStore, row_budgets: list[int]) -> torch.Tensor:
         """Kept tokens per row ``[B, H]`` (read back once, on the host); refuses a mask over budget."""
         if keep.dtype != torch.bool:
             raise TypeError(f"{self.policy.name}: a keep mask must be boolean, got {keep.dtype}")
         counts = keep.sum(dim=-1).cpu()
-        kept_per_sequence = int(counts.reshape(counts.shape[0], -1).sum(-1).max())
-        allowed = budget * keep.shape[1]
-        if kept_per_sequence > allowed:
+        kept_per_sequence = counts.reshape(counts.shape[0], -1).sum(-1)
+        allowed = torch.tensor(row_budgets) * keep.shape[1]
+        over = kept_per_sequence > allowed
+        if bool(over.any()):
+            row = int(over.nonzero()[0])
             raise RuntimeError(
-                f"{self.policy.name} kept {kept_per_sequence} tokens per sequence in layer {store.layer_index}, "
-                f"over its budget of {allowed}"
+                f"{self.policy.name} kept {int(kept_per_sequence[row])} tokens per sequence in layer "
+                f"{store.layer_index}, over its budget of {int(allowed[row])}"
             )
         return counts
 
@@ -357,7 +326,7 @@ class KVHiveCache(Cache):
         if layer_idx >= len(self.layers):
             return 0
         tokens_seen = self.layers[layer_idx].tokens_seen
-        if self.positions == "cache":
+        if self.positions == CACHE_POSITIONS:
             return self._next_position(tokens_seen)
         return tokens_seen
 
@@ -408,8 +377,9 @@ class KVHiveCache(Cache):
         kept = self.kept_tokens()
         return {
             "method": self.policy.name,
-            "budget": str(self.budget),
+            "budget": budget_label(self.budget),  # "ratio 1" vs "1 tok", never the same string
             "layer_budgets": {str(k): v for k, v in self.layer_budgets.items()},
+            "layer_budgets_per_row": {str(k): v for k, v in self.row_layer_budgets.items()},
             "tokens_seen": self.get_seq_length(),
             "kept_tokens_total": int(sum(int(v.sum()) for v in kept.values())),
             "kept_tokens_per_layer": {str(i): v.tolist() for i, v in kept.items()},

@@ -54,7 +54,6 @@ class LayerStore(CacheLayerMixin):
         # Replication of each KV head when a policy stores one copy per query head.
         self.heads_per_kv_head = 1
         self.policy_state: dict = {}
-        self.budget: int | None = None
         self.decode_steps_since_compression = 0
         self.rope_tokens_seen = 0
         self._clear()

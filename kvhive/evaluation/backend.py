@@ -7,12 +7,13 @@ The harness (tasks, runner, report, claims) never imports model code: it talks t
 
 from __future__ import annotations
 
-import math
 import random
 import re
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence, runtime_checkable
+
+from kvhive.cache.budget import Budget
 
 __all__ = [
     "Setting",
@@ -100,21 +101,17 @@ class Backend(Protocol):
 def validate_budget(budget: Any) -> float | int:
     """Return ``budget`` if valid, else raise ValueError naming ``budgets`` and the accepted range.
 
-    Floats are ratios in (0, 1]; ints are token counts >= 1; NaN, infinities, bools, floats > 1
-    (use an int for a token budget) and non-numbers are rejected.
+    The rules are :class:`kvhive.cache.budget.Budget`'s; here ints are token budgets and floats
+    ratios (a float above 1, e.g. ``128.0``, is refused: use an int for a token budget).
     """
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
         raise ValueError(f"budgets: {budget!r} is not a number; accepted: {ACCEPTED_BUDGETS}")
-    if isinstance(budget, int):
-        if budget < 1:
-            raise ValueError(f"budgets: token budget {budget} < 1; accepted: {ACCEPTED_BUDGETS}")
-        return int(budget)
-    if math.isnan(budget) or math.isinf(budget):
-        raise ValueError(f"budgets: {budget!r} is not finite; accepted: {ACCEPTED_BUDGETS}")
-    if not 0.0 < budget <= 1.0:
-        hint = " (write token budgets as integers, e.g. 128)" if budget > 1 else ""
-        raise ValueError(f"budgets: ratio {budget!r} outside (0, 1]{hint}; accepted: {ACCEPTED_BUDGETS}")
-    return float(budget)
+    try:
+        parsed = Budget(tokens=budget) if isinstance(budget, int) else Budget(ratio=float(budget))
+    except ValueError as error:
+        hint = " (write token budgets as integers, e.g. 128)" if isinstance(budget, float) and budget > 1 else ""
+        raise ValueError(f"budgets: {error}{hint}; accepted: {ACCEPTED_BUDGETS}") from None
+    return parsed.tokens if parsed.tokens is not None else parsed.ratio
 
 
 def validate_budgets(budgets: Sequence[Any]) -> list[float | int]:
@@ -159,10 +156,8 @@ def budget_key(budget: float | int) -> str:
 
 
 def budget_to_tokens(budget: float | int, num_tokens: int) -> int:
-    """Tokens kept for ``budget`` on a sequence of ``num_tokens``: ints as given, ratios rounded (>= 1)."""
-    if isinstance(budget, int) and not isinstance(budget, bool):
-        return budget
-    return max(1, int(round(float(budget) * num_tokens)))
+    """Tokens kept for ``budget`` on a sequence of ``num_tokens`` (:meth:`Budget.resolve`)."""
+    return Budget.parse(budget).resolve(num_tokens)
 
 
 # --------------------------------------------------------------------------- fake model for tests

@@ -1,65 +1,64 @@
 """Ada-KV (Feng et al., 2024, "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget
-Allocation for Efficient LLM Inference"): adaptive head-wise budget allocation.
+Allocation for Efficient LLM Inference", arXiv:2407.11550): adaptive head-wise budget allocation
+over any score-based method (``ada-<scorer>``, like kvpress's ``AdaKVPress(press)``).
 
-Algorithm 2 (adaptive allocation) inside Algorithm 3 (Ada-SnapKV / Ada-Pyramid in one layer),
-as settled by METHODS.md "Ada-KV":
+Algorithm 2 (adaptive allocation) inside Algorithm 3 (Ada-SnapKV / Ada-Pyramid in one layer):
 
 * The layer's total budget is ``B = b × H`` (``b`` tokens per stored head on average, ``H``
-  stored heads). Every head keeps its recent window (the SnapKV observation window, or AhaKV's
-  recent budget ``B_r``), so the part left to allocate is ``B' = (b - w) × H``; with
-  ``b' = b - w`` the selectable budget of an average head.
-* **Safeguard** (Sec. 3.4, ``alpha = 0.5``): every head first keeps its own top
-  ``floor(alpha × b')`` keys.
-* **Adaptive part** (Algorithm 2): the remaining ``B' - H floor(alpha × b')`` entries go to the
-  largest scores across *all heads of the layer* (the safeguard picks excluded); a head's budget
-  ``B_i`` is how many of the layer's selected scores it owns.
-* The window is kept in every head on top of its ``B_i``.
+  stored heads). Every head keeps the scorer's protected tokens (SnapKV's observation window,
+  AhaKV's recent budget ``B_r``, StreamingLLM's sinks, ...), ``w`` per head, inside the budget, so
+  the part left to allocate is ``H × b'`` with ``b' = b - w``.
+* **Allocation as the authors' code** (``allocation="authors"``, default; FFY0/AdaKV
+  ``AdaptiveSnapKVCluster``): ``f_i`` = how many of the layer's global top ``H b'`` scores head
+  ``i`` owns; head budget ``B_i = round((1 - alpha) f_i + floor(alpha b'))`` (``alpha = 0.5``,
+  the safeguard of Sec. 3.4; ``torch.round``: half to even). The authors' rounding can miss the
+  layer total by a few tokens; kvhive settles the difference by largest remainder so a layer
+  keeps *exactly* ``b × H`` (:func:`authors_head_budgets`). Each head keeps its own top ``B_i``.
+* ``allocation="kvpress"``: kvpress's rule — each head first keeps its own top
+  ``floor(alpha b')``, the rest of ``H b'`` goes to the largest remaining scores over all heads
+  (:func:`adaptive_allocation`); Theorem 4 holds for it with the safeguard on.
 
-Window accounting (documented choice, as in the authors' code ``AdaptiveSnapKVCluster``, where
-``base_capacity = budget - window_size`` and ``floor_capacity = int(base_capacity × alpha)``):
-the window counts against the budget, so a layer keeps *exactly* ``b × H`` tokens per sequence
-(``H w`` window entries + ``H b'`` selected ones). Each head keeps at least
-``w + floor(alpha (b - w)) >= floor(alpha × b)`` tokens. With ``alpha = 1`` every head keeps
-exactly ``b`` and Ada-SnapKV is SnapKV. (The authors' code rescales the global top counts to
-``floor + (1 - alpha) × count``; METHODS.md's "own top floor first, then global top of the rest"
-is used here, which also makes Theorem 4 hold with the safeguard on.)
+Scores are compared across heads as the scorer gives them (for SnapKV/PyramidKV/AhaKV softmax
+attention weights, comparable across heads). On GQA with per-KV-head storage the authors average
+the group's window weights *before* pooling (``gqa_support``): the Ada-KV wrappers default to the
+scorer option ``group_pooling="mean_then_pool"`` where the scorer has it.
 
-Scores are compared across heads as softmax-normalised attention weights (every head's window
-rows sum to one): SnapKV's pooled observation-window weights for Ada-SnapKV / Ada-Pyramid, and
-AhaKV's step-gain-softmax recent accumulation times the normalised value prior for Ada-AhaKV.
-The allocation (:func:`adaptive_allocation`, :func:`ada_keep`) is vectorised over batch and
-heads (no Python loop over heads) and takes any scorer's ``[B, H, N]`` scores.
-
-Theorem 4 (App. A.5): for the same scores and total budget, the summed kept weight under the
-adaptive allocation is >= under the uniform one (the global top-k of the post-safeguard
-remainder dominates the per-head picks).
+**Head granularity** (``head_granularity``): ``"kv"`` allocates per KV head; ``"query"`` stores one
+copy of each KV head per query head (the cache grows by the group size before compression, as in
+the original Ada-KV runs on GQA models) and allocates per query head, the budget ``b`` then being
+per *query* head; ``"auto"`` (default) is ``"query"`` on a model with one KV head (Gemma-3-270M),
+where per-KV-head allocation has nothing to allocate across, and ``"kv"`` otherwise.
 
 **Storage**: heads keep different numbers of tokens; the cache stores them for real (variable
 per-head lengths, evicted entries freed) and decodes with its variable-length path.
 
-**Head granularity**: ``head_granularity="kv"`` (default) allocates per KV head. ``"query"``
-stores one copy of each KV head per query head (the cache grows by the group size before
-compression, as in the original Ada-KV runs on GQA models) and allocates per query head; the
-budget ``b`` is then per *query* head (``b × Hq`` per layer). On a model with one KV head
-(Gemma-3-270M) only ``"query"`` makes the allocation adaptive.
-
 Prefill phase only, as in the paper (Algorithm 3 runs after each layer's prefill); tokens
-generated afterwards are appended to every head.
+generated afterwards are appended to every head. Only ``ada-snapkv`` and ``ada-pyramidkv`` are
+the paper's methods; every other ``ada-<scorer>`` (``ada-ahakv`` included) is a kvhive combination
+and says so in :meth:`describe`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
-from dataclasses import dataclass
+from typing import Any, ClassVar, Final, Literal
 
 import torch
 
-from kvhive.methods.ahakv import ahakv_scores
-from kvhive.methods.base import PREFILL, Policy, PolicyConfig, ScoringInputs, require, require_int_at_least, require_probability
-from kvhive.methods.pyramidkv import pyramid_budgets, require_beta
-from kvhive.methods.snapkv import SnapKVConfig, observation_scores
+from kvhive.methods.base import (AUTO_HEADS, PREFILL, HeadGranularity, Policy, PolicyConfig, ScorerPolicy,
+                                 ScoringInputs, require_choice, require_probability)
+from kvhive.methods.ahakv import AhaKV
+from kvhive.methods.pyramidkv import PyramidKV
+from kvhive.methods.snapkv import MEAN_THEN_POOL, SnapKV
 
 _PADDING_RANK = -1e30  # below every real score, above the entries already kept (-inf)
+
+Allocation = Literal["authors", "kvpress"]
+"""How a layer's selectable budget is split across heads (module docstring)."""
+AUTHORS_ALLOCATION: Final[Allocation] = "authors"
+KVPRESS_ALLOCATION: Final[Allocation] = "kvpress"
 
 
 def safeguard_count(budget: int, alpha: float) -> int:
@@ -69,14 +68,13 @@ def safeguard_count(budget: int, alpha: float) -> int:
 
 def adaptive_allocation(scores: torch.Tensor, budget: int, alpha: float,
                         valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Ada-KV's Algorithm 2 with the safeguard, as a keep mask ``[B, H, M]``.
+    """kvpress's rule (``allocation="kvpress"``) as a keep mask ``[B, H, M]``.
 
     ``scores[B, H, M]``: comparable scores of the candidate keys of each head; ``budget``: the
     average number of candidates kept per head (``b'``). Every head keeps its own top
     ``floor(alpha × budget)``; the rest of the layer's ``H × budget`` goes to the largest
     remaining scores over all heads. Each batch row keeps exactly ``H × min(budget, M)``
-    entries; row ``(b, h)`` keeps ``keep[b, h].sum()`` (its allocated budget ``B_i``). Padding
-    (``valid`` False) ranks below every real key in every head.
+    entries. Padding (``valid`` False) ranks below every real key in every head.
     """
     batch, heads, candidates = scores.shape
     if budget >= candidates:
@@ -98,8 +96,64 @@ def adaptive_allocation(scores: torch.Tensor, budget: int, alpha: float,
     return keep
 
 
-def ada_keep(scores: torch.Tensor, budget: int, window: int, alpha: float,
+def authors_head_budgets(scores: torch.Tensor, budget: int, alpha: float,
+                         valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Head budgets ``[B, H]`` as the authors' ``AdaptiveSnapKVCluster`` computes them.
+
+    ``f_i`` = how many of the row's global top ``H × budget`` candidate scores head ``i`` owns;
+    ``B_i = round((1 - alpha) f_i + floor(alpha × budget))`` (round half to even, as
+    ``torch.round``). The authors' rounding can miss the layer total by a few entries; here the
+    difference is settled by largest remainder of the real targets (ties to the lower head index,
+    never past a head's candidates), so every row keeps exactly ``H × budget``.
+    """
+    batch, heads, candidates = scores.shape
+    ranking = scores.float()
+    if valid is not None:
+        ranking = torch.where(valid, ranking, torch.full_like(ranking, _PADDING_RANK))
+    chosen = ranking.reshape(batch, heads * candidates).topk(heads * budget, dim=-1).indices // candidates
+    owned = torch.zeros(batch, heads, dtype=torch.long, device=scores.device)
+    owned.scatter_add_(-1, chosen, torch.ones_like(chosen))
+    targets = owned.double() * (1 - alpha) + safeguard_count(budget, alpha)
+    budgets = torch.round(targets).long()
+    total = heads * budget
+    for row in range(batch):  # rare and host-side: only when the rounding missed the total
+        missing = total - int(budgets[row].sum())
+        while missing != 0:
+            step = 1 if missing > 0 else -1
+            room = budgets[row] < candidates if step > 0 else budgets[row] > 0
+            remainder = (targets[row] - budgets[row].double()) * step
+            order = sorted((i for i in range(heads) if room[i]), key=lambda i: (-float(remainder[i]), i))
+            for head in order[:abs(missing)]:
+                budgets[row, head] += step
+            missing = total - int(budgets[row].sum())
+    return budgets
+
+
+def keep_head_budgets(scores: torch.Tensor, head_budgets: torch.Tensor,
+                      valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Keep mask ``[B, H, M]``: head ``(b, h)`` keeps its own top ``head_budgets[b, h]`` scores."""
+    ranking = scores.float()
+    if valid is not None:
+        ranking = torch.where(valid, ranking, torch.full_like(ranking, _PADDING_RANK))
+    order = ranking.sort(dim=-1, descending=True).indices
+    rank_kept = torch.arange(scores.shape[-1], device=scores.device) < head_budgets[..., None]
+    return torch.zeros_like(rank_kept).scatter_(-1, order, rank_kept)
+
+
+def allocate(scores: torch.Tensor, budget: int, alpha: float, allocation: Allocation,
              valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Keep mask ``[B, H, M]`` over the candidates: ``H × min(budget, M)`` entries per row."""
+    if budget >= scores.shape[-1]:
+        return torch.ones_like(scores, dtype=torch.bool)
+    if budget <= 0:
+        return torch.zeros_like(scores, dtype=torch.bool)
+    if allocation == KVPRESS_ALLOCATION:
+        return adaptive_allocation(scores, budget, alpha, valid)
+    return keep_head_budgets(scores, authors_head_budgets(scores, budget, alpha, valid), valid)
+
+
+def ada_keep(scores: torch.Tensor, budget: int, window: int, alpha: float,
+             valid: torch.Tensor | None = None, allocation: Allocation = KVPRESS_ALLOCATION) -> torch.Tensor:
     """Keep mask ``[B, H, N]``: the last ``window`` tokens of every head plus the adaptive
     allocation of ``H × (budget - window)`` over the older tokens (see the module docstring).
 
@@ -110,108 +164,130 @@ def ada_keep(scores: torch.Tensor, budget: int, window: int, alpha: float,
         return torch.ones_like(scores, dtype=torch.bool)
     window = min(window, budget)
     older = num_tokens - window
-    keep_older = adaptive_allocation(
-        scores[..., :older], budget - window, alpha, None if valid is None else valid[..., :older]
-    )
+    keep_older = allocate(scores[..., :older], budget - window, alpha, allocation,
+                          None if valid is None else valid[..., :older])
     recent = torch.ones(*scores.shape[:-1], window, dtype=torch.bool, device=scores.device)
     return torch.cat([keep_older, recent], dim=-1)
 
 
-def _validate_ada(alpha: float, head_granularity: str) -> None:
-    require_probability(alpha, "alpha")
-    require(head_granularity in ("kv", "query"), "head_granularity", "'kv' or 'query'", head_granularity)
+def _protected_window(protected: torch.Tensor | None, num_tokens: int) -> int | None:
+    """The ``w`` when ``protected`` is exactly the last ``w`` tokens of every head (or None)."""
+    if protected is None:
+        return 0
+    counts = protected.sum(dim=-1)
+    window = int(counts.flatten()[0])
+    if not bool((counts == window).all()) or not bool(protected[..., num_tokens - window:].all()):
+        return None
+    return window
 
 
-@dataclass(frozen=True)
-class AdaSnapKVConfig(SnapKVConfig):
+@dataclasses.dataclass(frozen=True)
+class AdaKVOptions(PolicyConfig):
+    """Ada-KV's own parameters, added to the wrapped scorer's."""
+
     alpha: float = 0.5
-    head_granularity: str = "kv"
+    allocation: Allocation = AUTHORS_ALLOCATION
+    head_granularity: HeadGranularity = AUTO_HEADS
 
     def validate(self) -> None:
-        super().validate()
-        _validate_ada(self.alpha, self.head_granularity)
+        require_probability(self.alpha, "alpha")
+        require_choice(self.allocation, "allocation", Allocation)
+        require_choice(self.head_granularity, "head_granularity", HeadGranularity)
 
 
-@dataclass(frozen=True)
-class AdaPyramidKVConfig(AdaSnapKVConfig):
-    beta: float = 20.0
-    window_in_pyramid: bool = False
-
-    def validate(self) -> None:
-        super().validate()
-        require_beta(self.beta)
-        require(isinstance(self.window_in_pyramid, bool), "window_in_pyramid", "True or False", self.window_in_pyramid)
+# Scorer parameters whose default differs under Ada-KV: the authors average a GQA group's
+# weights before pooling (``gqa_support``).
+_ADA_SCORER_DEFAULTS: dict[str, Any] = {"group_pooling": MEAN_THEN_POOL}
+# Registry names of the Ada-KV combinations the paper ran (Algorithm 3): the others are kvhive's.
+PAPER_COMBINATIONS = {"snapkv": "Ada-SnapKV", "pyramidkv": "Ada-Pyramid"}
 
 
-@dataclass(frozen=True)
-class AdaAhaKVConfig(PolicyConfig):
-    recent: int = 32
-    kernel: int = 7
-    alpha: float = 0.5
-    head_granularity: str = "kv"
-
-    def validate(self) -> None:
-        require_int_at_least(self.recent, 1, "recent")
-        require_int_at_least(self.kernel, 1, "kernel")
-        require(self.kernel % 2 == 1, "kernel", "an odd integer (centred mean filter)", self.kernel)
-        _validate_ada(self.alpha, self.head_granularity)
-
-
-class _AdaKV(Policy):
-    """Shared prefill logic: score, then :func:`ada_keep` with the method's window."""
+class AdaKV(Policy):
+    """Ada-KV over a scorer (``scorer_class``): the scorer's protected tokens are kept in every
+    head, its scores of the other tokens are allocated across the heads of a layer."""
 
     phases = frozenset({PREFILL})
+    scorer_class: ClassVar[type[ScorerPolicy]]
 
     def __init__(self, config=None, **parameters) -> None:
         super().__init__(config, **parameters)
+        scorer_fields = [field.name for field in dataclasses.fields(self.scorer_class.config_class)]
+        self.scorer = self.scorer_class(**{name: getattr(self.config, name) for name in scorer_fields})
         # Read by the cache (expand storage to query heads) and the attention (scoring inputs).
         self.head_granularity = self.config.head_granularity
 
-    def _window(self) -> int:
-        return self.config.window
-
-    def _scores(self, scoring: ScoringInputs, budget: int) -> torch.Tensor:
-        config = self.config
-        return scoring.to_kv_heads(observation_scores(scoring, config.window, config.kernel, config.pooling))
-
     def minimum_budget(self) -> int:
-        return self._window()
+        return self.scorer.minimum_budget()
+
+    def layer_budgets(self, budget: int, num_layers: int, context_length: int | None = None) -> list[int]:
+        return self.scorer.layer_budgets(budget, num_layers, context_length)
 
     def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
-        window = self._window()
-        if budget < window:
-            raise ValueError(
-                f"invalid budget={budget}: {self.name} keeps a window of {window} tokens in every head inside the "
-                f"budget, so it must be >= {window}"
-            )
-        keep = ada_keep(self._scores(scoring, budget), budget, window, self.config.alpha, scoring.valid)
-        state["ada_head_budgets"] = keep.sum(dim=-1)
+        minimum = self.minimum_budget()
+        if budget < minimum:
+            raise ValueError(f"invalid budget={budget}: {self.name} needs at least {minimum} tokens per head")
+        # The scorer may leave running scores in token_scores: a prefill-only method stores none.
+        scores = self.scorer.score(dataclasses.replace(scoring, token_scores={}), budget,
+                                   state.setdefault("scorer", {}))
+        protected = self.scorer.protected(scoring, budget)
+        num_tokens = scoring.num_tokens
+        if protected is not None:
+            protected = protected.expand(scores.shape)
+        window = _protected_window(protected, num_tokens)
+        if window is not None:
+            keep = ada_keep(scores, budget, window, self.config.alpha, scoring.valid, self.config.allocation)
+        else:  # protected tokens anywhere (sinks): they rank first, the allocation sees the rest
+            keep = self._keep_with_protected(scores, protected, budget, scoring.valid)
+        return keep  # head budgets: keep.sum(-1), held by the cache as its per-head lengths
+
+    def _keep_with_protected(self, scores, protected, budget, valid) -> torch.Tensor:
+        # Protected tokens are the same count in every head of a row (sinks, windows); the row
+        # allocates H x (budget - count) over the rest.
+        counts = protected.sum(dim=-1)
+        keep = protected.clone()
+        for row in range(scores.shape[0]):
+            count = int(counts[row].max())
+            if not bool((counts[row] == count).all()):
+                raise ValueError(f"{self.name}: the scorer protects different numbers of tokens per head")
+            ranking = scores[row:row + 1].float().masked_fill(protected[row:row + 1], float("-inf"))
+            row_valid = valid[row:row + 1] & ~protected[row:row + 1]
+            chosen = allocate(ranking, max(0, budget - count), self.config.alpha, self.config.allocation, row_valid)
+            keep[row] |= chosen[0] & ~protected[row]
         return keep
 
 
-class AdaSnapKV(_AdaKV):
-    name = "ada-snapkv"
-    config_class = AdaSnapKVConfig
-    paper = "Feng et al. 2024, Algorithms 2-3 (Ada-SnapKV)"
+@functools.cache
+def ada_class(scorer_class: type[ScorerPolicy]) -> type[AdaKV]:
+    """The Ada-KV policy class over ``scorer_class`` (registry name ``ada-<scorer>``)."""
+    if not issubclass(scorer_class, ScorerPolicy):
+        raise ValueError(f"invalid method=ada-{scorer_class.name}: Ada-KV wraps a score-based method "
+                         "(a ScorerPolicy: score() plus protected tokens)")
+    base_config = scorer_class.config_class
+    base_fields = {field.name for field in dataclasses.fields(base_config)}
+    overrides = [(name, type(default), dataclasses.field(default=default))
+                 for name, default in _ADA_SCORER_DEFAULTS.items() if name in base_fields]
+    own = [(field.name, field.type, dataclasses.field(default=field.default))
+           for field in dataclasses.fields(AdaKVOptions)]
+
+    def validate(self) -> None:
+        base_config.validate(self)
+        AdaKVOptions.validate(self)
+
+    title = scorer_class.__name__
+    config_class = dataclasses.make_dataclass(f"Ada{title}Config", overrides + own, bases=(base_config,),
+                                              frozen=True, namespace={"validate": validate})
+    config_class.__module__ = __name__
+    paper_name = PAPER_COMBINATIONS.get(scorer_class.name)
+    if paper_name is not None:
+        paper = f"Feng et al. 2024, Algorithms 2-3 ({paper_name})"
+    else:
+        paper = (f"kvhive combination, not a paper method: Ada-KV allocation (Feng et al. 2024, Algorithm 2) "
+                 f"over {scorer_class.name} scores ({scorer_class.paper})")
+    return type(f"Ada{title}", (AdaKV,), {"name": f"ada-{scorer_class.name}", "scorer_class": scorer_class,
+                                           "config_class": config_class, "paper": paper, "__module__": __name__})
 
 
-class AdaPyramidKV(_AdaKV):
-    name = "ada-pyramidkv"
-    config_class = AdaPyramidKVConfig
-    paper = "Feng et al. 2024, Algorithms 2-3 (Ada-Pyramid)"
-
-    def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
-        config = self.config
-        return pyramid_budgets(budget, num_layers, config.beta, config.window, config.window_in_pyramid)
-
-
-class AdaAhaKV(_AdaKV):
-    name = "ada-ahakv"
-    config_class = AdaAhaKVConfig
-    paper = "Feng et al. 2024, Algorithm 2 over AhaKV scores (Gu et al. 2025, Eq. 5, 12, 15)"
-
-    def _window(self) -> int:
-        return self.config.recent
-
-    def _scores(self, scoring: ScoringInputs, budget: int) -> torch.Tensor:
-        return ahakv_scores(scoring, budget, self.config.recent, self.config.kernel)
+# The registry's fixed names (the paper's two combinations and kvhive's ada-ahakv).
+AdaSnapKV = ada_class(SnapKV)
+AdaPyramidKV = ada_class(PyramidKV)
+AdaAhaKV = ada_class(AhaKV)

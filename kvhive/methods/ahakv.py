@@ -40,11 +40,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvhive.methods.base import (DECODE, PREFILL, Policy, PolicyConfig, ScoringInputs, keep_top_scores, recent_mask,
-                                 require, require_int_at_least)
+from kvhive.methods.base import (DECODE, PREFILL, PolicyConfig, ScorerPolicy, ScoringInputs, recent_mask, require,
+                                 require_int_at_least)
 
 SCORE = "ahakv_running"
-_BUDGET_KEY = "ahakv_budget"
 
 
 def step_gain(num_tokens: int, budget: int) -> float:
@@ -108,31 +107,15 @@ class AhaKVConfig(PolicyConfig):
         require(self.kernel % 2 == 1, "kernel", "an odd integer (centred mean filter)", self.kernel)
 
 
-class AhaKV(Policy):
+class AhaKV(ScorerPolicy):
     name = "ahakv"
     phases = frozenset({PREFILL, DECODE})
     config_class = AhaKVConfig
     paper = "Gu et al. 2025, Algorithm 1 (Eq. 5, 12, 13-15)"
     needs_decode_attention = False  # the SG-softmax of the new query is recomputed from q and K
 
-    def __init__(self, config=None, **parameters) -> None:
-        super().__init__(config, **parameters)
-        # The cache tells a policy its budget through layer_budgets() (once per cache, right
-        # before the first prefill decision) and select_*(); initialize_decode/observe_decode do
-        # not receive it, but Eq. 12 needs k there too. See _budget().
-        self._resolved_budget: int | None = None
-
     def minimum_budget(self) -> int:
         return self.config.recent
-
-    def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
-        self._resolved_budget = budget
-        return [budget] * num_layers
-
-    def _budget(self, state: dict) -> int | None:
-        if _BUDGET_KEY not in state and self._resolved_budget is not None:
-            state[_BUDGET_KEY] = self._resolved_budget
-        return state.get(_BUDGET_KEY)
 
     def _check_budget(self, budget: int) -> None:
         if budget < self.config.recent:
@@ -141,37 +124,36 @@ class AhaKV(Policy):
                 f"inside the budget, so it must be >= {self.config.recent}"
             )
 
-    def _keep(self, scoring: ScoringInputs, scores: torch.Tensor, budget: int) -> torch.Tensor:
-        recent = recent_mask(scoring.num_tokens, self.config.recent, scores)
-        return keep_top_scores(scores, budget, scoring.valid, forced=recent)
+    @staticmethod
+    def _layer_budget(scoring: ScoringInputs) -> int:
+        """``k`` of Eq. 12 in the hooks without a budget argument: the layer budget the cache set
+        (without one, nothing is evicted, ``k = n`` and the step gain is 0)."""
+        return scoring.budget if scoring.budget is not None else scoring.sequence_length
 
     # -- prefill ---------------------------------------------------------------------------------
     def initialize_decode(self, scoring: ScoringInputs, state: dict) -> None:
         """``F_0 = S_hat`` over the prompt (Algorithm 1, line 19)."""
-        budget = self._budget(state)
-        if budget is None:  # no budget known (a cache that never resolved one): no step gain
-            budget = scoring.sequence_length
+        budget = self._layer_budget(scoring)
         scoring.token_scores[SCORE] = ahakv_scores(scoring, budget, self.config.recent, self.config.kernel)
         state["ahakv_scored_with"] = budget
 
-    def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+    def score(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+        """``S_hat`` in prefill (line 12), the running ``F_t`` in decode (line 28)."""
         self._check_budget(budget)
-        state[_BUDGET_KEY] = budget
-        if SCORE not in scoring.token_scores or state.get("ahakv_scored_with") != budget:
-            self.initialize_decode(scoring, state)
-        return self._keep(scoring, scoring.token_scores[SCORE], budget)
+        stale = scoring.phase == PREFILL and state.get("ahakv_scored_with") != budget
+        if SCORE not in scoring.token_scores or stale:
+            scoring.token_scores[SCORE] = ahakv_scores(scoring, budget, self.config.recent, self.config.kernel)
+            state["ahakv_scored_with"] = budget
+        return scoring.token_scores[SCORE]
+
+    def protected(self, scoring: ScoringInputs, budget: int) -> torch.Tensor:
+        return recent_mask(scoring.num_tokens, self.config.recent, scoring.valid)
 
     # -- decode ----------------------------------------------------------------------------------
     def observe_decode(self, scoring: ScoringInputs, state: dict) -> None:
         """``F_t = SG-softmax(A_t) + F_{t-1}`` over the stored keys (line 27)."""
-        budget = self._budget(state) or scoring.sequence_length
-        gain = step_gain(scoring.sequence_length, budget)
+        gain = step_gain(scoring.sequence_length, self._layer_budget(scoring))
         # Every query of this forward pass (one while generating token by token).
         new_rows = scoring.recent_accumulated_attention(scoring.num_queries, logit_multiplier=gain)
         running = scoring.token_scores[SCORE]
         running += scoring.to_kv_heads(new_rows).to(running.dtype)
-
-    def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
-        self._check_budget(budget)
-        state[_BUDGET_KEY] = budget
-        return self._keep(scoring, scoring.token_scores[SCORE], budget)

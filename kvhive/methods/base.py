@@ -10,12 +10,27 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final, Literal, get_args
 
 import torch
 
-PREFILL = "prefill"
-DECODE = "decode"
+Phase = Literal["prefill", "decode"]
+PREFILL: Final[Phase] = "prefill"
+DECODE: Final[Phase] = "decode"
+
+HeadGranularity = Literal["kv", "query", "auto"]
+"""Stored entry per KV head (``"kv"``), per query head (``"query"``: each query head keeps its own
+copy of its group's keys/values), or ``"auto"``: per query head on a model with one KV head (where
+per-KV-head allocation has nothing to allocate across), per KV head otherwise."""
+KV_HEADS: Final[HeadGranularity] = "kv"
+QUERY_HEADS: Final[HeadGranularity] = "query"
+AUTO_HEADS: Final[HeadGranularity] = "auto"
+
+
+def require_choice(value: Any, parameter: str, options: Any) -> None:
+    """Raise a ValueError naming ``parameter`` unless ``value`` is one of the ``Literal`` ``options``."""
+    accepted = get_args(options)
+    require(value in accepted, parameter, " or ".join(repr(option) for option in accepted), value)
 
 # Element count above which attention statistics are computed in query chunks, so that a long
 # prompt never materialises a full n x n probability tensor per head.
@@ -71,9 +86,11 @@ class ScoringInputs:
     layer_index: int
     num_layers: int
     sequence_length: int
-    phase: str
+    phase: Phase
     token_scores: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
-    budget: int | None = None  # this layer's budget (tokens per stored head), set by the cache
+    # This layer's budget (tokens per stored head), set by the cache from the same number it passes
+    # to ``select_*``; read only by hooks that have no budget argument (AhaKV's decode step gain).
+    budget: int | None = None
     last_query_weights: torch.Tensor | None = None
     _memo: dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict, repr=False)
 
@@ -248,8 +265,7 @@ class Policy:
     phases: ClassVar[frozenset[str]] = frozenset()
     config_class: ClassVar[type[PolicyConfig]] = PolicyConfig
     paper: ClassVar[str] = ""
-    # "kv": one stored entry per KV head; "query": one per query head (Ada-KV on 1-KV-head models).
-    head_granularity: str = "kv"
+    head_granularity: HeadGranularity = KV_HEADS  # see HeadGranularity (Ada-KV offers the others)
 
     def __init__(self, config: PolicyConfig | None = None, **parameters: Any) -> None:
         if config is not None and parameters:
@@ -273,8 +289,10 @@ class Policy:
         """Smallest budget (tokens per head) the method can honour."""
         return 1
 
-    def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
-        """Per-layer budgets; uniform unless the method allocates across layers (PyramidKV)."""
+    def layer_budgets(self, budget: int, num_layers: int, context_length: int | None = None) -> list[int]:
+        """Per-layer budgets for one sequence of ``context_length`` real tokens (None: long enough
+        for any split); uniform unless the method allocates across layers (PyramidKV). The cache
+        calls it through ``kvhive.cache.budget.layer_budgets``."""
         return [budget] * num_layers
 
     # -- prefill -----------------------------------------------------------------------------
@@ -315,6 +333,8 @@ class Policy:
 
     @classmethod
     def describe(cls) -> dict[str, Any]:
+        """Registry name, phases, the paper (or the label of a kvhive combination/example) and the
+        parameters with their defaults."""
         fields = dataclasses.fields(cls.config_class)
         return {
             "name": cls.name,
@@ -322,3 +342,33 @@ class Policy:
             "paper": cls.paper,
             "parameters": {field.name: field.default for field in fields},
         }
+
+
+class ScorerPolicy(Policy):
+    """A method that is "a score per token plus protected tokens" (modelled on kvpress's ScorerPress).
+
+    Subclasses implement :meth:`score` and, where they always keep some tokens (sinks, a recent
+    window), :meth:`protected`; selection in both phases comes from here: the protected tokens,
+    then the highest scores, exactly ``min(budget, N)`` per row, padding never kept while a row
+    has real tokens left (:func:`keep_top_scores`). Ada-KV (:mod:`kvhive.methods.adakv`) wraps
+    any scorer: it reads the same two methods and allocates the budget across heads instead.
+    """
+
+    def score(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+        """``[B, H, N]`` float scores of the stored tokens, higher = keep. ``budget`` is the layer's
+        budget (a score may depend on it: AhaKV's step gain)."""
+        raise NotImplementedError
+
+    def protected(self, scoring: ScoringInputs, budget: int) -> torch.Tensor | None:
+        """``[B, H, N]`` (or broadcastable) bool: tokens kept whatever their score; None = none."""
+        return None
+
+    def keep(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+        scores = self.score(scoring, budget, state)
+        return keep_top_scores(scores, budget, scoring.valid, forced=self.protected(scoring, budget))
+
+    def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+        return self.keep(scoring, budget, state)
+
+    def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+        return self.keep(scoring, budget, state)

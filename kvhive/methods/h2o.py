@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvhive.methods.base import (DECODE, PREFILL, Policy, PolicyConfig, ScoringInputs, keep_top_scores,
-                                 recent_mask, require_probability)
+from kvhive.methods.base import (DECODE, PREFILL, PolicyConfig, ScorerPolicy, ScoringInputs, recent_mask,
+                                 require_probability)
 
 SCORE = "h2o_accumulated"
 
@@ -26,7 +26,7 @@ class H2OConfig(PolicyConfig):
         require_probability(self.heavy_fraction, "heavy_fraction")
 
 
-class H2O(Policy):
+class H2O(ScorerPolicy):
     name = "h2o"
     phases = frozenset({PREFILL, DECODE})
     config_class = H2OConfig
@@ -43,13 +43,10 @@ class H2O(Policy):
         scores = scoring.token_scores[SCORE]
         scores += scoring.to_kv_heads(scoring.last_query_attention()).to(scores.dtype)
 
-    def _keep(self, scoring: ScoringInputs, budget: int) -> torch.Tensor:
-        scores = scoring.token_scores[SCORE]
-        recent = recent_mask(scoring.num_tokens, self._recent_count(budget), scores)
-        return keep_top_scores(scores, budget, scoring.valid, forced=recent)
+    def score(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+        if SCORE not in scoring.token_scores:  # prefill-only use (e.g. under Ada-KV): the prompt's sums
+            self.initialize_decode(scoring, state)
+        return scoring.token_scores[SCORE]
 
-    def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
-        return self._keep(scoring, budget)
-
-    def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
-        return self._keep(scoring, budget)
+    def protected(self, scoring: ScoringInputs, budget: int) -> torch.Tensor:
+        return recent_mask(scoring.num_tokens, self._recent_count(budget), scoring.valid)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvhive.methods.base import PREFILL, Policy, PolicyConfig, ScoringInputs, keep_top_scores
+from kvhive.methods.base import PREFILL, PolicyConfig, ScorerPolicy, ScoringInputs
 
 
 @dataclass(frozen=True)
@@ -22,12 +22,11 @@ class KNormConfig(PolicyConfig):
     pass
 
 
-class KNorm(Policy):
+class KNorm(ScorerPolicy):
     name = "knorm"
     phases = frozenset({PREFILL})
     config_class = KNormConfig
     paper = "Devoto et al. 2024, Sec. 4 (keep the keys with the lowest L2 norm)"
 
-    def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
-        norms = torch.linalg.vector_norm(scoring.keys.float(), dim=-1)  # [B, H, N]
-        return keep_top_scores(-norms, budget, scoring.valid)
+    def score(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+        return -torch.linalg.vector_norm(scoring.keys.float(), dim=-1)  # [B, H, N]

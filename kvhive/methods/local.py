@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvhive.methods.base import DECODE, PREFILL, Policy, PolicyConfig, ScoringInputs, keep_top_scores, recency
+from kvhive.methods.base import DECODE, PREFILL, PolicyConfig, ScorerPolicy, ScoringInputs, recency
 
 
 @dataclass(frozen=True)
@@ -14,14 +14,11 @@ class LocalConfig(PolicyConfig):
     pass
 
 
-class Local(Policy):
+class Local(ScorerPolicy):
     name = "local"
     phases = frozenset({PREFILL, DECODE})
     config_class = LocalConfig
     paper = "baseline: window attention (StreamingLLM, Xiao et al. 2023, Fig. 1b)"
 
-    def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
-        return keep_top_scores(recency(scoring.valid), budget, scoring.valid)
-
-    def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
-        return keep_top_scores(recency(scoring.valid), budget, scoring.valid)
+    def score(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+        return recency(scoring.valid)

@@ -20,10 +20,17 @@ which is never below the window and sums to ``b L``. With ``window_in_pyramid=Tr
 pyramid spans the whole budget instead (``b_min = b / beta`` including the window, the literal
 reading of METHODS.md); a layer whose budget would fall below the window is then an error.
 
+Short prompts, as the reference code (``PyramidKVCluster.update_kv`` in Zefan-Cai/PyramidKV), on
+each sequence's real (unpadded) length ``n``: if ``n < 2 (b - window)`` every layer gets the
+uniform budget ``b`` (SnapKV; a prompt shorter than ``b`` is kept whole); otherwise, if the first
+layer's share ``p_max`` exceeds what the prompt holds (``n - window``), it is clamped to
+``n - window`` and the last layer raised to ``p_min = 2 (b - window) - p_max``, the total
+unchanged. (The reference's integer steps ``(p_max - p_min) // (L - 1)`` are replaced by the
+exact-total rounding below.) With ``window_in_pyramid=True`` the same rule applies with the
+window inside the pyramid (``b`` for ``b - window``, ``n`` for ``n - window``).
+
 Integer budgets: the real-valued targets are rounded by the largest-remainder method, so the
-integer budgets sum *exactly* to ``b × L`` and stay non-increasing. The first layer's budget
-may exceed a short prompt (that layer then keeps everything); the total is a budget, as in the
-reference code without its prompt-length clamp. Prefill phase only, like SnapKV.
+integer budgets sum *exactly* to ``b × L`` and stay non-increasing. Prefill phase only, like SnapKV.
 """
 
 from __future__ import annotations
@@ -31,10 +38,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
-from kvhive.methods.base import PREFILL, Policy, ScoringInputs, keep_top_scores, recent_mask, require
-from kvhive.methods.snapkv import SnapKVConfig, observation_scores
+from kvhive.methods.base import require
+from kvhive.methods.snapkv import SnapKV, SnapKVConfig
 
 
 def require_beta(beta: object) -> None:
@@ -56,10 +61,12 @@ def _round_preserving_sum(targets: list[float], total: int) -> list[int]:
     return floors
 
 
-def pyramid_budgets(budget: int, num_layers: int, beta: float, window: int, window_in_pyramid: bool = False) -> list[int]:
+def pyramid_budgets(budget: int, num_layers: int, beta: float, window: int, window_in_pyramid: bool = False,
+                    context_length: int | None = None) -> list[int]:
     """Per-layer integer budgets, linear from the first to the last layer, summing to ``budget × L``.
 
-    See the module docstring for the formula and the window accounting.
+    See the module docstring for the formula, the window accounting and the short-prompt rule
+    (``context_length``: the sequence's real length; None = long enough for the full pyramid).
     """
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ValueError(f"invalid budget={budget!r}: expected an integer >= 1 (tokens per head)")
@@ -71,12 +78,23 @@ def pyramid_budgets(budget: int, num_layers: int, beta: float, window: int, wind
             f"invalid budget={budget}: PyramidKV keeps the observation window (window={window}) in every layer, "
             f"so the budget must be >= {window}"
         )
+    if context_length is not None:
+        require(isinstance(context_length, int) and not isinstance(context_length, bool) and context_length >= 1,
+                "context_length", "an integer >= 1 (real tokens of the sequence)", context_length)
     if num_layers == 1:
         return [budget]
     base = budget if window_in_pyramid else budget - window
     offset = 0 if window_in_pyramid else window
+    if context_length is not None and context_length < 2 * base:
+        # The reference code's short prompt: SnapKV's uniform budget in every layer.
+        return [budget] * num_layers
     smallest = base / beta
     largest = 2 * base - smallest
+    if context_length is not None and largest >= context_length - offset:
+        # The reference code clamps the first layer at what the prompt holds and raises the last
+        # by as much, so the total stays 2 x base per pair of layers.
+        largest = context_length - offset
+        smallest = 2 * base - largest
     step = (largest - smallest) / (num_layers - 1)
     targets = [offset + largest - layer * step for layer in range(num_layers)]
     budgets = _round_preserving_sum(targets, budget * num_layers)
@@ -100,21 +118,14 @@ class PyramidKVConfig(SnapKVConfig):
         require(isinstance(self.window_in_pyramid, bool), "window_in_pyramid", "True or False", self.window_in_pyramid)
 
 
-class PyramidKV(Policy):
+class PyramidKV(SnapKV):
+    """SnapKV inside each layer; only the layer budgets differ."""
+
     name = "pyramidkv"
-    phases = frozenset({PREFILL})
     config_class = PyramidKVConfig
     paper = "Cai et al. 2024, Sec. 3.3 (pyramidal layer budgets) with SnapKV selection"
 
-    def minimum_budget(self) -> int:
-        return self.config.window
-
-    def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
+    def layer_budgets(self, budget: int, num_layers: int, context_length: int | None = None) -> list[int]:
         config = self.config
-        return pyramid_budgets(budget, num_layers, config.beta, config.window, config.window_in_pyramid)
-
-    def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
-        config = self.config
-        scores = scoring.to_kv_heads(observation_scores(scoring, config.window, config.kernel, config.pooling))
-        window = recent_mask(scoring.num_tokens, config.window, scores)
-        return keep_top_scores(scores, budget, scoring.valid, forced=window)
+        return pyramid_budgets(budget, num_layers, config.beta, config.window, config.window_in_pyramid,
+                               context_length)

@@ -6,7 +6,8 @@ real tokens, independently per (batch row, head).
 
 Randomness is seeded and reproducible: every token gets one i.i.d. priority ``u ~ U(0, 1]`` when
 it enters the cache (``state["token_scores"]["random_priority"]``, kept aligned by the cache),
-drawn from a per-layer ``torch.Generator`` seeded with ``(seed, layer)``; the kept older tokens
+drawn from a ``torch.Generator`` per layer and batch row seeded with ``(seed, layer)`` (so a row of a
+padded batch draws exactly what it would draw alone: its real tokens in order); the kept older tokens
 are the ones with the highest priorities. Keeping the top-``r`` priorities of a stream is
 priority (bottom-k) sampling, so in decoding too the kept older tokens are at every step a
 uniform random ``r``-subset of all older tokens seen so far (not biased towards recent ones as
@@ -19,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvhive.methods.base import (DECODE, PREFILL, Policy, PolicyConfig, ScoringInputs, keep_top_scores,
-                                 recent_mask, require, require_int_at_least, require_probability)
+from kvhive.methods.base import (DECODE, PREFILL, PolicyConfig, ScorerPolicy, ScoringInputs, recent_mask, require,
+                                 require_int_at_least, require_probability)
 
 PRIORITY = "random_priority"
 GENERATOR = "random_generator"
@@ -37,7 +38,7 @@ class RandomLocalConfig(PolicyConfig):
         require(self.seed < 2**63, "seed", "an integer in [0, 2**63)", self.seed)
 
 
-class RandomLocal(Policy):
+class RandomLocal(ScorerPolicy):
     name = "random"
     phases = frozenset({PREFILL, DECODE})
     config_class = RandomLocalConfig
@@ -46,28 +47,30 @@ class RandomLocal(Policy):
     def recent_count(self, budget: int) -> int:
         return budget - int(budget * (1.0 - self.config.recent_fraction))
 
-    def _generator(self, scoring: ScoringInputs, state: dict) -> torch.Generator:
+    def _generators(self, scoring: ScoringInputs, state: dict) -> list[torch.Generator]:
+        """One generator per batch row, each seeded with ``(seed, layer)``: a row draws what it
+        would draw alone, whatever the rest of the batch."""
         if GENERATOR not in state:
             seed = (self.config.seed * 1_000_003 + scoring.layer_index) % 2**63
-            state[GENERATOR] = torch.Generator(device="cpu").manual_seed(seed)
+            state[GENERATOR] = [torch.Generator(device="cpu").manual_seed(seed) for _ in range(scoring.batch_size)]
         return state[GENERATOR]
 
-    def _draw(self, shape, scoring: ScoringInputs, state: dict) -> torch.Tensor:
-        uniform = torch.rand(shape, generator=self._generator(scoring, state), dtype=torch.float32)
-        return (1.0 - uniform).to(scoring.keys.device)  # in (0, 1]: 0 marks "not drawn yet"
-
     def _priorities(self, scoring: ScoringInputs, state: dict) -> torch.Tensor:
-        """Priorities for every stored token; tokens the cache appended since (filled with 0) draw now."""
-        shape = (scoring.batch_size, scoring.num_heads, scoring.num_tokens)
+        """Priorities for every stored token; real tokens not drawn yet (0) draw now, per row in
+        (head, token) order. Padding gets 1 once (never ranked: padding is never kept first)."""
         priorities = scoring.token_scores.get(PRIORITY)
         if priorities is None:
-            priorities = self._draw(shape, scoring, state)
-        else:
-            fresh = priorities == 0
-            count = int(fresh.sum())
-            if count:
-                priorities = priorities.clone()
-                priorities[fresh] = self._draw((count,), scoring, state)
+            valid = scoring.valid.expand(scoring.batch_size, scoring.num_heads, scoring.num_tokens)
+            priorities = (~valid).to(torch.float32)
+        fresh = priorities == 0
+        counts = fresh.sum(dim=(1, 2)).tolist()
+        if any(counts):
+            priorities = priorities.clone()
+            for row, (generator, count) in enumerate(zip(self._generators(scoring, state), counts)):
+                if count:
+                    uniform = torch.rand((count,), generator=generator, dtype=torch.float32)
+                    # in (0, 1]: 0 marks "not drawn yet"
+                    priorities[row][fresh[row]] = (1.0 - uniform).to(priorities.device)
         scoring.token_scores[PRIORITY] = priorities
         return priorities
 
@@ -77,13 +80,8 @@ class RandomLocal(Policy):
     def observe_decode(self, scoring: ScoringInputs, state: dict) -> None:
         self._priorities(scoring, state)
 
-    def _keep(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
-        priorities = self._priorities(scoring, state)
-        recent = recent_mask(scoring.num_tokens, self.recent_count(budget), priorities)
-        return keep_top_scores(priorities, budget, scoring.valid, forced=recent)
+    def score(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+        return self._priorities(scoring, state)
 
-    def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
-        return self._keep(scoring, budget, state)
-
-    def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
-        return self._keep(scoring, budget, state)
+    def protected(self, scoring: ScoringInputs, budget: int) -> torch.Tensor:
+        return recent_mask(scoring.num_tokens, self.recent_count(budget), scoring.valid)

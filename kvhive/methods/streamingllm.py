@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvhive.methods.base import (DECODE, PREFILL, Policy, PolicyConfig, ScoringInputs, first_real_tokens,
-                                 keep_top_scores, recency, require_int_at_least)
+from kvhive.methods.base import (DECODE, PREFILL, PolicyConfig, ScorerPolicy, ScoringInputs, first_real_tokens,
+                                 recency, require_int_at_least)
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,7 @@ class StreamingLLMConfig(PolicyConfig):
         require_int_at_least(self.sink, 0, "sink")
 
 
-class StreamingLLM(Policy):
+class StreamingLLM(ScorerPolicy):
     name = "streamingllm"
     phases = frozenset({PREFILL, DECODE})
     config_class = StreamingLLMConfig
@@ -28,12 +28,8 @@ class StreamingLLM(Policy):
     def minimum_budget(self) -> int:
         return self.config.sink + 1
 
-    def _keep(self, scoring: ScoringInputs, budget: int) -> torch.Tensor:
-        sinks = first_real_tokens(scoring.valid, self.config.sink)
-        return keep_top_scores(recency(scoring.valid), budget, scoring.valid, forced=sinks)
+    def score(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+        return recency(scoring.valid)
 
-    def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
-        return self._keep(scoring, budget)
-
-    def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
-        return self._keep(scoring, budget)
+    def protected(self, scoring: ScoringInputs, budget: int) -> torch.Tensor:
+        return first_real_tokens(scoring.valid, self.config.sink)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvhive.methods.base import DECODE, PREFILL, Policy, PolicyConfig, ScoringInputs, keep_top_scores
+from kvhive.methods.base import DECODE, PREFILL, PolicyConfig, ScorerPolicy, ScoringInputs
 
 
 @dataclass(frozen=True)
@@ -31,18 +31,12 @@ def layer_scores(scoring: ScoringInputs) -> torch.Tensor:
     return averaged.expand(scoring.batch_size, scoring.num_heads, scoring.num_tokens)
 
 
-class TOVA(Policy):
+class TOVA(ScorerPolicy):
     name = "tova"
     phases = frozenset({PREFILL, DECODE})
     config_class = TOVAConfig
     paper = "Oren et al. 2024, Sec. 3.3 (TOVA: drop the lowest current-query attention, averaged over heads)"
     needs_decode_attention = True
 
-    def _keep(self, scoring: ScoringInputs, budget: int) -> torch.Tensor:
-        return keep_top_scores(layer_scores(scoring), budget, scoring.valid)
-
-    def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
-        return self._keep(scoring, budget)
-
-    def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
-        return self._keep(scoring, budget)
+    def score(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+        return layer_scores(scoring)

@@ -1,0 +1,94 @@
+"""Budgets: what a user asks for (tokens per head or a ratio of the prompt), resolved to tokens
+per head and split across layers. The only place these rules live: the cache, the API, the CLI
+and the evaluation harness all use it.
+
+* :class:`Budget` — ``tokens`` (an int >= 1, tokens per stored head per layer) or ``ratio`` (a float
+  in (0, 1], of the prompt length), resolved by :meth:`Budget.resolve`.
+* :func:`minimum_budget_problem` — why a resolved budget is below what a method needs.
+* :func:`layer_budgets` — the per-layer budgets of a method (uniform unless it allocates across
+  layers, e.g. PyramidKV) for one sequence of a given real (unpadded) length.
+* :func:`budget_label` — how a budget is written in results and reports (``"ratio 0.2"``,
+  ``"40 tok"``), so a ratio never reads like a token count.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvhive.methods.base import Policy
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Tokens kept per head per layer (``tokens``) or a fraction of the prompt (``ratio``)."""
+
+    tokens: int | None = None
+    ratio: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.tokens is None) == (self.ratio is None):
+            raise ValueError("give exactly one of budget (tokens per head) or ratio (fraction of the context)")
+        if self.tokens is not None:
+            if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 1:
+                raise ValueError(f"invalid budget={self.tokens!r}: expected an integer >= 1 (tokens per head)")
+        if self.ratio is not None:
+            ratio = self.ratio
+            if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or math.isnan(ratio) or not 0 < ratio <= 1:
+                raise ValueError(f"invalid ratio={ratio!r}: expected a number in (0, 1]")
+
+    @classmethod
+    def parse(cls, value: int | float | str) -> Budget:
+        """``128`` → tokens, ``0.2`` → ratio (a float in (0, 1]; ``1.0`` is the whole context)."""
+        if isinstance(value, str):
+            text = value.strip()
+            try:
+                value = int(text)
+            except ValueError:
+                try:
+                    value = float(text)
+                except ValueError:
+                    raise ValueError(
+                        f"invalid budget={text!r}: expected tokens per head (integer >= 1) or a ratio in (0, 1]"
+                    ) from None
+        try:
+            if isinstance(value, float):
+                return cls(ratio=value)
+            return cls(tokens=value)
+        except ValueError:
+            raise ValueError(
+                f"invalid budget={value!r}: expected tokens per head (an integer >= 1) or a ratio (a float in (0, 1])"
+            ) from None
+
+    def resolve(self, context_length: int) -> int:
+        if self.tokens is not None:
+            return self.tokens
+        return max(1, round(self.ratio * context_length))
+
+    def __str__(self) -> str:
+        return str(self.tokens) if self.tokens is not None else f"{self.ratio:g}"
+
+
+def budget_label(budget: int | float | Budget) -> str:
+    """``"40 tok"`` for tokens per head, ``"ratio 0.2"`` for a ratio of the prompt."""
+    if not isinstance(budget, Budget):
+        budget = Budget.parse(budget)
+    return f"{budget.tokens} tok" if budget.tokens is not None else f"ratio {budget.ratio:g}"
+
+
+def minimum_budget_problem(policy: Policy, tokens: int) -> str | None:
+    """Why ``tokens`` per head is below what ``policy`` needs, or None."""
+    minimum = policy.minimum_budget()
+    if tokens < minimum:
+        return (f"invalid budget={tokens} for method {policy.name!r}: it needs at least {minimum} tokens per head "
+                f"({policy.config})")
+    return None
+
+
+def layer_budgets(policy: Policy, tokens: int, num_layers: int, context_length: int) -> list[int]:
+    """Per-layer budgets of ``policy`` for a budget of ``tokens`` per head on one sequence of
+    ``context_length`` real tokens (a layer-wise method may depend on it: PyramidKV's short-prompt rule)."""
+    budgets = list(policy.layer_budgets(tokens, num_layers, context_length))
+    if len(budgets) != num_layers or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in budgets):
+        raise ValueError(f"{policy.name}: layer_budgets must give {num_layers} integers >= 1, got {budgets}")
+    return budgets
