@@ -15,11 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
+from fake_backend import FakeBackend, FakeTokenizer
 
 from kvhive.evaluation import (
     CLAIMS,
-    FakeBackend,
-    FakeTokenizer,
     ResultsSummary,
     Setting,
     claims_grid,
@@ -450,7 +449,9 @@ import sys, types
 package = types.ModuleType("kvhive")
 package.__path__ = [sys.argv[4]]
 sys.modules["kvhive"] = package
-from kvhive.evaluation import FakeBackend, run_eval
+from kvhive.evaluation import run_eval
+sys.path.insert(0, sys.argv[5])
+from fake_backend import FakeBackend
 run_eval(FakeBackend(delay=float(sys.argv[2])), ["synthetic_recall:num_pairs=8", "ppl:num_tokens=48:window=16"],
          ["local", "snapkv", "streamingllm"], {"synthetic_recall": [0.25, 0.5], "ppl": [4, 8]}, 12, sys.argv[3],
          sys.argv[1], seed=0, progress=False)
@@ -459,7 +460,7 @@ run_eval(FakeBackend(delay=float(sys.argv[2])), ["synthetic_recall:num_pairs=8",
 
 def _run_script(out_dir, delay, data_dir):
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    arguments = [str(out_dir), str(delay), str(data_dir), str(REPO / "kvhive")]
+    arguments = [str(out_dir), str(delay), str(data_dir), str(REPO / "kvhive"), str(REPO / "tests")]
     return subprocess.Popen([sys.executable, "-c", RUNNER_SCRIPT, *arguments], cwd=REPO, env=env)
 
 
