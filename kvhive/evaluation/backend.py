@@ -14,6 +14,7 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 __all__ = [
     "Setting",
+    "SettingFailure",
     "Backend",
     "FULL_METHOD",
     "FULL_BUDGET",
@@ -46,6 +47,16 @@ class Setting:
     def label(self) -> str:
         """Short human-readable name, e.g. ``snapkv@0.2`` or ``h2o@128``."""
         return f"{self.method}@{budget_key(self.budget)}"
+
+
+@dataclass(frozen=True)
+class SettingFailure:
+    """What a backend returns, in place of a setting's output, when that setting produced no
+    valid output (e.g. the model's logits were not finite): the runner records the setting as
+    ``status="failed"`` with ``reason`` and scores nothing, while the other settings of the call
+    are recorded as usual."""
+
+    reason: str
 
 
 @runtime_checkable
@@ -86,6 +97,10 @@ class Backend(Protocol):
     # Optional: ``infeasible(setting, context_tokens) -> str | None`` says why a setting cannot run
     # on a context of that many tokens (e.g. a ratio resolving below the method's minimum budget);
     # the runner then records the setting as infeasible instead of calling the backend with it.
+    # Optional: ``not_applicable(setting, context_tokens, streaming) -> str | None`` says why a
+    # setting's method cannot keep its budget in the task's phase (a prefill-only method fed a
+    # stream token by token, ``streaming=True``); the runner records it as ``not_applicable``.
+    # Any output may be a :class:`SettingFailure` (recorded as ``failed``, never scored).
     # Optional: ``last_cache_sizes``, a list of dicts aligned with the settings of the last call
     # (e.g. ``{"mean_kept_per_head": ..., "final_kept_per_head": ...}``), stored as ``cache``.
 
