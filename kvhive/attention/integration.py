@@ -130,7 +130,9 @@ def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dr
     if compressed and policy.extra_attention(store.policy_state, query, scaling) is not None:
         raise RuntimeError(f"method {policy.name!r} adds estimated attention, which the variable-length "
                            "path does not support; keep its heads at equal lengths")
-    return _decode_variable_length(cache, layer_index, query, mask, scaling), None
+    output = _decode_variable_length(cache, layer_index, query, mask, scaling)
+    cache.after_variable_length_decode(layer_index)
+    return output, None
 
 
 def _prefill(module, cache: KVHiveCache, layer_index, query, key, value, mask, scaling, dropout, compressed, kwargs):

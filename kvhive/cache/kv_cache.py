@@ -214,6 +214,10 @@ class KVHiveCache(Cache):
             return
         self._resolve_budgets(store.tokens_seen)
         budget = self.layer_budgets[layer_index]
+        if self._window_within_budget(layer_index, store):
+            self._trim_sliding(store)
+            self._reindex(store)
+            return
         scoring = make_scoring(PREFILL)
         scoring.budget = budget
         if DECODE in self.policy.phases:
@@ -241,11 +245,18 @@ class KVHiveCache(Cache):
         finally:
             self._reindex(store)
 
+    def after_variable_length_decode(self, layer_index: int) -> None:
+        """After a decode step over a layer whose heads hold different counts (no policy step
+        there): a compressed sliding layer still never holds more than its window."""
+        if self.is_compressed(layer_index):
+            self._drop_outside_window(self.layers[layer_index])
+
     def _decode_step(self, layer_index: int, store: LayerStore, make_scoring) -> None:
-        if not self.is_compressed(layer_index):
+        if not self.is_compressed(layer_index) or self._window_within_budget(layer_index, store):
             self._trim_sliding(store)
             return
         if DECODE not in self.policy.phases:
+            self._drop_outside_window(store)  # a prefill-only method lets the layer grow
             return
         if not store.is_uniform:
             raise RuntimeError(
@@ -328,6 +339,20 @@ class KVHiveCache(Cache):
             # An uncompressed layer holds its tokens contiguously, newest last: drop the oldest
             # (host-side arithmetic, no device read-back).
             store.drop_oldest(store.dense_length - (store.sliding_window - 1))
+            return
+        store.keep(store.stored_flat_positions() >= store.tokens_seen - store.sliding_window + 1)
+
+    def _window_within_budget(self, layer_index: int, store: LayerStore) -> bool:
+        """A compressed sliding layer whose budget reaches its window: the window bounds it more
+        tightly than the budget, so it keeps exactly the window, as the model's own cache does
+        (the outputs are the same: tokens beyond the window are masked)."""
+        budget = self.layer_budgets.get(layer_index)
+        return store.is_sliding and budget is not None and budget >= store.sliding_window - 1
+
+    def _drop_outside_window(self, store: LayerStore) -> None:
+        """Forget tokens of a compressed sliding layer that no later query can attend, once it
+        holds more than its window (its heads may hold different positions)."""
+        if not store.is_sliding or store.num_stored == 0 or store.max_length <= store.sliding_window - 1:
             return
         store.keep(store.stored_flat_positions() >= store.tokens_seen - store.sliding_window + 1)
 
