@@ -95,6 +95,22 @@ def _gather_mask(mask: torch.Tensor | None, positions: torch.Tensor, tokens_seen
     return mask.expand(batch, heads, num_queries, mask.shape[-1]).gather(3, index)
 
 
+def _refuse_padding(model_mask: torch.Tensor | None, causal: torch.Tensor, layer_index: int) -> None:
+    """positions="cache" re-indexes every row to the same contiguous positions, which has no
+    place for padding: the rebuilt mask would let real tokens attend the padding (the padded
+    row's logits were off by 0.24 even with the full cache). Refuse instead of answering wrong."""
+    if model_mask is None:
+        return
+    masked = ~model_mask.expand_as(causal) & causal
+    if bool(masked.any()):
+        rows = sorted({int(r) for r in masked.nonzero()[:, 0].tolist()})
+        raise ValueError(
+            f"positions='cache' does not support padded batches: the attention mask hides tokens of row(s) {rows} "
+            f"(layer {layer_index}); run rows of equal length without padding (or one at a time), or use "
+            "positions='original'"
+        )
+
+
 def _row_logit_scale(policy, key_counts: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
     scale = policy.logit_scale(key_counts)
     if scale is None:
@@ -117,6 +133,8 @@ def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dr
     if cache.positions == "cache":
         # transformers built its mask over re-indexed positions; rebuild it over true positions.
         mask = _full_mask(None, batch, num_queries, store.tokens_seen, store.sliding_window, query.device)
+        if store.tokens_seen == num_queries:
+            _refuse_padding(_model_mask(attention_mask), mask, layer_index)
     else:
         mask = _model_mask(attention_mask)
     compressed = cache.is_compressed(layer_index)
