@@ -58,6 +58,27 @@ def register() -> None:
     AttentionMaskInterface.register(ATTENTION_NAME, kvhive_mask)
 
 
+def check_reused_caches(model) -> None:
+    """Make ``model.generate`` show a :class:`KVHiveCache` the full token sequence before each
+    step (transformers passes the model only the tokens the cache has not seen), so a reused
+    cache refuses a prompt that does not continue it. Idempotent; other caches are untouched."""
+    if getattr(model, "_kvhive_checks_reuse", False):
+        return
+    prepare = model.prepare_inputs_for_generation
+
+    def prepare_inputs_for_generation(input_ids, *args, **kwargs):
+        cache = kwargs.get("past_key_values")
+        if isinstance(cache, KVHiveCache) and cache.positions == "original":
+            new_tokens = kwargs.get("next_sequence_length")
+            if new_tokens is None and not cache.get_seq_length():
+                new_tokens = input_ids.shape[-1]
+            cache.check_generation_inputs(input_ids, bool(kwargs.get("is_first_iteration")), new_tokens)
+        return prepare(input_ids, *args, **kwargs)
+
+    model.prepare_inputs_for_generation = prepare_inputs_for_generation
+    model._kvhive_checks_reuse = True
+
+
 def _model_mask(attention_mask):
     """The model's mask as boolean (True = may attend), or None."""
     if attention_mask is not None and attention_mask.dtype != torch.bool:
@@ -125,6 +146,7 @@ def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dr
         with _backends(query.device):
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, **kwargs)
+    cache.check_attention_module(layer_index, module)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     store = cache.layers[layer_index]

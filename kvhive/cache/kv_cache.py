@@ -10,6 +10,8 @@ prefill is done and peak memory stays at one uncompressed layer.
 from __future__ import annotations
 
 import math
+import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,6 +26,11 @@ from kvhive.methods.base import DECODE, PREFILL, Policy, ScoringInputs
 ROPE_POSITION = "_rope_position"
 
 _LAST_UPDATE: dict = {"cache": None, "layer": None, "keys": None}
+
+
+class BudgetNotKeptWarning(UserWarning):
+    """A cache holds more than its budget because its method cannot compress in this phase
+    (a prefill-only method fed token by token, or decoding past a prompt that fit the budget)."""
 
 
 def active_update(keys: torch.Tensor) -> tuple[KVHiveCache | None, int | None]:
@@ -138,6 +145,10 @@ class KVHiveCache(Cache):
             raise ValueError(f"invalid decode_every={decode_every!r}: expected an integer >= 1")
         if isinstance(decode_slack, bool) or not isinstance(decode_slack, int) or decode_slack < 0:
             raise ValueError(f"invalid decode_slack={decode_slack!r}: expected an integer >= 0")
+        if not isinstance(compress_sliding, bool):
+            raise ValueError(f"invalid compress_sliding={compress_sliding!r}: expected True or False")
+        if not isinstance(record_prefill, bool):
+            raise ValueError(f"invalid record_prefill={record_prefill!r}: expected True or False")
         if positions not in ("original", "cache"):
             raise ValueError(f"invalid positions={positions!r}: expected 'original' or 'cache'")
         if positions == "cache" and key_rotator is None:
@@ -166,6 +177,14 @@ class KVHiveCache(Cache):
         self.prefill_records: dict[int, tuple] = {}
         self.positions = positions
         self.key_rotator = key_rotator
+        # Layers a prefill-only method cut at prefill, and whether the growth past the budget of
+        # a layer it never cut was reported (once per cache).
+        self._cut_at_prefill: set[int] = set()
+        self._warned_budget_not_kept = False
+        # Reuse checks: the attention module of each layer, and the token ids generate fed.
+        self._attention_modules: dict[int, weakref.ref] = {}
+        self._generated_ids: torch.Tensor | None = None
+        self._unattended_update: int | None = None  # a layer updated whose attention has not run yet
         if budget.tokens is not None and budget.tokens < policy.minimum_budget():
             raise ValueError(
                 f"invalid budget={budget.tokens} for method {policy.name!r}: it needs at least "
@@ -176,13 +195,19 @@ class KVHiveCache(Cache):
     def budget_problem(self, context_length: int) -> str | None:
         """Why this cache's budget cannot be honoured on a prompt of ``context_length`` tokens
         (a ratio resolving below the method's minimum), or None when it can."""
-        base = self.budget.resolve(context_length)
         minimum = self.policy.minimum_budget()
-        if base < minimum:
-            return (
-                f"invalid budget={base} for method {self.policy.name!r}: it needs at least {minimum} tokens per head "
-                f"({self.policy.config})"
-            )
+        if self.budget.tokens is not None:
+            if self.budget.tokens < minimum:
+                return (f"invalid budget={self.budget.tokens} for method {self.policy.name!r}: it needs at least "
+                        f"{minimum} tokens per head ({self.policy.config})")
+            return None
+        # Name the ratio the user gave (not the token count it became), and never raise a ratio
+        # resolving to 0 tokens silently to 1.
+        tokens = round(self.budget.ratio * context_length)
+        if tokens < max(1, minimum):
+            return (f"invalid budget: ratio={self.budget.ratio:g} of a {context_length}-token prompt is {tokens} "
+                    f"tokens per head; method {self.policy.name!r} needs at least {max(1, minimum)} tokens per head "
+                    f"({self.policy.config})")
         return None
 
     def _resolve_budgets(self, context_length: int) -> None:
@@ -235,6 +260,7 @@ class KVHiveCache(Cache):
             store.expand_to_query_heads(self.num_query_heads // self.num_kv_heads)
         if keep is not None:
             store.keep(keep, self._check_keep(keep, store, budget))
+            self._cut_at_prefill.add(layer_index)
         self._reindex(store)
 
     def after_decode(self, layer_index: int, make_scoring: Callable[[str], ScoringInputs]) -> None:
@@ -244,6 +270,24 @@ class KVHiveCache(Cache):
             self._decode_step(layer_index, store, make_scoring)
         finally:
             self._reindex(store)
+
+    def _warn_budget_not_kept(self, layer_index: int, store: LayerStore) -> None:
+        """Warn (once per cache) when a prefill-only method holds more than its budget without
+        ever having compressed this layer: a token-by-token stream, or a prompt that fit the
+        budget, gets no compression at all, so the cache is the full cache under the method's name."""
+        budget = self.layer_budgets.get(layer_index)
+        if (self._warned_budget_not_kept or budget is None or layer_index in self._cut_at_prefill
+                or store.max_length <= budget):
+            return
+        self._warned_budget_not_kept = True
+        phases = ", ".join(sorted(self.policy.phases))
+        warnings.warn(
+            f"method {self.policy.name!r} compresses only in phase(s) {phases}: layer {layer_index} now holds "
+            f"{store.max_length} tokens, over its budget of {budget}, and was never compressed (fed token by token, "
+            "or the prompt fit the budget); use a method with a decode phase (e.g. h2o, tova, streamingllm) to "
+            "keep a budget while streaming",
+            BudgetNotKeptWarning, stacklevel=2,
+        )
 
     def after_variable_length_decode(self, layer_index: int) -> None:
         """After a decode step over a layer whose heads hold different counts (no policy step
@@ -257,6 +301,7 @@ class KVHiveCache(Cache):
             return
         if DECODE not in self.policy.phases:
             self._drop_outside_window(store)  # a prefill-only method lets the layer grow
+            self._warn_budget_not_kept(layer_index, store)
             return
         if not store.is_uniform:
             raise RuntimeError(
@@ -347,7 +392,9 @@ class KVHiveCache(Cache):
         tightly than the budget, so it keeps exactly the window, as the model's own cache does
         (the outputs are the same: tokens beyond the window are masked)."""
         budget = self.layer_budgets.get(layer_index)
-        return store.is_sliding and budget is not None and budget >= store.sliding_window - 1
+        # A method that never evicts (full) keeps what it is given: shared_prefill records with it.
+        return (store.is_sliding and bool(self.policy.phases) and budget is not None
+                and budget >= store.sliding_window - 1)
 
     def _drop_outside_window(self, store: LayerStore) -> None:
         """Forget tokens of a compressed sliding layer that no later query can attend, once it
@@ -372,10 +419,76 @@ class KVHiveCache(Cache):
 
     # -- transformers' Cache API ---------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self._check_reuse(key_states, layer_idx)
+        if self._unattended_update is not None:
+            raise ValueError(
+                f"layer {self._unattended_update} of this cache was updated but kvhive's attention did not run: the "
+                "model using it runs another attention implementation (another model than the one given to "
+                "kvhive.make_cache?); make a cache per model with kvhive.make_cache(model, ...)"
+            )
+        self._unattended_update = layer_idx
         keys, values = self.layers[layer_idx].update(key_states, value_states)
         # The attention function runs next; it recognises this cache by the tensor it returns.
         _LAST_UPDATE["cache"], _LAST_UPDATE["layer"], _LAST_UPDATE["keys"] = self, layer_idx, keys
         return keys, values
+
+    # -- reuse checks ------------------------------------------------------------------------------
+    def _check_reuse(self, key_states: torch.Tensor, layer_idx: int) -> None:
+        """Refuse new tokens that cannot continue what the cache holds (another batch size, another
+        model's shapes) with a message naming the mismatch, instead of an obscure shape error."""
+        if layer_idx >= len(self.layers):
+            raise ValueError(f"this cache was made for a model with {len(self.layers)} layers; layer {layer_idx} "
+                             "does not exist in it: another model is using it (make a cache per model)")
+        store: LayerStore = self.layers[layer_idx]
+        if not store.is_initialized:
+            return
+        if key_states.shape[0] != store.batch_size:
+            raise ValueError(f"this cache holds a batch of {store.batch_size} row(s); the new input has "
+                             f"{key_states.shape[0]}: make a new cache for another batch size")
+        heads = store.num_heads // store.heads_per_kv_head
+        stored_keys = store.buffers()[0]
+        head_dim = stored_keys.shape[-1] if stored_keys is not None else key_states.shape[3]
+        if key_states.shape[1] != heads or key_states.shape[3] != head_dim:
+            raise ValueError(f"this cache holds {heads} KV heads of dimension {head_dim} in layer {layer_idx}; "
+                             f"the new input has {key_states.shape[1]} of {key_states.shape[3]}: another model is using "
+                             "it (make a cache per model)")
+
+    def check_attention_module(self, layer_index: int, module) -> None:
+        """Called by kvhive's attention for the layer just updated. Refuses a cache filled by one
+        model's attention layers being continued by another's (shapes may agree, so the modules
+        themselves are compared)."""
+        self._unattended_update = None
+        known = self._attention_modules.get(layer_index)
+        if known is None:
+            self._attention_modules[layer_index] = weakref.ref(module)
+        elif known() is not module:
+            raise ValueError(f"this cache was filled by another model (layer {layer_index} belongs to a different "
+                             "module): make a cache per model")
+
+    def check_generation_inputs(self, input_ids: torch.Tensor | None, first_step: bool,
+                                new_tokens: int | None) -> None:
+        """Called by ``generate`` (through ``kvhive.attention``) before each step with the sequence
+        it was given and how many of its tokens are new (None: only new tokens were passed, with
+        the full attention mask). A reused cache must be continued by a sequence that starts with
+        the tokens it holds; otherwise transformers would silently treat them as its prefix."""
+        if input_ids is None or input_ids.dim() != 2:
+            return
+        store: LayerStore = self.layers[0]
+        seen = store.tokens_seen if store.is_initialized else 0
+        if first_step and seen:
+            if input_ids.shape[0] != store.batch_size:
+                raise ValueError(f"this cache holds a batch of {store.batch_size} row(s); the new prompt has "
+                                 f"{input_ids.shape[0]}: make a new cache for another batch size")
+            if new_tokens is not None and new_tokens < 1:
+                raise ValueError(f"the prompt of {input_ids.shape[1]} tokens does not extend the {seen} tokens this "
+                                 "cache holds: pass the previous tokens followed by the new ones, or make a new cache")
+            recorded = self._generated_ids
+            if new_tokens is not None and recorded is not None and recorded.shape == (input_ids.shape[0], seen):
+                if not torch.equal(recorded.to(input_ids.device), input_ids[:, :seen]):
+                    raise ValueError(f"the prompt does not start with the {seen} tokens this cache holds: it would be "
+                                     "answered as if they were its beginning; make a new cache for an unrelated prompt")
+        # A reference, not a copy: generate appends to a new tensor, it never edits in place.
+        self._generated_ids = input_ids if new_tokens is not None or not seen else None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """The true number of tokens seen (``positions="cache"``: the next re-indexed position)."""
@@ -429,11 +542,19 @@ class KVHiveCache(Cache):
             total += tokens * per_token
         return total
 
+    def budget_label(self) -> str:
+        """The budget as given, unambiguous: "ratio 1" and "1 tok" are different budgets."""
+        if not self.policy.phases:
+            return "none (keeps every token)"
+        if self.budget.tokens is not None:
+            return f"{self.budget.tokens} tok"
+        return f"ratio {self.budget.ratio:g}"
+
     def statistics(self) -> dict:
         kept = self.kept_tokens()
         return {
             "method": self.policy.name,
-            "budget": str(self.budget),
+            "budget": self.budget_label(),
             "layer_budgets": {str(k): v for k, v in self.layer_budgets.items()},
             "tokens_seen": self.get_seq_length(),
             "kept_tokens_total": int(sum(int(v.sum()) for v in kept.values())),

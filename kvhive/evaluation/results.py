@@ -81,6 +81,10 @@ def read_results(out_dir: str | Path) -> list[dict]:
     return records
 
 
+class ResultsLockedError(RuntimeError):
+    """Another run is writing to the same ``results.jsonl``."""
+
+
 class ResultsWriter:
     """Exclusive appender for ``OUT/results.jsonl`` (use as a context manager)."""
 
@@ -93,7 +97,8 @@ class ResultsWriter:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._lock_fd)
-            raise RuntimeError(f"another evaluation run is writing to {self.path}") from None
+            raise ResultsLockedError(f"another evaluation run is writing to {self.path}; wait for it or use "
+                                     "another --out") from None
         self.repaired_bytes = repair_results_file(self.path)
         self.records = read_results(self.path)
         self.done = {result_key(r) for r in self.records}
