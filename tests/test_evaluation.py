@@ -699,3 +699,12 @@ def test_runner_records_non_finite_outputs_as_failed_and_the_summary_skips_them(
     assert summary.value("piqa", "local", 8) is not None
     assert [(m, b, st, n) for m, b, st, n, _ in summary.unscored_settings("piqa")] == [("h2o", 8, "failed", 2)]
     assert summary.item_ids("piqa", "local", 8) == summary.item_ids("piqa", "full")
+
+
+def test_a_ratio_resolving_to_zero_tokens_on_perplexity_is_infeasible(tmp_path):
+    # 1e-9 of the text used to be raised silently to a 1-token budget.
+    run_eval(FakeBackend(), ["ppl:num_tokens=48:window=16"], ["local"], [1e-9, 0.5], 1, DATA_DIR, tmp_path,
+             progress=False)
+    records = {r["budget"]: r for r in read_results(tmp_path) if r["method"] == "local"}
+    assert records[1e-9]["status"] == "infeasible" and "0 tokens" in records[1e-9]["reason"]
+    assert records[0.5]["status"] == "ok"

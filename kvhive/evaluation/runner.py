@@ -344,6 +344,12 @@ def _run_item(
     not_applicable = getattr(backend, "not_applicable", None)
     reasons: dict[Setting, tuple[str, str]] = {}
     for setting in pending:
+        if (task.kind == "perplexity" and setting.method != FULL_METHOD and isinstance(setting.budget, float)
+                and round(setting.budget * len(item.token_ids)) < 1):
+            # Converting to tokens would silently raise it to 1 token.
+            reasons[setting] = ("infeasible", f"budget ratio={setting.budget:g} of a {len(item.token_ids)}-token "
+                                              "text is 0 tokens")
+            continue
         backend_setting = _backend_setting(task, item, setting)
         reason = infeasible(backend_setting, context_tokens) if infeasible is not None else None
         if reason:
