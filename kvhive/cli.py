@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-
 BENCH_DEFAULT_BUDGET = "0.1"
 
 
