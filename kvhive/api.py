@@ -7,9 +7,11 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Iterator
 
 from kvhive.attention import ATTENTION_NAME, register
+from kvhive.attention.integration import check_reused_caches
 from kvhive.cache import Budget, KVHiveCache
 from kvhive.methods import Policy, make_policy
 
@@ -17,6 +19,7 @@ from kvhive.methods import Policy, make_policy
 def use_kvhive_attention(model) -> str:
     """Switch ``model`` to the kvhive attention implementation; returns the previous one."""
     register()
+    check_reused_caches(model)
     previous = model.config._attn_implementation
     if previous != ATTENTION_NAME:
         model.set_attn_implementation(ATTENTION_NAME)
@@ -92,9 +95,21 @@ def make_cache(model, method: str | Policy = "full", budget: int | float | str |
     policy = method if isinstance(method, Policy) else make_policy(method, **method_parameters)
     if budget is not None and ratio is not None:
         raise ValueError("give either budget (tokens per head, or a ratio as a float) or ratio, not both")
-    if budget is None and ratio is None:
-        budget_spec = Budget(ratio=1.0)
-    elif ratio is not None:
+    if not policy.phases:
+        # A method that never evicts (full) keeps everything: a budget would be a silent no-op.
+        if budget is not None or ratio is not None:
+            given = f"budget={budget!r}" if budget is not None else f"ratio={ratio!r}"
+            warnings.warn(f"method {policy.name!r} keeps every token: {given} is ignored", UserWarning, stacklevel=2)
+        budget, ratio = None, 1.0
+    elif budget is None and ratio is None:
+        # No default: a ratio of the prompt is not lossless for a method that also evicts while
+        # decoding (H2O would stay at the prompt length), and a user asking for a method expects
+        # it to compress to a size they chose.
+        raise ValueError(
+            f"method {policy.name!r} needs a budget and none was given: pass budget= (tokens per head, e.g. 128) "
+            "or ratio= (a fraction of the prompt, e.g. 0.2); method 'full' keeps everything"
+        )
+    if ratio is not None:
         budget_spec = Budget(ratio=ratio)
     else:
         budget_spec = Budget.parse(budget)

@@ -39,11 +39,11 @@ def load_shape(shape: str, num_layers: int | None = None, device: str = "cpu", d
     if shape == "embedded" or shape in models.EMBEDDED_MODELS:
         model, _ = models.load_model(models.DEFAULT_MODEL if shape == "embedded" else shape, dtype=dtype)
     elif shape == "kv-heavy":
-        model = models.kv_heavy_model(num_layers=num_layers or 4, dtype=dtype)
+        model = models.kv_heavy_model(num_layers=4 if num_layers is None else num_layers, dtype=dtype)
     elif shape == "llama3-8b":
         from transformers import LlamaForCausalLM
 
-        config = models.llama3_8b_shape_config(num_layers=num_layers or 32)
+        config = models.llama3_8b_shape_config(num_layers=32 if num_layers is None else num_layers)
         with torch.device(device):
             model = LlamaForCausalLM(config).to(dtype).eval()
     else:
@@ -76,7 +76,7 @@ def _timed_run(model, input_ids, method: str, budget, decode_tokens: int, method
     return cache, prefill_seconds, step_seconds
 
 
-def run_benchmark(shape: str = "kv-heavy", method: str = "snapkv", budget: int | float | str = 0.1,
+def run_benchmark(shape: str = "kv-heavy", method: str = "snapkv", budget: int | float | str | None = 0.1,
                   context: int = 8192, decode_tokens: int = 32, batch_size: int = 1, repeats: int = 1,
                   num_layers: int | None = None, device: str = "cpu", method_parameters: dict | None = None,
                   dtype: torch.dtype = torch.float32) -> dict[str, Any]:
@@ -85,6 +85,12 @@ def run_benchmark(shape: str = "kv-heavy", method: str = "snapkv", budget: int |
         raise ValueError(f"invalid context={context!r}: expected an integer >= 2 (prompt tokens)")
     if isinstance(decode_tokens, bool) or not isinstance(decode_tokens, int) or decode_tokens < 0:
         raise ValueError(f"invalid decode_tokens={decode_tokens!r}: expected an integer >= 0")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"invalid repeats={repeats!r}: expected an integer >= 1")
+    if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1):
+        raise ValueError(f"invalid num_layers={num_layers!r}: expected an integer >= 1 (or none for the shape's own)")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"invalid batch_size={batch_size!r}: expected an integer >= 1")
     method_parameters = method_parameters or {}
     model = load_shape(shape, num_layers, device, dtype=dtype)
     limit = model.config.get_text_config().max_position_embeddings
@@ -113,7 +119,7 @@ def run_benchmark(shape: str = "kv-heavy", method: str = "snapkv", budget: int |
         "shape": shape,
         "device": device,
         "method": method,
-        "budget": str(budget),
+        "budget": cache.budget_label(),
         "context": context,
         "batch_size": batch_size,
         "decode_tokens": decode_tokens,

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+BENCH_DEFAULT_BUDGET = "0.1"
+
 
 def _method_parameters(pairs: list[str] | None) -> dict:
     """``--param window=16 --param pooling=avg`` → ``{"window": 16, "pooling": "avg"}``."""
@@ -34,6 +36,35 @@ def _budget_argument(text: str):
     return text
 
 
+def _read_prompt_file(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        raise SystemExit(f"kvhive generate: cannot read --prompt-file {path!r}: {reason}") from None
+
+
+def _checked_budget(command: str, method: str, budget: str | None, parameters: dict, default: str | None):
+    """The budget to use: refused when an evicting method has none (and no ``default``); None with
+    a note when the method keeps everything (the budget the user typed would be ignored)."""
+    from kvhive.methods import make_policy
+
+    policy = make_policy(method, **parameters)
+    if not policy.phases:
+        if budget is not None:
+            print(f"kvhive {command}: note: --method {method} keeps every token; --budget {budget} is ignored",
+                  file=sys.stderr)
+        return None
+    if budget is None:
+        if default is None:
+            raise SystemExit(
+                f"kvhive {command}: --method {method} needs --budget (tokens per head, e.g. 64, or a ratio of the "
+                "prompt, e.g. 0.2); no budget was given and there is no default (only --method full needs none)"
+            )
+        return default
+    return budget
+
+
 def command_methods(args: argparse.Namespace) -> int:
     from kvhive.methods.registry import method_names, policy_class
 
@@ -57,11 +88,13 @@ def command_generate(args: argparse.Namespace) -> int:
         raise SystemExit("kvhive generate: give a PROMPT or --prompt-file (exactly one)")
     if args.per_layer and not args.json:
         raise SystemExit("kvhive generate: --per-layer adds detail to --json output; give --json too")
-    prompt = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text(encoding="utf-8")
+    parameters = _method_parameters(args.param)
+    budget = _checked_budget("generate", args.method, args.budget, parameters, default=None)
+    prompt = args.prompt if args.prompt is not None else _read_prompt_file(args.prompt_file)
     model, tokenizer = kvhive.load_model(args.model)
     text, cache = kvhive.generate(
-        model, tokenizer, prompt, args.method, args.budget, max_new_tokens=args.max_new_tokens,
-        compress_sliding=args.compress_sliding, **_method_parameters(args.param),
+        model, tokenizer, prompt, args.method, budget, max_new_tokens=args.max_new_tokens,
+        compress_sliding=args.compress_sliding, **parameters,
     )
     statistics = cache.statistics()
     if args.json:
@@ -130,10 +163,12 @@ def command_bench(args: argparse.Namespace) -> int:
         result = bench.variable_length_attention_benchmark(context=args.context, device=args.device,
                                                            batch_size=args.batch_size, dtype=bench.DTYPES[args.dtype])
     else:
+        parameters = _method_parameters(args.param)
+        budget = _checked_budget("bench", args.method, args.budget, parameters, default=BENCH_DEFAULT_BUDGET)
         result = bench.run_benchmark(
-            shape=args.shape, method=args.method, budget=args.budget, context=args.context,
+            shape=args.shape, method=args.method, budget=budget, context=args.context,
             decode_tokens=args.decode_tokens, batch_size=args.batch_size, repeats=args.repeats,
-            num_layers=args.num_layers, device=args.device, method_parameters=_method_parameters(args.param),
+            num_layers=args.num_layers, device=args.device, method_parameters=parameters,
             dtype=bench.DTYPES[args.dtype],
         )
     if args.json:
@@ -179,7 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--shape", default="kv-heavy", choices=SHAPES,
                        help=f"model: random-weight kv-heavy / llama3-8b shapes, or an embedded model ({DEFAULT_MODEL} = embedded)")
     bench.add_argument("--method", default="snapkv")
-    bench.add_argument("--budget", type=_budget_argument, default="0.1")
+    bench.add_argument("--budget", type=_budget_argument, default=None,
+                       help=f"tokens per head or a ratio of the context (default {BENCH_DEFAULT_BUDGET}; "
+                            "ignored for --method full)")
     bench.add_argument("--context", type=int, default=8192)
     bench.add_argument("--decode-tokens", type=int, default=32)
     bench.add_argument("--batch-size", type=int, default=1)
@@ -201,9 +238,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from kvhive.evaluation.results import ResultsLockedError
+
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, OSError, ResultsLockedError) as error:
+        # Bad input, a concurrent run on the same output folder, a read-only or full disk: one
+        # line naming the problem (results already written stay valid), not a traceback.
         print(f"kvhive {args.command}: error: {error}", file=sys.stderr)
         return 2
 

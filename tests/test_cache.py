@@ -318,3 +318,32 @@ def test_cache_refuses_rollback():
         cache.layers[0].crop(-1)
 
 
+@pytest.mark.parametrize("method", ["h2o", "snapkv", "streamingllm"])
+def test_compressed_sliding_layers_never_keep_more_than_their_window(method):
+    # Budget 40 over a 7-token window: the sliding layers used to keep 40 tokens (2.6x the bytes,
+    # same outputs); the window bounds them, so they keep exactly what transformers' cache keeps.
+    model = tiny_model("gemma3", "gqa")
+    window = model.config.sliding_window
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=60, pad=0)
+    cache = kvhive.make_cache(model, method, budget=40, compress_sliding=True)
+    logits = prefill_and_decode(model, cache, input_ids, attention_mask, steps=6)
+    for layer in cache.layers:
+        if layer.is_sliding:
+            assert int(layer.lengths_host.max()) <= window - 1, (method, layer.layer_index)
+    # The full-attention layers hold 40 (decode methods) or 40 + 6 (prefill-only) tokens, as before.
+    assert all(int(layer.lengths_host.max()) <= 46 for layer in cache.layers if not layer.is_sliding)
+    # Exactly as leaving the sliding layers to the model's own window.
+    plain = kvhive.make_cache(model, method, budget=40)
+    assert torch.allclose(logits, prefill_and_decode(model, plain, input_ids, attention_mask, steps=6), atol=1e-5)
+
+
+def test_prefill_only_method_on_a_compressed_sliding_layer_stays_within_the_window():
+    # Budget 4 < window: SnapKV cuts the prompt to 4, then decoding appends; the window still bounds it.
+    model = tiny_model("gemma3", "gqa")
+    window = model.config.sliding_window
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=60, pad=0)
+    cache = kvhive.make_cache(model, "knorm", budget=4, compress_sliding=True)
+    prefill_and_decode(model, cache, input_ids, attention_mask, steps=2 * window)
+    for layer in cache.layers:
+        if layer.is_sliding:
+            assert int(layer.lengths_host.max()) <= window - 1

@@ -5,13 +5,13 @@ report is written. This is CI's tiny version of the README's main job."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 from kvhive.cli import main as kvhive_main
 from kvhive.evaluation import read_results
+from kvhive.evaluation.cli import default_data_dir
 from kvhive.methods.registry import method_names
 
-DATA_DIR = (Path(__file__).resolve().parents[2] / "shared" / "data").resolve()
+DATA_DIR = default_data_dir()  # $KVHIVE_DATA_DIR, else <repo>/../shared/data
 
 # BUZZ with log n rescales attention logits by design, so even an uncompressed cache changes the
 # model's outputs (tests/test_all_methods.py checks that rescale on its own).
@@ -79,3 +79,60 @@ def test_results_record_the_cache_size_each_setting_held(tmp_path):
     assert recall["final_kept_per_head"] <= 24 and recall["mean_kept_per_head"] <= 24
     report = (out / "report.md").read_text()
     assert "mean kept / head" in report
+
+
+def _eval(out, tasks: str, methods: str, budgets: str, model: str = "tiny-llama-gqa") -> int:
+    return kvhive_main(["eval", "--model", model, "--tasks", tasks, "--methods", methods, "--budgets", budgets,
+                        "--limit", "1", "--data-dir", str(DATA_DIR), "--out", str(out), "--no-progress"])
+
+
+def test_prefill_only_method_on_streaming_perplexity_is_not_scored(tmp_path):
+    # Fed one token at a time, SnapKV (prefill only) never compresses: its "40 tok" perplexity
+    # would be the full cache's. Decided from the policy's phases, not from method names.
+    out = tmp_path / "stream"
+    assert _eval(out, "ppl:num_tokens=128:window=128", "snapkv,knorm,h2o", "40") == 0
+    records = {r["method"]: r for r in read_results(out)}
+    for method in ("snapkv", "knorm"):
+        assert records[method]["status"] == "not_applicable"
+        assert records[method]["metrics"] == {} and "prefill" in records[method]["reason"]
+    assert records["h2o"]["status"] == "ok" and records["full"]["status"] == "ok"
+    assert records["h2o"]["cache"]["final_kept_per_head"] == 40
+
+
+def test_ratio_below_the_minimum_on_perplexity_is_infeasible_not_an_abort(tmp_path):
+    # 0.02 x 129 tokens = 3 < StreamingLLM's minimum of 5 (4 sinks + 1): recorded, the grid goes on.
+    out = tmp_path / "ratio"
+    assert _eval(out, "ppl:num_tokens=128:window=128,synthetic_recall:num_pairs=4", "streamingllm", "0.02") == 0
+    records = {(r["task"], r["method"]): r for r in read_results(out)}
+    assert records[("ppl", "streamingllm")]["status"] == "infeasible"
+    assert "minimum" in records[("ppl", "streamingllm")]["reason"]
+    assert records[("synthetic_recall", "full")]["status"] == "ok"  # the later task still ran
+    assert ("synthetic_recall", "streamingllm") in records
+
+
+def test_non_finite_model_outputs_are_recorded_as_failed(tmp_path):
+    import json
+
+    import torch
+
+    from kvhive.evaluation import run_eval
+    from kvhive.evaluation.kvhive_backend import KVHiveBackend
+    from kvhive.models import load_model
+
+    model, tokenizer = load_model("tiny-llama-gqa")
+    with torch.no_grad():
+        model.lm_head.weight.fill_(float("nan"))
+    backend = KVHiveBackend(model, tokenizer, model_name="tiny-llama-gqa-nan")
+    out = tmp_path / "nan"
+    run_eval(backend, ["piqa", "synthetic_recall:num_pairs=4", "ppl:num_tokens=32:window=32"], ["h2o"], [16], 1,
+             DATA_DIR, out, progress=False)
+    lines = (out / "results.jsonl").read_text().splitlines()
+
+    def refuse(constant):
+        raise AssertionError(f"bare {constant} in results.jsonl")
+
+    records = [json.loads(line, parse_constant=refuse) for line in lines]
+    assert len(records) == 6
+    for record in records:
+        assert record["status"] == "failed", record
+        assert record["metrics"] == {} and "non-finite" in record["reason"]

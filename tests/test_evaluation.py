@@ -15,11 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
+from fake_backend import FakeBackend, FakeTokenizer
 
 from kvhive.evaluation import (
     CLAIMS,
-    FakeBackend,
-    FakeTokenizer,
     ResultsSummary,
     Setting,
     claims_grid,
@@ -450,7 +449,9 @@ import sys, types
 package = types.ModuleType("kvhive")
 package.__path__ = [sys.argv[4]]
 sys.modules["kvhive"] = package
-from kvhive.evaluation import FakeBackend, run_eval
+from kvhive.evaluation import run_eval
+sys.path.insert(0, sys.argv[5])
+from fake_backend import FakeBackend
 run_eval(FakeBackend(delay=float(sys.argv[2])), ["synthetic_recall:num_pairs=8", "ppl:num_tokens=48:window=16"],
          ["local", "snapkv", "streamingllm"], {"synthetic_recall": [0.25, 0.5], "ppl": [4, 8]}, 12, sys.argv[3],
          sys.argv[1], seed=0, progress=False)
@@ -459,7 +460,7 @@ run_eval(FakeBackend(delay=float(sys.argv[2])), ["synthetic_recall:num_pairs=8",
 
 def _run_script(out_dir, delay, data_dir):
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    arguments = [str(out_dir), str(delay), str(data_dir), str(REPO / "kvhive")]
+    arguments = [str(out_dir), str(delay), str(data_dir), str(REPO / "kvhive"), str(REPO / "tests")]
     return subprocess.Popen([sys.executable, "-c", RUNNER_SCRIPT, *arguments], cwd=REPO, env=env)
 
 
@@ -654,3 +655,56 @@ def test_cli_suites_resolve():
     claims = resolve_eval_grid(parser.parse_args(["eval", "--suite", "claims", "--tasks", "xsum", "--limit", "3"]))
     assert claims["tasks"] == ["xsum"] and set(claims["methods"]) == {"xsum"} and claims["limit"] == 3
     assert "buzz" in claims["methods"]["xsum"] and 0.4 in claims["budgets"]["xsum"]
+
+
+def test_results_writer_refuses_non_finite_numbers(tmp_path):
+    from kvhive.evaluation.results import ResultsWriter
+
+    record = {"task": "t", "item_id": "0", "method": "h2o", "budget": 8, "metrics": {"acc": float("nan")}}
+    with ResultsWriter(tmp_path) as writer, pytest.raises(ValueError):
+        writer.append(record)
+    assert read_results(tmp_path) == []
+
+
+def test_choice_accuracy_refuses_nan_instead_of_taking_max_over_it():
+    # max() over [nan, -1.0] keeps index 0: accuracy 1.0 for label 0 from a NaN model.
+    with pytest.raises(ValueError, match="non-finite"):
+        choice_accuracy([float("nan"), -1.0], ["a", "b"], 0)
+
+
+class _NonFiniteBackend(FakeBackend):
+    """Scores NaN for one method: the runner must record it as failed, not as a score."""
+
+    def choice_loglikelihoods(self, context, continuations, settings):
+        out = super().choice_loglikelihoods(context, continuations, settings)
+        return [[float("nan")] * len(row) if s.method == "h2o" else row for s, row in zip(settings, out)]
+
+    def streaming_nll(self, token_ids, settings):
+        out = super().streaming_nll(token_ids, settings)
+        return [(float("inf"), n) if s.method == "h2o" else (nll, n) for s, (nll, n) in zip(settings, out)]
+
+
+def test_runner_records_non_finite_outputs_as_failed_and_the_summary_skips_them(tmp_path):
+    run_eval(_NonFiniteBackend(), ["piqa", "ppl:num_tokens=48:window=16"], ["h2o", "local"], [8], 2, DATA_DIR,
+             tmp_path, progress=False)
+    text = (tmp_path / "results.jsonl").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    records = read_results(tmp_path)
+    failed = [r for r in records if r["method"] == "h2o"]
+    assert len(failed) == 4 and all(r["status"] == "failed" and r["metrics"] == {} for r in failed)
+    assert all("non-finite" in r["reason"] for r in failed)
+    assert all(r["status"] == "ok" for r in records if r["method"] != "h2o")
+    summary = ResultsSummary(records)
+    assert summary.count("piqa", "h2o", 8) == 0 and summary.value("piqa", "h2o", 8) is None
+    assert summary.value("piqa", "local", 8) is not None
+    assert [(m, b, st, n) for m, b, st, n, _ in summary.unscored_settings("piqa")] == [("h2o", 8, "failed", 2)]
+    assert summary.item_ids("piqa", "local", 8) == summary.item_ids("piqa", "full")
+
+
+def test_a_ratio_resolving_to_zero_tokens_on_perplexity_is_infeasible(tmp_path):
+    # 1e-9 of the text used to be raised silently to a 1-token budget.
+    run_eval(FakeBackend(), ["ppl:num_tokens=48:window=16"], ["local"], [1e-9, 0.5], 1, DATA_DIR, tmp_path,
+             progress=False)
+    records = {r["budget"]: r for r in read_results(tmp_path) if r["method"] == "local"}
+    assert records[1e-9]["status"] == "infeasible" and "0 tokens" in records[1e-9]["reason"]
+    assert records[0.5]["status"] == "ok"

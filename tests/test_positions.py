@@ -9,6 +9,8 @@ import kvhive
 from kvhive.attention.rope import KeyRotator
 from kvhive.models import tiny_model
 
+from helpers import left_padded_batch
+
 
 def _one_layer(architecture: str):
     overrides = {"num_hidden_layers": 1, "max_position_embeddings": 64}
@@ -68,3 +70,21 @@ def test_invalid_positions_option():
     model = tiny_model("llama", "gqa")
     with pytest.raises(ValueError, match="positions"):
         kvhive.make_cache(model, "local", budget=8, positions="relative")
+
+
+def test_positions_cache_refuses_a_left_padded_batch():
+    # The padding mask used to be dropped: the padded row's logits were off by 0.24 even with "full".
+    model = tiny_model("llama", "gqa")
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=12, pad=3)
+    cache = kvhive.make_cache(model, "full", positions="cache")
+    with torch.no_grad(), pytest.raises(ValueError, match=r"positions='cache' does not support padded.*row\(s\) \[1\]"):
+        model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+    # Without padding (all-ones mask) the batch runs, and each row equals its solo run.
+    ones = torch.ones_like(input_ids)
+    batched = kvhive.make_cache(model, "local", budget=6, positions="cache")
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=ones, past_key_values=batched, use_cache=True).logits[:, -1]
+        for row in range(2):
+            solo = kvhive.make_cache(model, "local", budget=6, positions="cache")
+            alone = model(input_ids=input_ids[row:row + 1], past_key_values=solo, use_cache=True).logits[:, -1]
+            assert torch.allclose(logits[row], alone[0], atol=1e-5)

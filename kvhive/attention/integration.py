@@ -58,6 +58,27 @@ def register() -> None:
     AttentionMaskInterface.register(ATTENTION_NAME, kvhive_mask)
 
 
+def check_reused_caches(model) -> None:
+    """Make ``model.generate`` show a :class:`KVHiveCache` the full token sequence before each
+    step (transformers passes the model only the tokens the cache has not seen), so a reused
+    cache refuses a prompt that does not continue it. Idempotent; other caches are untouched."""
+    if getattr(model, "_kvhive_checks_reuse", False):
+        return
+    prepare = model.prepare_inputs_for_generation
+
+    def prepare_inputs_for_generation(input_ids, *args, **kwargs):
+        cache = kwargs.get("past_key_values")
+        if isinstance(cache, KVHiveCache) and cache.positions == "original":
+            new_tokens = kwargs.get("next_sequence_length")
+            if new_tokens is None and not cache.get_seq_length():
+                new_tokens = input_ids.shape[-1]
+            cache.check_generation_inputs(input_ids, bool(kwargs.get("is_first_iteration")), new_tokens)
+        return prepare(input_ids, *args, **kwargs)
+
+    model.prepare_inputs_for_generation = prepare_inputs_for_generation
+    model._kvhive_checks_reuse = True
+
+
 def _model_mask(attention_mask):
     """The model's mask as boolean (True = may attend), or None."""
     if attention_mask is not None and attention_mask.dtype != torch.bool:
@@ -95,6 +116,22 @@ def _gather_mask(mask: torch.Tensor | None, positions: torch.Tensor, tokens_seen
     return mask.expand(batch, heads, num_queries, mask.shape[-1]).gather(3, index)
 
 
+def _refuse_padding(model_mask: torch.Tensor | None, causal: torch.Tensor, layer_index: int) -> None:
+    """positions="cache" re-indexes every row to the same contiguous positions, which has no
+    place for padding: the rebuilt mask would let real tokens attend the padding (the padded
+    row's logits were off by 0.24 even with the full cache). Refuse instead of answering wrong."""
+    if model_mask is None:
+        return
+    masked = ~model_mask.expand_as(causal) & causal
+    if bool(masked.any()):
+        rows = sorted({int(r) for r in masked.nonzero()[:, 0].tolist()})
+        raise ValueError(
+            f"positions='cache' does not support padded batches: the attention mask hides tokens of row(s) {rows} "
+            f"(layer {layer_index}); run rows of equal length without padding (or one at a time), or use "
+            "positions='original'"
+        )
+
+
 def _row_logit_scale(policy, key_counts: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
     scale = policy.logit_scale(key_counts)
     if scale is None:
@@ -109,6 +146,7 @@ def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dr
         with _backends(query.device):
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, **kwargs)
+    cache.check_attention_module(layer_index, module)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     store = cache.layers[layer_index]
@@ -117,6 +155,8 @@ def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dr
     if cache.positions == "cache":
         # transformers built its mask over re-indexed positions; rebuild it over true positions.
         mask = _full_mask(None, batch, num_queries, store.tokens_seen, store.sliding_window, query.device)
+        if store.tokens_seen == num_queries:
+            _refuse_padding(_model_mask(attention_mask), mask, layer_index)
     else:
         mask = _model_mask(attention_mask)
     compressed = cache.is_compressed(layer_index)
@@ -130,7 +170,9 @@ def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dr
     if compressed and policy.extra_attention(store.policy_state, query, scaling) is not None:
         raise RuntimeError(f"method {policy.name!r} adds estimated attention, which the variable-length "
                            "path does not support; keep its heads at equal lengths")
-    return _decode_variable_length(cache, layer_index, query, mask, scaling), None
+    output = _decode_variable_length(cache, layer_index, query, mask, scaling)
+    cache.after_variable_length_decode(layer_index)
+    return output, None
 
 
 def _prefill(module, cache: KVHiveCache, layer_index, query, key, value, mask, scaling, dropout, compressed, kwargs):

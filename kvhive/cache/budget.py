@@ -85,6 +85,20 @@ def minimum_budget_problem(policy: Policy, tokens: int) -> str | None:
     return None
 
 
+def budget_problem(policy: Policy, budget: Budget, context_length: int) -> str | None:
+    """Why ``budget`` cannot be honoured by ``policy`` on a prompt of ``context_length`` tokens, or
+    None. A ratio is named as the user gave it (not the token count it became), and a ratio
+    resolving to 0 tokens is refused, never raised silently to 1."""
+    if budget.tokens is not None:
+        return minimum_budget_problem(policy, budget.tokens)
+    minimum = max(1, policy.minimum_budget())
+    tokens = round(budget.ratio * context_length)
+    if tokens < minimum:
+        return (f"invalid budget: ratio={budget.ratio:g} of a {context_length}-token prompt is {tokens} tokens per "
+                f"head; method {policy.name!r} needs at least {minimum} tokens per head ({policy.config})")
+    return None
+
+
 def layer_budgets(policy: Policy, tokens: int, num_layers: int, context_length: int) -> list[int]:
     """Per-layer budgets of ``policy`` for a budget of ``tokens`` per head on one sequence of
     ``context_length`` real tokens (a layer-wise method may depend on it: PyramidKV's short-prompt rule)."""

@@ -9,12 +9,14 @@ prefill is done and peak memory stays at one uncompressed layer.
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from typing import Callable, Final, Literal
 
 import torch
 from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
-from kvhive.cache.budget import Budget, budget_label, layer_budgets, minimum_budget_problem
+from kvhive.cache.budget import Budget, budget_label, budget_problem, layer_budgets, minimum_budget_problem
 from kvhive.cache.storage import LayerStore
 from kvhive.methods.base import AUTO_HEADS, DECODE, PREFILL, QUERY_HEADS, Policy, ScoringInputs, require_choice
 
@@ -28,6 +30,11 @@ CACHE_POSITIONS: Final[Positions] = "cache"
 ROPE_POSITION = "_rope_position"
 
 _LAST_UPDATE: dict = {"cache": None, "layer": None, "keys": None}
+
+
+class BudgetNotKeptWarning(UserWarning):
+    """A cache holds more than its budget because its method cannot compress in this phase
+    (a prefill-only method fed token by token, or decoding past a prompt that fit the budget)."""
 
 
 def active_update(keys: torch.Tensor) -> tuple[KVHiveCache | None, int | None]:
@@ -82,6 +89,10 @@ class KVHiveCache(Cache):
             raise ValueError(f"invalid decode_every={decode_every!r}: expected an integer >= 1")
         if isinstance(decode_slack, bool) or not isinstance(decode_slack, int) or decode_slack < 0:
             raise ValueError(f"invalid decode_slack={decode_slack!r}: expected an integer >= 0")
+        if not isinstance(compress_sliding, bool):
+            raise ValueError(f"invalid compress_sliding={compress_sliding!r}: expected True or False")
+        if not isinstance(record_prefill, bool):
+            raise ValueError(f"invalid record_prefill={record_prefill!r}: expected True or False")
         require_choice(positions, "positions", Positions)
         if positions == CACHE_POSITIONS and key_rotator is None:
             raise ValueError("positions='cache' needs a key_rotator (use kvhive.make_cache)")
@@ -112,6 +123,14 @@ class KVHiveCache(Cache):
         self.prefill_records: dict[int, tuple] = {}
         self.positions = positions
         self.key_rotator = key_rotator
+        # Layers a prefill-only method cut at prefill, and whether the growth past the budget of
+        # a layer it never cut was reported (once per cache).
+        self._cut_at_prefill: set[int] = set()
+        self._warned_budget_not_kept = False
+        # Reuse checks: the attention module of each layer, and the token ids generate fed.
+        self._attention_modules: dict[int, weakref.ref] = {}
+        self._generated_ids: torch.Tensor | None = None
+        self._unattended_update: int | None = None  # a layer updated whose attention has not run yet
         if budget.tokens is not None:
             problem = minimum_budget_problem(policy, budget.tokens)
             if problem is not None:
@@ -121,7 +140,7 @@ class KVHiveCache(Cache):
     def budget_problem(self, context_length: int) -> str | None:
         """Why this cache's budget cannot be honoured on a prompt of ``context_length`` tokens
         (a ratio resolving below the method's minimum), or None when it can."""
-        return minimum_budget_problem(self.policy, self.budget.resolve(context_length))
+        return budget_problem(self.policy, self.budget, context_length)
 
     def _resolve_budgets(self, context_length: int, row_lengths: list[int] | None = None) -> None:
         """Layer budgets, once per cache. A ratio resolves on the prompt length ``context_length``
@@ -163,6 +182,10 @@ class KVHiveCache(Cache):
             return
         scoring = make_scoring(PREFILL)
         self._resolve_budgets(store.tokens_seen, _real_lengths(scoring))
+        if self._window_within_budget(layer_index, store):
+            self._trim_sliding(store)
+            self._reindex(store)
+            return
         row_budgets = self._row_budgets(layer_index, scoring.batch_size)
         scoring.budget = self.layer_budgets[layer_index]
         if DECODE in self.policy.phases:
@@ -173,6 +196,7 @@ class KVHiveCache(Cache):
             store.expand_to_query_heads(self.num_query_heads // self.num_kv_heads)
         if keep is not None:
             store.keep(keep, self._check_keep(keep, store, row_budgets))
+            self._cut_at_prefill.add(layer_index)
         self._reindex(store)
 
     def _select_prefill(self, scoring: ScoringInputs, row_budgets: list[int], state: dict) -> torch.Tensor | None:
@@ -210,11 +234,37 @@ class KVHiveCache(Cache):
         finally:
             self._reindex(store)
 
+    def _warn_budget_not_kept(self, layer_index: int, store: LayerStore) -> None:
+        """Warn (once per cache) when a prefill-only method holds more than its budget without
+        ever having compressed this layer: a token-by-token stream, or a prompt that fit the
+        budget, gets no compression at all, so the cache is the full cache under the method's name."""
+        budget = self.layer_budgets.get(layer_index)
+        if (self._warned_budget_not_kept or budget is None or layer_index in self._cut_at_prefill
+                or store.max_length <= budget):
+            return
+        self._warned_budget_not_kept = True
+        phases = ", ".join(sorted(self.policy.phases))
+        warnings.warn(
+            f"method {self.policy.name!r} compresses only in phase(s) {phases}: layer {layer_index} now holds "
+            f"{store.max_length} tokens, over its budget of {budget}, and was never compressed (fed token by token, "
+            "or the prompt fit the budget); use a method with a decode phase (e.g. h2o, tova, streamingllm) to "
+            "keep a budget while streaming",
+            BudgetNotKeptWarning, stacklevel=2,
+        )
+
+    def after_variable_length_decode(self, layer_index: int) -> None:
+        """After a decode step over a layer whose heads hold different counts (no policy step
+        there): a compressed sliding layer still never holds more than its window."""
+        if self.is_compressed(layer_index):
+            self._drop_outside_window(self.layers[layer_index])
+
     def _decode_step(self, layer_index: int, store: LayerStore, make_scoring) -> None:
-        if not self.is_compressed(layer_index):
+        if not self.is_compressed(layer_index) or self._window_within_budget(layer_index, store):
             self._trim_sliding(store)
             return
         if DECODE not in self.policy.phases:
+            self._drop_outside_window(store)  # a prefill-only method lets the layer grow
+            self._warn_budget_not_kept(layer_index, store)
             return
         if not store.is_uniform:
             raise RuntimeError(
@@ -298,6 +348,22 @@ class KVHiveCache(Cache):
             return
         store.keep(store.stored_flat_positions() >= store.tokens_seen - store.sliding_window + 1)
 
+    def _window_within_budget(self, layer_index: int, store: LayerStore) -> bool:
+        """A compressed sliding layer whose budget reaches its window: the window bounds it more
+        tightly than the budget, so it keeps exactly the window, as the model's own cache does
+        (the outputs are the same: tokens beyond the window are masked)."""
+        budget = self.layer_budgets.get(layer_index)
+        # A method that never evicts (full) keeps what it is given: shared_prefill records with it.
+        return (store.is_sliding and bool(self.policy.phases) and budget is not None
+                and budget >= store.sliding_window - 1)
+
+    def _drop_outside_window(self, store: LayerStore) -> None:
+        """Forget tokens of a compressed sliding layer that no later query can attend, once it
+        holds more than its window (its heads may hold different positions)."""
+        if not store.is_sliding or store.num_stored == 0 or store.max_length <= store.sliding_window - 1:
+            return
+        store.keep(store.stored_flat_positions() >= store.tokens_seen - store.sliding_window + 1)
+
     def _check_keep(self, keep: torch.Tensor, store: LayerStore, row_budgets: list[int]) -> torch.Tensor:
         """Kept tokens per row ``[B, H]`` (read back once, on the host); refuses a mask over budget."""
         if keep.dtype != torch.bool:
@@ -316,10 +382,76 @@ class KVHiveCache(Cache):
 
     # -- transformers' Cache API ---------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self._check_reuse(key_states, layer_idx)
+        if self._unattended_update is not None:
+            raise ValueError(
+                f"layer {self._unattended_update} of this cache was updated but kvhive's attention did not run: the "
+                "model using it runs another attention implementation (another model than the one given to "
+                "kvhive.make_cache?); make a cache per model with kvhive.make_cache(model, ...)"
+            )
+        self._unattended_update = layer_idx
         keys, values = self.layers[layer_idx].update(key_states, value_states)
         # The attention function runs next; it recognises this cache by the tensor it returns.
         _LAST_UPDATE["cache"], _LAST_UPDATE["layer"], _LAST_UPDATE["keys"] = self, layer_idx, keys
         return keys, values
+
+    # -- reuse checks ------------------------------------------------------------------------------
+    def _check_reuse(self, key_states: torch.Tensor, layer_idx: int) -> None:
+        """Refuse new tokens that cannot continue what the cache holds (another batch size, another
+        model's shapes) with a message naming the mismatch, instead of an obscure shape error."""
+        if layer_idx >= len(self.layers):
+            raise ValueError(f"this cache was made for a model with {len(self.layers)} layers; layer {layer_idx} "
+                             "does not exist in it: another model is using it (make a cache per model)")
+        store: LayerStore = self.layers[layer_idx]
+        if not store.is_initialized:
+            return
+        if key_states.shape[0] != store.batch_size:
+            raise ValueError(f"this cache holds a batch of {store.batch_size} row(s); the new input has "
+                             f"{key_states.shape[0]}: make a new cache for another batch size")
+        heads = store.num_heads // store.heads_per_kv_head
+        stored_keys = store.buffers()[0]
+        head_dim = stored_keys.shape[-1] if stored_keys is not None else key_states.shape[3]
+        if key_states.shape[1] != heads or key_states.shape[3] != head_dim:
+            raise ValueError(f"this cache holds {heads} KV heads of dimension {head_dim} in layer {layer_idx}; "
+                             f"the new input has {key_states.shape[1]} of {key_states.shape[3]}: another model is using "
+                             "it (make a cache per model)")
+
+    def check_attention_module(self, layer_index: int, module) -> None:
+        """Called by kvhive's attention for the layer just updated. Refuses a cache filled by one
+        model's attention layers being continued by another's (shapes may agree, so the modules
+        themselves are compared)."""
+        self._unattended_update = None
+        known = self._attention_modules.get(layer_index)
+        if known is None:
+            self._attention_modules[layer_index] = weakref.ref(module)
+        elif known() is not module:
+            raise ValueError(f"this cache was filled by another model (layer {layer_index} belongs to a different "
+                             "module): make a cache per model")
+
+    def check_generation_inputs(self, input_ids: torch.Tensor | None, first_step: bool,
+                                new_tokens: int | None) -> None:
+        """Called by ``generate`` (through ``kvhive.attention``) before each step with the sequence
+        it was given and how many of its tokens are new (None: only new tokens were passed, with
+        the full attention mask). A reused cache must be continued by a sequence that starts with
+        the tokens it holds; otherwise transformers would silently treat them as its prefix."""
+        if input_ids is None or input_ids.dim() != 2:
+            return
+        store: LayerStore = self.layers[0]
+        seen = store.tokens_seen if store.is_initialized else 0
+        if first_step and seen:
+            if input_ids.shape[0] != store.batch_size:
+                raise ValueError(f"this cache holds a batch of {store.batch_size} row(s); the new prompt has "
+                                 f"{input_ids.shape[0]}: make a new cache for another batch size")
+            if new_tokens is not None and new_tokens < 1:
+                raise ValueError(f"the prompt of {input_ids.shape[1]} tokens does not extend the {seen} tokens this "
+                                 "cache holds: pass the previous tokens followed by the new ones, or make a new cache")
+            recorded = self._generated_ids
+            if new_tokens is not None and recorded is not None and recorded.shape == (input_ids.shape[0], seen):
+                if not torch.equal(recorded.to(input_ids.device), input_ids[:, :seen]):
+                    raise ValueError(f"the prompt does not start with the {seen} tokens this cache holds: it would be "
+                                     "answered as if they were its beginning; make a new cache for an unrelated prompt")
+        # A reference, not a copy: generate appends to a new tensor, it never edits in place.
+        self._generated_ids = input_ids if new_tokens is not None or not seen else None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """The true number of tokens seen (``positions="cache"``: the next re-indexed position)."""
@@ -373,11 +505,17 @@ class KVHiveCache(Cache):
             total += tokens * per_token
         return total
 
+    def budget_label(self) -> str:
+        """The budget as given, unambiguous: "ratio 1" and "1 tok" are different budgets."""
+        if not self.policy.phases:
+            return "none (keeps every token)"
+        return budget_label(self.budget)
+
     def statistics(self) -> dict:
         kept = self.kept_tokens()
         return {
             "method": self.policy.name,
-            "budget": budget_label(self.budget),  # "ratio 1" vs "1 tok", never the same string
+            "budget": self.budget_label(),
             "layer_budgets": {str(k): v for k, v in self.layer_budgets.items()},
             "layer_budgets_per_row": {str(k): v for k, v in self.row_layer_budgets.items()},
             "tokens_seen": self.get_seq_length(),

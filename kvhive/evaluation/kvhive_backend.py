@@ -12,7 +12,9 @@ import math
 import torch
 
 from kvhive.api import context_length, make_cache, shared_prefill
-from kvhive.evaluation.backend import FULL_METHOD, Setting
+from kvhive.evaluation.backend import FULL_METHOD, Setting, SettingFailure
+from kvhive.methods import make_policy
+from kvhive.methods.base import DECODE
 
 
 class _SizeTracker:
@@ -61,7 +63,9 @@ class KVHiveBackend:
         return ids
 
     def _caches(self, settings: list[Setting]):
-        return [make_cache(self.model, setting.method, setting.budget) for setting in settings]
+        # The full cache keeps everything: it takes no budget (one given would be ignored).
+        return [make_cache(self.model, setting.method, None if setting.method == FULL_METHOD else setting.budget)
+                for setting in settings]
 
     def _prefilled(self, input_ids: torch.Tensor, settings: list[Setting]):
         caches = self._caches(settings)
@@ -75,10 +79,14 @@ class KVHiveBackend:
         return caches, logits
 
     @torch.no_grad()
-    def _greedy(self, cache, logits: torch.Tensor, max_new_tokens: int, sizes: _SizeTracker) -> list[int]:
+    def _greedy(self, cache, logits: torch.Tensor, max_new_tokens: int,
+                sizes: _SizeTracker) -> list[int] | SettingFailure:
         tokens: list[int] = []
         sizes.observe(cache)
         for step in range(max_new_tokens):
+            if not bool(torch.isfinite(logits).all()):
+                # argmax over NaN picks an arbitrary token: that text is not the model's answer.
+                return SettingFailure(f"non-finite model output: logits at generated token {step} are not finite")
             token = int(logits.argmax(-1)[0])
             if token in self.stop_tokens:
                 break
@@ -96,7 +104,28 @@ class KVHiveBackend:
         below what the method needs), or None."""
         if setting.method == FULL_METHOD:
             return None
+        if isinstance(setting.budget, int):
+            # A token budget below the minimum would make make_cache raise (aborting the grid).
+            minimum = make_policy(setting.method).minimum_budget()
+            if setting.budget < minimum:
+                return (f"budget={setting.budget} tokens per head is below method {setting.method!r}'s minimum "
+                        f"of {minimum} tokens per head")
+            return None
         return make_cache(self.model, setting.method, setting.budget).budget_problem(context_tokens)
+
+    def not_applicable(self, setting: Setting, context_tokens: int, streaming: bool) -> str | None:
+        """Why ``setting``'s method cannot keep its budget in this phase, or None: fed token by
+        token (``streaming``), a method that compresses only a prompt (no decode phase) never
+        compresses, so its score would be the full cache's under the method's name."""
+        if not streaming or setting.method == FULL_METHOD:
+            return None
+        policy = make_policy(setting.method)
+        fed_tokens = context_tokens - 1  # the last token is only predicted
+        if DECODE in policy.phases or not isinstance(setting.budget, int) or setting.budget >= fed_tokens:
+            return None
+        phases = ", ".join(sorted(policy.phases)) or "none"
+        return (f"method {setting.method!r} compresses only in phase(s) {phases}: fed {fed_tokens} tokens one by "
+                f"one, its cache would grow past budget={setting.budget} uncompressed")
 
     def generate(self, prompt: str, max_new_tokens: int, settings: list[Setting]) -> list[str]:
         input_ids = self._encode(prompt)
@@ -105,7 +134,8 @@ class KVHiveBackend:
         for cache, first_logits in zip(caches, logits):
             sizes = _SizeTracker()
             tokens = self._greedy(cache, first_logits, max_new_tokens, sizes)
-            outputs.append(self.tokenizer.decode(tokens, skip_special_tokens=True))
+            outputs.append(tokens if isinstance(tokens, SettingFailure)
+                           else self.tokenizer.decode(tokens, skip_special_tokens=True))
             self.last_cache_sizes.append(sizes.summary())
         return outputs
 
@@ -148,8 +178,10 @@ class KVHiveBackend:
             budget = setting.budget
             # Tiny fixed caches (BUZZ Table 3) are below Gemma's 512-token sliding window.
             compress_sliding = bool(self.sliding_window) and isinstance(budget, int) and budget < self.sliding_window
+            if setting.method == FULL_METHOD:
+                budget, compress_sliding = None, False
             cache = make_cache(self.model, setting.method, budget, compress_sliding=compress_sliding)
-            total, count = 0.0, 0
+            total, count, failure = 0.0, 0, None
             sizes = _SizeTracker()
             for position in range(len(token_ids) - 1):
                 output = self.model(input_ids=ids[position][None, None], past_key_values=cache, use_cache=True)
@@ -157,10 +189,12 @@ class KVHiveBackend:
                 log_probs = torch.log_softmax(output.logits[0, -1].float(), dim=-1)
                 nll = -float(log_probs[ids[position + 1]])
                 if not math.isfinite(nll):
-                    raise FloatingPointError(f"non-finite NLL at position {position} for {setting.label}")
+                    # Recorded as this setting's failure; the other settings still run.
+                    failure = SettingFailure(f"non-finite model output: NLL {nll!r} at position {position}")
+                    break
                 total += nll
                 count += 1
-            results.append((total, count))
+            results.append(failure or (total, count))
             self.last_cache_sizes.append(sizes.summary())
         return results
 

@@ -98,6 +98,9 @@ def choice_accuracy(loglikelihoods: Sequence[float], continuations: Sequence[str
     """lm-eval-harness accuracy (argmax) and length-normalised accuracy (per character)."""
     if len(loglikelihoods) != len(continuations):
         raise ValueError(f"{len(loglikelihoods)} log-likelihoods for {len(continuations)} choices")
+    if not all(math.isfinite(ll) for ll in loglikelihoods):
+        # max() over NaN depends on the order of the choices: no accuracy can be read from it.
+        raise ValueError(f"non-finite log-likelihoods {list(loglikelihoods)}: no choice can be scored")
     best = max(range(len(loglikelihoods)), key=lambda i: loglikelihoods[i])
     normalized = [ll / max(1, len(c)) for ll, c in zip(loglikelihoods, continuations)]
     best_norm = max(range(len(normalized)), key=lambda i: normalized[i])

@@ -81,6 +81,10 @@ def read_results(out_dir: str | Path) -> list[dict]:
     return records
 
 
+class ResultsLockedError(RuntimeError):
+    """Another run is writing to the same ``results.jsonl``."""
+
+
 class ResultsWriter:
     """Exclusive appender for ``OUT/results.jsonl`` (use as a context manager)."""
 
@@ -93,7 +97,8 @@ class ResultsWriter:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._lock_fd)
-            raise RuntimeError(f"another evaluation run is writing to {self.path}") from None
+            raise ResultsLockedError(f"another evaluation run is writing to {self.path}; wait for it or use "
+                                     "another --out") from None
         self.repaired_bytes = repair_results_file(self.path)
         self.records = read_results(self.path)
         self.done = {result_key(r) for r in self.records}
@@ -104,7 +109,9 @@ class ResultsWriter:
         key = result_key(record)
         if key in self.done:
             return
-        data = (json.dumps(record, ensure_ascii=False, allow_nan=True) + "\n").encode("utf-8")
+        # allow_nan=False: a NaN or infinity anywhere refuses to be written (bare NaN is not JSON,
+        # and a non-finite number must be recorded as a failure, never as a score).
+        data = (json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
         written = 0
         while written < len(data):  # os.write may be partial for huge records
             written += os.write(self._fd, data[written:])
@@ -139,13 +146,14 @@ class ResultsSummary:
         self._groups: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
         self._budgets: dict[str, float | int] = {}
         self.task_info: dict[str, dict[str, Any]] = {}
-        # Settings a method could not honour on an item (budget below its minimum) are kept apart:
-        # they have no metrics and must not count as a score.
-        self._infeasible: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
+        # Settings that produced no score on an item are kept apart: "infeasible" (budget below the
+        # method's minimum), "not_applicable" (the method cannot keep its budget in the task's
+        # phase), "failed" (non-finite model output). They have no metrics and never count as a score.
+        self._unscored: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
         for record in self.records:
             key = (record["task"], record["method"], budget_key(record["budget"]))
-            if record.get("status") == "infeasible":
-                self._infeasible[key].append(record)
+            if record.get("status", "ok") != "ok":
+                self._unscored[key].append(record)
                 self._budgets.setdefault(key[2], record["budget"])
                 continue
             self._groups[key].append(record)
@@ -163,18 +171,31 @@ class ResultsSummary:
                 info["chance"] = record["chance"]
         self._cache: dict[tuple, dict[str, float]] = {}
 
+    def unscored_settings(self, task: str, status: str | None = None) -> list[tuple[str, float | int, str, int, str]]:
+        """(method, budget, status, number of items, first reason) of settings that produced no
+        score on some items of ``task`` (``status``: only that one, e.g. "failed")."""
+        grouped: dict[tuple, list[dict]] = defaultdict(list)
+        for (t, method, key), records in self._unscored.items():
+            for record in records:
+                if t == task and (status is None or record["status"] == status):
+                    grouped[(method, key, record["status"])].append(record)
+        out = [(method, self._budgets[key], record_status, len(records), records[0].get("reason", record_status))
+               for (method, key, record_status), records in grouped.items()]
+        return sorted(out, key=lambda row: (row[0], isinstance(row[1], int), float(row[1]), row[2]))
+
     def infeasible_settings(self, task: str) -> list[tuple[str, float | int, int, str]]:
         """(method, budget, number of items, first reason) of settings that could not run on
-        some items of ``task``."""
-        out = []
-        for (t, method, key), records in self._infeasible.items():
-            if t == task:
-                out.append((method, self._budgets[key], len(records), records[0].get("reason", "infeasible")))
-        return sorted(out, key=lambda row: (row[0], isinstance(row[1], int), float(row[1])))
+        some items of ``task`` (budget below the method's minimum)."""
+        return [(m, b, n, reason) for m, b, _, n, reason in self.unscored_settings(task, "infeasible")]
 
     def infeasible(self, task: str, method: str, budget: float | int) -> list[str]:
-        """Reasons recorded for items on which (method, budget) could not run."""
-        return [r.get("reason", "infeasible") for r in self._infeasible.get((task, method, budget_key(budget)), [])]
+        """Reasons recorded for items on which (method, budget) could not run (budget below its minimum)."""
+        records = self._unscored.get((task, method, budget_key(budget)), [])
+        return [r.get("reason", "infeasible") for r in records if r["status"] == "infeasible"]
+
+    def item_ids(self, task: str, method: str, budget: float | int | None = None) -> list[str]:
+        """Ids of the items (method, budget) has a score for, so comparisons can be paired."""
+        return [str(r["item_id"]) for r in self.item_records(task, method, budget)]
 
     # -- structure
     def tasks(self) -> list[str]:

@@ -24,6 +24,7 @@ from .backend import (
     FULL_METHOD,
     Backend,
     Setting,
+    SettingFailure,
     budget_key,
     budget_to_tokens,
     validate_budgets,
@@ -151,13 +152,39 @@ def _call_backend(backend: Backend, task: Task, item: Item, settings: list[Setti
     return outputs
 
 
+def _finite_or_none(value: float) -> float | None:
+    """A number as JSON can hold it: non-finite values (refused by ``allow_nan=False``) become null."""
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
 def _json_output(kind: str, output: Any) -> Any:
     if kind == "perplexity":
         nll_sum, n_tokens = output
-        return [float(nll_sum), int(n_tokens)]
+        return [_finite_or_none(nll_sum), int(n_tokens)]
     if kind == "choice":
-        return [float(x) for x in output]
+        return [_finite_or_none(x) for x in output]
     return output
+
+
+def _output_problem(kind: str, output: Any) -> str | None:
+    """Why an output cannot be scored (a non-finite log-likelihood or NLL), or None."""
+    if kind == "perplexity":
+        nll_sum, n_tokens = output
+        if not math.isfinite(float(nll_sum)):
+            return f"non-finite model output: NLL sum {float(nll_sum)!r} over {int(n_tokens)} tokens"
+        if int(n_tokens) < 1:
+            return "no token was predicted"
+    elif kind == "choice":
+        bad = [i for i, x in enumerate(output) if not math.isfinite(float(x))]
+        if bad:
+            return f"non-finite model output: log-likelihood of choice(s) {bad} is {[float(output[i]) for i in bad]}"
+    return None
+
+
+def _metrics_problem(metrics: Mapping[str, Any]) -> str | None:
+    bad = {k: v for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)}
+    return f"non-finite metrics {bad}" if bad else None
 
 
 def _write_run_config(out_dir: Path, config: dict) -> None:
@@ -306,18 +333,32 @@ def _run_item(
         prompt_tokens = len(item.token_ids)
 
     # A ratio budget can resolve below what a method needs on a short context (SnapKV's window on
-    # a 100-token prompt): that setting is recorded as infeasible, the others still run.
+    # a 100-token prompt): that setting is recorded as infeasible, the others still run. A method
+    # that cannot keep its budget in the task's phase (a prefill-only method on a token stream)
+    # is recorded as not applicable: scoring it would report the full cache under its name.
     if task.kind == "perplexity":
         context_tokens = len(item.token_ids)
     else:  # as the backend tokenizes it: with the tokenizer's special tokens (BOS)
         context_tokens = len(backend.tokenizer(item.prompt)["input_ids"])
     infeasible = getattr(backend, "infeasible", None)
-    reasons = {}
-    if infeasible is not None:
-        for setting in pending:
-            reason = infeasible(_backend_setting(task, item, setting), context_tokens)
+    not_applicable = getattr(backend, "not_applicable", None)
+    reasons: dict[Setting, tuple[str, str]] = {}
+    for setting in pending:
+        if (task.kind == "perplexity" and setting.method != FULL_METHOD and isinstance(setting.budget, float)
+                and round(setting.budget * len(item.token_ids)) < 1):
+            # Converting to tokens would silently raise it to 1 token.
+            reasons[setting] = ("infeasible", f"budget ratio={setting.budget:g} of a {len(item.token_ids)}-token "
+                                              "text is 0 tokens")
+            continue
+        backend_setting = _backend_setting(task, item, setting)
+        reason = infeasible(backend_setting, context_tokens) if infeasible is not None else None
+        if reason:
+            reasons[setting] = ("infeasible", str(reason))
+            continue
+        if not_applicable is not None:
+            reason = not_applicable(backend_setting, context_tokens, task.kind == "perplexity")
             if reason:
-                reasons[setting] = str(reason)
+                reasons[setting] = ("not_applicable", str(reason))
     feasible = [s for s in pending if s not in reasons]
 
     start = time.perf_counter()
@@ -330,11 +371,19 @@ def _run_item(
     cache_sizes = dict(zip(feasible, sizes)) if isinstance(sizes, list) and len(sizes) == len(feasible) else {}
     count = 0
     for setting in pending:
+        output, metrics, status, reason = None, {}, "ok", None
         if setting in reasons:
-            metrics, output, status = {}, None, "infeasible"
+            status, reason = reasons[setting]
+        elif isinstance(results[setting], SettingFailure):
+            status, reason = "failed", results[setting].reason
         else:
             output = results[setting]
-            metrics, status = task.score(item, output), "ok"
+            reason = _output_problem(task.kind, output)
+            if reason is None:
+                metrics = task.score(item, output)
+                reason = _metrics_problem(metrics)
+            if reason is not None:  # a number recorded is right or refused: never score NaN
+                status, metrics = "failed", {}
         record = {
             "task": task.name,
             "item_id": item.id,
@@ -362,8 +411,8 @@ def _run_item(
         }
         if cache_sizes.get(setting):
             record["cache"] = cache_sizes[setting]
-        if status == "infeasible":
-            record["reason"] = reasons[setting]
+        if status != "ok":
+            record["reason"] = reason
             record["context_tokens"] = context_tokens
         if task.kind == "perplexity" and setting.method != FULL_METHOD:
             record["budget_tokens"] = budget_to_tokens(setting.budget, len(item.token_ids))

@@ -1,0 +1,225 @@
+"""What kvhive refuses instead of answering wrong (issue 9 items 1 (API), 10, 11, 12; issue 13
+item 5): a reused cache that does not fit the new input, a missing budget, an ignored budget,
+a prefill-only method streamed past its budget, malformed options, and CLI faults."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvhive
+from kvhive.cache import BudgetNotKeptWarning
+from kvhive.cli import main as kvhive_main
+from kvhive.models import tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _ids(length: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 250, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _generate(model, ids, cache, new: int = 3):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new,
+                          do_sample=False)
+
+
+# -- item 11: reusing a cache ------------------------------------------------------------------------
+def test_reused_cache_continues_a_prompt_that_extends_it():
+    model = tiny_model("llama", "gqa")
+    cache = kvhive.make_cache(model, "h2o", budget=8)
+    first = _generate(model, _ids(20), cache)
+    follow_up = torch.cat([first, _ids(4, seed=1)], dim=1)
+    second = _generate(model, follow_up, cache)
+    assert second.shape[1] == follow_up.shape[1] + 3
+    assert cache.layers[0].tokens_seen == second.shape[1] - 1  # the last generated token is never fed
+
+
+def test_reused_cache_refuses_an_unrelated_prompt():
+    # transformers slices the prompt at the cache's length: an unrelated longer prompt used to be
+    # answered as if the cached tokens were its beginning.
+    model = tiny_model("llama", "gqa")
+    cache = kvhive.make_cache(model, "h2o", budget=8)
+    _generate(model, _ids(20), cache)
+    with pytest.raises(ValueError, match="does not start with the 22 tokens this cache holds"):
+        _generate(model, _ids(40, seed=5), cache)
+    with pytest.raises(ValueError, match="prompt of 5 tokens does not extend the 22 tokens"):
+        _generate(model, _ids(5), cache)
+
+
+def test_reused_cache_refuses_another_batch_size():
+    model = tiny_model("llama", "gqa")
+    cache = kvhive.make_cache(model, "h2o", budget=8)
+    _generate(model, _ids(20), cache)
+    with pytest.raises(ValueError, match="batch of 1 row.*has 2"):
+        _generate(model, _ids(40, batch=2), cache)
+    with pytest.raises(ValueError, match="batch of 1 row.*has 2"):  # a direct forward, not generate
+        model(input_ids=_ids(1, batch=2), past_key_values=cache, use_cache=True)
+
+
+def test_reused_cache_refuses_another_model():
+    model, other = tiny_model("llama", "gqa"), tiny_model("llama", "gqa")
+    cache = kvhive.make_cache(model, "h2o", budget=8)
+    kvhive.make_cache(other, "h2o", budget=8)  # the other model runs kvhive attention too
+    ids = _ids(20)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        with pytest.raises(ValueError, match="filled by another model"):
+            other(input_ids=_ids(1), past_key_values=cache, use_cache=True)
+    smaller = tiny_model("llama", "gqa", num_hidden_layers=1)
+    cache = kvhive.make_cache(smaller, "h2o", budget=8)
+    with torch.no_grad(), pytest.raises(ValueError, match="another model"):
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+
+
+def test_cache_refuses_a_model_not_running_kvhive_attention():
+    # Without kvhive attention nothing is ever compressed: the cache used to grow silently.
+    model = tiny_model("llama", "gqa")
+    cache = kvhive.make_cache(model, "h2o", budget=8)
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad(), pytest.raises(ValueError, match="kvhive's attention did not run"):
+        model(input_ids=_ids(20), past_key_values=cache, use_cache=True)
+
+
+# -- item 10 / issue 13 item 5: budgets a user did not give, or gave for nothing ---------------------
+def test_an_evicting_method_needs_a_budget():
+    # The old default (a ratio of 1.0 of the prompt) kept H2O at the prompt length while decoding.
+    model = tiny_model("llama", "gqa")
+    with pytest.raises(ValueError, match="method 'h2o' needs a budget and none was given"):
+        kvhive.make_cache(model, "h2o")
+    full = kvhive.make_cache(model, "full")
+    assert full.statistics()["budget"] == "none (keeps every token)"
+
+
+def test_full_method_notes_an_ignored_budget():
+    model = tiny_model("llama", "gqa")
+    with pytest.warns(UserWarning, match="method 'full' keeps every token: budget=64 is ignored"):
+        kvhive.make_cache(model, "full", budget=64)
+
+
+def test_statistics_print_ratios_as_ratios():
+    model = tiny_model("llama", "gqa")
+    assert kvhive.make_cache(model, "h2o", budget=1).statistics()["budget"] == "1 tok"
+    assert kvhive.make_cache(model, "h2o", ratio=1.0).statistics()["budget"] == "ratio 1"
+    assert kvhive.make_cache(model, "h2o", budget=0.25).statistics()["budget"] == "ratio 0.25"
+
+
+def test_ratio_resolving_below_one_token_is_refused_naming_the_ratio():
+    # 1e-9 used to be raised silently to 1 token; a short prompt's ratio named "budget=9".
+    model = tiny_model("llama", "gqa")
+    cache = kvhive.make_cache(model, "h2o", budget=1e-9)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"ratio=1e-09 of a 20-token prompt is 0 tokens"):
+        model(input_ids=_ids(20), past_key_values=cache, use_cache=True)
+    cache = kvhive.make_cache(model, "snapkv", ratio=0.5)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"ratio=0.5 of a 20-token prompt is 10 tokens.*'snapkv' needs at least 32"):
+        model(input_ids=_ids(20), past_key_values=cache, use_cache=True)
+
+
+# -- item 1 (API): a prefill-only method streamed past its budget --------------------------------------
+def test_streaming_a_prefill_only_method_warns_once():
+    model = tiny_model("llama", "gqa")
+    cache = kvhive.make_cache(model, "knorm", budget=6)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        for token in _ids(12)[0]:
+            model(input_ids=token.view(1, 1), past_key_values=cache, use_cache=True)
+    budget_warnings = [w for w in caught if issubclass(w.category, BudgetNotKeptWarning)]
+    assert len(budget_warnings) == 1 and "compresses only in phase(s) prefill" in str(budget_warnings[0].message)
+    # A prompt the method did compress, then a few decoded tokens: the method's normal use, no warning.
+    cache = kvhive.make_cache(model, "knorm", budget=6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BudgetNotKeptWarning)
+        _generate(model, _ids(20), cache, new=4)
+
+
+# -- item 12: malformed options ------------------------------------------------------------------------
+@pytest.mark.parametrize("value", ["no", 0, 1, None])
+def test_compress_sliding_must_be_a_bool(value):
+    model = tiny_model("gemma3", "gqa")
+    with pytest.raises(ValueError, match="compress_sliding"):
+        kvhive.make_cache(model, "h2o", budget=8, compress_sliding=value)
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--repeats", "0"], "invalid repeats=0"),
+    (["--num-layers", "0"], "invalid num_layers=0"),
+    (["--batch-size", "0"], "invalid batch_size=0"),
+])
+def test_bench_refuses_degenerate_runs_in_one_line(arguments, message, capsys):
+    code = kvhive_main(["bench", "--context", "16", "--decode-tokens", "1", *arguments])
+    error = capsys.readouterr().err
+    assert code == 2 and message in error and "Traceback" not in error
+
+
+def test_generate_names_the_missing_budget_and_notes_an_ignored_one(capsys):
+    with pytest.raises(SystemExit, match="--method h2o needs --budget"):
+        kvhive_main(["generate", "--model", "tiny-llama-gqa", "--method", "h2o", "hello"])
+    assert kvhive_main(["generate", "--model", "tiny-llama-gqa", "--method", "full", "--budget", "64",
+                        "--max-new-tokens", "2", "hello"]) == 0
+    assert "note: --method full keeps every token; --budget 64 is ignored" in capsys.readouterr().err
+
+
+def test_generate_refuses_a_directory_as_prompt_file(tmp_path):
+    with pytest.raises(SystemExit, match="cannot read --prompt-file .*Is a directory"):
+        kvhive_main(["generate", "--model", "tiny-llama-gqa", "--prompt-file", str(tmp_path)])
+
+
+def _eval_arguments(out: Path) -> list[str]:
+    return ["eval", "--model", "tiny-llama-gqa", "--tasks", "synthetic_recall:num_pairs=2", "--methods", "local",
+            "--budgets", "8", "--limit", "1", "--out", str(out), "--no-progress", "--no-report"]
+
+
+def test_eval_on_a_locked_output_folder_is_a_one_line_error(tmp_path, capsys):
+    from kvhive.evaluation.results import ResultsWriter
+
+    with ResultsWriter(tmp_path / "run"):  # another run holds the folder
+        code = kvhive_main(_eval_arguments(tmp_path / "run"))
+    error = capsys.readouterr().err
+    assert code == 2 and "another evaluation run is writing to" in error
+
+
+def test_eval_on_a_read_only_folder_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from kvhive.evaluation import results
+
+    def read_only(*_args, **_kwargs):  # as os.open fails in a read-only folder (root ignores chmod)
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(tmp_path / "run" / "results.jsonl"))
+
+    monkeypatch.setattr(results.os, "open", read_only)
+    code = kvhive_main(_eval_arguments(tmp_path / "run"))
+    error = capsys.readouterr().err
+    assert code == 2 and "Permission denied" in error and "Traceback" not in error
+
+
+def test_eval_on_a_full_disk_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from kvhive.evaluation import results
+
+    def full_disk(*_):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(results.os, "write", full_disk)
+    code = kvhive_main(_eval_arguments(tmp_path / "run"))
+    error = capsys.readouterr().err
+    assert code == 2 and "No space left on device" in error and "Traceback" not in error
+
+
+def test_importing_kvhive_installs_no_warnings_filter():
+    script = (
+        "import warnings, torch, transformers, accelerate.scheduler, transformers.masking_utils, transformers.cache_utils\n"
+        "def seen(): return {(a, getattr(m, 'pattern', m), c, getattr(n, 'pattern', n)) for a, m, c, n, _ in warnings.filters}\n"
+        "before = seen()\n"
+        "import kvhive, kvhive.attention.integration, kvhive.cli, kvhive.evaluation.kvhive_backend, kvhive.bench\n"
+        "added = seen() - before\n"
+        "assert not added, added\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=REPO,
+                   env={**os.environ, "PYTHONPATH": str(REPO)})
