@@ -16,7 +16,7 @@ def test_labels_never_confuse_a_ratio_with_tokens():
     assert budget_label(40) == "40 tok" and budget_label(1) == "1 tok"
     assert budget_label(Budget(ratio=0.5)) == "ratio 0.5"
     model = tiny_model("llama", "gqa")
-    assert kvhive.make_cache(model, "h2o").statistics()["budget"] == "ratio 1"  # was "1", like 1 token
+    assert kvhive.make_cache(model, "h2o", ratio=1.0).statistics()["budget"] == "ratio 1"  # was "1", like 1 token
     assert kvhive.make_cache(model, "h2o", budget=1).statistics()["budget"] == "1 tok"
 
 

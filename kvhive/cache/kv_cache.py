@@ -239,8 +239,8 @@ class KVHiveCache(Cache):
         ever having compressed this layer: a token-by-token stream, or a prompt that fit the
         budget, gets no compression at all, so the cache is the full cache under the method's name."""
         budget = self.layer_budgets.get(layer_index)
-        if (self._warned_budget_not_kept or budget is None or layer_index in self._cut_at_prefill
-                or store.max_length <= budget):
+        if (self._warned_budget_not_kept or budget is None or not self.policy.phases  # full: no budget to keep
+                or layer_index in self._cut_at_prefill or store.max_length <= budget):
             return
         self._warned_budget_not_kept = True
         phases = ", ".join(sorted(self.policy.phases))
