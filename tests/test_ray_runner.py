@@ -112,39 +112,34 @@ class TroubledFactory:
 
 
 def _run_pool(factory, out: Path, workers: int = 2, max_attempts: int = 3, **grid):
-    grid = {**GRID, **grid}
+    grid = {**GRID, "tasks": [RECALL], **grid}  # the failure tests need one task only
     with RayPool(factory, MODEL, workers=workers, max_attempts=max_attempts) as pool:
         run = run_eval(pool, grid["tasks"], grid["methods"], grid["budgets"], grid["limit"], DATA_DIR, out,
                        progress=False, model_name=MODEL, executor=pool)
         return run, pool.worker_deaths
 
 
-def test_two_workers_give_the_single_process_results(ray_address, reference, tmp_path):
-    run = run_eval_distributed(make_backend, MODEL, GRID["tasks"], GRID["methods"], GRID["budgets"], GRID["limit"],
-                               DATA_DIR, tmp_path, progress=False, workers=2)
+def test_two_workers_give_the_single_process_results_even_when_one_dies_mid_item(ray_address, reference, tmp_path):
+    # One worker is SIGKILLed in the middle of an item (the first time any worker meets it): the
+    # item is retried in another process, and the grid still equals the single-process run.
+    marker = tmp_path / "attempts"
+    factory = TroubledFactory(_recall_prompt(1), "die-once", marker)
+    with RayPool(factory, MODEL, workers=2) as pool:
+        run = run_eval(pool, GRID["tasks"], GRID["methods"], GRID["budgets"], GRID["limit"], DATA_DIR, tmp_path / "out",
+                       progress=False, model_name=MODEL, executor=pool)
+        assert pool.worker_deaths == 1
+    attempts = marker.read_text().split()
+    assert len(attempts) == 2 and attempts[0] != attempts[1]  # died in one process, done in another
     assert run.written == run.total == len(reference)
-    records = read_results(tmp_path)
-    assert len(records) == len((tmp_path / "results.jsonl").read_text().splitlines())  # no duplicate lines
+    records = read_results(tmp_path / "out")
+    assert len(records) == len((tmp_path / "out" / "results.jsonl").read_text().splitlines())  # no duplicate lines
     assert {result_key(r) for r in records} == set(reference)
     for record in records:
         _same_record(record, reference[result_key(record)])
-    # a rerun finds everything done and starts nothing
+    # a rerun finds everything done and writes nothing
     again = run_eval_distributed(make_backend, MODEL, GRID["tasks"], GRID["methods"], GRID["budgets"], GRID["limit"],
-                                 DATA_DIR, tmp_path, progress=False, workers=2)
+                                 DATA_DIR, tmp_path / "out", progress=False, workers=2)
     assert (again.written, again.skipped) == (0, run.total)
-
-
-def test_a_worker_killed_mid_item_has_its_item_retried_on_another(ray_address, reference, tmp_path):
-    marker = tmp_path / "attempts"
-    run, deaths = _run_pool(TroubledFactory(_recall_prompt(1), "die-once", marker), tmp_path / "out")
-    attempts = marker.read_text().split()
-    assert len(attempts) == 2 and attempts[0] != attempts[1]  # died in one process, done in another
-    assert deaths == 1
-    records = read_results(tmp_path / "out")
-    assert run.written == len(records) == len(reference)
-    for record in records:
-        assert record["status"] != "failed"
-        _same_record(record, reference[result_key(record)])
 
 
 @pytest.mark.parametrize("mode, reason", [("raise", "RuntimeError: boom on the trigger item"), ("die", "worker died")])
@@ -157,7 +152,7 @@ def test_an_item_that_always_fails_is_recorded_as_failed_and_the_grid_completes(
     assert len(attempts) == len(set(attempts)) == 2  # bounded: max_attempts tries, each in another process
     assert deaths == (2 if mode == "die" else 0)
     records = read_results(tmp_path / "out")
-    assert run.written == run.total == len(records) == len(reference)
+    assert run.written == run.total == len(records) == 3 * 5
     failed = [r for r in records if r["status"] == "failed"]
     assert {r["item_id"] for r in failed} == {"item0"} and {r["task"] for r in failed} == {"synthetic_recall"}
     assert len(failed) == 5  # full + 2 methods x 2 budgets
@@ -189,13 +184,13 @@ DRIVER = textwrap.dedent(
         backend = make_backend(name)
         generate = backend.generate
         def slow(*args):
-            time.sleep(0.15)
+            time.sleep(0.3)
             return generate(*args)
         backend.generate = slow
         return backend
 
     run_eval_distributed(slow_backend, "tiny-llama-gqa", ["synthetic_recall:num_pairs=6"], ["h2o", "streamingllm"],
-                         [0.5, 16], 16, sys.argv[2], sys.argv[1], progress=False, address=sys.argv[3], workers=2)
+                         [0.5, 16], 8, sys.argv[2], sys.argv[1], progress=False, address=sys.argv[3], workers=2)
     """
 )
 
@@ -210,20 +205,22 @@ def test_a_killed_driver_loses_nothing_and_duplicates_nothing_on_rerun(ray_addre
     results = out / "results.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and driver.poll() is None:
-        if results.exists() and results.read_bytes().count(b"\n") >= 10:
+        if results.exists() and results.read_bytes().count(b"\n") >= 5:
             break
         time.sleep(0.02)
     assert driver.poll() is None, driver.stderr.read().decode()[-2000:]
     driver.send_signal(signal.SIGKILL)
     driver.wait()
     before = read_results(out)
-    assert 10 <= len(before) < 16 * 5  # killed mid-grid
+    assert 5 <= len(before) < 8 * 5  # killed mid-grid
 
-    finished = subprocess.run(command, env=env, capture_output=True, timeout=300)
-    assert finished.returncode == 0, finished.stderr.decode()[-2000:]
+    # the rerun (here, on the same cluster) resumes
+    rerun = run_eval_distributed(make_backend, MODEL, [RECALL], ["h2o", "streamingllm"], [0.5, 16], 8, DATA_DIR, out,
+                                 progress=False, workers=2)
+    assert rerun.skipped == len(before) and rerun.written == 8 * 5 - len(before)
     lines = [json.loads(line) for line in results.read_text().splitlines()]
     keys = [result_key(record) for record in lines]
-    assert len(keys) == len(set(keys)) == 16 * 5  # every result once
+    assert len(keys) == len(set(keys)) == 8 * 5  # every result once
     assert [result_key(r) for r in before] == keys[: len(before)]  # what was written survived, in place
 
 

@@ -209,9 +209,9 @@ class RayPool:
             )
         self._threads = threads
         self._actor_class = ray.remote(EvalWorker)
-        for _ in range(self.workers):
-            self._spawn()
-        # The driver needs a tokenizer before anything else: wait for the first worker to load.
+        # One worker first: the driver needs its tokenizer to see what is pending; the others start
+        # once there is work for them (a rerun with nothing left starts one).
+        self._spawn()
         while self._tokenizer is None:
             ready, _ = ray.wait(list(self._pending_starts), num_returns=1)
             worker = self._pending_starts.pop(ready[0])
@@ -275,6 +275,8 @@ class RayPool:
         """Run ``work`` on the workers; the driver appends every record as it arrives."""
         ray = self.ray
         self._ensure_started()
+        for _ in range(min(self.workers, len(work)) - len(self._workers)):
+            self._spawn()
         queue = deque(_Job(entry) for entry in work)
         idle = [w for w in self._workers.values() if w.started]
         running: dict[Any, tuple[_Worker, _Job]] = {}
