@@ -1,6 +1,6 @@
 """The evaluation grid in one process vs on Ray with 1, 2, ... workers; and the driver's write rate.
 
-    .venv/bin/python benchmarks/bench_ray.py --suite quick --limit 2 --workers 1,2 --json results/ray_scaling.json
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_ray.py --suite quick --limit 2 --workers 1,2 --json results/ray_scaling.json
 
 For each run: wall time (Ray runs: starting the local instance and the first model load apart
 from the grid itself), and whether every result equals the single-process one (generated text
