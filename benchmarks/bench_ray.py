@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from kvhive.evaluation import read_results, run_eval
+from kvhive.evaluation.cli import default_data_dir
 from kvhive.evaluation.distributed import RayPool
 from kvhive.evaluation.kvhive_backend import make_backend
 from kvhive.evaluation.results import ResultsWriter, result_key
@@ -77,12 +78,10 @@ def main() -> None:
     parser.add_argument("--suite", default="quick")
     parser.add_argument("--limit", type=int, default=None, help="items per task (default: the suite's)")
     parser.add_argument("--workers", default="1,2", help="comma-separated worker counts")
-    parser.add_argument("--data-dir", type=Path, default=Path(__file__).resolve().parents[1].parent / "shared" / "data")
+    parser.add_argument("--data-dir", type=Path, default=default_data_dir(), help="default $KVHIVE_DATA_DIR or <repo>/../shared/data")
     parser.add_argument("--write-records", type=int, default=2000, help="records appended to measure the write rate")
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     args = parser.parse_args()
-    if not args.data_dir.exists():
-        args.data_dir = Path("/work/shared/data")
     suite = get_suite(args.suite)
     limit = args.limit if args.limit is not None else suite.limit
     grid = (list(suite.tasks), suite.methods, suite.budgets, limit, args.data_dir)

@@ -22,6 +22,7 @@ import ray
 
 from kvhive.cli import main as kvhive_main
 from kvhive.evaluation import read_results, run_eval
+from kvhive.evaluation.cli import default_data_dir
 from kvhive.evaluation.distributed import INSTALL_HINT, RayPool, run_eval_distributed
 from kvhive.evaluation.kvhive_backend import KVHiveBackend, make_backend
 from kvhive.evaluation.results import result_key
@@ -32,9 +33,7 @@ from kvhive.models import load_model
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 MODEL = "tiny-llama-gqa"
-DATA_DIR = (Path(__file__).resolve().parents[2] / "shared" / "data").resolve()
-if not DATA_DIR.exists():  # a worktree next to the main checkout
-    DATA_DIR = Path("/work/shared/data")
+DATA_DIR = default_data_dir()  # $KVHIVE_DATA_DIR, else <repo>/../shared/data
 RECALL = "synthetic_recall:num_pairs=6"
 GRID = dict(
     tasks=[RECALL, "ppl:num_tokens=48:window=24", "piqa"],
