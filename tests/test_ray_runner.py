@@ -238,3 +238,10 @@ def test_without_ray_the_flag_fails_with_one_line_saying_how_to_install(monkeypa
 def test_worker_options_are_checked(tmp_path, extra, expected):
     with pytest.raises(SystemExit, match=expected):
         kvhive_main(["eval", "--model", MODEL, "--tasks", RECALL, "--methods", "h2o", "--out", str(tmp_path / "x"), *extra])
+
+
+def test_more_workers_than_the_cluster_can_place_is_refused(ray_address, tmp_path):
+    # Actors asking for CPUs the cluster does not have would wait forever: refuse up front.
+    with pytest.raises(ValueError, match=r"workers: 3 workers need 3 CPUs but the Ray cluster has 2"):
+        _run_pool(make_backend, tmp_path / "out", workers=3)
+    assert not (tmp_path / "out" / "results.jsonl").exists()
