@@ -77,14 +77,25 @@ def main() -> None:
     parser.add_argument("--model", default="gemma-3-270m")
     parser.add_argument("--suite", default="quick")
     parser.add_argument("--limit", type=int, default=None, help="items per task (default: the suite's)")
-    parser.add_argument("--workers", default="1,2", help="comma-separated worker counts")
+    parser.add_argument("--workers", default="1,2", help="comma-separated worker counts, in run order (repeats allowed)")
+    parser.add_argument("--tasks", default=None, help="comma-separated task names: keep only these of the suite's")
     parser.add_argument("--data-dir", type=Path, default=default_data_dir(), help="default $KVHIVE_DATA_DIR or <repo>/../shared/data")
     parser.add_argument("--write-records", type=int, default=2000, help="records appended to measure the write rate")
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     args = parser.parse_args()
     suite = get_suite(args.suite)
     limit = args.limit if args.limit is not None else suite.limit
-    grid = (list(suite.tasks), suite.methods, suite.budgets, limit, args.data_dir)
+    tasks = list(suite.tasks)
+    if args.tasks:
+        wanted = args.tasks.split(",")
+        tasks = [t for t in tasks if t.split(":")[0] in wanted]
+        if not tasks:
+            raise SystemExit(f"--tasks: none of {wanted} is in suite {args.suite!r} ({list(suite.tasks)})")
+    methods = {t.split(":")[0]: suite.methods for t in tasks} if not isinstance(suite.methods, dict) else suite.methods
+    budgets = suite.budgets
+    if isinstance(budgets, dict):
+        budgets = {name: value for name, value in budgets.items() if name in {t.split(":")[0] for t in tasks}}
+    grid = (tasks, methods, budgets, limit, args.data_dir)
     cores = os.cpu_count() or 1
     scratch = Path(tempfile.mkdtemp(prefix="bench_ray_"))
     rows = []
@@ -102,8 +113,8 @@ def main() -> None:
     print(rows[-1], flush=True)
     del backend
 
-    for workers in [int(w) for w in args.workers.split(",")]:
-        out = scratch / f"ray{workers}"
+    for number, workers in enumerate(int(w) for w in args.workers.split(",")):
+        out = scratch / f"ray{number}-{workers}"
         start = time.perf_counter()
         with RayPool(make_backend, args.model, workers=workers) as pool:
             pool.tokenizer  # noqa: B018 - starts Ray and the first worker (model load)
@@ -121,7 +132,7 @@ def main() -> None:
     record_bytes = len(json.dumps(sample)) + 1
     produced = max(r["results"] / r["grid_s"] for r in rows if r["grid_s"] > 0)
     summary = {
-        "model": args.model, "suite": args.suite, "limit": limit, "cores": cores,
+        "model": args.model, "suite": args.suite, "tasks": tasks, "limit": limit, "cores": cores,
         "load_average_at_end": os.getloadavg(),
         "machine": platform.platform(), "torch": torch.__version__,
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
