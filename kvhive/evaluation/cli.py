@@ -76,6 +76,13 @@ def add_eval_arguments(
     parser.add_argument("--suite", choices=sorted(SUITES), help="a predefined grid; explicit options override it")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--no-report", action="store_true", help="do not write report.md after the run")
+    parser.add_argument(
+        "--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+        help="spread the items over Ray workers (needs kvhive[ray]); alone: a local Ray instance, "
+        "ADDRESS (auto, HOST:PORT, ray://HOST:PORT): join that cluster",
+    )
+    parser.add_argument("--workers", type=int, default=None,
+                        help="with --ray: workers, each holding one model (default: one per GPU, else one per CPU)")
     parser.set_defaults(func=run_eval_command, backend_factory=backend_factory, method_validator=method_validator)
     return parser
 
@@ -119,6 +126,8 @@ def run_eval_command(args: argparse.Namespace) -> int:
         raise SystemExit("kvhive eval: no backend factory was wired into the CLI")
     grid = resolve_eval_grid(args)
     data_dir = args.data_dir or default_data_dir()
+    if getattr(args, "ray", None) is not None or getattr(args, "workers", None) is not None:
+        return _run_eval_on_ray(args, factory, grid, data_dir)
     backend = factory(args.model)
     run = run_eval(
         backend,
@@ -132,6 +141,41 @@ def run_eval_command(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         method_validator=getattr(args, "method_validator", None),
         model_name=args.model,
+        suite=args.suite,
+    )
+    print(f"{run.written} new results ({run.skipped} already done, {run.total} in the grid) -> {run.results_path}")
+    if not args.no_report:
+        write_report(grid["out_dir"])
+        print(f"report: {Path(grid['out_dir']) / 'report.md'}")
+    return 0
+
+
+def _run_eval_on_ray(args: argparse.Namespace, factory: BackendFactory, grid: dict[str, Any], data_dir: Path) -> int:
+    """``kvhive eval --ray``: the same grid, items spread over Ray workers (kvhive.evaluation.distributed)."""
+    if args.ray is None:
+        raise SystemExit("kvhive eval: --workers needs --ray (workers are Ray actors)")
+    if args.workers is not None and args.workers < 1:
+        raise SystemExit(f"kvhive eval: --workers must be an integer >= 1, got {args.workers}")
+    try:
+        from .distributed import require_ray, run_eval_distributed
+
+        require_ray()
+    except ImportError as error:
+        raise SystemExit(f"kvhive eval: --ray: {error}") from None
+    run = run_eval_distributed(
+        factory,
+        args.model,
+        grid["tasks"],
+        grid["methods"],
+        grid["budgets"],
+        grid["limit"],
+        data_dir,
+        grid["out_dir"],
+        seed=args.seed,
+        progress=not args.no_progress,
+        address=None if args.ray == "local" else args.ray,
+        workers=args.workers,
+        method_validator=getattr(args, "method_validator", None),
         suite=args.suite,
     )
     print(f"{run.written} new results ({run.skipped} already done, {run.total} in the grid) -> {run.results_path}")

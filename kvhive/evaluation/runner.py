@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from .backend import (
     FULL_BUDGET,
@@ -34,6 +34,20 @@ from .tasks import TASKS, Item, Task, get_task, parse_task_spec
 from .tasks.base import encode
 
 MethodValidator = Callable[[str], Any]
+
+
+class PendingItem(NamedTuple):
+    """One item of the grid with the settings it still lacks (served by one backend call)."""
+
+    task: Task
+    item: Item
+    settings: list[Setting]
+
+
+# ``executor(work, writer, bar, fields)`` runs the pending items somewhere else and appends their
+# records through ``writer`` (the only writer of results.jsonl), advancing ``bar`` (or None);
+# ``fields`` are the run's model, seed, limit and suite; returns the number of records written.
+ItemExecutor = Callable[[list[PendingItem], ResultsWriter, Any, dict], int]
 
 
 @dataclass
@@ -231,6 +245,7 @@ def run_eval(
     model_name: str | None = None,
     include_full: bool = True,
     suite: str | None = None,
+    executor: ItemExecutor | None = None,
 ) -> EvalRun:
     """Run (or resume) the grid task x item x (method, budget) and append to ``out_dir/results.jsonl``.
 
@@ -239,6 +254,8 @@ def run_eval(
     task's ``default_budgets``. Budgets: floats in (0, 1] are ratios, ints >= 1 are tokens per head.
     ``method_validator(name)`` (e.g. the method registry's lookup) may raise or return False for
     unknown methods. Results of another model or seed in ``out_dir`` are refused.
+    ``executor`` runs the pending items elsewhere (:mod:`kvhive.evaluation.distributed`); then
+    ``backend`` only has to provide the tokenizer (to load the items) and the model name.
     """
     resolved_tasks = resolve_tasks(tasks)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
@@ -289,11 +306,17 @@ def run_eval(
 
             bar = tqdm(total=total, initial=skipped, desc="eval", unit="result", dynamic_ncols=True)
         try:
+            work = []
             for task, items, settings in loaded:
                 for item in items:
                     pending = [s for s in settings if (task.name, item.id, s.method, budget_key(s.budget)) not in writer.done]
-                    if not pending:
-                        continue
+                    if pending:
+                        work.append(PendingItem(task, item, pending))
+            if executor is not None:
+                fields = {"model": name, "seed": seed, "limit": limit, "suite": suite}
+                written = executor(work, writer, bar, fields)
+            else:
+                for task, item, pending in work:
                     if bar is not None:
                         bar.set_postfix_str(f"{task.name} {item.id}", refresh=False)
                     written += _run_item(backend, task, item, pending, writer, name, seed, limit, suite)
