@@ -15,7 +15,8 @@ from transformers.masking_utils import sdpa_mask
 from kvhive.api import make_cache
 from kvhive.methods import make_policy
 from kvhive.methods.base import DECODE, PREFILL, ScoringInputs
-from kvhive.methods.buzz import (EVICTIONS, OLD, SCORE, Buzz, BuzzLogN, layout_for_budget, local_max_mask,
+from kvhive.methods.buzz import (EVICTIONS, OLD, SCORE, Buzz, BuzzLogN, kept_size_statistics, layout_for_budget,
+                                 local_max_mask,
                                  old_sample_sizes, prefill_accumulated_attention, small_stride, theorem_ratio)
 from kvhive.models import TINY_ARCHITECTURES, TINY_ATTENTION_KINDS, load_model, tiny_model
 
@@ -539,3 +540,81 @@ def test_cache_rejects_too_small_budget():
     with pytest.raises(ValueError, match="budget"):
         cache = make_cache(model, "buzz", budget=9)
         prefill_and_decode(model, cache, input_ids, attention_mask, steps=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# The budget as the mean size held (issue 10 item 1)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", [20, 37, 60, 200, 1000, 4000])
+@pytest.mark.parametrize("stride", [3, 4, 5, 7])
+def test_mean_layout_holds_the_budget_on_average(budget, stride):
+    layout = layout_for_budget(budget, 4, stride)  # the default form
+    mean = layout.steady_mean
+    assert budget - 1 <= mean <= budget, (layout, float(mean))
+    assert layout.peak > budget  # the peak form would hold ~70% of the budget on average
+    ratio = float(theorem_ratio(stride))
+    assert ratio <= layout.threshold / layout.window < ratio + 2 * stride / layout.window
+    peak = layout_for_budget(budget, 4, stride, "peak")
+    assert peak.peak == budget and peak.steady_mean < (0.85 * budget if budget >= 60 else budget)
+
+
+@pytest.mark.parametrize("stride,budget", [(3, 30), (5, 60), (4, 100)])
+def test_mean_form_stream_holds_the_budget_on_average_and_the_peak_at_most(stride, budget):
+    """Token by token, as the cache calls it: the measured mean size over the steady state is
+    the budget (within a token), the largest size k + w + T, and after every eviction at most
+    the budget (the cache's hard limit)."""
+    policy = Buzz(stride=stride)
+    layout = policy.layout(budget)
+    _, olds, lengths = stream(policy, budget, steps=40 * budget, heads=1)
+    steady = lengths[len(lengths) // 2:]
+    assert abs(sum(steady) / len(steady) - budget) <= 1.0
+    assert max(lengths) == layout.peak > budget
+    for before, after in zip(lengths, lengths[1:]):
+        assert after == before + 1 or (before == layout.peak and after <= budget)
+
+
+def test_statistics_report_the_mean_and_peak_sizes_held():
+    model = tiny_model("llama", "gqa")
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=40, pad=0)
+    input_ids, attention_mask = input_ids[:1], attention_mask[:1]
+    steps = 150
+    for form in ("mean", "peak"):
+        budget = 24
+        cache = make_cache(model, "buzz", budget=budget, stride=3, budget_form=form)
+        sizes = []
+        output = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+        sizes.append(cache.mean_kept_per_head())
+        for _ in range(steps):
+            token = output.logits[:, -1].argmax(-1, keepdim=True)
+            output = model(input_ids=token, past_key_values=cache, use_cache=True)
+            sizes.append(cache.mean_kept_per_head())
+        stats = kept_size_statistics(cache)
+        layout = cache.policy.layout(budget)
+        assert stats["mean_kept"] == pytest.approx(sum(sizes) / len(sizes))
+        assert stats["peak_kept"] == max(sizes) == layout.peak
+        layer = stats["per_layer"][cache.compressed_layers[0]]
+        assert layer["steps"] == steps + 1 and layer["steady_peak_kept"] == layout.peak
+        if form == "peak":
+            assert layout.peak == budget and stats["mean_kept"] < 0.85 * budget
+        else:
+            assert abs(stats["mean_kept"] - budget) <= 1.5 and layout.peak > budget
+
+
+def test_full_budget_in_the_mean_form_calls_the_policy_and_matches_plain_transformers():
+    """Between the budget and BUZZ's threshold the cache asks for evictions at every step and
+    BUZZ keeps everything: outputs equal plain transformers while select_decode really runs."""
+    model = tiny_model("llama", "gqa")
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=30, pad=0)
+    steps = 5
+    budget = 26
+    cache = make_cache(model, "buzz", budget=budget, stride=5)
+    assert cache.policy.layout(budget).peak >= 30 + steps  # never reaches the threshold
+    calls = []
+    original = cache.policy.select_decode
+    cache.policy.select_decode = lambda *args: calls.append(1) or original(*args)
+    expected = reference_logits(model, input_ids, attention_mask, steps=steps)
+    actual = prefill_and_decode(model, cache, input_ids, attention_mask, steps=steps)
+    assert len(calls) == steps * len(cache.compressed_layers)
+    assert (actual - expected).abs().max().item() <= 1e-5
