@@ -512,6 +512,7 @@ def test_logn_padding_is_not_counted_in_n(architecture, attention):
 @pytest.mark.parametrize("parameters,name", [
     ({"stride": 0}, "stride"), ({"stride": 1}, "stride"), ({"stride": 2}, "stride"), ({"stride": 2.5}, "stride"),
     ({"sink": -1}, "sink"), ({"sink": "4"}, "sink"), ({"window": 8}, "window"),
+    ({"budget_form": "average"}, "budget_form"),
 ])
 @pytest.mark.parametrize("method", ["buzz", "buzz-logn"])
 def test_invalid_parameters_raise(method, parameters, name):
@@ -524,9 +525,12 @@ def test_invalid_log_base_raises():
         BuzzLogN(log_base=1)
 
 
-@pytest.mark.parametrize("sink,stride,smallest", [(4, 5, 10), (0, 3, 4), (4, 4, 8), (1, 7, 9)])
-def test_budget_smaller_than_sink_plus_window_plus_threshold_raises(sink, stride, smallest):
-    policy = Buzz(sink=sink, stride=stride)
+@pytest.mark.parametrize("sink,stride,form,smallest", [
+    (4, 5, "peak", 10), (0, 3, "peak", 4), (4, 4, "peak", 8), (1, 7, "peak", 9),
+    (4, 5, "mean", 9), (0, 3, "mean", 4), (4, 4, "mean", 8), (1, 7, "mean", 7),
+])
+def test_budget_smaller_than_sink_plus_window_plus_threshold_raises(sink, stride, form, smallest):
+    policy = Buzz(sink=sink, stride=stride, budget_form=form)
     assert policy.minimum_budget() == smallest
     assert policy.layout(smallest).window == 1
     for budget in (smallest - 1, sink, 1):
@@ -536,9 +540,9 @@ def test_budget_smaller_than_sink_plus_window_plus_threshold_raises(sink, stride
 
 def test_cache_rejects_too_small_budget():
     model = tiny_model("llama", "gqa")
-    input_ids, attention_mask = left_padded_batch(model.config.vocab_size)
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, pad=0)
     with pytest.raises(ValueError, match="budget"):
-        cache = make_cache(model, "buzz", budget=9)
+        cache = make_cache(model, "buzz", budget=8)
         prefill_and_decode(model, cache, input_ids, attention_mask, steps=0)
 
 
