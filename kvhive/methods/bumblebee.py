@@ -34,8 +34,10 @@ Choices the paper leaves open (METHODS.md style, **(choice)**):
 * ``c(S) = phi(a(S)) / phi(a(V))`` on the raw accumulated attention ``a`` (Sec. 5: the feature
   weight of key ``k_i`` "is ``a_n^i``"), normalised at the output so ``c(V) = 1``.
 * Stochastic greedy draws its samples (independent uniform draws from the remaining
-  elements, the form analysed in Mirzasoleiman et al.'s Lemma 2) from a generator seeded with
-  ``seed`` and the layer index, so a run is reproducible.
+  elements, the form analysed in Mirzasoleiman et al.'s Lemma 2) from one generator per
+  (batch row, KV head) seeded with ``seed``, the layer and the head (not the batch row), and its
+  sample size counts the row's real tokens only: a run is reproducible and a row of a
+  left-padded batch draws exactly what it draws alone.
 * Padding (left-padded batches) never enters the summary while real tokens remain and leaves it
   first in decode.
 """
@@ -158,8 +160,13 @@ class BumbleBee(Policy):
         valid = scoring.valid[:, :, :candidates].reshape(rows, candidates)
         weights = self._accumulated(scoring)[:, :, :candidates].reshape(rows, candidates)
         positions = scoring.positions[:, :, :candidates].reshape(rows, candidates)
-        generator = torch.Generator(device=keys.device)
-        generator.manual_seed(self.config.seed * 1_000_003 + scoring.layer_index)
+        # One generator per (batch row, head), seeded by the head and layer only: a row draws
+        # what it draws alone, whatever else is in the batch (issue 9 item 5).
+        generators = []
+        for row in range(rows):
+            generator = torch.Generator(device=keys.device)
+            generator.manual_seed((self.config.seed * 1_000_003 + scoring.layer_index) * 1_009 + row % heads)
+            generators.append(generator)
         chosen = torch.zeros(rows, candidates, dtype=torch.bool, device=keys.device)
         order = torch.arange(candidates, device=keys.device)
         summaries = []
@@ -168,7 +175,8 @@ class BumbleBee(Policy):
             part = slice(start, min(rows, start + rows_per_chunk))
             sim = relu_cosine_similarity(keys[part], valid[part])
             objective = Mixture(sim, weights[part], valid[part], self.config.mixture_weight, self.concave)
-            picked = greedy_maximize(objective, summary_size, self.config.greedy, self.config.epsilon, generator)
+            picked = greedy_maximize(objective, summary_size, self.config.greedy, self.config.epsilon,
+                                     generators[part])
             chosen[part] = picked
             # The members in stored order, with their similarity matrix, seed Algorithm 2.
             members = torch.where(picked, order, candidates).sort(dim=-1).values[:, :summary_size]
@@ -183,6 +191,12 @@ class BumbleBee(Policy):
         state[SUMMARY] = StreamingSummary.concatenate(summaries)
         keep = torch.cat([chosen, chosen.new_ones(rows, local)], dim=1)
         return keep.reshape(batch, heads, tokens)
+
+    def state_nbytes(self, state: dict) -> int:
+        """Bytes of the layer's streaming summary (similarity matrix of the ``tau_s`` members and
+        their per-member vectors); the accumulated scores live with the cached tokens."""
+        summary: StreamingSummary | None = state.get(SUMMARY)
+        return 0 if summary is None else summary.nbytes()
 
     # -- decode: Algorithm 2 -------------------------------------------------------------------
     def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor | None:
