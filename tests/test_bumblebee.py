@@ -667,3 +667,34 @@ def test_a_left_padded_row_gets_what_it_gets_alone(method):
         for layer in cache.compressed_layers:
             in_batch = cache.layers[layer].dense()[2][row] - offset
             assert torch.equal(alone.layers[layer].dense()[2][0], in_batch)
+
+
+def test_importance_scale_normalised_applies_phi_to_the_mass_fraction():
+    """importance_scale="normalised": c(S) = phi(a(S)/a(V)) / phi(1); "raw" (default): phi(a(S)) / phi(a(V))."""
+    policy = BumbleBee()
+    assert policy.config.importance_scale == "raw"
+    with pytest.raises(ValueError, match="importance_scale"):
+        BumbleBee(importance_scale="fraction")
+    generator = torch.Generator().manual_seed(0)
+    b, h, n, d = 1, 2, 40, 8
+    keys = torch.randn(b, h, n, d, generator=generator)
+    weights = torch.rand(b, h, n, generator=generator) * 30
+    kept = {}
+    for scale in ("raw", "normalised"):
+        policy = BumbleBeePower(importance_scale=scale, greedy="plain", mixture_weight=0.05)
+        scoring = ScoringInputs(keys=keys, values=keys, queries=torch.zeros(b, h, 1, d),
+                                positions=torch.arange(n).expand(b, h, n), mask=None, scaling=1.0, layer_index=0,
+                                num_layers=1, sequence_length=n, phase=DECODE, token_scores={SCORE: weights.clone()})
+        kept[scale] = policy.select_prefill(scoring, 12, {})
+        # The objective the greedy maximised, rebuilt by hand for one head.
+        candidates = n - policy.split(12)[1]
+        w = weights[0, 0, :candidates].double()
+        if scale == "normalised":
+            w = w / w.sum()
+        chosen = kept[scale][0, 0, :candidates]
+        phi = Concave("power")
+        expected_feature = phi(w[chosen].sum()) / phi(w.sum())
+        objective = Mixture(relu_cosine_similarity(keys[0, :1, :candidates]), w[None].float(),
+                            torch.ones(1, candidates, dtype=torch.bool), 0.05, phi)
+        torch.testing.assert_close(objective.feature(chosen[None])[0], expected_feature)
+    assert not torch.equal(kept["raw"], kept["normalised"])

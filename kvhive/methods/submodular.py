@@ -417,14 +417,15 @@ class StreamingSummary:
         return cls.from_similarity(relu_cosine_similarity(keys, valid), key_norms(keys), valid, positions)
 
     def step(self, keys: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
-             first_joiner: int, joiners: int, lam: float, phi: Concave) -> torch.Tensor:
+             first_joiner: int, joiners: int, lam: float, phi: Concave, normalise_mass: bool = False) -> torch.Tensor:
         """Let ``joiners`` stored tokens ``first_joiner, first_joiner + 1, ...`` join one at a time;
         after each, drop the element of ``S' = S + {x}`` with the smallest marginal gain
         ``g(x | S' - x)`` (Alg. 2, lines 10-11). Returns the dropped stored indices ``[R, joiners]``.
 
         ``keys[R, N, d]``, ``valid[R, N]``, ``weights[R, N]`` (accumulated attention) and
         ``positions[R, N]`` describe the stored tokens; the members are stored first (stored
-        index = rank), the joiners next. Invalid elements are dropped first. Cost per joiner:
+        index = rank), the joiners next. ``normalise_mass``: ``phi`` is applied to the weights
+        divided by their sum over ``S'`` (BumbleBee's ``importance_scale="normalised"``). Invalid elements are dropped first. Cost per joiner:
         ``O(T d + T)`` plus a scan of the rows whose nearest member left.
         """
         rows, size = self.slot_of_rank.shape
@@ -451,6 +452,9 @@ class StreamingSummary:
             valid_all = torch.cat([self.valid, valid_x[:, None]], dim=1)
             mass = torch.cat([weights.gather(1, member_index), weights[:, x, None]], dim=1).double() * valid_all
             total = mass.sum(dim=-1, keepdim=True)
+            if normalise_mass:  # phi of the fraction of the ground set's attention mass
+                mass = _safe_divide(mass, total)
+                total = (total > 0).double()
             phi_total = phi(total)
             feature = _safe_divide(phi.loss(total, mass, phi_total), phi_total)
             gains = lam * _safe_divide(facility, facility_total[:, None]) + (1.0 - lam) * feature
