@@ -636,3 +636,63 @@ def test_a_left_padded_row_gets_what_it_gets_alone():
             torch.testing.assert_close(mine.m_values[rows], theirs.m_values, atol=1e-5, rtol=1e-4)
             assert torch.equal(mine.counts[rows], theirs.counts)
             assert torch.equal(mine.beyond_radius[rows], theirs.beyond_radius)
+
+
+_ALLOWED: dict[int, torch.Tensor] = {}
+
+
+def _kept_only_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Eager attention over a DynamicCache; a decode query attends only ``_ALLOWED[layer]``."""
+    batch, kv_heads, length, _ = key.shape
+    group = query.shape[1] // kv_heads
+    allowed = attention_mask[:, :, :, :length].expand(batch, kv_heads, query.shape[2], length)
+    kept = _ALLOWED.get(module.layer_idx)
+    if kept is not None and query.shape[2] == 1:
+        allowed = allowed & kept[:, :, None, :]
+    allowed = allowed.repeat_interleave(group, dim=1)
+    logits = torch.matmul(query, key.repeat_interleave(group, dim=1).transpose(-1, -2)) * scaling
+    weights = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
+    return torch.matmul(weights, value.repeat_interleave(group, dim=1)).transpose(1, 2).contiguous(), None
+
+
+def test_evicting_subgen_run_equals_attention_over_exactly_the_kept_tokens():
+    """The prompt is cut (k-center + recent) and every decode step evicts: each step's logits equal
+    plain attention restricted to the tokens the cache held for it."""
+    from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache
+
+    from helpers import materialised_mask
+
+    AttentionInterface.register("subgen-kept-only", _kept_only_attention)
+    AttentionMaskInterface.register("subgen-kept-only", materialised_mask)
+    model = tiny_model("llama", "gqa")
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=30, pad=0)
+    budget, steps = 12, 12
+    cache = kvhive.make_cache(model, "subgen", budget=budget, recent=4)
+    reference_cache = DynamicCache(config=model.config)
+    batch = input_ids.shape[0]
+    try:
+        with torch.no_grad():
+            output = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+            model.set_attn_implementation("subgen-kept-only")
+            _ALLOWED.clear()
+            model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=reference_cache, use_cache=True)
+            mask = attention_mask
+            for step in range(steps):
+                token = output.logits[:, -1].argmax(-1, keepdim=True)
+                mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+                _ALLOWED.clear()
+                for layer in cache.compressed_layers:
+                    positions = cache.layers[layer].dense()[2].long()
+                    assert positions.shape[-1] == budget
+                    allowed = torch.zeros(batch, positions.shape[1], mask.shape[1], dtype=torch.bool)
+                    allowed.scatter_(2, positions, True)
+                    allowed[..., -1] = True
+                    _ALLOWED[layer] = allowed
+                expected = model(input_ids=token, attention_mask=mask, past_key_values=reference_cache, use_cache=True)
+                model.set_attn_implementation("kvhive")
+                output = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
+                model.set_attn_implementation("subgen-kept-only")
+                assert (output.logits[:, -1] - expected.logits[:, -1]).abs().max().item() <= 1e-4, step
+    finally:
+        model.set_attn_implementation("sdpa")
+        _ALLOWED.clear()
