@@ -67,6 +67,33 @@ Cache layout per head (Sec. 3.3, Fig. 3)::
   Run such rows one at a time (the evaluation runs batches of one). Rows of equal length are
   independent: each gets exactly what it gets alone.
 
+**Against the authors' code** (danielfang001/buzz-llm, ``BuzzKVCacheWithAccumulation`` and
+``modify_llama_forward.py``; ``tests/test_buzz_authors_fixtures.py`` checks kvhive's kept
+positions against their class on fixed inputs, prefill and 160 decode steps):
+
+- decode evictions: the same positions at every step (two strides, two heads);
+- prefill: one local-max pass, as theirs, whenever it fits the budget; otherwise theirs holds
+  ``k + w + ceil(m/s)`` (92 tokens on a 400-token prompt at ``C = 60``) and kvhive thins the old
+  samples with Remark 2's rounds (40 tokens in the peak form, 45 in the mean form;
+  ``buzz_prefill_rounds`` counts them): kvhive never holds more than its budget after an
+  eviction;
+- sizes: theirs takes ``w`` and ``T`` as arguments (their script's defaults: ``w = 160``,
+  ``T = 400``, ``s = 5``, a ratio 2.5 where Theorem 3.1 gives 4.33); kvhive derives them from the
+  budget (mean form by default);
+- positions: their attention re-rotates the stored (un-rotated) keys at ``0..L-1`` and the
+  query at the compressed length, StreamingLLM-style. kvhive does this through its cache
+  interface, without patching model code: ``make_cache(..., positions="cache")``
+  (``kvhive.attention.rope.KeyRotator`` re-rotates kept keys to contiguous positions after
+  each eviction; RoPE depends only on differences, so this equals their scheme). It is a cache
+  option, not a method parameter: the evaluation must pass it for the authors' setting (it is
+  refused with SubGen's estimator and does not support left-padded batches);
+- log n: their line scales every layer with ``n = key_states.shape[2]``; ``buzz-logn`` does the
+  same by default (``log_count="key-length"``, below);
+- scores: theirs sums the attention over query heads without grouping (MHA Llama-2); kvhive
+  sums over the query heads of a KV group (equal on MHA); theirs zeroes the scores of the
+  sink and old samples after an eviction, which no later choice reads (old samples are
+  interval-sampled), so kvhive keeps them.
+
 **BUZZ with log n** (Sec. 3.5, Eq. 7–8): attention logits are multiplied by ``log_512(n)`` in
 **every** attention layer of the model (the authors patch the forward of every attention
 module; on Gemma-3 the sliding-window layers that kvhive does not compress are scaled too).
