@@ -141,14 +141,18 @@ def part_b(model, length: int, window: int, tokens: int, deltas) -> None:
     print(f"  full cache                      {full_ms:8.1f} ms/token   cache {full_cache.nbytes() / 2**20:8.1f} MiB")
     print(f"  local (window {window})            {local_ms:8.1f} ms/token")
     for delta in deltas:
-        ms, breakdown, cache = decode_time(model, "subgen-attention", input_ids, tokens, budget=window, delta=delta)
+        # The budget is the method's whole memory (window + samples + clusters, token-equivalents).
+        ms, breakdown, cache = decode_time(model, "subgen-attention", input_ids, tokens, budget=window,
+                                           cluster_radius=delta)
         clusters = cluster_counts(cache)
         total_clusters = sum(int(c.sum()) for c in clusters.values())
         heads = sum(c.numel() for c in clusters.values())
         inserted = sum(int(layer.policy_state[STATE_KEY].tokens.sum()) for layer in cache.layers
                        if STATE_KEY in layer.policy_state)
         parts = ", ".join(f"{name} {value:.1f} ms" for name, value in breakdown.items())
-        print(f"  subgen-attention δ={delta:<4} (t=16, s=128, window {window}) {ms:8.1f} ms/token "
+        plan = cache.policy.plan(window)
+        print(f"  subgen-attention δ={delta:<4} (budget {window}: window {plan.window}, s={plan.value_samples}, "
+              f"<= {plan.max_clusters} clusters of t={plan.samples_per_cluster}) {ms:8.1f} ms/token "
               f"= {ms / full_ms:.2f}x full, +{ms - local_ms:.1f} ms over local [{parts}]")
         print(f"      clusters {total_clusters} for {inserted} inserted tokens over {heads} heads "
               f"({total_clusters / max(inserted, 1):.2f} per token); window {cache.nbytes() / 2**20:.1f} MiB + "

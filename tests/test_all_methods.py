@@ -60,7 +60,9 @@ def test_small_budget_runs_prefill_and_50_decode_steps(method, architecture, att
     policy = policy_class(method)()
     budget = max(policy.minimum_budget(), 12)
     length = budget + 24
-    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=length, pad=5)
+    # BUZZ refuses rows of different lengths (each needs its own schedule; issue 9 item 5).
+    pad = 0 if method.startswith("buzz") else 5
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=length, pad=pad)
     cache = kvhive.make_cache(model, method, budget=budget)
     logits = prefill_and_decode(model, cache, input_ids, attention_mask, steps=50)
     model.set_attn_implementation("sdpa")
@@ -71,7 +73,9 @@ def test_small_budget_runs_prefill_and_50_decode_steps(method, architecture, att
         layer = cache.layers[index]
         prompt_kept_limit = layer_budget * heads[index] * 2  # batch of 2
         if DECODE in policy.phases:
-            assert int(layer.lengths.max()) <= layer_budget
+            # BUZZ's budget is the mean size held; it peaks at k + w + T between samplings.
+            limit = cache.policy.layout(layer_budget).peak if method.startswith("buzz") else layer_budget
+            assert int(layer.lengths.max()) <= limit
         elif PREFILL in policy.phases:
             assert int(layer.lengths.sum()) <= prompt_kept_limit + 50 * heads[index] * 2
         else:  # full

@@ -108,7 +108,7 @@ def test_lambda_extremes_reduce_to_the_pure_components(phi):
 
 
 @pytest.mark.parametrize("phi", CONCAVES, ids=lambda p: p.kind)
-@pytest.mark.parametrize("method", ["plain", "lazy", "stochastic"])
+@pytest.mark.parametrize("method", ["plain", "lazy"])
 def test_greedy_reaches_one_minus_one_over_e_of_brute_force(phi, method):
     ratios = []
     for seed, (n, k) in enumerate([(9, 3), (10, 4), (11, 5), (8, 2)]):
@@ -119,7 +119,24 @@ def test_greedy_reaches_one_minus_one_over_e_of_brute_force(phi, method):
         ratio = objective.value(chosen) / optimum
         assert (ratio >= 1 - 1 / math.e).all(), ratio
         ratios.append(ratio)
-    assert torch.cat(ratios).min() <= 1.0 + 1e-9  # brute force is the optimum
+    assert torch.cat(ratios).max() <= 1.0 + 1e-9  # brute force is the optimum
+
+
+@pytest.mark.parametrize("phi", CONCAVES, ids=lambda p: p.kind)
+def test_stochastic_greedy_that_samples_reaches_its_bound_in_expectation(phi):
+    """Mirzasoleiman et al. (2015), Theorem 1: E[g(S)] >= (1 - 1/e - epsilon) OPT. epsilon = 0.2
+    makes every step sample fewer elements than the ground set (s < n), so the draws matter."""
+    epsilon = 0.2
+    for seed, (n, k) in enumerate([(9, 3), (10, 4), (11, 5), (12, 3)]):
+        assert stochastic_sample_size(n, k, epsilon) < n - k  # sampling really happens
+        objective = random_objective(n=n, phi=phi, seed=seed)
+        optimum = brute_force_best(objective, k)
+        runs = [greedy_maximize(objective, k, "stochastic", epsilon, torch.Generator().manual_seed(draw))
+                for draw in range(24)]
+        assert any(not torch.equal(runs[0], other) for other in runs[1:])  # the draws change the set
+        ratios = torch.stack([objective.value(chosen) / optimum for chosen in runs])
+        assert ratios.max() <= 1.0 + 1e-9
+        assert (ratios.mean(dim=0) >= 1 - 1 / math.e - epsilon).all(), ratios.mean(dim=0)
 
 
 @pytest.mark.parametrize("phi", CONCAVES, ids=lambda p: p.kind)
@@ -498,3 +515,186 @@ def test_budget_below_local_window_plus_one_raises():
     with pytest.raises(ValueError, match="budget"):
         cache = make_cache(model, "bumblebee", budget=8, local_window=8)
         prefill_and_decode(model, cache, input_ids, attention_mask, steps=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Scores, evictions and memory against independent references (issue 10 tests, issue 9 items 5-6)
+# ----------------------------------------------------------------------------------------------
+
+_COLUMN_SUMS: dict[int, torch.Tensor] = {}
+_ALLOWED: dict[int, torch.Tensor] = {}
+
+
+def eager_reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Plain eager attention over a DynamicCache. Records the column sums of every query's weights
+    (the accumulated attention, averaged over the query heads of a KV group) and, in decode,
+    attends only the positions ``_ALLOWED[layer]`` (``[B, H, N]``) when given."""
+    batch, kv_heads, length, _ = key.shape
+    group = query.shape[1] // kv_heads
+    allowed = attention_mask[:, :, :, :length].expand(batch, kv_heads, query.shape[2], length)
+    kept = _ALLOWED.get(module.layer_idx)
+    if kept is not None and query.shape[2] == 1:
+        allowed = allowed & kept[:, :, None, :]
+    allowed = allowed.repeat_interleave(group, dim=1)
+    logits = torch.matmul(query, key.repeat_interleave(group, dim=1).transpose(-1, -2)) * scaling
+    weights = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
+    summed = weights.sum(dim=2).reshape(batch, kv_heads, group, length).mean(dim=2)
+    previous = _COLUMN_SUMS.get(module.layer_idx)
+    if previous is not None:
+        summed[..., :previous.shape[-1]] += previous
+    _COLUMN_SUMS[module.layer_idx] = summed
+    return torch.matmul(weights, value.repeat_interleave(group, dim=1)).transpose(1, 2).contiguous(), None
+
+
+def use_eager_reference(model):
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    from helpers import materialised_mask
+
+    AttentionInterface.register("bumblebee-reference", eager_reference_attention)
+    AttentionMaskInterface.register("bumblebee-reference", materialised_mask)
+    model.set_attn_implementation("bumblebee-reference")
+
+
+@pytest.mark.parametrize("method", ["bumblebee", "bumblebee-power"])
+def test_accumulated_attention_is_every_query_of_prefill_and_decode(method):
+    """The scores BumbleBee's feature term weighs (Eq. 3: a_n^i, accumulated attention) equal the
+    column sums of every query the model ran, prefill and decode (kills the mutants
+    "observe_decode does nothing" and "prefill scores are the last query's attention")."""
+    from transformers import DynamicCache
+
+    model = tiny_model("llama", "gqa")
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=24, pad=5)
+    steps = 10
+    cache = make_cache(model, method, budget=input_ids.shape[1] + steps + 1)
+    logits = prefill_and_decode(model, cache, input_ids, attention_mask, steps)
+    tokens = logits[:-1].argmax(-1)[:, :, None]
+    _COLUMN_SUMS.clear()
+    _ALLOWED.clear()
+    use_eager_reference(model)
+    try:
+        prefill_and_decode(model, DynamicCache(config=model.config), input_ids, attention_mask, steps,
+                           forced_tokens=tokens)
+    finally:
+        model.set_attn_implementation("sdpa")
+    for layer in cache.compressed_layers:
+        stored = cache.layers[layer].dense()[3][SCORE]
+        torch.testing.assert_close(stored, _COLUMN_SUMS[layer], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("architecture,attention", [("llama", "gqa"), ("qwen3", "mha")])
+def test_evicting_run_equals_attention_over_exactly_the_kept_tokens(architecture, attention):
+    """With evictions at every step: each decode step's logits equal plain attention restricted
+    to the tokens the cache held for that step (prefill and decode evictions both exercised)."""
+    from transformers import DynamicCache
+
+    model = tiny_model(architecture, attention)
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=30, pad=0)
+    budget, steps = 12, 15
+    cache = make_cache(model, "bumblebee", budget=budget)
+    reference_cache = DynamicCache(config=model.config)
+    batch = input_ids.shape[0]
+    with torch.no_grad():
+        output = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+        use_eager_reference(model)
+        _ALLOWED.clear()
+        _COLUMN_SUMS.clear()
+        expected = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=reference_cache,
+                         use_cache=True)
+        model.set_attn_implementation("kvhive")
+        mask = attention_mask
+        for step in range(steps):
+            token = output.logits[:, -1].argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+            total = mask.shape[1]
+            _ALLOWED.clear()
+            for layer in cache.compressed_layers:
+                positions = cache.layers[layer].dense()[2].long()
+                assert positions.shape[-1] == budget  # the cache was cut to the budget
+                allowed = torch.zeros(batch, positions.shape[1], total, dtype=torch.bool)
+                allowed.scatter_(2, positions, True)
+                allowed[..., -1] = True  # the new token
+                _ALLOWED[layer] = allowed
+            output = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
+            use_eager_reference(model)
+            expected = model(input_ids=token, attention_mask=mask, past_key_values=reference_cache, use_cache=True)
+            model.set_attn_implementation("kvhive")
+            assert (output.logits[:, -1] - expected.logits[:, -1]).abs().max().item() <= 1e-4, step
+    _ALLOWED.clear()
+
+
+def test_policy_state_bytes_count_the_summary_and_stay_within_a_summary_matrix():
+    model = tiny_model("llama", "gqa")
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=40, pad=0)
+    budget = 16
+    cache = make_cache(model, "bumblebee", budget=budget)
+    prefill_and_decode(model, cache, input_ids, attention_mask, steps=30)
+    summary_size, _ = cache.policy.split(budget)
+    rows = input_ids.shape[0] * model.config.num_key_value_heads
+    held = cache.statistics()["policy_state_bytes"]
+    expected = 0
+    for layer in cache.compressed_layers:
+        summary = cache.layers[layer].policy_state[SUMMARY]
+        expected += sum(getattr(summary, name).nbytes for name in (
+            "sim", "self_sim", "nearest", "nearest_slot", "norms", "valid", "slot_of_rank", "rank_of_slot",
+            "positions"))
+    assert held == expected > 0
+    # Bounded by a tau_s x tau_s float32 matrix plus O(tau_s) per row and layer, whatever the length.
+    per_layer_bound = rows * (summary_size * summary_size * 4 + 8 * summary_size * 8)
+    assert held <= len(cache.compressed_layers) * per_layer_bound
+    longer = make_cache(model, "bumblebee", budget=budget)
+    prefill_and_decode(model, longer, input_ids, attention_mask, steps=60)
+    assert longer.statistics()["policy_state_bytes"] == held  # does not grow with the stream
+
+
+@pytest.mark.parametrize("method", ["bumblebee", "bumblebee-power"])
+def test_a_left_padded_row_gets_what_it_gets_alone(method):
+    """Issue 9 item 5: stochastic greedy's draws and sample size are the row's own (epsilon 0.3:
+    each step samples ~5 of the ~25 candidates, so the draws decide)."""
+    model = tiny_model("llama", "gqa")
+    pad = 9
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=40, pad=pad)
+    budget, steps = 14, 12
+    assert stochastic_sample_size(40 - pad - 7, 7, 0.3) < 40 - pad - 7 - 7
+    cache = make_cache(model, method, budget=budget, epsilon=0.3)
+    batch_logits = prefill_and_decode(model, cache, input_ids, attention_mask, steps)
+    tokens = batch_logits[:-1].argmax(-1)[:, :, None]
+    for row, offset in ((0, 0), (1, pad)):
+        alone = make_cache(model, method, budget=budget, epsilon=0.3)
+        solo = prefill_and_decode(model, alone, input_ids[row:row + 1, offset:], attention_mask[row:row + 1, offset:],
+                                  steps, forced_tokens=tokens[:, row:row + 1])
+        assert (solo[:, 0] - batch_logits[:, row]).abs().max().item() <= 1e-4
+        for layer in cache.compressed_layers:
+            in_batch = cache.layers[layer].dense()[2][row] - offset
+            assert torch.equal(alone.layers[layer].dense()[2][0], in_batch)
+
+
+def test_importance_scale_normalised_applies_phi_to_the_mass_fraction():
+    """importance_scale="normalised": c(S) = phi(a(S)/a(V)) / phi(1); "raw" (default): phi(a(S)) / phi(a(V))."""
+    policy = BumbleBee()
+    assert policy.config.importance_scale == "raw"
+    with pytest.raises(ValueError, match="importance_scale"):
+        BumbleBee(importance_scale="fraction")
+    generator = torch.Generator().manual_seed(0)
+    b, h, n, d = 1, 2, 40, 8
+    keys = torch.randn(b, h, n, d, generator=generator)
+    weights = torch.rand(b, h, n, generator=generator) * 30
+    kept = {}
+    for scale in ("raw", "normalised"):
+        policy = BumbleBeePower(importance_scale=scale, greedy="plain", mixture_weight=0.05)
+        scoring = ScoringInputs(keys=keys, values=keys, queries=torch.zeros(b, h, 1, d),
+                                positions=torch.arange(n).expand(b, h, n), mask=None, scaling=1.0, layer_index=0,
+                                num_layers=1, sequence_length=n, phase=DECODE, token_scores={SCORE: weights.clone()})
+        kept[scale] = policy.select_prefill(scoring, 12, {})
+        # The objective the greedy maximised, rebuilt by hand for one head.
+        candidates = n - policy.split(12)[1]
+        w = weights[0, 0, :candidates].double()
+        if scale == "normalised":
+            w = w / w.sum()
+        chosen = kept[scale][0, 0, :candidates]
+        phi = Concave("power")
+        expected_feature = phi(w[chosen].sum()) / phi(w.sum())
+        objective = Mixture(relu_cosine_similarity(keys[0, :1, :candidates]), w[None].float(),
+                            torch.ones(1, candidates, dtype=torch.bool), 0.05, phi)
+        torch.testing.assert_close(objective.feature(chosen[None])[0], expected_feature)
+    assert not torch.equal(kept["raw"], kept["normalised"])

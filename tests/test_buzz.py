@@ -15,7 +15,8 @@ from transformers.masking_utils import sdpa_mask
 from kvhive.api import make_cache
 from kvhive.methods import make_policy
 from kvhive.methods.base import DECODE, PREFILL, ScoringInputs
-from kvhive.methods.buzz import (EVICTIONS, OLD, SCORE, Buzz, BuzzLogN, layout_for_budget, local_max_mask,
+from kvhive.methods.buzz import (EVICTIONS, OLD, SCORE, Buzz, BuzzLogN, kept_size_statistics, layout_for_budget,
+                                 local_max_mask,
                                  old_sample_sizes, prefill_accumulated_attention, small_stride, theorem_ratio)
 from kvhive.models import TINY_ARCHITECTURES, TINY_ATTENTION_KINDS, load_model, tiny_model
 
@@ -107,8 +108,8 @@ def test_theorem_ratio(stride, ratio):
 
 @pytest.mark.parametrize("budget", [12, 37, 60, 200, 1000])
 @pytest.mark.parametrize("stride", [3, 4, 5, 8])
-def test_layout_fills_the_budget_with_theorem_ratio(budget, stride):
-    layout = layout_for_budget(budget, 4, stride)
+def test_peak_layout_fills_the_budget_with_theorem_ratio(budget, stride):
+    layout = layout_for_budget(budget, 4, stride, "peak")
     ratio = float(theorem_ratio(stride))
     assert layout.sink + layout.window + layout.threshold == budget == layout.peak
     assert layout.window >= 1
@@ -127,8 +128,8 @@ def test_small_stride():
 
 def test_local_max_picks_segment_argmax():
     # sink 1, stride 3, budget 8: window 2, threshold 5 (T/w = 2.5 = (9 + 1)/(3 + 1)).
-    policy = Buzz(sink=1, stride=3)
-    assert policy.layout(8) == layout_for_budget(8, 1, 3)
+    policy = Buzz(sink=1, stride=3, budget_form="peak")
+    assert policy.layout(8) == layout_for_budget(8, 1, 3, "peak")
     assert (policy.layout(8).window, policy.layout(8).threshold) == (2, 5)
     # N = 9: sink [0] | new [1..6] (T + 1 = 6 tokens, segments [1,2,3] and [4,5,6]) | window [7, 8].
     scores = torch.tensor([[[9.0, 0.1, 0.7, 0.3, 0.2, 0.1, 0.9, 0.0, 0.0],
@@ -177,7 +178,7 @@ def test_prefill_accumulated_attention_matches_generic_column_sums(max_elements)
 
 
 def test_nothing_is_evicted_between_thresholds():
-    policy = Buzz(sink=2, stride=3)
+    policy = Buzz(sink=2, stride=3, budget_form="peak")
     layout = policy.layout(16)
     state = {OLD: 3}
     for n in range(layout.sink + layout.window, layout.peak + 1):  # old + new <= T
@@ -190,7 +191,7 @@ def test_nothing_is_evicted_between_thresholds():
 
 @pytest.mark.parametrize("stride,budget", [(3, 30), (4, 41), (5, 60), (7, 90)])
 def test_evictions_follow_recurrence_eq10_and_algorithms(stride, budget):
-    policy = Buzz(sink=4, stride=stride)
+    policy = Buzz(sink=4, stride=stride, budget_form="peak")
     layout, olds, lengths = stream(policy, budget, steps=600)
     assert len(olds) >= 8
     # Exact sizes: a_n = ceil(a_{n-1}/ŝ) + ceil((T + 1 - a_{n-1})/s); within 2 of Eq. 10's floors.
@@ -210,7 +211,7 @@ def test_evictions_follow_recurrence_eq10_and_algorithms(stride, budget):
 @pytest.mark.parametrize("stride", [3, 4, 5, 6, 7])
 @pytest.mark.parametrize("budget", [400, 2000])
 def test_theorem_ratio_steady_state_old_samples_approach_window(stride, budget):
-    policy = Buzz(stride=stride)
+    policy = Buzz(stride=stride, budget_form="peak")
     layout, olds, _ = stream(policy, budget, steps=budget * 6, heads=1, bulk=True)
     tail = olds[-4:]
     # Theorem 3.1: the limit of a_n is w (up to the floors of Eq. 11-14: a few tokens).
@@ -227,7 +228,7 @@ def test_theorem_ratio_steady_state_old_samples_approach_window(stride, budget):
 
 @pytest.mark.parametrize("length", [40, 200, 900])
 def test_prefill_samples_until_it_fits(length):
-    policy = Buzz(sink=4, stride=5)
+    policy = Buzz(sink=4, stride=5, budget_form="peak")
     budget = 30
     layout = policy.layout(budget)  # window 4, threshold 22
     generator = torch.Generator().manual_seed(length)
@@ -243,20 +244,30 @@ def test_prefill_samples_until_it_fits(length):
         assert keep[0, h].nonzero().flatten().tolist() == expected
 
 
-def test_padding_is_never_kept_and_real_sinks_survive():
-    policy = Buzz(sink=2, stride=3)
-    budget = 16
+def test_rows_of_different_lengths_are_refused():
+    """A left-padded row alone would follow its own eviction schedule (issue 9 item 5: 21 tokens
+    alone vs 29 in the batch); the cache keeps rows at one length, so BUZZ refuses the batch."""
+    policy = Buzz(sink=2, stride=3, budget_form="peak")
     n, pad = 30, 7
     valid = torch.ones(2, n, dtype=torch.bool)
     valid[1, :pad] = False
     scores = torch.rand(2, 2, n, generator=torch.Generator().manual_seed(0))
-    scores[1, :, :pad] = 0.0
-    keep = policy.select_prefill(scoring_for(scores, valid, PREFILL), budget, {})
-    counts = keep.sum(-1)
-    assert (counts == counts[0, 0]).all()  # every row and head keeps the same number
-    assert not keep[1, :, :pad].any()  # the padded row spends nothing on padding
-    assert keep[1, :, pad:pad + 2].all() and keep[0, :, :2].all()  # each row's first real tokens
-    assert keep[:, :, -policy.layout(budget).window:].all()
+    with pytest.raises(ValueError, match="different numbers of real tokens"):
+        policy.select_prefill(scoring_for(scores, valid, PREFILL), 16, {})
+
+
+def test_common_left_padding_gives_each_row_its_solo_selection():
+    """Rows padded alike: the layout counts real tokens only, so each row keeps what it keeps alone."""
+    policy = Buzz(sink=2, stride=3, budget_form="peak")
+    n, pad = 30, 7
+    valid = torch.ones(2, n, dtype=torch.bool)
+    valid[:, :pad] = False
+    scores = torch.rand(2, 2, n, generator=torch.Generator().manual_seed(0))
+    keep = policy.select_prefill(scoring_for(scores, valid, PREFILL), 16, {})
+    for row in range(2):
+        alone = policy.select_prefill(scoring_for(scores[row:row + 1, :, pad:], phase=PREFILL), 16, {})
+        assert torch.equal(keep[row:row + 1, :, pad:], alone)
+        assert not keep[row, :, :pad].any()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -325,7 +336,7 @@ def test_full_budget_matches_plain_transformers(architecture, attention):
 @pytest.mark.parametrize("method", ["buzz", "buzz-logn"])
 def test_prefill_and_50_decode_steps_small_budget(architecture, attention, method):
     model = tiny_model(architecture, attention)
-    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=40, pad=9)
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=40, pad=0)
     budget = 20
     cache = make_cache(model, method, budget=budget, stride=3)
     layout = cache.policy.layout(budget)
@@ -335,10 +346,23 @@ def test_prefill_and_50_decode_steps_small_budget(architecture, attention, metho
     check_decode_records(records, layout, 3)
     for layer in compressed_layers(cache):
         positions = cache.layers[layer].dense()[2]
-        assert (positions[0, :, :4] == torch.arange(4)).all()  # row 0 keeps its sinks
-        assert (positions[1, :, :4] == torch.arange(9, 13)).all()  # the padded row keeps its real sinks
-        assert (positions[1] >= 9).all()  # and no padding
+        assert (positions[:, :, :4] == torch.arange(4)).all()  # every row keeps its sinks
         assert (positions[:, :, -layout.window:] == torch.arange(90 - layout.window, 90)).all()
+    # Each row of the batch gets exactly what it gets alone (issue 9 item 5).
+    for row in range(2):
+        alone = make_cache(model, method, budget=budget, stride=3)
+        alone_logits, _ = run_and_watch(model, alone, input_ids[row:row + 1], attention_mask[row:row + 1], steps=50)
+        torch.testing.assert_close(alone_logits[:, 0], logits[:, row], atol=1e-4, rtol=1e-4)
+        for layer in compressed_layers(cache):
+            assert torch.equal(alone.layers[layer].dense()[2][0], cache.layers[layer].dense()[2][row])
+
+
+def test_left_padded_batch_is_refused_by_the_cache():
+    model = tiny_model("llama", "gqa")
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=40, pad=9)
+    cache = make_cache(model, "buzz", budget=20, stride=3)
+    with pytest.raises(ValueError, match="one at a time"):
+        prefill_and_decode(model, cache, input_ids, attention_mask, steps=2)
 
 
 def test_embedded_model_small_budget_50_steps():
@@ -365,54 +389,81 @@ def test_embedded_model_small_budget_50_steps():
 
 
 def test_logn_scale_values():
-    policy = BuzzLogN()
-    counts = torch.tensor([1, 8, 64, 512, 4096, 1000])
-    expected = torch.tensor([0.0, 1 / 3, 2 / 3, 1.0, 4 / 3, math.log(1000, 512)])
-    torch.testing.assert_close(policy.logit_scale(counts), expected, rtol=0, atol=1e-6)
+    counts = torch.tensor([[1, 8, 64, 512, 4096, 1000]])
+    expected = torch.tensor([[0.0, 1 / 3, 2 / 3, 1.0, 4 / 3, math.log(1000, 512)]])
+    attended = BuzzLogN(log_count="attended")
+    torch.testing.assert_close(attended.logit_scale(counts), expected, rtol=0, atol=1e-6)
+    # The authors' line: one n per batch row, the keys in the call (the row's largest count).
+    key_length = BuzzLogN().logit_scale(torch.tensor([[1, 2, 8], [1, 1, 64]]))
+    torch.testing.assert_close(key_length, torch.tensor([[1 / 3] * 3, [2 / 3] * 3]), rtol=0, atol=1e-6)
     assert Buzz().logit_scale(counts) is None
     assert float(BuzzLogN(log_base=64).logit_scale(torch.tensor([64]))[0]) == pytest.approx(1.0)
 
 
+# n of the reference attention: "authors-line" = key_states.shape[2] (modify_llama_forward.py,
+# batch of one, no padding); "key-length" / "attended" from the 4-D mask transformers built
+# (the keys each query row may see): the row's largest count / each query row's own count.
+_REFERENCE = {"count": "authors-line"}
 _CAPTURED: dict[int, torch.Tensor] = {}
 
 
 def logn_reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Eager attention on the full cache with logits times log_512(number of keys attended)."""
+    """Eager attention on the full cache with logits times log_512(n), in every layer."""
     batch, kv_heads, length, head_dim = key.shape
     group = query.shape[1] // kv_heads
     num_queries = query.shape[2]
-    counts = torch.arange(1, num_queries + 1) if num_queries == length else torch.full((num_queries,), length)
-    factor = torch.log(counts.double()) / math.log(512)
+    allowed = attention_mask[:, 0, :, :length]
+    seen = allowed.sum(-1).double()  # [B, q]
+    if _REFERENCE["count"] == "authors-line":
+        counts = torch.full((batch, num_queries), float(length), dtype=torch.float64)
+    elif _REFERENCE["count"] == "key-length":
+        counts = seen.amax(-1, keepdim=True).expand(batch, num_queries)
+    else:
+        counts = seen
+    factor = math.log(512) ** -1 * torch.log(counts.clamp_min(1))
     keys = key.repeat_interleave(group, dim=1)
     values = value.repeat_interleave(group, dim=1)
-    logits = torch.matmul(query, keys.transpose(-1, -2)) * scaling * factor.float()[None, None, :, None]
-    logits = logits.masked_fill(~attention_mask, float("-inf"))
+    logits = torch.matmul(query, keys.transpose(-1, -2)) * scaling * factor.float()[:, None, :, None]
+    logits = logits.masked_fill(~allowed[:, None], float("-inf"))
     weights = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)
     summed = weights.sum(dim=2).reshape(batch, kv_heads, group, length).sum(dim=2)
     previous = _CAPTURED.get(module.layer_idx)
     if previous is not None:
         summed[..., :previous.shape[-1]] += previous
-    _CAPTURED[module.layer_idx] = summed
+    if not getattr(module, "is_sliding", False):  # a sliding layer's cache drops tokens: no running sum
+        _CAPTURED[module.layer_idx] = summed
     return torch.matmul(weights, values).transpose(1, 2).contiguous(), None
 
 
 def reference_mask(*args, **kwargs):
     kwargs["allow_is_causal_skip"] = False
+    kwargs["allow_is_bidirectional_skip"] = False
     return sdpa_mask(*args, **kwargs)
 
 
-@pytest.mark.parametrize("architecture,attention", [("llama", "mha"), ("qwen3", "gqa")])
-def test_logn_changes_attention_logits_exactly_by_the_factor(architecture, attention):
+def logn_reference_run(model, input_ids, attention_mask, steps, count):
     AttentionInterface.register("buzz-logn-reference", logn_reference_attention)
     AttentionMaskInterface.register("buzz-logn-reference", reference_mask)
-    model = tiny_model(architecture, attention)
-    input_ids, attention_mask = left_padded_batch(model.config.vocab_size)
-    steps = 20
-    plain = reference_logits(model, input_ids, attention_mask, steps=steps)
+    previous = model.config._attn_implementation
     model.set_attn_implementation("buzz-logn-reference")
     _CAPTURED.clear()
-    expected = prefill_and_decode(model, DynamicCache(config=model.config), input_ids, attention_mask, steps)
-    captured = dict(_CAPTURED)
+    _REFERENCE["count"] = count
+    try:
+        expected = prefill_and_decode(model, DynamicCache(config=model.config), input_ids, attention_mask, steps)
+    finally:
+        model.set_attn_implementation(previous)
+    return expected, dict(_CAPTURED)
+
+
+@pytest.mark.parametrize("architecture,attention", [("llama", "mha"), ("qwen3", "gqa")])
+def test_logn_matches_the_authors_line_in_every_layer(architecture, attention):
+    """n = key_states.shape[2], as the authors' modify_llama_forward.py computes it (batch of one)."""
+    model = tiny_model(architecture, attention)
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, pad=0)
+    input_ids, attention_mask = input_ids[:1], attention_mask[:1]
+    steps = 20
+    plain = reference_logits(model, input_ids, attention_mask, steps=steps)
+    expected, captured = logn_reference_run(model, input_ids, attention_mask, steps, "authors-line")
     cache = make_cache(model, "buzz-logn", budget=input_ids.shape[1] + steps + 1)
     actual = prefill_and_decode(model, cache, input_ids, attention_mask, steps)
     assert (actual - expected).abs().max().item() <= 1e-5
@@ -423,6 +474,36 @@ def test_logn_changes_attention_logits_exactly_by_the_factor(architecture, atten
         torch.testing.assert_close(stored, summed, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("count", ["key-length", "attended"])
+def test_logn_scales_uncompressed_sliding_layers_too(count):
+    """Gemma-3: 3 of 4 tiny layers slide and are not compressed; log n scales them as well (the
+    authors patch every attention module). The prompt is longer than the sliding window."""
+    model = tiny_model("gemma3", "gqa")
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=40, pad=0)
+    steps = 12
+    expected, _ = logn_reference_run(model, input_ids, attention_mask, steps, count)
+    cache = make_cache(model, "buzz-logn", budget=input_ids.shape[1] + steps + 1, log_count=count)
+    assert len(cache.compressed_layers) < len(cache.layers)
+    actual = prefill_and_decode(model, cache, input_ids, attention_mask, steps)
+    assert (actual - expected).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("architecture,attention", [("llama", "gqa"), ("gemma3", "gqa")])
+def test_logn_padding_is_not_counted_in_n(architecture, attention):
+    """A left-padded row gets the factor it gets alone (issue 9 item 5)."""
+    model = tiny_model(architecture, attention)
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=24, pad=7)
+    steps = 10
+    cache = make_cache(model, "buzz-logn", budget=input_ids.shape[1] + steps + 1)
+    batch = prefill_and_decode(model, cache, input_ids, attention_mask, steps)
+    tokens = batch[:-1].argmax(-1)[:, :, None]  # the batch's greedy tokens, [steps, B, 1]
+    for row, pad in ((0, 0), (1, 7)):
+        alone = make_cache(model, "buzz-logn", budget=input_ids.shape[1] + steps + 1)
+        solo = prefill_and_decode(model, alone, input_ids[row:row + 1, pad:], attention_mask[row:row + 1, pad:],
+                                  steps, forced_tokens=tokens[:, row:row + 1])
+        assert (solo[:, 0] - batch[:, row]).abs().max().item() <= 1e-4
+
+
 # ----------------------------------------------------------------------------------------------
 # Parameters
 # ----------------------------------------------------------------------------------------------
@@ -431,6 +512,7 @@ def test_logn_changes_attention_logits_exactly_by_the_factor(architecture, atten
 @pytest.mark.parametrize("parameters,name", [
     ({"stride": 0}, "stride"), ({"stride": 1}, "stride"), ({"stride": 2}, "stride"), ({"stride": 2.5}, "stride"),
     ({"sink": -1}, "sink"), ({"sink": "4"}, "sink"), ({"window": 8}, "window"),
+    ({"budget_form": "average"}, "budget_form"),
 ])
 @pytest.mark.parametrize("method", ["buzz", "buzz-logn"])
 def test_invalid_parameters_raise(method, parameters, name):
@@ -443,9 +525,12 @@ def test_invalid_log_base_raises():
         BuzzLogN(log_base=1)
 
 
-@pytest.mark.parametrize("sink,stride,smallest", [(4, 5, 10), (0, 3, 4), (4, 4, 8), (1, 7, 9)])
-def test_budget_smaller_than_sink_plus_window_plus_threshold_raises(sink, stride, smallest):
-    policy = Buzz(sink=sink, stride=stride)
+@pytest.mark.parametrize("sink,stride,form,smallest", [
+    (4, 5, "peak", 10), (0, 3, "peak", 4), (4, 4, "peak", 8), (1, 7, "peak", 9),
+    (4, 5, "mean", 9), (0, 3, "mean", 4), (4, 4, "mean", 8), (1, 7, "mean", 7),
+])
+def test_budget_smaller_than_sink_plus_window_plus_threshold_raises(sink, stride, form, smallest):
+    policy = Buzz(sink=sink, stride=stride, budget_form=form)
     assert policy.minimum_budget() == smallest
     assert policy.layout(smallest).window == 1
     for budget in (smallest - 1, sink, 1):
@@ -455,7 +540,85 @@ def test_budget_smaller_than_sink_plus_window_plus_threshold_raises(sink, stride
 
 def test_cache_rejects_too_small_budget():
     model = tiny_model("llama", "gqa")
-    input_ids, attention_mask = left_padded_batch(model.config.vocab_size)
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, pad=0)
     with pytest.raises(ValueError, match="budget"):
-        cache = make_cache(model, "buzz", budget=9)
+        cache = make_cache(model, "buzz", budget=8)
         prefill_and_decode(model, cache, input_ids, attention_mask, steps=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# The budget as the mean size held (issue 10 item 1)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", [20, 37, 60, 200, 1000, 4000])
+@pytest.mark.parametrize("stride", [3, 4, 5, 7])
+def test_mean_layout_holds_the_budget_on_average(budget, stride):
+    layout = layout_for_budget(budget, 4, stride)  # the default form
+    mean = layout.steady_mean
+    assert budget - 1 <= mean <= budget, (layout, float(mean))
+    assert layout.peak > budget  # the peak form would hold ~70% of the budget on average
+    ratio = float(theorem_ratio(stride))
+    assert ratio <= layout.threshold / layout.window < ratio + 2 * stride / layout.window
+    peak = layout_for_budget(budget, 4, stride, "peak")
+    assert peak.peak == budget and peak.steady_mean < (0.85 * budget if budget >= 60 else budget)
+
+
+@pytest.mark.parametrize("stride,budget", [(3, 30), (5, 60), (4, 100)])
+def test_mean_form_stream_holds_the_budget_on_average_and_the_peak_at_most(stride, budget):
+    """Token by token, as the cache calls it: the measured mean size over the steady state is
+    the budget (within a token), the largest size k + w + T, and after every eviction at most
+    the budget (the cache's hard limit)."""
+    policy = Buzz(stride=stride)
+    layout = policy.layout(budget)
+    _, olds, lengths = stream(policy, budget, steps=40 * budget, heads=1)
+    steady = lengths[len(lengths) // 2:]
+    assert abs(sum(steady) / len(steady) - budget) <= 1.0
+    assert max(lengths) == layout.peak > budget
+    for before, after in zip(lengths, lengths[1:]):
+        assert after == before + 1 or (before == layout.peak and after <= budget)
+
+
+def test_statistics_report_the_mean_and_peak_sizes_held():
+    model = tiny_model("llama", "gqa")
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=40, pad=0)
+    input_ids, attention_mask = input_ids[:1], attention_mask[:1]
+    steps = 150
+    for form in ("mean", "peak"):
+        budget = 24
+        cache = make_cache(model, "buzz", budget=budget, stride=3, budget_form=form)
+        sizes = []
+        output = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+        sizes.append(cache.mean_kept_per_head())
+        for _ in range(steps):
+            token = output.logits[:, -1].argmax(-1, keepdim=True)
+            output = model(input_ids=token, past_key_values=cache, use_cache=True)
+            sizes.append(cache.mean_kept_per_head())
+        stats = kept_size_statistics(cache)
+        layout = cache.policy.layout(budget)
+        assert stats["mean_kept"] == pytest.approx(sum(sizes) / len(sizes))
+        assert stats["peak_kept"] == max(sizes) == layout.peak
+        layer = stats["per_layer"][cache.compressed_layers[0]]
+        assert layer["steps"] == steps + 1 and layer["steady_peak_kept"] == layout.peak
+        if form == "peak":
+            assert layout.peak == budget and stats["mean_kept"] < 0.85 * budget
+        else:
+            assert abs(stats["mean_kept"] - budget) <= 1.5 and layout.peak > budget
+
+
+def test_full_budget_in_the_mean_form_calls_the_policy_and_matches_plain_transformers():
+    """Between the budget and BUZZ's threshold the cache asks for evictions at every step and
+    BUZZ keeps everything: outputs equal plain transformers while select_decode really runs."""
+    model = tiny_model("llama", "gqa")
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=30, pad=0)
+    steps = 5
+    budget = 26
+    cache = make_cache(model, "buzz", budget=budget, stride=5)
+    assert cache.policy.layout(budget).peak >= 30 + steps  # never reaches the threshold
+    calls = []
+    original = cache.policy.select_decode
+    cache.policy.select_decode = lambda *args: calls.append(1) or original(*args)
+    expected = reference_logits(model, input_ids, attention_mask, steps=steps)
+    actual = prefill_and_decode(model, cache, input_ids, attention_mask, steps=steps)
+    assert len(calls) == steps * len(cache.compressed_layers)
+    assert (actual - expected).abs().max().item() <= 1e-5

@@ -24,7 +24,7 @@ from kvhive.methods.base import DECODE, PREFILL, ScoringInputs
 from kvhive.methods.registry import make_policy
 from kvhive.methods.subgen import (NEAREST_DISTANCE, NEAREST_POSITION, READY, SubGen, farthest_point_order)
 from kvhive.methods.subgen_attention import (STATE_KEY, StreamingStructures, SubGenAttention, cluster_counts,
-                                             structures_nbytes)
+                                             clustering_statistics, structures_nbytes)
 from kvhive.models import TINY_ARCHITECTURES, TINY_ATTENTION_KINDS, tiny_model
 
 from helpers import left_padded_batch, prefill_and_decode, reference_logits
@@ -376,14 +376,17 @@ def test_memory_grows_with_the_number_of_clusters_not_with_n():
 
 def test_extra_attention_maps_query_heads_to_their_kv_head():
     # GQA: 4 query heads on 2 KV heads; compare with the estimator written out per query head.
-    policy = SubGenAttention(t=3, s=5, delta=0.3, relative_delta=False)
+    # budget 20: s = 5 value samples, 9 token-equivalents of clusters (4 of 3 + 1 keys), window 6.
+    policy = SubGenAttention(samples_per_cluster=3, cluster_radius=0.3, relative_radius=False, cluster_fraction=0.45)
+    plan = policy.plan(20)
+    assert (plan.window, plan.value_samples, plan.max_clusters) == (6, 5, 4)
     generator = torch.Generator().manual_seed(7)
     b, h, n, d = 2, 2, 30, 4
     keys = torch.randn(b, h, n, d, generator=generator)
     scoring = scoring_for(keys)
     scoring.values = torch.randn(b, h, n, d, generator=generator)
     state: dict = {}
-    keep = policy.select_prefill(scoring, 6, state)
+    keep = policy.select_prefill(scoring, 20, state)
     assert (keep.sum(-1) == 6).all() and keep[..., -6:].all()
     st = state[STATE_KEY]
     assert (st.tokens == n - 6).all() and (st.counts.sum(-1) == n - 6).all()
@@ -430,15 +433,20 @@ def test_prefill_and_50_decode_steps_keep_exact_budgets(architecture, attention)
     steps = 50
     caches = {
         "subgen": kvhive.make_cache(model, "subgen", budget=12, recent=4),
-        "subgen-attention": kvhive.make_cache(model, "subgen-attention", budget=8),
+        # budget 16: 4 value samples, 4 token-equivalents of clusters (one of 4 + 1 keys), window 8.
+        "subgen-attention": kvhive.make_cache(model, "subgen-attention", budget=16),
     }
+    assert caches["subgen-attention"].policy.plan(16).window == 8
     for method, cache in caches.items():
         logits = prefill_and_decode(model, cache, input_ids, attention_mask, steps=steps)
         assert torch.isfinite(logits).all()
         budget = cache.layer_budgets
         assert budget and all(i in budget for i in cache.compressed_layers)
         for index in cache.compressed_layers:
+            # subgen-attention: the cache's layer budget is the exact window (8 of 16).
             assert (cache.kept_tokens()[index] == budget[index]).all(), (method, index)
+        if method == "subgen-attention":
+            assert set(budget.values()) == {8}
     # Every real token that left the window was inserted into D and M exactly once.
     cache = caches["subgen-attention"]
     heads = cache.num_kv_heads
@@ -465,7 +473,12 @@ def test_estimator_recovers_the_evicted_tokens_attention(architecture):
         return float((logits[1:] - expected[1:]).abs().max())
 
     local = error("local")
-    estimated = error("subgen-attention", delta=1e-4, t=1, s=4096)
+    # Budget 800: 720 value samples, 72 clusters of one sample (every evicted key its own), window 8.
+    options = dict(cluster_radius=1e-4, samples_per_cluster=1, value_sample_fraction=0.9, cluster_fraction=0.09)
+    assert SubGenAttention(**options).plan(800).window == 8
+    cache = kvhive.make_cache(model, "subgen-attention", budget=800, **options)
+    logits = prefill_and_decode(model, cache, input_ids, attention_mask, steps=8, forced_tokens=forced)
+    estimated = float((logits[1:] - expected[1:]).abs().max())
     assert estimated < local / 5, (estimated, local)
 
 
@@ -475,7 +488,7 @@ def embedded():
 
 
 @pytest.mark.parametrize("method, options", [("subgen", dict(budget=48, recent=16)),
-                                             ("subgen-attention", dict(budget=32))])
+                                             ("subgen-attention", dict(budget=64))])
 def test_embedded_model_prefill_and_50_decode_steps(embedded, method, options):
     model, tokenizer = embedded
     text = open("/work/shared/data/wikitext2/wiki.test.raw", encoding="utf-8").read()[:1200]
@@ -485,13 +498,17 @@ def test_embedded_model_prefill_and_50_decode_steps(embedded, method, options):
     assert torch.isfinite(logits).all()
     prompt = encoded["input_ids"].shape[1]
     assert prompt > options["budget"] + 50
+    kept = options["budget"] if method == "subgen" else cache.policy.plan(options["budget"]).window
     for index in cache.compressed_layers:
-        assert (cache.kept_tokens()[index] == options["budget"]).all()
+        assert (cache.kept_tokens()[index] == kept).all()
     if method == "subgen-attention":
         counts = cluster_counts(cache)
         assert sorted(counts) == cache.compressed_layers
         for index in counts:
-            assert (cache.layers[index].policy_state[STATE_KEY].tokens == prompt + 50 - options["budget"]).all()
+            assert (cache.layers[index].policy_state[STATE_KEY].tokens == prompt + 50 - kept).all()
+        # The method's whole memory stays within the budget (token-equivalents per layer and head).
+        for index, stats in clustering_statistics(cache).items():
+            assert stats["token_equivalents"] <= stats["budget_token_equivalents"] <= options["budget"]
 
 
 # ==============================================================================================
@@ -500,8 +517,11 @@ def test_embedded_model_prefill_and_50_decode_steps(embedded, method, options):
 
 
 @pytest.mark.parametrize("parameter, value", [
-    ("delta", 0), ("delta", -1.0), ("delta", float("nan")), ("delta", float("inf")), ("delta", "1"),
-    ("t", 0), ("t", 1.5), ("t", True), ("s", 0), ("s", -3), ("seed", -1), ("relative_delta", 1),
+    ("cluster_radius", 0), ("cluster_radius", -1.0), ("cluster_radius", float("nan")),
+    ("cluster_radius", float("inf")), ("cluster_radius", "1"), ("samples_per_cluster", 0),
+    ("samples_per_cluster", 1.5), ("samples_per_cluster", True), ("value_sample_fraction", 0),
+    ("value_sample_fraction", 1.0), ("cluster_fraction", -0.1), ("cluster_fraction", 0.8), ("seed", -1),
+    ("relative_radius", 1), ("delta", 0.5), ("t", 4), ("s", 16),
 ])
 def test_invalid_subgen_attention_parameters(parameter, value):
     with pytest.raises(ValueError, match=parameter):
@@ -526,3 +546,153 @@ def test_subgen_budget_must_exceed_recent():
     assert (cache.kept_tokens()[0] == 5).all()
     with pytest.raises(ValueError, match="unknown parameter"):
         make_policy("subgen", window=4)
+
+
+# ==============================================================================================
+# Budget = the whole memory; clusterable or not; batch rows (issue 10 item 7, issue 9 items 5, 7)
+# ==============================================================================================
+
+
+def test_budget_bounds_window_clusters_and_samples_and_state_does_not_grow():
+    """A budget of 32 token-equivalents: the state is allocated once (bytes constant in n) and the
+    window + samples + clusters never exceed the budget, however long the stream."""
+    model = tiny_model("llama", "gqa")
+    budget = 32
+    sizes, held = [], []
+    for length in (40, 120):
+        input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=length, pad=0)
+        cache = kvhive.make_cache(model, "subgen-attention", budget=budget)
+        prefill_and_decode(model, cache, input_ids, attention_mask, steps=20)
+        held.append(cache.statistics()["policy_state_bytes"])
+        for stats in clustering_statistics(cache).values():
+            assert stats["token_equivalents"] <= stats["budget_token_equivalents"] <= budget
+            sizes.append(stats["clusters"])
+            assert stats["clusters"] <= stats["max_clusters"]
+    assert held[0] == held[1] > 0
+    # Bytes: the window's tokens plus the structures, per (batch, KV head) row and layer, at most
+    # the budget's tokens plus small per-row/per-cluster counters.
+    plan = cache.policy.plan(budget)
+    rows = 2 * model.config.num_key_value_heads
+    per_token = cache.layers[cache.compressed_layers[0]].bytes_per_token()
+    counters = rows * (8 * 8 + plan.max_clusters * 12 + plan.value_samples * 4)
+    assert held[1] <= len(cache.compressed_layers) * ((budget - plan.window) * per_token * rows // rows + counters) \
+        + len(cache.compressed_layers) * (budget - plan.window) * per_token * (rows - 1)
+
+
+def test_clusterable_streams_grow_sublinearly_and_others_are_reported():
+    """Clusterable keys (m well-separated groups): m clusters whatever n, no key beyond the
+    radius. Random keys at a small radius: the clusters stop at max_clusters and every key that
+    could not found one is counted (the statistics say the stream is not clusterable)."""
+    rows, d, t, s, delta = 2, 8, 4, 8, 0.5
+    for n in (400, 1600):
+        keys, values, _ = clusterable_stream(rows, n, d, 6, delta, 1.0, seed=5)
+        target = StreamingStructures(rows, d, t, s, dtype=torch.float32, device=torch.device("cpu"),
+                                     generator=torch.Generator().manual_seed(0), delta=delta, relative_delta=False,
+                                     max_clusters=12)
+        target.insert(keys, values, torch.ones(rows, n, dtype=torch.bool))
+        assert (target.num_clusters <= 6).all() and int(target.beyond_radius.sum()) == 0
+        assert target.nbytes() == StreamingStructures(rows, d, t, s, dtype=torch.float32, device=torch.device("cpu"),
+                                                      generator=torch.Generator(), delta=delta, relative_delta=False,
+                                                      max_clusters=12).nbytes()
+    noise = torch.randn(rows, 500, d, generator=torch.Generator().manual_seed(1)) * 10
+    target = StreamingStructures(rows, d, t, s, dtype=torch.float32, device=torch.device("cpu"),
+                                 generator=torch.Generator().manual_seed(0), delta=0.1, relative_delta=False,
+                                 max_clusters=12)
+    target.insert(noise, noise, torch.ones(rows, 500, dtype=torch.bool))
+    assert (target.num_clusters == 12).all()
+    assert (target.beyond_radius == 500 - 12).all()
+    assert (target.counts.sum(-1) == 500).all()  # every key still counted in a cluster
+
+    model = tiny_model("llama", "gqa")
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=80, pad=0)
+    cache = kvhive.make_cache(model, "subgen-attention", budget=16, cluster_radius=1e-3)
+    prefill_and_decode(model, cache, input_ids, attention_mask, steps=5)
+    stats = clustering_statistics(cache)
+    assert stats and all(not layer["clusterable"] and layer["beyond_radius"] > 0 for layer in stats.values())
+
+
+def test_a_left_padded_row_gets_what_it_gets_alone():
+    """Issue 9 item 5: the reservoir and ℓ2 draws come from per-row generators seeded by head and
+    layer, and the ‖v‖² draw skips padding, so a padded row matches its solo run."""
+    model = tiny_model("llama", "gqa")
+    pad = 7
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=40, pad=pad)
+    budget, steps = 16, 10
+    cache = kvhive.make_cache(model, "subgen-attention", budget=budget)
+    batch = prefill_and_decode(model, cache, input_ids, attention_mask, steps)
+    tokens = batch[:-1].argmax(-1)[:, :, None]
+    heads = model.config.num_key_value_heads
+    for row, offset in ((0, 0), (1, pad)):
+        alone = kvhive.make_cache(model, "subgen-attention", budget=budget)
+        solo = prefill_and_decode(model, alone, input_ids[row:row + 1, offset:], attention_mask[row:row + 1, offset:],
+                                  steps, forced_tokens=tokens[:, row:row + 1])
+        assert (solo[:, 0] - batch[:, row]).abs().max().item() <= 1e-4
+        for layer in cache.compressed_layers:
+            mine = cache.layers[layer].policy_state[STATE_KEY]
+            theirs = alone.layers[layer].policy_state[STATE_KEY]
+            rows = slice(row * heads, (row + 1) * heads)
+            # Values are not rotated: the same l2 samples (up to the batched matmuls' rounding; keys
+            # carry their RoPE position, which left padding shifts; the logits above cover them).
+            torch.testing.assert_close(mine.m_values[rows], theirs.m_values, atol=1e-5, rtol=1e-4)
+            assert torch.equal(mine.counts[rows], theirs.counts)
+            assert torch.equal(mine.beyond_radius[rows], theirs.beyond_radius)
+
+
+_ALLOWED: dict[int, torch.Tensor] = {}
+
+
+def _kept_only_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Eager attention over a DynamicCache; a decode query attends only ``_ALLOWED[layer]``."""
+    batch, kv_heads, length, _ = key.shape
+    group = query.shape[1] // kv_heads
+    allowed = attention_mask[:, :, :, :length].expand(batch, kv_heads, query.shape[2], length)
+    kept = _ALLOWED.get(module.layer_idx)
+    if kept is not None and query.shape[2] == 1:
+        allowed = allowed & kept[:, :, None, :]
+    allowed = allowed.repeat_interleave(group, dim=1)
+    logits = torch.matmul(query, key.repeat_interleave(group, dim=1).transpose(-1, -2)) * scaling
+    weights = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
+    return torch.matmul(weights, value.repeat_interleave(group, dim=1)).transpose(1, 2).contiguous(), None
+
+
+def test_evicting_subgen_run_equals_attention_over_exactly_the_kept_tokens():
+    """The prompt is cut (k-center + recent) and every decode step evicts: each step's logits equal
+    plain attention restricted to the tokens the cache held for it."""
+    from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache
+
+    from helpers import materialised_mask
+
+    AttentionInterface.register("subgen-kept-only", _kept_only_attention)
+    AttentionMaskInterface.register("subgen-kept-only", materialised_mask)
+    model = tiny_model("llama", "gqa")
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=30, pad=0)
+    budget, steps = 12, 12
+    cache = kvhive.make_cache(model, "subgen", budget=budget, recent=4)
+    reference_cache = DynamicCache(config=model.config)
+    batch = input_ids.shape[0]
+    try:
+        with torch.no_grad():
+            output = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+            model.set_attn_implementation("subgen-kept-only")
+            _ALLOWED.clear()
+            model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=reference_cache, use_cache=True)
+            mask = attention_mask
+            for step in range(steps):
+                token = output.logits[:, -1].argmax(-1, keepdim=True)
+                mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+                _ALLOWED.clear()
+                for layer in cache.compressed_layers:
+                    positions = cache.layers[layer].dense()[2].long()
+                    assert positions.shape[-1] == budget
+                    allowed = torch.zeros(batch, positions.shape[1], mask.shape[1], dtype=torch.bool)
+                    allowed.scatter_(2, positions, True)
+                    allowed[..., -1] = True
+                    _ALLOWED[layer] = allowed
+                expected = model(input_ids=token, attention_mask=mask, past_key_values=reference_cache, use_cache=True)
+                model.set_attn_implementation("kvhive")
+                output = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
+                model.set_attn_implementation("subgen-kept-only")
+                assert (output.logits[:, -1] - expected.logits[:, -1]).abs().max().item() <= 1e-4, step
+    finally:
+        model.set_attn_implementation("sdpa")
+        _ALLOWED.clear()

@@ -132,11 +132,20 @@ def _refuse_padding(model_mask: torch.Tensor | None, causal: torch.Tensor, layer
         )
 
 
-def _row_logit_scale(policy, key_counts: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+def _row_logit_scale(policy, mask: torch.Tensor | None, num_keys: int, queries: torch.Tensor) -> torch.Tensor:
+    """Queries times the policy's logit multiplier. It gets ``[B, q]`` key counts: the keys each
+    query row may attend in its own batch row (padding excluded, so a row's factor is what it
+    would be alone); without a mask the queries are the newest ``q`` of ``num_keys`` causal keys."""
+    batch, _, num_queries, _ = queries.shape
+    if mask is None:
+        newest = torch.arange(num_keys - num_queries + 1, num_keys + 1, device=queries.device)
+        key_counts = newest.expand(batch, num_queries)
+    else:
+        key_counts = mask[:, 0].sum(dim=-1).expand(batch, num_queries)
     scale = policy.logit_scale(key_counts)
     if scale is None:
         return queries
-    return queries * scale.to(queries.dtype)[None, None, :, None]
+    return queries * scale.to(queries.dtype)[:, None, :, None]
 
 
 def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -167,6 +176,9 @@ def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dr
                             kwargs)
         if store.is_uniform:
             return _decode_dense(module, cache, layer_index, query, mask, scaling, dropout, compressed, kwargs)
+    if policy.changes_attention_logits:
+        raise RuntimeError(f"method {policy.name!r} scales the attention logits, which the variable-length path "
+                           "does not support; keep its heads at equal lengths")
     if compressed and policy.extra_attention(store.policy_state, query, scaling) is not None:
         raise RuntimeError(f"method {policy.name!r} adds estimated attention, which the variable-length "
                            "path does not support; keep its heads at equal lengths")
@@ -177,11 +189,9 @@ def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 def _prefill(module, cache: KVHiveCache, layer_index, query, key, value, mask, scaling, dropout, compressed, kwargs):
     policy = cache.policy
-    num_queries = query.shape[2]
     attended_queries = query
-    if compressed and policy.changes_attention_logits:
-        key_counts = torch.arange(1, num_queries + 1, device=query.device)
-        attended_queries = _row_logit_scale(policy, key_counts, query)
+    if policy.changes_attention_logits:  # every layer (BUZZ log n), compressed or not
+        attended_queries = _row_logit_scale(policy, mask, key.shape[2], query)
     # No mask (no padding, no window in reach): transformers' sdpa runs its causal kernels.
     output, _ = sdpa_attention_forward(module, attended_queries, key, value, mask,
                                        dropout=dropout, scaling=scaling, **kwargs)
@@ -242,9 +252,8 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
     group = query_heads // heads
     wants_weights = compressed and DECODE in policy.phases and policy.needs_decode_attention
     extra = policy.extra_attention(store.policy_state, query, scaling) if compressed else None
-    if compressed and policy.changes_attention_logits:
-        key_counts = torch.full((num_queries,), keys.shape[2], device=query.device)
-        query = _row_logit_scale(policy, key_counts, query)
+    if policy.changes_attention_logits:  # every layer (BUZZ log n), compressed or not
+        query = _row_logit_scale(policy, stored_mask, keys.shape[2], query)
 
     last_weights = None
     if not wants_weights and extra is None:

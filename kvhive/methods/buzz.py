@@ -23,51 +23,107 @@ Cache layout per head (Sec. 3.3, Fig. 3)::
   held in ``scoring.token_scores["buzz_accumulated"]`` so the cache keeps them aligned. The
   prefill column sums are computed by :func:`prefill_accumulated_attention`, which skips the
   causally masked key blocks (3x faster than the generic ``ScoringInputs`` path at 2k tokens).
-* **Prefill** (Remark 2): the prompt is one big arrival of new tokens; sample as above, then keep
-  interval-sampling the old samples with ``ŝ`` until the cache fits in ``k + w + T``
-  (``r`` extra rounds of stride ``ŝ`` are one round of stride ``ŝ**r``).
-* **Budget** (METHODS.md choice, Theorem 3.1 / Eq. 6). For a budget ``C`` and stride ``s`` use
-  ``T / w = r`` with ``r = (s² + 1)/(s + 1)`` (s odd) or ``s − 1`` (s even): then the
-  steady-state number of old samples is ``w`` (Appendix D.1; the proof's odd/even labels are
-  swapped, the theorem's are right). With ``T`` as defined by Eq. (10) — the size of the whole
-  region between sink and window at eviction, old samples included — the largest cache is
-  ``k + w + T`` (old ``≈ w`` plus new ``≈ T − w`` at the peak, i.e. ``k + 2w + (T − w)``;
-  METHODS.md's ``k + 2w + T`` counts ``T`` as new tokens only, which contradicts Eq. 10 and
-  Theorem 3.1). So the budget **is** the peak: ``C = k + w + T`` with
-  ``w = floor((C − k) / (1 + r))`` and ``T = C − k − w`` (rounding down ``w`` gives
-  ``r <= T/w < r + (1 + r)/w``, inside Eq. 13/14's ``[r, r + 2s/w)``). The cache asks for an
-  eviction exactly when the stored length exceeds ``C``, i.e. when old + new reaches ``T + 1``,
-  so the threshold and the cache's schedule coincide and the cache never holds more than ``C``
-  tokens after a step. ``select_decode`` returns ``None`` (keep everything) if ever called below
-  the threshold. (This needs the cache's default schedule, ``decode_every=1, decode_slack=0``;
-  a slack makes every eviction late by up to the slack, as for any method.)
-* **Left padding.** The layout is shared by every head and batch row (one set of boundaries per
-  layer, in ``state``). A left-padded row never keeps padding while it has real tokens: its
-  structural picks that fall on padding are replaced by its first ``k`` real tokens (its true
-  attention sinks) and then by its highest accumulated-attention tokens, so every row keeps
-  the same count.
+* **Prefill**: the prompt is one big arrival of new tokens, sampled once as above — as the
+  authors' code does (``BuzzKVCacheWithAccumulation``: one call in the prefill forward) — and,
+  only where that does not fit the cache's hard limit ``C``, the old samples are
+  interval-sampled again with ``ŝ`` until it fits (Remark 2; ``r`` extra rounds of stride ``ŝ``
+  are one round of stride ``ŝ**r``). In the peak form the limit is ``k + w + T``, Remark 2's
+  "until it fits". The authors' code never thins: on a long prompt it holds
+  ``k + w + ceil(m/s)`` tokens after prefill (92 at 400 tokens where ``C = 60``) and shrinks
+  over the next decode steps; a kvhive cache never holds more than its budget after an
+  eviction, so where the single pass exceeds it the rounds are counted in the layer state
+  (``buzz_prefill_rounds``, 0 = exactly the authors' result).
+* **Budget** (Theorem 3.1 / Eq. 6). For a stride ``s`` use ``T / w = r`` with
+  ``r = (s² + 1)/(s + 1)`` (s odd) or ``s − 1`` (s even): then the steady-state number of old
+  samples is ``w`` (Appendix D.1; the proof's odd/even labels are swapped, the theorem's are
+  right). With ``T`` as defined by Eq. (10) — the size of the whole region between sink and
+  window at eviction, old samples included — a layer holds ``k + w + a`` tokens right after an
+  eviction and grows by one per step up to ``k + w + T`` (the peak), so the steady-state
+  **mean** size is ``k + w + (a* + T) / 2`` with ``a*`` the fixed point of Eq. (10) (``≈ w``).
+  Two readings of a budget ``C``, ``budget_form``:
 
-**BUZZ with log n** (Sec. 3.5, Eq. 7–8): attention logits are multiplied by ``log_512(n)``,
-``n`` = the number of keys the query attends to (the ``logit_scale`` hook: ``1..q`` causally in
-prefill, the stored length in decode; METHODS.md). For ``n < 512`` the factor is below 1 and is
-**not** clamped: Eq. 7 has no clamp, Lemma 3.1's entropy argument holds for every ``n``, and the
-log-n line of the reference code (``modify_llama_forward.py``, left commented out there)
-multiplies by ``math.log(key_states.shape[2], 512)`` unconditionally. ``n = 1`` gives 0, which is
-harmless (one key gets weight 1 whatever its logit). That reference line uses the whole key
-length for every prefill row; METHODS.md's per-query count (row ``i`` attends ``i + 1`` keys) is
-what the causal mask actually lets each row see, and equals it for the last row and in decode.
+  - ``"mean"`` (default): ``C`` is the mean number of tokens held, the size the paper's
+    comparisons use ("average cache size"). ``w`` and ``T`` are the integers nearest to
+    ``w = 2(C − k)/(3 + r)``, ``T ≈ r·w`` whose exact steady-state mean (Eq. 10 iterated, see
+    :func:`steady_state_sizes`) is the largest one ``<= C``; the peak is then ``k + w + T > C``
+    (at ``C = 60, s = 5``: ``w = 15, T = 65``, mean 59.5, peak 84; 70% of it in the peak form).
+  - ``"peak"``: ``C = k + w + T`` with ``w = floor((C − k) / (1 + r))`` and ``T = C − k − w``
+    (rounding down ``w`` gives ``r <= T/w < r + (1 + r)/w``, inside Eq. 13/14's ``[r, r + 2s/w)``);
+    BUZZ then holds about 70% of ``C`` on average (min ~40%).
+
+  The cache asks for an eviction whenever the stored length exceeds ``C``; below BUZZ's own
+  threshold (old + new ``<= T``) ``select_decode`` returns ``None`` (keep everything), so the
+  layer grows to its peak and is cut when old + new reaches ``T + 1``, exactly Algorithm 1's
+  schedule in both forms. After any eviction a layer holds at most ``C`` tokens (the cache's
+  hard limit: the prefill below is thinned to it). (This needs the cache's default schedule,
+  ``decode_every=1, decode_slack=0``; a slack makes every eviction late by up to the slack, as
+  for any method.) :func:`kept_size_statistics` reports the mean and peak sizes a cache's BUZZ
+  layers actually held.
+* **Batches.** The layout is shared by every head and batch row (one set of boundaries per
+  layer, in ``state``). A batch whose rows hold different numbers of real tokens (left
+  padding) is refused: each row would need its own eviction schedule (a shorter row reaches
+  its threshold at other steps, so alone it keeps other tokens: 21 instead of 29 on a 2-row
+  test batch), and a kvhive cache keeps every row of a decode-phase layer at the same length.
+  Run such rows one at a time (the evaluation runs batches of one). Rows of equal length are
+  independent: each gets exactly what it gets alone.
+
+**Against the authors' code** (danielfang001/buzz-llm, ``BuzzKVCacheWithAccumulation`` and
+``modify_llama_forward.py``; ``tests/test_buzz_authors_fixtures.py`` checks kvhive's kept
+positions against their class on fixed inputs, prefill and 160 decode steps):
+
+- decode evictions: the same positions at every step (two strides, two heads);
+- prefill: one local-max pass, as theirs, whenever it fits the budget; otherwise theirs holds
+  ``k + w + ceil(m/s)`` (92 tokens on a 400-token prompt at ``C = 60``) and kvhive thins the old
+  samples with Remark 2's rounds (40 tokens in the peak form, 45 in the mean form;
+  ``buzz_prefill_rounds`` counts them): kvhive never holds more than its budget after an
+  eviction;
+- sizes: theirs takes ``w`` and ``T`` as arguments (their script's defaults: ``w = 160``,
+  ``T = 400``, ``s = 5``, a ratio 2.5 where Theorem 3.1 gives 4.33); kvhive derives them from the
+  budget (mean form by default);
+- positions: their attention re-rotates the stored (un-rotated) keys at ``0..L-1`` and the
+  query at the compressed length, StreamingLLM-style. kvhive does this through its cache
+  interface, without patching model code: ``make_cache(..., positions="cache")``
+  (``kvhive.attention.rope.KeyRotator`` re-rotates kept keys to contiguous positions after
+  each eviction; RoPE depends only on differences, so this equals their scheme). It is a cache
+  option, not a method parameter: the evaluation must pass it for the authors' setting (it is
+  refused with SubGen's estimator and does not support left-padded batches);
+- log n: their line scales every layer with ``n = key_states.shape[2]``; ``buzz-logn`` does the
+  same by default (``log_count="key-length"``, below);
+- scores: theirs sums the attention over query heads without grouping (MHA Llama-2); kvhive
+  sums over the query heads of a KV group (equal on MHA); theirs zeroes the scores of the
+  sink and old samples after an eviction, which no later choice reads (old samples are
+  interval-sampled), so kvhive keeps them.
+
+**BUZZ with log n** (Sec. 3.5, Eq. 7–8): attention logits are multiplied by ``log_512(n)`` in
+**every** attention layer of the model (the authors patch the forward of every attention
+module; on Gemma-3 the sliding-window layers that kvhive does not compress are scaled too).
+``n`` (``log_count``):
+
+- ``"key-length"`` (default, the authors' line in ``modify_llama_forward.py``, left commented
+  out there: ``math.log(key_states.shape[2], 512)``): the number of keys in the attention call
+  — every prefill row of a prompt of ``L`` tokens uses ``n = L``, a decode step the number of
+  stored keys plus the new one; padding is not counted (a row's ``n`` is what it would be
+  alone).
+- ``"attended"`` (METHODS.md's reading of Eq. 7): the keys the query may attend, ``i + 1`` for
+  prefill row ``i`` (causal), the real stored keys in decode; equal to the above for the last
+  prefill row and in decode.
+
+For ``n < 512`` the factor is below 1 and is **not** clamped: Eq. 7 has no clamp, Lemma 3.1's
+entropy argument holds for every ``n``, and the authors' line has none. ``n = 1`` gives 0,
+which is harmless (one key gets weight 1 whatever its logit).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Literal
 
 import torch
 
-from kvhive.methods.base import (DECODE, PREFILL, Policy, PolicyConfig, ScoringInputs, first_real_tokens,
-                                 keep_top_scores, require_int_at_least)
+from kvhive.methods.base import DECODE, PREFILL, Policy, PolicyConfig, ScoringInputs, require, require_int_at_least
 
 SCORE = "buzz_accumulated"
 OLD = "buzz_old_samples"  # per-layer state: number of old samples (same for every head and row)
@@ -75,14 +131,27 @@ LAYOUT = "buzz_layout"  # per-layer state: (sink, window, threshold) derived fro
 EVICTIONS = "buzz_evictions"  # per-layer state: number of evictions so far (prefill included)
 
 
+BudgetForm = Literal["mean", "peak"]
+BUDGET_FORMS = ("mean", "peak")
+PREFILL_ROUNDS = "buzz_prefill_rounds"  # per-layer state: Remark 2 rounds beyond the authors' single pass
+# Per-layer state: sizes held after each decode step (sum, count, largest), for kept_size_statistics.
+SIZE_SUM, SIZE_STEPS, SIZE_PEAK = "buzz_size_sum", "buzz_size_steps", "buzz_size_peak"
+# Evictions of Eq. (10) iterated to reach the steady state (it contracts by < 1/ŝ - ... per step;
+# 200 is far past convergence for any stride >= 3), and the tail averaged over (covers cycles).
+_STEADY_ITERATIONS, _STEADY_TAIL = 200, 24
+
+
 @dataclass(frozen=True)
 class BuzzConfig(PolicyConfig):
     """``sink`` = k (Sec. 3.3: "often a small number ranging from 1 to 5"; the reference uses 4),
     ``stride`` = s (the paper's experiments, Fig. 4 and Table A, use 5). Window and threshold are
-    derived from the budget (module docstring)."""
+    derived from the budget: ``budget_form="mean"`` reads the budget as the mean number of tokens
+    held (the paper's "average cache size"), ``"peak"`` as the largest, ``k + w + T`` (module
+    docstring)."""
 
     sink: int = 4
     stride: int = 5
+    budget_form: BudgetForm = "mean"
 
     def validate(self) -> None:
         require_int_at_least(self.sink, 0, "sink")
@@ -93,6 +162,7 @@ class BuzzConfig(PolicyConfig):
                 f"gives the small stride floor((2+1)/2) = 1, which never thins the old samples, so the cache "
                 f"would grow without bound)"
             )
+        require(self.budget_form in BUDGET_FORMS, "budget_form", "'mean' or 'peak'", self.budget_form)
 
 
 def small_stride(stride: int) -> int:
@@ -112,29 +182,96 @@ class BuzzLayout:
     sink: int
     window: int
     threshold: int
+    stride: int = 5
 
     @property
     def peak(self) -> int:
+        """The most tokens a layer holds after a step: ``k + w + T``."""
         return self.sink + self.window + self.threshold
 
+    @property
+    def steady_mean(self) -> Fraction:
+        """The mean number of tokens held per decode step in the steady state (exact, Eq. 10)."""
+        return steady_state_sizes(self)[0]
 
-def layout_for_budget(budget: int, sink: int, stride: int) -> BuzzLayout:
-    """``(k, w, T)`` for a budget ``C = k + w + T`` with ``T / w`` from Theorem 3.1 (rounded as in
-    the module docstring). Raises ValueError naming ``budget`` when ``C`` leaves no window."""
+
+def steady_state_sizes(layout: BuzzLayout) -> tuple[Fraction, int]:
+    """``(mean size held per step, largest old-sample count)`` in the steady state of Eq. (10).
+
+    After an eviction leaving ``a`` old samples a layer holds ``k + w + a`` tokens and grows by
+    one per step to ``k + w + T``; averaged over the last evictions of the exact recurrence."""
+    sizes = old_sample_sizes(layout.threshold, layout.stride, _STEADY_ITERATIONS)[-_STEADY_TAIL:]
+    base = layout.sink + layout.window
+    held = sum((layout.threshold - a + 1) * (2 * base + a + layout.threshold) for a in sizes)  # 2x sum of sizes
+    steps = sum(layout.threshold - a + 1 for a in sizes)
+    return Fraction(held, 2 * steps), max(sizes)
+
+
+def _too_small(budget, sink: int, stride: int, form: str) -> ValueError:
+    return ValueError(
+        f"invalid budget={budget!r} for BUZZ (sink={sink}, stride={stride}, budget_form={form!r}): expected an "
+        f"integer >= {minimum_buzz_budget(sink, stride, form)} so that the sink, a window >= 1 and a threshold "
+        f"with threshold/window = {theorem_ratio(stride)} (Theorem 3.1) fit"
+    )
+
+
+def peak_layout(budget: int, sink: int, stride: int) -> BuzzLayout | None:
+    """``(k, w, T)`` with ``k + w + T = budget`` (module docstring); None when no window fits."""
     ratio = theorem_ratio(stride)
     room = budget - sink
     window = math.floor(Fraction(room) / (1 + ratio)) if room > 0 else 0
     if window < 1:
-        raise ValueError(
-            f"invalid budget={budget!r} for BUZZ (sink={sink}, stride={stride}): expected an integer >= "
-            f"{minimum_buzz_budget(sink, stride)} so that sink + window + threshold fits with window >= 1 and "
-            f"threshold/window = {ratio} (Theorem 3.1)"
-        )
-    return BuzzLayout(sink=sink, window=window, threshold=room - window)
+        return None
+    return BuzzLayout(sink=sink, window=window, threshold=room - window, stride=stride)
 
 
-def minimum_buzz_budget(sink: int, stride: int) -> int:
-    return sink + math.ceil(1 + theorem_ratio(stride))
+def mean_layout(budget: int, sink: int, stride: int) -> BuzzLayout | None:
+    """``(k, w, T)`` whose exact steady-state mean size is the largest one ``<= budget``, among
+    the windows next to ``2(C − k)/(3 + r)`` and thresholds ``ceil(r·w) .. ceil(r·w) + s``
+    (Eq. 13/14's range ``[r, r + 2s/w)``); ties go to ``T/w`` nearest ``r``. Every candidate
+    must also keep the cache within the budget after any eviction (``k + w + a <= C`` for the
+    largest old-sample count reached from a prefill that filled the budget). None when none fits."""
+    ratio = theorem_ratio(stride)
+    if budget - sink < 2:
+        return None
+    centre = math.floor(2 * Fraction(budget - sink) / (3 + ratio))
+    best, best_key = None, None
+    for window in range(max(1, centre - 2), centre + 3):
+        lowest = math.ceil(ratio * window)
+        for threshold in range(lowest, lowest + stride + 1):
+            layout = BuzzLayout(sink=sink, window=window, threshold=threshold, stride=stride)
+            mean, largest = steady_state_sizes(layout)
+            room = budget - sink - window
+            if mean > budget or largest > room:
+                continue
+            # From a prefill that left the most old samples the budget allows, the next evictions
+            # must stay within the budget too (Eq. 10 contracts towards a*, up to the ceilings).
+            if max(old_sample_sizes(threshold, stride, 4, start=room)) > room:
+                continue
+            key = (mean, -abs(Fraction(threshold, window) - ratio))
+            if best_key is None or key > best_key:
+                best, best_key = layout, key
+    return best
+
+
+def layout_for_budget(budget: int, sink: int, stride: int, form: str = "mean") -> BuzzLayout:
+    """``(k, w, T)`` for a budget ``C`` read as the mean (default) or the peak size held, with
+    ``T / w`` from Theorem 3.1. Raises ValueError naming ``budget`` when ``C`` is too small."""
+    layout = mean_layout(budget, sink, stride) if form == "mean" else peak_layout(budget, sink, stride)
+    if layout is None:
+        raise _too_small(budget, sink, stride, form)
+    return layout
+
+
+@functools.lru_cache(maxsize=256)
+def minimum_buzz_budget(sink: int, stride: int, form: str = "mean") -> int:
+    """The smallest budget with a layout (window >= 1)."""
+    if form == "peak":
+        return sink + math.ceil(1 + theorem_ratio(stride))
+    budget = sink + 2
+    while mean_layout(budget, sink, stride) is None:
+        budget += 1
+    return budget
 
 
 def old_sample_sizes(threshold: int, stride: int, evictions: int, start: int = 0) -> list[int]:
@@ -205,18 +342,18 @@ class Buzz(Policy):
     name = "buzz"
     phases = frozenset({PREFILL, DECODE})
     config_class = BuzzConfig
-    paper = "Zhao et al. 2024 (BUZZ), Algorithms 1-2, Remark 2, Theorem 3.1"
+    paper = "Zhao et al. 2024 (BUZZ), Algorithms 1-2, Remark 2, Theorem 3.1; budget = mean size held"
     needs_decode_attention = True
 
     # -- budget --------------------------------------------------------------------------------
     def minimum_budget(self) -> int:
-        return minimum_buzz_budget(self.config.sink, self.config.stride)
+        return minimum_buzz_budget(self.config.sink, self.config.stride, self.config.budget_form)
 
     def layout(self, budget: int) -> BuzzLayout:
-        return layout_for_budget(budget, self.config.sink, self.config.stride)
+        return _cached_layout(budget, self.config.sink, self.config.stride, self.config.budget_form)
 
     # -- scores --------------------------------------------------------------------------------
-    def initialize_decode(self, scoring: ScoringInputs, state: dict) -> None:
+    def _seed_scores(self, scoring: ScoringInputs) -> None:
         if scoring.phase == PREFILL and scoring.num_queries == scoring.num_tokens:
             accumulated = prefill_accumulated_attention(scoring.queries, scoring.keys, scoring.mask_rows,
                                                         scoring.scaling)
@@ -224,10 +361,15 @@ class Buzz(Policy):
             accumulated = scoring.accumulated_attention()
         scoring.token_scores[SCORE] = group_sum(accumulated, scoring.num_heads)
 
+    def initialize_decode(self, scoring: ScoringInputs, state: dict) -> None:
+        self._seed_scores(scoring)
+        _record_step(state, _real_tokens(scoring))
+
     def observe_decode(self, scoring: ScoringInputs, state: dict) -> None:
         scores = scoring.token_scores[SCORE]
         scoring.token_scores[SCORE] = scores + group_sum(scoring.last_query_attention(), scoring.num_heads).to(
             scores.dtype)
+        _record_step(state, _real_tokens(scoring))
 
     # -- selection -----------------------------------------------------------------------------
     def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor | None:
@@ -240,8 +382,11 @@ class Buzz(Policy):
         layout = self.layout(budget)
         state[LAYOUT] = layout
         n = scoring.num_tokens
+        padding = _common_padding(scoring)
+        # Everything below counts real tokens from the first one (a row alone has no padding).
+        real = n - padding
         old = state.get(OLD, 0)
-        sink_end = min(layout.sink, n)
+        sink_end = padding + min(layout.sink, real)
         window_start = max(sink_end, n - layout.window)
         old_end = min(sink_end + old, window_start)
         old = old_end - sink_end
@@ -249,53 +394,138 @@ class Buzz(Policy):
             return None  # below the threshold: buffer, evict nothing
         stride, hat = self.config.stride, small_stride(self.config.stride)
         if SCORE not in scoring.token_scores:
-            self.initialize_decode(scoring, state)
+            self._seed_scores(scoring)
         scores = scoring.token_scores[SCORE]
-        valid = scoring.valid
         index = torch.arange(n, device=scores.device)
 
         # Algorithm 1 line 15: interval-sample the old samples, local-max-sample the new tokens.
         old_picks = (index >= sink_end) & (index < old_end) & ((index - sink_end) % hat == 0)
-        ranked = scores.float().masked_fill(~valid, -1e30)  # a segment's max is a real token if it has one
-        samples = old_picks | local_max_mask(ranked, old_end, window_start, stride)
+        samples = old_picks | local_max_mask(scores, old_end, window_start, stride)
         count = -(-old // hat) + -(-(window_start - old_end) // stride)
-        # Remark 2: keep sampling the old samples with ŝ until they fit (r rounds = stride ŝ**r).
-        step = 1
-        while -(-count // step) > layout.threshold:
+        # The authors' code samples once; where that exceeds what the cache may hold after an
+        # eviction (the budget), Remark 2: sample the old samples again with ŝ until they fit
+        # (r rounds = stride ŝ**r).
+        room = budget - layout.sink - layout.window
+        step, rounds = 1, 0
+        while -(-count // step) > room:
             step *= hat
+            rounds += 1
         if step > 1:
             ordinal = samples.long().cumsum(dim=-1) - 1
             samples = samples & (ordinal % step == 0)
             count = -(-count // step)
-        structural = samples | (index < sink_end) | (index >= window_start)
-        kept = sink_end + count + (n - window_start)
-        # Padding never takes budget from real tokens: a padded row's real sinks come first, then
-        # its highest accumulated attention (rows without padding keep exactly `structural`).
-        forced = (structural & valid) | first_real_tokens(valid, layout.sink)
-        keep = keep_top_scores(scores, kept, valid, forced=forced)
+        keep = (samples | ((index >= padding) & (index < sink_end)) | (index >= window_start)).expand(scores.shape)
+        keep = keep.clone()
+        if scoring.phase == PREFILL:
+            state[PREFILL_ROUNDS] = rounds
         state[OLD] = count
         state[EVICTIONS] = state.get(EVICTIONS, 0) + 1
+        _record_eviction(state, (sink_end - padding) + count + (n - window_start))
         return keep
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_layout(budget: int, sink: int, stride: int, form: str) -> BuzzLayout:
+    return layout_for_budget(budget, sink, stride, form)
+
+
+def _common_padding(scoring: ScoringInputs) -> int:
+    """Padding tokens at the front of every row; refuses rows with different amounts (module
+    docstring, "Batches")."""
+    valid = scoring.valid[:, 0]
+    real = valid.sum(dim=-1)
+    if bool((real != real[0]).any()):
+        raise ValueError(
+            f"BUZZ cannot compress a batch whose rows hold different numbers of real tokens ({real.tolist()}, "
+            "left padding): each row needs its own eviction schedule, and a kvhive cache keeps every row of a "
+            "layer at the same length; run these rows one at a time (batch size 1)"
+        )
+    return int(valid.shape[-1] - real[0])
+
+
+def _real_tokens(scoring: ScoringInputs) -> int:
+    return int(scoring.valid[0, 0].sum())
+
+
+def _record_step(state: dict, size: int) -> None:
+    """One more step held ``size`` tokens (corrected by :func:`_record_eviction` if it evicts)."""
+    state[SIZE_PEAK] = max(state.get(SIZE_PEAK, 0), state.get("buzz_size_last", 0))
+    state[SIZE_SUM] = state.get(SIZE_SUM, 0) + size
+    state[SIZE_STEPS] = state.get(SIZE_STEPS, 0) + 1
+    state["buzz_size_last"] = size
+
+
+def _record_eviction(state: dict, kept: int) -> None:
+    if SIZE_STEPS in state:
+        state[SIZE_SUM] -= state["buzz_size_last"] - kept
+        state["buzz_size_last"] = kept
+
+
+def size_statistics(state: dict) -> dict | None:
+    """Sizes one BUZZ layer held (tokens per head, after each forward step, prefill included):
+    ``mean_kept``, ``peak_kept``, ``steps``, and the layout with its steady-state mean and peak;
+    None before the layer ran."""
+    if not state.get(SIZE_STEPS):
+        return None
+    result = {
+        "steps": state[SIZE_STEPS],
+        "mean_kept": state[SIZE_SUM] / state[SIZE_STEPS],
+        "peak_kept": max(state[SIZE_PEAK], state["buzz_size_last"]),
+        "prefill_rounds": state.get(PREFILL_ROUNDS, 0),
+    }
+    layout = state.get(LAYOUT)
+    if layout is not None:
+        result.update(sink=layout.sink, window=layout.window, threshold=layout.threshold,
+                      steady_mean_kept=float(layout.steady_mean), steady_peak_kept=layout.peak)
+    return result
+
+
+def kept_size_statistics(cache) -> dict:
+    """Mean and peak tokens per head held by a cache's BUZZ layers (``KVHiveCache``): the mean
+    over layers of each layer's mean over steps, the largest peak, and ``per_layer``."""
+    per_layer = {}
+    for index, layer in enumerate(cache.layers):
+        stats = size_statistics(getattr(layer, "policy_state", {}))
+        if stats is not None:
+            per_layer[index] = stats
+    if not per_layer:
+        return {"mean_kept": 0.0, "peak_kept": 0, "per_layer": {}}
+    return {
+        "mean_kept": sum(s["mean_kept"] for s in per_layer.values()) / len(per_layer),
+        "peak_kept": max(s["peak_kept"] for s in per_layer.values()),
+        "per_layer": per_layer,
+    }
+
+
+LogCount = Literal["key-length", "attended"]
 
 
 @dataclass(frozen=True)
 class BuzzLogNConfig(BuzzConfig):
-    """``log_base`` = 512, "the mainstream model's pre-training length" (Sec. 3.5)."""
+    """``log_base`` = 512, "the mainstream model's pre-training length" (Sec. 3.5); ``log_count``:
+    ``"key-length"`` (the authors' line) or ``"attended"`` (module docstring)."""
 
     log_base: int = 512
+    log_count: LogCount = "key-length"
 
     def validate(self) -> None:
         super().validate()
         require_int_at_least(self.log_base, 2, "log_base")
+        require(self.log_count in ("key-length", "attended"), "log_count", "'key-length' or 'attended'",
+                self.log_count)
 
 
 class BuzzLogN(Buzz):
-    """BUZZ eviction plus attention logits multiplied by ``log_base(n)`` (Eq. 7-8)."""
+    """BUZZ eviction plus attention logits multiplied by ``log_base(n)`` in every layer (Eq. 7-8)."""
 
     name = "buzz-logn"
     config_class = BuzzLogNConfig
-    paper = "Zhao et al. 2024 (BUZZ), Sec. 3.5 Eq. 7-8 (log n) with Algorithms 1-2"
+    paper = "Zhao et al. 2024 (BUZZ), Sec. 3.5 Eq. 7-8 (log n, every layer) with Algorithms 1-2"
 
     def logit_scale(self, key_counts: torch.Tensor) -> torch.Tensor:
-        counts = key_counts.to(torch.float64).clamp_min(1.0)
-        return (torch.log(counts) / math.log(self.config.log_base)).to(torch.float32)
+        """``key_counts [..., q]``: the keys each query row may attend (its own row of the batch,
+        padding excluded). ``"key-length"`` uses the row's largest count (the keys in the call)."""
+        counts = key_counts.to(torch.float64)
+        if self.config.log_count == "key-length":
+            counts = counts.amax(dim=-1, keepdim=True).expand_as(counts)
+        return (torch.log(counts.clamp_min(1.0)) / math.log(self.config.log_base)).to(torch.float32)

@@ -144,65 +144,6 @@ def farthest_point_order(keys: torch.Tensor, candidates: torch.Tensor, count: in
     exhausted = torch.arange(count, device=device)[None, :] >= available[:, None]
     order.masked_fill_(exhausted, -1)
     return order
-    keys = keys.float()
-    keys_sq = (keys * keys).sum(-1)
-    row_index = torch.arange(rows, device=device)
-    neg_inf = float("-inf")
-    # nearest[x]: squared distance to the nearest of the centers applied so far; -inf = not
-    # eligible (not a candidate, or already a center).
-    nearest = torch.where(candidates, float("inf"), neg_inf)
-    centers = keys.new_empty(rows, count, keys.shape[-1])
-    centers_sq = keys.new_zeros(rows, count)
-    applied = 0
-    pool = max(1, min(pool, num_points))
-    pool_index = pool_keys = pool_sq = pool_value = None
-    threshold = torch.full((rows,), float("inf"), device=device)  # forces a refresh first
-
-    def refresh(upto: int):
-        nonlocal applied, pool_index, pool_keys, pool_sq, pool_value, threshold, nearest
-        if upto > applied:
-            picked = order[:, applied:upto]
-            centers = keys.gather(1, picked[..., None].expand(-1, -1, dim))
-            # min_j |x - c_j|² = |x|² + min_j (|c_j|² - 2 x·c_j): one fused product, one reduction.
-            partial = torch.baddbmm(keys_sq.gather(1, picked)[:, None, :], keys, centers.transpose(1, 2), alpha=-2)
-            nearest = torch.minimum(nearest, (partial.amin(-1) + keys_sq).clamp_min_(0))
-            applied = upto
-        take = min(pool + 1, num_points)
-        values, index = nearest.topk(take, dim=-1)
-        if take > pool:
-            threshold = values[:, pool]
-            values, index = values[:, :pool], index[:, :pool]
-        else:
-            threshold = torch.full((rows,), neg_inf, device=device)
-        pool_index, pool_value = index, values
-        pool_keys = keys.gather(1, index[..., None].expand(-1, -1, keys.shape[-1]))
-        pool_sq = keys_sq.gather(1, index)
-
-    for step in range(count):
-        if step == 0:
-            has_candidate = candidates.any(-1)
-            chosen = candidates.to(torch.int8).argmax(-1)
-        else:
-            if pool_value is None:
-                refresh(step)
-            best, slot = pool_value.max(-1)
-            if step - applied >= block or bool((best < threshold).any()):
-                refresh(step)
-                best, slot = pool_value.max(-1)
-            has_candidate = best > neg_inf
-            if not bool(has_candidate.any()):
-                break
-            chosen = pool_index.gather(1, slot[:, None]).squeeze(1)
-            pool_value[row_index, slot] = neg_inf
-        order[:, step] = torch.where(has_candidate, chosen, -1)
-        nearest[row_index, chosen] = torch.where(has_candidate, neg_inf, nearest[row_index, chosen])
-        center = keys[row_index, chosen]
-        centers[:, step] = center
-        centers_sq[:, step] = keys_sq[row_index, chosen]
-        if pool_value is not None:
-            distance = _squared_distances(pool_keys, pool_sq, center[:, None], centers_sq[:, step, None]).squeeze(-1)
-            pool_value = torch.minimum(pool_value, distance)
-    return order
 
 
 # ---------------------------------------------------------------------------------------------

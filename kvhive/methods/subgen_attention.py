@@ -15,17 +15,37 @@ QUERYSTREAMATTN: ``z = Σ_{(k,v)∈M} μ/(s‖v‖²) · exp(q·k·scaling) · v
 ``Σ_i exp(q·k_i·scaling) v_i`` and ``τ = Σ_{clusters} n'/t · Σ_{k∈S} exp(q·k·scaling)`` the
 partition function; the paper's output is ``z / τ``. Logits use the model's scaling.
 
-**(choice, METHODS.md)** Combined with an exact recent window: the cache keeps the last
-``budget`` tokens as real tokens (exact attention); every token leaving the window (prefill:
-the prompt beyond the window, in order; decode: one per step) is inserted into ``D`` and ``M``.
+**Estimator variant (choice, METHODS.md).** Algorithm 1 answers a query with ``z / τ`` alone.
+kvhive combines it with an exact recent window: the cache keeps the last ``window`` tokens as
+real tokens (exact attention); every token leaving the window (prefill: the prompt beyond the
+window, in order; decode: one per step) is inserted into ``D`` and ``M``.
 :meth:`SubGenAttention.extra_attention` returns ``(z, τ)`` relative to a common max logit, and
 the attention integration adds them to the window's numerator and denominator
-(``output = (z + Σ_window e^l v) / (τ + Σ_window e^l)``). The prefill attention itself is exact
-(all prompt tokens are present while the prompt is encoded).
+(``output = (z + Σ_window e^l v) / (τ + Σ_window e^l)``): exact attention over the window plus
+the estimator over the evicted tokens. The prefill attention itself is exact (all prompt tokens
+are present while the prompt is encoded).
 
-Radius **(choice)**: with ``relative_delta=True`` (default) the radius of a (batch, head) row is
-``delta`` times the mean L2 norm of its real keys at its first insertion (keys' scale differs
-per model, layer and head; ``relative_delta=False`` uses ``delta`` as is).
+**Budget = the method's whole memory**, in token-equivalents per (layer, KV head) (one token =
+its key and its value, the unit of every other method's budget). A budget ``C`` is split into
+``s = floor(C · value_sample_fraction)`` ℓ2 samples of ``M`` (each a key and a value: ``s``
+tokens), ``floor(C · cluster_fraction)`` token-equivalents of clusters (each a representative
+and ``t`` reservoir keys: ``(t + 1) / 2`` tokens, so at most
+``max_clusters = floor(2 · C · cluster_fraction / (t + 1))`` clusters) and the exact window, the
+rest (``C − s − cluster share``). Defaults (**choice**; the paper fixes none for LLM decoding):
+a quarter of the budget for ``M``, a quarter for ``D``, half for the window, ``t = 4``. The
+structures are allocated at that size once (``state_nbytes`` is bounded by the budget; it never
+grows with ``n``).
+
+**Clusterable or not** (Algorithm 1 assumes the keys fall in a sublinear number of
+``δ``-clusters). While a row has fewer than ``max_clusters`` clusters a key farther than ``δ``
+from every representative founds one; once it has ``max_clusters`` such a key joins its nearest
+cluster anyway and is counted in ``beyond_radius`` — the keys were not clusterable at this
+``δ`` and budget, and :func:`clustering_statistics` says so (``clusterable: False`` with the
+count) instead of growing the state.
+
+Radius **(choice)**: with ``relative_radius=True`` (default) the radius of a (batch, head) row is
+``cluster_radius`` times the mean L2 norm of its real keys at its first insertion (keys' scale
+differs per model, layer and head; ``relative_radius=False`` uses ``cluster_radius`` as is).
 
 Batch insertion is exactly the sequential algorithm: cluster assignment follows the stream
 order (a token's nearest representative is searched among the clusters founded before it), and
@@ -33,13 +53,9 @@ the reservoir updates of a batch are drawn in closed form with the same distribu
 token-by-token coin flips (each slot independently: replaced with probability
 ``added/(old+added)`` by a uniform / ``‖v‖²``-weighted draw among the added tokens).
 
-Memory: ``D`` holds ``clusters × (t + 1) × d`` key entries, ``M`` ``2 × s × d``; it grows with
-the number of clusters, never with ``n`` (tensors are allocated with doubling capacity over the
-rows' largest cluster count). :meth:`SubGenAttention.state_nbytes` gives a layer's bytes;
-:func:`structures_nbytes(cache)` sums over a cache's layers. ``KVHiveCache.nbytes()`` counts only
-the stored window (the cache does not look into ``policy_state``), so the method's true memory
-is ``cache.nbytes() + structures_nbytes(cache)``; a cache that summed
-``policy.state_nbytes(layer.policy_state)`` over its layers would report it directly.
+Public parameter names (paper symbols in brackets): ``cluster_radius`` (δ),
+``samples_per_cluster`` (t), ``value_sample_fraction`` (s / C), ``cluster_fraction``. The old
+names ``delta``, ``t``, ``s`` were renamed (``s`` is now derived from the budget).
 
 Limitations: the structures' keys keep the rotation they had when inserted, so the method
 assumes ``positions="original"`` (with ``positions="cache"`` the window is re-rotated but ``D``
@@ -58,6 +74,7 @@ from kvhive.methods.base import (DECODE, PREFILL, Policy, PolicyConfig, ScoringI
                                  require, require_int_at_least)
 
 STATE_KEY = "subgen_structures"
+PLAN_KEY = "subgen_memory_plan"
 
 # Tokens whose cluster assignment is resolved together (distances to the existing
 # representatives in one matrix product; the founding of new clusters loops inside a chunk).
@@ -66,20 +83,58 @@ _ASSIGN_CHUNK = 128
 
 @dataclass(frozen=True)
 class SubGenAttentionConfig(PolicyConfig):
-    delta: float = 0.5
-    relative_delta: bool = True
-    t: int = 16
-    s: int = 128
+    """``cluster_radius`` = δ (Lemma 2's cluster radius; relative to the mean key norm when
+    ``relative_radius``), ``samples_per_cluster`` = t (reservoir keys per cluster),
+    ``value_sample_fraction`` = s / budget (ℓ2 samples of M, Lemma 1), ``cluster_fraction`` = the
+    budget share of the clusters D (token-equivalents); the exact window gets the rest."""
+
+    cluster_radius: float = 0.5
+    relative_radius: bool = True
+    samples_per_cluster: int = 4
+    value_sample_fraction: float = 0.25
+    cluster_fraction: float = 0.25
     seed: int = 0
 
     def validate(self) -> None:
-        ok = (isinstance(self.delta, (int, float)) and not isinstance(self.delta, bool)
-              and math.isfinite(self.delta) and self.delta > 0)
-        require(ok, "delta", "a finite number > 0 (cluster radius)", self.delta)
-        require(isinstance(self.relative_delta, bool), "relative_delta", "a bool", self.relative_delta)
-        require_int_at_least(self.t, 1, "t")
-        require_int_at_least(self.s, 1, "s")
+        ok = (isinstance(self.cluster_radius, (int, float)) and not isinstance(self.cluster_radius, bool)
+              and math.isfinite(self.cluster_radius) and self.cluster_radius > 0)
+        require(ok, "cluster_radius", "a finite number > 0 (cluster radius delta)", self.cluster_radius)
+        require(isinstance(self.relative_radius, bool), "relative_radius", "a bool", self.relative_radius)
+        require_int_at_least(self.samples_per_cluster, 1, "samples_per_cluster")
+        for name in ("value_sample_fraction", "cluster_fraction"):
+            value = getattr(self, name)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1
+            require(ok, name, "a number in (0, 1)", value)
+        total = self.value_sample_fraction + self.cluster_fraction
+        require(total < 1, "value_sample_fraction + cluster_fraction", "a sum < 1 (the window needs the rest)",
+                total)
         require_int_at_least(self.seed, 0, "seed")
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How a per-head budget (token-equivalents) is spent: exact window, ℓ2 samples, clusters."""
+
+    window: int
+    value_samples: int
+    max_clusters: int
+    samples_per_cluster: int
+
+    @property
+    def token_equivalents(self) -> float:
+        """The most the method holds per (layer, KV head), in tokens (key + value each)."""
+        return self.window + self.value_samples + self.max_clusters * (self.samples_per_cluster + 1) / 2
+
+
+def memory_plan(budget: int, config: SubGenAttentionConfig) -> MemoryPlan | None:
+    """The split of ``budget`` (module docstring); None when a part would be empty."""
+    samples = math.floor(budget * config.value_sample_fraction)
+    cluster_share = math.floor(budget * config.cluster_fraction)
+    max_clusters = (2 * cluster_share) // (config.samples_per_cluster + 1)
+    window = budget - samples - cluster_share
+    if samples < 1 or max_clusters < 1 or window < 1:
+        return None
+    return MemoryPlan(window, samples, max_clusters, config.samples_per_cluster)
 
 
 class StreamingStructures:
@@ -92,10 +147,14 @@ class StreamingStructures:
     """
 
     def __init__(self, rows: int, dim: int, t: int, s: int, *, dtype: torch.dtype, device: torch.device,
-                 generator: torch.Generator, delta: float, relative_delta: bool) -> None:
+                 generator: torch.Generator | list[torch.Generator], delta: float, relative_delta: bool,
+                 max_clusters: int | None = None) -> None:
         self.rows, self.dim, self.t, self.s = rows, dim, t, s
         self.delta, self.relative_delta = float(delta), relative_delta
         self.generator = generator
+        # None: unbounded (capacity doubles as clusters are founded); else allocated once.
+        self.max_clusters = max_clusters
+        self.beyond_radius = torch.zeros(rows, dtype=torch.long, device=device)
         self.representatives = torch.zeros(rows, 0, dim, dtype=dtype, device=device)
         self.representative_sq = torch.zeros(rows, 0, dtype=torch.float32, device=device)
         self.counts = torch.zeros(rows, 0, dtype=torch.long, device=device)
@@ -107,6 +166,8 @@ class StreamingStructures:
         self.m_sqnorm = torch.zeros(rows, s, dtype=torch.float32, device=device)
         self.mu = torch.zeros(rows, dtype=torch.float64, device=device)
         self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
+        if max_clusters is not None:
+            self._grow(max_clusters)
 
     # -- accounting ------------------------------------------------------------------------------
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -115,6 +176,7 @@ class StreamingStructures:
             "counts": self.counts, "samples": self.samples,
             "num_clusters": self.num_clusters, "radius": self.radius, "m_keys": self.m_keys,
             "m_values": self.m_values, "m_sqnorm": self.m_sqnorm, "mu": self.mu, "tokens": self.tokens,
+            "beyond_radius": self.beyond_radius,
         }
 
     def nbytes(self) -> int:
@@ -140,6 +202,8 @@ class StreamingStructures:
         if needed <= self.capacity:
             return
         new_capacity = max(needed, 2 * self.capacity, 4)
+        if self.max_clusters is not None:
+            new_capacity = self.max_clusters
         extra = new_capacity - self.capacity
         self.representatives = torch.cat(
             [self.representatives, self.representatives.new_zeros(self.rows, extra, self.dim)], dim=1)
@@ -149,8 +213,16 @@ class StreamingStructures:
         self.samples = torch.cat(
             [self.samples, self.samples.new_zeros(self.rows, extra, self.t, self.dim)], dim=1)
 
-    def _rand(self, *shape: int) -> torch.Tensor:
-        return torch.rand(*shape, generator=self.generator, device=self.generator.device).to(self.mu.device)
+    def _rand_rows(self, counts: list[int], width: int) -> torch.Tensor:
+        """``[sum(counts), width]`` uniforms, row ``r``'s ``counts[r]`` lines drawn from its own
+        generator (a list of generators: one per row, so a row's draws do not depend on the rest
+        of the batch; one generator: shared, row after row)."""
+        generators = self.generator if isinstance(self.generator, (list, tuple)) else [self.generator] * self.rows
+        blocks = [torch.rand(count, width, generator=generators[r], device=generators[r].device)
+                  for r, count in enumerate(counts) if count]
+        if not blocks:
+            return torch.zeros(0, width, device=self.mu.device)
+        return torch.cat(blocks).to(self.mu.device)
 
     # -- insertion -------------------------------------------------------------------------------
     def insert(self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -188,14 +260,17 @@ class StreamingStructures:
         weights = (values.double() ** 2).sum(-1) * mask  # ‖v‖², 0 for tokens not inserted
         added = weights.sum(-1)
         probability = torch.where(added > 0, added / (self.mu + added), torch.zeros_like(added))
-        replace = self._rand(self.rows, self.s).double() < probability[:, None]
+        # Per row: s coin flips, then s draws ∝ ‖v‖² by inverse CDF (padding, weight 0, is never
+        # drawn and does not shift the draws: a row draws what it draws alone).
+        uniforms = self._rand_rows([2] * self.rows, self.s).view(self.rows, 2, self.s).double()
+        replace = uniforms[:, 0] < probability[:, None]
         self.mu = self.mu + added
         row, slot = torch.nonzero(replace, as_tuple=True)
         if row.numel() == 0:
             return
-        safe = torch.where(added[:, None] > 0, weights, torch.ones_like(weights))
-        drawn = torch.multinomial(safe.float(), self.s, replacement=True,
-                                  generator=self.generator if self.generator.device == safe.device else None)
+        cumulative = weights.cumsum(-1)
+        target = uniforms[:, 1] * added[:, None]
+        drawn = torch.searchsorted(cumulative, target, right=True).clamp_max_(weights.shape[-1] - 1)
         token = drawn[row, slot]
         # Only the replaced slots are written (in decode a slot changes with probability ~1/n).
         self.m_keys[row, slot] = keys[row, token]
@@ -227,7 +302,8 @@ class StreamingStructures:
                 best = torch.full((rows, width), float("inf"), device=device)
                 best_index = torch.full((rows, width), -1, dtype=torch.long, device=device)
             columns = torch.arange(width, device=device)[None, :]
-            uncovered = present & (best > threshold)
+            room = self._room()
+            uncovered = present & (best > threshold) & room[:, None]
             while bool(uncovered.any()):
                 founding = uncovered.any(-1)
                 first = uncovered.to(torch.int8).argmax(-1)
@@ -245,9 +321,24 @@ class StreamingStructures:
                 closer = later & (to_founder < best)
                 best = torch.where(closer, to_founder, best)
                 best_index = torch.where(closer, slot[:, None], best_index)
-                uncovered = present & (best > threshold)
+                room = self._room()
+                uncovered = present & (best > threshold) & room[:, None]
+            # A row at max_clusters: a key beyond the radius joins its nearest cluster anyway and
+            # is counted (the stream is not clusterable at this radius and budget).
+            self.beyond_radius += (present & (best > threshold)).sum(-1)
             assignment[:, start:start + width] = torch.where(present, best_index, -1)
         return assignment
+
+    def _room(self) -> torch.Tensor:
+        """``[R]`` whether a row may still found a cluster."""
+        if self.max_clusters is None:
+            return torch.ones_like(self.num_clusters, dtype=torch.bool)
+        return self.num_clusters < self.max_clusters
+
+    def token_equivalents(self) -> torch.Tensor:
+        """``[R]`` tokens' worth (one token = a key and a value) of the entries in use per row:
+        ``s`` samples of M plus ``(t + 1) / 2`` per cluster."""
+        return self.s + self.num_clusters.float() * (self.t + 1) / 2
 
     def _update_cluster_samples(self, keys: torch.Tensor, assignment: torch.Tensor) -> None:
         """Reservoir update of every cluster's ``t`` samples and its count for a batch."""
@@ -266,9 +357,13 @@ class StreamingStructures:
         touched = touched_row * capacity + touched_cluster
         new = added.reshape(-1)[touched]
         old = self.counts.reshape(-1)[touched]
-        pairs = touched.numel()
-        replace = self._rand(pairs, self.t) * (old + new)[:, None] < new[:, None]
-        rank = (self._rand(pairs, self.t) * new[:, None]).long().clamp_max_(new[:, None] - 1)
+        # Pairs are in row order (nonzero is row-major): each row draws its own block.
+        per_row = (added > 0).sum(-1).tolist()
+        uniforms = torch.cat([block.view(2, count, self.t).transpose(0, 1) for block, count in zip(
+            self._rand_rows([2 * count for count in per_row], self.t).split([2 * c for c in per_row if c]),
+            [c for c in per_row if c])])
+        replace = uniforms[:, 0] * (old + new)[:, None] < new[:, None]
+        rank = (uniforms[:, 1] * new[:, None]).long().clamp_max_(new[:, None] - 1)
         self.counts += added
         pair, sample = torch.nonzero(replace, as_tuple=True)
         if pair.numel() == 0:
@@ -310,31 +405,73 @@ class SubGenAttention(Policy):
     name = "subgen-attention"
     phases = frozenset({PREFILL, DECODE})
     config_class = SubGenAttentionConfig
-    paper = "Zandieh et al. 2024, Algorithm 1 (clusters D + l2 samples M; z/tau) + exact recent window"
+    paper = ("Zandieh et al. 2024, Algorithm 1 (clusters D + l2 samples M; z/tau) + exact recent window; "
+             "budget = window + clusters + samples")
+
+    def __init__(self, config: SubGenAttentionConfig | None = None, **parameters) -> None:
+        super().__init__(config, **parameters)
+        # The cache stores only the exact window, so its layer budget is the window; the plan of
+        # the method's whole budget is found again from it (one cache per policy instance).
+        self._plans_by_window: dict[int, MemoryPlan] = {}
+
+    # -- budget ----------------------------------------------------------------------------------
+    def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
+        """The cache holds the exact window (the structures hold the rest of the budget)."""
+        plan = self.plan(budget)
+        self._plans_by_window[plan.window] = plan
+        return [plan.window] * num_layers
+
+    def _plan_for(self, layer_budget: int) -> MemoryPlan:
+        """The plan whose window is the cache's layer budget, or the plan of a whole budget
+        given directly (``select_*`` called outside a cache)."""
+        return self._plans_by_window.get(layer_budget) or self.plan(layer_budget)
+
+    def plan(self, budget: int) -> MemoryPlan:
+        plan = memory_plan(budget, self.config)
+        if plan is None:
+            raise ValueError(
+                f"invalid budget={budget!r} for subgen-attention: expected an integer >= {self.minimum_budget()} so "
+                f"that the window, the value samples (fraction {self.config.value_sample_fraction}) and one cluster "
+                f"of {self.config.samples_per_cluster} + 1 keys (fraction {self.config.cluster_fraction}) all fit"
+            )
+        return plan
+
+    def minimum_budget(self) -> int:
+        budget = 1
+        while memory_plan(budget, self.config) is None:
+            budget += 1
+        return budget
 
     # -- structures ------------------------------------------------------------------------------
-    def _structures(self, scoring: ScoringInputs, state: dict) -> StreamingStructures:
+    def _structures(self, scoring: ScoringInputs, plan: MemoryPlan, state: dict) -> StreamingStructures:
         structures = state.get(STATE_KEY)
         if structures is None:
             b, h, _, d = scoring.keys.shape
-            generator = torch.Generator(device="cpu")
-            generator.manual_seed(self.config.seed * 1_000_003 + scoring.layer_index)
+            # One generator per (batch row, KV head), seeded by layer and head only (issue 9 item 5).
+            generator = []
+            for row in range(b * h):
+                row_generator = torch.Generator(device="cpu")
+                row_generator.manual_seed((self.config.seed * 1_000_003 + scoring.layer_index) * 1_009 + row % h)
+                generator.append(row_generator)
             structures = StreamingStructures(
-                b * h, d, self.config.t, self.config.s, dtype=scoring.keys.dtype, device=scoring.keys.device,
-                generator=generator, delta=self.config.delta, relative_delta=self.config.relative_delta)
+                b * h, d, plan.samples_per_cluster, plan.value_samples, dtype=scoring.keys.dtype,
+                device=scoring.keys.device, generator=generator, delta=self.config.cluster_radius,
+                relative_delta=self.config.relative_radius, max_clusters=plan.max_clusters)
             state[STATE_KEY] = structures
+            state[PLAN_KEY] = plan
         return structures
 
     def _window(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
-        """Keep the last ``budget`` real tokens; insert every real token that leaves."""
+        """Keep the last ``window`` real tokens; insert every real token that leaves."""
+        plan = self._plan_for(budget)
         valid = scoring.valid
-        keep = keep_top_scores(recency(valid), budget, valid)
+        keep = keep_top_scores(recency(valid), plan.window, valid)
         leaving = valid & ~keep
         if bool(leaving.any()):
             b, h, n, d = scoring.keys.shape
             # Tokens are stored oldest first, so the leaving ones lie in a prefix of the columns.
             upto = int(leaving.reshape(-1, n).any(0).nonzero().max()) + 1
-            self._structures(scoring, state).insert(
+            self._structures(scoring, plan, state).insert(
                 scoring.keys[:, :, :upto].reshape(b * h, upto, d),
                 scoring.values[:, :, :upto].reshape(b * h, upto, scoring.values.shape[-1]),
                 leaving[:, :, :upto].reshape(b * h, upto))
@@ -384,6 +521,28 @@ def structures_nbytes(cache) -> int:
         if structures is not None:
             total += structures.nbytes()
     return total
+
+
+def clustering_statistics(cache) -> dict[int, dict]:
+    """Per layer that inserted tokens: the memory plan, clusters used (largest row), keys
+    inserted and keys beyond the radius (joined a full row's nearest cluster), ``clusterable``
+    (no key beyond the radius) and the token-equivalents held per (batch, KV head) row (largest
+    row: window + samples + clusters)."""
+    result = {}
+    for index, layer in enumerate(cache.layers):
+        state = getattr(layer, "policy_state", {})
+        structures, plan = state.get(STATE_KEY), state.get(PLAN_KEY)
+        if structures is None or plan is None:
+            continue
+        beyond = int(structures.beyond_radius.sum())
+        result[index] = {
+            "window": plan.window, "value_samples": plan.value_samples, "max_clusters": plan.max_clusters,
+            "clusters": int(structures.num_clusters.max()), "inserted": int(structures.tokens.sum()),
+            "beyond_radius": beyond, "clusterable": beyond == 0,
+            "token_equivalents": float(plan.window + structures.token_equivalents().max()),
+            "budget_token_equivalents": plan.token_equivalents,
+        }
+    return result
 
 
 def cluster_counts(cache) -> dict[int, torch.Tensor]:

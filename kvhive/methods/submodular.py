@@ -227,7 +227,7 @@ class _GreedyState:
 
 
 def greedy_maximize(objective: Mixture, k: int, method: str = "stochastic", epsilon: float = 1e-5,
-                    generator: torch.Generator | None = None) -> torch.Tensor:
+                    generator: torch.Generator | list[torch.Generator] | None = None) -> torch.Tensor:
     """``chosen[R, n]`` with exactly ``min(k, n)`` elements per row maximising ``g`` greedily.
 
     ``method``:
@@ -240,6 +240,10 @@ def greedy_maximize(objective: Mixture, k: int, method: str = "stochastic", epsi
         from the remaining elements (independent draws, the form of their Lemma 2; when
         ``s`` covers what remains, all of it); the argmax over the sample is found lazily, so
         the result is exactly stochastic greedy's, at lazy-greedy cost.
+
+    Each row is its own problem: the sample size uses the row's own number of valid elements
+    and its draws come from ``generator[row]`` (a list, one per row) or, given one generator,
+    from it row after row; so a row padded on the left draws exactly what it draws alone.
 
     Only the facility-location part of a bound is stale: the feature part ``c(e | S)`` costs
     ``O(1)`` per element and is recomputed exactly at every step, which keeps the bounds tight.
@@ -268,7 +272,6 @@ def greedy_maximize(objective: Mixture, k: int, method: str = "stochastic", epsi
 
     # Stale facility-location gains: upper bounds of the current ones (submodularity).
     facility_bounds = objective.sim.sum(dim=-1).double() * objective.facility_scale[:, None]
-    sample = n if method == "lazy" else stochastic_sample_size(n, k, epsilon)
     everything = torch.arange(n, device=device).expand(rows, n)
     # Stochastic greedy draws its sample from the valid elements left (padding only once none
     # is left): independent uniform draws from a static valid-first index list, the chosen
@@ -276,23 +279,47 @@ def greedy_maximize(objective: Mixture, k: int, method: str = "stochastic", epsi
     valid_first = torch.sort((~valid).long(), dim=-1, stable=True).indices
     valid_count = valid.sum(dim=-1)
     valid_left = valid_count.clone()
+    counts_host = valid_count.tolist()
+    if method == "lazy":
+        samples = [n] * rows
+    else:  # each row's own ground set: padding does not enlarge its sample
+        samples = [stochastic_sample_size(max(1, count), k, epsilon) for count in counts_host]
+    generators = generator if isinstance(generator, (list, tuple)) else [generator] * rows
+    if len(generators) != rows:
+        raise ValueError(f"invalid generator: expected one per row ({rows}), got {len(generators)}")
     batch = _LAZY_EVALUATIONS  # evaluations per row in the first round of a step; adapts
     for step in range(k):
         from_valid = valid_left > 0
         population = torch.where(from_valid, valid_count, n - valid_count)
         left = torch.where(from_valid, valid_left, n - valid_count - (step - (valid_count - valid_left)))
-        draws = math.ceil(sample * float((population / left).max()))
-        if draws >= n:  # the sample would cover V \ S: evaluate all of it (a plain greedy step)
+        draws = [math.ceil(samples[r] * p / max(1, q)) for r, (p, q) in
+                 enumerate(zip(population.tolist(), left.tolist()))]
+        full = [d >= p for d, p in zip(draws, population.tolist())]
+        if all(full):  # every sample would cover V \ S: evaluate all of it (a plain greedy step)
             pool = everything
             eligible = ~state.chosen & (valid == from_valid[:, None])
         else:
-            offset = torch.where(from_valid, 0, valid_count)[:, None]
-            while True:
-                drawn = torch.rand(rows, draws, generator=generator, device=device) * population[:, None]
-                pool = valid_first.gather(1, drawn.long().clamp_(max=n - 1) + offset)
-                eligible = ~state.chosen.gather(1, pool)
-                if bool(eligible.any(dim=-1).all()):
-                    break
+            # Rows draw independently (their own count, generator and rejection retries), then
+            # are padded to one width with ineligible entries; a row whose sample covers what is
+            # left takes all of its elements, as alone.
+            width = max(n if f else d for d, f in zip(draws, full))
+            pool = torch.zeros(rows, width, dtype=torch.long, device=device)
+            eligible = torch.zeros(rows, width, dtype=torch.bool, device=device)
+            offsets = torch.where(from_valid, 0, valid_count).tolist()
+            for r in range(rows):
+                if full[r]:
+                    pool[r, :n] = everything[r]
+                    eligible[r, :n] = ~state.chosen[r] & (valid[r] == from_valid[r])
+                    continue
+                size = int(population[r])
+                while True:
+                    drawn = torch.rand(draws[r], generator=generators[r], device=device) * size
+                    row_pool = valid_first[r].gather(0, drawn.long().clamp_(max=n - 1) + offsets[r])
+                    row_eligible = ~state.chosen[r].gather(0, row_pool)
+                    if bool(row_eligible.any()):
+                        break
+                pool[r, :draws[r]] = row_pool
+                eligible[r, :draws[r]] = row_eligible
         pool_feature = state.feature_gains(pool)
         bounds = state.combine(facility_bounds.gather(1, pool), pool_feature, valid.gather(1, pool))
         bounds = bounds.masked_fill(~eligible, float("-inf"))
@@ -390,14 +417,15 @@ class StreamingSummary:
         return cls.from_similarity(relu_cosine_similarity(keys, valid), key_norms(keys), valid, positions)
 
     def step(self, keys: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
-             first_joiner: int, joiners: int, lam: float, phi: Concave) -> torch.Tensor:
+             first_joiner: int, joiners: int, lam: float, phi: Concave, normalise_mass: bool = False) -> torch.Tensor:
         """Let ``joiners`` stored tokens ``first_joiner, first_joiner + 1, ...`` join one at a time;
         after each, drop the element of ``S' = S + {x}`` with the smallest marginal gain
         ``g(x | S' - x)`` (Alg. 2, lines 10-11). Returns the dropped stored indices ``[R, joiners]``.
 
         ``keys[R, N, d]``, ``valid[R, N]``, ``weights[R, N]`` (accumulated attention) and
         ``positions[R, N]`` describe the stored tokens; the members are stored first (stored
-        index = rank), the joiners next. Invalid elements are dropped first. Cost per joiner:
+        index = rank), the joiners next. ``normalise_mass``: ``phi`` is applied to the weights
+        divided by their sum over ``S'`` (BumbleBee's ``importance_scale="normalised"``). Invalid elements are dropped first. Cost per joiner:
         ``O(T d + T)`` plus a scan of the rows whose nearest member left.
         """
         rows, size = self.slot_of_rank.shape
@@ -424,6 +452,9 @@ class StreamingSummary:
             valid_all = torch.cat([self.valid, valid_x[:, None]], dim=1)
             mass = torch.cat([weights.gather(1, member_index), weights[:, x, None]], dim=1).double() * valid_all
             total = mass.sum(dim=-1, keepdim=True)
+            if normalise_mass:  # phi of the fraction of the ground set's attention mass
+                mass = _safe_divide(mass, total)
+                total = (total > 0).double()
             phi_total = phi(total)
             feature = _safe_divide(phi.loss(total, mass, phi_total), phi_total)
             gains = lam * _safe_divide(facility, facility_total[:, None]) + (1.0 - lam) * feature
@@ -461,6 +492,11 @@ class StreamingSummary:
             self.slot_of_rank = torch.empty_like(shifted).scatter_(1, self.rank_of_slot, slots.expand(rows, size))
         self.positions = positions.gather(1, member_index.gather(1, self.slot_of_rank))
         return dropped
+
+    def nbytes(self) -> int:
+        """Bytes held: the ``T x T`` similarity matrix plus ``O(T)`` per row (at most a ``k x k``
+        matrix per row for a budget ``k``, never the stored tokens' ``N x N``)."""
+        return sum(getattr(self, field.name).nbytes for field in dataclasses.fields(self))
 
     def aligned_with(self, positions: torch.Tensor) -> bool:
         """Whether the first ``T`` stored tokens are this summary's members (``positions[R, >=T]``)."""
