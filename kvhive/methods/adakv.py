@@ -48,7 +48,7 @@ from typing import Any, ClassVar, Final, Literal
 import torch
 
 from kvhive.methods.base import (AUTO_HEADS, PREFILL, HeadGranularity, Policy, PolicyConfig, ScorerPolicy,
-                                 ScoringInputs, require_choice, require_probability)
+                                 ScoringInputs, require_choice, require_probability, top_indices)
 from kvhive.methods.ahakv import AhaKV
 from kvhive.methods.pyramidkv import PyramidKV
 from kvhive.methods.snapkv import MEAN_THEN_POOL, SnapKV
@@ -87,11 +87,11 @@ def adaptive_allocation(scores: torch.Tensor, budget: int, alpha: float,
     keep = torch.zeros(batch, heads, candidates, dtype=torch.bool, device=scores.device)
     floor = safeguard_count(budget, alpha)
     if floor > 0:
-        keep.scatter_(-1, ranking.topk(floor, dim=-1).indices, True)
+        keep.scatter_(-1, top_indices(ranking, floor), True)
     adaptive = heads * (budget - floor)
     if adaptive > 0:
         remaining = ranking.masked_fill(keep, float("-inf")).reshape(batch, heads * candidates)
-        chosen = remaining.topk(adaptive, dim=-1).indices
+        chosen = top_indices(remaining, adaptive)
         keep = keep.reshape(batch, heads * candidates).scatter_(-1, chosen, True).reshape(batch, heads, candidates)
     return keep
 
@@ -110,7 +110,7 @@ def authors_head_budgets(scores: torch.Tensor, budget: int, alpha: float,
     ranking = scores.float()
     if valid is not None:
         ranking = torch.where(valid, ranking, torch.full_like(ranking, _PADDING_RANK))
-    chosen = ranking.reshape(batch, heads * candidates).topk(heads * budget, dim=-1).indices // candidates
+    chosen = top_indices(ranking.reshape(batch, heads * candidates), heads * budget) // candidates
     owned = torch.zeros(batch, heads, dtype=torch.long, device=scores.device)
     owned.scatter_add_(-1, chosen, torch.ones_like(chosen))
     targets = owned.double() * (1 - alpha) + safeguard_count(budget, alpha)
@@ -135,7 +135,7 @@ def keep_head_budgets(scores: torch.Tensor, head_budgets: torch.Tensor,
     ranking = scores.float()
     if valid is not None:
         ranking = torch.where(valid, ranking, torch.full_like(ranking, _PADDING_RANK))
-    order = ranking.sort(dim=-1, descending=True).indices
+    order = top_indices(ranking, ranking.shape[-1])
     rank_kept = torch.arange(scores.shape[-1], device=scores.device) < head_budgets[..., None]
     return torch.zeros_like(rank_kept).scatter_(-1, order, rank_kept)
 

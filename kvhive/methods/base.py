@@ -217,6 +217,15 @@ def causal_mask(key_positions: torch.Tensor, first_query: int, stop_query: int) 
     return key_positions[:, :, None, :] <= query_positions[None, None, :, None]
 
 
+def top_indices(ranking: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the ``count`` highest entries along the last dimension; among equal scores the
+    later (more recent) token wins. ``topk``'s order among ties depends on the row's length, so a
+    row of a padded batch could keep another tied token than the same row alone; a stable sort
+    does not. (Later-wins is also what ``topk`` gave on the Ada-KV authors' fixtures.)"""
+    last = ranking.shape[-1] - 1
+    return last - ranking.flip(-1).sort(dim=-1, descending=True, stable=True).indices[..., :count]
+
+
 def keep_top_scores(scores: torch.Tensor, budget: int, valid: torch.Tensor | None = None,
                     forced: torch.Tensor | None = None) -> torch.Tensor:
     """Boolean keep mask ``[..., N]`` with exactly ``min(budget, N)`` True per row.
@@ -234,7 +243,7 @@ def keep_top_scores(scores: torch.Tensor, budget: int, valid: torch.Tensor | Non
     if valid is not None:
         # Padding below every real score but still ordered, so topk stays deterministic.
         ranking = torch.where(valid, ranking, torch.full_like(ranking, -1e30))
-    kept_indices = ranking.topk(budget, dim=-1).indices
+    kept_indices = top_indices(ranking, budget)
     keep = torch.zeros_like(scores, dtype=torch.bool)
     keep.scatter_(-1, kept_indices, True)
     return keep

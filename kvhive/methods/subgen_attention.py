@@ -415,8 +415,9 @@ class SubGenAttention(Policy):
         self._plans_by_window: dict[int, MemoryPlan] = {}
 
     # -- budget ----------------------------------------------------------------------------------
-    def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
-        """The cache holds the exact window (the structures hold the rest of the budget)."""
+    def layer_budgets(self, budget: int, num_layers: int, context_length: int | None = None) -> list[int]:
+        """The cache holds the exact window (the structures hold the rest of the budget), whatever
+        the prompt length."""
         plan = self.plan(budget)
         self._plans_by_window[plan.window] = plan
         return [plan.window] * num_layers
