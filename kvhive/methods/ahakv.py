@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -47,17 +48,37 @@ SCORE = "ahakv_running"
 _BUDGET_KEY = "ahakv_budget"
 
 
-def step_gain(num_tokens: int, budget: int) -> float:
-    """Multiplier of the usual logits ``q.k * scaling`` giving AhaKV's SG-softmax (Eq. 12).
+GainInput = Literal["raw_qk", "scaled_qk"]
+GAIN_INPUTS: tuple[str, ...] = ("raw_qk", "scaled_qk")
+DEFAULT_GAIN_INPUT: GainInput = "raw_qk"
 
-    ``lambda = sqrt(2 ln(n/k) / d)`` multiplies raw ``q.k``; since the usual logits already carry
-    ``1/sqrt(d)``, the multiplier is ``sqrt(2 ln(n/k))``. Zero while ``n <= k``.
-    """
+
+def sg_lambda(num_tokens: int, budget: int, head_dim: int) -> float:
+    """Eq. 12: ``lambda = sqrt(2 ln(n/k) / d)``; zero while ``n <= k`` (nothing to evict)."""
     if budget < 1:
         raise ValueError(f"invalid budget={budget!r}: expected an integer >= 1")
+    if head_dim < 1:
+        raise ValueError(f"invalid head_dim={head_dim!r}: expected an integer >= 1")
     if num_tokens <= budget:
         return 0.0
-    return math.sqrt(2.0 * math.log(num_tokens / budget))
+    return math.sqrt(2.0 * math.log(num_tokens / budget) / head_dim)
+
+
+def sg_logit_multiplier(num_tokens: int, budget: int, head_dim: int, scaling: float,
+                        gain_input: GainInput = DEFAULT_GAIN_INPUT) -> float:
+    """Factor on the model's logits ``q.k * scaling`` that gives SG-softmax's logits (Eq. 9, 12).
+
+    ``gain_input="raw_qk"``: ``lambda * q.k`` (Eq. 8-12 derive lambda for raw ``q.k``, whose
+    variance is ``d`` under their Gaussian assumption); ``"scaled_qk"``: ``lambda * q.k / sqrt(d)``
+    (Algorithm 1, line 6 forms ``A = QK^T / sqrt(d)`` before ``SGsoftmax(A)``). With the usual
+    ``scaling = 1/sqrt(d)`` these are ``sqrt(2 ln(n/k))`` and ``lambda`` respectively.
+    """
+    require(gain_input in GAIN_INPUTS, "gain_input", f"one of {GAIN_INPUTS}", gain_input)
+    require(scaling > 0, "scaling", "a number > 0", scaling)
+    gain = sg_lambda(num_tokens, budget, head_dim)
+    if gain_input == "scaled_qk":
+        gain /= math.sqrt(head_dim)
+    return gain / scaling
 
 
 def value_prior(values: torch.Tensor, valid: torch.Tensor | None, kernel: int) -> torch.Tensor:
@@ -84,28 +105,36 @@ def value_prior(values: torch.Tensor, valid: torch.Tensor | None, kernel: int) -
     return gamma / peak
 
 
-def ahakv_scores(scoring: ScoringInputs, budget: int, recent: int = 32, kernel: int = 7) -> torch.Tensor:
+def ahakv_scores(scoring: ScoringInputs, budget: int, recent: int = 32, kernel: int = 7,
+                 gain_input: GainInput = DEFAULT_GAIN_INPUT) -> torch.Tensor:
     """AhaKV's prefill eviction scores ``S_hat [B, H, N]`` for one layer (Eq. 5, 12, 13-15).
 
     Step-gain softmax weights of the last ``recent`` query rows, summed per key (per query
     head, then averaged over each KV group), times the normalised value prior. ``budget`` is
-    the ``k`` of Eq. 12 (tokens kept per head); ``n`` is ``scoring.sequence_length``.
+    the ``k`` of Eq. 12 (tokens kept per head); ``n`` is ``scoring.sequence_length``;
+    ``gain_input`` picks the reading of the gain (:func:`sg_logit_multiplier`).
     """
-    gain = step_gain(scoring.sequence_length, budget)
+    gain = _scoring_multiplier(scoring, budget, gain_input)
     accumulated = scoring.recent_accumulated_attention(recent, logit_multiplier=gain)
     scores = scoring.to_kv_heads(accumulated)
     return value_prior(scoring.values, scoring.valid, kernel) * scores
+
+
+def _scoring_multiplier(scoring: ScoringInputs, budget: int, gain_input: GainInput) -> float:
+    return sg_logit_multiplier(scoring.sequence_length, budget, scoring.keys.shape[-1], scoring.scaling, gain_input)
 
 
 @dataclass(frozen=True)
 class AhaKVConfig(PolicyConfig):
     recent: int = 32
     kernel: int = 7
+    gain_input: GainInput = DEFAULT_GAIN_INPUT
 
     def validate(self) -> None:
         require_int_at_least(self.recent, 1, "recent")
         require_int_at_least(self.kernel, 1, "kernel")
         require(self.kernel % 2 == 1, "kernel", "an odd integer (centred mean filter)", self.kernel)
+        require(self.gain_input in GAIN_INPUTS, "gain_input", f"one of {GAIN_INPUTS}", self.gain_input)
 
 
 class AhaKV(Policy):
@@ -151,7 +180,8 @@ class AhaKV(Policy):
         budget = self._budget(state)
         if budget is None:  # no budget known (a cache that never resolved one): no step gain
             budget = scoring.sequence_length
-        scoring.token_scores[SCORE] = ahakv_scores(scoring, budget, self.config.recent, self.config.kernel)
+        scoring.token_scores[SCORE] = ahakv_scores(scoring, budget, self.config.recent, self.config.kernel,
+                                                   self.config.gain_input)
         state["ahakv_scored_with"] = budget
 
     def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
@@ -165,7 +195,7 @@ class AhaKV(Policy):
     def observe_decode(self, scoring: ScoringInputs, state: dict) -> None:
         """``F_t = SG-softmax(A_t) + F_{t-1}`` over the stored keys (line 27)."""
         budget = self._budget(state) or scoring.sequence_length
-        gain = step_gain(scoring.sequence_length, budget)
+        gain = _scoring_multiplier(scoring, budget, self.config.gain_input)
         # Every query of this forward pass (one while generating token by token).
         new_rows = scoring.recent_accumulated_attention(scoring.num_queries, logit_multiplier=gain)
         running = scoring.token_scores[SCORE]
