@@ -7,11 +7,17 @@ Prefill (Algorithm 1, lines 5-12), per layer and head:
   of the last ``r`` query rows only, ``S_j = sum_{i=n-r}^{n} a_ij``, so every key has the same
   number of terms (the plain accumulated score of H2O, Eq. 2-4, decays with the position).
   ``r`` = the recent budget ``B_r`` (``recent = 32``; METHODS.md choice).
-* **Step-gain softmax** (Eq. 9-12): the weights come from ``softmax(lambda q.k)`` with
-  ``lambda = sqrt(2 ln(n/k) / d)`` on raw ``q.k`` (Eq. 12), i.e. the model's usual logits
-  ``q.k * scaling`` multiplied by :func:`step_gain` ``= sqrt(2 ln(n/k))``; ``n`` = tokens seen so
-  far, ``k`` = the budget. This only changes the *scores*, never the model's attention. For
-  ``n <= k`` (nothing to evict) the gain is 0 (Eq. 12 gives ``ln 1 = 0`` at ``n = k``).
+* **Step-gain softmax** (Eq. 9-12): the weights come from ``softmax(lambda w)`` with
+  ``lambda = sqrt(2 ln(n/k) / d)`` (Eq. 12, :func:`sg_lambda`); ``n`` = tokens seen so far,
+  ``k`` = the budget, ``d`` = the head dimension. This only changes the *scores*, never the
+  model's attention. For ``n <= k`` (nothing to evict) the gain is 0 (Eq. 12 gives ``ln 1 = 0``
+  at ``n = k``). The paper admits two readings of ``w`` (``AhaKVConfig.gain_input``, see
+  "Which reading" below): ``"raw_qk"`` (default), ``w = q.k`` as Eq. 8-12 derive it, i.e. the
+  model's logits ``q.k / sqrt(d)`` times ``sqrt(2 ln(n/k))``; ``"scaled_qk"``,
+  ``w = q.k / sqrt(d)`` as Algorithm 1 line 6 writes ``A = QK^T / sqrt(d)`` before
+  ``SGsoftmax(A)``, i.e. the model's logits times ``lambda`` itself. Both are computed from
+  ``q``, ``k`` and ``d`` alone (:func:`sg_logit_multiplier`), not from the model's own
+  ``scaling`` (which may differ from ``1/sqrt(d)``).
 * **Value prior** (Eq. 13-15): ``gamma = Avgpool(||v||^2)`` (mean filter of ``kernel = 7``
   tokens along the sequence, METHODS.md choice), ``gamma_bar = gamma / max gamma`` per head,
   ``S_hat = gamma_bar * S``.
@@ -24,6 +30,25 @@ the kept keys, ``F_t = SG-softmax(A_t) + F_{t-1}`` (line 27, no prior on the new
 tokens start at 0), and the cache is cut back to the top ``B_s`` by ``F_t`` plus the recent
 ``B_r`` (lines 28-30). ``F`` lives in ``scoring.token_scores`` so the cache keeps it aligned with
 the stored tokens.
+
+Which reading (the default is ``raw_qk``): the paper states what the gain is for: "to make
+expected information entropy equals to the maximum information entropy [of the ``k`` kept
+tokens, ``log k``] regardless of the number of total tokens" (Eq. 11) and to "prevent attention
+score flattening" / "emphasize key tokens" (Sec. 4.2, Fig. 3). Eq. 8 models ``w`` as Gaussian
+with variance ``d``, which is raw ``q.k``; under that model ``raw_qk`` gives rows of entropy
+``log k`` while ``scaled_qk`` gives ``log n - ln(n/k)/d``, barely below the plain softmax's
+``log n - 1/2`` (``tests/test_ahakv.py::test_gain_entropy_on_gaussian_inputs_eq_10``). On real
+activations (``benchmarks/ahakv_gain_entropy.py``, ``results/ahakv_gain/``; Gemma-3-270M, 3
+texts, full-attention layers, the last 32 rows before ``n`` = 512/1024/2048, ``k`` = 64/128/256)
+neither reaches ``log k`` = 4.16-5.55: the model's own rows already have entropy 2.8-3.6;
+``raw_qk`` sharpens them to 0.4-2.0 (too sharp: the multiplier that gives exactly ``log k`` is a
+nearly constant 0.35-0.41 times raw_qk's over every ``n`` and ``k``, so Eq. 12's dependence on
+``n/k`` holds and only its variance assumption is off: the model's scaled logits have a standard
+deviation of 1.9-2.4, not 1); ``scaled_qk`` flattens them to 6.2-7.6, within 0.1 nat of the
+uniform row's ``log n`` at every ``n`` (the target needs 5.6-6.5 times its multiplier), so it
+does the opposite of the stated intent and its scores reduce to the value prior. The two keep
+largely different tokens (Jaccard of the ``B_s`` selected tokens 0.13-0.49). ``raw_qk`` is
+therefore the default; ``scaled_qk`` is kept for comparison.
 
 GQA: scores are computed per query head and averaged over each KV group (METHODS.md choice);
 the value prior is per stored head. Padding (``valid`` False) is excluded from the mean filter
@@ -48,6 +73,7 @@ SCORE = "ahakv_running"
 _BUDGET_KEY = "ahakv_budget"
 
 
+# How SG-softmax's lambda is applied: to raw q.k (Eq. 8-12) or to q.k / sqrt(d) (Algorithm 1, line 6).
 GainInput = Literal["raw_qk", "scaled_qk"]
 GAIN_INPUTS: tuple[str, ...] = ("raw_qk", "scaled_qk")
 DEFAULT_GAIN_INPUT: GainInput = "raw_qk"
