@@ -152,6 +152,10 @@ def _scoring_multiplier(scoring: ScoringInputs, budget: int, gain_input: GainInp
 
 @dataclass(frozen=True)
 class AhaKVConfig(PolicyConfig):
+    """``recent`` = ``B_r`` (the rows of Eq. 5 and the recent budget), ``kernel`` = the value
+    prior's mean filter (Eq. 13), ``gain_input`` = what SG-softmax's ``lambda`` multiplies
+    (``"raw_qk"``: ``q.k``, Eq. 8-12; ``"scaled_qk"``: ``q.k / sqrt(d)``, Algorithm 1 line 6)."""
+
     recent: int = 32
     kernel: int = 7
     gain_input: GainInput = DEFAULT_GAIN_INPUT
