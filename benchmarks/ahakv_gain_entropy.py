@@ -114,7 +114,9 @@ def raw_logits(scoring: ScoringInputs, rows: int) -> torch.Tensor:
     """Raw ``q.k`` ``[Hq, rows, n]`` of the last ``rows`` queries, future keys at -inf."""
     keys = scoring.keys[0].float().repeat_interleave(scoring.group_size, dim=0)
     logits = scoring.queries[0, :, -rows:].float() @ keys.transpose(-1, -2)
-    allowed = scoring.mask_rows(slice(scoring.num_queries - rows, scoring.num_queries))[0]
+    allowed = scoring.mask_rows(slice(scoring.num_queries - rows, scoring.num_queries))[0]  # [1|H, rows, n]
+    if allowed.shape[0] > 1:  # one mask per stored head: repeat it for each query head of the group
+        allowed = allowed.repeat_interleave(scoring.group_size, dim=0)
     return logits.masked_fill(~allowed, float("-inf"))
 
 
