@@ -212,7 +212,7 @@ def summarise(rows: list[dict], model_name: str, args: argparse.Namespace, secon
         "",
         (f"`python benchmarks/ahakv_gain_entropy.py --model {model_name} --tokens {args.tokens} "
         f"--lengths {' '.join(map(str, args.lengths))} --budgets {' '.join(map(str, args.budgets))} --texts {args.texts}` "
-        f"({seconds:.0f} s CPU). Texts: {', '.join(sorted({r['text'] for r in rows}))}; "
+        f"({seconds:.0f} s wall on the shared CPU). Texts: {', '.join(sorted({r['text'] for r in rows}))}; "
         f"compressed layers: {', '.join(map(str, sorted({r['layer'] for r in rows})))}; the last {args.recent} query "
         "rows before n, every query head. Means over texts x layers (x heads x rows inside each)."),
         "",

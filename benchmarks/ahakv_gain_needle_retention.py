@@ -85,7 +85,7 @@ def main() -> None:
         f"# AhaKV needle retention by gain reading on {args.model}",
         "",
         (f"`python benchmarks/ahakv_gain_needle_retention.py --model {args.model} --task {args.task} --limit {args.limit} "
-         f"--budgets {' '.join(map(str, args.budgets))}` ({seconds:.0f} s CPU), items: {', '.join(i.id for i in items)}. "
+         f"--budgets {' '.join(map(str, args.budgets))}` ({seconds:.0f} s wall on the shared CPU), items: {', '.join(i.id for i in items)}. "
          "Fraction of the needle sentence's tokens kept by AhaKV's prefill eviction, mean over items x compressed "
          "layers x heads (in brackets: items whose needle is fully kept in every compressed layer)."),
         "",

@@ -46,9 +46,12 @@ nearly constant 0.35-0.41 times raw_qk's over every ``n`` and ``k``, so Eq. 12's
 ``n/k`` holds and only its variance assumption is off: the model's scaled logits have a standard
 deviation of 1.9-2.4, not 1); ``scaled_qk`` flattens them to 6.2-7.6, within 0.1 nat of the
 uniform row's ``log n`` at every ``n`` (the target needs 5.6-6.5 times its multiplier), so it
-does the opposite of the stated intent and its scores reduce to the value prior. The two keep
-largely different tokens (Jaccard of the ``B_s`` selected tokens 0.13-0.49). ``raw_qk`` is
-therefore the default; ``scaled_qk`` is kept for comparison.
+does the opposite of the stated intent. The two keep largely different tokens (Jaccard of the
+``B_s`` selected tokens 0.13-0.49). On the 10 needle prompts of 1k-2k tokens
+(``benchmarks/ahakv_gain_needle_retention.py``) ``raw_qk`` keeps more of the needle sentence's
+tokens at prefill than ``scaled_qk`` on every prompt (budget 128: 0.49 vs 0.35; 256: 0.65 vs
+0.54; paired difference +0.15 +- 0.03 and +0.11 +- 0.03 s.e.). ``raw_qk`` is therefore the
+default; ``scaled_qk`` is kept for comparison.
 
 GQA: scores are computed per query head and averaged over each KV group (METHODS.md choice);
 the value prior is per stored head. Padding (``valid`` False) is excluded from the mean filter
