@@ -46,7 +46,9 @@ nearly constant 0.35-0.41 times raw_qk's over every ``n`` and ``k``, so Eq. 12's
 ``n/k`` holds and only its variance assumption is off: the model's scaled logits have a standard
 deviation of 1.9-2.4, not 1); ``scaled_qk`` flattens them to 6.2-7.6, within 0.1 nat of the
 uniform row's ``log n`` at every ``n`` (the target needs 5.6-6.5 times its multiplier), so it
-does the opposite of the stated intent. The two keep largely different tokens (Jaccard of the
+does the opposite of the stated intent. Qwen2.5-0.5B (all 24 layers, n = 512/1024) shows the
+same: own rows 2.9-3.2, ``raw_qk`` 1.1-2.4 (needed factor 0.34-0.36), ``scaled_qk`` 5.8-6.6
+(needed factor 2.7-2.8). On Gemma the two keep largely different tokens (Jaccard of the
 ``B_s`` selected tokens 0.13-0.49). On the 10 needle prompts of 1k-2k tokens
 (``benchmarks/ahakv_gain_needle_retention.py``) ``raw_qk`` keeps more of the needle sentence's
 tokens at prefill than ``scaled_qk`` on every prompt (budget 128: 0.49 vs 0.35; 256: 0.65 vs
