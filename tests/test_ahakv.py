@@ -10,7 +10,8 @@ import torch
 
 import kvhive
 from kvhive.methods import make_policy
-from kvhive.methods.ahakv import SCORE, AhaKV, ahakv_scores, step_gain, value_prior
+from kvhive.methods.ahakv import (GAIN_INPUTS, SCORE, AhaKV, AhaKVConfig, ahakv_scores, sg_lambda, sg_logit_multiplier,
+                                  value_prior)
 from kvhive.methods.base import ScoringInputs, keep_top_scores
 from kvhive.models import TINY_ARCHITECTURES, TINY_ATTENTION_KINDS, tiny_model
 
@@ -44,29 +45,56 @@ def _gaussian_inputs(seed, n=512, heads=4, dim=64, query_heads=None):
 
 # -- Eq. 12: the step gain -------------------------------------------------------------------------
 
-def test_step_gain_is_eq_12():
-    for n, k in [(1000, 32), (4096, 1000), (33, 32), (10**6, 7)]:
-        assert step_gain(n, k) == pytest.approx(math.sqrt(2 * math.log(n / k)), rel=1e-12)
-    assert step_gain(32, 32) == 0.0 and step_gain(10, 32) == 0.0  # n <= k: nothing to evict
-    # Eq. 12 on raw q.k: lambda = sqrt(2 ln(n/k) / d); with the usual logits q.k / sqrt(d) the
-    # multiplier is sqrt(2 ln(n/k)).
-    dim, n, k = 64, 2048, 128
-    lam = math.sqrt(2 * math.log(n / k) / dim)
-    assert step_gain(n, k) / math.sqrt(dim) == pytest.approx(lam, rel=1e-12)
+def test_sg_lambda_is_eq_12():
+    for n, k, d in [(1000, 32, 64), (4096, 1000, 128), (33, 32, 256), (10**6, 7, 1)]:
+        assert sg_lambda(n, k, d) == pytest.approx(math.sqrt(2 * math.log(n / k) / d), rel=1e-12)
+    assert sg_lambda(32, 32, 64) == 0.0 and sg_lambda(10, 32, 64) == 0.0  # n <= k: nothing to evict
+    with pytest.raises(ValueError, match="budget"):
+        sg_lambda(100, 0, 64)
+    with pytest.raises(ValueError, match="head_dim"):
+        sg_lambda(100, 10, 0)
 
 
-def test_scores_are_recent_sg_softmax_sums_times_value_prior():
+def test_logit_multiplier_of_each_reading():
+    # The factor on the model's logits q.k * scaling: raw_qk gives lambda q.k (Eq. 8-12),
+    # scaled_qk gives lambda q.k / sqrt(d) (Algorithm 1, line 6), whatever the model's scaling.
+    n, k, d = 2048, 128, 64
+    lam = math.sqrt(2 * math.log(n / k) / d)
+    for scaling in (d ** -0.5, 0.3):  # the usual 1/sqrt(d), and a model with its own (Gemma 2's query_pre_attn_scalar)
+        assert sg_logit_multiplier(n, k, d, scaling, "raw_qk") * scaling == pytest.approx(lam, rel=1e-12)
+        assert sg_logit_multiplier(n, k, d, scaling, "scaled_qk") * scaling == pytest.approx(lam / math.sqrt(d), rel=1e-12)
+    # With the usual scaling the readings multiply the model's logits by sqrt(2 ln(n/k)) and lambda.
+    assert sg_logit_multiplier(n, k, d, d ** -0.5, "raw_qk") == pytest.approx(math.sqrt(2 * math.log(n / k)))
+    assert sg_logit_multiplier(n, k, d, d ** -0.5, "scaled_qk") == pytest.approx(lam)
+    with pytest.raises(ValueError, match="gain_input"):
+        sg_logit_multiplier(n, k, d, 0.125, "qk")
+
+
+def _reference_sg_weights(queries, keys, n, k, reading):
+    """SG-softmax rows from the paper's formulas: softmax(lambda w), w = q.k (Eq. 9, 12) or
+    q.k / sqrt(d) (Algorithm 1, line 6); causal."""
+    d = keys.shape[-1]
+    lam = math.sqrt(2 * math.log(n / k) / d)
+    group = queries.shape[1] // keys.shape[1]
+    w = queries @ keys.repeat_interleave(group, dim=1).transpose(-1, -2)
+    if reading == "scaled_qk":
+        w = w / math.sqrt(d)
+    rows = queries.shape[2]
+    causal = torch.ones(n, n, dtype=torch.bool).tril()[n - rows:]
+    return torch.softmax((lam * w).masked_fill(~causal, float("-inf")), dim=-1)
+
+
+@pytest.mark.parametrize("reading", GAIN_INPUTS)
+@pytest.mark.parametrize("scaling", [16 ** -0.5, 0.4])
+def test_scores_are_recent_sg_softmax_sums_times_value_prior(reading, scaling):
     # GQA: 4 query heads over 2 KV heads; budget k = 64 of n = 300 tokens, r = 32 recent rows.
+    # The model's own scaling must not enter either reading (0.4 != 1/sqrt(16)).
     n, k, r = 300, 64, 32
     queries, keys, values = _gaussian_inputs(1, n=n, heads=2, dim=16, query_heads=4)
-    scoring = _scoring(queries, keys, values)
-    scores = ahakv_scores(scoring, k, recent=r, kernel=7)
+    scoring = _scoring(queries, keys, values, scaling=scaling)
+    scores = ahakv_scores(scoring, k, recent=r, kernel=7, gain_input=reading)
 
-    lam = math.sqrt(2 * math.log(n / k) / 16)  # Eq. 12 on raw q.k
-    grouped_keys = keys.repeat_interleave(2, dim=1)
-    logits = lam * queries[:, :, -r:] @ grouped_keys.transpose(-1, -2)
-    causal = torch.ones(n, n, dtype=torch.bool).tril()[-r:]
-    weights = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+    weights = _reference_sg_weights(queries[:, :, -r:], keys, n, k, reading)
     recent_sum = weights.sum(dim=2)  # Eq. 5 over the last r rows
     per_kv_head = recent_sum.reshape(1, 2, 2, n).mean(dim=2)  # mean over each KV group
     norms = values.pow(2).sum(-1)  # Eq. 13: mean filter of ||v||^2 (7 taps, edges count real taps)
@@ -75,21 +103,48 @@ def test_scores_are_recent_sg_softmax_sums_times_value_prior():
     gamma = padded.unfold(-1, 7, 1).sum(-1) / counts.unfold(-1, 7, 1).sum(-1)
     expected = gamma / gamma.amax(dim=-1, keepdim=True) * per_kv_head  # Eq. 14-15
     torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-7)
+    # The policy uses the configured reading.
+    policy = AhaKV(recent=r, gain_input=reading)
+    keep = policy.select_prefill(_scoring(queries, keys, values, scaling=scaling), k, {})
+    torch.testing.assert_close(keep, keep_top_scores(expected, k, forced=torch.arange(n) >= n - r))
 
 
-def test_step_gain_sets_the_expected_entropy_to_log_budget():
-    # Eq. 10-11: with Gaussian q.k the SG-softmax rows have entropy ~ log k (plain softmax: ~ log n - 1/2).
+def test_the_readings_keep_different_tokens():
+    # Same inputs, same budget: the two readings must not silently coincide.
+    n, k = 300, 64
+    queries, keys, values = _gaussian_inputs(2, n=n, heads=2, dim=16, query_heads=4)
+    keeps = [AhaKV(gain_input=reading).select_prefill(_scoring(queries, keys, values), k, {}) for reading in GAIN_INPUTS]
+    assert not torch.equal(*keeps)
+
+
+def test_gain_entropy_on_gaussian_inputs_eq_10():
+    # Eq. 10: with w ~ N(0, sigma^2) the rows of softmax(lambda w) have entropy ~ log n - lambda^2 sigma^2 / 2.
+    # raw_qk (w = q.k, sigma^2 = d) reaches the paper's target log k (Eq. 11); scaled_qk
+    # (w = q.k / sqrt(d), sigma^2 = 1) stays near log n - ln(n/k)/d, i.e. barely below the plain
+    # softmax (log n - 1/2): on the paper's own assumptions only raw_qk has the stated property.
     dim = 64
     generator = torch.Generator().manual_seed(0)
-    for n, k in [(1024, 128), (2048, 512)]:
+    for n, k in [(1024, 128), (2048, 512)]:  # n / k small enough for the Gaussian estimate (appendix A)
         queries = torch.randn(1, 1, 64, dim, generator=generator)
         keys = torch.randn(1, 1, n, dim, generator=generator)
         mask = torch.ones(1, 1, 64, n, dtype=torch.bool)
         scoring = _scoring(queries, keys, keys, mask=mask)
-        for multiplier, target in [(step_gain(n, k), math.log(k)), (1.0, math.log(n) - 0.5)]:
+        targets = [
+            (sg_logit_multiplier(n, k, dim, scoring.scaling, "raw_qk"), math.log(k)),
+            (sg_logit_multiplier(n, k, dim, scoring.scaling, "scaled_qk"), math.log(n) - math.log(n / k) / dim),
+            (1.0, math.log(n) - 0.5),
+        ]
+        for multiplier, target in targets:
             weights = scoring.attention_weights(slice(0, 64), multiplier)
             entropy = -(weights * weights.clamp_min(1e-30).log()).sum(-1).mean().item()
             assert abs(entropy - target) < 0.25, (n, k, multiplier, entropy, target)
+
+
+def test_default_reading_is_raw_qk():
+    # The paper's stated property (Eq. 11: row entropy log k, sharper than the plain softmax) is
+    # what Eq. 8-12 derive for raw q.k; see the module docstring for the measurements.
+    assert AhaKVConfig().gain_input == "raw_qk"
+    assert AhaKV().config.gain_input == "raw_qk"
 
 
 # -- Eq. 13-14: the value prior ----------------------------------------------------------------------
@@ -179,7 +234,8 @@ def test_kept_positions_are_unbiased_on_iid_inputs():
 
 # -- decode ------------------------------------------------------------------------------------------
 
-def test_decode_adds_the_new_query_sg_softmax_to_the_running_score():
+@pytest.mark.parametrize("reading", GAIN_INPUTS)
+def test_decode_adds_the_new_query_sg_softmax_to_the_running_score(reading):
     # Algorithm 1, line 27: F_t = SG-softmax(A_t) + F_{t-1} over the stored keys, n = tokens seen.
     generator = torch.Generator().manual_seed(3)
     stored, seen, budget = 13, 100, 12
@@ -190,13 +246,13 @@ def test_decode_adds_the_new_query_sg_softmax_to_the_running_score():
     scoring = _scoring(queries, keys, keys, sequence_length=seen, mask=mask, phase="decode")
     previous = torch.rand(2, 2, stored, generator=generator)
     scoring.token_scores[SCORE] = previous.clone()
-    policy = AhaKV(recent=4)
+    policy = AhaKV(recent=4, gain_input=reading)
     scoring.budget = budget  # the layer budget, set by the cache
     state = {}
     policy.observe_decode(scoring, state)
-    gain = math.sqrt(2 * math.log(seen / budget))
+    lam = math.sqrt(2 * math.log(seen / budget) / 16)  # Eq. 12 with n = tokens seen, k = the budget
     logits = queries @ keys.repeat_interleave(2, dim=1).transpose(-1, -2)  # [2, 4, 1, stored]
-    logits = logits * 16 ** -0.5 * gain
+    logits = logits * lam / (4.0 if reading == "scaled_qk" else 1.0)  # / sqrt(d) on Algorithm 1's reading
     weights = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)[:, :, 0]
     expected = previous + weights.reshape(2, 2, 2, stored).mean(dim=2)
     torch.testing.assert_close(scoring.token_scores[SCORE], expected)
@@ -269,6 +325,7 @@ def test_decode_phase_evicts_once_the_budget_is_reached():
 @pytest.mark.parametrize("parameters, name", [
     ({"recent": 0}, "recent"), ({"recent": 2.5}, "recent"), ({"kernel": 0}, "kernel"), ({"kernel": 6}, "kernel"),
     ({"window": 8}, "window"),  # AhaKV has no window: its recent budget is called recent
+    ({"gain_input": "qk"}, "gain_input"), ({"gain_input": None}, "gain_input"),
 ])
 def test_invalid_parameters(parameters, name):
     with pytest.raises(ValueError, match=name):

@@ -7,11 +7,17 @@ Prefill (Algorithm 1, lines 5-12), per layer and head:
   of the last ``r`` query rows only, ``S_j = sum_{i=n-r}^{n} a_ij``, so every key has the same
   number of terms (the plain accumulated score of H2O, Eq. 2-4, decays with the position).
   ``r`` = the recent budget ``B_r`` (``recent = 32``; METHODS.md choice).
-* **Step-gain softmax** (Eq. 9-12): the weights come from ``softmax(lambda q.k)`` with
-  ``lambda = sqrt(2 ln(n/k) / d)`` on raw ``q.k`` (Eq. 12), i.e. the model's usual logits
-  ``q.k * scaling`` multiplied by :func:`step_gain` ``= sqrt(2 ln(n/k))``; ``n`` = tokens seen so
-  far, ``k`` = the budget. This only changes the *scores*, never the model's attention. For
-  ``n <= k`` (nothing to evict) the gain is 0 (Eq. 12 gives ``ln 1 = 0`` at ``n = k``).
+* **Step-gain softmax** (Eq. 9-12): the weights come from ``softmax(lambda w)`` with
+  ``lambda = sqrt(2 ln(n/k) / d)`` (Eq. 12, :func:`sg_lambda`); ``n`` = tokens seen so far,
+  ``k`` = the budget, ``d`` = the head dimension. This only changes the *scores*, never the
+  model's attention. For ``n <= k`` (nothing to evict) the gain is 0 (Eq. 12 gives ``ln 1 = 0``
+  at ``n = k``). The paper admits two readings of ``w`` (``AhaKVConfig.gain_input``, see
+  "Which reading" below): ``"raw_qk"`` (default), ``w = q.k`` as Eq. 8-12 derive it, i.e. the
+  model's logits ``q.k / sqrt(d)`` times ``sqrt(2 ln(n/k))``; ``"scaled_qk"``,
+  ``w = q.k / sqrt(d)`` as Algorithm 1 line 6 writes ``A = QK^T / sqrt(d)`` before
+  ``SGsoftmax(A)``, i.e. the model's logits times ``lambda`` itself. Both are computed from
+  ``q``, ``k`` and ``d`` alone (:func:`sg_logit_multiplier`), not from the model's own
+  ``scaling`` (which may differ from ``1/sqrt(d)``).
 * **Value prior** (Eq. 13-15): ``gamma = Avgpool(||v||^2)`` (mean filter of ``kernel = 7``
   tokens along the sequence, METHODS.md choice), ``gamma_bar = gamma / max gamma`` per head,
   ``S_hat = gamma_bar * S``.
@@ -25,6 +31,30 @@ tokens start at 0), and the cache is cut back to the top ``B_s`` by ``F_t`` plus
 ``B_r`` (lines 28-30). ``F`` lives in ``scoring.token_scores`` so the cache keeps it aligned with
 the stored tokens.
 
+Which reading (the default is ``raw_qk``): the paper states what the gain is for: "to make
+expected information entropy equals to the maximum information entropy [of the ``k`` kept
+tokens, ``log k``] regardless of the number of total tokens" (Eq. 11) and to "prevent attention
+score flattening" / "emphasize key tokens" (Sec. 4.2, Fig. 3). Eq. 8 models ``w`` as Gaussian
+with variance ``d``, which is raw ``q.k``; under that model ``raw_qk`` gives rows of entropy
+``log k`` while ``scaled_qk`` gives ``log n - ln(n/k)/d``, barely below the plain softmax's
+``log n - 1/2`` (``tests/test_ahakv.py::test_gain_entropy_on_gaussian_inputs_eq_10``). On real
+activations (``benchmarks/ahakv_gain_entropy.py``, ``results/ahakv_gain/``; Gemma-3-270M, 3
+texts, full-attention layers, the last 32 rows before ``n`` = 512/1024/2048, ``k`` = 64/128/256)
+neither reaches ``log k`` = 4.16-5.55: the model's own rows already have entropy 2.8-3.6;
+``raw_qk`` sharpens them to 0.4-2.0 (too sharp: the multiplier that gives exactly ``log k`` is a
+nearly constant 0.35-0.41 times raw_qk's over every ``n`` and ``k``, so Eq. 12's dependence on
+``n/k`` holds and only its variance assumption is off: the model's scaled logits have a standard
+deviation of 1.9-2.4, not 1); ``scaled_qk`` flattens them to 6.2-7.6, within 0.1 nat of the
+uniform row's ``log n`` at every ``n`` (the target needs 5.6-6.5 times its multiplier), so it
+does the opposite of the stated intent. Qwen2.5-0.5B (all 24 layers, n = 512/1024) shows the
+same: own rows 2.9-3.2, ``raw_qk`` 1.1-2.4 (needed factor 0.34-0.36), ``scaled_qk`` 5.8-6.6
+(needed factor 2.7-2.8). On Gemma the two keep largely different tokens (Jaccard of the
+``B_s`` selected tokens 0.13-0.49). On the 10 needle prompts of 1k-2k tokens
+(``benchmarks/ahakv_gain_needle_retention.py``) ``raw_qk`` keeps more of the needle sentence's
+tokens at prefill than ``scaled_qk`` on every prompt (budget 128: 0.49 vs 0.35; 256: 0.65 vs
+0.54; paired difference +0.15 +- 0.03 and +0.11 +- 0.03 s.e.). ``raw_qk`` is therefore the
+default; ``scaled_qk`` is kept for comparison.
+
 GQA: scores are computed per query head and averaged over each KV group (METHODS.md choice);
 the value prior is per stored head. Padding (``valid`` False) is excluded from the mean filter
 and from ``max gamma`` and ranks last.
@@ -36,6 +66,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -46,17 +77,38 @@ from kvhive.methods.base import (DECODE, PREFILL, PolicyConfig, ScorerPolicy, Sc
 SCORE = "ahakv_running"
 
 
-def step_gain(num_tokens: int, budget: int) -> float:
-    """Multiplier of the usual logits ``q.k * scaling`` giving AhaKV's SG-softmax (Eq. 12).
+# How SG-softmax's lambda is applied: to raw q.k (Eq. 8-12) or to q.k / sqrt(d) (Algorithm 1, line 6).
+GainInput = Literal["raw_qk", "scaled_qk"]
+GAIN_INPUTS: tuple[str, ...] = ("raw_qk", "scaled_qk")
+DEFAULT_GAIN_INPUT: GainInput = "raw_qk"
 
-    ``lambda = sqrt(2 ln(n/k) / d)`` multiplies raw ``q.k``; since the usual logits already carry
-    ``1/sqrt(d)``, the multiplier is ``sqrt(2 ln(n/k))``. Zero while ``n <= k``.
-    """
+
+def sg_lambda(num_tokens: int, budget: int, head_dim: int) -> float:
+    """Eq. 12: ``lambda = sqrt(2 ln(n/k) / d)``; zero while ``n <= k`` (nothing to evict)."""
     if budget < 1:
         raise ValueError(f"invalid budget={budget!r}: expected an integer >= 1")
+    if head_dim < 1:
+        raise ValueError(f"invalid head_dim={head_dim!r}: expected an integer >= 1")
     if num_tokens <= budget:
         return 0.0
-    return math.sqrt(2.0 * math.log(num_tokens / budget))
+    return math.sqrt(2.0 * math.log(num_tokens / budget) / head_dim)
+
+
+def sg_logit_multiplier(num_tokens: int, budget: int, head_dim: int, scaling: float,
+                        gain_input: GainInput = DEFAULT_GAIN_INPUT) -> float:
+    """Factor on the model's logits ``q.k * scaling`` that gives SG-softmax's logits (Eq. 9, 12).
+
+    ``gain_input="raw_qk"``: ``lambda * q.k`` (Eq. 8-12 derive lambda for raw ``q.k``, whose
+    variance is ``d`` under their Gaussian assumption); ``"scaled_qk"``: ``lambda * q.k / sqrt(d)``
+    (Algorithm 1, line 6 forms ``A = QK^T / sqrt(d)`` before ``SGsoftmax(A)``). With the usual
+    ``scaling = 1/sqrt(d)`` these are ``sqrt(2 ln(n/k))`` and ``lambda`` respectively.
+    """
+    require(gain_input in GAIN_INPUTS, "gain_input", f"one of {GAIN_INPUTS}", gain_input)
+    require(scaling > 0, "scaling", "a number > 0", scaling)
+    gain = sg_lambda(num_tokens, budget, head_dim)
+    if gain_input == "scaled_qk":
+        gain /= math.sqrt(head_dim)
+    return gain / scaling
 
 
 def value_prior(values: torch.Tensor, valid: torch.Tensor | None, kernel: int) -> torch.Tensor:
@@ -83,28 +135,55 @@ def value_prior(values: torch.Tensor, valid: torch.Tensor | None, kernel: int) -
     return gamma / peak
 
 
-def ahakv_scores(scoring: ScoringInputs, budget: int, recent: int = 32, kernel: int = 7) -> torch.Tensor:
+def ahakv_scores(scoring: ScoringInputs, budget: int, recent: int = 32, kernel: int = 7,
+                 gain_input: GainInput = DEFAULT_GAIN_INPUT) -> torch.Tensor:
     """AhaKV's prefill eviction scores ``S_hat [B, H, N]`` for one layer (Eq. 5, 12, 13-15).
 
     Step-gain softmax weights of the last ``recent`` query rows, summed per key (per query
     head, then averaged over each KV group), times the normalised value prior. ``budget`` is
-    the ``k`` of Eq. 12 (tokens kept per head); ``n`` is ``scoring.sequence_length``.
+    the ``k`` of Eq. 12 (tokens kept per head); ``n`` is ``scoring.sequence_length``;
+    ``gain_input`` picks the reading of the gain (:func:`sg_logit_multiplier`).
     """
-    gain = step_gain(scoring.sequence_length, budget)
+    gain = _scoring_multiplier(scoring, budget, gain_input)
     accumulated = scoring.recent_accumulated_attention(recent, logit_multiplier=gain)
     scores = scoring.to_kv_heads(accumulated)
     return value_prior(scoring.values, scoring.valid, kernel) * scores
 
 
+def _scoring_multiplier(scoring: ScoringInputs, budget: int, gain_input: GainInput,
+                        padding: list[int] | None = None) -> float | tuple[float, ...]:
+    """The gain's logit factor; ``n`` of Eq. 12 is each row's own token count (its left padding
+    ``padding[b]`` excluded, so a row of a padded batch gets the factor it gets alone)."""
+    if padding is None:
+        padding = row_padding(scoring)
+    factors = tuple(sg_logit_multiplier(scoring.sequence_length - pad, budget, scoring.keys.shape[-1],
+                                        scoring.scaling, gain_input) for pad in padding)
+    return factors[0] if len(set(factors)) == 1 else factors
+
+
+def row_padding(scoring: ScoringInputs) -> list[int]:
+    """Left-padding tokens of each row in a prefill: tokens no query of the prompt may attend."""
+    if scoring.mask is None:
+        return [0] * scoring.batch_size
+    real = scoring.mask[:, 0].any(dim=-2).sum(dim=-1).tolist()
+    return [scoring.num_tokens - r for r in real]
+
+
 @dataclass(frozen=True)
 class AhaKVConfig(PolicyConfig):
+    """``recent`` = ``B_r`` (the rows of Eq. 5 and the recent budget), ``kernel`` = the value
+    prior's mean filter (Eq. 13), ``gain_input`` = what SG-softmax's ``lambda`` multiplies
+    (``"raw_qk"``: ``q.k``, Eq. 8-12; ``"scaled_qk"``: ``q.k / sqrt(d)``, Algorithm 1 line 6)."""
+
     recent: int = 32
     kernel: int = 7
+    gain_input: GainInput = DEFAULT_GAIN_INPUT
 
     def validate(self) -> None:
         require_int_at_least(self.recent, 1, "recent")
         require_int_at_least(self.kernel, 1, "kernel")
         require(self.kernel % 2 == 1, "kernel", "an odd integer (centred mean filter)", self.kernel)
+        require(self.gain_input in GAIN_INPUTS, "gain_input", f"one of {GAIN_INPUTS}", self.gain_input)
 
 
 class AhaKV(ScorerPolicy):
@@ -134,15 +213,18 @@ class AhaKV(ScorerPolicy):
     def initialize_decode(self, scoring: ScoringInputs, state: dict) -> None:
         """``F_0 = S_hat`` over the prompt (Algorithm 1, line 19)."""
         budget = self._layer_budget(scoring)
-        scoring.token_scores[SCORE] = ahakv_scores(scoring, budget, self.config.recent, self.config.kernel)
+        scoring.token_scores[SCORE] = ahakv_scores(scoring, budget, self.config.recent, self.config.kernel,
+                                                   self.config.gain_input)
         state["ahakv_scored_with"] = budget
+        state["ahakv_row_padding"] = row_padding(scoring)  # n of Eq. 12 per row while decoding
 
     def score(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
         """``S_hat`` in prefill (line 12), the running ``F_t`` in decode (line 28)."""
         self._check_budget(budget)
         stale = scoring.phase == PREFILL and state.get("ahakv_scored_with") != budget
         if SCORE not in scoring.token_scores or stale:
-            scoring.token_scores[SCORE] = ahakv_scores(scoring, budget, self.config.recent, self.config.kernel)
+            scoring.token_scores[SCORE] = ahakv_scores(scoring, budget, self.config.recent, self.config.kernel,
+                                                       self.config.gain_input)
             state["ahakv_scored_with"] = budget
         return scoring.token_scores[SCORE]
 
@@ -152,7 +234,9 @@ class AhaKV(ScorerPolicy):
     # -- decode ----------------------------------------------------------------------------------
     def observe_decode(self, scoring: ScoringInputs, state: dict) -> None:
         """``F_t = SG-softmax(A_t) + F_{t-1}`` over the stored keys (line 27)."""
-        gain = step_gain(scoring.sequence_length, self._layer_budget(scoring))
+        # Each row's n excludes its prompt padding (recorded at prefill: padding may be evicted since).
+        gain = _scoring_multiplier(scoring, self._layer_budget(scoring), self.config.gain_input,
+                                   state.get("ahakv_row_padding"))
         # Every query of this forward pass (one while generating token by token).
         new_rows = scoring.recent_accumulated_attention(scoring.num_queries, logit_multiplier=gain)
         running = scoring.token_scores[SCORE]

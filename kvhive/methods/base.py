@@ -143,13 +143,18 @@ class ScoringInputs:
         grouped = per_query_head.reshape(b, self.num_heads, hq // self.num_heads, *per_query_head.shape[2:])
         return grouped.mean(dim=2)
 
-    def attention_weights(self, query_rows: slice, logit_multiplier: float = 1.0,
+    def attention_weights(self, query_rows: slice, logit_multiplier: float | tuple[float, ...] = 1.0,
                           num_keys: int | None = None) -> torch.Tensor:
         """Softmax weights ``[B, Hq, rows, K]`` of the selected query rows over the first
         ``num_keys`` stored tokens (default all), the model's mask applied."""
         num_keys = self.num_tokens if num_keys is None else num_keys
         # The scale goes on the queries (rows x d), not on the logits (rows x K): one pass fewer.
-        queries = self.queries[:, :, query_rows] * (self.scaling * logit_multiplier)
+        if isinstance(logit_multiplier, tuple):  # one factor per batch row (AhaKV's n is per row)
+            factor = torch.tensor(logit_multiplier, dtype=torch.float32, device=self.queries.device)
+            factor = (factor * self.scaling).to(self.queries.dtype).view(-1, 1, 1, 1)
+        else:
+            factor = self.scaling * logit_multiplier
+        queries = self.queries[:, :, query_rows] * factor
         b, hq, rows, d = queries.shape
         h = self.num_heads
         group = hq // h
@@ -166,7 +171,7 @@ class ScoringInputs:
             weights = torch.where(mask.any(dim=-1, keepdim=True), weights, 0.0)
         return weights.reshape(b, hq, rows, num_keys)
 
-    def summed_attention(self, first_row: int, logit_multiplier: float = 1.0) -> torch.Tensor:
+    def summed_attention(self, first_row: int, logit_multiplier: float | tuple[float, ...] = 1.0) -> torch.Tensor:
         """Column sums ``[B, Hq, N]`` of the weights of query rows ``first_row..q-1``, chunked."""
         key = ("summed", first_row, logit_multiplier)
         if key in self._memo:
@@ -196,8 +201,10 @@ class ScoringInputs:
         """H2O's accumulated attention ``[B, Hq, N]``: column sums over all current queries."""
         return self.summed_attention(0)
 
-    def recent_accumulated_attention(self, rows: int, logit_multiplier: float = 1.0) -> torch.Tensor:
-        """Column sums over the last ``rows`` queries, logits multiplied (AhaKV, Eq. 5 and 12)."""
+    def recent_accumulated_attention(self, rows: int,
+                                     logit_multiplier: float | tuple[float, ...] = 1.0) -> torch.Tensor:
+        """Column sums over the last ``rows`` queries, logits multiplied (AhaKV, Eq. 5 and 12) by
+        one factor or one per batch row."""
         return self.summed_attention(max(0, self.num_queries - rows), logit_multiplier)
 
     def last_query_attention(self) -> torch.Tensor:
