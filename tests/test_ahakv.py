@@ -250,7 +250,8 @@ def test_decode_adds_the_new_query_sg_softmax_to_the_running_score(reading):
     scoring.budget = budget  # the layer budget, set by the cache
     state = {}
     policy.observe_decode(scoring, state)
-    lam = math.sqrt(2 * math.log(seen / budget) / 16)  # Eq. 12 with n = tokens seen, k = the budget
+    # Eq. 12 with n = the row's tokens seen (the second row's 3 padding tokens excluded), k = the budget
+    lam = torch.tensor([math.sqrt(2 * math.log(n / budget) / 16) for n in (seen, seen - 3)]).view(2, 1, 1, 1)
     logits = queries @ keys.repeat_interleave(2, dim=1).transpose(-1, -2)  # [2, 4, 1, stored]
     logits = logits * lam / (4.0 if reading == "scaled_qk" else 1.0)  # / sqrt(d) on Algorithm 1's reading
     weights = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)[:, :, 0]
