@@ -1,4 +1,4 @@
-"""BumbleBee (kvhive/methods/bumblebee.py, kvhive/methods/submodular.py; ../shared/papers/bumblebee.txt)."""
+"""BumbleBee (kvhive/methods/bumblebee.py, kvhive/methods/submodular.py; COLM 2024, docs/METHODS.md)."""
 
 from __future__ import annotations
 

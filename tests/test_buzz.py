@@ -1,4 +1,4 @@
-"""BUZZ and BUZZ with log n (kvhive/methods/buzz.py; ../shared/papers/buzz.txt)."""
+"""BUZZ and BUZZ with log n (kvhive/methods/buzz.py; arXiv:2410.23079, docs/METHODS.md)."""
 
 from __future__ import annotations
 

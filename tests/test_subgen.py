@@ -1,6 +1,6 @@
 """SubGen: k-center eviction (`subgen`) and the streaming attention estimator (`subgen-attention`).
 
-The paper's testable statements (../shared/papers/subgen.txt, ../shared/METHODS.md):
+The paper's testable statements (arXiv:2402.06082, docs/METHODS.md):
 * Eq. (3) / Theorem 1 on (m, δ)-clusterable streams, with Eq. (5) for the partition function;
 * memory O(d·(m·t + s)): grows with the number of clusters, not with n;
 * Lemma 1 (M holds i.i.d. samples ∝ ‖v‖²) and Lemma 2 (clusters: representatives > δ apart,

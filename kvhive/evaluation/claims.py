@@ -1,7 +1,7 @@
 """The paper-claims suite, as data.
 
 Each :class:`Claim` names the paper, quotes what it reports (headline numbers from
-``shared/papers/*.txt``), the task and the methods/budgets that test it here, and a ``check``
+the papers cited in docs/METHODS.md, "References"), the task and the methods/budgets that test it here, and a ``check``
 evaluated on a :class:`~kvhive.evaluation.results.ResultsSummary` returning
 ``(holds, measured)``: ``holds`` is True / False, or None when data are missing, the compared
 scores tie, or the full cache itself scores near chance on the task (then the comparison says
@@ -377,7 +377,7 @@ CLAIMS: list[Claim] = [
         budgets=(0.5, 0.65),
         check=outperforms("lines", "subgen", ["h2o", "streamingllm"], (0.5, 0.65)),
     ),
-    # ---------------------------------------------------------------- AhaKV (ahakv.readable.txt)
+    # ---------------------------------------------------------------- AhaKV (arXiv:2506.03762)
     Claim(
         id="ahakv-mdqa",
         paper="AhaKV",

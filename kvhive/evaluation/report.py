@@ -25,7 +25,7 @@ from .results import ResultsSummary, read_results
 REPORT_FILE = "report.md"
 CHANCE_MARGIN = 0.05
 
-# display order of methods (METHODS.md registry order); others follow alphabetically
+# display order of methods (docs/METHODS.md registry order); others follow alphabetically
 METHOD_ORDER = (
     "full", "local", "random", "streamingllm", "h2o", "snapkv", "pyramidkv", "tova", "knorm", "buzz",
     "buzz-logn", "bumblebee", "bumblebee-power", "ada-snapkv", "ada-pyramidkv", "ada-ahakv", "subgen",

@@ -6,7 +6,7 @@ Prefill (Algorithm 1, lines 5-12), per layer and head:
 * **Recent accumulation** (Eq. 5): the eviction score of key ``j`` sums the attention weights
   of the last ``r`` query rows only, ``S_j = sum_{i=n-r}^{n} a_ij``, so every key has the same
   number of terms (the plain accumulated score of H2O, Eq. 2-4, decays with the position).
-  ``r`` = the recent budget ``B_r`` (``recent = 32``; METHODS.md choice).
+  ``r`` = the recent budget ``B_r`` (``recent = 32``; docs/METHODS.md choice).
 * **Step-gain softmax** (Eq. 9-12): the weights come from ``softmax(lambda w)`` with
   ``lambda = sqrt(2 ln(n/k) / d)`` (Eq. 12, :func:`sg_lambda`); ``n`` = tokens seen so far,
   ``k`` = the budget, ``d`` = the head dimension. This only changes the *scores*, never the
@@ -19,7 +19,7 @@ Prefill (Algorithm 1, lines 5-12), per layer and head:
   ``q``, ``k`` and ``d`` alone (:func:`sg_logit_multiplier`), not from the model's own
   ``scaling`` (which may differ from ``1/sqrt(d)``).
 * **Value prior** (Eq. 13-15): ``gamma = Avgpool(||v||^2)`` (mean filter of ``kernel = 7``
-  tokens along the sequence, METHODS.md choice), ``gamma_bar = gamma / max gamma`` per head,
+  tokens along the sequence, docs/METHODS.md choice), ``gamma_bar = gamma / max gamma`` per head,
   ``S_hat = gamma_bar * S``.
 * Keep the top ``B_s = budget - B_r`` keys by ``S_hat`` outside the most recent ``B_r`` tokens,
   plus those ``B_r`` recent tokens (``S^s ∪ S^r``, line 12).
@@ -55,7 +55,7 @@ tokens at prefill than ``scaled_qk`` on every prompt (budget 128: 0.49 vs 0.35; 
 0.54; paired difference +0.15 +- 0.03 and +0.11 +- 0.03 s.e.). ``raw_qk`` is therefore the
 default; ``scaled_qk`` is kept for comparison.
 
-GQA: scores are computed per query head and averaged over each KV group (METHODS.md choice);
+GQA: scores are computed per query head and averaged over each KV group (docs/METHODS.md choice);
 the value prior is per stored head. Padding (``valid`` False) is excluded from the mean filter
 and from ``max gamma`` and ranks last.
 

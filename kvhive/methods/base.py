@@ -138,7 +138,7 @@ class ScoringInputs:
         return causal_mask(self.positions[..., :num_keys], first + start, first + stop)
 
     def to_kv_heads(self, per_query_head: torch.Tensor) -> torch.Tensor:
-        """Mean over the query heads of each group: ``[B, Hq, ...] -> [B, H, ...]`` (METHODS.md)."""
+        """Mean over the query heads of each group: ``[B, Hq, ...] -> [B, H, ...]`` (docs/METHODS.md)."""
         b, hq = per_query_head.shape[:2]
         grouped = per_query_head.reshape(b, self.num_heads, hq // self.num_heads, *per_query_head.shape[2:])
         return grouped.mean(dim=2)

@@ -1,5 +1,5 @@
 """BumbleBee (Kumari et al., "BumbleBee: Dynamic KV-Cache Streaming Submodular Summarization
-for Infinite-Context Transformers"; ../shared/papers/bumblebee.txt, METHODS.md).
+for Infinite-Context Transformers", COLM 2024; docs/METHODS.md, "BumbleBee").
 
 Per (layer, KV head) the cache holds a global summary ``S`` of ``tau_s`` tokens plus the most
 recent ``tau_l`` tokens (Figure 1), ``tau_s + tau_l = budget``. The summary maximises
@@ -22,7 +22,7 @@ or ``g^{-1}`` with ``g(y) = 0.04 y^25 + y`` (♦, :class:`BumbleBeePower`).
   The state also records the members' positions; a step checks them against the stored
   tokens (``scoring.positions``) and rebuilds the matrix from the keys if they ever differ.
 
-Choices the paper leaves open (METHODS.md style, **(choice)**):
+Choices the paper leaves open (docs/METHODS.md style, **(choice)**):
 
 * ``local_fraction = 0.5``: the paper never states ``tau_l / tau_s`` for its LLM runs; its
   synthetic study (Appx. B) uses equal sizes (``h = k = 32``) and its main baseline, H2 + Local,

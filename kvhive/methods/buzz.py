@@ -1,5 +1,5 @@
 """BUZZ (Zhao et al., 2024, "BUZZ: Beehive-structured Sparse KV Cache with Segmented Heavy
-Hitters for Efficient LLM Inference", ../shared/papers/buzz.txt) and BUZZ with log n.
+Hitters for Efficient LLM Inference", arXiv:2410.23079; docs/METHODS.md, "BUZZ") and BUZZ with log n.
 
 Cache layout per head (Sec. 3.3, Fig. 3)::
 
@@ -19,7 +19,7 @@ Cache layout per head (Sec. 3.3, Fig. 3)::
   (Eq. 10 prints floors, a spurious factor 2 in the first term — its own bound Eq. 11 uses
   ``a/ŝ ~ 2a/(s+1)`` — and ``T`` for ``T + 1``; floors and ceilings differ by at most 1 per term).
 * **Scores**: accumulated attention (H2O's column sums over every query seen so far), summed over
-  the query heads of a KV group (METHODS.md: the reference code sums over the group). They are
+  the query heads of a KV group (docs/METHODS.md: the reference code sums over the group). They are
   held in ``scoring.token_scores["buzz_accumulated"]`` so the cache keeps them aligned. The
   prefill column sums are computed by :func:`prefill_accumulated_attention`, which skips the
   causally masked key blocks (3x faster than the generic ``ScoringInputs`` path at 2k tokens).
@@ -104,7 +104,7 @@ module; on Gemma-3 the sliding-window layers that kvhive does not compress are s
   — every prefill row of a prompt of ``L`` tokens uses ``n = L``, a decode step the number of
   stored keys plus the new one; padding is not counted (a row's ``n`` is what it would be
   alone).
-- ``"attended"`` (METHODS.md's reading of Eq. 7): the keys the query may attend, ``i + 1`` for
+- ``"attended"`` (docs/METHODS.md's reading of Eq. 7): the keys the query may attend, ``i + 1`` for
   prefill row ``i`` (causal), the real stored keys in decode; equal to the above for the last
   prefill row and in decode.
 

@@ -2,7 +2,7 @@
 
 Accumulated attention (the column sums of the attention matrix, Sec. 3 / Algorithm 1) ranks
 keys; keep the top ``heavy_fraction`` of the budget by score plus the most recent rest
-(METHODS.md: 50/50 as in H2O). While decoding, each new query's attention is added to the
+(docs/METHODS.md: 50/50 as in H2O). While decoding, each new query's attention is added to the
 running scores and the lowest-score key outside the recent part is evicted (Algorithm 1).
 """
 

@@ -4,7 +4,7 @@ Information Funneling"; also Yang et al., 2024, "PyramidInfer").
 Scoring and selection inside a layer are SnapKV's (observation-window attention summed over
 the last ``window`` prompt queries, max pooling with ``kernel``, top-k + the window itself; see
 :func:`kvhive.methods.snapkv.observation_scores`). What changes is the budget per layer
-(Sec. 3.3 of the PyramidKV paper, METHODS.md "PyramidKV"): budgets decrease linearly from the
+(Sec. 3.3 of the PyramidKV paper, docs/METHODS.md "PyramidKV"): budgets decrease linearly from the
 first to the last layer with the same total. For an average budget ``b`` the last layer gets
 ``b_min = b / beta`` (``beta = 20``), the first ``b_max = 2 b - b_min``, linear in between.
 
@@ -18,7 +18,7 @@ pyramid share. So layer ``l`` of ``L`` keeps
 
 which is never below the window and sums to ``b L``. With ``window_in_pyramid=True`` the
 pyramid spans the whole budget instead (``b_min = b / beta`` including the window, the literal
-reading of METHODS.md); a layer whose budget would fall below the window is then an error.
+reading of docs/METHODS.md); a layer whose budget would fall below the window is then an error.
 
 Short prompts, as the reference code (``PyramidKVCluster.update_kv`` in Zefan-Cai/PyramidKV), on
 each sequence's real (unpadded) length ``n``: if ``n < 2 (b - window)`` every layer gets the

@@ -1,4 +1,4 @@
-"""Random+Local: the random-eviction baseline with a recent window (METHODS.md baselines).
+"""Random+Local: the random-eviction baseline with a recent window (docs/METHODS.md baselines).
 
 Of a budget ``b``, the most recent ``b - floor(b * (1 - recent_fraction))`` tokens are kept
 (``recent_fraction=0.5``: half the budget), the rest is a uniformly random subset of the older

@@ -1,4 +1,4 @@
-"""Methods by registry name (the names of ../shared/METHODS.md, used by the CLI, the API and
+"""Methods by registry name (docs/METHODS.md, "Registry names"; used by the CLI, the API and
 results files). Adding a method: write its module and add one line below."""
 
 from __future__ import annotations

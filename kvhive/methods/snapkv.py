@@ -2,7 +2,7 @@
 
 Scores: attention of the last ``window`` prompt queries (the observation window) to each
 earlier key, summed over the window (Sec. 4.2, Listing 1), 1-D max pooling with ``kernel``
-(METHODS.md follows the Ada-KV paper: max pooling), averaged over the query heads of a KV
+(docs/METHODS.md follows the Ada-KV paper: max pooling), averaged over the query heads of a KV
 group (``group_pooling="pool_then_mean"``, as kvpress; the Ada-KV authors average the group
 first, ``"mean_then_pool"``). Keep the top ``budget - window`` keys plus the window itself.
 """

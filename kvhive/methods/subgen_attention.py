@@ -15,7 +15,7 @@ QUERYSTREAMATTN: ``z = Σ_{(k,v)∈M} μ/(s‖v‖²) · exp(q·k·scaling) · v
 ``Σ_i exp(q·k_i·scaling) v_i`` and ``τ = Σ_{clusters} n'/t · Σ_{k∈S} exp(q·k·scaling)`` the
 partition function; the paper's output is ``z / τ``. Logits use the model's scaling.
 
-**Estimator variant (choice, METHODS.md).** Algorithm 1 answers a query with ``z / τ`` alone.
+**Estimator variant (choice, docs/METHODS.md).** Algorithm 1 answers a query with ``z / τ`` alone.
 kvhive combines it with an exact recent window: the cache keeps the last ``window`` tokens as
 real tokens (exact attention); every token leaving the window (prefill: the prompt beyond the
 window, in order; decode: one per step) is inserted into ``D`` and ``M``.

@@ -4,7 +4,7 @@ A *row* is one independent problem (one (batch, KV head) pair of one layer); eve
 works on ``R`` rows at once with tensor ops, so only the ``k`` greedy iterations (and the
 tokens joining a streaming summary) are Python loops.
 
-Objective (BumbleBee Eq. 2-4, normalised as METHODS.md asks, ``f(empty) = 0``, ``f(V) = 1``)::
+Objective (BumbleBee Eq. 2-4, normalised as docs/METHODS.md asks, ``f(empty) = 0``, ``f(V) = 1``)::
 
     g(S) = lam * f_FL(S) / f_FL(V) + (1 - lam) * phi(sum_{u in S} a_u) / phi(sum_{u in V} a_u)
     f_FL(S) = sum_{v in V} max_{u in S} sim(v, u),   sim = ReLU(cos(k_v, k_u))

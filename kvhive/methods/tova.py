@@ -2,7 +2,7 @@
 
 Sec. 3.3 ("Our proposed policy: TOVA"): at every decoding step, once the multi-state (the cache)
 is full, drop the token whose attention from the *current* query is lowest. The scores are the
-newest query's softmax weights averaged over **all** heads of the layer (METHODS.md), so a layer
+newest query's softmax weights averaged over **all** heads of the layer (docs/METHODS.md), so a layer
 keeps one set shared by every head (with GQA the average runs over all query heads). No running
 sum: only the current query's attention counts.
 
