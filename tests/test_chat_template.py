@@ -54,6 +54,22 @@ def test_render_puts_the_prompt_in_a_user_turn_and_opens_the_assistant_turn():
     assert rendered == "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_render_opens_the_assistant_turn_with_the_answer_prefix():
+    # Left in the user's turn, the prefix makes an instruction model repeat it instead of answering.
+    prompt = "Some context.\n\nQuestion: What is best?\nAnswer: The best thing to do is"
+    rendered = render_chat_prompt(templated_tokenizer(), prompt)
+    assert rendered == (
+        "<|im_start|>user\nSome context.\n\nQuestion: What is best?<|im_end|>\n"
+        "<|im_start|>assistant\nThe best thing to do is"
+    )
+
+
+@pytest.mark.parametrize("prompt", ["Question: 1 + 1?\nAnswer:", "Summary:", "no cue at all", "Answer: on one line"])
+def test_render_keeps_prompts_without_a_prefixed_cue_line_in_the_user_turn(prompt):
+    rendered = render_chat_prompt(templated_tokenizer(), prompt)
+    assert rendered == f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+
+
 def test_render_drops_the_template_bos_when_the_tokenizer_adds_one():
     tokenizer = bos_adding_tokenizer(BOS_FIRST)
     rendered = render_chat_prompt(tokenizer, "hi")
@@ -76,13 +92,16 @@ def test_task_load_renders_prompts_and_records_the_template():
     assert [item.id for item in chat] == [item.id for item in plain]
     for plain_item, chat_item in zip(plain, chat):
         assert chat_item.prompt == render_chat_prompt(templated_tokenizer(), plain_item.prompt)
-        assert chat_item.prompt.endswith("<|im_start|>assistant\n")
+        # The answer cue's prefix opens the assistant's turn; the question stays in the user's.
+        question, cue = plain_item.prompt.rsplit("\n", 1)
+        prefix = cue.removeprefix("Answer: ")
+        assert chat_item.prompt == f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n{prefix}"
         assert chat_item.references == plain_item.references
         assert len(chat_item.metadata["chat_template"]) == 12
         assert "chat_template" not in plain_item.metadata
         # The fingerprint (item_hash in the results) tells the two apart.
         assert chat_item.fingerprint() != plain_item.fingerprint()
-    other_template = task.load(None, 2, 0, templated_tokenizer(CHATML.replace("assistant", "model")))
+    other_template = task.load(None, 2, 0, templated_tokenizer(CHATML.replace("<|im_start|>", "<|turn|>")))
     assert other_template[0].fingerprint() != chat[0].fingerprint()
     assert other_template[0].metadata["chat_template"] != chat[0].metadata["chat_template"]
 

@@ -7,6 +7,7 @@ import gzip
 import hashlib
 import json
 import random
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator, Sequence
@@ -144,16 +145,33 @@ def chat_template_of(tokenizer: Any) -> str | None:
     return template if isinstance(template, str) and template.strip() else None
 
 
+# A prompt written for a base model ends with a cue line that starts the answer, e.g.
+# "Answer: The value of key amber-anchor is". In a chat, that start belongs to the model's turn:
+# left in the user's turn, an instruction model repeats it and runs out of tokens before the answer.
+_ANSWER_CUE = re.compile(r"\n(?P<label>[A-Z][A-Za-z ]{0,30}):[ \t]*(?P<prefix>\S[^\n]*)\Z")
+
+
 def render_chat_prompt(tokenizer: Any, prompt: str) -> str:
     """``prompt`` as the user turn of the tokenizer's chat template, followed by the opening of
     the assistant's turn, so an instruction model answers instead of continuing the text.
 
-    The template's own beginning-of-sequence token is dropped when the tokenizer adds one while
-    encoding (the backend encodes with special tokens), so the model never sees it twice.
+    When the prompt's last line is an answer cue with a prefix (``"Answer: The best thing to do
+    in San Francisco is"``), the cue line leaves the user's turn and its prefix opens the
+    assistant's turn, which the model then continues. A bare cue (``"Answer:"``) stays in the
+    user's turn. The template's own beginning-of-sequence token is dropped when the tokenizer adds
+    one while encoding (the backend encodes with special tokens), so the model never sees it twice.
     """
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-    )
+    cue = _ANSWER_CUE.search(prompt)
+    if cue is None:
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+    else:
+        messages = [
+            {"role": "user", "content": prompt[: cue.start()]},
+            {"role": "assistant", "content": cue.group("prefix")},
+        ]
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
     bos = getattr(tokenizer, "bos_token", None)
     if bos and rendered.startswith(bos) and _adds_bos_when_encoding(tokenizer):
         rendered = rendered[len(bos) :]
