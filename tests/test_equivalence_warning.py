@@ -49,7 +49,7 @@ def test_headwise_method_on_one_kv_head_warns_once_and_is_really_equivalent():
     with torch.no_grad():
         for each in (cache, base):
             model(input_ids=input_ids, past_key_values=each, use_cache=True)
-    for layer, layer_base in zip(cache.layers, base.layers):
+    for layer, layer_base in zip(cache.layers, base.layers, strict=True):
         assert torch.equal(layer.stored_flat_positions(), layer_base.stored_flat_positions())
 
 

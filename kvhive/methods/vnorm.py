@@ -12,8 +12,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kvhive.methods.base import (DECODE, PREFILL, PolicyConfig, ScorerPolicy, ScoringInputs, recent_mask,
-                                 require_int_at_least)
+from kvhive.methods.base import (
+    DECODE,
+    PREFILL,
+    PolicyConfig,
+    ScorerPolicy,
+    ScoringInputs,
+    recent_mask,
+    require_int_at_least,
+)
 
 
 @dataclass(frozen=True)
