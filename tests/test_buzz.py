@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 
@@ -235,7 +236,7 @@ def test_evictions_follow_recurrence_eq10_and_algorithms(stride, budget):
         previous = size
     # Never more than the budget; between evictions the cache grows one token per step.
     assert max(lengths) == budget
-    for before, after in zip(lengths, lengths[1:], strict=True):
+    for before, after in itertools.pairwise(lengths):
         assert after == before + 1 or (before == budget and after < budget)
 
 
@@ -354,7 +355,7 @@ def check_decode_records(records, layout, stride):
     budget = layout.peak
     for layer in records[0]:
         olds = [records[0][layer][1]]
-        for previous, current in zip(records, records[1:], strict=True):
+        for previous, current in itertools.pairwise(records):
             before, after = int(previous[layer][0].flatten()[0]), int(current[layer][0].flatten()[0])
             assert (current[layer][0] == after).all()  # uniform over batch and heads
             assert after <= budget
@@ -643,7 +644,7 @@ def test_mean_form_stream_holds_the_budget_on_average_and_the_peak_at_most(strid
     steady = lengths[len(lengths) // 2 :]
     assert abs(sum(steady) / len(steady) - budget) <= 1.0
     assert max(lengths) == layout.peak > budget
-    for before, after in zip(lengths, lengths[1:], strict=True):
+    for before, after in itertools.pairwise(lengths):
         assert after == before + 1 or (before == layout.peak and after <= budget)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -67,7 +68,7 @@ def test_layer_budgets_exact_total_linear_and_at_least_window(window_in_pyramid)
         assert sum(budgets) == budget * layers
         assert len(budgets) == layers
         assert min(budgets) >= window
-        assert all(a >= b for a, b in zip(budgets, budgets[1:], strict=True)), budgets
+        assert all(a >= b for a, b in itertools.pairwise(budgets)), budgets
         if layers > 1:
             base = budget if window_in_pyramid else budget - window
             offset = 0 if window_in_pyramid else window
