@@ -79,10 +79,16 @@ class _Recorder(AhaKV):
 
     def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
         self.recorded[scoring.layer_index] = ScoringInputs(
-            keys=scoring.keys.clone(), values=scoring.values.clone(), queries=scoring.queries.clone(),
-            positions=scoring.positions.clone(), mask=None if scoring.mask is None else scoring.mask.clone(),
-            scaling=scoring.scaling, layer_index=scoring.layer_index, num_layers=scoring.num_layers,
-            sequence_length=scoring.sequence_length, phase=scoring.phase,
+            keys=scoring.keys.clone(),
+            values=scoring.values.clone(),
+            queries=scoring.queries.clone(),
+            positions=scoring.positions.clone(),
+            mask=None if scoring.mask is None else scoring.mask.clone(),
+            scaling=scoring.scaling,
+            layer_index=scoring.layer_index,
+            num_layers=scoring.num_layers,
+            sequence_length=scoring.sequence_length,
+            phase=scoring.phase,
         )
         return super().select_prefill(scoring, budget, state)
 
@@ -101,8 +107,15 @@ def prefix(scoring: ScoringInputs, n: int) -> ScoringInputs:
     """The layer as it was when the first ``n`` tokens had been read (a causal prefix)."""
     mask = None if scoring.mask is None else scoring.mask[:, :, :n, :n]
     return dataclasses.replace(
-        scoring, keys=scoring.keys[:, :, :n], values=scoring.values[:, :, :n], queries=scoring.queries[:, :, :n],
-        positions=scoring.positions[..., :n], mask=mask, sequence_length=n, token_scores={}, _memo={},
+        scoring,
+        keys=scoring.keys[:, :, :n],
+        values=scoring.values[:, :, :n],
+        queries=scoring.queries[:, :, :n],
+        positions=scoring.positions[..., :n],
+        mask=mask,
+        sequence_length=n,
+        token_scores={},
+        _memo={},
     )
 
 
@@ -160,7 +173,9 @@ def jaccard(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a & b).sum(-1).float() / (a | b).sum(-1).float()).mean().item()
 
 
-def measure(model_name: str, tokens: int, lengths: list[int], budgets: list[int], count: int, recent: int) -> list[dict]:
+def measure(
+    model_name: str, tokens: int, lengths: list[int], budgets: list[int], count: int, recent: int
+) -> list[dict]:
     model, tokenizer = kvhive.load_model(model_name)
     rows = []
     for text_name, text in texts(count):
@@ -170,7 +185,9 @@ def measure(model_name: str, tokens: int, lengths: list[int], budgets: list[int]
         ids = ids[:, :tokens]
         start = time.perf_counter()
         layers = record_layers(model, ids)
-        print(f"{text_name}: {tokens} tokens, {len(layers)} compressed layers recorded in {time.perf_counter() - start:.1f}s")
+        print(
+            f"{text_name}: {tokens} tokens, {len(layers)} compressed layers recorded in {time.perf_counter() - start:.1f}s"
+        )
         for layer_index, whole in sorted(layers.items()):
             for n in lengths:
                 scoring = prefix(whole, n)
@@ -184,25 +201,38 @@ def measure(model_name: str, tokens: int, lengths: list[int], budgets: list[int]
                     needed = multiplier_for_entropy(logits, target)  # factor on raw q.k
                     keep = {reading: kept(scoring, k, recent, reading) for reading in (*GAIN_INPUTS, PLAIN, PRIOR)}
                     selected = {reading: mask & ~recent_mask(n, recent, mask) for reading, mask in keep.items()}
-                    base = {"model": model_name, "text": text_name, "layer": layer_index, "n": n, "k": k,
-                            "recent": recent, "target_entropy": target, "plain_entropy": entropy(plain).mean().item(),
-                            "plain_logit_std": row_std(logits * scoring.scaling).mean().item()}
+                    base = {
+                        "model": model_name,
+                        "text": text_name,
+                        "layer": layer_index,
+                        "n": n,
+                        "k": k,
+                        "recent": recent,
+                        "target_entropy": target,
+                        "plain_entropy": entropy(plain).mean().item(),
+                        "plain_logit_std": row_std(logits * scoring.scaling).mean().item(),
+                    }
                     for reading in GAIN_INPUTS:
                         factor = sg_logit_multiplier(n, k, head_dim, scoring.scaling, reading) * scoring.scaling
                         weights = torch.softmax(logits * factor, dim=-1)
                         row_entropy = entropy(weights)
                         other = next(r for r in GAIN_INPUTS if r != reading)
-                        rows.append(dict(
-                            base, reading=reading, multiplier_on_raw_qk=factor,
-                            entropy_mean=row_entropy.mean().item(), entropy_median=row_entropy.median().item(),
-                            entropy_abs_error=(row_entropy - target).abs().mean().item(),
-                            needed_over_reading_median=(needed / factor).median().item(),
-                            top1_mass_mean=weights.amax(-1).mean().item(),
-                            jaccard_selected_vs_other=jaccard(selected[reading], selected[other]),
-                            jaccard_kept_vs_other=jaccard(keep[reading], keep[other]),
-                            jaccard_selected_vs_plain=jaccard(selected[reading], selected[PLAIN]),
-                            jaccard_selected_vs_value_prior=jaccard(selected[reading], selected[PRIOR]),
-                        ))
+                        rows.append(
+                            dict(
+                                base,
+                                reading=reading,
+                                multiplier_on_raw_qk=factor,
+                                entropy_mean=row_entropy.mean().item(),
+                                entropy_median=row_entropy.median().item(),
+                                entropy_abs_error=(row_entropy - target).abs().mean().item(),
+                                needed_over_reading_median=(needed / factor).median().item(),
+                                top1_mass_mean=weights.amax(-1).mean().item(),
+                                jaccard_selected_vs_other=jaccard(selected[reading], selected[other]),
+                                jaccard_kept_vs_other=jaccard(keep[reading], keep[other]),
+                                jaccard_selected_vs_plain=jaccard(selected[reading], selected[PLAIN]),
+                                jaccard_selected_vs_value_prior=jaccard(selected[reading], selected[PRIOR]),
+                            )
+                        )
     return rows
 
 
@@ -210,25 +240,34 @@ def summarise(rows: list[dict], model_name: str, args: argparse.Namespace, secon
     lines = [
         f"# AhaKV SG-softmax gain: the two readings on {model_name}",
         "",
-        (f"`python benchmarks/ahakv_gain_entropy.py --model {model_name} --tokens {args.tokens} "
-        f"--lengths {' '.join(map(str, args.lengths))} --budgets {' '.join(map(str, args.budgets))} --texts {args.texts}` "
-        f"({seconds:.0f} s wall on the shared CPU). Texts: {', '.join(sorted({r['text'] for r in rows}))}; "
-        f"compressed layers: {', '.join(map(str, sorted({r['layer'] for r in rows})))}; the last {args.recent} query "
-        "rows before n, every query head. Means over texts x layers (x heads x rows inside each)."),
+        (
+            f"`python benchmarks/ahakv_gain_entropy.py --model {model_name} --tokens {args.tokens} "
+            f"--lengths {' '.join(map(str, args.lengths))} --budgets {' '.join(map(str, args.budgets))} --texts {args.texts}` "
+            f"({seconds:.0f} s wall on the shared CPU). Texts: {', '.join(sorted({r['text'] for r in rows}))}; "
+            f"compressed layers: {', '.join(map(str, sorted({r['layer'] for r in rows})))}; the last {args.recent} query "
+            "rows before n, every query head. Means over texts x layers (x heads x rows inside each)."
+        ),
         "",
-        ("Entropy in nats. Target = log k (Eq. 11). `needed/used` = median over rows of the logit factor that gives "
-        "exactly log k divided by the reading's factor (1 = the reading meets the target; < 1 = it is too sharp, "
-        "> 1 too flat). Jaccard of the B_s selected tokens (recent window excluded) between the readings, and of "
-        "each reading with the plain (no-gain) softmax and with the value prior alone (no attention)."),
+        (
+            "Entropy in nats. Target = log k (Eq. 11). `needed/used` = median over rows of the logit factor that gives "
+            "exactly log k divided by the reading's factor (1 = the reading meets the target; < 1 = it is too sharp, "
+            "> 1 too flat). Jaccard of the B_s selected tokens (recent window excluded) between the readings, and of "
+            "each reading with the plain (no-gain) softmax and with the value prior alone (no attention)."
+        ),
         "",
-        ("| n | k | log k | plain H | raw_qk H | scaled_qk H | raw needed/used | scaled needed/used "
-        "| raw top-1 mass | J(raw, scaled) sel. | J(raw, scaled) all kept | J(raw, plain) | J(scaled, plain) "
-         "| J(raw, prior) | J(scaled, prior) |"),
+        (
+            "| n | k | log k | plain H | raw_qk H | scaled_qk H | raw needed/used | scaled needed/used "
+            "| raw top-1 mass | J(raw, scaled) sel. | J(raw, scaled) all kept | J(raw, plain) | J(scaled, plain) "
+            "| J(raw, prior) | J(scaled, prior) |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     keys = sorted({(r["n"], r["k"]) for r in rows})
     for n, k in keys:
-        group = {reading: [r for r in rows if r["n"] == n and r["k"] == k and r["reading"] == reading] for reading in GAIN_INPUTS}
+        group = {
+            reading: [r for r in rows if r["n"] == n and r["k"] == k and r["reading"] == reading]
+            for reading in GAIN_INPUTS
+        }
         raw, scaled = group["raw_qk"], group["scaled_qk"]
 
         def mean(items, field):
@@ -242,8 +281,13 @@ def summarise(rows: list[dict], model_name: str, args: argparse.Namespace, secon
             f"| {mean(raw, 'jaccard_selected_vs_plain'):.2f} | {mean(scaled, 'jaccard_selected_vs_plain'):.2f} "
             f"| {mean(raw, 'jaccard_selected_vs_value_prior'):.2f} | {mean(scaled, 'jaccard_selected_vs_value_prior'):.2f} |"
         )
-    lines += ["", "Per layer (all n, k):", "", "| layer | plain H | raw_qk H | scaled_qk H | mean log k | plain logit std |",
-              "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "Per layer (all n, k):",
+        "",
+        "| layer | plain H | raw_qk H | scaled_qk H | mean log k | plain logit std |",
+        "|---|---|---|---|---|---|",
+    ]
     for layer in sorted({r["layer"] for r in rows}):
         raw = [r for r in rows if r["layer"] == layer and r["reading"] == "raw_qk"]
         scaled = [r for r in rows if r["layer"] == layer and r["reading"] == "scaled_qk"]

@@ -60,7 +60,9 @@ class GainVariantBackend(KVHiveBackend):
 
     def streaming_nll(self, token_ids, settings):
         if any(setting.method in VARIANTS for setting in settings):
-            raise ValueError("perplexity tasks are not wired for the ahakv-<gain_input> names; use generate/choice tasks")
+            raise ValueError(
+                "perplexity tasks are not wired for the ahakv-<gain_input> names; use generate/choice tasks"
+            )
         return super().streaming_nll(token_ids, settings)
 
 
@@ -83,9 +85,17 @@ def main() -> None:
     model, tokenizer = load_model(args.model)
     backend = GainVariantBackend(model, tokenizer, model_name=args.model)
     run = run_eval(
-        backend, args.tasks.split(","), args.methods.split(","), [_budget(b) for b in args.budgets.split(",")],
-        args.limit, args.data_dir or default_data_dir(), args.out, seed=args.seed, progress=not args.no_progress,
-        method_validator=validate_method, model_name=args.model,
+        backend,
+        args.tasks.split(","),
+        args.methods.split(","),
+        [_budget(b) for b in args.budgets.split(",")],
+        args.limit,
+        args.data_dir or default_data_dir(),
+        args.out,
+        seed=args.seed,
+        progress=not args.no_progress,
+        method_validator=validate_method,
+        model_name=args.model,
     )
     print(f"{run.written} new results ({run.skipped} already done, {run.total} in the grid) -> {run.results_path}")
     write_report(args.out)

@@ -72,9 +72,18 @@ def main() -> None:
                 for reading in READINGS:
                     keep = kept(scoring, budget, args.recent, reading)  # [H, n]
                     fraction = keep[:, positions].float().mean().item()
-                    rows.append({"model": args.model, "item": item.id, "tokens": ids.shape[1], "layer": layer_index,
-                                 "budget": budget, "reading": reading, "needle_tokens": len(positions),
-                                 "needle_kept_fraction": fraction})
+                    rows.append(
+                        {
+                            "model": args.model,
+                            "item": item.id,
+                            "tokens": ids.shape[1],
+                            "layer": layer_index,
+                            "budget": budget,
+                            "reading": reading,
+                            "needle_tokens": len(positions),
+                            "needle_kept_fraction": fraction,
+                        }
+                    )
         print(f"{item.id}: {ids.shape[1]} tokens, needle {len(positions)} tokens, {time.perf_counter() - start:.0f}s")
     seconds = time.perf_counter() - start
     args.out.mkdir(parents=True, exist_ok=True)
@@ -84,10 +93,12 @@ def main() -> None:
     lines = [
         f"# AhaKV needle retention by gain reading on {args.model}",
         "",
-        (f"`python benchmarks/ahakv_gain_needle_retention.py --model {args.model} --task {args.task} --limit {args.limit} "
-         f"--budgets {' '.join(map(str, args.budgets))}` ({seconds:.0f} s wall on the shared CPU), items: {', '.join(i.id for i in items)}. "
-         "Fraction of the needle sentence's tokens kept by AhaKV's prefill eviction, mean over items x compressed "
-         "layers x heads (in brackets: items whose needle is fully kept in every compressed layer)."),
+        (
+            f"`python benchmarks/ahakv_gain_needle_retention.py --model {args.model} --task {args.task} --limit {args.limit} "
+            f"--budgets {' '.join(map(str, args.budgets))}` ({seconds:.0f} s wall on the shared CPU), items: {', '.join(i.id for i in items)}. "
+            "Fraction of the needle sentence's tokens kept by AhaKV's prefill eviction, mean over items x compressed "
+            "layers x heads (in brackets: items whose needle is fully kept in every compressed layer)."
+        ),
         "",
         "| budget | " + " | ".join(READINGS) + " |",
         "|---|" + "---|" * len(READINGS),

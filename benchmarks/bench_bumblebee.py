@@ -89,8 +89,10 @@ def prefill_seconds(model, cache, input_ids) -> float:
 
 def bench_prefill(lengths: list[int], ratio: float, method: str) -> None:
     print(f"\n== prefill + compress / prefill  (kv_heavy_model, {method}, budget = {ratio:g} x prompt) ==")
-    print(f"{'n':>6} {'sdpa s':>7} {'full s':>7} {'bb s':>8} {'ratio':>6} | {'acc.attn':>8} {'sim':>7} "
-          f"{'greedy':>7} {'other':>7} | {'ratio w/o acc.attn':>17}")
+    print(
+        f"{'n':>6} {'sdpa s':>7} {'full s':>7} {'bb s':>8} {'ratio':>6} | {'acc.attn':>8} {'sim':>7} "
+        f"{'greedy':>7} {'other':>7} | {'ratio w/o acc.attn':>17}"
+    )
     model = kv_heavy_model()
     for length in lengths:
         input_ids = random_prompt(length, model.config.vocab_size)
@@ -110,13 +112,17 @@ def bench_prefill(lengths: list[int], ratio: float, method: str) -> None:
         full = min(full, prefill_seconds(model, make_cache(model, "full"), input_ids))
         accumulated = totals.get("accumulated", 0.0)
         other = totals.get("select", 0.0) - totals.get("similarity", 0.0) - totals.get("greedy", 0.0)
-        print(f"{length:>6} {sdpa:>7.2f} {full:>7.2f} {compressed:>8.2f} {compressed / full:>6.2f} | "
-              f"{accumulated:>8.2f} {totals.get('similarity', 0.0):>7.2f} {totals.get('greedy', 0.0):>7.2f} "
-              f"{other:>7.2f} | {(compressed - accumulated) / full:>17.2f}", flush=True)
+        print(
+            f"{length:>6} {sdpa:>7.2f} {full:>7.2f} {compressed:>8.2f} {compressed / full:>6.2f} | "
+            f"{accumulated:>8.2f} {totals.get('similarity', 0.0):>7.2f} {totals.get('greedy', 0.0):>7.2f} "
+            f"{other:>7.2f} | {(compressed - accumulated) / full:>17.2f}",
+            flush=True,
+        )
 
 
-def causal_accumulated_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float,
-                                 chunk_elements: int = 1 << 24) -> torch.Tensor:
+def causal_accumulated_attention(
+    queries: torch.Tensor, keys: torch.Tensor, scaling: float, chunk_elements: int = 1 << 24
+) -> torch.Tensor:
     """Prefill column sums of the causal softmax ``[B, Hq, N]`` computed the lean way: each
     query chunk only multiplies the keys it can see (causal trimming), the keys are transposed
     once, the scale is folded into the queries and the mask is applied in place. For comparison
@@ -143,14 +149,24 @@ def bench_accumulated(lengths: list[int]) -> None:
     print("\n== accumulated attention of one layer: ScoringInputs (framework) vs lean (seconds, best of 2) ==")
     print(f"{'n':>6} {'framework':>9} {'lean':>8} {'speed-up':>8} {'max diff':>9}")
     from kvhive.methods.base import PREFILL
+
     for length in lengths:
         generator = torch.Generator().manual_seed(0)
         queries = torch.randn(1, 16, length, 128, generator=generator)
         keys = torch.randn(1, 8, length, 128, generator=generator)
         mask = torch.ones(length, length, dtype=torch.bool).tril()[None, None]
-        scoring = ScoringInputs(keys=keys, values=keys, queries=queries,
-                                positions=torch.arange(length).expand(1, 8, -1), mask=mask, scaling=128 ** -0.5,
-                                layer_index=0, num_layers=1, sequence_length=length, phase=PREFILL)
+        scoring = ScoringInputs(
+            keys=keys,
+            values=keys,
+            queries=queries,
+            positions=torch.arange(length).expand(1, 8, -1),
+            mask=mask,
+            scaling=128**-0.5,
+            layer_index=0,
+            num_layers=1,
+            sequence_length=length,
+            phase=PREFILL,
+        )
         framework_seconds = trimmed_seconds = float("inf")
         for _ in range(2):  # interleaved: the load of a shared machine drifts
             scoring._memo.clear()
@@ -158,12 +174,14 @@ def bench_accumulated(lengths: list[int]) -> None:
             framework = scoring.accumulated_attention()
             framework_seconds = min(framework_seconds, time.perf_counter() - start)
             start = time.perf_counter()
-            trimmed = causal_accumulated_attention(queries, keys, 128 ** -0.5)
+            trimmed = causal_accumulated_attention(queries, keys, 128**-0.5)
             trimmed_seconds = min(trimmed_seconds, time.perf_counter() - start)
         speed_up = framework_seconds / trimmed_seconds
         difference = (framework - trimmed).abs().max().item()
-        print(f"{length:>6} {framework_seconds:>9.2f} {trimmed_seconds:>8.2f} {speed_up:>8.2f} {difference:>9.1e}",
-              flush=True)
+        print(
+            f"{length:>6} {framework_seconds:>9.2f} {trimmed_seconds:>8.2f} {speed_up:>8.2f} {difference:>9.1e}",
+            flush=True,
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -202,8 +220,10 @@ def bench_greedy(sizes: list[int], summaries: list[int], concave: str) -> None:
                 start = time.perf_counter()
                 greedy_maximize(objective, tau, method, 1e-5, torch.Generator().manual_seed(0))
                 row[method] = time.perf_counter() - start
-            cells = " ".join(f"{row[m]:>{w}.3f}" if m in row else f"{'-':>{w}}"
-                             for m, w in (("stochastic", 10), ("lazy", 7), ("plain", 7)))
+            cells = " ".join(
+                f"{row[m]:>{w}.3f}" if m in row else f"{'-':>{w}}"
+                for m, w in (("stochastic", 10), ("lazy", 7), ("plain", 7))
+            )
             print(f"{n:>6} {tau:>6} {similarity_seconds:>7.3f} {cells}", flush=True)
         del sim, objective
 
@@ -214,8 +234,9 @@ def bench_greedy(sizes: list[int], summaries: list[int], concave: str) -> None:
 
 
 @torch.no_grad()
-def decode_step_times(model, cache, input_ids, steps: int, totals: dict[str, float] | None = None,
-                      targets=None) -> tuple[list[float], dict[str, list[float]]]:
+def decode_step_times(
+    model, cache, input_ids, steps: int, totals: dict[str, float] | None = None, targets=None
+) -> tuple[list[float], dict[str, list[float]]]:
     output = model(input_ids=input_ids, past_key_values=cache, use_cache=True)
     token = output.logits[:, -1:].argmax(-1)
     times, parts = [], {}
@@ -233,10 +254,14 @@ def decode_step_times(model, cache, input_ids, steps: int, totals: dict[str, flo
 
 
 def bench_decode(lengths: list[int], ratio: float, steps: int, method: str) -> None:
-    print(f"\n== decode step: {method} streaming (budget = {ratio:g} x prompt) vs full cache "
-          f"(kv_heavy_model, median ms/step over {steps - 2} steps) ==")
-    print(f"{'n':>6} {'sdpa full':>9} {'kvhive full':>11} {'bumblebee':>9} | {'policy':>7} {'keep':>6} | "
-          f"{'policy/full':>11} {'step/full':>9}")
+    print(
+        f"\n== decode step: {method} streaming (budget = {ratio:g} x prompt) vs full cache "
+        f"(kv_heavy_model, median ms/step over {steps - 2} steps) =="
+    )
+    print(
+        f"{'n':>6} {'sdpa full':>9} {'kvhive full':>11} {'bumblebee':>9} | {'policy':>7} {'keep':>6} | "
+        f"{'policy/full':>11} {'step/full':>9}"
+    )
     model = kv_heavy_model()
     for length in lengths:
         input_ids = random_prompt(length, model.config.vocab_size)
@@ -248,14 +273,18 @@ def bench_decode(lengths: list[int], ratio: float, steps: int, method: str) -> N
             (bumblebee.BumbleBee, "select_decode", "policy"),
             (LayerStore, "keep", "keep"),
         ]
-        compressed, parts = decode_step_times(model, make_cache(model, method, ratio=ratio), input_ids, steps,
-                                              targets=targets)
+        compressed, parts = decode_step_times(
+            model, make_cache(model, method, ratio=ratio), input_ids, steps, targets=targets
+        )
         median = lambda values: statistics.median(values) * 1e3  # noqa: E731
         reference = min(median(sdpa), median(full))
         policy = median(parts.get("policy", [0.0]))
-        print(f"{length:>6} {median(sdpa):>9.1f} {median(full):>11.1f} {median(compressed):>9.1f} | {policy:>7.2f} "
-              f"{median(parts.get('keep', [0.0])):>6.2f} | {policy / reference:>11.1%} "
-              f"{median(compressed) / reference:>9.2f}", flush=True)
+        print(
+            f"{length:>6} {median(sdpa):>9.1f} {median(full):>11.1f} {median(compressed):>9.1f} | {policy:>7.2f} "
+            f"{median(parts.get('keep', [0.0])):>6.2f} | {policy / reference:>11.1%} "
+            f"{median(compressed) / reference:>9.2f}",
+            flush=True,
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -270,8 +299,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
-          f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
     parts = set(args.parts.split(","))
     if "greedy" in parts:
         bench_greedy([1024, 2048, 4096, 8192], [64, 256, 1024], "log" if args.method == "bumblebee" else "power")

@@ -96,19 +96,29 @@ def main() -> None:
     vocab = model.config.vocab_size
     buzz = {"stride": arguments.stride}
     layout = make_cache(model, "buzz", arguments.budget, **buzz).policy.layout(arguments.budget)
-    print(f"kv_heavy_model: {arguments.layers} layers, 16 query / 8 KV heads of dim 128; torch threads "
-          f"{torch.get_num_threads()}; BUZZ budget {arguments.budget} = sink {layout.sink} + window "
-          f"{layout.window} + threshold {layout.threshold} (stride {arguments.stride})")
+    print(
+        f"kv_heavy_model: {arguments.layers} layers, 16 query / 8 KV heads of dim 128; torch threads "
+        f"{torch.get_num_threads()}; BUZZ budget {arguments.budget} = sink {layout.sink} + window "
+        f"{layout.window} + threshold {layout.threshold} (stride {arguments.stride})"
+    )
 
     lengths = [] if arguments.skip_prefill else arguments.lengths
     warm_up = torch.randint(3, vocab, (1, 2 * arguments.budget), generator=generator)
     for method in (None, "full", "buzz"):  # lazy initialisation, allocator, kernels
-        prefill_seconds(model, warm_up, method, arguments.budget if method == "buzz" else None, 1,
-                        **(buzz if method == "buzz" else {}))
+        prefill_seconds(
+            model,
+            warm_up,
+            method,
+            arguments.budget if method == "buzz" else None,
+            1,
+            **(buzz if method == "buzz" else {}),
+        )
 
     if lengths:
         print("\n1. prefill + compress / prefill")
-        print(f"{'tokens':>7} {'plain sdpa s':>13} {'kvhive full s':>14} {'buzz s':>9} {'buzz/full':>10} {'buzz/plain':>11}")
+        print(
+            f"{'tokens':>7} {'plain sdpa s':>13} {'kvhive full s':>14} {'buzz s':>9} {'buzz/full':>10} {'buzz/plain':>11}"
+        )
     for length in lengths:
         input_ids = torch.randint(3, vocab, (1, length), generator=generator)
         repeats = arguments.repeats if length <= 4096 else max(1, arguments.repeats // 2)
@@ -118,19 +128,29 @@ def main() -> None:
             times["full"].append(prefill_seconds(model, input_ids, "full", None, 1))
             times["buzz"].append(prefill_seconds(model, input_ids, "buzz", arguments.budget, 1, **buzz))
         plain, full, compressed = (statistics.median(times[key]) for key in ("plain", "full", "buzz"))
-        print(f"{length:>7} {plain:>13.3f} {full:>14.3f} {compressed:>9.3f} {compressed / full:>10.2f} "
-              f"{compressed / plain:>11.2f}", flush=True)
+        print(
+            f"{length:>7} {plain:>13.3f} {full:>14.3f} {compressed:>9.3f} {compressed / full:>10.2f} "
+            f"{compressed / plain:>11.2f}",
+            flush=True,
+        )
 
-    print(f"\n2. streaming: {arguments.decode_tokens} tokens after a {arguments.decode_prompt}-token prompt "
-          f"(median of {arguments.repeats} interleaved rounds)")
+    print(
+        f"\n2. streaming: {arguments.decode_tokens} tokens after a {arguments.decode_prompt}-token prompt "
+        f"(median of {arguments.repeats} interleaved rounds)"
+    )
     input_ids = torch.randint(3, vocab, (1, arguments.decode_prompt), generator=generator)
     no_eviction = arguments.decode_prompt + (arguments.repeats + 1) * arguments.decode_tokens + 8
-    runs = [("plain sdpa (full)", None, None, {}), ("kvhive full", "full", None, {}),
-            (f"buzz C={arguments.budget}", "buzz", arguments.budget, buzz),
-            (f"buzz C={4 * arguments.budget}", "buzz", 4 * arguments.budget, buzz),
-            ("buzz, never evicting", "buzz", no_eviction, buzz)]
-    streams = {label: start_stream(model, input_ids, method, budget, **parameters)
-               for label, method, budget, parameters in runs}
+    runs = [
+        ("plain sdpa (full)", None, None, {}),
+        ("kvhive full", "full", None, {}),
+        (f"buzz C={arguments.budget}", "buzz", arguments.budget, buzz),
+        (f"buzz C={4 * arguments.budget}", "buzz", 4 * arguments.budget, buzz),
+        ("buzz, never evicting", "buzz", no_eviction, buzz),
+    ]
+    streams = {
+        label: start_stream(model, input_ids, method, budget, **parameters)
+        for label, method, budget, parameters in runs
+    }
     times = {label: [] for label, *_ in runs}
     for _ in range(arguments.repeats):
         for label, method, _, _ in runs:

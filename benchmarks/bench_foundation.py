@@ -46,8 +46,18 @@ def main() -> None:
     }
     for method in ("snapkv", "h2o", "local", "streamingllm"):
         configurations[f"{args.shape}-{method}-0.1-{args.context}"] = kvhive + [
-            "--shape", args.shape, "--method", method, "--budget", "0.1", "--context", str(args.context),
-            "--num-layers", str(args.layers), "--decode-tokens", str(args.decode_tokens),
+            "--shape",
+            args.shape,
+            "--method",
+            method,
+            "--budget",
+            "0.1",
+            "--context",
+            str(args.context),
+            "--num-layers",
+            str(args.layers),
+            "--decode-tokens",
+            str(args.decode_tokens),
         ]
     for key, command in configurations.items():
         if key in done:

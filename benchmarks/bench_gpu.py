@@ -34,17 +34,24 @@ def versions() -> dict:
 
     try:
         import triton
+
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip() or os.environ.get("KVHIVE_COMMIT")
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        ).stdout.strip() or os.environ.get("KVHIVE_COMMIT")
     except OSError:
         commit = os.environ.get("KVHIVE_COMMIT")
-    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "triton": triton_version, "python": platform.python_version(),
-            "commit": os.environ.get("KVHIVE_COMMIT", commit)}
+    return {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "commit": os.environ.get("KVHIVE_COMMIT", commit),
+    }
 
 
 def copy_bandwidth() -> float:
@@ -98,6 +105,7 @@ def make(model, config: str, budget: float):
     config, _, dense_decode = config.partition("@")
     try:  # "snapkv@kernel": dense decode through kvhive's Triton kernel instead of sdpa
         from kvhive.attention import integration
+
         integration.DENSE_DECODE = dense_decode or os.environ.get("KVHIVE_DENSE_DECODE", "sdpa")
     except ImportError:
         pass
@@ -129,9 +137,13 @@ def run_one(model, config, input_ids, budget, decode_tokens, weights_bytes, band
     decode_ms = 1e3 * (time.perf_counter() - start) / decode_tokens
     held = kv_bytes(cache)
     result = {
-        "config": config, "budget": None if config in STOCK or config == "full" else budget,
-        "context": input_ids.shape[1], "batch": input_ids.shape[0], "prefill_s": prefill,
-        "decode_ms_per_token": decode_ms, "kv_bytes": held,
+        "config": config,
+        "budget": None if config in STOCK or config == "full" else budget,
+        "context": input_ids.shape[1],
+        "batch": input_ids.shape[0],
+        "prefill_s": prefill,
+        "decode_ms_per_token": decode_ms,
+        "kv_bytes": held,
         "reserved_bytes": cache.reserved_nbytes() if hasattr(cache, "reserved_nbytes") else held,
         "peak_above_weights_bytes": torch.cuda.max_memory_allocated() - base,
         "bandwidth_bound_ms": 1e3 * (weights_bytes + held) / bandwidth,
@@ -144,7 +156,8 @@ def run_one(model, config, input_ids, budget, decode_tokens, weights_bytes, band
 
 
 def profile(model, cache, token, steps: int) -> dict:
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     torch.cuda.synchronize()
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -158,10 +171,14 @@ def profile(model, cache, token, steps: int) -> dict:
     device_to_host = sum(e.count for e in events if "DtoH" in e.key or "Memcpy DtoH" in e.key)
     kernel_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
-    return {"steps": steps, "host_ms_per_step": 1e3 * host / steps,
-            "gpu_kernel_ms_per_step": kernel_us / 1e3 / steps,
-            "synchronize_calls_per_step": syncs / steps, "device_to_host_copies_per_step": device_to_host / steps,
-            "top_host_ops": [(e.key, round(e.self_cpu_time_total / 1e3 / steps, 3)) for e in top]}
+    return {
+        "steps": steps,
+        "host_ms_per_step": 1e3 * host / steps,
+        "gpu_kernel_ms_per_step": kernel_us / 1e3 / steps,
+        "synchronize_calls_per_step": syncs / steps,
+        "device_to_host_copies_per_step": device_to_host / steps,
+        "top_host_ops": [(e.key, round(e.self_cpu_time_total / 1e3 / steps, 3)) for e in top],
+    }
 
 
 def varlen_rows(contexts, batches) -> list[dict]:
@@ -170,9 +187,18 @@ def varlen_rows(contexts, batches) -> list[dict]:
     rows = []
     for batch in batches:
         for context in contexts:
-            rows.append(variable_length_attention_benchmark(context=context, kv_heads=8, group_size=4, head_dim=128,
-                                                            batch_size=batch, repeats=50, device="cuda",
-                                                            dtype=torch.bfloat16))
+            rows.append(
+                variable_length_attention_benchmark(
+                    context=context,
+                    kv_heads=8,
+                    group_size=4,
+                    head_dim=128,
+                    batch_size=batch,
+                    repeats=50,
+                    device="cuda",
+                    dtype=torch.bfloat16,
+                )
+            )
     return rows
 
 
@@ -183,8 +209,11 @@ def main(argv=None) -> None:
     parser.add_argument("--budget", type=float, default=0.1, help="ratio of the prompt kept")
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--configs", default="stock-cudnn-on,stock-cudnn-off,full,full@kernel,snapkv,snapkv@kernel,"
-                                             "ada-snapkv,pyramidkv,tova,knorm,streamingllm")
+    parser.add_argument(
+        "--configs",
+        default="stock-cudnn-on,stock-cudnn-off,full,full@kernel,snapkv,snapkv@kernel,"
+        "ada-snapkv,pyramidkv,tova,knorm,streamingllm",
+    )
     parser.add_argument("--profile", default="", help="comma-separated configs to profile")
     parser.add_argument("--varlen", action="store_true", help="also time variable-length vs dense attention")
     parser.add_argument("--label", default="kvhive")
@@ -213,8 +242,16 @@ def main(argv=None) -> None:
     profiled = set(filter(None, args.profile.split(",")))
     for config in args.configs.split(","):
         try:
-            row = run_one(model, config, input_ids, args.budget, args.decode_tokens, weights_bytes, bandwidth,
-                          profile_steps=5 if config in profiled else 0)
+            row = run_one(
+                model,
+                config,
+                input_ids,
+                args.budget,
+                args.decode_tokens,
+                weights_bytes,
+                bandwidth,
+                profile_steps=5 if config in profiled else 0,
+            )
             write({"kind": "e2e", **row})
         except Exception as error:  # noqa: BLE001 - a failing method is a result to record, not a crash
             write({"kind": "e2e", "config": config, "error": f"{type(error).__name__}: {error}"[:500]})

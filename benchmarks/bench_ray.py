@@ -48,9 +48,13 @@ def differences(mine: list[dict], reference: dict) -> list[str]:
                 continue
             a, b = record.get(name), theirs.get(name)
             if name in ("output", "metrics") and record["kind"] != "generate" and a is not None and b is not None:
-                pairs = zip(a, b) if name == "output" else ((a[k], b.get(k)) for k in a)
-                same = all(isinstance(x, (int, float)) and isinstance(y, (int, float)) and math.isclose(x, y, rel_tol=1e-6,
-                           abs_tol=1e-6) for x, y in pairs) and (len(a) == len(b))
+                pairs = zip(a, b, strict=True) if name == "output" else ((a[k], b.get(k)) for k in a)
+                same = all(
+                    isinstance(x, (int, float))
+                    and isinstance(y, (int, float))
+                    and math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-6)
+                    for x, y in pairs
+                ) and (len(a) == len(b))
             else:
                 same = a == b
             if not same:
@@ -77,9 +81,13 @@ def main() -> None:
     parser.add_argument("--model", default="gemma-3-270m")
     parser.add_argument("--suite", default="quick")
     parser.add_argument("--limit", type=int, default=None, help="items per task (default: the suite's)")
-    parser.add_argument("--workers", default="1,2", help="comma-separated worker counts, in run order (repeats allowed)")
+    parser.add_argument(
+        "--workers", default="1,2", help="comma-separated worker counts, in run order (repeats allowed)"
+    )
     parser.add_argument("--tasks", default=None, help="comma-separated task names: keep only these of the suite's")
-    parser.add_argument("--data-dir", type=Path, default=default_data_dir(), help="default $KVHIVE_DATA_DIR or <repo>/../shared/data")
+    parser.add_argument(
+        "--data-dir", type=Path, default=default_data_dir(), help="default $KVHIVE_DATA_DIR or <repo>/../shared/data"
+    )
     parser.add_argument("--write-records", type=int, default=2000, help="records appended to measure the write rate")
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     args = parser.parse_args()
@@ -107,9 +115,17 @@ def main() -> None:
     run = run_eval(backend, *grid, scratch / "single", progress=False, model_name=args.model, suite=args.suite)
     done = time.perf_counter()
     reference = {result_key(r): r for r in read_results(scratch / "single")}
-    rows.append({"run": "one process", "workers": 0, "startup_s": round(loaded - start, 2),
-                 "grid_s": round(done - loaded, 2), "wall_s": round(done - start, 2), "results": run.written,
-                 "equal_to_single_process": True})
+    rows.append(
+        {
+            "run": "one process",
+            "workers": 0,
+            "startup_s": round(loaded - start, 2),
+            "grid_s": round(done - loaded, 2),
+            "wall_s": round(done - start, 2),
+            "results": run.written,
+            "equal_to_single_process": True,
+        }
+    )
     print(rows[-1], flush=True)
     del backend
 
@@ -122,9 +138,18 @@ def main() -> None:
             run = run_eval(pool, *grid, out, progress=False, model_name=args.model, suite=args.suite, executor=pool)
             done = time.perf_counter()
         problems = differences(read_results(out), reference)
-        rows.append({"run": f"ray, {workers} worker(s)", "workers": workers, "startup_s": round(started - start, 2),
-                     "grid_s": round(done - started, 2), "wall_s": round(done - start, 2), "results": run.written,
-                     "equal_to_single_process": not problems, "differences": problems[:10]})
+        rows.append(
+            {
+                "run": f"ray, {workers} worker(s)",
+                "workers": workers,
+                "startup_s": round(started - start, 2),
+                "grid_s": round(done - started, 2),
+                "wall_s": round(done - start, 2),
+                "results": run.written,
+                "equal_to_single_process": not problems,
+                "differences": problems[:10],
+            }
+        )
         print(rows[-1], flush=True)
 
     sample = next(iter(reference.values()))
@@ -132,10 +157,17 @@ def main() -> None:
     record_bytes = len(json.dumps(sample)) + 1
     produced = max(r["results"] / r["grid_s"] for r in rows if r["grid_s"] > 0)
     summary = {
-        "model": args.model, "suite": args.suite, "tasks": tasks, "limit": limit, "cores": cores,
+        "model": args.model,
+        "suite": args.suite,
+        "tasks": tasks,
+        "limit": limit,
+        "cores": cores,
         "load_average_at_end": os.getloadavg(),
-        "machine": platform.platform(), "torch": torch.__version__,
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "machine": platform.platform(),
+        "torch": torch.__version__,
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip(),
         "runs": rows,
         "driver_write_rate_records_per_s": round(rate, 1),
         "record_bytes": record_bytes,

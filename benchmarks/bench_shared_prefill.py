@@ -29,8 +29,9 @@ def main() -> None:
     text = "\n\n".join(path.read_text() for path in essays[:3])
     ids = tokenizer(text)["input_ids"][: args.tokens]
     prompt = tokenizer.decode(ids, skip_special_tokens=True) + "\n\nSummary:"
-    settings = [Setting(method, budget) for method in ("snapkv", "h2o", "streamingllm", "ada-snapkv")
-                for budget in (0.1, 0.3)] + [Setting("full", 1.0)]
+    settings = [
+        Setting(method, budget) for method in ("snapkv", "h2o", "streamingllm", "ada-snapkv") for budget in (0.1, 0.3)
+    ] + [Setting("full", 1.0)]
     timings, outputs = {}, {}
     for shared in (True, False):
         backend = KVHiveBackend(model, tokenizer, share_prefill=shared)
@@ -38,9 +39,13 @@ def main() -> None:
         outputs[shared] = backend.generate(prompt, args.new_tokens, settings)
         timings[shared] = time.perf_counter() - start
     result = {
-        "prompt_tokens": len(tokenizer(prompt)["input_ids"]), "settings": len(settings),
-        "new_tokens": args.new_tokens, "shared_seconds": timings[True], "separate_seconds": timings[False],
-        "speedup": timings[False] / timings[True], "identical_outputs": outputs[True] == outputs[False],
+        "prompt_tokens": len(tokenizer(prompt)["input_ids"]),
+        "settings": len(settings),
+        "new_tokens": args.new_tokens,
+        "shared_seconds": timings[True],
+        "separate_seconds": timings[False],
+        "speedup": timings[False] / timings[True],
+        "identical_outputs": outputs[True] == outputs[False],
     }
     print(json.dumps(result, indent=2))
 

@@ -45,6 +45,7 @@ class Timer:
                 return function(*args, **kwargs)
             finally:
                 self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
         return timed
 
 
@@ -66,10 +67,14 @@ def timed_prefill(model, method: str, input_ids: torch.Tensor, **options) -> tup
 
 
 def part_a(model, lengths, budget, ratio, repeats, target) -> None:
-    print(f"(a) subgen prefill + compress / prefill (full cache), kv_heavy 4 layers, "
-          f"budget {budget} tokens (recent 32 + k {budget - 32})" + (f" and ratio {ratio}" if ratio else ""))
-    print(f"{'n':>6} {'budget':>8} {'prefill s':>10} {'+compress s':>12} {'compress s':>11} "
-          f"{'ratio (wall)':>13} {'ratio (direct)':>15}")
+    print(
+        f"(a) subgen prefill + compress / prefill (full cache), kv_heavy 4 layers, "
+        f"budget {budget} tokens (recent 32 + k {budget - 32})" + (f" and ratio {ratio}" if ratio else "")
+    )
+    print(
+        f"{'n':>6} {'budget':>8} {'prefill s':>10} {'+compress s':>12} {'compress s':>11} "
+        f"{'ratio (wall)':>13} {'ratio (direct)':>15}"
+    )
     at_max = []
     settings = [dict(budget=budget)] + ([dict(ratio=ratio)] if ratio else [])
     for length in lengths:
@@ -89,8 +94,9 @@ def part_a(model, lengths, budget, ratio, repeats, target) -> None:
                 at_max.append(((p + c) / p, w / p, length, kept, label))
     for direct, wall, length, kept, label in at_max:
         verdict = "met" if direct <= target else "MISSED"
-        print(f"target ≤ {target:.2f}x at n={length} (budget {label}): {verdict} "
-              f"(direct {direct:.3f}x, wall {wall:.3f}x)")
+        print(
+            f"target ≤ {target:.2f}x at n={length} (budget {label}): {verdict} (direct {direct:.3f}x, wall {wall:.3f}x)"
+        )
         if direct > target:
             profile_compress(length, kept)
 
@@ -102,6 +108,7 @@ def profile_compress(length: int, budget: int) -> None:
     candidates = torch.ones(8, length, dtype=torch.bool)
     candidates[:, -32:] = False
     from torch.profiler import profile
+
     with profile() as prof:
         farthest_point_order(keys, candidates, budget - 32)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
@@ -142,21 +149,27 @@ def part_b(model, length: int, window: int, tokens: int, deltas) -> None:
     print(f"  local (window {window})            {local_ms:8.1f} ms/token")
     for delta in deltas:
         # The budget is the method's whole memory (window + samples + clusters, token-equivalents).
-        ms, breakdown, cache = decode_time(model, "subgen-attention", input_ids, tokens, budget=window,
-                                           cluster_radius=delta)
+        ms, breakdown, cache = decode_time(
+            model, "subgen-attention", input_ids, tokens, budget=window, cluster_radius=delta
+        )
         clusters = cluster_counts(cache)
         total_clusters = sum(int(c.sum()) for c in clusters.values())
         heads = sum(c.numel() for c in clusters.values())
-        inserted = sum(int(layer.policy_state[STATE_KEY].tokens.sum()) for layer in cache.layers
-                       if STATE_KEY in layer.policy_state)
+        inserted = sum(
+            int(layer.policy_state[STATE_KEY].tokens.sum()) for layer in cache.layers if STATE_KEY in layer.policy_state
+        )
         parts = ", ".join(f"{name} {value:.1f} ms" for name, value in breakdown.items())
         plan = cache.policy.plan(window)
-        print(f"  subgen-attention δ={delta:<4} (budget {window}: window {plan.window}, s={plan.value_samples}, "
-              f"<= {plan.max_clusters} clusters of t={plan.samples_per_cluster}) {ms:8.1f} ms/token "
-              f"= {ms / full_ms:.2f}x full, +{ms - local_ms:.1f} ms over local [{parts}]")
-        print(f"      clusters {total_clusters} for {inserted} inserted tokens over {heads} heads "
-              f"({total_clusters / max(inserted, 1):.2f} per token); window {cache.nbytes() / 2**20:.1f} MiB + "
-              f"structures {structures_nbytes(cache) / 2**20:.1f} MiB vs full {cache.full_cache_nbytes() / 2**20:.1f} MiB")
+        print(
+            f"  subgen-attention δ={delta:<4} (budget {window}: window {plan.window}, s={plan.value_samples}, "
+            f"<= {plan.max_clusters} clusters of t={plan.samples_per_cluster}) {ms:8.1f} ms/token "
+            f"= {ms / full_ms:.2f}x full, +{ms - local_ms:.1f} ms over local [{parts}]"
+        )
+        print(
+            f"      clusters {total_clusters} for {inserted} inserted tokens over {heads} heads "
+            f"({total_clusters / max(inserted, 1):.2f} per token); window {cache.nbytes() / 2**20:.1f} MiB + "
+            f"structures {structures_nbytes(cache) / 2**20:.1f} MiB vs full {cache.full_cache_nbytes() / 2**20:.1f} MiB"
+        )
 
 
 def main() -> None:

@@ -67,8 +67,10 @@ class _Capture:
                 w = weights if scale == "raw" else weights / weights.sum(-1, keepdim=True)
                 objective = Mixture(sim, w, valid, lam, Concave(kind))
                 facility = sim.sum(-1).double() * objective.facility_scale[:, None]
-                feature = objective.phi.gain(torch.zeros_like(objective.weights), objective.weights) \
+                feature = (
+                    objective.phi.gain(torch.zeros_like(objective.weights), objective.weights)
                     * objective.feature_scale[:, None]
+                )
                 share = (feature / (feature + facility)).mean().item()
                 self.shares.setdefault((kind, scale), []).append(share)
 
@@ -84,14 +86,18 @@ def main() -> None:
     model, tokenizer = load_model()
     items = texts(tokenizer, args.texts, args.prompt + args.continuation)
     capture = _Capture()
-    settings = [("full", {}), ("bumblebee", {"importance_scale": "raw"}), ("bumblebee", {"importance_scale": "normalised"}),
-                ("bumblebee-power", {"importance_scale": "raw"}),
-                ("bumblebee-power", {"importance_scale": "normalised"})]
+    settings = [
+        ("full", {}),
+        ("bumblebee", {"importance_scale": "raw"}),
+        ("bumblebee", {"importance_scale": "normalised"}),
+        ("bumblebee-power", {"importance_scale": "raw"}),
+        ("bumblebee-power", {"importance_scale": "normalised"}),
+    ]
     nll = {i: [] for i in range(len(settings))}
     agree = {i: [] for i in range(len(settings))}
     started = time.time()
     for item in items:
-        prompt, continuation = item[:, :args.prompt], item[:, args.prompt:]
+        prompt, continuation = item[:, : args.prompt], item[:, args.prompt :]
         full_top = None
         for index, (method, parameters) in enumerate(settings):
             cache = make_cache(model, method, budget=args.budget if method != "full" else None, **parameters)
@@ -110,8 +116,9 @@ def main() -> None:
                 output = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
                 logits = [output.logits[:, -1]]
                 for position in range(continuation.shape[1] - 1):
-                    output = model(input_ids=continuation[:, position:position + 1], past_key_values=cache,
-                                   use_cache=True)
+                    output = model(
+                        input_ids=continuation[:, position : position + 1], past_key_values=cache, use_cache=True
+                    )
                     logits.append(output.logits[:, -1])
             logits = torch.cat(logits).float()
             log_probs = torch.log_softmax(logits, dim=-1)
@@ -120,16 +127,22 @@ def main() -> None:
             if full_top is None:
                 full_top = top
             agree[index].append((top == full_top).float().mean().item())
-    print(f"{len(items)} texts, prompt {args.prompt}, continuation {args.continuation}, budget {args.budget}, "
-          f"{time.time() - started:.0f} s")
+    print(
+        f"{len(items)} texts, prompt {args.prompt}, continuation {args.continuation}, budget {args.budget}, "
+        f"{time.time() - started:.0f} s"
+    )
     print("feature-term share of the first greedy gains (mean over layers, heads, candidates):")
     for (kind, scale), values in sorted(capture.shares.items()):
-        print(f"  phi={kind:5s} {scale:10s} {statistics.mean(values):.3f} (min {min(values):.3f}, max {max(values):.3f})")
+        print(
+            f"  phi={kind:5s} {scale:10s} {statistics.mean(values):.3f} (min {min(values):.3f}, max {max(values):.3f})"
+        )
     print("continuation NLL (mean over texts) and top-1 agreement with full:")
     for index, (method, parameters) in enumerate(settings):
         label = method + (f" {parameters['importance_scale']}" if parameters else "")
-        print(f"  {label:28s} nll {statistics.mean(nll[index]):.4f}  ppl {math.exp(statistics.mean(nll[index])):.2f}"
-              f"  agree {statistics.mean(agree[index]):.3f}")
+        print(
+            f"  {label:28s} nll {statistics.mean(nll[index]):.4f}  ppl {math.exp(statistics.mean(nll[index])):.2f}"
+            f"  agree {statistics.mean(agree[index]):.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -66,9 +66,17 @@ def full_attention_keys(model, input_ids: torch.Tensor) -> dict[int, torch.Tenso
 def cluster_counts(keys: torch.Tensor, radius: float, checkpoints: list[int]) -> list[int]:
     """Clusters (summed over heads) after each prefix length in ``checkpoints``."""
     heads, n, d = keys.shape
-    structures = StreamingStructures(heads, d, t=1, s=1, dtype=torch.float32, device=keys.device,
-                                     generator=torch.Generator().manual_seed(0), delta=radius,
-                                     relative_delta=False)
+    structures = StreamingStructures(
+        heads,
+        d,
+        t=1,
+        s=1,
+        dtype=torch.float32,
+        device=keys.device,
+        generator=torch.Generator().manual_seed(0),
+        delta=radius,
+        relative_delta=False,
+    )
     counts, start = [], 0
     for stop in checkpoints:
         mask = torch.ones(heads, stop - start, dtype=torch.bool)
@@ -82,7 +90,7 @@ def slope(xs: list[int], ys: list[int]) -> float:
     lx = [math.log(x) for x in xs]
     ly = [math.log(max(y, 1)) for y in ys]
     mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
-    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly, strict=True)) / sum((a - mx) ** 2 for a in lx)
 
 
 def distance_profile(keys: torch.Tensor) -> tuple[float, float, float]:
@@ -106,19 +114,26 @@ def main() -> None:
     model, tokenizer = kvhive.load_model()
     input_ids = long_text(tokenizer, args.tokens)
     keys_by_layer = full_attention_keys(model, input_ids)
-    print(f"Gemma-3-270M, WikiText-2 test, n = {args.tokens} tokens, full-attention layers "
-          f"{sorted(keys_by_layer)} (prefill {time.perf_counter() - started:.1f} s)")
+    print(
+        f"Gemma-3-270M, WikiText-2 test, n = {args.tokens} tokens, full-attention layers "
+        f"{sorted(keys_by_layer)} (prefill {time.perf_counter() - started:.1f} s)"
+    )
 
     checkpoints = [c for c in (128, 256, 512, 1024, 2048, 4096, 8192) if c < args.tokens] + [args.tokens]
     rows = []
     for layer, keys in keys_by_layer.items():
         heads, n, d = keys.shape
         mean_norm, nearest, pairwise = distance_profile(keys)
-        print(f"\nlayer {layer}: {heads} KV head(s), d = {d}, mean ‖k‖ = {mean_norm:.2f}, median nearest-neighbour "
-              f"distance = {nearest:.2f} ({nearest / mean_norm:.2f}·‖k‖), median pairwise = {pairwise:.2f} "
-              f"({pairwise / mean_norm:.2f}·‖k‖)")
-        header = ("  δ/‖k‖      δ " + "".join(f"{c:>8}" for c in checkpoints)
-                  + "   slope  last-doubling slope  m/n@max  D bytes/KV bytes")
+        print(
+            f"\nlayer {layer}: {heads} KV head(s), d = {d}, mean ‖k‖ = {mean_norm:.2f}, median nearest-neighbour "
+            f"distance = {nearest:.2f} ({nearest / mean_norm:.2f}·‖k‖), median pairwise = {pairwise:.2f} "
+            f"({pairwise / mean_norm:.2f}·‖k‖)"
+        )
+        header = (
+            "  δ/‖k‖      δ "
+            + "".join(f"{c:>8}" for c in checkpoints)
+            + "   slope  last-doubling slope  m/n@max  D bytes/KV bytes"
+        )
         print(header)
         for relative in args.deltas:
             radius = relative * mean_norm
@@ -128,14 +143,27 @@ def main() -> None:
             tail = slope(checkpoints[-2:], counts[-2:])
             # Bytes of D at t samples (+ representative) per cluster vs the full keys+values.
             memory_ratio = counts[-1] * (args.t + 1) * d / (2 * heads * n * d)
-            print(f"  {relative:6.2f} {radius:6.2f} " + "".join(f"{c:>8}" for c in counts)
-                  + f"   {exponent:5.2f}  {tail:19.2f}  {counts[-1] / (heads * n):7.3f}  {memory_ratio:8.2f}")
-            for tokens, clusters in zip(checkpoints, counts):
-                rows.append({"layer": layer, "heads": heads, "delta_relative": relative, "delta": round(radius, 4),
-                             "mean_key_norm": round(mean_norm, 4), "n": tokens, "clusters": clusters,
-                             "clusters_per_token": round(clusters / (heads * tokens), 4),
-                             "slope": round(exponent, 4), "last_doubling_slope": round(tail, 4),
-                             "d_bytes_over_kv_bytes_t16": round(memory_ratio, 4)})
+            print(
+                f"  {relative:6.2f} {radius:6.2f} "
+                + "".join(f"{c:>8}" for c in counts)
+                + f"   {exponent:5.2f}  {tail:19.2f}  {counts[-1] / (heads * n):7.3f}  {memory_ratio:8.2f}"
+            )
+            for tokens, clusters in zip(checkpoints, counts, strict=True):
+                rows.append(
+                    {
+                        "layer": layer,
+                        "heads": heads,
+                        "delta_relative": relative,
+                        "delta": round(radius, 4),
+                        "mean_key_norm": round(mean_norm, 4),
+                        "n": tokens,
+                        "clusters": clusters,
+                        "clusters_per_token": round(clusters / (heads * tokens), 4),
+                        "slope": round(exponent, 4),
+                        "last_doubling_slope": round(tail, 4),
+                        "d_bytes_over_kv_bytes_t16": round(memory_ratio, 4),
+                    }
+                )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))

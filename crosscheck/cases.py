@@ -24,27 +24,60 @@ COMPRESSION_RATIOS = (0.5, 0.25)
 
 CASES = [
     # kvpress SnapKVPress defaults: window_size=64, kernel_size=5, avg_pool1d (count_include_pad=True).
-    dict(case="snapkv", press="SnapKVPress", press_kwargs=dict(window_size=64, kernel_size=5),
-         method="snapkv", method_kwargs=dict(window=64, kernel=5, pooling="avg"), ablations=["count_include_pad"]),
+    dict(
+        case="snapkv",
+        press="SnapKVPress",
+        press_kwargs=dict(window_size=64, kernel_size=5),
+        method="snapkv",
+        method_kwargs=dict(window=64, kernel=5, pooling="avg"),
+        ablations=["count_include_pad"],
+    ),
     # Same kvpress press; kvhive with its METHODS.md choice of max pooling (the Ada-KV paper).
-    dict(case="snapkv/max-pool", press="SnapKVPress", press_kwargs=dict(window_size=64, kernel_size=5),
-         method="snapkv", method_kwargs=dict(window=64, kernel=5, pooling="max"), variant=True),
+    dict(
+        case="snapkv/max-pool",
+        press="SnapKVPress",
+        press_kwargs=dict(window_size=64, kernel_size=5),
+        method="snapkv",
+        method_kwargs=dict(window=64, kernel=5, pooling="max"),
+        variant=True,
+    ),
     # kvhive's default window/kernel (32/7) run on both sides, avg pooling on both.
-    dict(case="snapkv/w32-k7", press="SnapKVPress", press_kwargs=dict(window_size=32, kernel_size=7),
-         method="snapkv", method_kwargs=dict(window=32, kernel=7, pooling="avg"), ablations=["count_include_pad"]),
+    dict(
+        case="snapkv/w32-k7",
+        press="SnapKVPress",
+        press_kwargs=dict(window_size=32, kernel_size=7),
+        method="snapkv",
+        method_kwargs=dict(window=32, kernel=7, pooling="avg"),
+        ablations=["count_include_pad"],
+    ),
     # kvpress StreamingLLMPress default n_sink=4 (= kvhive's sink=4).
-    dict(case="streamingllm", press="StreamingLLMPress", press_kwargs=dict(n_sink=4),
-         method="streamingllm", method_kwargs=dict(sink=4)),
+    dict(
+        case="streamingllm",
+        press="StreamingLLMPress",
+        press_kwargs=dict(n_sink=4),
+        method="streamingllm",
+        method_kwargs=dict(sink=4),
+    ),
     # kvpress TOVAPress: last query's attention, averaged over all query heads, last token forced.
-    dict(case="tova", press="TOVAPress", press_kwargs=dict(),
-         method="tova", method_kwargs=dict(), ablations=["force_last_token"]),
+    dict(
+        case="tova",
+        press="TOVAPress",
+        press_kwargs=dict(),
+        method="tova",
+        method_kwargs=dict(),
+        ablations=["force_last_token"],
+    ),
     # kvpress KnormPress: score = -||k||, keep the smallest key norms.
-    dict(case="knorm", press="KnormPress", press_kwargs=dict(),
-         method="knorm", method_kwargs=dict()),
+    dict(case="knorm", press="KnormPress", press_kwargs=dict(), method="knorm", method_kwargs=dict()),
     # kvpress PyramidKVPress defaults: window_size=64, kernel_size=5, beta=20 (SnapKV scoring).
-    dict(case="pyramidkv", press="PyramidKVPress", press_kwargs=dict(window_size=64, kernel_size=5, beta=20),
-         method="pyramidkv", method_kwargs=dict(window=64, kernel=5, pooling="avg", beta=20),
-         ablations=["count_include_pad"]),
+    dict(
+        case="pyramidkv",
+        press="PyramidKVPress",
+        press_kwargs=dict(window_size=64, kernel_size=5, beta=20),
+        method="pyramidkv",
+        method_kwargs=dict(window=64, kernel=5, pooling="avg", beta=20),
+        ablations=["count_include_pad"],
+    ),
 ]
 
 

@@ -90,16 +90,21 @@ def load(path: Path) -> dict:
 def set_metrics(press_layers: list[dict], hive_layers: list[dict]) -> dict:
     identical = total = 0
     jaccards, overlaps = [], []
-    for press_layer, hive_layer in zip(press_layers, hive_layers):
-        for a, b in zip(press_layer["kept"], hive_layer["kept"]):
+    for press_layer, hive_layer in zip(press_layers, hive_layers, strict=True):
+        for a, b in zip(press_layer["kept"], hive_layer["kept"], strict=True):
             a, b = set(a), set(b)
             total += 1
             identical += a == b
             union = a | b
             jaccards.append(len(a & b) / len(union) if union else 1.0)
             overlaps.append(len(a & b) / max(len(a), len(b), 1))
-    return {"identical": identical, "heads": total, "jaccard": sum(jaccards) / len(jaccards),
-            "min_jaccard": min(jaccards), "overlap": sum(overlaps) / len(overlaps)}
+    return {
+        "identical": identical,
+        "heads": total,
+        "jaccard": sum(jaccards) / len(jaccards),
+        "min_jaccard": min(jaccards),
+        "overlap": sum(overlaps) / len(overlaps),
+    }
 
 
 def classify(case: dict, press_run: dict, hive_layers: list[dict], num_tokens: int) -> dict:
@@ -121,8 +126,8 @@ def classify(case: dict, press_run: dict, hive_layers: list[dict], num_tokens: i
         edges = set(range(0, half)) | set(range(prefix - half, prefix))
     counts = {"edge-pooling": 0, "last-token": 0, "displaced": 0, "near-tie": 0, "other": 0}
     ties = 0
-    for press_layer, hive_layer in zip(press_run["layers"], hive_layers):
-        for head, (a, b) in enumerate(zip(press_layer["kept"], hive_layer["kept"])):
+    for press_layer, hive_layer in zip(press_run["layers"], hive_layers, strict=True):
+        for head, (a, b) in enumerate(zip(press_layer["kept"], hive_layer["kept"], strict=True)):
             a, b = set(a), set(b)
             scores = press_layer.get("scores", [None])[head] if "scores" in press_layer else None
             if scores is not None:
@@ -207,7 +212,7 @@ def main() -> None:
     num_tokens = len(prompt["input_ids"])
     num_layers = config["num_hidden_layers"]
 
-    rows, diagnoses, pyramid_rows, unavailable = [], [], [], []
+    rows, _diagnoses, pyramid_rows, unavailable = [], [], [], []
     for case in CASES:
         for ratio in COMPRESSION_RATIOS:
             key = case_key(case["case"], ratio)
@@ -223,18 +228,31 @@ def main() -> None:
             hive_counts = [layer["n_kept"][0] for layer in hive_run["native"]]
             native = set_metrics(press_run["layers"], hive_run["native"])
             matched = set_metrics(press_run["layers"], hive_run["matched"]) if "matched" in hive_run else None
-            ablations = {name: set_metrics(press_run["layers"], layers)
-                         for name, layers in hive_run.get("ablations", {}).items()}
+            ablations = {
+                name: set_metrics(press_run["layers"], layers) for name, layers in hive_run.get("ablations", {}).items()
+            }
             causes = classify(case, press_run, hive_run["matched"], num_tokens) if "matched" in hive_run else None
-            rows.append(dict(key=key, case=case, ratio=ratio, press_counts=press_counts, hive_counts=hive_counts,
-                             native=native, matched=matched, ablations=ablations, causes=causes,
-                             variant=case.get("variant", False)))
+            rows.append(
+                dict(
+                    key=key,
+                    case=case,
+                    ratio=ratio,
+                    press_counts=press_counts,
+                    hive_counts=hive_counts,
+                    native=native,
+                    matched=matched,
+                    ablations=ablations,
+                    causes=causes,
+                    variant=case.get("variant", False),
+                )
+            )
             if case["method"] == "pyramidkv":
                 targets = [layer.get("budget") for layer in hive_run["native"]]
                 pyramid_rows.append((ratio, press_counts, hive_counts, targets if None not in targets else None))
 
-    lines = render(rows, pyramid_rows, unavailable, press_data["meta"], hive_data["meta"], num_tokens, num_layers,
-                   config)
+    lines = render(
+        rows, pyramid_rows, unavailable, press_data["meta"], hive_data["meta"], num_tokens, num_layers, config
+    )
     text = "\n".join(lines) + "\n"
     args.results.write_text(text)
     print(text)
@@ -270,32 +288,44 @@ def render(rows, pyramid_rows, unavailable, press_meta, hive_meta, num_tokens, n
     for row in rows:
         ablation = "; ".join(f"{name}: {fmt_metrics(m)}" for name, m in row["ablations"].items()) or "—"
         name = row["case"]["case"] + (" *(variant)*" if row["variant"] else "")
-        out.append(f"| {name} | {row['ratio']:g} | {counts_text(row['press_counts'])} | "
-                   f"{counts_text(row['hive_counts'])} | {fmt_metrics(row['native'])} | {fmt_metrics(row['matched'])} "
-                   f"| {ablation} |")
-    out += ["", "## Differing tokens of the matched runs, by cause", "",
-            "Cause of every token kept by one side only, at equal counts (see `compare.classify`): *edge-pooling* "
-            "= a token within kernel//2 of either end of the pooled prefix that kvhive keeps; *last-token* = the "
-            "last prompt token kvpress forces; *displaced* = the token the other side keeps instead of one of "
-            f"those; *near-tie* = kvpress score within {NEAR_TIE:g} (relative) of the cut; *other* = unexplained. "
-            "*ties* = exact score ties at the cut in kvpress's scores (where tie-breaking could matter). In the "
-            "*variant* rows (max pooling) *other* is that METHODS.md choice itself.", "",
-            "| case | c | edge-pooling | last-token | displaced | near-tie | other | ties |",
-            "|---|---|---|---|---|---|---|---|"]
+        out.append(
+            f"| {name} | {row['ratio']:g} | {counts_text(row['press_counts'])} | "
+            f"{counts_text(row['hive_counts'])} | {fmt_metrics(row['native'])} | {fmt_metrics(row['matched'])} "
+            f"| {ablation} |"
+        )
+    out += [
+        "",
+        "## Differing tokens of the matched runs, by cause",
+        "",
+        "Cause of every token kept by one side only, at equal counts (see `compare.classify`): *edge-pooling* "
+        "= a token within kernel//2 of either end of the pooled prefix that kvhive keeps; *last-token* = the "
+        "last prompt token kvpress forces; *displaced* = the token the other side keeps instead of one of "
+        f"those; *near-tie* = kvpress score within {NEAR_TIE:g} (relative) of the cut; *other* = unexplained. "
+        "*ties* = exact score ties at the cut in kvpress's scores (where tie-breaking could matter). In the "
+        "*variant* rows (max pooling) *other* is that METHODS.md choice itself.",
+        "",
+        "| case | c | edge-pooling | last-token | displaced | near-tie | other | ties |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
         c = row["causes"]
         if c is None:
             continue
-        out.append(f"| {row['case']['case']} | {row['ratio']:g} | {c['edge-pooling']} | {c['last-token']} | "
-                   f"{c['displaced']} | {c['near-tie']} | {c['other']} | {c['exact-ties-at-cut']} |")
+        out.append(
+            f"| {row['case']['case']} | {row['ratio']:g} | {c['edge-pooling']} | {c['last-token']} | "
+            f"{c['displaced']} | {c['near-tie']} | {c['other']} | {c['exact-ties-at-cut']} |"
+        )
 
     out += ["", "## Kept counts (ratio rounding, layer budgets)", ""]
     out += [
         "- Uniform methods: kvpress keeps `int(N * (1 - c))` (floor; `kvpress.utils.compute_n_kept`), kvhive "
         "`round(ratio * N)` (`kvhive/cache/kv_cache.py` `Budget.resolve`, Python's round-half-to-even). "
-        f"N = {num_tokens}: " + "; ".join(
+        f"N = {num_tokens}: "
+        + "; ".join(
             f"c={r:g}: kvpress {int(num_tokens * (1 - r))}, kvhive {max(1, round((1 - r) * num_tokens))}"
-            for r in COMPRESSION_RATIOS) + ". A one-token difference in count, not in rule; the *matched* runs "
+            for r in COMPRESSION_RATIOS
+        )
+        + ". A one-token difference in count, not in rule; the *matched* runs "
         "remove it.",
     ]
     for ratio, press_counts, hive_counts, hive_targets in pyramid_rows:
@@ -304,7 +334,8 @@ def render(rows, pyramid_rows, unavailable, press_meta, hive_meta, num_tokens, n
             f"- PyramidKV c={ratio:g}: kvpress {press_counts} (total {sum(press_counts)}), kvhive {hive_counts} "
             f"(total {sum(hive_counts)}; layer budgets before the cache's min(budget, N): {hive_targets}); requested ratio × N × layers = {requested:g}. kvhive keeps "
             f"{sum(hive_counts) / (num_tokens * num_layers):.1%} of the prompt, kvpress "
-            f"{sum(press_counts) / (num_tokens * num_layers):.1%} (asked: {1 - ratio:.0%}).")
+            f"{sum(press_counts) / (num_tokens * num_layers):.1%} (asked: {1 - ratio:.0%})."
+        )
 
     out += ["", "## Why they differ, case by case", ""]
     seen = set()
@@ -314,8 +345,10 @@ def render(rows, pyramid_rows, unavailable, press_meta, hive_meta, num_tokens, n
             continue
         seen.add(case)
         spec = row["case"]
-        out.append(f"- **{case}** — kvpress `{spec['press']}({fmt_kwargs(spec['press_kwargs'])})` ↔ kvhive "
-                   f"`{spec['method']}({fmt_kwargs(spec['method_kwargs'])})`. {EXPLANATIONS.get(case, '')}")
+        out.append(
+            f"- **{case}** — kvpress `{spec['press']}({fmt_kwargs(spec['press_kwargs'])})` ↔ kvhive "
+            f"`{spec['method']}({fmt_kwargs(spec['method_kwargs'])})`. {EXPLANATIONS.get(case, '')}"
+        )
 
     out += ["", "## Discrepancies worth a look in kvhive", "", *discrepancies(pyramid_rows, num_tokens, num_layers)]
     if unavailable:
@@ -329,14 +362,18 @@ def fmt_kwargs(kwargs: dict) -> str:
 
 
 def discrepancies(pyramid_rows, num_tokens, num_layers) -> list[str]:
-    lost = [(ratio, hive_targets, hive_counts) for ratio, _, hive_counts, hive_targets in pyramid_rows
-            if hive_targets and max(hive_targets) > num_tokens]
+    lost = [
+        (ratio, hive_targets, hive_counts)
+        for ratio, _, hive_counts, hive_targets in pyramid_rows
+        if hive_targets and max(hive_targets) > num_tokens
+    ]
     if lost:
         evidence = "; ".join(
             f"at c={ratio:g} kvhive's layer targets are {targets}, the first exceeds N={num_tokens}, so it keeps "
             f"{sum(counts)} of the {sum(targets)} budgeted tokens ({sum(counts) / (num_tokens * num_layers):.1%} of "
             f"the prompt instead of {1 - ratio:.0%})"
-            for ratio, targets, counts in lost)
+            for ratio, targets, counts in lost
+        )
     else:
         evidence = "not triggered by this run's prompt length and ratios"
     deliberate = (
@@ -359,6 +396,7 @@ def discrepancies(pyramid_rows, num_tokens, num_layers) -> list[str]:
         "redistributed to the other layers (`KVHiveCache._resolve_budgets`), so the total is kept at short prompts.",
         deliberate,
     ]
+
 
 if __name__ == "__main__":
     main()

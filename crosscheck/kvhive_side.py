@@ -42,10 +42,11 @@ def kept_positions(cache) -> list[dict]:
         offsets = store.segment_offsets().tolist()
         heads = []
         for head in range(lengths.shape[1]):
-            segment = store.positions[offsets[head]:offsets[head + 1]]
+            segment = store.positions[offsets[head] : offsets[head + 1]]
             heads.append(sorted(int(p) for p in segment.tolist()))
-        layers.append({"layer": index, "kept": heads, "n_kept": [len(h) for h in heads],
-                       "budget": cache.layer_budgets.get(index)})
+        layers.append(
+            {"layer": index, "kept": heads, "n_kept": [len(h) for h in heads], "budget": cache.layer_budgets.get(index)}
+        )
     return layers
 
 
@@ -127,8 +128,9 @@ def main() -> None:
     out = args.out or args.artifacts / "kvhive.json"
     kvpress_runs = json.loads(kvpress_json.read_text())["runs"] if kvpress_json.exists() else {}
 
-    model = AutoModelForCausalLM.from_pretrained(args.artifacts / "model", dtype=torch.float32,
-                                                 attn_implementation="sdpa", local_files_only=True).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        args.artifacts / "model", dtype=torch.float32, attn_implementation="sdpa", local_files_only=True
+    ).eval()
     input_ids = torch.tensor([json.loads((args.artifacts / "prompt.json").read_text())["input_ids"]])
     with torch.no_grad():
         reference_logits = model(input_ids).logits[0, -1]
@@ -138,8 +140,13 @@ def main() -> None:
         for ratio in COMPRESSION_RATIOS:
             key = case_key(spec["case"], ratio)
             method, params = spec["method"], spec["method_kwargs"]
-            entry = {"case": spec["case"], "compression_ratio": ratio, "method": method, "params": params,
-                     "kvhive_ratio": 1 - ratio}
+            entry = {
+                "case": spec["case"],
+                "compression_ratio": ratio,
+                "method": method,
+                "params": params,
+                "kvhive_ratio": 1 - ratio,
+            }
             try:
                 policy = policy_class(method)(**params)
                 entry["config"] = repr(policy)
@@ -148,8 +155,9 @@ def main() -> None:
                 if press is not None:
                     counts = [layer["n_kept"] for layer in press["layers"]]
                     if len(set(counts)) == 1:
-                        entry["matched"] = run_one(model, input_ids, policy_class(method)(**params), reference_logits,
-                                                   budget=counts[0])
+                        entry["matched"] = run_one(
+                            model, input_ids, policy_class(method)(**params), reference_logits, budget=counts[0]
+                        )
                     else:
                         fixed = with_fixed_layer_budgets(method, counts, params)
                         entry["matched"] = run_one(model, input_ids, fixed, reference_logits, budget=max(counts))
@@ -158,16 +166,24 @@ def main() -> None:
                         break
                     counts = [layer["n_kept"] for layer in press["layers"]]
                     uniform = len(set(counts)) == 1
-                    make = (lambda: policy_class(method)(**params)) if uniform else (
-                        lambda: with_fixed_layer_budgets(method, counts, params))
+                    make = (
+                        (lambda method=method, params=params: policy_class(method)(**params))
+                        if uniform
+                        else (
+                            lambda method=method, counts=counts, params=params: with_fixed_layer_budgets(
+                                method, counts, params
+                            )
+                        )
+                    )
                     budget = counts[0] if uniform else max(counts)
                     if ablation == "count_include_pad":
                         with avg_pool_count_include_pad():
                             kept = run_one(model, input_ids, make(), reference_logits, budget=budget)
                     elif ablation == "force_last_token":
                         assert uniform
-                        kept = run_one(model, input_ids, with_forced_last_token(method, params), reference_logits,
-                                       budget=budget)
+                        kept = run_one(
+                            model, input_ids, with_forced_last_token(method, params), reference_logits, budget=budget
+                        )
                     else:
                         raise ValueError(f"unknown ablation {ablation!r}")
                     entry.setdefault("ablations", {})[ablation] = kept
@@ -179,8 +195,12 @@ def main() -> None:
                 print(f"kvhive  {key:24s} UNAVAILABLE: {entry['error']}")
             runs[key] = entry
 
-    meta = {"kvhive_transformers": transformers.__version__, "torch": torch.__version__,
-            "kvhive": getattr(kvhive, "__version__", "dev"), "prompt_tokens": int(input_ids.shape[1])}
+    meta = {
+        "kvhive_transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "kvhive": getattr(kvhive, "__version__", "dev"),
+        "prompt_tokens": int(input_ids.shape[1]),
+    }
     out.write_text(json.dumps({"meta": meta, "runs": runs}))
     print(f"wrote {out}")
 

@@ -23,10 +23,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cases import CASES, COMPRESSION_RATIOS, case_key  # noqa: E402
-
 import kvpress  # noqa: E402
 import transformers  # noqa: E402
+from cases import CASES, COMPRESSION_RATIOS, case_key  # noqa: E402
 from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
 
 
@@ -39,7 +38,9 @@ def recover_positions(full_keys: torch.Tensor, kept_keys: torch.Tensor) -> list[
         equal = (kept[:, None, :] == full[None, :, :]).all(dim=-1)  # [n_kept, N]
         matches = equal.sum(dim=-1)
         if not bool((matches == 1).all()):
-            raise RuntimeError(f"head {head}: {int((matches != 1).sum())} kept keys do not match exactly one prefill key")
+            raise RuntimeError(
+                f"head {head}: {int((matches != 1).sum())} kept keys do not match exactly one prefill key"
+            )
         found = equal.float().argmax(dim=-1).tolist()
         if len(set(found)) != len(found):
             raise RuntimeError(f"head {head}: a prefill key was kept twice")
@@ -55,10 +56,12 @@ def instrument(press) -> list[dict]:
     pending: dict = {}
 
     if original_score is not None:
+
         def score(module, hidden_states, keys, values, attentions, kwargs):
             scores = original_score(module, hidden_states, keys, values, attentions, kwargs)
             pending["scores"] = scores.detach().float().clone()
             return scores
+
         press.score = score
 
     def compress(module, hidden_states, keys, values, attentions, kwargs):
@@ -85,8 +88,9 @@ def main() -> None:
     out = args.out or args.artifacts / "kvpress.json"
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(args.artifacts / "model", dtype=torch.float32,
-                                                 attn_implementation="sdpa", local_files_only=True).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        args.artifacts / "model", dtype=torch.float32, attn_implementation="sdpa", local_files_only=True
+    ).eval()
     input_ids = torch.tensor([json.loads((args.artifacts / "prompt.json").read_text())["input_ids"]])
     num_layers = model.config.num_hidden_layers
 
@@ -113,19 +117,27 @@ def main() -> None:
             for record in records:
                 held = cache.layers[record["layer"]].keys.shape[2]
                 if held != record["n_kept"]:
-                    raise RuntimeError(f"{spec['case']} layer {record['layer']}: cache holds {held}, recorded {record['n_kept']}")
+                    raise RuntimeError(
+                        f"{spec['case']} layer {record['layer']}: cache holds {held}, recorded {record['n_kept']}"
+                    )
             fields = {f.name: getattr(press, f.name) for f in dataclasses.fields(press)}
             runs[case_key(spec["case"], ratio)] = {
-                "case": spec["case"], "compression_ratio": ratio, "press": spec["press"], "press_fields": fields,
+                "case": spec["case"],
+                "compression_ratio": ratio,
+                "press": spec["press"],
+                "press_fields": fields,
                 "layers": records,
             }
             print(f"kvpress {case_key(spec['case'], ratio):24s} kept per layer {[r['n_kept'] for r in records]}")
 
     meta = {
         "kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else _dist_version("kvpress"),
-        "transformers": transformers.__version__, "torch": torch.__version__,
-        "prompt_tokens": int(input_ids.shape[1]), "num_layers": num_layers,
-        "num_kv_heads": model.config.num_key_value_heads, "num_query_heads": model.config.num_attention_heads,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "prompt_tokens": int(input_ids.shape[1]),
+        "num_layers": num_layers,
+        "num_kv_heads": model.config.num_key_value_heads,
+        "num_query_heads": model.config.num_attention_heads,
     }
     out.write_text(json.dumps({"meta": meta, "runs": runs}))
     print(f"wrote {out}")
@@ -133,6 +145,7 @@ def main() -> None:
 
 def _dist_version(name: str) -> str:
     from importlib.metadata import version
+
     return version(name)
 
 

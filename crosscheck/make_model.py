@@ -35,8 +35,12 @@ MODEL_OVERRIDES = dict(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "artifacts")
-    parser.add_argument("--length", type=int, default=509,
-                        help="prompt tokens (odd, so that floor and round of ratio x N differ at one ratio)")
+    parser.add_argument(
+        "--length",
+        type=int,
+        default=509,
+        help="prompt tokens (odd, so that floor and round of ratio x N differ at one ratio)",
+    )
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args()
 
@@ -50,9 +54,11 @@ def main() -> None:
     prompt = torch.randint(0, 256, (args.length,), generator=generator).tolist()
     (args.out / "prompt.json").write_text(json.dumps({"seed": args.seed, "input_ids": prompt}))
     config = model.config
-    print(f"saved {type(model).__name__} ({config.num_hidden_layers} layers, {config.num_attention_heads} query heads, "
-          f"{config.num_key_value_heads} KV heads, head_dim {config.head_dim}) and a {len(prompt)}-token prompt "
-          f"to {args.out}")
+    print(
+        f"saved {type(model).__name__} ({config.num_hidden_layers} layers, {config.num_attention_heads} query heads, "
+        f"{config.num_key_value_heads} KV heads, head_dim {config.head_dim}) and a {len(prompt)}-token prompt "
+        f"to {args.out}"
+    )
 
 
 if __name__ == "__main__":

@@ -4,8 +4,17 @@ from kvhive.api import compression, generate, make_cache, use_kvhive_attention
 from kvhive.cache import Budget, KVHiveCache
 from kvhive.methods import make_policy, method_names
 
-__all__ = ["Budget", "KVHiveCache", "compression", "generate", "make_cache", "make_policy", "method_names",
-           "use_kvhive_attention", "load_model"]
+__all__ = [
+    "Budget",
+    "KVHiveCache",
+    "compression",
+    "generate",
+    "make_cache",
+    "make_policy",
+    "method_names",
+    "use_kvhive_attention",
+    "load_model",
+]
 
 
 def load_model(*args, **kwargs):

@@ -1,14 +1,15 @@
 """One-line use of a method with ``model.generate``.
 
-    cache = kvhive.make_cache(model, "snapkv", budget=128)
-    model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
+cache = kvhive.make_cache(model, "snapkv", budget=128)
+model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from kvhive.attention import ATTENTION_NAME, register
 from kvhive.attention.integration import check_reused_caches
@@ -74,8 +75,11 @@ def warn_if_allocation_cannot_differ(policy: Policy, config) -> None:
     if stored_heads != 1 or key in _EQUIVALENCE_WARNED:
         return
     _EQUIVALENCE_WARNED.add(key)
-    hint = (f" Pass head_granularity='query' to allocate over the {query_heads} query heads."
-            if granularity == "kv" and query_heads > 1 else "")
+    hint = (
+        f" Pass head_granularity='query' to allocate over the {query_heads} query heads."
+        if granularity == "kv" and query_heads > 1
+        else ""
+    )
     warnings.warn(
         f"method {policy.name!r} allocates its budget across heads, but with head_granularity={granularity!r} this "
         f"model stores one head per layer ({kv_heads} KV head(s), {query_heads} query head(s)): it keeps what its base "
@@ -85,10 +89,19 @@ def warn_if_allocation_cannot_differ(policy: Policy, config) -> None:
     )
 
 
-def make_cache(model, method: str | Policy = "full", budget: int | float | str | None = None, *,
-               ratio: float | None = None, compress_sliding: bool = False, decode_every: int = 1,
-               decode_slack: int = 0, record_prefill: bool = False, positions: str = "original",
-               **method_parameters: Any) -> KVHiveCache:
+def make_cache(
+    model,
+    method: str | Policy = "full",
+    budget: int | float | str | None = None,
+    *,
+    ratio: float | None = None,
+    compress_sliding: bool = False,
+    decode_every: int = 1,
+    decode_slack: int = 0,
+    record_prefill: bool = False,
+    positions: str = "original",
+    **method_parameters: Any,
+) -> KVHiveCache:
     """A :class:`KVHiveCache` for ``model`` running ``method`` at ``budget`` tokens per head
     (or ``ratio`` of the prompt). Also switches the model to kvhive attention (a no-op for
     other caches), so the cache can be passed straight to ``generate``."""
@@ -120,9 +133,17 @@ def make_cache(model, method: str | Policy = "full", budget: int | float | str |
         from kvhive.attention.rope import KeyRotator
 
         rotator = KeyRotator(model)
-    return KVHiveCache(model.config, policy, budget_spec, compress_sliding=compress_sliding,
-                       decode_every=decode_every, decode_slack=decode_slack, record_prefill=record_prefill,
-                       positions=positions, key_rotator=rotator)
+    return KVHiveCache(
+        model.config,
+        policy,
+        budget_spec,
+        compress_sliding=compress_sliding,
+        decode_every=decode_every,
+        decode_slack=decode_slack,
+        record_prefill=record_prefill,
+        positions=positions,
+        key_rotator=rotator,
+    )
 
 
 def changes_prefill_attention(policy: Policy) -> bool:
@@ -176,8 +197,15 @@ def encode_prompt(tokenizer, prompt: str, model, max_new_tokens: int = 0):
     return encoded
 
 
-def generate(model, tokenizer, prompt: str, method: str | Policy = "full", budget: int | float | str | None = None,
-             max_new_tokens: int = 32, **cache_options: Any) -> tuple[str, KVHiveCache]:
+def generate(
+    model,
+    tokenizer,
+    prompt: str,
+    method: str | Policy = "full",
+    budget: int | float | str | None = None,
+    max_new_tokens: int = 32,
+    **cache_options: Any,
+) -> tuple[str, KVHiveCache]:
     """Greedy generation with a compressed cache; returns the generated text and the cache."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"invalid max_new_tokens={max_new_tokens!r}: expected an integer >= 1")
@@ -186,7 +214,12 @@ def generate(model, tokenizer, prompt: str, method: str | Policy = "full", budge
     import torch
 
     with torch.no_grad():
-        output = model.generate(**encoded, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False,
-                                pad_token_id=tokenizer.pad_token_id)
-    new_tokens = output[0, encoded["input_ids"].shape[1]:]
+        output = model.generate(
+            **encoded,
+            past_key_values=cache,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    new_tokens = output[0, encoded["input_ids"].shape[1] :]
     return tokenizer.decode(new_tokens, skip_special_tokens=True), cache

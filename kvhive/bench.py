@@ -76,10 +76,19 @@ def _timed_run(model, input_ids, method: str, budget, decode_tokens: int, method
     return cache, prefill_seconds, step_seconds
 
 
-def run_benchmark(shape: str = "kv-heavy", method: str = "snapkv", budget: int | float | str | None = 0.1,
-                  context: int = 8192, decode_tokens: int = 32, batch_size: int = 1, repeats: int = 1,
-                  num_layers: int | None = None, device: str = "cpu", method_parameters: dict | None = None,
-                  dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+def run_benchmark(
+    shape: str = "kv-heavy",
+    method: str = "snapkv",
+    budget: int | float | str | None = 0.1,
+    context: int = 8192,
+    decode_tokens: int = 32,
+    batch_size: int = 1,
+    repeats: int = 1,
+    num_layers: int | None = None,
+    device: str = "cpu",
+    method_parameters: dict | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, Any]:
     """Benchmark ``method`` against an uncompressed cache; returns a dict of numbers."""
     if isinstance(context, bool) or not isinstance(context, int) or context < 2:
         raise ValueError(f"invalid context={context!r}: expected an integer >= 2 (prompt tokens)")
@@ -145,10 +154,18 @@ def run_benchmark(shape: str = "kv-heavy", method: str = "snapkv", budget: int |
 
 
 @torch.no_grad()
-def variable_length_attention_benchmark(context: int = 8192, kv_heads: int = 8, group_size: int = 2,
-                                        head_dim: int = 128, batch_size: int = 1, spread: float = 0.5,
-                                        repeats: int = 20, device: str = "cpu", seed: int = 0,
-                                        dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+def variable_length_attention_benchmark(
+    context: int = 8192,
+    kv_heads: int = 8,
+    group_size: int = 2,
+    head_dim: int = 128,
+    batch_size: int = 1,
+    spread: float = 0.5,
+    repeats: int = 20,
+    device: str = "cpu",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, Any]:
     """Decode attention over heads holding different token counts (mean ``context``, counts
     uniform in ``context·(1 ± spread)``) vs dense sdpa over ``context`` tokens per head."""
     from kvhive.attention.integration import _decode_variable_length
@@ -162,8 +179,10 @@ def variable_length_attention_benchmark(context: int = 8192, kv_heads: int = 8, 
     total = int(lengths.sum())
     longest = int(lengths.max())
     store = LayerStore(0)
-    store.update(torch.randn(batch_size, kv_heads, longest, head_dim, generator=generator).to(device, dtype),
-                 torch.randn(batch_size, kv_heads, longest, head_dim, generator=generator).to(device, dtype))
+    store.update(
+        torch.randn(batch_size, kv_heads, longest, head_dim, generator=generator).to(device, dtype),
+        torch.randn(batch_size, kv_heads, longest, head_dim, generator=generator).to(device, dtype),
+    )
     keep = torch.arange(longest)[None, :] < lengths[:, None]
     store.keep(keep.view(batch_size, kv_heads, longest).to(device), lengths.view(batch_size, kv_heads))
     store.tokens_seen = longest + 1
@@ -186,7 +205,7 @@ def variable_length_attention_benchmark(context: int = 8192, kv_heads: int = 8, 
             samples.append(time.perf_counter() - start)
         return 1e3 * statistics.median(samples)
 
-    variable_ms = timed(lambda: _decode_variable_length(_Cache, 0, query, None, head_dim ** -0.5))
+    variable_ms = timed(lambda: _decode_variable_length(_Cache, 0, query, None, head_dim**-0.5))
     from kvhive.attention.integration import _backends
 
     def dense():
@@ -195,8 +214,16 @@ def variable_length_attention_benchmark(context: int = 8192, kv_heads: int = 8, 
 
     dense_ms = timed(dense)
     return {
-        "context": context, "kv_heads": kv_heads, "group_size": group_size, "head_dim": head_dim,
-        "batch_size": batch_size, "min_length": int(lengths.min()), "max_length": int(lengths.max()),
-        "variable_length_ms": variable_ms, "dense_sdpa_ms": dense_ms, "slowdown": variable_ms / dense_ms,
-        "device": device, "dtype": str(dtype).removeprefix("torch."),
+        "context": context,
+        "kv_heads": kv_heads,
+        "group_size": group_size,
+        "head_dim": head_dim,
+        "batch_size": batch_size,
+        "min_length": int(lengths.min()),
+        "max_length": int(lengths.max()),
+        "variable_length_ms": variable_ms,
+        "dense_sdpa_ms": dense_ms,
+        "slowdown": variable_ms / dense_ms,
+        "device": device,
+        "dtype": str(dtype).removeprefix("torch."),
     }

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 BENCH_DEFAULT_BUDGET = "0.1"
 
@@ -52,8 +52,10 @@ def _checked_budget(command: str, method: str, budget: str | None, parameters: d
     policy = make_policy(method, **parameters)
     if not policy.phases:
         if budget is not None:
-            print(f"kvhive {command}: note: --method {method} keeps every token; --budget {budget} is ignored",
-                  file=sys.stderr)
+            print(
+                f"kvhive {command}: note: --method {method} keeps every token; --budget {budget} is ignored",
+                file=sys.stderr,
+            )
         return None
     if budget is None:
         if default is None:
@@ -93,12 +95,20 @@ def command_generate(args: argparse.Namespace) -> int:
     prompt = args.prompt if args.prompt is not None else _read_prompt_file(args.prompt_file)
     model, tokenizer = kvhive.load_model(args.model)
     text, cache = kvhive.generate(
-        model, tokenizer, prompt, args.method, budget, max_new_tokens=args.max_new_tokens,
-        compress_sliding=args.compress_sliding, **parameters,
+        model,
+        tokenizer,
+        prompt,
+        args.method,
+        budget,
+        max_new_tokens=args.max_new_tokens,
+        compress_sliding=args.compress_sliding,
+        **parameters,
     )
     statistics = cache.statistics()
     if args.json:
-        print(json.dumps({"text": text, **generation_statistics(cache, statistics, per_layer=args.per_layer)}, indent=2))
+        print(
+            json.dumps({"text": text, **generation_statistics(cache, statistics, per_layer=args.per_layer)}, indent=2)
+        )
     else:
         print(text)
         print(savings_headline(cache, statistics), file=sys.stderr)
@@ -131,7 +141,9 @@ def generation_statistics(cache, statistics: dict, per_layer: bool = False) -> d
         "kept_tokens_total": statistics["kept_tokens_total"],
         "mean_kept_per_head": round(cache.mean_kept_per_head(), 1),
     }
-    out.update({k: v for k, v in statistics.items() if k not in out and k not in ("kept_tokens_per_layer", "layer_budgets")})
+    out.update(
+        {k: v for k, v in statistics.items() if k not in out and k not in ("kept_tokens_per_layer", "layer_budgets")}
+    )
     budgets = sorted(set(statistics["layer_budgets"].values()))
     out["layer_budget_range"] = [budgets[0], budgets[-1]] if budgets else None
     if per_layer:
@@ -148,11 +160,15 @@ def savings_headline(cache, statistics: dict) -> str:
         return "kvhive: the cache holds no tokens"
     fraction = statistics["cache_bytes"] / full_bytes
     scope = _compression_scope(cache)
-    line = (f"kvhive: {statistics['method']} at budget {statistics['budget']} holds {fraction:.3f} of the full cache's "
-            f"bytes (saves {1 - fraction:.1%}); budget applied to {scope['compressed_layers']} of {scope['layers']} layers")
+    line = (
+        f"kvhive: {statistics['method']} at budget {statistics['budget']} holds {fraction:.3f} of the full cache's "
+        f"bytes (saves {1 - fraction:.1%}); budget applied to {scope['compressed_layers']} of {scope['layers']} layers"
+    )
     if scope["sliding_layers_at_window"]:
-        line += (f"; {scope['sliding_layers_at_window']} sliding-window layers keep their {scope['sliding_window']}-token "
-                 "window (--compress-sliding compresses them too)")
+        line += (
+            f"; {scope['sliding_layers_at_window']} sliding-window layers keep their {scope['sliding_window']}-token "
+            "window (--compress-sliding compresses them too)"
+        )
     return line
 
 
@@ -160,15 +176,23 @@ def command_bench(args: argparse.Namespace) -> int:
     from kvhive import bench
 
     if args.varlen:
-        result = bench.variable_length_attention_benchmark(context=args.context, device=args.device,
-                                                           batch_size=args.batch_size, dtype=bench.DTYPES[args.dtype])
+        result = bench.variable_length_attention_benchmark(
+            context=args.context, device=args.device, batch_size=args.batch_size, dtype=bench.DTYPES[args.dtype]
+        )
     else:
         parameters = _method_parameters(args.param)
         budget = _checked_budget("bench", args.method, args.budget, parameters, default=BENCH_DEFAULT_BUDGET)
         result = bench.run_benchmark(
-            shape=args.shape, method=args.method, budget=budget, context=args.context,
-            decode_tokens=args.decode_tokens, batch_size=args.batch_size, repeats=args.repeats,
-            num_layers=args.num_layers, device=args.device, method_parameters=parameters,
+            shape=args.shape,
+            method=args.method,
+            budget=budget,
+            context=args.context,
+            decode_tokens=args.decode_tokens,
+            batch_size=args.batch_size,
+            repeats=args.repeats,
+            num_layers=args.num_layers,
+            device=args.device,
+            method_parameters=parameters,
             dtype=bench.DTYPES[args.dtype],
         )
     if args.json:
@@ -196,27 +220,44 @@ def build_parser() -> argparse.ArgumentParser:
     generate = subparsers.add_parser("generate", help="greedy generation with a compressed cache")
     generate.add_argument("prompt", nargs="?", help="the prompt text")
     generate.add_argument("--prompt-file", help="read the prompt from this file")
-    generate.add_argument("--model", default=DEFAULT_MODEL,
-                          help=f"model name or path: {', '.join(EMBEDDED_MODELS)} (embedded; default {DEFAULT_MODEL}), "
-                          "a tiny-* test model, a local directory or .gguf file")
+    generate.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"model name or path: {', '.join(EMBEDDED_MODELS)} (embedded; default {DEFAULT_MODEL}), "
+        "a tiny-* test model, a local directory or .gguf file",
+    )
     generate.add_argument("--method", default="full", help="registry name (see `kvhive methods`)")
-    generate.add_argument("--budget", type=_budget_argument, default=None,
-                          help="tokens per head (integer >= 1) or a ratio of the prompt (float in (0, 1])")
+    generate.add_argument(
+        "--budget",
+        type=_budget_argument,
+        default=None,
+        help="tokens per head (integer >= 1) or a ratio of the prompt (float in (0, 1])",
+    )
     generate.add_argument("--max-new-tokens", type=int, default=32)
     generate.add_argument("--param", action="append", metavar="NAME=VALUE", help="method parameter (repeatable)")
     generate.add_argument("--compress-sliding", action="store_true", help="also compress sliding-window layers")
     generate.add_argument("--json", action="store_true", help="print the text with cache statistics (a summary)")
-    generate.add_argument("--per-layer", action="store_true",
-                          help="with --json: also the per-layer budgets and kept tokens per layer and head")
+    generate.add_argument(
+        "--per-layer",
+        action="store_true",
+        help="with --json: also the per-layer budgets and kept tokens per layer and head",
+    )
     generate.set_defaults(func=command_generate)
 
     bench = subparsers.add_parser("bench", help="prefill/compression/decode time and cache memory for one method")
-    bench.add_argument("--shape", default="kv-heavy", choices=SHAPES,
-                       help=f"model: random-weight kv-heavy / llama3-8b shapes, or an embedded model ({DEFAULT_MODEL} = embedded)")
+    bench.add_argument(
+        "--shape",
+        default="kv-heavy",
+        choices=SHAPES,
+        help=f"model: random-weight kv-heavy / llama3-8b shapes, or an embedded model ({DEFAULT_MODEL} = embedded)",
+    )
     bench.add_argument("--method", default="snapkv")
-    bench.add_argument("--budget", type=_budget_argument, default=None,
-                       help=f"tokens per head or a ratio of the context (default {BENCH_DEFAULT_BUDGET}; "
-                            "ignored for --method full)")
+    bench.add_argument(
+        "--budget",
+        type=_budget_argument,
+        default=None,
+        help=f"tokens per head or a ratio of the context (default {BENCH_DEFAULT_BUDGET}; ignored for --method full)",
+    )
     bench.add_argument("--context", type=int, default=8192)
     bench.add_argument("--decode-tokens", type=int, default=32)
     bench.add_argument("--batch-size", type=int, default=1)
@@ -225,8 +266,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     bench.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     bench.add_argument("--param", action="append", metavar="NAME=VALUE")
-    bench.add_argument("--varlen", action="store_true",
-                       help="instead: variable-length decode attention vs dense sdpa at equal total length")
+    bench.add_argument(
+        "--varlen",
+        action="store_true",
+        help="instead: variable-length decode attention vs dense sdpa at equal total length",
+    )
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(func=command_bench)
 

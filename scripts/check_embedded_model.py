@@ -74,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         generated = converted.generate(**inputs, max_new_tokens=8, do_sample=False)
     report["chat_template"] = bool(converted_tokenizer.chat_template)
-    report["answer"] = converted_tokenizer.decode(generated[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    report["answer"] = converted_tokenizer.decode(
+        generated[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True
+    )
 
     print(json.dumps(report, indent=2))
     ok = report["tokenizers_agree"] and report["max_abs_logit_difference"] <= args.tolerance

@@ -6,4 +6,6 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 # Convert the embedded model once before the workers start (about a minute the first time).
 .venv/bin/python -c "from kvhive.models import load_model; load_model()" > /dev/null
+# Lint and formatting first (seconds): a style error fails CI like a test.
+bash scripts/lint.sh
 exec .venv/bin/python -m pytest -q -n 2 "$@"

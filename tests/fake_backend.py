@@ -9,7 +9,8 @@ from __future__ import annotations
 import random
 import re
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kvhive.evaluation.backend import FULL_METHOD, Setting, budget_to_tokens
 
@@ -181,9 +182,7 @@ class FakeBackend:
         out = []
         for setting in settings:
             kept = {_norm_word(words[i]) for i in self._kept_positions(words, setting)}
-            out.append(
-                [sum(-0.5 if _norm_word(w) in kept else -2.0 for w in cont.split()) for cont in continuations]
-            )
+            out.append([sum(-0.5 if _norm_word(w) in kept else -2.0 for w in cont.split()) for cont in continuations])
         return out
 
     def streaming_nll(self, token_ids: list[int], settings: list[Setting]) -> list[tuple[float, int]]:

@@ -66,8 +66,10 @@ def kept_positions(layer) -> list[list[list[int]]]:
     flat = layer.stored_flat_positions().tolist()
     offsets = layer.segment_offsets().tolist()
     heads = lengths.shape[1]
-    return [[sorted(flat[offsets[b * heads + h]:offsets[b * heads + h + 1]]) for h in range(heads)]
-            for b in range(lengths.shape[0])]
+    return [
+        [sorted(flat[offsets[b * heads + h] : offsets[b * heads + h + 1]]) for h in range(heads)]
+        for b in range(lengths.shape[0])
+    ]
 
 
 def snapshot(cache) -> dict:
@@ -81,8 +83,9 @@ def _case_key(model: str, method: str, parameters: dict, budget) -> str:
 
 
 @torch.no_grad()
-def run_case(model, method: str, parameters: dict, budget, input_ids, attention_mask, steps: int,
-             snapshot_steps) -> dict:
+def run_case(
+    model, method: str, parameters: dict, budget, input_ids, attention_mask, steps: int, snapshot_steps
+) -> dict:
     import kvhive
 
     cache = kvhive.make_cache(model, method, budget=budget, **parameters)
@@ -122,16 +125,17 @@ def tiny_cases(methods):
                 for budget in (first, first + 7, 0.75):
                     key = _case_key(model_name, method, parameters, budget)
 
-                    def thunk(model_name=model_name, method=method, parameters=parameters, budget=budget,
-                              length=length):
+                    def thunk(
+                        model_name=model_name, method=method, parameters=parameters, budget=budget, length=length
+                    ):
                         if model_name not in models:
                             models[model_name] = _tiny(model_name)
                         model = models[model_name]
                         pad = 0 if method in UNPADDED_METHODS else PREFILL_PAD
-                        input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=length,
-                                                                      pad=pad)
-                        return run_case(model, method, parameters, budget, input_ids, attention_mask,
-                                        DECODE_STEPS, SNAPSHOT_STEPS)
+                        input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=length, pad=pad)
+                        return run_case(
+                            model, method, parameters, budget, input_ids, attention_mask, DECODE_STEPS, SNAPSHOT_STEPS
+                        )
 
                     yield key, thunk
 
@@ -153,8 +157,16 @@ def gemma_cases(methods):
                     ids = tokenizer(GEMMA_TEXT, return_tensors="pt").input_ids
                     state["model"], state["ids"] = model, ids
                 model, ids = state["model"], state["ids"]
-                return run_case(model, method, parameters, budget, ids, torch.ones_like(ids), GEMMA_DECODE_STEPS,
-                                (GEMMA_DECODE_STEPS,))
+                return run_case(
+                    model,
+                    method,
+                    parameters,
+                    budget,
+                    ids,
+                    torch.ones_like(ids),
+                    GEMMA_DECODE_STEPS,
+                    (GEMMA_DECODE_STEPS,),
+                )
 
             yield key, thunk
 

@@ -13,13 +13,15 @@ from kvhive.models import tiny_model
 
 from helpers import left_padded_batch, prefill_and_decode
 
-SCORERS = [name for name in method_names()
-           if not name.startswith("ada-") and issubclass(policy_class(name), ScorerPolicy)]
+SCORERS = [
+    name for name in method_names() if not name.startswith("ada-") and issubclass(policy_class(name), ScorerPolicy)
+]
 
 
 def test_every_scorer_is_listed():
-    assert {"snapkv", "pyramidkv", "h2o", "tova", "knorm", "streamingllm", "local", "random", "ahakv",
-            "vnorm"} <= set(SCORERS)
+    assert {"snapkv", "pyramidkv", "h2o", "tova", "knorm", "streamingllm", "local", "random", "ahakv", "vnorm"} <= set(
+        SCORERS
+    )
 
 
 @pytest.mark.parametrize("scorer", SCORERS)
@@ -32,8 +34,9 @@ def test_ada_over_any_scorer_keeps_the_layer_budget(scorer):
     assert torch.isfinite(logits).all()
     for layer in cache.compressed_layers:
         lengths = cache.layers[layer].lengths_host
-        assert (lengths.sum(-1) == (cache.row_layer_budgets[layer][0] + 3) * lengths.shape[1]).all() or \
-            cache.row_layer_budgets[layer][0] >= 56
+        assert (
+            lengths.sum(-1) == (cache.row_layer_budgets[layer][0] + 3) * lengths.shape[1]
+        ).all() or cache.row_layer_budgets[layer][0] >= 56
 
 
 def test_labels():

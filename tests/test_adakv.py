@@ -11,7 +11,6 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 
 import kvhive
-
 from kvhive.methods import make_policy
 from kvhive.methods.adakv import AdaAhaKV, AdaPyramidKV, AdaSnapKV, ada_keep, adaptive_allocation, safeguard_count
 from kvhive.methods.base import ScoringInputs, keep_top_scores
@@ -23,15 +22,21 @@ from helpers import left_padded_batch, materialised_mask, prefill_and_decode, re
 VARIANTS = [(architecture, attention) for architecture in TINY_ARCHITECTURES for attention in TINY_ATTENTION_KINDS]
 
 
-
 def _scoring(queries, keys, values=None, scaling=1.0):
     n = keys.shape[2]
     q = queries.shape[2]
-    mask = torch.ones(n, n, dtype=torch.bool).tril()[n - q:][None, None].expand(keys.shape[0], 1, q, n)
+    mask = torch.ones(n, n, dtype=torch.bool).tril()[n - q :][None, None].expand(keys.shape[0], 1, q, n)
     return ScoringInputs(
-        keys=keys, values=keys.clone() if values is None else values, queries=queries,
-        positions=torch.arange(n).expand(keys.shape[:3]), mask=mask, scaling=scaling, layer_index=0,
-        num_layers=1, sequence_length=n, phase="prefill",
+        keys=keys,
+        values=keys.clone() if values is None else values,
+        queries=queries,
+        positions=torch.arange(n).expand(keys.shape[:3]),
+        mask=mask,
+        scaling=scaling,
+        layer_index=0,
+        num_layers=1,
+        sequence_length=n,
+        phase="prefill",
     )
 
 
@@ -41,9 +46,9 @@ def _kept_indices(row):
 
 # -- the allocation ------------------------------------------------------------------------------
 
+
 def test_allocation_hand_checked():
-    scores = torch.tensor([[[0.50, 0.30, 0.10, 0.05, 0.03, 0.02],
-                            [0.22, 0.21, 0.20, 0.19, 0.10, 0.08]]])
+    scores = torch.tensor([[[0.50, 0.30, 0.10, 0.05, 0.03, 0.02], [0.22, 0.21, 0.20, 0.19, 0.10, 0.08]]])
     # b' = 3 per head, alpha 0.5: safeguard floor(1.5) = 1 -> head 0 keeps 0, head 1 keeps 0; the
     # other 2 * 3 - 2 = 4 go to the largest remaining scores: 0.30 (h0), 0.21, 0.20, 0.19 (h1).
     keep = adaptive_allocation(scores, 3, 0.5)
@@ -66,8 +71,7 @@ def test_allocation_hand_checked():
 def test_window_accounting_and_exact_totals():
     # N = 8 tokens, window 2, budget 5 per head: the window is kept in every head and counts
     # against the budget; the selected part is H * (5 - 2) = 6 split adaptively.
-    older = torch.tensor([[[0.50, 0.30, 0.10, 0.05, 0.03, 0.02],
-                           [0.22, 0.21, 0.20, 0.19, 0.10, 0.08]]])
+    older = torch.tensor([[[0.50, 0.30, 0.10, 0.05, 0.03, 0.02], [0.22, 0.21, 0.20, 0.19, 0.10, 0.08]]])
     scores = torch.cat([older, torch.zeros(1, 2, 2)], dim=-1)  # window scores are irrelevant
     keep = ada_keep(scores, 5, 2, 0.5)
     assert _kept_indices(keep[0, 0]) == [0, 1, 6, 7]
@@ -130,6 +134,7 @@ def test_padding_is_never_kept_while_real_tokens_remain():
 
 # -- policies on hand-made inputs ----------------------------------------------------------------------
 
+
 def _two_head_case():
     # d = 1, scaling 1, n = 12, window rows 10 and 11 (q = 1). Head 0 attends almost only key 3
     # (logit 20); head 1 spreads its attention with keys 0.1 j (key 9 largest).
@@ -167,12 +172,13 @@ def _authors_allocation_reference(scores, budget, window, alpha):
     selectable = budget - window
     floor = math.floor(alpha * selectable + 1e-9)
     keep = torch.zeros(batch, heads, n, dtype=torch.bool)
-    keep[..., n - window:] = True
+    keep[..., n - window :] = True
     for b in range(batch):
-        entries = sorted(((float(scores[b, h, j]), h, j) for h in range(heads) for j in range(n - window)),
-                         reverse=True)
+        entries = sorted(
+            ((float(scores[b, h, j]), h, j) for h in range(heads) for j in range(n - window)), reverse=True
+        )
         owned = [0] * heads
-        for _, h, _ in entries[:heads * selectable]:
+        for _, h, _ in entries[: heads * selectable]:
             owned[h] += 1
         targets = [(1 - alpha) * f + floor for f in owned]
         budgets = [round(t) for t in targets]  # Python's round is half to even, like torch.round
@@ -182,7 +188,7 @@ def _authors_allocation_reference(scores, budget, window, alpha):
             budgets[head] += step
         for h in range(heads):
             order = sorted(range(n - window), key=lambda j: -float(scores[b, h, j]))
-            keep[b, h, order[:budgets[h]]] = True
+            keep[b, h, order[: budgets[h]]] = True
     return keep
 
 
@@ -191,10 +197,10 @@ def test_ada_ahakv_allocates_over_ahakv_scores():
     queries = torch.randn(2, 4, 96, 8, generator=generator) * torch.tensor([0.2, 1.0, 3.0, 6.0])[:, None, None]
     keys = torch.randn(2, 4, 96, 8, generator=generator)
     values = torch.randn(2, 4, 96, 8, generator=generator)
-    scoring = _scoring(queries, keys, values, scaling=8 ** -0.5)
+    scoring = _scoring(queries, keys, values, scaling=8**-0.5)
     keep = AdaAhaKV(recent=8, alpha=0.25).select_prefill(scoring, 24, {})
     # Reference: AhaKV's own scores (the registered method), allocated by the plain-Python rule.
-    scores = make_policy("ahakv", recent=8).score(_scoring(queries, keys, values, scaling=8 ** -0.5), 24, {})
+    scores = make_policy("ahakv", recent=8).score(_scoring(queries, keys, values, scaling=8**-0.5), 24, {})
     assert torch.equal(keep, _authors_allocation_reference(scores, 24, 8, 0.25))
     assert (keep.sum(dim=(1, 2)) == 24 * 4).all()
     assert len(set(keep.sum(-1).flatten().tolist())) > 1  # heads with different concentration differ
@@ -207,15 +213,25 @@ def test_ada_pyramidkv_layer_budgets():
 
 # -- parameters -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("method, parameters, name", [
-    ("ada-snapkv", {"alpha": -0.1}, "alpha"), ("ada-snapkv", {"alpha": 1.5}, "alpha"),
-    ("ada-snapkv", {"alpha": float("nan")}, "alpha"), ("ada-snapkv", {"alpha": "0.5"}, "alpha"),
-    ("ada-snapkv", {"window": 0}, "window"), ("ada-snapkv", {"head_granularity": "heads"}, "head_granularity"),
-    ("ada-pyramidkv", {"beta": 1.0}, "beta"), ("ada-pyramidkv", {"alpha": 2}, "alpha"),
-    ("ada-pyramidkv", {"window": -1}, "window"), ("ada-ahakv", {"recent": 0}, "recent"),
-    ("ada-ahakv", {"alpha": -1}, "alpha"), ("ada-ahakv", {"kernel": 2}, "kernel"),
-    ("ada-ahakv", {"head_granularity": None}, "head_granularity"),
-])
+
+@pytest.mark.parametrize(
+    "method, parameters, name",
+    [
+        ("ada-snapkv", {"alpha": -0.1}, "alpha"),
+        ("ada-snapkv", {"alpha": 1.5}, "alpha"),
+        ("ada-snapkv", {"alpha": float("nan")}, "alpha"),
+        ("ada-snapkv", {"alpha": "0.5"}, "alpha"),
+        ("ada-snapkv", {"window": 0}, "window"),
+        ("ada-snapkv", {"head_granularity": "heads"}, "head_granularity"),
+        ("ada-pyramidkv", {"beta": 1.0}, "beta"),
+        ("ada-pyramidkv", {"alpha": 2}, "alpha"),
+        ("ada-pyramidkv", {"window": -1}, "window"),
+        ("ada-ahakv", {"recent": 0}, "recent"),
+        ("ada-ahakv", {"alpha": -1}, "alpha"),
+        ("ada-ahakv", {"kernel": 2}, "kernel"),
+        ("ada-ahakv", {"head_granularity": None}, "head_granularity"),
+    ],
+)
 def test_invalid_parameters(method, parameters, name):
     with pytest.raises(ValueError, match=name):
         make_policy(method, **parameters)
@@ -233,6 +249,7 @@ def test_budget_below_window_is_rejected(method):
 
 
 # -- runs on the tiny models ---------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def models():
@@ -299,7 +316,7 @@ def _masked_attention(module, query, key, value, attention_mask, scaling=None, d
     if kept is not None and rows == 1:  # decode: the compressed cache lacks the evicted keys
         generated = torch.ones(batch, query_heads, key.shape[2] - kept.shape[-1], dtype=torch.bool)
         allowed = allowed & torch.cat([kept, generated], dim=-1)[:, :, None, :]
-    logits = (query @ key.transpose(-1, -2)) * (dim ** -0.5 if scaling is None else scaling)
+    logits = (query @ key.transpose(-1, -2)) * (dim**-0.5 if scaling is None else scaling)
     weights = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
     return (weights @ value).transpose(1, 2).contiguous(), None
 
@@ -342,8 +359,9 @@ def _compare_with_masked_reference(model, method, budget, input_ids, attention_m
     previous = model.config._attn_implementation
     model.set_attn_implementation(_MASKED)
     try:
-        reference = prefill_and_decode(model, DynamicCache(config=model.config), input_ids, attention_mask,
-                                       steps=steps, forced_tokens=forced)
+        reference = prefill_and_decode(
+            model, DynamicCache(config=model.config), input_ids, attention_mask, steps=steps, forced_tokens=forced
+        )
     finally:
         model.set_attn_implementation(previous)
         _KEPT.clear()
@@ -353,16 +371,26 @@ def _compare_with_masked_reference(model, method, budget, input_ids, attention_m
     return cache
 
 
-@pytest.mark.parametrize("variant, method, parameters", [
-    (("llama", "gqa"), "ada-snapkv", {"window": 4}),
-    (("llama", "gqa"), "ada-snapkv", {"window": 4, "head_granularity": "query"}),
-    (("qwen2", "mha"), "ada-pyramidkv", {"window": 4}),
-    # alpha 0.2: with the authors' rounding (half to even) alpha 0.5 happens to give equal heads here.
-    (("qwen3", "gqa"), "ada-ahakv", {"recent": 4, "head_granularity": "query", "alpha": 0.2}),
-    (("gemma3", "gqa"), "ada-snapkv", {"window": 4, "head_granularity": "query"}),
-    (("mistral", "mha"), "ada-ahakv", {"recent": 4, "alpha": 0.0}),
-], ids=["llama-gqa-kv", "llama-gqa-query", "qwen2-mha-pyramid", "qwen3-gqa-aha-query", "gemma3-gqa-query",
-        "mistral-mha-aha-alpha0"])
+@pytest.mark.parametrize(
+    "variant, method, parameters",
+    [
+        (("llama", "gqa"), "ada-snapkv", {"window": 4}),
+        (("llama", "gqa"), "ada-snapkv", {"window": 4, "head_granularity": "query"}),
+        (("qwen2", "mha"), "ada-pyramidkv", {"window": 4}),
+        # alpha 0.2: with the authors' rounding (half to even) alpha 0.5 happens to give equal heads here.
+        (("qwen3", "gqa"), "ada-ahakv", {"recent": 4, "head_granularity": "query", "alpha": 0.2}),
+        (("gemma3", "gqa"), "ada-snapkv", {"window": 4, "head_granularity": "query"}),
+        (("mistral", "mha"), "ada-ahakv", {"recent": 4, "alpha": 0.0}),
+    ],
+    ids=[
+        "llama-gqa-kv",
+        "llama-gqa-query",
+        "qwen2-mha-pyramid",
+        "qwen3-gqa-aha-query",
+        "gemma3-gqa-query",
+        "mistral-mha-aha-alpha0",
+    ],
+)
 def test_uneven_heads_store_exact_bytes_and_decode_like_masked_attention(models, variant, method, parameters):
     model = models[variant]
     input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=40, pad=7)
@@ -387,8 +415,15 @@ def test_embedded_gemma_per_query_head_ada_snapkv():
     prompt_length = inputs.input_ids.shape[1]
     assert prompt_length > 4 * 24
     cache = _compare_with_masked_reference(
-        model, "ada-snapkv", 24, inputs.input_ids, inputs.attention_mask, 4, 1e-4,
-        window=8, head_granularity="query",
+        model,
+        "ada-snapkv",
+        24,
+        inputs.input_ids,
+        inputs.attention_mask,
+        4,
+        1e-4,
+        window=8,
+        head_granularity="query",
     )
     query_heads = model.config.num_attention_heads
     assert query_heads == 4 and model.config.num_key_value_heads == 1

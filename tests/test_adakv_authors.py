@@ -26,9 +26,18 @@ INPUTS = torch.load(FIXTURES / "adakv_authors_inputs.pt")
 def _scoring(queries: torch.Tensor, keys: torch.Tensor) -> ScoringInputs:
     n = keys.shape[2]
     mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
-    return ScoringInputs(keys=keys, values=keys.clone(), queries=queries, positions=torch.arange(n).expand(keys.shape[:3]),
-                         mask=mask, scaling=keys.shape[-1] ** -0.5, layer_index=0, num_layers=1, sequence_length=n,
-                         phase="prefill")
+    return ScoringInputs(
+        keys=keys,
+        values=keys.clone(),
+        queries=queries,
+        positions=torch.arange(n).expand(keys.shape[:3]),
+        mask=mask,
+        scaling=keys.shape[-1] ** -0.5,
+        layer_index=0,
+        num_layers=1,
+        sequence_length=n,
+        phase="prefill",
+    )
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -55,7 +64,7 @@ def test_ada_snapkv_defaults_reproduce_the_authors_allocation(name):
             ours, theirs = kept[h], case["kept_positions"][h]
             assert sorted(scores[h, ours].tolist()) == sorted(scores[h, theirs].tolist()), (h, ours, theirs)
     else:  # the authors' rounding missed the total: kvhive differs by at most one token per head
-        assert max(abs(a - b) for a, b in zip(budgets, expected)) <= 1
+        assert max(abs(a - b) for a, b in zip(budgets, expected, strict=True)) <= 1
         for h in range(heads):
             # One side's kept scores are the other's plus the extra tokens its budget allows.
             ours = collections.Counter(scores[h, kept[h]].tolist())
@@ -75,8 +84,7 @@ def test_authors_head_budgets_hand_checked():
     # b' = 3, alpha 0.5: global top 6 -> head 0 owns 2 (0.50, 0.30), head 1 owns 4; floor(1.5) = 1:
     # targets 0.5 * 2 + 1 = 2 and 0.5 * 4 + 1 = 3; sum 5 < 6, the missing one goes to the larger
     # remainder (both 0): the lower index. kvpress's rule would give 2 and 4.
-    scores = torch.tensor([[[0.50, 0.30, 0.10, 0.05, 0.03, 0.02],
-                            [0.22, 0.21, 0.20, 0.19, 0.10, 0.08]]])
+    scores = torch.tensor([[[0.50, 0.30, 0.10, 0.05, 0.03, 0.02], [0.22, 0.21, 0.20, 0.19, 0.10, 0.08]]])
     assert authors_head_budgets(scores, 3, 0.5).tolist() == [[3, 3]]
     # b' = 4, alpha 0.5: the global top 8 gives f = (3, 5), floor 2: targets 3.5 and 4.5, rounded
     # half to even (torch.round, as the authors): 4 and 4, exact. kvpress's rule: 3 and 5.

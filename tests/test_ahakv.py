@@ -10,8 +10,16 @@ import torch
 
 import kvhive
 from kvhive.methods import make_policy
-from kvhive.methods.ahakv import (GAIN_INPUTS, SCORE, AhaKV, AhaKVConfig, ahakv_scores, sg_lambda, sg_logit_multiplier,
-                                  value_prior)
+from kvhive.methods.ahakv import (
+    GAIN_INPUTS,
+    SCORE,
+    AhaKV,
+    AhaKVConfig,
+    ahakv_scores,
+    sg_lambda,
+    sg_logit_multiplier,
+    value_prior,
+)
 from kvhive.methods.base import ScoringInputs, keep_top_scores
 from kvhive.models import TINY_ARCHITECTURES, TINY_ATTENTION_KINDS, tiny_model
 
@@ -20,17 +28,23 @@ from helpers import left_padded_batch, prefill_and_decode, reference_logits
 VARIANTS = [(architecture, attention) for architecture in TINY_ARCHITECTURES for attention in TINY_ATTENTION_KINDS]
 
 
-
 def _scoring(queries, keys, values, scaling=None, sequence_length=None, mask=None, phase="prefill"):
     """ScoringInputs with a plain causal mask over the last ``q`` positions (hand-made inputs)."""
     n = keys.shape[2]
     q = queries.shape[2]
     if mask is None:
-        mask = torch.ones(n, n, dtype=torch.bool).tril()[n - q:][None, None].expand(keys.shape[0], 1, q, n)
+        mask = torch.ones(n, n, dtype=torch.bool).tril()[n - q :][None, None].expand(keys.shape[0], 1, q, n)
     return ScoringInputs(
-        keys=keys, values=values, queries=queries, positions=torch.arange(n).expand(keys.shape[:3]), mask=mask,
-        scaling=keys.shape[-1] ** -0.5 if scaling is None else scaling, layer_index=0, num_layers=1,
-        sequence_length=n if sequence_length is None else sequence_length, phase=phase,
+        keys=keys,
+        values=values,
+        queries=queries,
+        positions=torch.arange(n).expand(keys.shape[:3]),
+        mask=mask,
+        scaling=keys.shape[-1] ** -0.5 if scaling is None else scaling,
+        layer_index=0,
+        num_layers=1,
+        sequence_length=n if sequence_length is None else sequence_length,
+        phase=phase,
     )
 
 
@@ -44,6 +58,7 @@ def _gaussian_inputs(seed, n=512, heads=4, dim=64, query_heads=None):
 
 
 # -- Eq. 12: the step gain -------------------------------------------------------------------------
+
 
 def test_sg_lambda_is_eq_12():
     for n, k, d in [(1000, 32, 64), (4096, 1000, 128), (33, 32, 256), (10**6, 7, 1)]:
@@ -60,12 +75,14 @@ def test_logit_multiplier_of_each_reading():
     # scaled_qk gives lambda q.k / sqrt(d) (Algorithm 1, line 6), whatever the model's scaling.
     n, k, d = 2048, 128, 64
     lam = math.sqrt(2 * math.log(n / k) / d)
-    for scaling in (d ** -0.5, 0.3):  # the usual 1/sqrt(d), and a model with its own (Gemma 2's query_pre_attn_scalar)
+    for scaling in (d**-0.5, 0.3):  # the usual 1/sqrt(d), and a model with its own (Gemma 2's query_pre_attn_scalar)
         assert sg_logit_multiplier(n, k, d, scaling, "raw_qk") * scaling == pytest.approx(lam, rel=1e-12)
-        assert sg_logit_multiplier(n, k, d, scaling, "scaled_qk") * scaling == pytest.approx(lam / math.sqrt(d), rel=1e-12)
+        assert sg_logit_multiplier(n, k, d, scaling, "scaled_qk") * scaling == pytest.approx(
+            lam / math.sqrt(d), rel=1e-12
+        )
     # With the usual scaling the readings multiply the model's logits by sqrt(2 ln(n/k)) and lambda.
-    assert sg_logit_multiplier(n, k, d, d ** -0.5, "raw_qk") == pytest.approx(math.sqrt(2 * math.log(n / k)))
-    assert sg_logit_multiplier(n, k, d, d ** -0.5, "scaled_qk") == pytest.approx(lam)
+    assert sg_logit_multiplier(n, k, d, d**-0.5, "raw_qk") == pytest.approx(math.sqrt(2 * math.log(n / k)))
+    assert sg_logit_multiplier(n, k, d, d**-0.5, "scaled_qk") == pytest.approx(lam)
     with pytest.raises(ValueError, match="gain_input"):
         sg_logit_multiplier(n, k, d, 0.125, "qk")
 
@@ -80,12 +97,12 @@ def _reference_sg_weights(queries, keys, n, k, reading):
     if reading == "scaled_qk":
         w = w / math.sqrt(d)
     rows = queries.shape[2]
-    causal = torch.ones(n, n, dtype=torch.bool).tril()[n - rows:]
+    causal = torch.ones(n, n, dtype=torch.bool).tril()[n - rows :]
     return torch.softmax((lam * w).masked_fill(~causal, float("-inf")), dim=-1)
 
 
 @pytest.mark.parametrize("reading", GAIN_INPUTS)
-@pytest.mark.parametrize("scaling", [16 ** -0.5, 0.4])
+@pytest.mark.parametrize("scaling", [16**-0.5, 0.4])
 def test_scores_are_recent_sg_softmax_sums_times_value_prior(reading, scaling):
     # GQA: 4 query heads over 2 KV heads; budget k = 64 of n = 300 tokens, r = 32 recent rows.
     # The model's own scaling must not enter either reading (0.4 != 1/sqrt(16)).
@@ -113,7 +130,9 @@ def test_the_readings_keep_different_tokens():
     # Same inputs, same budget: the two readings must not silently coincide.
     n, k = 300, 64
     queries, keys, values = _gaussian_inputs(2, n=n, heads=2, dim=16, query_heads=4)
-    keeps = [AhaKV(gain_input=reading).select_prefill(_scoring(queries, keys, values), k, {}) for reading in GAIN_INPUTS]
+    keeps = [
+        AhaKV(gain_input=reading).select_prefill(_scoring(queries, keys, values), k, {}) for reading in GAIN_INPUTS
+    ]
     assert not torch.equal(*keeps)
 
 
@@ -149,6 +168,7 @@ def test_default_reading_is_raw_qk():
 
 # -- Eq. 13-14: the value prior ----------------------------------------------------------------------
 
+
 def test_value_prior_mean_filter_and_normalisation():
     values = torch.zeros(1, 1, 10, 1)
     values[0, 0, 4, 0] = 3.0  # ||v||^2 = 9 at position 4
@@ -168,6 +188,7 @@ def test_value_prior_mean_filter_and_normalisation():
 
 
 # -- kept sets -------------------------------------------------------------------------------------
+
 
 def test_kept_set_hand_checked():
     # One head, d = 1, scaling 1, n = 10, budget 4 = B_s 2 + B_r 2, kernel 1 (no filtering).
@@ -234,6 +255,7 @@ def test_kept_positions_are_unbiased_on_iid_inputs():
 
 # -- decode ------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("reading", GAIN_INPUTS)
 def test_decode_adds_the_new_query_sg_softmax_to_the_running_score(reading):
     # Algorithm 1, line 27: F_t = SG-softmax(A_t) + F_{t-1} over the stored keys, n = tokens seen.
@@ -268,6 +290,7 @@ def test_decode_adds_the_new_query_sg_softmax_to_the_running_score(reading):
 
 
 # -- runs on the tiny models --------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def models():
@@ -323,11 +346,19 @@ def test_decode_phase_evicts_once_the_budget_is_reached():
 
 # -- parameters --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("parameters, name", [
-    ({"recent": 0}, "recent"), ({"recent": 2.5}, "recent"), ({"kernel": 0}, "kernel"), ({"kernel": 6}, "kernel"),
-    ({"window": 8}, "window"),  # AhaKV has no window: its recent budget is called recent
-    ({"gain_input": "qk"}, "gain_input"), ({"gain_input": None}, "gain_input"),
-])
+
+@pytest.mark.parametrize(
+    "parameters, name",
+    [
+        ({"recent": 0}, "recent"),
+        ({"recent": 2.5}, "recent"),
+        ({"kernel": 0}, "kernel"),
+        ({"kernel": 6}, "kernel"),
+        ({"window": 8}, "window"),  # AhaKV has no window: its recent budget is called recent
+        ({"gain_input": "qk"}, "gain_input"),
+        ({"gain_input": None}, "gain_input"),
+    ],
+)
 def test_invalid_parameters(parameters, name):
     with pytest.raises(ValueError, match=name):
         make_policy("ahakv", **parameters)

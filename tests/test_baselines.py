@@ -24,11 +24,20 @@ PREFILL_ONLY = ["knorm", "snapkv"]
 EXTRA = {"snapkv": {"window": 8}}  # SnapKV's default window (32) is longer than the tiny prompts
 
 
-
-def scoring(num_tokens: int, *, batch: int = 1, heads: int = 1, query_heads: int | None = None,
-            keys: torch.Tensor | None = None, queries: torch.Tensor | None = None, valid: torch.Tensor | None = None,
-            last_query_weights: torch.Tensor | None = None, token_scores: dict | None = None,
-            phase: str = PREFILL, layer_index: int = 0) -> ScoringInputs:
+def scoring(
+    num_tokens: int,
+    *,
+    batch: int = 1,
+    heads: int = 1,
+    query_heads: int | None = None,
+    keys: torch.Tensor | None = None,
+    queries: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
+    last_query_weights: torch.Tensor | None = None,
+    token_scores: dict | None = None,
+    phase: str = PREFILL,
+    layer_index: int = 0,
+) -> ScoringInputs:
     """Hand-made ScoringInputs; unspecified tensors are zeros, every token valid."""
     query_heads = query_heads or heads
     if keys is None:
@@ -39,9 +48,18 @@ def scoring(num_tokens: int, *, batch: int = 1, heads: int = 1, query_heads: int
         valid = torch.ones(batch, num_tokens, dtype=torch.bool)
     mask = valid[:, None, None, :].expand(batch, 1, queries.shape[2], num_tokens)
     return ScoringInputs(
-        keys=keys, values=keys.clone(), queries=queries, positions=torch.arange(num_tokens).expand(batch, heads, -1),
-        mask=mask, scaling=1.0, layer_index=layer_index, num_layers=1, sequence_length=num_tokens, phase=phase,
-        token_scores=dict(token_scores or {}), last_query_weights=last_query_weights,
+        keys=keys,
+        values=keys.clone(),
+        queries=queries,
+        positions=torch.arange(num_tokens).expand(batch, heads, -1),
+        mask=mask,
+        scaling=1.0,
+        layer_index=layer_index,
+        num_layers=1,
+        sequence_length=num_tokens,
+        phase=phase,
+        token_scores=dict(token_scores or {}),
+        last_query_weights=last_query_weights,
     )
 
 
@@ -59,10 +77,16 @@ def kept(mask: torch.Tensor) -> list:
 
 def test_tova_keeps_top_attention_averaged_over_all_heads():
     # 2 KV heads, 4 query heads: the average over all 4 query heads decides, for both KV heads.
-    weights = torch.tensor([[[0.10, 0.00, 0.40, 0.20, 0.30, 0.00],
-                             [0.10, 0.50, 0.00, 0.10, 0.30, 0.00],
-                             [0.50, 0.00, 0.00, 0.10, 0.00, 0.40],
-                             [0.10, 0.10, 0.00, 0.40, 0.00, 0.40]]])
+    weights = torch.tensor(
+        [
+            [
+                [0.10, 0.00, 0.40, 0.20, 0.30, 0.00],
+                [0.10, 0.50, 0.00, 0.10, 0.30, 0.00],
+                [0.50, 0.00, 0.00, 0.10, 0.00, 0.40],
+                [0.10, 0.10, 0.00, 0.40, 0.00, 0.40],
+            ]
+        ]
+    )
     # mean over heads: [0.2, 0.15, 0.1, 0.2, 0.15, 0.2] -> top 3 = tokens 0, 3, 5
     policy = make_policy("tova")
     for phase, select in ((PREFILL, policy.select_prefill), (DECODE, policy.select_decode)):
@@ -81,9 +105,10 @@ def test_tova_never_keeps_padding():
 
 
 def test_knorm_keeps_smallest_key_norms_per_head():
-    norms = torch.tensor([[[3.0, 1.0, 4.0, 1.5, 9.0, 2.0],
-                           [0.5, 7.0, 6.0, 0.7, 0.1, 8.0]]])
-    directions = torch.nn.functional.normalize(torch.randn(1, 2, 6, 4, generator=torch.Generator().manual_seed(0)), dim=-1)
+    norms = torch.tensor([[[3.0, 1.0, 4.0, 1.5, 9.0, 2.0], [0.5, 7.0, 6.0, 0.7, 0.1, 8.0]]])
+    directions = torch.nn.functional.normalize(
+        torch.randn(1, 2, 6, 4, generator=torch.Generator().manual_seed(0)), dim=-1
+    )
     keys = directions * norms[..., None]
     keep = make_policy("knorm").select_prefill(scoring(6, heads=2, keys=keys), 3, {})
     assert kept(keep) == [[[1, 3, 5], [0, 3, 4]]]
@@ -106,8 +131,7 @@ def test_streamingllm_keeps_first_real_tokens_and_window():
 
 
 def test_h2o_keeps_heavy_hitters_and_recent_half():
-    scores = torch.tensor([[[0.9, 0.1, 0.5, 0.2, 0.3, 0.05],
-                            [0.0, 0.8, 0.1, 0.7, 0.2, 0.6]]])
+    scores = torch.tensor([[[0.9, 0.1, 0.5, 0.2, 0.3, 0.05], [0.0, 0.8, 0.1, 0.7, 0.2, 0.6]]])
     policy = make_policy("h2o")
     for phase, select in ((PREFILL, policy.select_prefill), (DECODE, policy.select_decode)):
         inputs = scoring(6, heads=2, token_scores={H2O_SCORE: scores}, phase=phase)
@@ -269,8 +293,8 @@ def test_random_local_is_reproducible_in_a_model():
         return [cache.layers[i].dense()[2].clone() for i in cache.compressed_layers]
 
     first, again, other = positions(1), positions(1), positions(2)
-    assert all(torch.equal(a, b) for a, b in zip(first, again))
-    assert not all(torch.equal(a, b) for a, b in zip(first, other))
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(first, other, strict=True))
     for p in first:
         assert (p[..., -5:] == torch.arange(33, 38)).all()  # recent half of the budget
 
@@ -325,14 +349,17 @@ _EMBEDDED_REFERENCE: dict[str, torch.Tensor] = {}
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method,parameters,name", [
-    ("random", {"recent_fraction": 1.5}, "recent_fraction"),
-    ("random", {"recent_fraction": -0.1}, "recent_fraction"),
-    ("random", {"seed": -1}, "seed"),
-    ("random", {"seed": 1.5}, "seed"),
-    ("tova", {"window": 3}, "window"),
-    ("knorm", {"sink": 3}, "sink"),
-])
+@pytest.mark.parametrize(
+    "method,parameters,name",
+    [
+        ("random", {"recent_fraction": 1.5}, "recent_fraction"),
+        ("random", {"recent_fraction": -0.1}, "recent_fraction"),
+        ("random", {"seed": -1}, "seed"),
+        ("random", {"seed": 1.5}, "seed"),
+        ("tova", {"window": 3}, "window"),
+        ("knorm", {"sink": 3}, "sink"),
+    ],
+)
 def test_invalid_parameters_raise(method, parameters, name):
     with pytest.raises(ValueError, match=name):
         make_policy(method, **parameters)
@@ -349,9 +376,19 @@ def _random_scoring(n: int, pad: int, batch_rows: int, token_scores=None) -> Sco
     mask = torch.ones(batch_rows, 1, 1, n, dtype=torch.bool)
     if pad:
         mask[-1, ..., :pad] = False
-    return ScoringInputs(keys=keys, values=keys, queries=torch.zeros(batch_rows, 2, 1, 4),
-                         positions=torch.arange(n).expand(batch_rows, 2, n), mask=mask, scaling=1.0, layer_index=1,
-                         num_layers=2, sequence_length=n, phase="prefill", token_scores=dict(token_scores or {}))
+    return ScoringInputs(
+        keys=keys,
+        values=keys,
+        queries=torch.zeros(batch_rows, 2, 1, 4),
+        positions=torch.arange(n).expand(batch_rows, 2, n),
+        mask=mask,
+        scaling=1.0,
+        layer_index=1,
+        num_layers=2,
+        sequence_length=n,
+        phase="prefill",
+        token_scores=dict(token_scores or {}),
+    )
 
 
 def test_random_row_draws_what_it_draws_alone():
@@ -369,10 +406,12 @@ def test_random_row_draws_what_it_draws_alone():
     assert torch.equal(batch.token_scores[PRIORITY][1, :, 6:], alone.token_scores[PRIORITY][0])
     # A decode step: one new token per row draws the same priority in the batch as alone.
     new = torch.zeros(2, 2, 1)
-    batch_step = _random_scoring(21, pad=6, batch_rows=2,
-                                 token_scores={PRIORITY: torch.cat([batch.token_scores[PRIORITY], new], dim=-1)})
-    alone_step = _random_scoring(15, pad=0, batch_rows=1,
-                                 token_scores={PRIORITY: torch.cat([alone.token_scores[PRIORITY], new[:1]], dim=-1)})
+    batch_step = _random_scoring(
+        21, pad=6, batch_rows=2, token_scores={PRIORITY: torch.cat([batch.token_scores[PRIORITY], new], dim=-1)}
+    )
+    alone_step = _random_scoring(
+        15, pad=0, batch_rows=1, token_scores={PRIORITY: torch.cat([alone.token_scores[PRIORITY], new[:1]], dim=-1)}
+    )
     policy.observe_decode(batch_step, batch_state)
     policy.observe_decode(alone_step, alone_state)
     assert torch.equal(batch_step.token_scores[PRIORITY][1, :, -1], alone_step.token_scores[PRIORITY][0, :, -1])
@@ -386,10 +425,20 @@ def test_h2o_decode_adds_the_new_querys_attention_and_evicts_by_it():
     weights[:, :, 1] = 3.0  # the new query attends token 1 heavily (without it token 2 would stay)
     weights[:, 1, 3] = 0.8  # one query head of the first group: mean 0.425 over the group
     keys = torch.zeros(1, 2, 6, 4)
-    scoring = ScoringInputs(keys=keys, values=keys, queries=torch.zeros(1, 4, 1, 4),
-                            positions=torch.arange(6).expand(1, 2, 6), mask=None, scaling=1.0, layer_index=0,
-                            num_layers=1, sequence_length=6, phase="decode",
-                            token_scores={H2O_SCORE: previous.clone()}, last_query_weights=weights)
+    scoring = ScoringInputs(
+        keys=keys,
+        values=keys,
+        queries=torch.zeros(1, 4, 1, 4),
+        positions=torch.arange(6).expand(1, 2, 6),
+        mask=None,
+        scaling=1.0,
+        layer_index=0,
+        num_layers=1,
+        sequence_length=6,
+        phase="decode",
+        token_scores={H2O_SCORE: previous.clone()},
+        last_query_weights=weights,
+    )
     policy = make_policy("h2o")
     policy.observe_decode(scoring, {})
     expected = previous + torch.stack([weights[:, 0:2].mean(1), weights[:, 2:4].mean(1)], dim=1)

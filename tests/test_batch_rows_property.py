@@ -33,7 +33,7 @@ REFUSES_UNEQUAL_ROWS = frozenset({"buzz", "buzz-logn"})
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _model(attention: str, dtype: torch.dtype):
     return tiny_model("llama", attention).to(dtype)
 
@@ -46,8 +46,9 @@ def _kept_positions(cache) -> dict[int, list[list[list[int]]]]:
         lengths = store.lengths_host
         if store.is_uniform:
             positions = store.dense()[2].long().cpu()
-            rows = [[sorted(positions[b, h].tolist()) for h in range(positions.shape[1])]
-                    for b in range(positions.shape[0])]
+            rows = [
+                [sorted(positions[b, h].tolist()) for h in range(positions.shape[1])] for b in range(positions.shape[0])
+            ]
         else:
             flat = store.stored_flat_positions().long().cpu().split(lengths.reshape(-1).tolist())
             heads = lengths.shape[1]
@@ -70,8 +71,9 @@ def _run(model, method, budget, input_ids, attention_mask, forced):
     return cache, torch.stack(logits, dim=1)
 
 
-def _check_invariants(cache, model, method: str, budget: int, real_length: list[int], pads: list[int],
-                      fed: int) -> None:
+def _check_invariants(
+    cache, model, method: str, budget: int, real_length: list[int], pads: list[int], fed: int
+) -> None:
     config = model.config
     head_dim = config.head_dim
     element = torch.finfo(model.dtype).bits // 8
@@ -87,7 +89,12 @@ def _check_invariants(cache, model, method: str, budget: int, real_length: list[
                 assert len(set(positions)) == len(positions), (method, index, row, "duplicate positions")
                 lowest = first if policy.phases else 0  # a method that never evicts keeps the padding too
                 assert all(lowest <= p < first + real_length[row] + fed for p in positions), (
-                    method, index, row, "a kept position is padding or out of range", positions)
+                    method,
+                    index,
+                    row,
+                    "a kept position is padding or out of range",
+                    positions,
+                )
                 if not policy.phases:
                     continue
                 if "sink" in options:
@@ -104,8 +111,13 @@ def _check_invariants(cache, model, method: str, budget: int, real_length: list[
 
 @pytest.mark.parametrize("method", METHODS)
 # No shrinking: a failing method reports its first counterexample at once (the suite stays < 60 s).
-@settings(max_examples=2, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=2,
+    deadline=None,
+    derandomize=True,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(data=st.data())
 def test_every_row_equals_its_solo_run(method, data):
     attention = data.draw(st.sampled_from(["mha", "gqa"]), label="attention")
@@ -136,7 +148,7 @@ def test_every_row_equals_its_solo_run(method, data):
     _check_invariants(batch_cache, model, method, budget, lengths, pads, steps)
     batch_kept = _kept_positions(batch_cache)
     for row, pad in enumerate(pads):
-        solo_ids = input_ids[row:row + 1, pad:]
+        solo_ids = input_ids[row : row + 1, pad:]
         solo_cache, solo_logits = _run(model, method, budget, solo_ids, torch.ones_like(solo_ids), forced)
         _check_invariants(solo_cache, model, method, budget, [lengths[row]], [0], steps)
         solo_kept = _kept_positions(solo_cache)
@@ -148,7 +160,13 @@ def test_every_row_equals_its_solo_run(method, data):
         assert difference <= TOLERANCE[dtype], (method, attention, dtype, row, difference)
 
 
-@settings(max_examples=4, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate], suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=4,
+    deadline=None,
+    derandomize=True,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=[HealthCheck.too_slow],
+)
 @given(method=st.sampled_from(METHODS), position=st.integers(0, 40), kind=st.sampled_from(["stream", "generate"]))
 def test_non_finite_values_never_become_a_score(method, position, kind):
     model = tiny_model("llama", "gqa")

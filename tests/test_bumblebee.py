@@ -15,8 +15,14 @@ from kvhive.api import make_cache
 from kvhive.methods import make_policy
 from kvhive.methods.base import DECODE, ScoringInputs
 from kvhive.methods.bumblebee import REBUILDS, SCORE, SUMMARY, BumbleBee, BumbleBeePower
-from kvhive.methods.submodular import (Concave, Mixture, greedy_maximize, power_concave, relu_cosine_similarity,
-                                       stochastic_sample_size)
+from kvhive.methods.submodular import (
+    Concave,
+    Mixture,
+    greedy_maximize,
+    power_concave,
+    relu_cosine_similarity,
+    stochastic_sample_size,
+)
 from kvhive.models import TINY_ARCHITECTURES, TINY_ATTENTION_KINDS, load_model, tiny_model
 
 from helpers import left_padded_batch, prefill_and_decode, reference_logits
@@ -25,14 +31,15 @@ ALL_TINY = [(a, k) for a in TINY_ARCHITECTURES for k in TINY_ATTENTION_KINDS]
 CONCAVES = [Concave("log"), Concave("power")]
 
 
-
-def random_objective(rows=4, n=10, dim=4, lam=0.3, phi=Concave("log"), seed=0, padding=True) -> Mixture:
+def random_objective(rows=4, n=10, dim=4, lam=0.3, phi=None, seed=0, padding=True) -> Mixture:
     """Random keys (some near-duplicates, so facility location matters) and attention weights
     spanning three orders of magnitude; row 1 starts with 3 padding elements."""
+    phi = Concave("log") if phi is None else phi
     generator = torch.Generator().manual_seed(seed)
     keys = torch.randn(rows, n, dim, generator=generator)
     keys[:, 1::3] = keys[:, 0::3][:, : keys[:, 1::3].shape[1]] + 0.1 * torch.randn(
-        rows, keys[:, 1::3].shape[1], dim, generator=generator)
+        rows, keys[:, 1::3].shape[1], dim, generator=generator
+    )
     weights = torch.rand(rows, n, generator=generator) ** 3 * 20
     valid = torch.ones(rows, n, dtype=torch.bool)
     if padding and rows > 1:
@@ -131,8 +138,10 @@ def test_stochastic_greedy_that_samples_reaches_its_bound_in_expectation(phi):
         assert stochastic_sample_size(n, k, epsilon) < n - k  # sampling really happens
         objective = random_objective(n=n, phi=phi, seed=seed)
         optimum = brute_force_best(objective, k)
-        runs = [greedy_maximize(objective, k, "stochastic", epsilon, torch.Generator().manual_seed(draw))
-                for draw in range(24)]
+        runs = [
+            greedy_maximize(objective, k, "stochastic", epsilon, torch.Generator().manual_seed(draw))
+            for draw in range(24)
+        ]
         assert any(not torch.equal(runs[0], other) for other in runs[1:])  # the draws change the set
         ratios = torch.stack([objective.value(chosen) / optimum for chosen in runs])
         assert ratios.max() <= 1.0 + 1e-9
@@ -204,14 +213,23 @@ def test_power_concave_inverse_is_accurate():
 # ----------------------------------------------------------------------------------------------
 
 
-def decode_scoring(keys: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor,
-                   positions: torch.Tensor) -> ScoringInputs:
+def decode_scoring(
+    keys: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor
+) -> ScoringInputs:
     """ScoringInputs of a decode step over stored ``keys[B, H, N, d]`` with running ``scores``."""
     b, h, n, d = keys.shape
     return ScoringInputs(
-        keys=keys, values=keys.clone(), queries=torch.zeros(b, h, 1, d), positions=positions,
-        mask=valid[:, :, None, :], scaling=1.0, layer_index=0, num_layers=1, sequence_length=int(positions.max()) + 1,
-        phase=DECODE, token_scores={SCORE: scores.clone()},
+        keys=keys,
+        values=keys.clone(),
+        queries=torch.zeros(b, h, 1, d),
+        positions=positions,
+        mask=valid[:, :, None, :],
+        scaling=1.0,
+        layer_index=0,
+        num_layers=1,
+        sequence_length=int(positions.max()) + 1,
+        phase=DECODE,
+        token_scores={SCORE: scores.clone()},
     )
 
 
@@ -292,7 +310,8 @@ def simulate_stream(policy: BumbleBee, budget: int, steps: int, joiners: int = 1
         keys = torch.cat([keys, new], dim=2)
         scores = torch.cat([scores, torch.zeros(2, 2, joiners)], dim=2)
         scores += torch.rand(scores.shape, generator=generator) ** 4 * torch.cat(
-            [valid, torch.ones(2, 2, joiners, dtype=torch.bool)], dim=2)
+            [valid, torch.ones(2, 2, joiners, dtype=torch.bool)], dim=2
+        )
         valid = torch.cat([valid, torch.ones(2, 2, joiners, dtype=torch.bool)], dim=2)
         arrived = torch.arange(seen, seen + joiners, dtype=torch.int32).expand(2, 2, joiners)
         positions = torch.cat([positions, arrived], dim=2)
@@ -307,8 +326,13 @@ def simulate_stream(policy: BumbleBee, budget: int, steps: int, joiners: int = 1
             for j in range(joiners):
                 candidate = current + [summary_size + j]
                 index = torch.tensor(candidate)
-                gains = marginal_gains(flat(keys)[row:row + 1, index], flat(scores)[row:row + 1, index],
-                                       flat(valid)[row:row + 1, index], lam, phi)[0]
+                gains = marginal_gains(
+                    flat(keys)[row : row + 1, index],
+                    flat(scores)[row : row + 1, index],
+                    flat(valid)[row : row + 1, index],
+                    lam,
+                    phi,
+                )[0]
                 order = gains.argsort(stable=True)
                 assert gains[order[1]] - gains[order[0]] > 1e-9 or not torch.isfinite(gains[order[0]])
                 current = [c for c in candidate if c != candidate[int(order[0])]]
@@ -316,9 +340,9 @@ def simulate_stream(policy: BumbleBee, budget: int, steps: int, joiners: int = 1
 
         keep = policy.select_decode(decode_scoring(keys, scores, valid, positions), budget, state)
         assert keep.shape == keys.shape[:3] and (keep.sum(-1) == budget).all()
-        assert keep[..., summary_size + joiners:].all()  # the local window stays
+        assert keep[..., summary_size + joiners :].all()  # the local window stays
         for row in range(4):
-            kept_summary = flat(keep)[row, :summary_size + joiners].nonzero().squeeze(1).tolist()
+            kept_summary = flat(keep)[row, : summary_size + joiners].nonzero().squeeze(1).tolist()
             assert kept_summary == expected_sets[row], (step, row)
         keys = keys[keep].reshape(2, 2, budget, dim)
         scores = scores[keep].reshape(2, 2, budget)
@@ -329,8 +353,9 @@ def simulate_stream(policy: BumbleBee, budget: int, steps: int, joiners: int = 1
         assert (summary.positions == positions.reshape(4, budget)[:, :summary_size]).all()
         by_rank = summary.sim.gather(1, summary.slot_of_rank[:, :, None].expand(-1, -1, summary_size))
         by_rank = by_rank.gather(2, summary.slot_of_rank[:, None, :].expand(-1, summary_size, -1))
-        fresh = relu_cosine_similarity(keys.reshape(4, budget, dim)[:, :summary_size],
-                                       valid.reshape(4, budget)[:, :summary_size])
+        fresh = relu_cosine_similarity(
+            keys.reshape(4, budget, dim)[:, :summary_size], valid.reshape(4, budget)[:, :summary_size]
+        )
         assert torch.allclose(by_rank, fresh, atol=1e-5)
         others = summary.sim.clone()
         others.diagonal(dim1=1, dim2=2).zero_()
@@ -387,7 +412,7 @@ def run_checked(model, cache, input_ids, attention_mask, budget: int, steps: int
             assert (layer.lengths == budget).all(), (step, index, layer.lengths)
             positions = layer.dense()[2]
             assert (positions[-1] >= pad).all()  # the padded row keeps no padding
-            assert (positions[..., budget - local:] == torch.arange(seen - local, seen)).all()
+            assert (positions[..., budget - local :] == torch.arange(seen - local, seen)).all()
             assert_summary_matches_store(layer, budget - local)
             assert REBUILDS not in layer.policy_state  # the prefill selection seeded Algorithm 2
         if step == steps:
@@ -425,8 +450,9 @@ def test_embedded_model_small_budget_50_steps():
     # One row: the 262k-word output layer dominates the run time; padding is covered by every
     # tiny model above.
     model, tokenizer = load_model()
-    inputs = tokenizer(["The history of the bee hive begins with a small colony of workers that gather pollen"],
-                       return_tensors="pt")
+    inputs = tokenizer(
+        ["The history of the bee hive begins with a small colony of workers that gather pollen"], return_tensors="pt"
+    )
     budget = 10
     assert inputs["input_ids"].shape[1] > budget
     cache = make_cache(model, "bumblebee", budget=budget)
@@ -463,7 +489,7 @@ def test_greedy_variants_agree_inside_the_model(architecture):
         prefill_and_decode(model, cache, input_ids, attention_mask, steps=0)
         kept[greedy] = [cache.layers[i].dense()[2].clone() for i in compressed_layers(cache)]
     for greedy in ("lazy", "stochastic"):
-        assert all((a == b).all() for a, b in zip(kept["plain"], kept[greedy]))
+        assert all((a == b).all() for a, b in zip(kept["plain"], kept[greedy], strict=True))
 
 
 def test_prefill_keeps_padding_only_when_a_row_has_too_few_real_tokens():
@@ -490,15 +516,27 @@ def test_registry_and_defaults():
     assert BumbleBee(local_fraction=0.0).split(5) == (5, 0)
 
 
-@pytest.mark.parametrize("parameters,name", [
-    ({"mixture_weight": -0.1}, "mixture_weight"), ({"mixture_weight": 1.5}, "mixture_weight"),
-    ({"mixture_weight": float("nan")}, "mixture_weight"),
-    ({"epsilon": 0.0}, "epsilon"), ({"epsilon": -1e-5}, "epsilon"), ({"epsilon": 1.0}, "epsilon"),
-    ({"greedy": "fast"}, "greedy"), ({"concave": "sqrt"}, "concave"),
-    ({"power_alpha": 0.0}, "power_alpha"), ({"power_alpha": 2.0}, "power_alpha"), ({"power_beta": -1.0}, "power_beta"),
-    ({"local_fraction": 1.0}, "local_fraction"), ({"local_fraction": -0.5}, "local_fraction"),
-    ({"local_window": -1}, "local_window"), ({"local_window": 2.5}, "local_window"), ({"seed": -1}, "seed"),
-])
+@pytest.mark.parametrize(
+    "parameters,name",
+    [
+        ({"mixture_weight": -0.1}, "mixture_weight"),
+        ({"mixture_weight": 1.5}, "mixture_weight"),
+        ({"mixture_weight": float("nan")}, "mixture_weight"),
+        ({"epsilon": 0.0}, "epsilon"),
+        ({"epsilon": -1e-5}, "epsilon"),
+        ({"epsilon": 1.0}, "epsilon"),
+        ({"greedy": "fast"}, "greedy"),
+        ({"concave": "sqrt"}, "concave"),
+        ({"power_alpha": 0.0}, "power_alpha"),
+        ({"power_alpha": 2.0}, "power_alpha"),
+        ({"power_beta": -1.0}, "power_beta"),
+        ({"local_fraction": 1.0}, "local_fraction"),
+        ({"local_fraction": -0.5}, "local_fraction"),
+        ({"local_window": -1}, "local_window"),
+        ({"local_window": 2.5}, "local_window"),
+        ({"seed": -1}, "seed"),
+    ],
+)
 @pytest.mark.parametrize("method", ["bumblebee", "bumblebee-power"])
 def test_invalid_parameters_raise(method, parameters, name):
     with pytest.raises(ValueError, match=name):
@@ -541,7 +579,7 @@ def eager_reference_attention(module, query, key, value, attention_mask, scaling
     summed = weights.sum(dim=2).reshape(batch, kv_heads, group, length).mean(dim=2)
     previous = _COLUMN_SUMS.get(module.layer_idx)
     if previous is not None:
-        summed[..., :previous.shape[-1]] += previous
+        summed[..., : previous.shape[-1]] += previous
     _COLUMN_SUMS[module.layer_idx] = summed
     return torch.matmul(weights, value.repeat_interleave(group, dim=1)).transpose(1, 2).contiguous(), None
 
@@ -573,8 +611,9 @@ def test_accumulated_attention_is_every_query_of_prefill_and_decode(method):
     _ALLOWED.clear()
     use_eager_reference(model)
     try:
-        prefill_and_decode(model, DynamicCache(config=model.config), input_ids, attention_mask, steps,
-                           forced_tokens=tokens)
+        prefill_and_decode(
+            model, DynamicCache(config=model.config), input_ids, attention_mask, steps, forced_tokens=tokens
+        )
     finally:
         model.set_attn_implementation("sdpa")
     for layer in cache.compressed_layers:
@@ -599,8 +638,9 @@ def test_evicting_run_equals_attention_over_exactly_the_kept_tokens(architecture
         use_eager_reference(model)
         _ALLOWED.clear()
         _COLUMN_SUMS.clear()
-        expected = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=reference_cache,
-                         use_cache=True)
+        expected = model(
+            input_ids=input_ids, attention_mask=attention_mask, past_key_values=reference_cache, use_cache=True
+        )
         model.set_attn_implementation("kvhive")
         mask = attention_mask
         for step in range(steps):
@@ -635,9 +675,20 @@ def test_policy_state_bytes_count_the_summary_and_stay_within_a_summary_matrix()
     expected = 0
     for layer in cache.compressed_layers:
         summary = cache.layers[layer].policy_state[SUMMARY]
-        expected += sum(getattr(summary, name).nbytes for name in (
-            "sim", "self_sim", "nearest", "nearest_slot", "norms", "valid", "slot_of_rank", "rank_of_slot",
-            "positions"))
+        expected += sum(
+            getattr(summary, name).nbytes
+            for name in (
+                "sim",
+                "self_sim",
+                "nearest",
+                "nearest_slot",
+                "norms",
+                "valid",
+                "slot_of_rank",
+                "rank_of_slot",
+                "positions",
+            )
+        )
     assert held == expected > 0
     # Bounded by a tau_s x tau_s float32 matrix plus O(tau_s) per row and layer, whatever the length.
     per_layer_bound = rows * (summary_size * summary_size * 4 + 8 * summary_size * 8)
@@ -661,8 +712,14 @@ def test_a_left_padded_row_gets_what_it_gets_alone(method):
     tokens = batch_logits[:-1].argmax(-1)[:, :, None]
     for row, offset in ((0, 0), (1, pad)):
         alone = make_cache(model, method, budget=budget, epsilon=0.3)
-        solo = prefill_and_decode(model, alone, input_ids[row:row + 1, offset:], attention_mask[row:row + 1, offset:],
-                                  steps, forced_tokens=tokens[:, row:row + 1])
+        solo = prefill_and_decode(
+            model,
+            alone,
+            input_ids[row : row + 1, offset:],
+            attention_mask[row : row + 1, offset:],
+            steps,
+            forced_tokens=tokens[:, row : row + 1],
+        )
         assert (solo[:, 0] - batch_logits[:, row]).abs().max().item() <= 1e-4
         for layer in cache.compressed_layers:
             in_batch = cache.layers[layer].dense()[2][row] - offset
@@ -682,9 +739,19 @@ def test_importance_scale_normalised_applies_phi_to_the_mass_fraction():
     kept = {}
     for scale in ("raw", "normalised"):
         policy = BumbleBeePower(importance_scale=scale, greedy="plain", mixture_weight=0.05)
-        scoring = ScoringInputs(keys=keys, values=keys, queries=torch.zeros(b, h, 1, d),
-                                positions=torch.arange(n).expand(b, h, n), mask=None, scaling=1.0, layer_index=0,
-                                num_layers=1, sequence_length=n, phase=DECODE, token_scores={SCORE: weights.clone()})
+        scoring = ScoringInputs(
+            keys=keys,
+            values=keys,
+            queries=torch.zeros(b, h, 1, d),
+            positions=torch.arange(n).expand(b, h, n),
+            mask=None,
+            scaling=1.0,
+            layer_index=0,
+            num_layers=1,
+            sequence_length=n,
+            phase=DECODE,
+            token_scores={SCORE: weights.clone()},
+        )
         kept[scale] = policy.select_prefill(scoring, 12, {})
         # The objective the greedy maximised, rebuilt by hand for one head.
         candidates = n - policy.split(12)[1]
@@ -694,7 +761,12 @@ def test_importance_scale_normalised_applies_phi_to_the_mass_fraction():
         chosen = kept[scale][0, 0, :candidates]
         phi = Concave("power")
         expected_feature = phi(w[chosen].sum()) / phi(w.sum())
-        objective = Mixture(relu_cosine_similarity(keys[0, :1, :candidates]), w[None].float(),
-                            torch.ones(1, candidates, dtype=torch.bool), 0.05, phi)
+        objective = Mixture(
+            relu_cosine_similarity(keys[0, :1, :candidates]),
+            w[None].float(),
+            torch.ones(1, candidates, dtype=torch.bool),
+            0.05,
+            phi,
+        )
         torch.testing.assert_close(objective.feature(chosen[None])[0], expected_feature)
     assert not torch.equal(kept["raw"], kept["normalised"])

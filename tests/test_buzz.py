@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 
@@ -15,15 +16,25 @@ from transformers.masking_utils import sdpa_mask
 from kvhive.api import make_cache
 from kvhive.methods import make_policy
 from kvhive.methods.base import DECODE, PREFILL, ScoringInputs
-from kvhive.methods.buzz import (EVICTIONS, OLD, SCORE, Buzz, BuzzLogN, kept_size_statistics, layout_for_budget,
-                                 local_max_mask,
-                                 old_sample_sizes, prefill_accumulated_attention, small_stride, theorem_ratio)
+from kvhive.methods.buzz import (
+    EVICTIONS,
+    OLD,
+    SCORE,
+    Buzz,
+    BuzzLogN,
+    kept_size_statistics,
+    layout_for_budget,
+    local_max_mask,
+    old_sample_sizes,
+    prefill_accumulated_attention,
+    small_stride,
+    theorem_ratio,
+)
 from kvhive.models import TINY_ARCHITECTURES, TINY_ATTENTION_KINDS, load_model, tiny_model
 
 from helpers import left_padded_batch, prefill_and_decode, reference_logits
 
 ALL_TINY = [(a, k) for a in TINY_ARCHITECTURES for k in TINY_ATTENTION_KINDS]
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -38,27 +49,36 @@ def scoring_for(scores: torch.Tensor, valid: torch.Tensor | None = None, phase: 
     if valid is None:
         valid = torch.ones(b, n, dtype=torch.bool)
     return ScoringInputs(
-        keys=keys, values=keys.clone(), queries=torch.zeros(b, h, 1, 2),
-        positions=torch.arange(n).expand(b, h, n), mask=valid[:, None, None, :], scaling=1.0,
-        layer_index=0, num_layers=1, sequence_length=n, phase=phase, token_scores={SCORE: scores.clone()},
+        keys=keys,
+        values=keys.clone(),
+        queries=torch.zeros(b, h, 1, 2),
+        positions=torch.arange(n).expand(b, h, n),
+        mask=valid[:, None, None, :],
+        scaling=1.0,
+        layer_index=0,
+        num_layers=1,
+        sequence_length=n,
+        phase=phase,
+        token_scores={SCORE: scores.clone()},
     )
 
 
-def reference_eviction(tokens: list[int], score: dict[int, float], sink: int, window: int, old: int,
-                       stride: int, threshold: int) -> tuple[list[int], int]:
+def reference_eviction(
+    tokens: list[int], score: dict[int, float], sink: int, window: int, old: int, stride: int, threshold: int
+) -> tuple[list[int], int]:
     """Algorithm 1 (line 13-15) and Algorithm 2 on a Python list, for one head, plus Remark 2's
     extra interval rounds when the samples still do not fit."""
     hat = (stride + 1) // 2
-    body = tokens[sink:len(tokens) - window]
+    body = tokens[sink : len(tokens) - window]
     samples = body[:old][::hat]
     new = body[old:]
     for start in range(0, len(new), stride):
-        segment = new[start:start + stride]
+        segment = new[start : start + stride]
         best = max(range(len(segment)), key=lambda j: (score[segment[j]], -j))  # first maximum
         samples.append(segment[best])
     while len(samples) > threshold:
         samples = samples[::hat]
-    return tokens[:sink] + samples + tokens[len(tokens) - window:], len(samples)
+    return tokens[:sink] + samples + tokens[len(tokens) - window :], len(samples)
 
 
 def stream(policy: Buzz, budget: int, steps: int, heads: int = 2, seed: int = 0, bulk: bool = False):
@@ -85,8 +105,9 @@ def stream(policy: Buzz, budget: int, steps: int, heads: int = 2, seed: int = 0,
         if keep is not None:
             expected = []
             for h in range(heads):
-                tokens, count = reference_eviction(kept[h], score[h], layout.sink, layout.window, old_before,
-                                                   policy.config.stride, layout.threshold)
+                tokens, count = reference_eviction(
+                    kept[h], score[h], layout.sink, layout.window, old_before, policy.config.stride, layout.threshold
+                )
                 expected.append(tokens)
                 assert count == state[OLD]
             assert positions[keep].view(heads, -1).tolist() == expected
@@ -132,8 +153,9 @@ def test_local_max_picks_segment_argmax():
     assert policy.layout(8) == layout_for_budget(8, 1, 3, "peak")
     assert (policy.layout(8).window, policy.layout(8).threshold) == (2, 5)
     # N = 9: sink [0] | new [1..6] (T + 1 = 6 tokens, segments [1,2,3] and [4,5,6]) | window [7, 8].
-    scores = torch.tensor([[[9.0, 0.1, 0.7, 0.3, 0.2, 0.1, 0.9, 0.0, 0.0],
-                            [0.0, 0.8, 0.1, 0.2, 0.3, 0.6, 0.5, 0.0, 0.0]]])
+    scores = torch.tensor(
+        [[[9.0, 0.1, 0.7, 0.3, 0.2, 0.1, 0.9, 0.0, 0.0], [0.0, 0.8, 0.1, 0.2, 0.3, 0.6, 0.5, 0.0, 0.0]]]
+    )
     state = {}
     keep = policy.select_decode(scoring_for(scores), 8, state)
     assert keep[0, 0].nonzero().flatten().tolist() == [0, 2, 6, 7, 8]
@@ -156,7 +178,7 @@ def test_local_max_mask_matches_loop_and_prefers_first_on_ties():
     for b in range(2):
         for h in range(3):
             for start in range(2, 21, 5):
-                segment = scores[b, h, start:min(start + 5, 21)].tolist()
+                segment = scores[b, h, start : min(start + 5, 21)].tolist()
                 expected[b, h, start + segment.index(max(segment))] = True
     assert torch.equal(mask, expected)
 
@@ -169,8 +191,18 @@ def test_prefill_accumulated_attention_matches_generic_column_sums(max_elements)
     queries = torch.randn(b, h * group, n, d, generator=generator)
     mask = torch.ones(n, n, dtype=torch.bool).tril().expand(b, 1, n, n).clone()
     mask[1, :, :, :5] = False  # left padding of row 1 (its first 5 query rows see nothing)
-    inputs = ScoringInputs(keys=keys, values=keys, queries=queries, positions=torch.arange(n).expand(b, h, n),
-                           mask=mask, scaling=0.3, layer_index=0, num_layers=1, sequence_length=n, phase=PREFILL)
+    inputs = ScoringInputs(
+        keys=keys,
+        values=keys,
+        queries=queries,
+        positions=torch.arange(n).expand(b, h, n),
+        mask=mask,
+        scaling=0.3,
+        layer_index=0,
+        num_layers=1,
+        sequence_length=n,
+        phase=PREFILL,
+    )
     expected = inputs.accumulated_attention()
     actual = prefill_accumulated_attention(queries, keys, inputs.mask_rows, 0.3, max_elements=max_elements)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
@@ -204,7 +236,7 @@ def test_evictions_follow_recurrence_eq10_and_algorithms(stride, budget):
         previous = size
     # Never more than the budget; between evictions the cache grows one token per step.
     assert max(lengths) == budget
-    for before, after in zip(lengths, lengths[1:]):
+    for before, after in itertools.pairwise(lengths):
         assert after == before + 1 or (before == budget and after < budget)
 
 
@@ -239,8 +271,15 @@ def test_prefill_samples_until_it_fits(length):
     assert (kept == kept.flatten()[0]).all() and int(kept[0, 0]) <= layout.sink + layout.window + layout.threshold
     assert state[OLD] <= layout.threshold and int(kept[0, 0]) == layout.sink + layout.window + state[OLD]
     for h in range(2):
-        expected, _ = reference_eviction(list(range(length)), dict(enumerate(scores[0, h].tolist())),
-                                         layout.sink, layout.window, 0, 5, layout.threshold)
+        expected, _ = reference_eviction(
+            list(range(length)),
+            dict(enumerate(scores[0, h].tolist())),
+            layout.sink,
+            layout.window,
+            0,
+            5,
+            layout.threshold,
+        )
         assert keep[0, h].nonzero().flatten().tolist() == expected
 
 
@@ -265,8 +304,8 @@ def test_common_left_padding_gives_each_row_its_solo_selection():
     scores = torch.rand(2, 2, n, generator=torch.Generator().manual_seed(0))
     keep = policy.select_prefill(scoring_for(scores, valid, PREFILL), 16, {})
     for row in range(2):
-        alone = policy.select_prefill(scoring_for(scores[row:row + 1, :, pad:], phase=PREFILL), 16, {})
-        assert torch.equal(keep[row:row + 1, :, pad:], alone)
+        alone = policy.select_prefill(scoring_for(scores[row : row + 1, :, pad:], phase=PREFILL), 16, {})
+        assert torch.equal(keep[row : row + 1, :, pad:], alone)
         assert not keep[row, :, :pad].any()
 
 
@@ -286,8 +325,16 @@ def run_and_watch(model, cache, input_ids, attention_mask, steps):
     records = []
 
     def record():
-        records.append({i: (cache.layers[i].lengths.clone(), cache.layers[i].policy_state.get(OLD, 0),
-                            cache.layers[i].policy_state.get(EVICTIONS, 0)) for i in compressed_layers(cache)})
+        records.append(
+            {
+                i: (
+                    cache.layers[i].lengths.clone(),
+                    cache.layers[i].policy_state.get(OLD, 0),
+                    cache.layers[i].policy_state.get(EVICTIONS, 0),
+                )
+                for i in compressed_layers(cache)
+            }
+        )
 
     logits = []
     output = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
@@ -308,7 +355,7 @@ def check_decode_records(records, layout, stride):
     budget = layout.peak
     for layer in records[0]:
         olds = [records[0][layer][1]]
-        for previous, current in zip(records, records[1:]):
+        for previous, current in itertools.pairwise(records):
             before, after = int(previous[layer][0].flatten()[0]), int(current[layer][0].flatten()[0])
             assert (current[layer][0] == after).all()  # uniform over batch and heads
             assert after <= budget
@@ -347,11 +394,11 @@ def test_prefill_and_50_decode_steps_small_budget(architecture, attention, metho
     for layer in compressed_layers(cache):
         positions = cache.layers[layer].dense()[2]
         assert (positions[:, :, :4] == torch.arange(4)).all()  # every row keeps its sinks
-        assert (positions[:, :, -layout.window:] == torch.arange(90 - layout.window, 90)).all()
+        assert (positions[:, :, -layout.window :] == torch.arange(90 - layout.window, 90)).all()
     # Each row of the batch gets exactly what it gets alone (issue 9 item 5).
     for row in range(2):
         alone = make_cache(model, method, budget=budget, stride=3)
-        alone_logits, _ = run_and_watch(model, alone, input_ids[row:row + 1], attention_mask[row:row + 1], steps=50)
+        alone_logits, _ = run_and_watch(model, alone, input_ids[row : row + 1], attention_mask[row : row + 1], steps=50)
         torch.testing.assert_close(alone_logits[:, 0], logits[:, row], atol=1e-4, rtol=1e-4)
         for layer in compressed_layers(cache):
             assert torch.equal(alone.layers[layer].dense()[2][0], cache.layers[layer].dense()[2][row])
@@ -367,8 +414,7 @@ def test_left_padded_batch_is_refused_by_the_cache():
 
 def test_embedded_model_small_budget_50_steps():
     model, tokenizer = load_model()
-    inputs = tokenizer(["The history of the bee hive begins with a small colony of workers that"],
-                       return_tensors="pt")
+    inputs = tokenizer(["The history of the bee hive begins with a small colony of workers that"], return_tensors="pt")
     budget = 16
     cache = make_cache(model, "buzz", budget=budget)
     layout = cache.policy.layout(budget)
@@ -380,7 +426,7 @@ def test_embedded_model_small_budget_50_steps():
     for layer in compressed_layers(cache):
         positions = cache.layers[layer].dense()[2]
         assert (positions[..., :4] == torch.arange(4)).all()
-        assert (positions[..., -layout.window:] == torch.arange(total - layout.window, total)).all()
+        assert (positions[..., -layout.window :] == torch.arange(total - layout.window, total)).all()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -429,7 +475,7 @@ def logn_reference_attention(module, query, key, value, attention_mask, scaling=
     summed = weights.sum(dim=2).reshape(batch, kv_heads, group, length).sum(dim=2)
     previous = _CAPTURED.get(module.layer_idx)
     if previous is not None:
-        summed[..., :previous.shape[-1]] += previous
+        summed[..., : previous.shape[-1]] += previous
     if not getattr(module, "is_sliding", False):  # a sliding layer's cache drops tokens: no running sum
         _CAPTURED[module.layer_idx] = summed
     return torch.matmul(weights, values).transpose(1, 2).contiguous(), None
@@ -499,8 +545,14 @@ def test_logn_padding_is_not_counted_in_n(architecture, attention):
     tokens = batch[:-1].argmax(-1)[:, :, None]  # the batch's greedy tokens, [steps, B, 1]
     for row, pad in ((0, 0), (1, 7)):
         alone = make_cache(model, "buzz-logn", budget=input_ids.shape[1] + steps + 1)
-        solo = prefill_and_decode(model, alone, input_ids[row:row + 1, pad:], attention_mask[row:row + 1, pad:],
-                                  steps, forced_tokens=tokens[:, row:row + 1])
+        solo = prefill_and_decode(
+            model,
+            alone,
+            input_ids[row : row + 1, pad:],
+            attention_mask[row : row + 1, pad:],
+            steps,
+            forced_tokens=tokens[:, row : row + 1],
+        )
         assert (solo[:, 0] - batch[:, row]).abs().max().item() <= 1e-4
 
 
@@ -509,11 +561,19 @@ def test_logn_padding_is_not_counted_in_n(architecture, attention):
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("parameters,name", [
-    ({"stride": 0}, "stride"), ({"stride": 1}, "stride"), ({"stride": 2}, "stride"), ({"stride": 2.5}, "stride"),
-    ({"sink": -1}, "sink"), ({"sink": "4"}, "sink"), ({"window": 8}, "window"),
-    ({"budget_form": "average"}, "budget_form"),
-])
+@pytest.mark.parametrize(
+    "parameters,name",
+    [
+        ({"stride": 0}, "stride"),
+        ({"stride": 1}, "stride"),
+        ({"stride": 2}, "stride"),
+        ({"stride": 2.5}, "stride"),
+        ({"sink": -1}, "sink"),
+        ({"sink": "4"}, "sink"),
+        ({"window": 8}, "window"),
+        ({"budget_form": "average"}, "budget_form"),
+    ],
+)
 @pytest.mark.parametrize("method", ["buzz", "buzz-logn"])
 def test_invalid_parameters_raise(method, parameters, name):
     with pytest.raises(ValueError, match=name):
@@ -525,10 +585,19 @@ def test_invalid_log_base_raises():
         BuzzLogN(log_base=1)
 
 
-@pytest.mark.parametrize("sink,stride,form,smallest", [
-    (4, 5, "peak", 10), (0, 3, "peak", 4), (4, 4, "peak", 8), (1, 7, "peak", 9),
-    (4, 5, "mean", 9), (0, 3, "mean", 4), (4, 4, "mean", 8), (1, 7, "mean", 7),
-])
+@pytest.mark.parametrize(
+    "sink,stride,form,smallest",
+    [
+        (4, 5, "peak", 10),
+        (0, 3, "peak", 4),
+        (4, 4, "peak", 8),
+        (1, 7, "peak", 9),
+        (4, 5, "mean", 9),
+        (0, 3, "mean", 4),
+        (4, 4, "mean", 8),
+        (1, 7, "mean", 7),
+    ],
+)
 def test_budget_smaller_than_sink_plus_window_plus_threshold_raises(sink, stride, form, smallest):
     policy = Buzz(sink=sink, stride=stride, budget_form=form)
     assert policy.minimum_budget() == smallest
@@ -572,10 +641,10 @@ def test_mean_form_stream_holds_the_budget_on_average_and_the_peak_at_most(strid
     policy = Buzz(stride=stride)
     layout = policy.layout(budget)
     _, olds, lengths = stream(policy, budget, steps=40 * budget, heads=1)
-    steady = lengths[len(lengths) // 2:]
+    steady = lengths[len(lengths) // 2 :]
     assert abs(sum(steady) / len(steady) - budget) <= 1.0
     assert max(lengths) == layout.peak > budget
-    for before, after in zip(lengths, lengths[1:]):
+    for before, after in itertools.pairwise(lengths):
         assert after == before + 1 or (before == layout.peak and after <= budget)
 
 

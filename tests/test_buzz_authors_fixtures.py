@@ -27,9 +27,20 @@ CASES = {case["case"]["name"]: case for case in json.loads(FIXTURE.read_text())}
 def scoring(positions: torch.Tensor, scores: torch.Tensor, phase: str, last_row: torch.Tensor | None = None):
     _, h, n = positions.shape
     keys = torch.zeros(1, h, n, 2)
-    return ScoringInputs(keys=keys, values=keys.clone(), queries=torch.zeros(1, h, 1, 2), positions=positions,
-                         mask=None, scaling=1.0, layer_index=0, num_layers=1, sequence_length=n, phase=phase,
-                         token_scores={SCORE: scores.clone()}, last_query_weights=last_row)
+    return ScoringInputs(
+        keys=keys,
+        values=keys.clone(),
+        queries=torch.zeros(1, h, 1, 2),
+        positions=positions,
+        mask=None,
+        scaling=1.0,
+        layer_index=0,
+        num_layers=1,
+        sequence_length=n,
+        phase=phase,
+        token_scores={SCORE: scores.clone()},
+        last_query_weights=last_row,
+    )
 
 
 def policy_and_budget(case: dict) -> tuple[Buzz, int]:
@@ -88,7 +99,7 @@ def test_a_prompt_too_long_for_the_budget_is_the_authors_pass_thinned_by_remark_
     policy, budget = policy_and_budget(case)
     theirs = case["kept_positions"][0]
     sink, window = spec["sink"], spec["window"]
-    their_samples = [row[sink:len(row) - window] for row in theirs]
+    their_samples = [row[sink : len(row) - window] for row in theirs]
     assert len(theirs[0]) == sink + window + math.ceil((spec["prompt"] - sink - window) / spec["stride"])
     assert len(theirs[0]) > budget
     state: dict = {}

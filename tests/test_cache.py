@@ -13,7 +13,6 @@ from transformers.masking_utils import AttentionMaskInterface
 
 import kvhive
 from kvhive.api import plain_attention
-
 from kvhive.cache import Budget, KVHiveCache
 from kvhive.cache.storage import PAGE_TOKENS, SEGMENT_RESERVE_TOKENS
 from kvhive.methods.base import PREFILL, Policy, PolicyConfig
@@ -110,8 +109,9 @@ def test_variable_length_heads_free_memory_and_match_masked_reference(architectu
     AttentionInterface.register("masked_reference", masked_reference_attention)
     AttentionMaskInterface.register("masked_reference", materialised_mask)
     model.set_attn_implementation("masked_reference")
-    reference = prefill_and_decode(model, DynamicCache(config=model.config), input_ids, attention_mask,
-                                   steps=10, forced_tokens=forced)
+    reference = prefill_and_decode(
+        model, DynamicCache(config=model.config), input_ids, attention_mask, steps=10, forced_tokens=forced
+    )
     model.set_attn_implementation("sdpa")
     # The prompt's last logits come from the uncompressed prefill in both runs.
     assert (logits - reference).abs().max() <= 1e-5
@@ -126,7 +126,7 @@ def test_storage_append_keeps_segments_in_order():
     layer = cache.layers[0]
     offsets = layer.segment_offsets()
     for segment in range(layer.lengths.numel()):
-        positions = layer.stored_flat_positions()[offsets[segment]: offsets[segment + 1]]
+        positions = layer.stored_flat_positions()[offsets[segment] : offsets[segment + 1]]
         b, h = divmod(segment, layer.num_heads)
         kept = masks[0][b, h].nonzero().flatten()
         assert positions.tolist() == kept.tolist() + [12, 13, 14]
@@ -151,8 +151,9 @@ def test_generate_with_full_budget_matches_plain_generate(architecture):
     input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=16, pad=4)
     plain = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=8, do_sample=False)
     cache = kvhive.make_cache(model, "h2o", budget=1000)
-    compressed = model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
-                                max_new_tokens=8, do_sample=False)
+    compressed = model.generate(
+        input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, max_new_tokens=8, do_sample=False
+    )
     model.set_attn_implementation("sdpa")
     assert torch.equal(plain, compressed)
 
@@ -182,8 +183,8 @@ def test_compress_sliding_layers_on_request():
         assert torch.all(layer.lengths == 6)
     default = kvhive.make_cache(model, "streamingllm", budget=6, sink=2)
     prefill_and_decode(model, default, input_ids, attention_mask, steps=5)
-    assert [int(l.lengths[0, 0]) for l in default.layers] == [
-        6 if not l.is_sliding else model.config.sliding_window - 1 for l in default.layers
+    assert [int(layer.lengths[0, 0]) for layer in default.layers] == [
+        6 if not layer.is_sliding else model.config.sliding_window - 1 for layer in default.layers
     ]
 
 
@@ -251,6 +252,7 @@ def test_kvhive_attention_with_another_cache_is_plain_sdpa():
 
 
 # -- bad input --------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("value", [0, -3, True])
 def test_budget_tokens_must_be_positive(value):

@@ -90,7 +90,7 @@ def test_task_load_renders_prompts_and_records_the_template():
     plain = task.load(None, 2, 0, tiny_tokenizer())
     chat = task.load(None, 2, 0, templated_tokenizer())
     assert [item.id for item in chat] == [item.id for item in plain]
-    for plain_item, chat_item in zip(plain, chat):
+    for plain_item, chat_item in zip(plain, chat, strict=True):
         assert chat_item.prompt == render_chat_prompt(templated_tokenizer(), plain_item.prompt)
         # The answer cue's prefix opens the assistant's turn; the question stays in the user's.
         question, cue = plain_item.prompt.rsplit("\n", 1)

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import kvhive
-from kvhive.cache.storage import MIN_RESERVE_TOKENS
 from kvhive.attention.varlen import kernel_supports, varlen_attention_kernel, varlen_attention_torch
+from kvhive.cache.storage import MIN_RESERVE_TOKENS
 from kvhive.methods.base import DECODE
 from kvhive.methods.registry import method_names, policy_class
 from kvhive.models import tiny_model
@@ -94,6 +94,7 @@ def counted_host_reads():
         def counted(self, *args, **kwargs):
             calls.append(name)
             return original(self, *args, **kwargs)
+
         return counted
 
     for name, original in originals.items():
@@ -106,8 +107,14 @@ def counted_host_reads():
 
 
 STEADY_METHODS = {  # method -> budget: prefill-only methods compress; decode-phase methods have room
-    "full": None, "snapkv": 16, "pyramidkv": 16, "ada-snapkv": 16, "knorm": 16,
-    "h2o": 10_000, "tova": 10_000, "streamingllm": 10_000,
+    "full": None,
+    "snapkv": 16,
+    "pyramidkv": 16,
+    "ada-snapkv": 16,
+    "knorm": 16,
+    "h2o": 10_000,
+    "tova": 10_000,
+    "streamingllm": 10_000,
 }
 WINDOW = {"snapkv": 4, "pyramidkv": 4, "ada-snapkv": 4}
 
@@ -173,6 +180,7 @@ def test_eviction_to_a_small_budget_releases_the_buffers():
 
 # -- variable-length attention -----------------------------------------------------------------------
 
+
 def _segments(lengths, dim, dtype, device, generator):
     total_capacity = int(sum(lengths)) + 7 * len(lengths)
     keys = torch.randn(total_capacity, dim, generator=generator).to(device, dtype)
@@ -184,8 +192,8 @@ def _segments(lengths, dim, dtype, device, generator):
 def _per_segment_reference(rows, keys, values, starts, lengths, scaling):
     outputs = []
     for s, length in enumerate(lengths):
-        k = keys[starts[s]: starts[s] + length].double()
-        v = values[starts[s]: starts[s] + length].double()
+        k = keys[starts[s] : starts[s] + length].double()
+        v = values[starts[s] : starts[s] + length].double()
         weights = torch.softmax(rows[s].double() @ k.T * scaling, dim=-1)
         outputs.append(weights @ v)
     return torch.stack(outputs)
@@ -214,12 +222,20 @@ def test_paged_varlen_attention_reads_pages_in_place_and_matches_reference(dtype
     values = torch.randn(sum(capacities), 32, generator=generator).to(dtype)
     rows = torch.randn(len(lengths), 4, 32, generator=generator).to(dtype)
     expected = _per_segment_reference(rows, keys, values, starts, lengths, 0.2)
-    actual = varlen_attention_torch(rows, keys, values, starts, torch.tensor(lengths), 0.2,
-                                    segment_capacity_host=torch.tensor(capacities))
+    actual = varlen_attention_torch(
+        rows, keys, values, starts, torch.tensor(lengths), 0.2, segment_capacity_host=torch.tensor(capacities)
+    )
     assert _relative(actual, expected) <= (1e-5 if dtype == torch.float32 else 1e-2)
     with pytest.raises(ValueError, match="not .* pages"):
-        varlen_attention_torch(rows, keys[:-1], values[:-1], starts, torch.tensor(lengths), 0.2,
-                               segment_capacity_host=torch.tensor(capacities))
+        varlen_attention_torch(
+            rows,
+            keys[:-1],
+            values[:-1],
+            starts,
+            torch.tensor(lengths),
+            0.2,
+            segment_capacity_host=torch.tensor(capacities),
+        )
 
 
 def test_blocked_varlen_attention_applies_the_model_mask_by_position():
@@ -228,14 +244,15 @@ def test_blocked_varlen_attention_applies_the_model_mask_by_position():
     keys, values, starts = _segments(lengths, 16, torch.float32, "cpu", generator)
     positions = torch.zeros(keys.shape[0], dtype=torch.int32)
     for s, length in enumerate(lengths):
-        positions[starts[s]: starts[s] + length] = torch.arange(length)
+        positions[starts[s] : starts[s] + length] = torch.arange(length)
     mask = torch.ones(2, 1, 20, dtype=torch.bool)
     mask[0, 0, :3] = False  # batch 0: its first three positions are padding
     rows = torch.randn(2, 2, 16, generator=generator)
-    actual = varlen_attention_torch(rows, keys, values, starts, torch.tensor(lengths), 0.25, positions=positions,
-                                    mask=mask, heads=1, num_queries=1)
-    keys_masked = [keys[starts[0] + 3: starts[0] + 5], keys[starts[1]: starts[1] + 9]]
-    values_masked = [values[starts[0] + 3: starts[0] + 5], values[starts[1]: starts[1] + 9]]
+    actual = varlen_attention_torch(
+        rows, keys, values, starts, torch.tensor(lengths), 0.25, positions=positions, mask=mask, heads=1, num_queries=1
+    )
+    keys_masked = [keys[starts[0] + 3 : starts[0] + 5], keys[starts[1] : starts[1] + 9]]
+    values_masked = [values[starts[0] + 3 : starts[0] + 5], values[starts[1] : starts[1] + 9]]
     for s in range(2):
         weights = torch.softmax(rows[s] @ keys_masked[s].T * 0.25, dim=-1)
         torch.testing.assert_close(actual[s], weights @ values_masked[s], atol=1e-5, rtol=1e-5)
@@ -244,8 +261,9 @@ def test_blocked_varlen_attention_applies_the_model_mask_by_position():
 # Skipped exactly when this machine has no CUDA device: these run the compiled Triton kernel and
 # torch's CUDA sync checker, which exist nowhere else. The same logic is tested without a GPU by
 # the CPU tests above and by test_triton_kernel_interpreted.py (the kernel in Triton's interpreter).
-cuda = pytest.mark.skipif(not torch.cuda.is_available(),
-                          reason="no CUDA device on this machine (compiled Triton kernel / CUDA sync checks)")
+cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device on this machine (compiled Triton kernel / CUDA sync checks)"
+)
 
 
 @cuda
@@ -257,8 +275,15 @@ def test_triton_varlen_kernel_matches_reference(dtype):
     rows = torch.randn(len(lengths), 4, 128, generator=generator).to("cuda", dtype)
     assert kernel_supports(rows, keys, values)
     expected = _per_segment_reference(rows.cpu(), keys.cpu(), values.cpu(), starts, lengths, 0.088)
-    output = varlen_attention_kernel(rows, keys, values, 0.088, max(lengths), segment_start=starts.cuda(),
-                                     segment_length=torch.tensor(lengths, dtype=torch.int32, device="cuda"))
+    output = varlen_attention_kernel(
+        rows,
+        keys,
+        values,
+        0.088,
+        max(lengths),
+        segment_start=starts.cuda(),
+        segment_length=torch.tensor(lengths, dtype=torch.int32, device="cuda"),
+    )
     assert _relative(output.cpu(), expected) <= (1e-3 if dtype == torch.float32 else 1e-2)
 
 
@@ -283,8 +308,20 @@ def test_cuda_bf16_matches_cpu_fp32(method):
     gpu_model = tiny_model("llama", "gqa", dtype=torch.bfloat16).cuda()
     input_ids, attention_mask = left_padded_batch(cpu_model.config.vocab_size, length=60, pad=5)
     forced = [torch.randint(3, 200, (2, 1), generator=torch.Generator().manual_seed(s)) for s in range(6)]
-    expected = prefill_and_decode(cpu_model, kvhive.make_cache(cpu_model, method, budget=24), input_ids,
-                                  attention_mask, steps=6, forced_tokens=forced)
-    actual = prefill_and_decode(gpu_model, kvhive.make_cache(gpu_model, method, budget=24), input_ids.cuda(),
-                                attention_mask.cuda(), steps=6, forced_tokens=[f.cuda() for f in forced])
+    expected = prefill_and_decode(
+        cpu_model,
+        kvhive.make_cache(cpu_model, method, budget=24),
+        input_ids,
+        attention_mask,
+        steps=6,
+        forced_tokens=forced,
+    )
+    actual = prefill_and_decode(
+        gpu_model,
+        kvhive.make_cache(gpu_model, method, budget=24),
+        input_ids.cuda(),
+        attention_mask.cuda(),
+        steps=6,
+        forced_tokens=[f.cuda() for f in forced],
+    )
     assert _relative(actual.cpu(), expected) <= 5e-2

@@ -34,13 +34,15 @@ def _caught(model, method, **kwargs):
 def test_headwise_method_on_one_kv_head_warns_once_and_is_really_equivalent():
     model = tiny_model("llama", num_key_value_heads=1)
     # average pooling: max pooling makes ties, which the two top-k selections may break differently
-    cache, first = _caught(model, "ada-snapkv", pooling="avg")
+    # The default ("auto") stores query heads on a one-KV-head model, so only an explicit "kv" warns.
+    assert _caught(model, "ada-snapkv", pooling="avg")[1] == []
+    cache, first = _caught(model, "ada-snapkv", pooling="avg", head_granularity="kv")
     assert len(first) == 1
     message = str(first[0].message)
     assert "'ada-snapkv'" in message and "head_granularity='kv'" in message and "1 KV head(s)" in message
     assert "head_granularity='query'" in message.split("Pass")[1]
     assert first[0].filename == __file__  # points at the caller, not at kvhive
-    _, second = _caught(model, "ada-snapkv", pooling="avg")
+    _, second = _caught(model, "ada-snapkv", pooling="avg", head_granularity="kv")
     assert second == []  # once
 
     # The warning's claim holds: the same positions as SnapKV in every layer.
@@ -49,7 +51,7 @@ def test_headwise_method_on_one_kv_head_warns_once_and_is_really_equivalent():
     with torch.no_grad():
         for each in (cache, base):
             model(input_ids=input_ids, past_key_values=each, use_cache=True)
-    for layer, layer_base in zip(cache.layers, base.layers):
+    for layer, layer_base in zip(cache.layers, base.layers, strict=True):
         assert torch.equal(layer.stored_flat_positions(), layer_base.stored_flat_positions())
 
 
@@ -62,5 +64,7 @@ def test_no_warning_where_allocation_can_differ():
 
 def test_other_headwise_methods_warn_too():
     model = tiny_model("qwen2", num_key_value_heads=1)
-    warned = [method for method in ("ada-pyramidkv", "ada-ahakv", "pyramidkv", "h2o") if _caught(model, method)[1]]
+    methods = ("ada-pyramidkv", "ada-ahakv", "pyramidkv", "h2o")
+    warned = [method for method in methods[:2] if _caught(model, method, head_granularity="kv")[1]]
+    warned += [method for method in methods[2:] if _caught(model, method)[1]]
     assert warned == ["ada-pyramidkv", "ada-ahakv"]

@@ -24,13 +24,27 @@ def test_every_method_at_a_covering_budget_reproduces_full_scores(tmp_path):
     assert DATA_DIR.exists(), f"shared data not found at {DATA_DIR}"
     methods = [m for m in method_names() if m != "full" and m not in CHANGES_ATTENTION]
     out = tmp_path / "run"
-    code = kvhive_main([
-        "eval", "--model", "tiny-qwen2-gqa",
-        "--tasks", "synthetic_recall:num_pairs=6,needle:lengths=300:depths=50:max_new_tokens=6,"
-                   "ppl:num_tokens=64:window=32,piqa",
-        "--methods", ",".join(methods), "--budgets", str(COVERING_BUDGET),
-        "--limit", "2", "--data-dir", str(DATA_DIR), "--out", str(out), "--no-progress",
-    ])
+    code = kvhive_main(
+        [
+            "eval",
+            "--model",
+            "tiny-qwen2-gqa",
+            "--tasks",
+            "synthetic_recall:num_pairs=6,needle:lengths=300:depths=50:max_new_tokens=6,"
+            "ppl:num_tokens=64:window=32,piqa",
+            "--methods",
+            ",".join(methods),
+            "--budgets",
+            str(COVERING_BUDGET),
+            "--limit",
+            "2",
+            "--data-dir",
+            str(DATA_DIR),
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert code == 0
     records = read_results(out)
     full = {(r["task"], r["item_id"]): r for r in records if r["method"] == "full"}
@@ -44,7 +58,7 @@ def test_every_method_at_a_covering_budget_reproduces_full_scores(tmp_path):
             assert record["output"] == reference["output"], record["setting"]
             assert record["metrics"] == reference["metrics"], record["setting"]
         else:  # log-likelihoods: the same computation, summed in the same order
-            for mine, theirs in zip(record["output"], reference["output"]):
+            for mine, theirs in zip(record["output"], reference["output"], strict=True):
                 assert math.isclose(mine, theirs, rel_tol=1e-5, abs_tol=1e-4), record["setting"]
             if record["kind"] == "choice":
                 assert record["metrics"] == reference["metrics"], record["setting"]
@@ -52,8 +66,22 @@ def test_every_method_at_a_covering_budget_reproduces_full_scores(tmp_path):
 
 
 def test_eval_refuses_an_unknown_method_before_loading_anything(tmp_path, capsys):
-    code = kvhive_main(["eval", "--model", "tiny-llama-gqa", "--tasks", "synthetic_recall", "--methods", "snapkv,nosuch",
-                        "--budgets", "0.5", "--out", str(tmp_path / "x"), "--no-progress"])
+    code = kvhive_main(
+        [
+            "eval",
+            "--model",
+            "tiny-llama-gqa",
+            "--tasks",
+            "synthetic_recall",
+            "--methods",
+            "snapkv,nosuch",
+            "--budgets",
+            "0.5",
+            "--out",
+            str(tmp_path / "x"),
+            "--no-progress",
+        ]
+    )
     assert code == 2 and "unknown method 'nosuch'" in capsys.readouterr().err
     assert not (tmp_path / "x" / "results.jsonl").exists()
 
@@ -62,11 +90,26 @@ def test_results_record_the_cache_size_each_setting_held(tmp_path):
     # BUZZ's budget is the mean size it holds (its beehive peaks above it between samplings); H2O
     # is pinned at its budget. Both must appear as measured, next to the score.
     out = tmp_path / "sizes"
-    code = kvhive_main([
-        "eval", "--model", "tiny-llama-gqa", "--tasks", "ppl:num_tokens=96:window=96,synthetic_recall:num_pairs=4",
-        "--methods", "buzz,h2o", "--budgets", "24", "--limit", "1", "--data-dir", str(DATA_DIR), "--out", str(out),
-        "--no-progress",
-    ])
+    code = kvhive_main(
+        [
+            "eval",
+            "--model",
+            "tiny-llama-gqa",
+            "--tasks",
+            "ppl:num_tokens=96:window=96,synthetic_recall:num_pairs=4",
+            "--methods",
+            "buzz,h2o",
+            "--budgets",
+            "24",
+            "--limit",
+            "1",
+            "--data-dir",
+            str(DATA_DIR),
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert code == 0
     records = {(r["task"], r["method"]): r for r in read_results(out)}
     h2o = records[("ppl", "h2o")]["cache"]
@@ -83,8 +126,26 @@ def test_results_record_the_cache_size_each_setting_held(tmp_path):
 
 
 def _eval(out, tasks: str, methods: str, budgets: str, model: str = "tiny-llama-gqa") -> int:
-    return kvhive_main(["eval", "--model", model, "--tasks", tasks, "--methods", methods, "--budgets", budgets,
-                        "--limit", "1", "--data-dir", str(DATA_DIR), "--out", str(out), "--no-progress"])
+    return kvhive_main(
+        [
+            "eval",
+            "--model",
+            model,
+            "--tasks",
+            tasks,
+            "--methods",
+            methods,
+            "--budgets",
+            budgets,
+            "--limit",
+            "1",
+            "--data-dir",
+            str(DATA_DIR),
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
 
 
 def test_prefill_only_method_on_streaming_perplexity_is_not_scored(tmp_path):
@@ -125,8 +186,16 @@ def test_non_finite_model_outputs_are_recorded_as_failed(tmp_path):
         model.lm_head.weight.fill_(float("nan"))
     backend = KVHiveBackend(model, tokenizer, model_name="tiny-llama-gqa-nan")
     out = tmp_path / "nan"
-    run_eval(backend, ["piqa", "synthetic_recall:num_pairs=4", "ppl:num_tokens=32:window=32"], ["h2o"], [16], 1,
-             DATA_DIR, out, progress=False)
+    run_eval(
+        backend,
+        ["piqa", "synthetic_recall:num_pairs=4", "ppl:num_tokens=32:window=32"],
+        ["h2o"],
+        [16],
+        1,
+        DATA_DIR,
+        out,
+        progress=False,
+    )
     lines = (out / "results.jsonl").read_text().splitlines()
 
     def refuse(constant):

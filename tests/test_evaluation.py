@@ -32,7 +32,8 @@ from kvhive.evaluation import (
 )
 from kvhive.evaluation.backend import budget_key
 from kvhive.evaluation.claims import outperforms, retains_full
-from kvhive.evaluation.cli import default_data_dir, main as cli_main
+from kvhive.evaluation.cli import default_data_dir
+from kvhive.evaluation.cli import main as cli_main
 from kvhive.evaluation.metrics import (
     aggregate_item_metrics,
     best_subspan_em,
@@ -58,9 +59,25 @@ def needs_data(test):
 
 
 REGISTRY = {
-    "full", "local", "random", "streamingllm", "h2o", "snapkv", "pyramidkv", "tova", "knorm", "buzz",
-    "buzz-logn", "bumblebee", "bumblebee-power", "ada-snapkv", "ada-pyramidkv", "ada-ahakv", "subgen",
-    "subgen-attention", "ahakv",
+    "full",
+    "local",
+    "random",
+    "streamingllm",
+    "h2o",
+    "snapkv",
+    "pyramidkv",
+    "tova",
+    "knorm",
+    "buzz",
+    "buzz-logn",
+    "bumblebee",
+    "bumblebee-power",
+    "ada-snapkv",
+    "ada-pyramidkv",
+    "ada-ahakv",
+    "subgen",
+    "subgen-attention",
+    "ahakv",
 }
 
 
@@ -100,7 +117,9 @@ def test_perplexity_aggregation_is_corpus_level():
     assert aggregated["ppl"] == pytest.approx(math.exp(4.0))  # not the mean of e^2 and e^6
     assert aggregated["n_tokens"] == 10
     # unequal lengths weigh by tokens
-    aggregated = aggregate_item_metrics("perplexity", [{"nll_sum": 1.0, "n_tokens": 1}, {"nll_sum": 0.0, "n_tokens": 3}])
+    aggregated = aggregate_item_metrics(
+        "perplexity", [{"nll_sum": 1.0, "n_tokens": 1}, {"nll_sum": 0.0, "n_tokens": 3}]
+    )
     assert aggregated["ppl"] == pytest.approx(math.exp(0.25))
 
 
@@ -114,7 +133,9 @@ def test_choice_argmax_and_length_normalisation():
 
 
 def test_mean_aggregation_with_standard_error_and_rouge_mean():
-    aggregated = aggregate_item_metrics("generate", [{"rougeL": 0.2, "rouge1": 0.3, "rouge2": 0.1}, {"rougeL": 0.4, "rouge1": 0.5, "rouge2": 0.1}])
+    aggregated = aggregate_item_metrics(
+        "generate", [{"rougeL": 0.2, "rouge1": 0.3, "rouge2": 0.1}, {"rougeL": 0.4, "rouge1": 0.5, "rouge2": 0.1}]
+    )
     assert aggregated["rougeL"] == pytest.approx(0.3)
     assert aggregated["rougeL_se"] == pytest.approx(0.1)
     assert aggregated["rouge_mean"] == pytest.approx((0.4 * 0.1 * 0.3) ** (1 / 3))
@@ -149,15 +170,35 @@ def test_run_eval_validates_arguments(tmp_path):
     with pytest.raises(ValueError, match="known tasks:.*needle.*mdqa"):
         run_eval(backend, ["no_such_task"], ["local"], [0.5], 2, None, tmp_path, progress=False)
     with pytest.raises(ValueError, match="unknown method 'bogus'"):
-        run_eval(backend, ["synthetic_recall"], ["bogus"], [0.5], 2, None, tmp_path, progress=False,
-                 method_validator=lambda m: m in REGISTRY)
+        run_eval(
+            backend,
+            ["synthetic_recall"],
+            ["bogus"],
+            [0.5],
+            2,
+            None,
+            tmp_path,
+            progress=False,
+            method_validator=lambda m: m in REGISTRY,
+        )
+
     def registry_lookup(name):
         if name not in REGISTRY:
             raise KeyError(f"no method {name!r}; known: {sorted(REGISTRY)}")
         return object
 
     with pytest.raises(ValueError, match="unknown method 'snap'.*known"):
-        run_eval(backend, ["synthetic_recall"], ["snap"], [0.5], 2, None, tmp_path, progress=False, method_validator=registry_lookup)
+        run_eval(
+            backend,
+            ["synthetic_recall"],
+            ["snap"],
+            [0.5],
+            2,
+            None,
+            tmp_path,
+            progress=False,
+            method_validator=registry_lookup,
+        )
     with pytest.raises(ValueError, match="unknown parameter"):
         run_eval(backend, ["needle:lenghts=64"], ["local"], [0.5], 2, None, tmp_path, progress=False)
     assert not (tmp_path / "results.jsonl").exists()
@@ -168,8 +209,18 @@ def test_run_eval_validates_arguments(tmp_path):
 
 def test_registry_and_chance_levels():
     assert set(TASKS) == {
-        "needle", "needle_multikey", "mdqa", "kv_retrieval", "lines", "ppl", "xsum", "cnn_dailymail",
-        "multi_news", "piqa", "openbookqa", "synthetic_recall",
+        "needle",
+        "needle_multikey",
+        "mdqa",
+        "kv_retrieval",
+        "lines",
+        "ppl",
+        "xsum",
+        "cnn_dailymail",
+        "multi_news",
+        "piqa",
+        "openbookqa",
+        "synthetic_recall",
     }
     assert get_task("piqa").chance == 0.5 and get_task("openbookqa").chance == 0.25
     for name, cls in TASKS.items():
@@ -225,8 +276,11 @@ def test_mdqa_gold_position_and_prompt_format():
         answers = [normalize_answer(a) for a in item.references]
         with_answer = [i for i, d in enumerate(documents) if any(a in normalize_answer(d) for a in answers)]
         assert with_answer == [item.metadata["gold_position"]]  # distractors never contain the answer
+
     # the same distractors at every position of one question
-    strip = lambda item: sorted(line.split(")", 1)[1] for line in item.prompt.split("\n") if line.startswith("Document ["))
+    def strip(item):
+        return sorted(line.split(")", 1)[1] for line in item.prompt.split("\n") if line.startswith("Document ["))
+
     assert strip(items[0]) == strip(items[1]) == strip(items[2])
     other_seed = get_task("mdqa").load(DATA_DIR, 3, 1, FakeTokenizer())
     assert [i.id for i in other_seed] != [i.id for i in items[:3]]
@@ -237,8 +291,10 @@ def test_kv_retrieval_prompt_and_positions():
     items = get_task("kv_retrieval").load(DATA_DIR, 3, 0, FakeTokenizer())
     assert [i.metadata["gold_position"] for i in items] == [0, 37, 74]
     item = items[1]
-    assert item.prompt.startswith("Extract the value corresponding to the specified key in the JSON object below.\n\nJSON data:\n{\"")
-    assert item.prompt.endswith("\"\nCorresponding value:")
+    assert item.prompt.startswith(
+        'Extract the value corresponding to the specified key in the JSON object below.\n\nJSON data:\n{"'
+    )
+    assert item.prompt.endswith('"\nCorresponding value:')
     records = item.prompt.split("JSON data:\n")[1].split("\n\nKey:")[0]
     assert json.loads(records)  # the upstream formatting is valid JSON
     key = item.prompt.split('Key: "')[1].split('"')[0]
@@ -362,7 +418,9 @@ def _keys(records):
 
 def test_runner_groups_settings_into_one_call_and_resumes(tmp_path):
     backend = FakeBackend()
-    run = run_eval(backend, ["synthetic_recall"], ["local", "snapkv"], [0.25, 16], 3, None, tmp_path, seed=1, progress=False)
+    run = run_eval(
+        backend, ["synthetic_recall"], ["local", "snapkv"], [0.25, 16], 3, None, tmp_path, seed=1, progress=False
+    )
     assert run.total == run.written == 3 * 5 and run.skipped == 0
     assert len(backend.calls) == 3 and all(len(settings) == 5 for _, settings in backend.calls)
     assert backend.calls[0][1][0] == Setting("full", 1.0)
@@ -379,24 +437,38 @@ def test_runner_groups_settings_into_one_call_and_resumes(tmp_path):
     assert summary.value("synthetic_recall", "local", 16) == 0.0
     # rerun: nothing to do, no backend call; adding a method runs only the new settings, one call per item
     backend = FakeBackend()
-    run = run_eval(backend, ["synthetic_recall"], ["local", "snapkv"], [0.25, 16], 3, None, tmp_path, seed=1, progress=False)
+    run = run_eval(
+        backend, ["synthetic_recall"], ["local", "snapkv"], [0.25, 16], 3, None, tmp_path, seed=1, progress=False
+    )
     assert run.written == 0 and run.skipped == 15 and backend.calls == []
-    run = run_eval(backend, ["synthetic_recall"], ["local", "snapkv", "h2o"], [0.25, 16], 3, None, tmp_path, seed=1, progress=False)
+    run = run_eval(
+        backend, ["synthetic_recall"], ["local", "snapkv", "h2o"], [0.25, 16], 3, None, tmp_path, seed=1, progress=False
+    )
     assert run.written == 6 and [len(s) for _, s in backend.calls] == [2, 2, 2]
     assert len(read_results(tmp_path)) == 21
     with pytest.raises(ValueError, match="seed"):
         run_eval(backend, ["synthetic_recall"], ["local"], [0.25], 3, None, tmp_path, seed=2, progress=False)
     # same item ids, different content (a task parameter changed): refused rather than mixed
     with pytest.raises(ValueError, match="now different.*synthetic_recall/item0"):
-        run_eval(backend, ["synthetic_recall:num_pairs=5"], ["local"], [0.25], 3, None, tmp_path, seed=1, progress=False)
+        run_eval(
+            backend, ["synthetic_recall:num_pairs=5"], ["local"], [0.25], 3, None, tmp_path, seed=1, progress=False
+        )
 
 
 def test_runner_all_kinds_and_token_budget_conversion(tmp_path):
     assert DATA_DIR.exists(), f"shared data not found at {DATA_DIR}"
     data = DATA_DIR
     backend = FakeBackend()
-    run_eval(backend, ["ppl:num_tokens=64:window=32", "openbookqa"], ["local", "h2o"], {"ppl": [8, 0.5], "openbookqa": [0.1]},
-             2, data, tmp_path, progress=False)
+    run_eval(
+        backend,
+        ["ppl:num_tokens=64:window=32", "openbookqa"],
+        ["local", "h2o"],
+        {"ppl": [8, 0.5], "openbookqa": [0.1]},
+        2,
+        data,
+        tmp_path,
+        progress=False,
+    )
     records = read_results(tmp_path)
     streaming = [s for kind, s in backend.calls if kind == "streaming"]
     assert streaming and {s.budget for s in streaming[0] if s.method != "full"} == {8, 16}  # 0.5 of 32 tokens + BOS
@@ -409,7 +481,9 @@ def test_runner_records_settings_below_a_methods_minimum_as_infeasible(tmp_path)
     # synthetic_recall prompts are 132 tokens: 0.1 of them is below a 20-token minimum, 0.9 is not; token budgets are checked as given. The backend refuses infeasible settings, so
     # the run completes only if the runner keeps them away from it.
     backend = FakeBackend(minimum_budgets={"snapkv": 20})
-    run = run_eval(backend, ["synthetic_recall"], ["snapkv", "local"], [0.1, 0.9, 24], 2, None, tmp_path, progress=False)
+    run = run_eval(
+        backend, ["synthetic_recall"], ["snapkv", "local"], [0.1, 0.9, 24], 2, None, tmp_path, progress=False
+    )
     assert run.written == 2 * 7
     records = read_results(tmp_path)
     infeasible = [r for r in records if r.get("status") == "infeasible"]
@@ -417,12 +491,23 @@ def test_runner_records_settings_below_a_methods_minimum_as_infeasible(tmp_path)
     assert len(infeasible) == 2 and all("minimum 20" in r["reason"] and r["metrics"] == {} for r in infeasible)
     assert all(Setting("snapkv", 0.1) not in settings for _, settings in backend.calls)
     summary = ResultsSummary(records)
-    assert summary.value("synthetic_recall", "snapkv", 0.1) is None and summary.count("synthetic_recall", "snapkv", 0.1) == 0
+    assert (
+        summary.value("synthetic_recall", "snapkv", 0.1) is None
+        and summary.count("synthetic_recall", "snapkv", 0.1) == 0
+    )
     assert summary.value("synthetic_recall", "snapkv", 0.9) is not None
     assert summary.infeasible_settings("synthetic_recall")[0][:3] == ("snapkv", 0.1, 2)
     # resume: infeasible settings count as done
-    again = run_eval(FakeBackend(minimum_budgets={"snapkv": 20}), ["synthetic_recall"], ["snapkv", "local"], [0.1, 0.9, 24], 2,
-                     None, tmp_path, progress=False)
+    again = run_eval(
+        FakeBackend(minimum_budgets={"snapkv": 20}),
+        ["synthetic_recall"],
+        ["snapkv", "local"],
+        [0.1, 0.9, 24],
+        2,
+        None,
+        tmp_path,
+        progress=False,
+    )
     assert again.written == 0 and again.skipped == 14
     report = write_report(tmp_path)
     assert "Could not run" in report and "snapkv @ 0.1: 2 item(s)" in report
@@ -493,8 +578,12 @@ def test_runner_survives_sigkill_mid_grid(tmp_path):
     items = {(k[0], k[1]) for k in keys}
     for task, item in items:  # every item has every setting exactly once
         assert sorted((k[2], k[3]) for k in keys if k[:2] == (task, item)) == sorted(
-            [("full", "1.0")] + [(m, b) for m in ("local", "snapkv", "streamingllm")
-                                 for b in (("0.25", "0.5") if task == "synthetic_recall" else ("4", "8"))]
+            [("full", "1.0")]
+            + [
+                (m, b)
+                for m in ("local", "snapkv", "streamingllm")
+                for b in (("0.25", "0.5") if task == "synthetic_recall" else ("4", "8"))
+            ]
         )
 
 
@@ -526,7 +615,9 @@ def test_a_second_writer_is_refused(tmp_path):
 
 
 def test_report_writes_markdown_and_plots(tmp_path):
-    run_eval(FakeBackend(), ["synthetic_recall"], ["local", "snapkv"], [0.25, 0.5, 16], 4, None, tmp_path, progress=False)
+    run_eval(
+        FakeBackend(), ["synthetic_recall"], ["local", "snapkv"], [0.25, 0.5, 16], 4, None, tmp_path, progress=False
+    )
     text = write_report(tmp_path)
     assert (tmp_path / "report.md").read_text() == text
     assert "## synthetic_recall" in text and "| full | (all) |" in text and "| local | 16 tok |" in text
@@ -537,17 +628,41 @@ def test_report_writes_markdown_and_plots(tmp_path):
 
 
 def _record(task, method, budget, item, metrics, **extra):
-    return {"task": task, "item_id": item, "method": method, "budget": budget, "metrics": metrics,
-            "kind": extra.get("kind", "generate"), "main_metric": extra.get("main_metric", "accuracy"),
-            "higher_is_better": extra.get("higher_is_better", True), "chance": extra.get("chance", 0.0),
-            "model": "fake", "seed": 0, "suite": "claims"}
+    return {
+        "task": task,
+        "item_id": item,
+        "method": method,
+        "budget": budget,
+        "metrics": metrics,
+        "kind": extra.get("kind", "generate"),
+        "main_metric": extra.get("main_metric", "accuracy"),
+        "higher_is_better": extra.get("higher_is_better", True),
+        "chance": extra.get("chance", 0.0),
+        "model": "fake",
+        "seed": 0,
+        "suite": "claims",
+    }
 
 
 def test_report_flags_near_chance_and_aggregates_perplexity(tmp_path):
-    records = [_record("piqa", "full", 1.0, f"i{i}", {"acc": float(i % 2)}, main_metric="acc", chance=0.5) for i in range(4)]
-    records += [_record("ppl", m, 50, f"w{i}", {"ppl": 1.0, "nll_sum": nll, "n_tokens": 10}, kind="perplexity",
-                        main_metric="ppl", higher_is_better=False, chance=1000.0)
-                for m in ("full", "buzz") for i, nll in enumerate((10.0, 30.0))]
+    records = [
+        _record("piqa", "full", 1.0, f"i{i}", {"acc": float(i % 2)}, main_metric="acc", chance=0.5) for i in range(4)
+    ]
+    records += [
+        _record(
+            "ppl",
+            m,
+            50,
+            f"w{i}",
+            {"ppl": 1.0, "nll_sum": nll, "n_tokens": 10},
+            kind="perplexity",
+            main_metric="ppl",
+            higher_is_better=False,
+            chance=1000.0,
+        )
+        for m in ("full", "buzz")
+        for i, nll in enumerate((10.0, 30.0))
+    ]
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     text = write_report(tmp_path)
     piqa_section = text.split("## piqa")[1].split("## ")[0]
@@ -559,23 +674,51 @@ def test_report_flags_near_chance_and_aggregates_perplexity(tmp_path):
 
 def test_claim_checks():
     def summary(values, task="needle", higher=True, chance=0.0, full=1.0):
-        records = [_record(task, "full", 1.0, "a", {"m": full}, main_metric="m", higher_is_better=higher, chance=chance)]
+        records = [
+            _record(task, "full", 1.0, "a", {"m": full}, main_metric="m", higher_is_better=higher, chance=chance)
+        ]
         for (method, budget), value in values.items():
-            records.append(_record(task, method, budget, "a", {"m": value}, main_metric="m", higher_is_better=higher, chance=chance))
+            records.append(
+                _record(
+                    task, method, budget, "a", {"m": value}, main_metric="m", higher_is_better=higher, chance=chance
+                )
+            )
         return ResultsSummary(records)
 
     check = outperforms("needle", "ada-snapkv", ["snapkv"], (64, 128), mode="mean")
-    assert check(summary({("ada-snapkv", 64): 0.6, ("ada-snapkv", 128): 0.9, ("snapkv", 64): 0.5, ("snapkv", 128): 0.9}))[0] is True
-    assert check(summary({("ada-snapkv", 64): 0.4, ("ada-snapkv", 128): 0.9, ("snapkv", 64): 0.5, ("snapkv", 128): 0.9}))[0] is False
+    assert (
+        check(summary({("ada-snapkv", 64): 0.6, ("ada-snapkv", 128): 0.9, ("snapkv", 64): 0.5, ("snapkv", 128): 0.9}))[
+            0
+        ]
+        is True
+    )
+    assert (
+        check(summary({("ada-snapkv", 64): 0.4, ("ada-snapkv", 128): 0.9, ("snapkv", 64): 0.5, ("snapkv", 128): 0.9}))[
+            0
+        ]
+        is False
+    )
     tie = check(summary({("ada-snapkv", 64): 0.5, ("ada-snapkv", 128): 0.9, ("snapkv", 64): 0.5, ("snapkv", 128): 0.9}))
     assert tie[0] is None and "tie" in tie[1]
     missing = check(summary({("ada-snapkv", 64): 0.6, ("snapkv", 64): 0.5, ("snapkv", 128): 0.9}))
     assert missing[0] is None and "ada-snapkv@128 tok" in missing[1]
-    near_chance = check(summary({("ada-snapkv", 64): 0.6, ("ada-snapkv", 128): 0.9, ("snapkv", 64): 0.5, ("snapkv", 128): 0.9}, full=0.02))
+    near_chance = check(
+        summary(
+            {("ada-snapkv", 64): 0.6, ("ada-snapkv", 128): 0.9, ("snapkv", 64): 0.5, ("snapkv", 128): 0.9}, full=0.02
+        )
+    )
     assert near_chance[0] is None and "near chance" in near_chance[1]
     each = outperforms("ppl", "buzz", ["h2o"], (50, 100))  # lower is better
-    ppl = lambda b50, b100: summary({("buzz", 50): b50, ("buzz", 100): b100, ("h2o", 50): 10.0, ("h2o", 100): 9.0},
-                                    task="ppl", higher=False, chance=1e5, full=7.0)
+
+    def ppl(b50, b100):
+        return summary(
+            {("buzz", 50): b50, ("buzz", 100): b100, ("h2o", 50): 10.0, ("h2o", 100): 9.0},
+            task="ppl",
+            higher=False,
+            chance=1e5,
+            full=7.0,
+        )
+
     assert each(ppl(9.4, 8.0))[0] is True and each(ppl(9.4, 9.5))[0] is False
     keeps = retains_full("needle", "buzz", 0.4, 0.99)
     assert keeps(summary({("buzz", 0.4): 0.995}))[0] is True and keeps(summary({("buzz", 0.4): 0.9}))[0] is False
@@ -585,13 +728,17 @@ def test_claim_differences_within_paired_noise_are_not_verdicts():
     def summary(candidate_hits, baseline_hits, n=12):
         records = [_record("needle", "full", 1.0, f"i{i}", {"m": 1.0}, main_metric="m", chance=0.0) for i in range(n)]
         for method, hits in (("ada-snapkv", candidate_hits), ("snapkv", baseline_hits)):
-            records += [_record("needle", method, 64, f"i{i}", {"m": float(i in hits)}, main_metric="m", chance=0.0)
-                        for i in range(n)]
+            records += [
+                _record("needle", method, 64, f"i{i}", {"m": float(i in hits)}, main_metric="m", chance=0.0)
+                for i in range(n)
+            ]
         return ResultsSummary(records)
 
     check = outperforms("needle", "ada-snapkv", ["snapkv"], (64,))
     one_item = check(summary({0, 1, 2}, {0, 1}))  # one more item of 12: 0.083 ± 0.083
-    assert one_item[0] is None and "within 2 standard errors" in one_item[1] and "vs snapkv +0.0833 ± 0.083" in one_item[1]
+    assert (
+        one_item[0] is None and "within 2 standard errors" in one_item[1] and "vs snapkv +0.0833 ± 0.083" in one_item[1]
+    )
     one_item_loss = check(summary({0, 1}, {0, 1, 2}))
     assert one_item_loss[0] is None
     assert check(summary(set(range(8)), set()))[0] is True  # 8 of 12 items, none the other way
@@ -624,14 +771,34 @@ def test_cli_eval_and_report(tmp_path, monkeypatch, capsys):
         factory_calls.append(model_name)
         return FakeBackend()
 
-    code = cli_main(["eval", "--tasks", "synthetic_recall:num_pairs=10", "--methods", "local,snapkv", "--budgets", "0.5,16",
-                     "--limit", "2", "--out", str(out), "--no-progress", "--model", "tiny"], backend_factory=factory)
+    code = cli_main(
+        [
+            "eval",
+            "--tasks",
+            "synthetic_recall:num_pairs=10",
+            "--methods",
+            "local,snapkv",
+            "--budgets",
+            "0.5,16",
+            "--limit",
+            "2",
+            "--out",
+            str(out),
+            "--no-progress",
+            "--model",
+            "tiny",
+        ],
+        backend_factory=factory,
+    )
     assert code == 0 and factory_calls == ["tiny"]
     assert len(read_results(out)) == 2 * 5 and (out / "report.md").exists()
     assert read_results(out)[0]["model"] == "tiny"
     assert cli_main(["report", str(out)]) == 0
     with pytest.raises(SystemExit):
-        cli_main(["eval", "--tasks", "synthetic_recall", "--methods", "local", "--budgets", "0.5,nan"], backend_factory=factory)
+        cli_main(
+            ["eval", "--tasks", "synthetic_recall", "--methods", "local", "--budgets", "0.5,nan"],
+            backend_factory=factory,
+        )
     assert "budgets" in capsys.readouterr().err
     monkeypatch.setenv("KVHIVE_DATA_DIR", str(tmp_path))
     assert default_data_dir() == tmp_path
@@ -677,16 +844,24 @@ class _NonFiniteBackend(FakeBackend):
 
     def choice_loglikelihoods(self, context, continuations, settings):
         out = super().choice_loglikelihoods(context, continuations, settings)
-        return [[float("nan")] * len(row) if s.method == "h2o" else row for s, row in zip(settings, out)]
+        return [[float("nan")] * len(row) if s.method == "h2o" else row for s, row in zip(settings, out, strict=True)]
 
     def streaming_nll(self, token_ids, settings):
         out = super().streaming_nll(token_ids, settings)
-        return [(float("inf"), n) if s.method == "h2o" else (nll, n) for s, (nll, n) in zip(settings, out)]
+        return [(float("inf"), n) if s.method == "h2o" else (nll, n) for s, (nll, n) in zip(settings, out, strict=True)]
 
 
 def test_runner_records_non_finite_outputs_as_failed_and_the_summary_skips_them(tmp_path):
-    run_eval(_NonFiniteBackend(), ["piqa", "ppl:num_tokens=48:window=16"], ["h2o", "local"], [8], 2, DATA_DIR,
-             tmp_path, progress=False)
+    run_eval(
+        _NonFiniteBackend(),
+        ["piqa", "ppl:num_tokens=48:window=16"],
+        ["h2o", "local"],
+        [8],
+        2,
+        DATA_DIR,
+        tmp_path,
+        progress=False,
+    )
     text = (tmp_path / "results.jsonl").read_text()
     assert "NaN" not in text and "Infinity" not in text
     records = read_results(tmp_path)
@@ -703,8 +878,9 @@ def test_runner_records_non_finite_outputs_as_failed_and_the_summary_skips_them(
 
 def test_a_ratio_resolving_to_zero_tokens_on_perplexity_is_infeasible(tmp_path):
     # 1e-9 of the text used to be raised silently to a 1-token budget.
-    run_eval(FakeBackend(), ["ppl:num_tokens=48:window=16"], ["local"], [1e-9, 0.5], 1, DATA_DIR, tmp_path,
-             progress=False)
+    run_eval(
+        FakeBackend(), ["ppl:num_tokens=48:window=16"], ["local"], [1e-9, 0.5], 1, DATA_DIR, tmp_path, progress=False
+    )
     records = {r["budget"]: r for r in read_results(tmp_path) if r["method"] == "local"}
     assert records[1e-9]["status"] == "infeasible" and "0 tokens" in records[1e-9]["reason"]
     assert records[0.5]["status"] == "ok"

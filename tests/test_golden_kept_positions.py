@@ -4,11 +4,10 @@ how an intended change re-records its entries)."""
 
 from __future__ import annotations
 
+import golden_kept
 import pytest
 
 from kvhive.methods.registry import method_names
-
-import golden_kept
 
 GOLDEN = golden_kept.load()
 TINY = dict(golden_kept.tiny_cases(method_names()))

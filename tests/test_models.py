@@ -13,15 +13,15 @@ import torch
 from kvhive.models import (
     DEFAULT_MODEL,
     EMBEDDED_MODELS,
+    TINY_ARCHITECTURES,
+    TINY_ATTENTION_KINDS,
+    TINY_MODEL_NAMES,
+    TINY_VOCAB_SIZE,
     EmbeddedModel,
     GGUFIntegrityError,
     MissingModelExtraError,
     assemble_gguf,
     embedded_model,
-    TINY_ARCHITECTURES,
-    TINY_ATTENTION_KINDS,
-    TINY_MODEL_NAMES,
-    TINY_VOCAB_SIZE,
     kv_heavy_model,
     kv_heavy_model_config,
     llama3_8b_shape_config,
@@ -79,7 +79,9 @@ def test_tiny_tokenizer_special_tokens_and_left_padding(tokenizer):
     padding = len(PROMPTS[0]) - len(PROMPTS[1])
     assert short_row_mask[:padding].sum() == 0 and short_row_mask[padding:].all()
     assert (batch["input_ids"][1, :padding] == tokenizer.pad_token_id).all()
-    assert tokenizer.decode([tokenizer.bos_token_id, 104, 105, tokenizer.eos_token_id], skip_special_tokens=True) == "hi"
+    assert (
+        tokenizer.decode([tokenizer.bos_token_id, 104, 105, tokenizer.eos_token_id], skip_special_tokens=True) == "hi"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -279,8 +281,9 @@ def test_load_default_model_gemma_3_270m():
 # ----------------------------------------------------------------------------------------------
 
 
-def _fake_embedded(tmp_path, chunks: list[bytes], *, sha256: str | None = None, size: int | None = None,
-                   chunk_paths=None) -> EmbeddedModel:
+def _fake_embedded(
+    tmp_path, chunks: list[bytes], *, sha256: str | None = None, size: int | None = None, chunk_paths=None
+) -> EmbeddedModel:
     paths = []
     for index, data in enumerate(chunks):
         path = tmp_path / f"part{index:02d}.bin"

@@ -31,7 +31,7 @@ def test_reindexed_stream_equals_fresh_forward_over_kept_tokens(architecture, me
     worst, previous = 0.0, None
     with torch.no_grad():
         for step in range(tokens.shape[1]):
-            output = model(input_ids=tokens[:, step:step + 1], past_key_values=cache, use_cache=True)
+            output = model(input_ids=tokens[:, step : step + 1], past_key_values=cache, use_cache=True)
             if previous is not None and len(previous) >= 12:
                 attended = sorted(set(previous) | {step})
                 reference = model(input_ids=tokens[:, attended]).logits[:, -1]
@@ -49,10 +49,12 @@ def test_original_positions_are_the_default_and_match_when_nothing_is_evicted():
     for positions in ("original", "cache"):
         cache = kvhive.make_cache(model, "streamingllm", budget=64, positions=positions)
         with torch.no_grad():
-            logits[positions] = torch.stack([
-                model(input_ids=tokens[:, t:t + 1], past_key_values=cache, use_cache=True).logits[0, -1]
-                for t in range(tokens.shape[1])
-            ])
+            logits[positions] = torch.stack(
+                [
+                    model(input_ids=tokens[:, t : t + 1], past_key_values=cache, use_cache=True).logits[0, -1]
+                    for t in range(tokens.shape[1])
+                ]
+            )
     assert (logits["original"] - logits["cache"]).abs().max() <= 1e-5
 
 
@@ -86,5 +88,5 @@ def test_positions_cache_refuses_a_left_padded_batch():
         logits = model(input_ids=input_ids, attention_mask=ones, past_key_values=batched, use_cache=True).logits[:, -1]
         for row in range(2):
             solo = kvhive.make_cache(model, "local", budget=6, positions="cache")
-            alone = model(input_ids=input_ids[row:row + 1], past_key_values=solo, use_cache=True).logits[:, -1]
+            alone = model(input_ids=input_ids[row : row + 1], past_key_values=solo, use_cache=True).logits[:, -1]
             assert torch.allclose(logits[row], alone[0], atol=1e-5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -18,20 +19,27 @@ from helpers import left_padded_batch, prefill_and_decode, reference_logits
 VARIANTS = [(architecture, attention) for architecture in TINY_ARCHITECTURES for attention in TINY_ATTENTION_KINDS]
 
 
-
 def _scoring(queries, keys, values=None, scaling=1.0):
     """ScoringInputs for one sequence with a plain causal mask (hand-made test inputs)."""
     n = keys.shape[2]
     q = queries.shape[2]
-    mask = torch.ones(n, n, dtype=torch.bool).tril()[n - q:][None, None]
+    mask = torch.ones(n, n, dtype=torch.bool).tril()[n - q :][None, None]
     return ScoringInputs(
-        keys=keys, values=keys.clone() if values is None else values, queries=queries,
-        positions=torch.arange(n).expand(keys.shape[:3]), mask=mask, scaling=scaling, layer_index=0,
-        num_layers=1, sequence_length=n, phase="prefill",
+        keys=keys,
+        values=keys.clone() if values is None else values,
+        queries=queries,
+        positions=torch.arange(n).expand(keys.shape[:3]),
+        mask=mask,
+        scaling=scaling,
+        layer_index=0,
+        num_layers=1,
+        sequence_length=n,
+        phase="prefill",
     )
 
 
 # -- layer budgets ------------------------------------------------------------------------------
+
 
 def test_layer_budgets_hand_computed():
     # b = 72, window 32: pyramid over the selected 40 per layer: min 40/20 = 2, max 80 - 2 = 78,
@@ -60,13 +68,13 @@ def test_layer_budgets_exact_total_linear_and_at_least_window(window_in_pyramid)
         assert sum(budgets) == budget * layers
         assert len(budgets) == layers
         assert min(budgets) >= window
-        assert all(a >= b for a, b in zip(budgets, budgets[1:])), budgets
+        assert all(a >= b for a, b in itertools.pairwise(budgets)), budgets
         if layers > 1:
             base = budget if window_in_pyramid else budget - window
             offset = 0 if window_in_pyramid else window
             smallest, largest = base / beta, 2 * base - base / beta
             targets = [offset + largest - i * (largest - smallest) / (layers - 1) for i in range(layers)]
-            assert all(abs(b - t) < 1 for b, t in zip(budgets, targets)), (budgets, targets)
+            assert all(abs(b - t) < 1 for b, t in zip(budgets, targets, strict=True)), (budgets, targets)
 
 
 def test_layer_budgets_errors_name_the_parameter():
@@ -77,11 +85,21 @@ def test_layer_budgets_errors_name_the_parameter():
         PyramidKV(window_in_pyramid=True).layer_budgets(200, 4)
 
 
-@pytest.mark.parametrize("parameters, name", [
-    ({"beta": 1}, "beta"), ({"beta": 0.5}, "beta"), ({"beta": -3.0}, "beta"), ({"beta": float("inf")}, "beta"),
-    ({"beta": float("nan")}, "beta"), ({"beta": "20"}, "beta"), ({"window": 0}, "window"),
-    ({"kernel": 4}, "kernel"), ({"pooling": "mean"}, "pooling"), ({"window_in_pyramid": 1}, "window_in_pyramid"),
-])
+@pytest.mark.parametrize(
+    "parameters, name",
+    [
+        ({"beta": 1}, "beta"),
+        ({"beta": 0.5}, "beta"),
+        ({"beta": -3.0}, "beta"),
+        ({"beta": float("inf")}, "beta"),
+        ({"beta": float("nan")}, "beta"),
+        ({"beta": "20"}, "beta"),
+        ({"window": 0}, "window"),
+        ({"kernel": 4}, "kernel"),
+        ({"pooling": "mean"}, "pooling"),
+        ({"window_in_pyramid": 1}, "window_in_pyramid"),
+    ],
+)
 def test_invalid_parameters(parameters, name):
     with pytest.raises(ValueError, match=name):
         make_policy("pyramidkv", **parameters)
@@ -96,6 +114,7 @@ def test_budget_below_window_is_rejected_by_the_cache():
 
 
 # -- selection ----------------------------------------------------------------------------------
+
 
 def test_kept_set_hand_checked():
     # One head, d = 1, scaling 1: the two window queries (rows 8, 9) attend mostly to keys 1 and
@@ -154,6 +173,7 @@ def test_small_budget_prefill_and_50_decode_steps(models, variant):
 
 
 # -- short prompts, as the reference code (issue: fail on the old "cap and push the excess on") ----
+
 
 def test_short_prompt_falls_back_to_uniform_budgets():
     # n < 2 (b - w) = 80: every layer gets b, as the reference code's SnapKV branch.

@@ -56,8 +56,17 @@ def ray_address():
 def reference(tmp_path_factory):
     """The single-process run of GRID."""
     out = tmp_path_factory.mktemp("reference")
-    run_eval(make_backend(MODEL), GRID["tasks"], GRID["methods"], GRID["budgets"], GRID["limit"], DATA_DIR, out,
-             progress=False, model_name=MODEL)
+    run_eval(
+        make_backend(MODEL),
+        GRID["tasks"],
+        GRID["methods"],
+        GRID["budgets"],
+        GRID["limit"],
+        DATA_DIR,
+        out,
+        progress=False,
+        model_name=MODEL,
+    )
     return {result_key(r): r for r in read_results(out)}
 
 
@@ -66,7 +75,9 @@ def _same_record(mine: dict, theirs: dict) -> None:
     for name in set(mine) - TIMING_FIELDS:
         if name == "output" and mine["kind"] != "generate" and mine[name] is not None:
             # log-likelihoods: the same computation, in another process
-            assert all(math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-5) for a, b in zip(mine[name], theirs[name])), mine["setting"]
+            assert all(
+                math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-5) for a, b in zip(mine[name], theirs[name], strict=True)
+            ), mine["setting"]
         elif name == "metrics" and mine["kind"] == "perplexity":
             assert mine[name].keys() == theirs[name].keys()
             for metric, value in mine[name].items():
@@ -113,8 +124,18 @@ class TroubledFactory:
 def _run_pool(factory, out: Path, workers: int = 2, max_attempts: int = 3, **grid):
     grid = {**GRID, "tasks": [RECALL], **grid}  # the failure tests need one task only
     with RayPool(factory, MODEL, workers=workers, max_attempts=max_attempts) as pool:
-        run = run_eval(pool, grid["tasks"], grid["methods"], grid["budgets"], grid["limit"], DATA_DIR, out,
-                       progress=False, model_name=MODEL, executor=pool)
+        run = run_eval(
+            pool,
+            grid["tasks"],
+            grid["methods"],
+            grid["budgets"],
+            grid["limit"],
+            DATA_DIR,
+            out,
+            progress=False,
+            model_name=MODEL,
+            executor=pool,
+        )
         return run, pool.worker_deaths
 
 
@@ -124,8 +145,18 @@ def test_two_workers_give_the_single_process_results_even_when_one_dies_mid_item
     marker = tmp_path / "attempts"
     factory = TroubledFactory(_recall_prompt(1), "die-once", marker)
     with RayPool(factory, MODEL, workers=2) as pool:
-        run = run_eval(pool, GRID["tasks"], GRID["methods"], GRID["budgets"], GRID["limit"], DATA_DIR, tmp_path / "out",
-                       progress=False, model_name=MODEL, executor=pool)
+        run = run_eval(
+            pool,
+            GRID["tasks"],
+            GRID["methods"],
+            GRID["budgets"],
+            GRID["limit"],
+            DATA_DIR,
+            tmp_path / "out",
+            progress=False,
+            model_name=MODEL,
+            executor=pool,
+        )
         assert pool.worker_deaths == 1
     attempts = marker.read_text().split()
     assert len(attempts) == 2 and attempts[0] != attempts[1]  # died in one process, done in another
@@ -136,14 +167,25 @@ def test_two_workers_give_the_single_process_results_even_when_one_dies_mid_item
     for record in records:
         _same_record(record, reference[result_key(record)])
     # a rerun finds everything done and writes nothing
-    again = run_eval_distributed(make_backend, MODEL, GRID["tasks"], GRID["methods"], GRID["budgets"], GRID["limit"],
-                                 DATA_DIR, tmp_path / "out", progress=False, workers=2)
+    again = run_eval_distributed(
+        make_backend,
+        MODEL,
+        GRID["tasks"],
+        GRID["methods"],
+        GRID["budgets"],
+        GRID["limit"],
+        DATA_DIR,
+        tmp_path / "out",
+        progress=False,
+        workers=2,
+    )
     assert (again.written, again.skipped) == (0, run.total)
 
 
 @pytest.mark.parametrize("mode, reason", [("raise", "RuntimeError: boom on the trigger item"), ("die", "worker died")])
-def test_an_item_that_always_fails_is_recorded_as_failed_and_the_grid_completes(ray_address, reference, tmp_path, mode,
-                                                                                reason):
+def test_an_item_that_always_fails_is_recorded_as_failed_and_the_grid_completes(
+    ray_address, reference, tmp_path, mode, reason
+):
     marker = tmp_path / "attempts"
     trigger = _recall_prompt(0)
     run, deaths = _run_pool(TroubledFactory(trigger, mode, marker), tmp_path / "out", max_attempts=2)
@@ -214,8 +256,9 @@ def test_a_killed_driver_loses_nothing_and_duplicates_nothing_on_rerun(ray_addre
     assert 5 <= len(before) < 8 * 5  # killed mid-grid
 
     # the rerun (here, on the same cluster) resumes
-    rerun = run_eval_distributed(make_backend, MODEL, [RECALL], ["h2o", "streamingllm"], [0.5, 16], 8, DATA_DIR, out,
-                                 progress=False, workers=2)
+    rerun = run_eval_distributed(
+        make_backend, MODEL, [RECALL], ["h2o", "streamingllm"], [0.5, 16], 8, DATA_DIR, out, progress=False, workers=2
+    )
     assert rerun.skipped == len(before) and rerun.written == 8 * 5 - len(before)
     lines = [json.loads(line) for line in results.read_text().splitlines()]
     keys = [result_key(record) for record in lines]
@@ -226,18 +269,39 @@ def test_a_killed_driver_loses_nothing_and_duplicates_nothing_on_rerun(ray_addre
 def test_without_ray_the_flag_fails_with_one_line_saying_how_to_install(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
     with pytest.raises(SystemExit) as exit_info:
-        kvhive_main(["eval", "--model", MODEL, "--tasks", RECALL, "--methods", "h2o", "--budgets", "0.5", "--limit", "1",
-                     "--out", str(tmp_path / "x"), "--no-progress", "--ray"])
+        kvhive_main(
+            [
+                "eval",
+                "--model",
+                MODEL,
+                "--tasks",
+                RECALL,
+                "--methods",
+                "h2o",
+                "--budgets",
+                "0.5",
+                "--limit",
+                "1",
+                "--out",
+                str(tmp_path / "x"),
+                "--no-progress",
+                "--ray",
+            ]
+        )
     message = str(exit_info.value.code)
     assert "\n" not in message and INSTALL_HINT in message and "pip install 'kvhive[ray]'" in message
     assert not (tmp_path / "x").exists()
 
 
-@pytest.mark.parametrize("extra, expected", [(["--workers", "2"], "--workers needs --ray"),
-                                             (["--ray", "--workers", "0"], "--workers must be an integer >= 1")])
+@pytest.mark.parametrize(
+    "extra, expected",
+    [(["--workers", "2"], "--workers needs --ray"), (["--ray", "--workers", "0"], "--workers must be an integer >= 1")],
+)
 def test_worker_options_are_checked(tmp_path, extra, expected):
     with pytest.raises(SystemExit, match=expected):
-        kvhive_main(["eval", "--model", MODEL, "--tasks", RECALL, "--methods", "h2o", "--out", str(tmp_path / "x"), *extra])
+        kvhive_main(
+            ["eval", "--model", MODEL, "--tasks", RECALL, "--methods", "h2o", "--out", str(tmp_path / "x"), *extra]
+        )
 
 
 def test_more_workers_than_the_cluster_can_place_is_refused(ray_address, tmp_path):

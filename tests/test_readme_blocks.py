@@ -31,16 +31,21 @@ BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.DOTALL | re.MULTILINE)
 EXCLUDED = {
     "bash scripts/main.sh": "the main job (set-up + quick evaluation, minutes); CI and the lead run it from a fresh clone",
     "bash scripts/test.sh": "runs this test suite, which would then run itself; CI runs it",
-    "kvhive eval --tasks needle,mdqa --methods snapkv,ada-snapkv --budgets 0.1,0.2 --limit 20 --out runs/x":
-        "minutes of model time even at --limit 1; the eval command itself is tested in tests/test_evaluation.py",
+    "kvhive eval --tasks needle,mdqa --methods snapkv,ada-snapkv --budgets 0.1,0.2 --limit 20 --out runs/x": "minutes of model time even at --limit 1; the eval command itself is tested in tests/test_evaluation.py",
     "kvhive eval --suite claims --out runs/claims": "the paper-claims suite: over an hour of model time",
 }
 SUBSTITUTED = {
     # line -> (written, substituted, why)
-    "kvhive bench --shape kv-heavy --method snapkv --budget 0.1 --context 8192 --json":
-        ("8192", "1024", "an 8k-token prefill takes about 90 s on 2 cores; 1k runs the same code"),
-    "kvhive report runs/x":
-        ("runs/x", "{claims_copy}", "runs/x is what the excluded eval line writes; the committed claims run stands in"),
+    "kvhive bench --shape kv-heavy --method snapkv --budget 0.1 --context 8192 --json": (
+        "8192",
+        "1024",
+        "an 8k-token prefill takes about 90 s on 2 cores; 1k runs the same code",
+    ),
+    "kvhive report runs/x": (
+        "runs/x",
+        "{claims_copy}",
+        "runs/x is what the excluded eval line writes; the committed claims run stands in",
+    ),
 }
 
 
@@ -73,7 +78,9 @@ def test_readme_has_the_blocks_this_test_knows_about():
 @pytest.mark.parametrize("index", range(len(code_blocks("python"))))
 def test_python_block_runs_as_written(index):
     block = code_blocks("python")[index]
-    result = subprocess.run([sys.executable, "-c", block], cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", block], cwd=REPO, capture_output=True, text=True, timeout=600, check=False
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     if "full_cache_bytes" in block:
         assert re.search(r"cache holds [01]\.\d{3} of the full cache's bytes", result.stdout), result.stdout
@@ -99,7 +106,9 @@ def test_bash_command_runs(line, tmp_path):
     assert result.stdout.strip()
 
 
-@pytest.mark.parametrize("line", [line for line in command_lines() if _key(line) in EXCLUDED and line.startswith("kvhive")])
+@pytest.mark.parametrize(
+    "line", [line for line in command_lines() if _key(line) in EXCLUDED and line.startswith("kvhive")]
+)
 def test_excluded_commands_parse_and_name_real_tasks_methods_budgets(line):
     from kvhive.cli import build_parser
     from kvhive.evaluation.cli import resolve_eval_grid

@@ -26,8 +26,9 @@ def _ids(length: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
 
 
 def _generate(model, ids, cache, new: int = 3):
-    return model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new,
-                          do_sample=False)
+    return model.generate(
+        ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new, do_sample=False
+    )
 
 
 # -- item 11: reusing a cache ------------------------------------------------------------------------
@@ -117,7 +118,10 @@ def test_ratio_resolving_below_one_token_is_refused_naming_the_ratio():
     with torch.no_grad(), pytest.raises(ValueError, match=r"ratio=1e-09 of a 20-token prompt is 0 tokens"):
         model(input_ids=_ids(20), past_key_values=cache, use_cache=True)
     cache = kvhive.make_cache(model, "snapkv", ratio=0.5)
-    with torch.no_grad(), pytest.raises(ValueError, match=r"ratio=0.5 of a 20-token prompt is 10 tokens.*'snapkv' needs at least 32"):
+    with (
+        torch.no_grad(),
+        pytest.raises(ValueError, match=r"ratio=0.5 of a 20-token prompt is 10 tokens.*'snapkv' needs at least 32"),
+    ):
         model(input_ids=_ids(20), past_key_values=cache, use_cache=True)
 
 
@@ -146,11 +150,14 @@ def test_compress_sliding_must_be_a_bool(value):
         kvhive.make_cache(model, "h2o", budget=8, compress_sliding=value)
 
 
-@pytest.mark.parametrize("arguments, message", [
-    (["--repeats", "0"], "invalid repeats=0"),
-    (["--num-layers", "0"], "invalid num_layers=0"),
-    (["--batch-size", "0"], "invalid batch_size=0"),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--repeats", "0"], "invalid repeats=0"),
+        (["--num-layers", "0"], "invalid num_layers=0"),
+        (["--batch-size", "0"], "invalid batch_size=0"),
+    ],
+)
 def test_bench_refuses_degenerate_runs_in_one_line(arguments, message, capsys):
     code = kvhive_main(["bench", "--context", "16", "--decode-tokens", "1", *arguments])
     error = capsys.readouterr().err
@@ -160,8 +167,23 @@ def test_bench_refuses_degenerate_runs_in_one_line(arguments, message, capsys):
 def test_generate_names_the_missing_budget_and_notes_an_ignored_one(capsys):
     with pytest.raises(SystemExit, match="--method h2o needs --budget"):
         kvhive_main(["generate", "--model", "tiny-llama-gqa", "--method", "h2o", "hello"])
-    assert kvhive_main(["generate", "--model", "tiny-llama-gqa", "--method", "full", "--budget", "64",
-                        "--max-new-tokens", "2", "hello"]) == 0
+    assert (
+        kvhive_main(
+            [
+                "generate",
+                "--model",
+                "tiny-llama-gqa",
+                "--method",
+                "full",
+                "--budget",
+                "64",
+                "--max-new-tokens",
+                "2",
+                "hello",
+            ]
+        )
+        == 0
+    )
     assert "note: --method full keeps every token; --budget 64 is ignored" in capsys.readouterr().err
 
 
@@ -171,8 +193,23 @@ def test_generate_refuses_a_directory_as_prompt_file(tmp_path):
 
 
 def _eval_arguments(out: Path) -> list[str]:
-    return ["eval", "--model", "tiny-llama-gqa", "--tasks", "synthetic_recall:num_pairs=2", "--methods", "local",
-            "--budgets", "8", "--limit", "1", "--out", str(out), "--no-progress", "--no-report"]
+    return [
+        "eval",
+        "--model",
+        "tiny-llama-gqa",
+        "--tasks",
+        "synthetic_recall:num_pairs=2",
+        "--methods",
+        "local",
+        "--budgets",
+        "8",
+        "--limit",
+        "1",
+        "--out",
+        str(out),
+        "--no-progress",
+        "--no-report",
+    ]
 
 
 def test_eval_on_a_locked_output_folder_is_a_one_line_error(tmp_path, capsys):
@@ -221,5 +258,4 @@ def test_importing_kvhive_installs_no_warnings_filter():
         "added = seen() - before\n"
         "assert not added, added\n"
     )
-    subprocess.run([sys.executable, "-c", script], check=True, cwd=REPO,
-                   env={**os.environ, "PYTHONPATH": str(REPO)})
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})

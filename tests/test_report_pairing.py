@@ -15,8 +15,19 @@ from kvhive.evaluation.results import ResultsSummary
 
 
 def _record(method, budget, item, value, task="needle"):
-    return {"task": task, "item_id": item, "method": method, "budget": budget, "metrics": {"m": value},
-            "kind": "generate", "main_metric": "m", "higher_is_better": True, "chance": 0.0, "model": "fake", "seed": 0}
+    return {
+        "task": task,
+        "item_id": item,
+        "method": method,
+        "budget": budget,
+        "metrics": {"m": value},
+        "kind": "generate",
+        "main_metric": "m",
+        "higher_is_better": True,
+        "chance": 0.0,
+        "model": "fake",
+        "seed": 0,
+    }
 
 
 def _write(tmp_path, records):
@@ -44,13 +55,19 @@ def test_claim_verdict_uses_items_every_setting_ran():
     holds, text = outperforms("needle", "h2o", ["snapkv"], (64,))(ResultsSummary(records))
     assert holds is False
     assert "h2o 0.6667, snapkv 1" in text
-    assert "n=12 items, the same in every compared setting; 12 item(s) not run in every compared setting left out" in text
+    assert (
+        "n=12 items, the same in every compared setting; 12 item(s) not run in every compared setting left out" in text
+    )
 
 
 def test_claim_with_no_shared_item_is_not_judged():
     records = [_record("full", 1.0, f"i{i}", 1.0) for i in range(4)]
-    records += [_record("snapkv", 64, "i0", 1.0), _record("snapkv", 64, "i1", 1.0), _record("h2o", 64, "i2", 0.0),
-                _record("h2o", 64, "i3", 0.0)]
+    records += [
+        _record("snapkv", 64, "i0", 1.0),
+        _record("snapkv", 64, "i1", 1.0),
+        _record("h2o", 64, "i2", 0.0),
+        _record("h2o", 64, "i3", 0.0),
+    ]
     holds, text = outperforms("needle", "snapkv", ["h2o"], (64,))(ResultsSummary(records))
     assert holds is None and "no item was run in every compared setting" in text
 
@@ -73,9 +90,15 @@ def test_a_non_finite_item_is_named_not_silently_blanked(tmp_path):
 
 
 def test_rouge_mean_is_said_to_be_a_geometric_mean(tmp_path):
-    records = [{**_record(method, budget, f"i{i}", 0.0, task="xsum"), "main_metric": "rougeL",
-                "metrics": {"rougeL": 0.3, "rouge1": 0.4, "rouge2": 0.0}} for method, budget in (("full", 1.0), ("h2o", 0.2))
-               for i in range(2)]
+    records = [
+        {
+            **_record(method, budget, f"i{i}", 0.0, task="xsum"),
+            "main_metric": "rougeL",
+            "metrics": {"rougeL": 0.3, "rouge1": 0.4, "rouge2": 0.0},
+        }
+        for method, budget in (("full", 1.0), ("h2o", 0.2))
+        for i in range(2)
+    ]
     _write(tmp_path, records)
     text = write_report(tmp_path)
     assert "`rouge_mean` is the geometric mean" in text and "0 whenever ROUGE-2 is 0" in text

@@ -21,8 +21,17 @@ from kvhive.evaluation.results import ResultsSummary
 
 
 def _record(method, budget, item, value, chance=0.25):
-    return {"task": "quiz", "item_id": item, "method": method, "budget": budget, "metrics": {"acc": value},
-            "kind": "choice", "main_metric": "acc", "higher_is_better": True, "chance": chance}
+    return {
+        "task": "quiz",
+        "item_id": item,
+        "method": method,
+        "budget": budget,
+        "metrics": {"acc": value},
+        "kind": "choice",
+        "main_metric": "acc",
+        "higher_is_better": True,
+        "chance": chance,
+    }
 
 
 def _summary(budgets, scores, n=4):
@@ -55,7 +64,7 @@ def test_methods_with_equal_scores_are_all_visible(budgets, tmp_path, monkeypatc
     axis = figure.axes[0]
     lines = _data_lines(axis)
     assert len(lines) == 3
-    coordinates = [tuple(zip(line.get_xdata(), line.get_ydata())) for line in lines]
+    coordinates = [tuple(zip(line.get_xdata(), line.get_ydata(), strict=True)) for line in lines]
     for first, second in itertools.combinations(coordinates, 2):
         assert first != second, "two methods drawn on exactly the same points: one hides the other"
     low, high = axis.get_xlim()

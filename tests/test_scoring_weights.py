@@ -10,8 +10,18 @@ def _inputs(mask, queries=None, n=6):
     generator = torch.Generator().manual_seed(0)
     keys = torch.randn(1, 1, n, 8, generator=generator)
     queries = torch.randn(1, 2, n, 8, generator=generator) if queries is None else queries
-    return ScoringInputs(keys=keys, values=keys, queries=queries, positions=torch.arange(n).expand(1, 1, n),
-                         mask=mask, scaling=0.3, layer_index=0, num_layers=1, sequence_length=n, phase=PREFILL)
+    return ScoringInputs(
+        keys=keys,
+        values=keys,
+        queries=queries,
+        positions=torch.arange(n).expand(1, 1, n),
+        mask=mask,
+        scaling=0.3,
+        layer_index=0,
+        num_layers=1,
+        sequence_length=n,
+        phase=PREFILL,
+    )
 
 
 def test_causal_mask_on_demand_equals_the_materialised_mask():

@@ -30,10 +30,10 @@ def test_replayed_prefill_equals_own_prefill(architecture):
     options = {"snapkv": {"window": 4}}
     caches = [kvhive.make_cache(model, m, b, **options.get(m, {})) for m, b in SETTINGS]
     shared_logits = shared_prefill(model, input_ids, caches)
-    for (method, budget), cache, logits in zip(SETTINGS, caches, shared_logits):
+    for (method, budget), cache, logits in zip(SETTINGS, caches, shared_logits, strict=True):
         own, own_logits = _own_prefill(model, input_ids, method, budget, **options.get(method, {}))
         assert torch.allclose(logits, own_logits, atol=1e-5)
-        for layer, own_layer in zip(cache.layers, own.layers):
+        for layer, own_layer in zip(cache.layers, own.layers, strict=True):
             assert torch.equal(layer.lengths, own_layer.lengths), method
             assert torch.equal(layer.stored_flat_positions(), own_layer.stored_flat_positions()), method
             assert torch.allclose(layer.stored_keys(), own_layer.stored_keys()), method
@@ -71,7 +71,9 @@ def test_backend_streaming_cache_stays_at_budget_and_changes_perplexity():
     model, tokenizer = tiny_model("gemma3", "gqa"), tiny_tokenizer()
     token_ids = torch.randint(3, 250, (40,), generator=torch.Generator().manual_seed(0)).tolist()
     backend = KVHiveBackend(model, tokenizer)
-    [(full_nll, _), (small_nll, _)] = backend.streaming_nll(token_ids, [Setting("full", 1.0), Setting("streamingllm", 6)])
+    [(full_nll, _), (small_nll, _)] = backend.streaming_nll(
+        token_ids, [Setting("full", 1.0), Setting("streamingllm", 6)]
+    )
     assert full_nll != small_nll
 
 
@@ -80,7 +82,7 @@ def test_backend_choice_loglikelihood_matches_plain_forward():
     backend = KVHiveBackend(model, tokenizer)
     context, continuations = "Question: is the sky blue? Answer:", [" yes", " no, it is green"]
     [scores] = backend.choice_loglikelihoods(context, continuations, [Setting("full", 1.0)])
-    for continuation, score in zip(continuations, scores):
+    for continuation, score in zip(continuations, scores, strict=True):
         ids = tokenizer(context + continuation, return_tensors="pt")["input_ids"]
         start = tokenizer(context, return_tensors="pt")["input_ids"].shape[1]
         with torch.no_grad():

@@ -22,9 +22,15 @@ import torch
 import kvhive
 from kvhive.methods.base import DECODE, PREFILL, ScoringInputs
 from kvhive.methods.registry import make_policy
-from kvhive.methods.subgen import (NEAREST_DISTANCE, NEAREST_POSITION, READY, SubGen, farthest_point_order)
-from kvhive.methods.subgen_attention import (STATE_KEY, StreamingStructures, SubGenAttention, cluster_counts,
-                                             clustering_statistics, structures_nbytes)
+from kvhive.methods.subgen import NEAREST_DISTANCE, NEAREST_POSITION, READY, SubGen, farthest_point_order
+from kvhive.methods.subgen_attention import (
+    STATE_KEY,
+    StreamingStructures,
+    SubGenAttention,
+    cluster_counts,
+    clustering_statistics,
+    structures_nbytes,
+)
 from kvhive.models import TINY_ARCHITECTURES, TINY_ATTENTION_KINDS, tiny_model
 
 from helpers import left_padded_batch, prefill_and_decode, reference_logits
@@ -32,17 +38,24 @@ from helpers import left_padded_batch, prefill_and_decode, reference_logits
 ALL_TINY = [(a, k) for a in TINY_ARCHITECTURES for k in TINY_ATTENTION_KINDS]
 
 
-
 def chi_square_p_value(observed: torch.Tensor, expected: torch.Tensor) -> float:
     """Upper tail of the chi-square statistic (dof = cells - 1), via the regularised gamma."""
     statistic = float(((observed - expected) ** 2 / expected).sum())
     dof = observed.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(statistic / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(
+            torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(statistic / 2, dtype=torch.float64)
+        )
+    )
 
 
-def scoring_for(keys: torch.Tensor, valid: torch.Tensor | None = None, phase: str = PREFILL,
-                positions: torch.Tensor | None = None, token_scores: dict | None = None) -> ScoringInputs:
+def scoring_for(
+    keys: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    phase: str = PREFILL,
+    positions: torch.Tensor | None = None,
+    token_scores: dict | None = None,
+) -> ScoringInputs:
     """ScoringInputs over keys ``[B, H, N, d]`` (values = keys; one query)."""
     b, h, n, d = keys.shape
     if valid is None:
@@ -50,9 +63,19 @@ def scoring_for(keys: torch.Tensor, valid: torch.Tensor | None = None, phase: st
     if positions is None:
         positions = torch.arange(n, dtype=torch.int32).expand(b, h, n)
     mask = valid[:, :1, None, :].clone()  # [B, 1, 1, N]
-    return ScoringInputs(keys=keys, values=keys.clone(), queries=torch.zeros(b, h, 1, d), positions=positions,
-                         mask=mask, scaling=1.0, layer_index=0, num_layers=1, sequence_length=n, phase=phase,
-                         token_scores=dict(token_scores or {}))
+    return ScoringInputs(
+        keys=keys,
+        values=keys.clone(),
+        queries=torch.zeros(b, h, 1, d),
+        positions=positions,
+        mask=mask,
+        scaling=1.0,
+        layer_index=0,
+        num_layers=1,
+        sequence_length=n,
+        phase=phase,
+        token_scores=dict(token_scores or {}),
+    )
 
 
 def line_keys(xs) -> torch.Tensor:
@@ -208,8 +231,17 @@ def test_decode_bookkeeping_matches_a_from_scratch_reference_over_a_stream():
 
 
 def structures(rows: int, dim: int, t: int, s: int, delta: float, seed: int = 0) -> StreamingStructures:
-    return StreamingStructures(rows, dim, t, s, dtype=torch.float32, device=torch.device("cpu"),
-                               generator=torch.Generator().manual_seed(seed), delta=delta, relative_delta=False)
+    return StreamingStructures(
+        rows,
+        dim,
+        t,
+        s,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        generator=torch.Generator().manual_seed(seed),
+        delta=delta,
+        relative_delta=False,
+    )
 
 
 def insert_in_pieces(target: StreamingStructures, keys, values, pieces):
@@ -256,7 +288,7 @@ def test_lemma2_cluster_samples_are_iid_uniform_and_invariants_hold():
     observed = torch.bincount(drawn.reshape(-1), minlength=n).double()
     assert chi_square_p_value(observed, torch.full((n,), drawn.numel() / n, dtype=torch.float64)) > 1e-3
     joint = torch.bincount(drawn[:, 0] * n + drawn[:, 1], minlength=n * n).double()
-    assert chi_square_p_value(joint, torch.full((n * n,), rows / n ** 2, dtype=torch.float64)) > 1e-3
+    assert chi_square_p_value(joint, torch.full((n * n,), rows / n**2, dtype=torch.float64)) > 1e-3
 
 
 def _sequential_clusters(points: torch.Tensor, delta: float):
@@ -299,8 +331,9 @@ def test_batch_insertion_clusters_exactly_like_the_sequential_algorithm():
                 assert bool(((members - sample).abs().sum(-1) == 0).any())
 
 
-def clusterable_stream(rows: int, n: int, d: int, m: int, delta: float, query_norm: float, seed: int,
-                       spread: float = 2.0):
+def clusterable_stream(
+    rows: int, n: int, d: int, m: int, delta: float, query_norm: float, seed: int, spread: float = 2.0
+):
     """(m, δ)-clusterable keys (each within δ/2 of one of m centers), values of varying norms."""
     generator = torch.Generator().manual_seed(seed)
     centers = torch.randn(rows, m, d, generator=generator) * spread
@@ -370,7 +403,7 @@ def test_memory_grows_with_the_number_of_clusters_not_with_n():
         fixed = target.used_nbytes() - clusters * per_cluster
         by_clusters.append((clusters, target.used_nbytes(), target.nbytes(), fixed))
     assert len({fixed for *_, fixed in by_clusters}) == 1  # M and the per-row scalars do not grow
-    for clusters, used, allocated, _ in by_clusters:
+    for _clusters, used, allocated, _ in by_clusters:
         assert used <= allocated <= 2 * used  # doubling capacity: at most twice what is used
 
 
@@ -419,8 +452,11 @@ def test_full_budget_matches_plain_transformers(architecture, attention):
     input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=24, pad=5)
     expected = reference_logits(model, input_ids, attention_mask, steps=6)
     for method in ("subgen", "subgen-attention"):
-        cache = kvhive.make_cache(model, method, budget=64, recent=4) if method == "subgen" else \
-            kvhive.make_cache(model, method, budget=64)
+        cache = (
+            kvhive.make_cache(model, method, budget=64, recent=4)
+            if method == "subgen"
+            else kvhive.make_cache(model, method, budget=64)
+        )
         logits = prefill_and_decode(model, cache, input_ids, attention_mask, steps=6)
         assert (logits - expected).abs().max() <= 1e-5, method
 
@@ -487,8 +523,9 @@ def embedded():
     return kvhive.load_model()
 
 
-@pytest.mark.parametrize("method, options", [("subgen", dict(budget=48, recent=16)),
-                                             ("subgen-attention", dict(budget=64))])
+@pytest.mark.parametrize(
+    "method, options", [("subgen", dict(budget=48, recent=16)), ("subgen-attention", dict(budget=64))]
+)
 def test_embedded_model_prefill_and_50_decode_steps(embedded, method, options):
     model, tokenizer = embedded
     text = open("/work/shared/data/wikitext2/wiki.test.raw", encoding="utf-8").read()[:1200]
@@ -507,7 +544,7 @@ def test_embedded_model_prefill_and_50_decode_steps(embedded, method, options):
         for index in counts:
             assert (cache.layers[index].policy_state[STATE_KEY].tokens == prompt + 50 - kept).all()
         # The method's whole memory stays within the budget (token-equivalents per layer and head).
-        for index, stats in clustering_statistics(cache).items():
+        for stats in clustering_statistics(cache).values():
             assert stats["token_equivalents"] <= stats["budget_token_equivalents"] <= options["budget"]
 
 
@@ -516,13 +553,28 @@ def test_embedded_model_prefill_and_50_decode_steps(embedded, method, options):
 # ==============================================================================================
 
 
-@pytest.mark.parametrize("parameter, value", [
-    ("cluster_radius", 0), ("cluster_radius", -1.0), ("cluster_radius", float("nan")),
-    ("cluster_radius", float("inf")), ("cluster_radius", "1"), ("samples_per_cluster", 0),
-    ("samples_per_cluster", 1.5), ("samples_per_cluster", True), ("value_sample_fraction", 0),
-    ("value_sample_fraction", 1.0), ("cluster_fraction", -0.1), ("cluster_fraction", 0.8), ("seed", -1),
-    ("relative_radius", 1), ("delta", 0.5), ("t", 4), ("s", 16),
-])
+@pytest.mark.parametrize(
+    "parameter, value",
+    [
+        ("cluster_radius", 0),
+        ("cluster_radius", -1.0),
+        ("cluster_radius", float("nan")),
+        ("cluster_radius", float("inf")),
+        ("cluster_radius", "1"),
+        ("samples_per_cluster", 0),
+        ("samples_per_cluster", 1.5),
+        ("samples_per_cluster", True),
+        ("value_sample_fraction", 0),
+        ("value_sample_fraction", 1.0),
+        ("cluster_fraction", -0.1),
+        ("cluster_fraction", 0.8),
+        ("seed", -1),
+        ("relative_radius", 1),
+        ("delta", 0.5),
+        ("t", 4),
+        ("s", 16),
+    ],
+)
 def test_invalid_subgen_attention_parameters(parameter, value):
     with pytest.raises(ValueError, match=parameter):
         make_policy("subgen-attention", **{parameter: value})
@@ -575,8 +627,9 @@ def test_budget_bounds_window_clusters_and_samples_and_state_does_not_grow():
     rows = 2 * model.config.num_key_value_heads
     per_token = cache.layers[cache.compressed_layers[0]].bytes_per_token()
     counters = rows * (8 * 8 + plan.max_clusters * 12 + plan.value_samples * 4)
-    assert held[1] <= len(cache.compressed_layers) * ((budget - plan.window) * per_token * rows // rows + counters) \
-        + len(cache.compressed_layers) * (budget - plan.window) * per_token * (rows - 1)
+    assert held[1] <= len(cache.compressed_layers) * (
+        (budget - plan.window) * per_token * rows // rows + counters
+    ) + len(cache.compressed_layers) * (budget - plan.window) * per_token * (rows - 1)
 
 
 def test_clusterable_streams_grow_sublinearly_and_others_are_reported():
@@ -586,18 +639,48 @@ def test_clusterable_streams_grow_sublinearly_and_others_are_reported():
     rows, d, t, s, delta = 2, 8, 4, 8, 0.5
     for n in (400, 1600):
         keys, values, _ = clusterable_stream(rows, n, d, 6, delta, 1.0, seed=5)
-        target = StreamingStructures(rows, d, t, s, dtype=torch.float32, device=torch.device("cpu"),
-                                     generator=torch.Generator().manual_seed(0), delta=delta, relative_delta=False,
-                                     max_clusters=12)
+        target = StreamingStructures(
+            rows,
+            d,
+            t,
+            s,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            generator=torch.Generator().manual_seed(0),
+            delta=delta,
+            relative_delta=False,
+            max_clusters=12,
+        )
         target.insert(keys, values, torch.ones(rows, n, dtype=torch.bool))
         assert (target.num_clusters <= 6).all() and int(target.beyond_radius.sum()) == 0
-        assert target.nbytes() == StreamingStructures(rows, d, t, s, dtype=torch.float32, device=torch.device("cpu"),
-                                                      generator=torch.Generator(), delta=delta, relative_delta=False,
-                                                      max_clusters=12).nbytes()
+        assert (
+            target.nbytes()
+            == StreamingStructures(
+                rows,
+                d,
+                t,
+                s,
+                dtype=torch.float32,
+                device=torch.device("cpu"),
+                generator=torch.Generator(),
+                delta=delta,
+                relative_delta=False,
+                max_clusters=12,
+            ).nbytes()
+        )
     noise = torch.randn(rows, 500, d, generator=torch.Generator().manual_seed(1)) * 10
-    target = StreamingStructures(rows, d, t, s, dtype=torch.float32, device=torch.device("cpu"),
-                                 generator=torch.Generator().manual_seed(0), delta=0.1, relative_delta=False,
-                                 max_clusters=12)
+    target = StreamingStructures(
+        rows,
+        d,
+        t,
+        s,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        generator=torch.Generator().manual_seed(0),
+        delta=0.1,
+        relative_delta=False,
+        max_clusters=12,
+    )
     target.insert(noise, noise, torch.ones(rows, 500, dtype=torch.bool))
     assert (target.num_clusters == 12).all()
     assert (target.beyond_radius == 500 - 12).all()
@@ -624,8 +707,14 @@ def test_a_left_padded_row_gets_what_it_gets_alone():
     heads = model.config.num_key_value_heads
     for row, offset in ((0, 0), (1, pad)):
         alone = kvhive.make_cache(model, "subgen-attention", budget=budget)
-        solo = prefill_and_decode(model, alone, input_ids[row:row + 1, offset:], attention_mask[row:row + 1, offset:],
-                                  steps, forced_tokens=tokens[:, row:row + 1])
+        solo = prefill_and_decode(
+            model,
+            alone,
+            input_ids[row : row + 1, offset:],
+            attention_mask[row : row + 1, offset:],
+            steps,
+            forced_tokens=tokens[:, row : row + 1],
+        )
         assert (solo[:, 0] - batch[:, row]).abs().max().item() <= 1e-4
         for layer in cache.compressed_layers:
             mine = cache.layers[layer].policy_state[STATE_KEY]

@@ -21,12 +21,16 @@ def test_kernel_matches_float64_reference_in_the_interpreter(seed):
     environment = {**os.environ, "TRITON_INTERPRET": "1"}
     root = Path(__file__).resolve().parents[1]
     environment["PYTHONPATH"] = os.pathsep.join([str(root), environment.get("PYTHONPATH", "")])
-    result = subprocess.run([sys.executable, str(Path(__file__).with_name("triton_kernel_check.py")), str(seed)],
-                            capture_output=True, text=True, env=environment, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("triton_kernel_check.py")), str(seed)],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     errors = json.loads(result.stdout.strip().splitlines()[-1])
-    assert set(errors) == {"segments-torch.float32", "segments-torch.float16", "uniform-float32",
-                           "dense-layer-float32"}
+    assert set(errors) == {"segments-torch.float32", "segments-torch.float16", "uniform-float32", "dense-layer-float32"}
     assert errors["dense-layer-float32"] <= 1e-5
     assert errors["segments-torch.float32"] <= 1e-5
     assert errors["uniform-float32"] <= 1e-5

@@ -17,9 +17,18 @@ def _scoring(values: torch.Tensor, valid_from: int = 0) -> ScoringInputs:
     b, h, n, d = values.shape
     mask = torch.ones(b, 1, 1, n, dtype=torch.bool)
     mask[..., :valid_from] = False
-    return ScoringInputs(keys=torch.randn(b, h, n, d), values=values, queries=torch.randn(b, h, 1, d),
-                         positions=torch.arange(n).expand(b, h, n), mask=mask, scaling=1.0, layer_index=0,
-                         num_layers=1, sequence_length=n, phase="prefill")
+    return ScoringInputs(
+        keys=torch.randn(b, h, n, d),
+        values=values,
+        queries=torch.randn(b, h, 1, d),
+        positions=torch.arange(n).expand(b, h, n),
+        mask=mask,
+        scaling=1.0,
+        layer_index=0,
+        num_layers=1,
+        sequence_length=n,
+        phase="prefill",
+    )
 
 
 def test_keeps_the_largest_value_norms_plus_the_window():

@@ -52,21 +52,29 @@ def main():
         rows = torch.randn(len(lengths), 4, dim, generator=generator).to(dtype)
         expected = []
         for s, length in enumerate(lengths):
-            k = keys[starts[s]: starts[s] + length].double()
-            v = values[starts[s]: starts[s] + length].double()
+            k = keys[starts[s] : starts[s] + length].double()
+            v = values[starts[s] : starts[s] + length].double()
             expected.append(torch.softmax(rows[s].double() @ k.T * 0.2, -1) @ v)
-        output = varlen_attention_kernel(rows, keys, values, 0.2, max(lengths), segment_start=starts,
-                                         segment_length=torch.tensor(lengths, dtype=torch.int32))
+        output = varlen_attention_kernel(
+            rows,
+            keys,
+            values,
+            0.2,
+            max(lengths),
+            segment_start=starts,
+            segment_length=torch.tensor(lengths, dtype=torch.int32),
+        )
         errors[f"segments-{dtype}"] = relative(output, torch.stack(expected))
     # A dense buffer's slice [start, start + length) of every row, read in place.
     batch, heads, capacity, length, start = 2, 3, 50, 37, 5
     keys = torch.randn(batch, heads, capacity, dim, generator=generator)
     values = torch.randn(batch, heads, capacity, dim, generator=generator)
     rows = torch.randn(batch * heads, 2, dim, generator=generator)
-    output = varlen_attention_kernel(rows, keys.view(-1, dim), values.view(-1, dim), 0.3, length,
-                                     uniform=(capacity, start, length))
-    k = keys[:, :, start:start + length].reshape(batch * heads, length, dim).double()
-    v = values[:, :, start:start + length].reshape(batch * heads, length, dim).double()
+    output = varlen_attention_kernel(
+        rows, keys.view(-1, dim), values.view(-1, dim), 0.3, length, uniform=(capacity, start, length)
+    )
+    k = keys[:, :, start : start + length].reshape(batch * heads, length, dim).double()
+    v = values[:, :, start : start + length].reshape(batch * heads, length, dim).double()
     errors["uniform-float32"] = relative(output, torch.softmax(rows.double() @ k.transpose(1, 2) * 0.3, -1) @ v)
     errors["dense-layer-float32"] = dense_layer_error(generator)
     print(json.dumps(errors))

@@ -91,15 +91,16 @@ def _full_mask(attention_mask, batch_size, num_queries, tokens_seen, sliding_win
     if attention_mask is not None:
         return _model_mask(attention_mask)
     key_positions = torch.arange(tokens_seen, device=device)
-    query_positions = key_positions[tokens_seen - num_queries:]
+    query_positions = key_positions[tokens_seen - num_queries :]
     allowed = key_positions[None, :] <= query_positions[:, None]
     if sliding_window is not None:
         allowed &= (query_positions[:, None] - key_positions[None, :]) < sliding_window
     return allowed[None, None].expand(batch_size, 1, num_queries, tokens_seen)
 
 
-def _gather_mask(mask: torch.Tensor | None, positions: torch.Tensor, tokens_seen: int,
-                 num_queries: int) -> torch.Tensor | None:
+def _gather_mask(
+    mask: torch.Tensor | None, positions: torch.Tensor, tokens_seen: int, num_queries: int
+) -> torch.Tensor | None:
     """The mask over the stored tokens: ``[B, H|1, q, L]``, or None when nothing is masked.
 
     The model's mask (padding, a window in reach) is gathered at the stored tokens' positions.
@@ -153,8 +154,9 @@ def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dr
     cache, layer_index = active_update(key)
     if cache is None:
         with _backends(query.device):
-            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                          scaling=scaling, **kwargs)
+            return sdpa_attention_forward(
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+            )
     cache.check_attention_module(layer_index, module)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
@@ -172,16 +174,19 @@ def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dr
 
     with _backends(query.device):
         if store.tokens_seen == num_queries:
-            return _prefill(module, cache, layer_index, query, key, value, mask, scaling, dropout, compressed,
-                            kwargs)
+            return _prefill(module, cache, layer_index, query, key, value, mask, scaling, dropout, compressed, kwargs)
         if store.is_uniform:
             return _decode_dense(module, cache, layer_index, query, mask, scaling, dropout, compressed, kwargs)
     if policy.changes_attention_logits:
-        raise RuntimeError(f"method {policy.name!r} scales the attention logits, which the variable-length path "
-                           "does not support; keep its heads at equal lengths")
+        raise RuntimeError(
+            f"method {policy.name!r} scales the attention logits, which the variable-length path "
+            "does not support; keep its heads at equal lengths"
+        )
     if compressed and policy.extra_attention(store.policy_state, query, scaling) is not None:
-        raise RuntimeError(f"method {policy.name!r} adds estimated attention, which the variable-length "
-                           "path does not support; keep its heads at equal lengths")
+        raise RuntimeError(
+            f"method {policy.name!r} adds estimated attention, which the variable-length "
+            "path does not support; keep its heads at equal lengths"
+        )
     output = _decode_variable_length(cache, layer_index, query, mask, scaling)
     cache.after_variable_length_decode(layer_index)
     return output, None
@@ -193,8 +198,9 @@ def _prefill(module, cache: KVHiveCache, layer_index, query, key, value, mask, s
     if policy.changes_attention_logits:  # every layer (BUZZ log n), compressed or not
         attended_queries = _row_logit_scale(policy, mask, key.shape[2], query)
     # No mask (no padding, no window in reach): transformers' sdpa runs its causal kernels.
-    output, _ = sdpa_attention_forward(module, attended_queries, key, value, mask,
-                                       dropout=dropout, scaling=scaling, **kwargs)
+    output, _ = sdpa_attention_forward(
+        module, attended_queries, key, value, mask, dropout=dropout, scaling=scaling, **kwargs
+    )
 
     if cache.record_prefill:
         cache.prefill_records[layer_index] = (attended_queries, mask, scaling)
@@ -215,9 +221,17 @@ def _prefill_scoring(cache: KVHiveCache, layer_index: int, query, mask, scaling)
             values = values.repeat_interleave(factor, dim=1)
             positions = positions.repeat_interleave(factor, dim=1)
         return ScoringInputs(
-            keys=keys, values=values, queries=query, positions=positions, mask=mask, scaling=scaling,
-            layer_index=layer_index, num_layers=len(cache.layers), sequence_length=store.tokens_seen,
-            phase=phase, token_scores=dict(token_scores),
+            keys=keys,
+            values=values,
+            queries=query,
+            positions=positions,
+            mask=mask,
+            scaling=scaling,
+            layer_index=layer_index,
+            num_layers=len(cache.layers),
+            sequence_length=store.tokens_seen,
+            phase=phase,
+            token_scores=dict(token_scores),
         )
 
     return make_scoring
@@ -236,7 +250,9 @@ def replay_prefill(recorded: KVHiveCache, target: KVHiveCache) -> None:
     for layer_index, source in enumerate(recorded.layers):
         keys, values, _, _ = source.dense()
         if source.tokens_seen != keys.shape[2]:
-            raise ValueError("the recording cache evicted tokens; record with the 'full' method and compress_sliding=True")
+            raise ValueError(
+                "the recording cache evicted tokens; record with the 'full' method and compress_sliding=True"
+            )
         target.layers[layer_index].update(keys, values)
         query, mask, scaling = recorded.prefill_records[layer_index]
         target.after_prefill(layer_index, _prefill_scoring(target, layer_index, query, mask, scaling))
@@ -266,8 +282,8 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
                 sdpa_mask_ = sdpa_mask_.repeat_interleave(group, dim=1)
             # Stored heads may be query heads (Ada-KV on GQA): sdpa regroups by its own head counts.
             output = torch.nn.functional.scaled_dot_product_attention(
-                query, keys, values, attn_mask=sdpa_mask_, scale=scaling,
-                enable_gqa=heads != query_heads).transpose(1, 2)
+                query, keys, values, attn_mask=sdpa_mask_, scale=scaling, enable_gqa=heads != query_heads
+            ).transpose(1, 2)
     else:
         # [B, H, G*q, d] @ [B, H, d, L]: one matmul per stored head, keys and values read once.
         grouped = query.reshape(batch, heads, group * num_queries, head_dim)
@@ -299,9 +315,18 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
 
     def make_scoring(phase: str) -> ScoringInputs:
         return ScoringInputs(
-            keys=keys, values=values, queries=query, positions=positions, mask=stored_mask, scaling=scaling,
-            layer_index=layer_index, num_layers=len(cache.layers), sequence_length=store.tokens_seen,
-            phase=phase, token_scores=dict(token_scores), last_query_weights=last_weights,
+            keys=keys,
+            values=values,
+            queries=query,
+            positions=positions,
+            mask=stored_mask,
+            scaling=scaling,
+            layer_index=layer_index,
+            num_layers=len(cache.layers),
+            sequence_length=store.tokens_seen,
+            phase=phase,
+            token_scores=dict(token_scores),
+            last_query_weights=last_weights,
         )
 
     cache.after_decode(layer_index, make_scoring)
@@ -318,8 +343,9 @@ def _dense_decode_by_kernel(store, query, scaling):
     if not kernel_supports(rows, keys, values):
         return None
     length = store.dense_length
-    output = varlen_attention_kernel(rows, keys, values, scaling, length,
-                                     uniform=(buffer_keys.shape[2], store.slice_start, length))
+    output = varlen_attention_kernel(
+        rows, keys, values, scaling, length, uniform=(buffer_keys.shape[2], store.slice_start, length)
+    )
     return output.view(batch, query_heads, 1, -1).transpose(1, 2)
 
 
@@ -331,14 +357,27 @@ def _decode_variable_length(cache: KVHiveCache, layer_index, query, mask, scalin
     heads = store.num_heads
     group = query_heads // heads
     keys, values, positions, segment_start, segment_length, max_length = store.packed()
-    rows = query.reshape(batch, heads, group, num_queries, head_dim).reshape(batch * heads, group * num_queries,
-                                                                            head_dim)
+    rows = query.reshape(batch, heads, group, num_queries, head_dim).reshape(
+        batch * heads, group * num_queries, head_dim
+    )
     if mask is None and num_queries > 1:
         mask = _full_mask(None, batch, num_queries, store.tokens_seen, None, query.device)
     flat_mask = None if mask is None else mask[:, 0]
-    output = varlen_attention(rows, keys, values, segment_start, segment_length, store.lengths_host.reshape(-1),
-                              max_length, scaling, positions=positions, mask=flat_mask, heads=heads,
-                              num_queries=num_queries, segment_capacity_host=store.segment_capacity_host,
-                              page=PAGE_TOKENS)
+    output = varlen_attention(
+        rows,
+        keys,
+        values,
+        segment_start,
+        segment_length,
+        store.lengths_host.reshape(-1),
+        max_length,
+        scaling,
+        positions=positions,
+        mask=flat_mask,
+        heads=heads,
+        num_queries=num_queries,
+        segment_capacity_host=store.segment_capacity_host,
+        page=PAGE_TOKENS,
+    )
     output = output.reshape(batch, query_heads, num_queries, -1)
     return output.transpose(1, 2)

@@ -13,7 +13,7 @@ import torch
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    first, second = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
     return torch.cat((-second, first), dim=-1)
 
 
@@ -25,7 +25,9 @@ class KeyRotator:
         layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * text_config.num_hidden_layers
         rotary = next((m for name, m in model.named_modules() if name.endswith("rotary_emb")), None)
         if rotary is None:
-            raise ValueError("positions='cache' needs a model with rotary position embeddings (no rotary_emb module found)")
+            raise ValueError(
+                "positions='cache' needs a model with rotary position embeddings (no rotary_emb module found)"
+            )
         self.inverse_frequencies = []
         for layer_type in layer_types:
             frequencies = getattr(rotary, f"{layer_type}_inv_freq", None)

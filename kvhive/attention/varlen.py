@@ -63,9 +63,20 @@ def _page_table(segment_capacity_host, segment_length_host, page, device):
     return segment_of_page, offset < segment_length_host.to(device)[segment_of_page][:, None]
 
 
-def varlen_attention_torch(query_rows, keys, values, segment_start, segment_length_host, scaling,
-                           positions=None, mask=None, heads=1, num_queries=1, block=TORCH_BLOCK,
-                           segment_capacity_host=None):
+def varlen_attention_torch(
+    query_rows,
+    keys,
+    values,
+    segment_start,
+    segment_length_host,
+    scaling,
+    positions=None,
+    mask=None,
+    heads=1,
+    num_queries=1,
+    block=TORCH_BLOCK,
+    segment_capacity_host=None,
+):
     """Reference/CPU path. ``query_rows [S, R, d]`` → ``[S, R, dv]``.
 
     ``mask`` (optional) is the model's boolean mask ``[B, q, N]`` over original positions; row
@@ -76,8 +87,9 @@ def varlen_attention_torch(query_rows, keys, values, segment_start, segment_leng
     """
     num_segments, rows, _ = query_rows.shape
     if segment_capacity_host is not None:
-        segment_of_block, in_segment = _page_table(segment_capacity_host.reshape(-1), segment_length_host.reshape(-1),
-                                                   block, keys.device)
+        segment_of_block, in_segment = _page_table(
+            segment_capacity_host.reshape(-1), segment_length_host.reshape(-1), block, keys.device
+        )
         pages = segment_of_block.numel()
         if pages * block != keys.shape[0]:
             raise ValueError(f"paged buffer of {keys.shape[0]} rows is not {pages} pages of {block}")
@@ -85,8 +97,9 @@ def varlen_attention_torch(query_rows, keys, values, segment_start, segment_leng
         block_values = values.view(pages, block, values.shape[-1])
         token_index = torch.arange(pages * block, device=keys.device).view(pages, block)
     else:
-        segment_of_block, token_index, in_segment = _segment_table(segment_start, segment_length_host.reshape(-1),
-                                                                   block)
+        segment_of_block, token_index, in_segment = _segment_table(
+            segment_start, segment_length_host.reshape(-1), block
+        )
         flat_index = token_index.reshape(-1)  # index_select copies whole rows (much faster than keys[index])
         block_keys = keys.index_select(0, flat_index).view(*token_index.shape, keys.shape[-1])  # [NB, block, d]
         block_values = values.index_select(0, flat_index).view(*token_index.shape, values.shape[-1])
@@ -97,7 +110,9 @@ def varlen_attention_torch(query_rows, keys, values, segment_start, segment_leng
         batch_of_block = segment_of_block // heads
         query_index = torch.arange(rows, device=mask.device) % num_queries
         stored_positions = positions[token_index].long()  # [NB, block]
-        allowed = allowed & mask[batch_of_block[:, None, None], query_index[None, :, None], stored_positions[:, None, :]]
+        allowed = (
+            allowed & mask[batch_of_block[:, None, None], query_index[None, :, None], stored_positions[:, None, :]]
+        )
     logits = logits.masked_fill(~allowed, float("-inf"))
     block_max = logits.amax(dim=-1)  # [NB, R]
     segment_max = torch.full((num_segments, rows), float("-inf"), device=logits.device)
@@ -115,11 +130,32 @@ def varlen_attention_torch(query_rows, keys, values, segment_start, segment_leng
 if triton is not None:
 
     @triton.jit
-    def _split_kernel(query_ptr, key_ptr, value_ptr, start_ptr, length_ptr, part_out_ptr, part_max_ptr,
-                      part_sum_ptr, scaling, rows, chunk, num_splits, uniform_stride, uniform_start,
-                      uniform_length, stride_qs, stride_qr, stride_k, stride_v,
-                      UNIFORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr):
+    def _split_kernel(
+        query_ptr,
+        key_ptr,
+        value_ptr,
+        start_ptr,
+        length_ptr,
+        part_out_ptr,
+        part_max_ptr,
+        part_sum_ptr,
+        scaling,
+        rows,
+        chunk,
+        num_splits,
+        uniform_stride,
+        uniform_start,
+        uniform_length,
+        stride_qs,
+        stride_qr,
+        stride_k,
+        stride_v,
+        UNIFORM: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        VALUE_DIM: tl.constexpr,
+    ):
         segment = tl.program_id(0)
         split = tl.program_id(1)
         if UNIFORM:
@@ -134,8 +170,11 @@ if triton is not None:
         dim = tl.arange(0, HEAD_DIM)
         vdim = tl.arange(0, VALUE_DIM)
         row_ok = row < rows
-        query = tl.load(query_ptr + segment.to(tl.int64) * stride_qs + row[:, None] * stride_qr + dim[None, :],
-                        mask=row_ok[:, None], other=0.0)
+        query = tl.load(
+            query_ptr + segment.to(tl.int64) * stride_qs + row[:, None] * stride_qr + dim[None, :],
+            mask=row_ok[:, None],
+            other=0.0,
+        )
         running_max = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
         running_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
         accumulator = tl.zeros([BLOCK_R, VALUE_DIM], dtype=tl.float32)
@@ -160,8 +199,18 @@ if triton is not None:
         tl.store(part_out_ptr + (part * BLOCK_R + row[:, None]) * VALUE_DIM + vdim[None, :], accumulator)
 
     @triton.jit
-    def _merge_kernel(part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, rows, num_splits, stride_os, stride_or,
-                      BLOCK_R: tl.constexpr, VALUE_DIM: tl.constexpr):
+    def _merge_kernel(
+        part_out_ptr,
+        part_max_ptr,
+        part_sum_ptr,
+        out_ptr,
+        rows,
+        num_splits,
+        stride_os,
+        stride_or,
+        BLOCK_R: tl.constexpr,
+        VALUE_DIM: tl.constexpr,
+    ):
         segment = tl.program_id(0)
         row = tl.arange(0, BLOCK_R)
         vdim = tl.arange(0, VALUE_DIM)
@@ -176,10 +225,15 @@ if triton is not None:
             part = base + split
             weight = tl.exp(tl.load(part_max_ptr + part * BLOCK_R + row) - overall)
             total += tl.load(part_sum_ptr + part * BLOCK_R + row) * weight
-            accumulator += tl.load(part_out_ptr + (part * BLOCK_R + row[:, None]) * VALUE_DIM + vdim[None, :]) * weight[:, None]
+            accumulator += (
+                tl.load(part_out_ptr + (part * BLOCK_R + row[:, None]) * VALUE_DIM + vdim[None, :]) * weight[:, None]
+            )
         result = accumulator / total[:, None]
-        tl.store(out_ptr + segment.to(tl.int64) * stride_os + row[:, None] * stride_or + vdim[None, :],
-                 result.to(out_ptr.dtype.element_ty), mask=(row < rows)[:, None])
+        tl.store(
+            out_ptr + segment.to(tl.int64) * stride_os + row[:, None] * stride_or + vdim[None, :],
+            result.to(out_ptr.dtype.element_ty),
+            mask=(row < rows)[:, None],
+        )
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -203,13 +257,22 @@ def kernel_supports(query_rows: torch.Tensor, keys: torch.Tensor, values: torch.
         return False
     d, dv = keys.shape[-1], values.shape[-1]
     power_of_two = lambda n: n >= 16 and n & (n - 1) == 0  # noqa: E731
-    return (power_of_two(d) and power_of_two(dv) and d <= 256 and dv <= 256 and query_rows.shape[1] <= 64
-            and query_rows.dtype in (torch.float16, torch.bfloat16, torch.float32)
-            and keys.stride(-1) == 1 and values.stride(-1) == 1 and query_rows.stride(-1) == 1)
+    return (
+        power_of_two(d)
+        and power_of_two(dv)
+        and d <= 256
+        and dv <= 256
+        and query_rows.shape[1] <= 64
+        and query_rows.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and keys.stride(-1) == 1
+        and values.stride(-1) == 1
+        and query_rows.stride(-1) == 1
+    )
 
 
-def varlen_attention_kernel(query_rows, keys, values, scaling, max_length, *, segment_start=None,
-                            segment_length=None, uniform=None):
+def varlen_attention_kernel(
+    query_rows, keys, values, scaling, max_length, *, segment_start=None, segment_length=None, uniform=None
+):
     """Triton path (CUDA). ``uniform = (stride, start, length)`` reads segment ``s`` at
     ``s * stride + start`` with ``length`` tokens each (a dense buffer's slice) instead of the
     per-segment tensors. ``keys``/``values`` are 2-D ``[C, d]`` row views."""
@@ -233,22 +296,81 @@ def varlen_attention_kernel(query_rows, keys, values, scaling, max_length, *, se
         stride = start = length = 0
         start_tensor, length_tensor = segment_start, segment_length
     _split_kernel[(num_segments, num_splits)](
-        query_rows, keys, values, start_tensor, length_tensor, part_out, part_max, part_sum, scaling, rows,
-        chunk, num_splits, stride, start, length, query_rows.stride(0), query_rows.stride(1), keys.stride(0),
-        values.stride(0), UNIFORM=uniform is not None, BLOCK_R=block_r, BLOCK_N=KERNEL_BLOCK,
-        HEAD_DIM=keys.shape[-1], VALUE_DIM=value_dim, num_warps=4, num_stages=2)
-    _merge_kernel[(num_segments,)](part_out, part_max, part_sum, output, rows, num_splits, output.stride(0),
-                                   output.stride(1), BLOCK_R=block_r, VALUE_DIM=value_dim, num_warps=4)
+        query_rows,
+        keys,
+        values,
+        start_tensor,
+        length_tensor,
+        part_out,
+        part_max,
+        part_sum,
+        scaling,
+        rows,
+        chunk,
+        num_splits,
+        stride,
+        start,
+        length,
+        query_rows.stride(0),
+        query_rows.stride(1),
+        keys.stride(0),
+        values.stride(0),
+        UNIFORM=uniform is not None,
+        BLOCK_R=block_r,
+        BLOCK_N=KERNEL_BLOCK,
+        HEAD_DIM=keys.shape[-1],
+        VALUE_DIM=value_dim,
+        num_warps=4,
+        num_stages=2,
+    )
+    _merge_kernel[(num_segments,)](
+        part_out,
+        part_max,
+        part_sum,
+        output,
+        rows,
+        num_splits,
+        output.stride(0),
+        output.stride(1),
+        BLOCK_R=block_r,
+        VALUE_DIM=value_dim,
+        num_warps=4,
+    )
     return output
 
 
-def varlen_attention(query_rows, keys, values, segment_start, segment_length, segment_length_host, max_length,
-                     scaling, positions=None, mask=None, heads=1, num_queries=1, segment_capacity_host=None,
-                     page=TORCH_BLOCK):
+def varlen_attention(
+    query_rows,
+    keys,
+    values,
+    segment_start,
+    segment_length,
+    segment_length_host,
+    max_length,
+    scaling,
+    positions=None,
+    mask=None,
+    heads=1,
+    num_queries=1,
+    segment_capacity_host=None,
+    page=TORCH_BLOCK,
+):
     """``[S, R, d]`` query rows attending their own segment → ``[S, R, dv]`` (see module doc)."""
     if mask is None and kernel_supports(query_rows, keys, values):
-        return varlen_attention_kernel(query_rows, keys, values, scaling, max_length,
-                                       segment_start=segment_start, segment_length=segment_length)
-    return varlen_attention_torch(query_rows, keys, values, segment_start, segment_length_host, scaling,
-                                  positions=positions, mask=mask, heads=heads, num_queries=num_queries,
-                                  block=page, segment_capacity_host=segment_capacity_host)
+        return varlen_attention_kernel(
+            query_rows, keys, values, scaling, max_length, segment_start=segment_start, segment_length=segment_length
+        )
+    return varlen_attention_torch(
+        query_rows,
+        keys,
+        values,
+        segment_start,
+        segment_length_host,
+        scaling,
+        positions=positions,
+        mask=mask,
+        heads=heads,
+        num_queries=num_queries,
+        block=page,
+        segment_capacity_host=segment_capacity_host,
+    )

@@ -34,7 +34,12 @@ class Budget:
                 raise ValueError(f"invalid budget={self.tokens!r}: expected an integer >= 1 (tokens per head)")
         if self.ratio is not None:
             ratio = self.ratio
-            if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or math.isnan(ratio) or not 0 < ratio <= 1:
+            if (
+                isinstance(ratio, bool)
+                or not isinstance(ratio, (int, float))
+                or math.isnan(ratio)
+                or not 0 < ratio <= 1
+            ):
                 raise ValueError(f"invalid ratio={ratio!r}: expected a number in (0, 1]")
 
     @classmethod
@@ -80,8 +85,10 @@ def minimum_budget_problem(policy: Policy, tokens: int) -> str | None:
     """Why ``tokens`` per head is below what ``policy`` needs, or None."""
     minimum = policy.minimum_budget()
     if tokens < minimum:
-        return (f"invalid budget={tokens} for method {policy.name!r}: it needs at least {minimum} tokens per head "
-                f"({policy.config})")
+        return (
+            f"invalid budget={tokens} for method {policy.name!r}: it needs at least {minimum} tokens per head "
+            f"({policy.config})"
+        )
     return None
 
 
@@ -94,8 +101,10 @@ def budget_problem(policy: Policy, budget: Budget, context_length: int) -> str |
     minimum = max(1, policy.minimum_budget())
     tokens = round(budget.ratio * context_length)
     if tokens < minimum:
-        return (f"invalid budget: ratio={budget.ratio:g} of a {context_length}-token prompt is {tokens} tokens per "
-                f"head; method {policy.name!r} needs at least {minimum} tokens per head ({policy.config})")
+        return (
+            f"invalid budget: ratio={budget.ratio:g} of a {context_length}-token prompt is {tokens} tokens per "
+            f"head; method {policy.name!r} needs at least {minimum} tokens per head ({policy.config})"
+        )
     return None
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Callable, Final, Literal
+from collections.abc import Callable
+from typing import Final, Literal
 
 import torch
 from transformers.cache_utils import Cache, get_layer_types_and_kwargs
@@ -19,7 +20,6 @@ from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 from kvhive.cache.budget import Budget, budget_label, budget_problem, layer_budgets, minimum_budget_problem
 from kvhive.cache.storage import LayerStore
 from kvhive.methods.base import AUTO_HEADS, DECODE, PREFILL, QUERY_HEADS, Policy, ScoringInputs, require_choice
-
 
 Positions = Literal["original", "cache"]
 """Keys keep their true positions (``"original"``) or are re-indexed to contiguous ones (``"cache"``)."""
@@ -78,9 +78,19 @@ class KVHiveCache(Cache):
             ``key_rotator`` (``kvhive.attention.rope.KeyRotator``; ``make_cache`` passes it).
     """
 
-    def __init__(self, config, policy: Policy, budget: Budget | int | float, *, compress_sliding: bool = False,
-                 decode_every: int = 1, decode_slack: int = 0, record_prefill: bool = False,
-                 positions: Positions = ORIGINAL_POSITIONS, key_rotator=None) -> None:
+    def __init__(
+        self,
+        config,
+        policy: Policy,
+        budget: Budget | int | float,
+        *,
+        compress_sliding: bool = False,
+        decode_every: int = 1,
+        decode_slack: int = 0,
+        record_prefill: bool = False,
+        positions: Positions = ORIGINAL_POSITIONS,
+        key_rotator=None,
+    ) -> None:
         if isinstance(budget, (int, float)) and not isinstance(budget, bool):
             budget = Budget.parse(budget)
         if not isinstance(budget, Budget):
@@ -97,13 +107,15 @@ class KVHiveCache(Cache):
         if positions == CACHE_POSITIONS and key_rotator is None:
             raise ValueError("positions='cache' needs a key_rotator (use kvhive.make_cache)")
         if positions == CACHE_POSITIONS and type(policy).extra_attention is not Policy.extra_attention:
-            raise ValueError(f"positions='cache' is not supported by method {policy.name!r}: its estimator "
-                             "keeps keys outside the cache that cannot be re-indexed")
+            raise ValueError(
+                f"positions='cache' is not supported by method {policy.name!r}: its estimator "
+                "keeps keys outside the cache that cannot be re-indexed"
+            )
         text_config = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
         layers = [
             LayerStore(index, kwargs.get("sliding_window") if "sliding" in layer_type else None)
-            for index, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs))
+            for index, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs, strict=True))
         ]
         super().__init__(layers=layers)
         self.policy = policy
@@ -152,8 +164,10 @@ class KVHiveCache(Cache):
         if problem is not None:
             raise ValueError(problem)
         tokens = self.budget.resolve(context_length)
-        per_row = [layer_budgets(self.policy, tokens, len(self.compressed_layers), length)
-                   for length in (row_lengths or [context_length])]
+        per_row = [
+            layer_budgets(self.policy, tokens, len(self.compressed_layers), length)
+            for length in (row_lengths or [context_length])
+        ]
         self.row_layer_budgets = {layer: [row[i] for row in per_row] for i, layer in enumerate(self.compressed_layers)}
         self.layer_budgets = {layer: max(budgets) for layer, budgets in self.row_layer_budgets.items()}
 
@@ -167,7 +181,8 @@ class KVHiveCache(Cache):
         ``head_granularity``: ``"query"``, or ``"auto"`` on a model with one KV head)."""
         granularity = self.policy.head_granularity
         return self.num_query_heads != self.num_kv_heads and (
-            granularity == QUERY_HEADS or (granularity == AUTO_HEADS and self.num_kv_heads == 1))
+            granularity == QUERY_HEADS or (granularity == AUTO_HEADS and self.num_kv_heads == 1)
+        )
 
     def is_compressed(self, layer_index: int) -> bool:
         return layer_index in self.compressed_layers
@@ -239,8 +254,13 @@ class KVHiveCache(Cache):
         ever having compressed this layer: a token-by-token stream, or a prompt that fit the
         budget, gets no compression at all, so the cache is the full cache under the method's name."""
         budget = self.layer_budgets.get(layer_index)
-        if (self._warned_budget_not_kept or budget is None or not self.policy.phases  # full: no budget to keep
-                or layer_index in self._cut_at_prefill or store.max_length <= budget):
+        if (
+            self._warned_budget_not_kept
+            or budget is None
+            or not self.policy.phases  # full: no budget to keep
+            or layer_index in self._cut_at_prefill
+            or store.max_length <= budget
+        ):
             return
         self._warned_budget_not_kept = True
         phases = ", ".join(sorted(self.policy.phases))
@@ -249,7 +269,8 @@ class KVHiveCache(Cache):
             f"{store.max_length} tokens, over its budget of {budget}, and was never compressed (fed token by token, "
             "or the prompt fit the budget); use a method with a decode phase (e.g. h2o, tova, streamingllm) to "
             "keep a budget while streaming",
-            BudgetNotKeptWarning, stacklevel=2,
+            BudgetNotKeptWarning,
+            stacklevel=2,
         )
 
     def after_variable_length_decode(self, layer_index: int) -> None:
@@ -354,8 +375,9 @@ class KVHiveCache(Cache):
         (the outputs are the same: tokens beyond the window are masked)."""
         budget = self.layer_budgets.get(layer_index)
         # A method that never evicts (full) keeps what it is given: shared_prefill records with it.
-        return (store.is_sliding and bool(self.policy.phases) and budget is not None
-                and budget >= store.sliding_window - 1)
+        return (
+            store.is_sliding and bool(self.policy.phases) and budget is not None and budget >= store.sliding_window - 1
+        )
 
     def _drop_outside_window(self, store: LayerStore) -> None:
         """Forget tokens of a compressed sliding layer that no later query can attend, once it
@@ -400,21 +422,27 @@ class KVHiveCache(Cache):
         """Refuse new tokens that cannot continue what the cache holds (another batch size, another
         model's shapes) with a message naming the mismatch, instead of an obscure shape error."""
         if layer_idx >= len(self.layers):
-            raise ValueError(f"this cache was made for a model with {len(self.layers)} layers; layer {layer_idx} "
-                             "does not exist in it: another model is using it (make a cache per model)")
+            raise ValueError(
+                f"this cache was made for a model with {len(self.layers)} layers; layer {layer_idx} "
+                "does not exist in it: another model is using it (make a cache per model)"
+            )
         store: LayerStore = self.layers[layer_idx]
         if not store.is_initialized:
             return
         if key_states.shape[0] != store.batch_size:
-            raise ValueError(f"this cache holds a batch of {store.batch_size} row(s); the new input has "
-                             f"{key_states.shape[0]}: make a new cache for another batch size")
+            raise ValueError(
+                f"this cache holds a batch of {store.batch_size} row(s); the new input has "
+                f"{key_states.shape[0]}: make a new cache for another batch size"
+            )
         heads = store.num_heads // store.heads_per_kv_head
         stored_keys = store.buffers()[0]
         head_dim = stored_keys.shape[-1] if stored_keys is not None else key_states.shape[3]
         if key_states.shape[1] != heads or key_states.shape[3] != head_dim:
-            raise ValueError(f"this cache holds {heads} KV heads of dimension {head_dim} in layer {layer_idx}; "
-                             f"the new input has {key_states.shape[1]} of {key_states.shape[3]}: another model is using "
-                             "it (make a cache per model)")
+            raise ValueError(
+                f"this cache holds {heads} KV heads of dimension {head_dim} in layer {layer_idx}; "
+                f"the new input has {key_states.shape[1]} of {key_states.shape[3]}: another model is using "
+                "it (make a cache per model)"
+            )
 
     def check_attention_module(self, layer_index: int, module) -> None:
         """Called by kvhive's attention for the layer just updated. Refuses a cache filled by one
@@ -425,11 +453,12 @@ class KVHiveCache(Cache):
         if known is None:
             self._attention_modules[layer_index] = weakref.ref(module)
         elif known() is not module:
-            raise ValueError(f"this cache was filled by another model (layer {layer_index} belongs to a different "
-                             "module): make a cache per model")
+            raise ValueError(
+                f"this cache was filled by another model (layer {layer_index} belongs to a different "
+                "module): make a cache per model"
+            )
 
-    def check_generation_inputs(self, input_ids: torch.Tensor | None, first_step: bool,
-                                new_tokens: int | None) -> None:
+    def check_generation_inputs(self, input_ids: torch.Tensor | None, first_step: bool, new_tokens: int | None) -> None:
         """Called by ``generate`` (through ``kvhive.attention``) before each step with the sequence
         it was given and how many of its tokens are new (None: only new tokens were passed, with
         the full attention mask). A reused cache must be continued by a sequence that starts with
@@ -440,16 +469,22 @@ class KVHiveCache(Cache):
         seen = store.tokens_seen if store.is_initialized else 0
         if first_step and seen:
             if input_ids.shape[0] != store.batch_size:
-                raise ValueError(f"this cache holds a batch of {store.batch_size} row(s); the new prompt has "
-                                 f"{input_ids.shape[0]}: make a new cache for another batch size")
+                raise ValueError(
+                    f"this cache holds a batch of {store.batch_size} row(s); the new prompt has "
+                    f"{input_ids.shape[0]}: make a new cache for another batch size"
+                )
             if new_tokens is not None and new_tokens < 1:
-                raise ValueError(f"the prompt of {input_ids.shape[1]} tokens does not extend the {seen} tokens this "
-                                 "cache holds: pass the previous tokens followed by the new ones, or make a new cache")
+                raise ValueError(
+                    f"the prompt of {input_ids.shape[1]} tokens does not extend the {seen} tokens this "
+                    "cache holds: pass the previous tokens followed by the new ones, or make a new cache"
+                )
             recorded = self._generated_ids
             if new_tokens is not None and recorded is not None and recorded.shape == (input_ids.shape[0], seen):
                 if not torch.equal(recorded.to(input_ids.device), input_ids[:, :seen]):
-                    raise ValueError(f"the prompt does not start with the {seen} tokens this cache holds: it would be "
-                                     "answered as if they were its beginning; make a new cache for an unrelated prompt")
+                    raise ValueError(
+                        f"the prompt does not start with the {seen} tokens this cache holds: it would be "
+                        "answered as if they were its beginning; make a new cache for an unrelated prompt"
+                    )
         # A reference, not a copy: generate appends to a new tensor, it never edits in place.
         self._generated_ids = input_ids if new_tokens is not None or not seen else None
 

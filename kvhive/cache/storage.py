@@ -208,8 +208,12 @@ class LayerStore(CacheLayerMixin):
             raise RuntimeError(f"layer {self.layer_index} holds no tokens yet")
         window = slice(self._start, self._start + self._length)
         scores = {name: buffer[:, :, window] for name, buffer in self._score_buffers.items()}
-        return (self._key_buffer[:, :, window], self._value_buffer[:, :, window],
-                self._position_buffer[:, :, window], scores)
+        return (
+            self._key_buffer[:, :, window],
+            self._value_buffer[:, :, window],
+            self._position_buffer[:, :, window],
+            scores,
+        )
 
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The allocated key and value buffers (dense: ``[B, H, capacity, d]``)."""
@@ -239,7 +243,7 @@ class LayerStore(CacheLayerMixin):
         if buffer is None:
             buffer = torch.zeros(self._key_buffer.shape[:3], dtype=torch.float32, device=self.device)
             self._score_buffers[name] = buffer
-        target = buffer[:, :, self._start:self._start + self._length]
+        target = buffer[:, :, self._start : self._start + self._length]
         if scores.data_ptr() == target.data_ptr() and scores.stride() == target.stride():
             return  # the policy handed back the stored view itself
         target.copy_(scores.reshape(self._batch, self._heads, -1))
@@ -268,9 +272,12 @@ class LayerStore(CacheLayerMixin):
             positions = self._position_buffer[:, :, window]
             scores = {name: buffer[:, :, window] for name, buffer in self._score_buffers.items()}
             new_keys, new_values, new_positions = self._allocate_dense(
-                capacity, self._key_buffer.shape[-1], self._value_buffer.shape[-1])
-            new_scores = {name: torch.empty(new_keys.shape[:3], dtype=torch.float32, device=self.device)
-                          for name in self._score_buffers}
+                capacity, self._key_buffer.shape[-1], self._value_buffer.shape[-1]
+            )
+            new_scores = {
+                name: torch.empty(new_keys.shape[:3], dtype=torch.float32, device=self.device)
+                for name in self._score_buffers
+            }
         length = self._length
         new_keys[:, :, :length].copy_(keys)
         new_values[:, :, :length].copy_(values)
@@ -285,7 +292,8 @@ class LayerStore(CacheLayerMixin):
         if self._key_buffer is None:
             # First tokens (the prompt): exactly their size; a later append grows the buffer.
             self._key_buffer, self._value_buffer, self._position_buffer = self._allocate_dense(
-                new_tokens, key_states.shape[-1], value_states.shape[-1])
+                new_tokens, key_states.shape[-1], value_states.shape[-1]
+            )
             self._start, self._length = 0, 0
         end = self._start + self._length
         if end + new_tokens > self._key_buffer.shape[2]:
@@ -300,7 +308,8 @@ class LayerStore(CacheLayerMixin):
         self._key_buffer[:, :, end:stop].copy_(key_states)
         self._value_buffer[:, :, end:stop].copy_(value_states)
         self._position_buffer[:, :, end:stop].copy_(
-            torch.arange(self.tokens_seen, self.tokens_seen + new_tokens, dtype=POSITION_DTYPE, device=self.device))
+            torch.arange(self.tokens_seen, self.tokens_seen + new_tokens, dtype=POSITION_DTYPE, device=self.device)
+        )
         for buffer in self._score_buffers.values():
             buffer[:, :, end:stop].zero_()
         self._length += new_tokens
@@ -360,10 +369,15 @@ class LayerStore(CacheLayerMixin):
             raise ValueError("flat keep mask must cover every stored token")
         if counts is None:
             segment = torch.repeat_interleave(
-                torch.arange(self.num_segments, device=self.device), self.lengths_host.reshape(-1).to(self.device),
-                output_size=keep_mask.shape[0])
-            counts = torch.zeros(self.num_segments, dtype=torch.long, device=self.device).index_add_(
-                0, segment, keep_mask.long()).cpu()
+                torch.arange(self.num_segments, device=self.device),
+                self.lengths_host.reshape(-1).to(self.device),
+                output_size=keep_mask.shape[0],
+            )
+            counts = (
+                torch.zeros(self.num_segments, dtype=torch.long, device=self.device)
+                .index_add_(0, segment, keep_mask.long())
+                .cpu()
+            )
         counts = counts.reshape(-1).long()
         if not self._packed:
             # Stored order is segment order: the dense view's mask is the same bits.
@@ -379,8 +393,11 @@ class LayerStore(CacheLayerMixin):
         capacity = self._key_buffer.shape[2]
         # Row index of every kept token in the flat buffers: index_select copies whole rows, far
         # faster than a gather with an index expanded over the head dimension.
-        rows = (torch.arange(self.num_segments, device=self.device)[:, None] * capacity + self._start
-                + order.reshape(self.num_segments, kept)).reshape(-1)
+        rows = (
+            torch.arange(self.num_segments, device=self.device)[:, None] * capacity
+            + self._start
+            + order.reshape(self.num_segments, kept)
+        ).reshape(-1)
         keys, values, positions, scores = self._flat_buffers()
         d, dv = keys.shape[-1], values.shape[-1]
         shape = (self._batch, self._heads, kept)
@@ -392,8 +409,10 @@ class LayerStore(CacheLayerMixin):
             # Release the evicted memory: new buffers sized to what is kept.
             capacity = kept + reserve(kept)
             self._key_buffer, self._value_buffer, self._position_buffer = self._allocate_dense(capacity, d, dv)
-            self._score_buffers = {name: torch.zeros(self._key_buffer.shape[:3], dtype=torch.float32,
-                                                     device=self.device) for name in scores}
+            self._score_buffers = {
+                name: torch.zeros(self._key_buffer.shape[:3], dtype=torch.float32, device=self.device)
+                for name in scores
+            }
         self._key_buffer[:, :, :kept].copy_(gathered_keys)
         self._value_buffer[:, :, :kept].copy_(gathered_values)
         self._position_buffer[:, :, :kept].copy_(gathered_positions)
@@ -415,14 +434,19 @@ class LayerStore(CacheLayerMixin):
         offsets = torch.cumsum(lengths, 0) - lengths
         shift = (starts - offsets).to(self.device)
         return torch.repeat_interleave(shift, lengths.to(self.device), output_size=total) + torch.arange(
-            total, device=self.device)
+            total, device=self.device
+        )
 
     def _flat_buffers(self):
         if self._packed:
             return self._key_buffer, self._value_buffer, self._position_buffer, self._score_buffers
         d, dv = self._key_buffer.shape[-1], self._value_buffer.shape[-1]
-        return (self._key_buffer.view(-1, d), self._value_buffer.view(-1, dv), self._position_buffer.view(-1),
-                {name: buffer.view(-1) for name, buffer in self._score_buffers.items()})
+        return (
+            self._key_buffer.view(-1, d),
+            self._value_buffer.view(-1, dv),
+            self._position_buffer.view(-1),
+            {name: buffer.view(-1) for name, buffer in self._score_buffers.items()},
+        )
 
     def _pack(self, flat_mask: torch.Tensor, counts: torch.Tensor) -> None:
         """Re-lay the kept tokens (``flat_mask`` over stored tokens in segment order) out packed,
@@ -437,8 +461,9 @@ class LayerStore(CacheLayerMixin):
         starts = torch.cumsum(capacities, 0) - capacities
         total = int(counts.sum())
         offsets = torch.cumsum(counts, 0) - counts
-        destination = torch.repeat_interleave((starts - offsets).to(self.device), counts.to(self.device),
-                                              output_size=total) + torch.arange(total, device=self.device)
+        destination = torch.repeat_interleave(
+            (starts - offsets).to(self.device), counts.to(self.device), output_size=total
+        ) + torch.arange(total, device=self.device)
         size = int(capacities.sum())
         # Zeros, not empty: the paged torch path multiplies whole pages, reserve rows included, by
         # weights that are 0 there, and 0 x uninitialised memory can be NaN.
@@ -467,8 +492,7 @@ class LayerStore(CacheLayerMixin):
         if new_tokens > self._packed_headroom:
             # A segment is full: re-lay every segment out with a fresh reserve (host-decided).
             keys, values, positions, scores = self._flat_buffers()
-            self._set_packed(self._segment_length_host.clone(), keys, values, positions, scores,
-                             self._stored_index())
+            self._set_packed(self._segment_length_host.clone(), keys, values, positions, scores, self._stored_index())
         lengths = self._segment_length_host
         grow = torch.arange(new_tokens, device=self.device)
         destination = ((self._segment_start + self._segment_length.long())[:, None] + grow).reshape(-1)
@@ -494,8 +518,14 @@ class LayerStore(CacheLayerMixin):
         [S] int32, max_length)``: the flat layout read by the variable-length attention."""
         if not self._packed:
             raise RuntimeError(f"layer {self.layer_index} is dense")
-        return (self._key_buffer, self._value_buffer, self._position_buffer, self._segment_start,
-                self._segment_length, self.max_length)
+        return (
+            self._key_buffer,
+            self._value_buffer,
+            self._position_buffer,
+            self._segment_start,
+            self._segment_length,
+            self.max_length,
+        )
 
     def stored_flat_positions(self) -> torch.Tensor:
         """Original positions of the stored tokens, ``[T]`` in segment order."""
@@ -532,8 +562,10 @@ class LayerStore(CacheLayerMixin):
         """Bytes of the allocated key/value buffers (kept tokens plus the append reserve)."""
         if self._key_buffer is None:
             return 0
-        return (self._key_buffer.numel() * self._key_buffer.element_size()
-                + self._value_buffer.numel() * self._value_buffer.element_size())
+        return (
+            self._key_buffer.numel() * self._key_buffer.element_size()
+            + self._value_buffer.numel() * self._value_buffer.element_size()
+        )
 
     def metadata_nbytes(self) -> int:
         """Bytes of bookkeeping (positions, lengths, per-token scores) of the kept tokens."""

@@ -7,10 +7,10 @@ the tests use a deterministic stand-in (``tests/fake_backend.py``).
 
 from __future__ import annotations
 
-import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from kvhive.cache.budget import Budget
 

@@ -15,8 +15,8 @@ the papers' 4k-37k): token budgets for needle/mdqa are 64-256, ratios elsewhere.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 from .backend import budget_key
 from .results import ResultsSummary
@@ -70,8 +70,7 @@ def on_items(summary: ResultsSummary, task: str, items: set[str]) -> ResultsSumm
     """``summary`` with ``task``'s scored records restricted to ``items`` (infeasible records kept,
     so missing settings still name their reason)."""
     return ResultsSummary(
-        r for r in summary.records
-        if r["task"] != task or r.get("status") == "infeasible" or str(r["item_id"]) in items
+        r for r in summary.records if r["task"] != task or r.get("status") == "infeasible" or str(r["item_id"]) in items
     )
 
 
@@ -145,13 +144,15 @@ def outperforms(
             n_text = f"n={min(summary.count(task, m, b) for m, b in settings)} items in the smallest setting"
         values = {(m, b): summary.value(task, m, b, metric_name) for m in [*methods, *shown] for b in budgets}
         missing = [
-            f"{m}@{_budget_text(b)}" + (" (infeasible: budget below the method's minimum)" if summary.infeasible(task, m, b) else "")
+            f"{m}@{_budget_text(b)}"
+            + (" (infeasible: budget below the method's minimum)" if summary.infeasible(task, m, b) else "")
             for m in methods
             for b in budgets
             if values[(m, b)] is None
         ]
         full = summary.full(task, metric_name)
         if mode == "mean":
+
             def score(m: str) -> float | None:
                 vals = [values[(m, b)] for b in budgets]
                 return None if any(v is None for v in vals) else sum(vals) / len(vals)
@@ -162,9 +163,13 @@ def outperforms(
         else:
             parts = []
             for b in budgets:
-                parts.append(f"@{_budget_text(b)}: " + ", ".join(f"{m} {_fmt(values[(m, b)])}" for m in [*methods, *shown]))
+                parts.append(
+                    f"@{_budget_text(b)}: " + ", ".join(f"{m} {_fmt(values[(m, b)])}" for m in [*methods, *shown])
+                )
             text = f"{metric_name} " + "; ".join(parts)
-            comparisons = [(values[(candidate, b)], values[(base, b)], base, (b,)) for base in baselines for b in budgets]
+            comparisons = [
+                (values[(candidate, b)], values[(base, b)], base, (b,)) for base in baselines for b in budgets
+            ]
         text += f"; full {_fmt(full)}; {n_text}"
         if missing:
             return None, text + f"; missing: {', '.join(missing)}"
@@ -217,10 +222,15 @@ def retains_full(
         value = summary.value(task, method, budget, metric_name)
         full = summary.full(task, metric_name)
         if value is None or full is None:
-            return None, f"{metric_name}: {method}@{_budget_text(budget)} {_fmt(value)}, full {_fmt(full)} (missing data)"
+            return (
+                None,
+                f"{metric_name}: {method}@{_budget_text(budget)} {_fmt(value)}, full {_fmt(full)} (missing data)",
+            )
         ratio = value / full if full else float("nan")
-        text = (f"{metric_name}: {method}@{_budget_text(budget)} {_fmt(value)} = {_fmt(ratio)} of full ({_fmt(full)}); "
-                f"n={n} items run by both{left_out}")
+        text = (
+            f"{metric_name}: {method}@{_budget_text(budget)} {_fmt(value)} = {_fmt(ratio)} of full ({_fmt(full)}); "
+            f"n={n} items run by both{left_out}"
+        )
         if reason:
             return None, text + f"; {reason}"
         return bool(value >= fraction * full - EPSILON), text
@@ -261,7 +271,9 @@ CLAIMS: list[Claim] = [
         methods=("buzz-logn", "h2o", "streamingllm", "local"),
         budgets=XSUM_BUDGETS,
         metric="rouge_mean",
-        check=outperforms("xsum", "buzz-logn", ["h2o", "streamingllm", "local"], XSUM_BUDGETS, "rouge_mean", mode="mean"),
+        check=outperforms(
+            "xsum", "buzz-logn", ["h2o", "streamingllm", "local"], XSUM_BUDGETS, "rouge_mean", mode="mean"
+        ),
     ),
     Claim(
         id="buzz-xsum-10pct",
@@ -356,7 +368,9 @@ CLAIMS: list[Claim] = [
         task="piqa",
         methods=("bumblebee", "h2o", "streamingllm", "local", "random", "bumblebee-power"),
         budgets=(0.1,),
-        check=outperforms("piqa", "bumblebee", ["h2o"], (0.1,), shown=("streamingllm", "local", "random", "bumblebee-power")),
+        check=outperforms(
+            "piqa", "bumblebee", ["h2o"], (0.1,), shown=("streamingllm", "local", "random", "bumblebee-power")
+        ),
     ),
     Claim(
         id="bumblebee-openbookqa",
@@ -365,7 +379,9 @@ CLAIMS: list[Claim] = [
         task="openbookqa",
         methods=("bumblebee", "h2o", "streamingllm", "local", "random", "bumblebee-power"),
         budgets=(0.1,),
-        check=outperforms("openbookqa", "bumblebee", ["h2o"], (0.1,), shown=("streamingllm", "local", "random", "bumblebee-power")),
+        check=outperforms(
+            "openbookqa", "bumblebee", ["h2o"], (0.1,), shown=("streamingllm", "local", "random", "bumblebee-power")
+        ),
     ),
     # ---------------------------------------------------------------- SubGen (subgen.txt)
     Claim(
@@ -403,7 +419,9 @@ CLAIMS: list[Claim] = [
         task="needle_multikey",
         methods=("ahakv", "snapkv", "h2o", "tova", "streamingllm"),
         budgets=(128, 256),
-        check=outperforms("needle_multikey", "ahakv", ["snapkv", "h2o", "tova", "streamingllm"], (128, 256), mode="mean"),
+        check=outperforms(
+            "needle_multikey", "ahakv", ["snapkv", "h2o", "tova", "streamingllm"], (128, 256), mode="mean"
+        ),
     ),
     Claim(
         id="ahakv-openbookqa-4pct",
@@ -421,7 +439,9 @@ def evaluate_claims(summary: ResultsSummary, claims: Sequence[Claim] | None = No
     return [claim.check(summary) for claim in (CLAIMS if claims is None else claims)]
 
 
-def claims_grid(claims: Sequence[Claim] | None = None) -> tuple[list[str], dict[str, list[str]], dict[str, list[float | int]]]:
+def claims_grid(
+    claims: Sequence[Claim] | None = None,
+) -> tuple[list[str], dict[str, list[str]], dict[str, list[float | int]]]:
     """(tasks, methods per task, budgets per task) covering every claim (the union per task)."""
     tasks: list[str] = []
     methods: dict[str, list[str]] = {}
@@ -437,7 +457,7 @@ def claims_grid(claims: Sequence[Claim] | None = None) -> tuple[list[str], dict[
             known = budgets.setdefault(claim.task, [])
             if budget_key(budget) not in {budget_key(b) for b in known}:
                 known.append(budget)
-    for task, values in budgets.items():
+    for _task, values in budgets.items():
         values.sort(key=lambda b: (isinstance(b, int), float(b)))  # ratios first, then tokens, ascending
     return tasks, methods, budgets
 
@@ -446,4 +466,14 @@ def claim_ids() -> list[str]:
     return [c.id for c in CLAIMS]
 
 
-__all__ = ["Claim", "CLAIMS", "paired_items", "on_items", "outperforms", "retains_full", "evaluate_claims", "claims_grid", "claim_ids"]
+__all__ = [
+    "Claim",
+    "CLAIMS",
+    "paired_items",
+    "on_items",
+    "outperforms",
+    "retains_full",
+    "evaluate_claims",
+    "claims_grid",
+    "claim_ids",
+]

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from kvhive.models.embedded import DEFAULT_MODEL
 
@@ -69,20 +70,37 @@ def add_eval_arguments(
         "default: each task's own",
     )
     parser.add_argument("--limit", type=int, help="max items per task (default: the suite's, else all)")
-    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"model name for the backend, e.g. qwen2.5-0.5b (default {DEFAULT_MODEL})")
-    parser.add_argument("--data-dir", type=Path, default=None, help="shared data folder (default $KVHIVE_DATA_DIR or <repo>/../shared/data)")
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"model name for the backend, e.g. qwen2.5-0.5b (default {DEFAULT_MODEL})",
+    )
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="shared data folder (default $KVHIVE_DATA_DIR or <repo>/../shared/data)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="output folder (default runs/eval-<model>-<suite>)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--suite", choices=sorted(SUITES), help="a predefined grid; explicit options override it")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--no-report", action="store_true", help="do not write report.md after the run")
     parser.add_argument(
-        "--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+        "--ray",
+        nargs="?",
+        const="local",
+        default=None,
+        metavar="ADDRESS",
         help="spread the items over Ray workers (needs kvhive[ray]); alone: a local Ray instance, "
         "ADDRESS (auto, HOST:PORT, ray://HOST:PORT): join that cluster",
     )
-    parser.add_argument("--workers", type=int, default=None,
-                        help="with --ray: workers, each holding one model (default: one per GPU, else one per CPU)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="with --ray: workers, each holding one model (default: one per GPU, else one per CPU)",
+    )
     parser.set_defaults(func=run_eval_command, backend_factory=backend_factory, method_validator=method_validator)
     return parser
 
@@ -92,8 +110,12 @@ def add_report_arguments(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("report", help="write report.md and plots from an eval output folder")
     parser.add_argument("out_dir", nargs="?", type=Path, help="the eval output folder")
     parser.add_argument("--out", type=Path, dest="out_option", help="the eval output folder (same as the positional)")
-    parser.add_argument("--margin", type=float, default=0.05, help="flag tasks whose full-cache score is within this of chance")
-    parser.add_argument("--claims", choices=("auto", "yes", "no"), default="auto", help="include the paper-claims section")
+    parser.add_argument(
+        "--margin", type=float, default=0.05, help="flag tasks whose full-cache score is within this of chance"
+    )
+    parser.add_argument(
+        "--claims", choices=("auto", "yes", "no"), default="auto", help="include the paper-claims section"
+    )
     parser.set_defaults(func=run_report_command)
     return parser
 

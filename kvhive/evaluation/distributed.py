@@ -23,10 +23,11 @@ from __future__ import annotations
 import logging
 import os
 from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from .backend import Backend, Setting
 from .results import ResultsWriter
@@ -69,15 +70,28 @@ class EvalWorker:
 
             torch.set_num_threads(self.threads)  # the actor's share of the node's cores
         self.backend = self.backend_factory(self.model_name)
-        return {"tokenizer": self.backend.tokenizer, "model_name": getattr(self.backend, "model_name", None), "pid": os.getpid()}
+        return {
+            "tokenizer": self.backend.tokenizer,
+            "model_name": getattr(self.backend, "model_name", None),
+            "pid": os.getpid(),
+        }
 
     def run_item(self, task: Task, item: Any, settings: list[Setting], fields: dict) -> list[dict]:
         """The records of one item's pending settings (one backend call), as the local run makes them."""
         if self.backend is None:
             raise RuntimeError("EvalWorker.run_item called before start()")
         records: list[dict] = []  # _run_item appends each record to its "writer": here, a list
-        _run_item(self.backend, task, item, list(settings), records, fields["model"], fields["seed"], fields["limit"],
-                  fields["suite"])
+        _run_item(
+            self.backend,
+            task,
+            item,
+            list(settings),
+            records,
+            fields["model"],
+            fields["seed"],
+            fields["limit"],
+            fields["suite"],
+        )
         return records
 
     def pid(self) -> int:
@@ -154,7 +168,9 @@ class RayPool:
         init_options: Mapping[str, Any] | None = None,
     ) -> None:
         if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
-            raise ValueError(f"workers: expected an integer >= 1 (or None: one per GPU, else one per CPU), got {workers!r}")
+            raise ValueError(
+                f"workers: expected an integer >= 1 (or None: one per GPU, else one per CPU), got {workers!r}"
+            )
         if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
             raise ValueError(f"max_attempts: expected an integer >= 1, got {max_attempts!r}")
         self.ray = require_ray()
@@ -264,7 +280,7 @@ class RayPool:
             self.ray.shutdown()
         self._started_ray = False
 
-    def __enter__(self) -> "RayPool":
+    def __enter__(self) -> RayPool:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -302,7 +318,10 @@ class RayPool:
             if job.attempts < self.max_attempts:
                 queue.appendleft(job)  # retried next, on another worker when one is free
             else:
-                finish(job, failed_records(job.entry, fields_ref, f"{reason} (after {job.attempts} attempts)", job.attempts))
+                finish(
+                    job,
+                    failed_records(job.entry, fields_ref, f"{reason} (after {job.attempts} attempts)", job.attempts),
+                )
 
         while queue or running:
             # hand out work: each item to an idle worker it has not failed on, if the pool has one
@@ -316,7 +335,10 @@ class RayPool:
                 idle.remove(worker)
                 queue.remove(job)
                 entry = job.entry
-                running[worker.actor.run_item.remote(entry.task, entry.item, entry.settings, fields_ref)] = (worker, job)
+                running[worker.actor.run_item.remote(entry.task, entry.item, entry.settings, fields_ref)] = (
+                    worker,
+                    job,
+                )
             waiting = list(running) + list(self._pending_starts)
             if not waiting:
                 raise RuntimeError(
@@ -391,7 +413,18 @@ def run_eval_distributed(
     """
     with RayPool(backend_factory, model_name, workers, address, max_attempts, init_options) as pool:
         return run_eval(
-            pool, tasks, methods, budgets, limit, data_dir, out_dir, seed=seed, progress=progress,
-            method_validator=method_validator, model_name=model_name, include_full=include_full, suite=suite,
+            pool,
+            tasks,
+            methods,
+            budgets,
+            limit,
+            data_dir,
+            out_dir,
+            seed=seed,
+            progress=progress,
+            method_validator=method_validator,
+            model_name=model_name,
+            include_full=include_full,
+            suite=suite,
             executor=pool,
         )

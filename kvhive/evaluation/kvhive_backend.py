@@ -64,8 +64,10 @@ class KVHiveBackend:
 
     def _caches(self, settings: list[Setting]):
         # The full cache keeps everything: it takes no budget (one given would be ignored).
-        return [make_cache(self.model, setting.method, None if setting.method == FULL_METHOD else setting.budget)
-                for setting in settings]
+        return [
+            make_cache(self.model, setting.method, None if setting.method == FULL_METHOD else setting.budget)
+            for setting in settings
+        ]
 
     def _prefilled(self, input_ids: torch.Tensor, settings: list[Setting]):
         caches = self._caches(settings)
@@ -79,8 +81,9 @@ class KVHiveBackend:
         return caches, logits
 
     @torch.no_grad()
-    def _greedy(self, cache, logits: torch.Tensor, max_new_tokens: int,
-                sizes: _SizeTracker) -> list[int] | SettingFailure:
+    def _greedy(
+        self, cache, logits: torch.Tensor, max_new_tokens: int, sizes: _SizeTracker
+    ) -> list[int] | SettingFailure:
         tokens: list[int] = []
         sizes.observe(cache)
         for step in range(max_new_tokens):
@@ -108,8 +111,10 @@ class KVHiveBackend:
             # A token budget below the minimum would make make_cache raise (aborting the grid).
             minimum = make_policy(setting.method).minimum_budget()
             if setting.budget < minimum:
-                return (f"budget={setting.budget} tokens per head is below method {setting.method!r}'s minimum "
-                        f"of {minimum} tokens per head")
+                return (
+                    f"budget={setting.budget} tokens per head is below method {setting.method!r}'s minimum "
+                    f"of {minimum} tokens per head"
+                )
             return None
         return make_cache(self.model, setting.method, setting.budget).budget_problem(context_tokens)
 
@@ -124,32 +129,39 @@ class KVHiveBackend:
         if DECODE in policy.phases or not isinstance(setting.budget, int) or setting.budget >= fed_tokens:
             return None
         phases = ", ".join(sorted(policy.phases)) or "none"
-        return (f"method {setting.method!r} compresses only in phase(s) {phases}: fed {fed_tokens} tokens one by "
-                f"one, its cache would grow past budget={setting.budget} uncompressed")
+        return (
+            f"method {setting.method!r} compresses only in phase(s) {phases}: fed {fed_tokens} tokens one by "
+            f"one, its cache would grow past budget={setting.budget} uncompressed"
+        )
 
     def generate(self, prompt: str, max_new_tokens: int, settings: list[Setting]) -> list[str]:
         input_ids = self._encode(prompt)
         caches, logits = self._prefilled(input_ids, settings)
         outputs, self.last_cache_sizes = [], []
-        for cache, first_logits in zip(caches, logits):
+        for cache, first_logits in zip(caches, logits, strict=True):
             sizes = _SizeTracker()
             tokens = self._greedy(cache, first_logits, max_new_tokens, sizes)
-            outputs.append(tokens if isinstance(tokens, SettingFailure)
-                           else self.tokenizer.decode(tokens, skip_special_tokens=True))
+            outputs.append(
+                tokens
+                if isinstance(tokens, SettingFailure)
+                else self.tokenizer.decode(tokens, skip_special_tokens=True)
+            )
             self.last_cache_sizes.append(sizes.summary())
         return outputs
 
     @torch.no_grad()
-    def choice_loglikelihoods(self, context: str, continuations: list[str], settings: list[Setting]) -> list[list[float]]:
+    def choice_loglikelihoods(
+        self, context: str, continuations: list[str], settings: list[Setting]
+    ) -> list[list[float]]:
         context_ids = self._encode(context)
         continuation_ids = []
         for continuation in continuations:
             full = self.tokenizer(context + continuation, return_tensors="pt")["input_ids"][0]
-            continuation_ids.append(full[context_ids.shape[1]:])
+            continuation_ids.append(full[context_ids.shape[1] :])
         caches, logits = self._prefilled(context_ids, settings)
         results = []
         self.last_cache_sizes = []
-        for cache, last_logits in zip(caches, logits):
+        for cache, last_logits in zip(caches, logits, strict=True):
             sizes = _SizeTracker()
             sizes.observe(cache)  # the compressed context every continuation is scored against
             self.last_cache_sizes.append(sizes.summary())

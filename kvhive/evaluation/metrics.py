@@ -22,8 +22,8 @@ from __future__ import annotations
 import math
 import re
 import string
+from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
-from typing import Iterable, Mapping, Sequence
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = set(string.punctuation)
@@ -102,7 +102,7 @@ def choice_accuracy(loglikelihoods: Sequence[float], continuations: Sequence[str
         # max() over NaN depends on the order of the choices: no accuracy can be read from it.
         raise ValueError(f"non-finite log-likelihoods {list(loglikelihoods)}: no choice can be scored")
     best = max(range(len(loglikelihoods)), key=lambda i: loglikelihoods[i])
-    normalized = [ll / max(1, len(c)) for ll, c in zip(loglikelihoods, continuations)]
+    normalized = [ll / max(1, len(c)) for ll, c in zip(loglikelihoods, continuations, strict=True)]
     best_norm = max(range(len(normalized)), key=lambda i: normalized[i])
     return {"acc": float(best == label), "acc_norm": float(best_norm == label)}
 

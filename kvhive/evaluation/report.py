@@ -27,9 +27,25 @@ CHANCE_MARGIN = 0.05
 
 # display order of methods (docs/METHODS.md registry order); others follow alphabetically
 METHOD_ORDER = (
-    "full", "local", "random", "streamingllm", "h2o", "snapkv", "pyramidkv", "tova", "knorm", "buzz",
-    "buzz-logn", "bumblebee", "bumblebee-power", "ada-snapkv", "ada-pyramidkv", "ada-ahakv", "subgen",
-    "subgen-attention", "ahakv",
+    "full",
+    "local",
+    "random",
+    "streamingllm",
+    "h2o",
+    "snapkv",
+    "pyramidkv",
+    "tova",
+    "knorm",
+    "buzz",
+    "buzz-logn",
+    "bumblebee",
+    "bumblebee-power",
+    "ada-snapkv",
+    "ada-pyramidkv",
+    "ada-ahakv",
+    "subgen",
+    "subgen-attention",
+    "ahakv",
 )
 
 
@@ -73,11 +89,16 @@ def _finite(value: Any) -> bool:
 
 def non_finite_items(records: list[dict], name: str) -> list[str]:
     """Item ids whose per-item ``name`` is NaN or infinite (one such item makes the mean NaN)."""
-    return [str(r["item_id"]) for r in records
-            if name in r.get("metrics", {}) and r["metrics"][name] is not None and not _finite(r["metrics"][name])]
+    return [
+        str(r["item_id"])
+        for r in records
+        if name in r.get("metrics", {}) and r["metrics"][name] is not None and not _finite(r["metrics"][name])
+    ]
 
 
-def paired_ratio_to_full(summary: ResultsSummary, task: str, method: str, budget: float | int | None) -> tuple[float | None, int]:
+def paired_ratio_to_full(
+    summary: ResultsSummary, task: str, method: str, budget: float | int | None
+) -> tuple[float | None, int]:
     """(main metric of the setting ÷ the full cache's, number of items) on the items both ran.
 
     Computed on the shared items only, so a setting run with a smaller ``--limit`` is not compared
@@ -105,14 +126,30 @@ def task_table(summary: ResultsSummary, task: str) -> str:
     main = summary.main_metric(task)
     rows: list[tuple[str, str, float | int | None, dict[str, float], int, float | None]] = []
     if summary.count(task, FULL_METHOD):
-        rows.append((FULL_METHOD, "(all)", None, summary.aggregate(task, FULL_METHOD), summary.count(task, FULL_METHOD),
-                     summary.mean_kept_per_head(task, FULL_METHOD)))
+        rows.append(
+            (
+                FULL_METHOD,
+                "(all)",
+                None,
+                summary.aggregate(task, FULL_METHOD),
+                summary.count(task, FULL_METHOD),
+                summary.mean_kept_per_head(task, FULL_METHOD),
+            )
+        )
     for method in sorted(summary.methods(task), key=_method_sort_key):
         if method == FULL_METHOD:
             continue
         for budget in summary.budgets(task, method):
-            rows.append((method, _budget_label(budget), budget, summary.aggregate(task, method, budget),
-                         summary.count(task, method, budget), summary.mean_kept_per_head(task, method, budget)))
+            rows.append(
+                (
+                    method,
+                    _budget_label(budget),
+                    budget,
+                    summary.aggregate(task, method, budget),
+                    summary.count(task, method, budget),
+                    summary.mean_kept_per_head(task, method, budget),
+                )
+            )
     # Shown when the backend reported it: what the cache really held, since a method may stay
     # below its nominal budget (BUZZ) and should be compared at what it used.
     show_kept = any(row[5] is not None for row in rows)
@@ -122,7 +159,9 @@ def task_table(summary: ResultsSummary, task: str) -> str:
             if name not in names:
                 names.append(name)
     has_full = summary.count(task, FULL_METHOD) > 0
-    header = ["method", "budget", *names, "n", f"{main} / full", "n paired with full"] + (["mean kept / head"] if show_kept else [])
+    header = ["method", "budget", *names, "n", f"{main} / full", "n paired with full"] + (
+        ["mean kept / head"] if show_kept else []
+    )
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     warnings_lines: list[str] = []
     unpaired = False
@@ -134,8 +173,10 @@ def task_table(summary: ResultsSummary, task: str) -> str:
             if bad:
                 cells.append(f"– ({len(bad)} of {n} items non-finite)")
                 shown = ", ".join(bad[:5]) + (", …" if len(bad) > 5 else "")
-                warnings_lines.append(f"> **Warning:** {method} @ {budget_text}: `{name}` is NaN or infinite on "
-                                      f"{len(bad)} of {n} item(s) ({shown}); no mean is shown for it.")
+                warnings_lines.append(
+                    f"> **Warning:** {method} @ {budget_text}: `{name}` is NaN or infinite on "
+                    f"{len(bad)} of {n} item(s) ({shown}); no mean is shown for it."
+                )
             else:
                 cells.append(_cell(aggregate, name))
         ratio, paired_n = paired_ratio_to_full(summary, task, method, budget) if has_full else (None, 0)
@@ -146,8 +187,13 @@ def task_table(summary: ResultsSummary, task: str) -> str:
             cells.append(f"{kept:.1f}" if kept is not None else "–")
         lines.append("| " + " | ".join(cells) + " |")
     if unpaired:
-        lines += ["", (f"Some settings ran on other items than the full cache: `{main} / full` is computed on the items "
-                       "both ran (`n paired with full`), so it can differ from the ratio of the two means shown.")]
+        lines += [
+            "",
+            (
+                f"Some settings ran on other items than the full cache: `{main} / full` is computed on the items "
+                "both ran (`n paired with full`), so it can differ from the ratio of the two means shown."
+            ),
+        ]
     if warnings_lines:
         lines += ["", *warnings_lines]
     infeasible = summary.infeasible_settings(task)
@@ -199,7 +245,10 @@ def quality_figures(summary: ResultsSummary, task: str):
     chance = info.get("chance")
     methods = [m for m in sorted(summary.methods(task), key=_method_sort_key) if m != FULL_METHOD]
     figures = []
-    for budget_type, label in ((float, "cache budget (fraction of the context)"), (int, "cache budget (tokens per head)")):
+    for budget_type, label in (
+        (float, "cache budget (fraction of the context)"),
+        (int, "cache budget (tokens per head)"),
+    ):
         series = []
         for method in methods:
             points = []
@@ -222,8 +271,17 @@ def quality_figures(summary: ResultsSummary, task: str):
             xs = _dodged([float(p[0]) for p in points], index, len(series), log_axis)
             counts = sorted({p[3] for p in points})
             n_text = f"n={counts[0]}" if len(counts) == 1 else f"n={counts[0]}-{counts[-1]}"
-            axis.errorbar(xs, [p[1] for p in points], yerr=[p[2] for p in points], marker=MARKERS[index % len(MARKERS)],
-                          markersize=6, linewidth=1.2, capsize=3, label=f"{method} ({n_text})", gid=f"series:{method}")
+            axis.errorbar(
+                xs,
+                [p[1] for p in points],
+                yerr=[p[2] for p in points],
+                marker=MARKERS[index % len(MARKERS)],
+                markersize=6,
+                linewidth=1.2,
+                capsize=3,
+                label=f"{method} ({n_text})",
+                gid=f"series:{method}",
+            )
         if full_value is not None:
             n_full = summary.count(task, FULL_METHOD)
             axis.axhline(full_value, color="black", linestyle="--", linewidth=1.2, label=f"full cache (n={n_full})")
@@ -247,7 +305,9 @@ def quality_figures(summary: ResultsSummary, task: str):
         elif min(values) > 0:
             axis.set_yscale("log")
         axis.set_xlabel(label + ("; methods dodged sideways" if len(series) > 1 else ""))
-        axis.set_ylabel(f"{main or 'metric'} (mean ± s.e. over items)" if info.get("kind") != "perplexity" else f"{main} (corpus)")
+        axis.set_ylabel(
+            f"{main or 'metric'} (mean ± s.e. over items)" if info.get("kind") != "perplexity" else f"{main} (corpus)"
+        )
         axis.set_title(f"{task}: {main} vs cache budget" + ("" if higher_is_better else " (lower is better)"))
         axis.grid(alpha=0.3)
         axis.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
@@ -290,7 +350,7 @@ def claims_section(summary: ResultsSummary) -> str:
         "|---|---|---|---|---|---|",
     ]
     counts = {v: 0 for v in verdict_text.values()}
-    for claim, (holds, measured) in zip(CLAIMS, evaluate_claims(summary)):
+    for claim, (holds, measured) in zip(CLAIMS, evaluate_claims(summary), strict=True):
         cells = [claim.id, claim.paper, claim.task, claim.paper_says, measured, f"**{verdict_text[holds]}**"]
         lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
         counts[verdict_text[holds]] += 1
@@ -313,7 +373,8 @@ def write_report(out_dir: str | Path, margin: float = CHANCE_MARGIN, include_cla
         "# kvhive evaluation report",
         "",
         f"- results: `{out / 'results.jsonl'}` ({len(records)} records)",
-        f"- model: {', '.join(models) or '–'}; seed: {', '.join(seeds) or '–'}" + (f"; suite: {', '.join(suites)}" if suites else ""),
+        f"- model: {', '.join(models) or '–'}; seed: {', '.join(seeds) or '–'}"
+        + (f"; suite: {', '.join(suites)}" if suites else ""),
         f"- generated: {datetime.now(timezone.utc).isoformat(timespec='seconds')}",
         "- budgets: a decimal is a ratio of the context kept; `N tok` is N tokens per KV head per layer; "
         "`full` is the uncompressed cache. Cells: mean ± standard error over items.",
@@ -331,10 +392,16 @@ def write_report(out_dir: str | Path, margin: float = CHANCE_MARGIN, include_cla
             f"Kind: {info.get('kind')}; main metric: `{info.get('main_metric')}` ({direction}); chance level: {_fmt(chance)}.",
             "",
         ]
-        if any("rouge_mean" in summary.aggregate(task, m, b) for m in summary.methods(task) for b in summary.budgets(task, m)):
+        if any(
+            "rouge_mean" in summary.aggregate(task, m, b)
+            for m in summary.methods(task)
+            for b in summary.budgets(task, m)
+        ):
             lines += [
-                ("`rouge_mean` is the geometric mean of the item-averaged ROUGE-1, ROUGE-2 and ROUGE-L F1 (BUZZ's \"Mean "
-                 "ROUGE\"), so it is 0 whenever ROUGE-2 is 0; it has no per-item standard error."),
+                (
+                    "`rouge_mean` is the geometric mean of the item-averaged ROUGE-1, ROUGE-2 and ROUGE-L F1 (BUZZ's \"Mean "
+                    'ROUGE"), so it is 0 whenever ROUGE-2 is 0; it has no per-item standard error.'
+                ),
                 "",
             ]
         near = summary.near_chance(task, margin)

@@ -15,8 +15,9 @@ import math
 import os
 import warnings
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from .backend import FULL_METHOD, budget_key
 from .metrics import aggregate_item_metrics
@@ -72,7 +73,7 @@ def read_results(out_dir: str | Path) -> list[dict]:
             record = json.loads(line)
             key = result_key(record)
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError):
-            warnings.warn(f"{path}: line {number}: skipping a malformed record")
+            warnings.warn(f"{path}: line {number}: skipping a malformed record", stacklevel=2)
             continue
         if key in seen:
             continue
@@ -97,8 +98,9 @@ class ResultsWriter:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._lock_fd)
-            raise ResultsLockedError(f"another evaluation run is writing to {self.path}; wait for it or use "
-                                     "another --out") from None
+            raise ResultsLockedError(
+                f"another evaluation run is writing to {self.path}; wait for it or use another --out"
+            ) from None
         self.repaired_bytes = repair_results_file(self.path)
         self.records = read_results(self.path)
         self.done = {result_key(r) for r in self.records}
@@ -128,7 +130,7 @@ class ResultsWriter:
             os.close(self._lock_fd)
             self._lock_fd = None
 
-    def __enter__(self) -> "ResultsWriter":
+    def __enter__(self) -> ResultsWriter:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -179,8 +181,10 @@ class ResultsSummary:
             for record in records:
                 if t == task and (status is None or record["status"] == status):
                     grouped[(method, key, record["status"])].append(record)
-        out = [(method, self._budgets[key], record_status, len(records), records[0].get("reason", record_status))
-               for (method, key, record_status), records in grouped.items()]
+        out = [
+            (method, self._budgets[key], record_status, len(records), records[0].get("reason", record_status))
+            for (method, key, record_status), records in grouped.items()
+        ]
         return sorted(out, key=lambda row: (row[0], isinstance(row[1], int), float(row[1]), row[2]))
 
     def infeasible_settings(self, task: str) -> list[tuple[str, float | int, int, str]]:
@@ -225,14 +229,19 @@ class ResultsSummary:
     def mean_kept_per_head(self, task: str, method: str, budget: float | int | None = None) -> float | None:
         """Tokens the cache actually held per head, averaged over the run and the items (None when
         the backend did not report it)."""
-        values = [r["cache"]["mean_kept_per_head"] for r in self.item_records(task, method, budget)
-                  if isinstance(r.get("cache"), dict) and "mean_kept_per_head" in r["cache"]]
+        values = [
+            r["cache"]["mean_kept_per_head"]
+            for r in self.item_records(task, method, budget)
+            if isinstance(r.get("cache"), dict) and "mean_kept_per_head" in r["cache"]
+        ]
         return sum(values) / len(values) if values else None
 
     def main_metric(self, task: str) -> str | None:
         return self.task_info.get(task, {}).get("main_metric")
 
-    def value(self, task: str, method: str, budget: float | int | None = None, metric: str | None = None) -> float | None:
+    def value(
+        self, task: str, method: str, budget: float | int | None = None, metric: str | None = None
+    ) -> float | None:
         metric = metric or self.main_metric(task)
         value = self.aggregate(task, method, budget).get(metric) if metric else None
         return None if value is None or (isinstance(value, float) and math.isnan(value)) else value

@@ -14,10 +14,11 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 from .backend import (
     FULL_BUDGET,
@@ -75,7 +76,9 @@ def resolve_tasks(tasks: Sequence[str | Task] | str) -> list[Task]:
             name, params = parse_task_spec(task)
             resolved.append(get_task(name, **params))
         else:
-            raise ValueError(f"tasks: expected task names or Task objects, got {task!r}; known tasks: {', '.join(TASKS)}")
+            raise ValueError(
+                f"tasks: expected task names or Task objects, got {task!r}; known tasks: {', '.join(TASKS)}"
+            )
     names = [t.name for t in resolved]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -162,7 +165,9 @@ def _call_backend(backend: Backend, task: Task, item: Item, settings: list[Setti
         raise ValueError(f"task {task.name!r}: unknown kind {task.kind!r}")
     outputs = list(outputs)
     if len(outputs) != len(settings):
-        raise RuntimeError(f"backend returned {len(outputs)} outputs for {len(settings)} settings ({task.name}/{item.id})")
+        raise RuntimeError(
+            f"backend returned {len(outputs)} outputs for {len(settings)} settings ({task.name}/{item.id})"
+        )
     return outputs
 
 
@@ -309,7 +314,9 @@ def run_eval(
             work = []
             for task, items, settings in loaded:
                 for item in items:
-                    pending = [s for s in settings if (task.name, item.id, s.method, budget_key(s.budget)) not in writer.done]
+                    pending = [
+                        s for s in settings if (task.name, item.id, s.method, budget_key(s.budget)) not in writer.done
+                    ]
                     if pending:
                         work.append(PendingItem(task, item, pending))
             if executor is not None:
@@ -367,11 +374,17 @@ def _run_item(
     not_applicable = getattr(backend, "not_applicable", None)
     reasons: dict[Setting, tuple[str, str]] = {}
     for setting in pending:
-        if (task.kind == "perplexity" and setting.method != FULL_METHOD and isinstance(setting.budget, float)
-                and round(setting.budget * len(item.token_ids)) < 1):
+        if (
+            task.kind == "perplexity"
+            and setting.method != FULL_METHOD
+            and isinstance(setting.budget, float)
+            and round(setting.budget * len(item.token_ids)) < 1
+        ):
             # Converting to tokens would silently raise it to 1 token.
-            reasons[setting] = ("infeasible", f"budget ratio={setting.budget:g} of a {len(item.token_ids)}-token "
-                                              "text is 0 tokens")
+            reasons[setting] = (
+                "infeasible",
+                f"budget ratio={setting.budget:g} of a {len(item.token_ids)}-token text is 0 tokens",
+            )
             continue
         backend_setting = _backend_setting(task, item, setting)
         reason = infeasible(backend_setting, context_tokens) if infeasible is not None else None
@@ -388,10 +401,12 @@ def _run_item(
     outputs = _call_backend(backend, task, item, feasible) if feasible else []
     wall = time.perf_counter() - start
     timestamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    results = dict(zip(feasible, outputs))
+    results = dict(zip(feasible, outputs, strict=True))
     # Optional: the cache size each setting actually held (a backend attribute aligned with the call).
     sizes = getattr(backend, "last_cache_sizes", None) if feasible else None
-    cache_sizes = dict(zip(feasible, sizes)) if isinstance(sizes, list) and len(sizes) == len(feasible) else {}
+    cache_sizes = (
+        dict(zip(feasible, sizes, strict=True)) if isinstance(sizes, list) and len(sizes) == len(feasible) else {}
+    )
     count = 0
     for setting in pending:
         output, metrics, status, reason = None, {}, "ok", None

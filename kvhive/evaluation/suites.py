@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 from .claims import claims_grid
 
@@ -30,7 +30,10 @@ QUICK = Suite(
     methods=("streamingllm", "h2o", "snapkv"),
     # 5-shot piqa contexts are ~130 tokens: a 0.2 ratio would fall below SnapKV's 32-token window.
     budgets={
-        "synthetic_recall": (0.2, 0.5), "needle": (0.2, 0.5), "mdqa": (0.2, 0.5), "xsum": (0.2, 0.5),
+        "synthetic_recall": (0.2, 0.5),
+        "needle": (0.2, 0.5),
+        "mdqa": (0.2, 0.5),
+        "xsum": (0.2, 0.5),
         "piqa": (0.5,),
     },
     limit=4,

@@ -47,9 +47,19 @@ from typing import Any, ClassVar, Final, Literal
 
 import torch
 
-from kvhive.methods.base import (AUTO_HEADS, PREFILL, HeadGranularity, Policy, PolicyConfig, ScorerPolicy,
-                                 ScoringInputs, require_choice, require_probability, top_indices)
 from kvhive.methods.ahakv import AhaKV
+from kvhive.methods.base import (
+    AUTO_HEADS,
+    PREFILL,
+    HeadGranularity,
+    Policy,
+    PolicyConfig,
+    ScorerPolicy,
+    ScoringInputs,
+    require_choice,
+    require_probability,
+    top_indices,
+)
 from kvhive.methods.pyramidkv import PyramidKV
 from kvhive.methods.snapkv import MEAN_THEN_POOL, SnapKV
 
@@ -66,8 +76,9 @@ def safeguard_count(budget: int, alpha: float) -> int:
     return max(0, min(budget, math.floor(alpha * budget + 1e-9)))
 
 
-def adaptive_allocation(scores: torch.Tensor, budget: int, alpha: float,
-                        valid: torch.Tensor | None = None) -> torch.Tensor:
+def adaptive_allocation(
+    scores: torch.Tensor, budget: int, alpha: float, valid: torch.Tensor | None = None
+) -> torch.Tensor:
     """kvpress's rule (``allocation="kvpress"``) as a keep mask ``[B, H, M]``.
 
     ``scores[B, H, M]``: comparable scores of the candidate keys of each head; ``budget``: the
@@ -96,8 +107,9 @@ def adaptive_allocation(scores: torch.Tensor, budget: int, alpha: float,
     return keep
 
 
-def authors_head_budgets(scores: torch.Tensor, budget: int, alpha: float,
-                         valid: torch.Tensor | None = None) -> torch.Tensor:
+def authors_head_budgets(
+    scores: torch.Tensor, budget: int, alpha: float, valid: torch.Tensor | None = None
+) -> torch.Tensor:
     """Head budgets ``[B, H]`` as the authors' ``AdaptiveSnapKVCluster`` computes them.
 
     ``f_i`` = how many of the row's global top ``H × budget`` candidate scores head ``i`` owns;
@@ -123,14 +135,15 @@ def authors_head_budgets(scores: torch.Tensor, budget: int, alpha: float,
             room = budgets[row] < candidates if step > 0 else budgets[row] > 0
             remainder = (targets[row] - budgets[row].double()) * step
             order = sorted((i for i in range(heads) if room[i]), key=lambda i: (-float(remainder[i]), i))
-            for head in order[:abs(missing)]:
+            for head in order[: abs(missing)]:
                 budgets[row, head] += step
             missing = total - int(budgets[row].sum())
     return budgets
 
 
-def keep_head_budgets(scores: torch.Tensor, head_budgets: torch.Tensor,
-                      valid: torch.Tensor | None = None) -> torch.Tensor:
+def keep_head_budgets(
+    scores: torch.Tensor, head_budgets: torch.Tensor, valid: torch.Tensor | None = None
+) -> torch.Tensor:
     """Keep mask ``[B, H, M]``: head ``(b, h)`` keeps its own top ``head_budgets[b, h]`` scores."""
     ranking = scores.float()
     if valid is not None:
@@ -140,8 +153,9 @@ def keep_head_budgets(scores: torch.Tensor, head_budgets: torch.Tensor,
     return torch.zeros_like(rank_kept).scatter_(-1, order, rank_kept)
 
 
-def allocate(scores: torch.Tensor, budget: int, alpha: float, allocation: Allocation,
-             valid: torch.Tensor | None = None) -> torch.Tensor:
+def allocate(
+    scores: torch.Tensor, budget: int, alpha: float, allocation: Allocation, valid: torch.Tensor | None = None
+) -> torch.Tensor:
     """Keep mask ``[B, H, M]`` over the candidates: ``H × min(budget, M)`` entries per row."""
     if budget >= scores.shape[-1]:
         return torch.ones_like(scores, dtype=torch.bool)
@@ -152,8 +166,14 @@ def allocate(scores: torch.Tensor, budget: int, alpha: float, allocation: Alloca
     return keep_head_budgets(scores, authors_head_budgets(scores, budget, alpha, valid), valid)
 
 
-def ada_keep(scores: torch.Tensor, budget: int, window: int, alpha: float,
-             valid: torch.Tensor | None = None, allocation: Allocation = KVPRESS_ALLOCATION) -> torch.Tensor:
+def ada_keep(
+    scores: torch.Tensor,
+    budget: int,
+    window: int,
+    alpha: float,
+    valid: torch.Tensor | None = None,
+    allocation: Allocation = KVPRESS_ALLOCATION,
+) -> torch.Tensor:
     """Keep mask ``[B, H, N]``: the last ``window`` tokens of every head plus the adaptive
     allocation of ``H × (budget - window)`` over the older tokens (see the module docstring).
 
@@ -164,8 +184,9 @@ def ada_keep(scores: torch.Tensor, budget: int, window: int, alpha: float,
         return torch.ones_like(scores, dtype=torch.bool)
     window = min(window, budget)
     older = num_tokens - window
-    keep_older = allocate(scores[..., :older], budget - window, alpha, allocation,
-                          None if valid is None else valid[..., :older])
+    keep_older = allocate(
+        scores[..., :older], budget - window, alpha, allocation, None if valid is None else valid[..., :older]
+    )
     recent = torch.ones(*scores.shape[:-1], window, dtype=torch.bool, device=scores.device)
     return torch.cat([keep_older, recent], dim=-1)
 
@@ -176,7 +197,7 @@ def _protected_window(protected: torch.Tensor | None, num_tokens: int) -> int | 
         return 0
     counts = protected.sum(dim=-1)
     window = int(counts.flatten()[0])
-    if not bool((counts == window).all()) or not bool(protected[..., num_tokens - window:].all()):
+    if not bool((counts == window).all()) or not bool(protected[..., num_tokens - window :].all()):
         return None
     return window
 
@@ -227,8 +248,9 @@ class AdaKV(Policy):
         if budget < minimum:
             raise ValueError(f"invalid budget={budget}: {self.name} needs at least {minimum} tokens per head")
         # The scorer may leave running scores in token_scores: a prefill-only method stores none.
-        scores = self.scorer.score(dataclasses.replace(scoring, token_scores={}), budget,
-                                   state.setdefault("scorer", {}))
+        scores = self.scorer.score(
+            dataclasses.replace(scoring, token_scores={}), budget, state.setdefault("scorer", {})
+        )
         protected = self.scorer.protected(scoring, budget)
         num_tokens = scoring.num_tokens
         if protected is not None:
@@ -249,8 +271,8 @@ class AdaKV(Policy):
             count = int(counts[row].max())
             if not bool((counts[row] == count).all()):
                 raise ValueError(f"{self.name}: the scorer protects different numbers of tokens per head")
-            ranking = scores[row:row + 1].float().masked_fill(protected[row:row + 1], float("-inf"))
-            row_valid = valid[row:row + 1] & ~protected[row:row + 1]
+            ranking = scores[row : row + 1].float().masked_fill(protected[row : row + 1], float("-inf"))
+            row_valid = valid[row : row + 1] & ~protected[row : row + 1]
             chosen = allocate(ranking, max(0, budget - count), self.config.alpha, self.config.allocation, row_valid)
             keep[row] |= chosen[0] & ~protected[row]
         return keep
@@ -260,31 +282,49 @@ class AdaKV(Policy):
 def ada_class(scorer_class: type[ScorerPolicy]) -> type[AdaKV]:
     """The Ada-KV policy class over ``scorer_class`` (registry name ``ada-<scorer>``)."""
     if not issubclass(scorer_class, ScorerPolicy):
-        raise ValueError(f"invalid method=ada-{scorer_class.name}: Ada-KV wraps a score-based method "
-                         "(a ScorerPolicy: score() plus protected tokens)")
+        raise ValueError(
+            f"invalid method=ada-{scorer_class.name}: Ada-KV wraps a score-based method "
+            "(a ScorerPolicy: score() plus protected tokens)"
+        )
     base_config = scorer_class.config_class
     base_fields = {field.name for field in dataclasses.fields(base_config)}
-    overrides = [(name, type(default), dataclasses.field(default=default))
-                 for name, default in _ADA_SCORER_DEFAULTS.items() if name in base_fields]
-    own = [(field.name, field.type, dataclasses.field(default=field.default))
-           for field in dataclasses.fields(AdaKVOptions)]
+    overrides = [
+        (name, type(default), dataclasses.field(default=default))
+        for name, default in _ADA_SCORER_DEFAULTS.items()
+        if name in base_fields
+    ]
+    own = [
+        (field.name, field.type, dataclasses.field(default=field.default)) for field in dataclasses.fields(AdaKVOptions)
+    ]
 
     def validate(self) -> None:
         base_config.validate(self)
         AdaKVOptions.validate(self)
 
     title = scorer_class.__name__
-    config_class = dataclasses.make_dataclass(f"Ada{title}Config", overrides + own, bases=(base_config,),
-                                              frozen=True, namespace={"validate": validate})
+    config_class = dataclasses.make_dataclass(
+        f"Ada{title}Config", overrides + own, bases=(base_config,), frozen=True, namespace={"validate": validate}
+    )
     config_class.__module__ = __name__
     paper_name = PAPER_COMBINATIONS.get(scorer_class.name)
     if paper_name is not None:
         paper = f"Feng et al. 2024, Algorithms 2-3 ({paper_name})"
     else:
-        paper = (f"kvhive combination, not a paper method: Ada-KV allocation (Feng et al. 2024, Algorithm 2) "
-                 f"over {scorer_class.name} scores ({scorer_class.paper})")
-    return type(f"Ada{title}", (AdaKV,), {"name": f"ada-{scorer_class.name}", "scorer_class": scorer_class,
-                                           "config_class": config_class, "paper": paper, "__module__": __name__})
+        paper = (
+            f"kvhive combination, not a paper method: Ada-KV allocation (Feng et al. 2024, Algorithm 2) "
+            f"over {scorer_class.name} scores ({scorer_class.paper})"
+        )
+    return type(
+        f"Ada{title}",
+        (AdaKV,),
+        {
+            "name": f"ada-{scorer_class.name}",
+            "scorer_class": scorer_class,
+            "config_class": config_class,
+            "paper": paper,
+            "__module__": __name__,
+        },
+    )
 
 
 # The registry's fixed names (the paper's two combinations and kvhive's ada-ahakv).

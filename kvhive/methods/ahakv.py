@@ -71,8 +71,16 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from kvhive.methods.base import (DECODE, PREFILL, PolicyConfig, ScorerPolicy, ScoringInputs, recent_mask, require,
-                                 require_int_at_least)
+from kvhive.methods.base import (
+    DECODE,
+    PREFILL,
+    PolicyConfig,
+    ScorerPolicy,
+    ScoringInputs,
+    recent_mask,
+    require,
+    require_int_at_least,
+)
 
 SCORE = "ahakv_running"
 
@@ -94,8 +102,9 @@ def sg_lambda(num_tokens: int, budget: int, head_dim: int) -> float:
     return math.sqrt(2.0 * math.log(num_tokens / budget) / head_dim)
 
 
-def sg_logit_multiplier(num_tokens: int, budget: int, head_dim: int, scaling: float,
-                        gain_input: GainInput = DEFAULT_GAIN_INPUT) -> float:
+def sg_logit_multiplier(
+    num_tokens: int, budget: int, head_dim: int, scaling: float, gain_input: GainInput = DEFAULT_GAIN_INPUT
+) -> float:
     """Factor on the model's logits ``q.k * scaling`` that gives SG-softmax's logits (Eq. 9, 12).
 
     ``gain_input="raw_qk"``: ``lambda * q.k`` (Eq. 8-12 derive lambda for raw ``q.k``, whose
@@ -135,8 +144,9 @@ def value_prior(values: torch.Tensor, valid: torch.Tensor | None, kernel: int) -
     return gamma / peak
 
 
-def ahakv_scores(scoring: ScoringInputs, budget: int, recent: int = 32, kernel: int = 7,
-                 gain_input: GainInput = DEFAULT_GAIN_INPUT) -> torch.Tensor:
+def ahakv_scores(
+    scoring: ScoringInputs, budget: int, recent: int = 32, kernel: int = 7, gain_input: GainInput = DEFAULT_GAIN_INPUT
+) -> torch.Tensor:
     """AhaKV's prefill eviction scores ``S_hat [B, H, N]`` for one layer (Eq. 5, 12, 13-15).
 
     Step-gain softmax weights of the last ``recent`` query rows, summed per key (per query
@@ -150,14 +160,17 @@ def ahakv_scores(scoring: ScoringInputs, budget: int, recent: int = 32, kernel: 
     return value_prior(scoring.values, scoring.valid, kernel) * scores
 
 
-def _scoring_multiplier(scoring: ScoringInputs, budget: int, gain_input: GainInput,
-                        padding: list[int] | None = None) -> float | tuple[float, ...]:
+def _scoring_multiplier(
+    scoring: ScoringInputs, budget: int, gain_input: GainInput, padding: list[int] | None = None
+) -> float | tuple[float, ...]:
     """The gain's logit factor; ``n`` of Eq. 12 is each row's own token count (its left padding
     ``padding[b]`` excluded, so a row of a padded batch gets the factor it gets alone)."""
     if padding is None:
         padding = row_padding(scoring)
-    factors = tuple(sg_logit_multiplier(scoring.sequence_length - pad, budget, scoring.keys.shape[-1],
-                                        scoring.scaling, gain_input) for pad in padding)
+    factors = tuple(
+        sg_logit_multiplier(scoring.sequence_length - pad, budget, scoring.keys.shape[-1], scoring.scaling, gain_input)
+        for pad in padding
+    )
     return factors[0] if len(set(factors)) == 1 else factors
 
 
@@ -213,8 +226,9 @@ class AhaKV(ScorerPolicy):
     def initialize_decode(self, scoring: ScoringInputs, state: dict) -> None:
         """``F_0 = S_hat`` over the prompt (Algorithm 1, line 19)."""
         budget = self._layer_budget(scoring)
-        scoring.token_scores[SCORE] = ahakv_scores(scoring, budget, self.config.recent, self.config.kernel,
-                                                   self.config.gain_input)
+        scoring.token_scores[SCORE] = ahakv_scores(
+            scoring, budget, self.config.recent, self.config.kernel, self.config.gain_input
+        )
         state["ahakv_scored_with"] = budget
         state["ahakv_row_padding"] = row_padding(scoring)  # n of Eq. 12 per row while decoding
 
@@ -223,8 +237,9 @@ class AhaKV(ScorerPolicy):
         self._check_budget(budget)
         stale = scoring.phase == PREFILL and state.get("ahakv_scored_with") != budget
         if SCORE not in scoring.token_scores or stale:
-            scoring.token_scores[SCORE] = ahakv_scores(scoring, budget, self.config.recent, self.config.kernel,
-                                                       self.config.gain_input)
+            scoring.token_scores[SCORE] = ahakv_scores(
+                scoring, budget, self.config.recent, self.config.kernel, self.config.gain_input
+            )
             state["ahakv_scored_with"] = budget
         return scoring.token_scores[SCORE]
 
@@ -235,8 +250,9 @@ class AhaKV(ScorerPolicy):
     def observe_decode(self, scoring: ScoringInputs, state: dict) -> None:
         """``F_t = SG-softmax(A_t) + F_{t-1}`` over the stored keys (line 27)."""
         # Each row's n excludes its prompt padding (recorded at prefill: padding may be evicted since).
-        gain = _scoring_multiplier(scoring, self._layer_budget(scoring), self.config.gain_input,
-                                   state.get("ahakv_row_padding"))
+        gain = _scoring_multiplier(
+            scoring, self._layer_budget(scoring), self.config.gain_input, state.get("ahakv_row_padding")
+        )
         # Every query of this forward pass (one while generating token by token).
         new_rows = scoring.recent_accumulated_attention(scoring.num_queries, logit_multiplier=gain)
         running = scoring.token_scores[SCORE]

@@ -32,6 +32,7 @@ def require_choice(value: Any, parameter: str, options: Any) -> None:
     accepted = get_args(options)
     require(value in accepted, parameter, " or ".join(repr(option) for option in accepted), value)
 
+
 # Element count above which attention statistics are computed in query chunks, so that a long
 # prompt never materialises a full n x n probability tensor per head.
 _CHUNK_ELEMENTS = 1 << 24
@@ -143,8 +144,9 @@ class ScoringInputs:
         grouped = per_query_head.reshape(b, self.num_heads, hq // self.num_heads, *per_query_head.shape[2:])
         return grouped.mean(dim=2)
 
-    def attention_weights(self, query_rows: slice, logit_multiplier: float | tuple[float, ...] = 1.0,
-                          num_keys: int | None = None) -> torch.Tensor:
+    def attention_weights(
+        self, query_rows: slice, logit_multiplier: float | tuple[float, ...] = 1.0, num_keys: int | None = None
+    ) -> torch.Tensor:
         """Softmax weights ``[B, Hq, rows, K]`` of the selected query rows over the first
         ``num_keys`` stored tokens (default all), the model's mask applied."""
         num_keys = self.num_tokens if num_keys is None else num_keys
@@ -182,8 +184,12 @@ class ScoringInputs:
         # Stored tokens are in order and the queries are the newest ones, so query row r cannot
         # see keys past ``offset + r``: each chunk only multiplies against the keys it may see.
         offset = self.num_tokens - q
-        causal = self.phase == "prefill" and bool((self.positions[..., offset:] == self.positions[..., -1:] -
-                                                   (q - 1) + torch.arange(q, device=self.positions.device)).all())
+        causal = self.phase == "prefill" and bool(
+            (
+                self.positions[..., offset:]
+                == self.positions[..., -1:] - (q - 1) + torch.arange(q, device=self.positions.device)
+            ).all()
+        )
         for start in range(first_row, q, rows_per_chunk):
             stop = min(q, start + rows_per_chunk)
             visible = offset + stop if causal else self.num_tokens
@@ -201,8 +207,9 @@ class ScoringInputs:
         """H2O's accumulated attention ``[B, Hq, N]``: column sums over all current queries."""
         return self.summed_attention(0)
 
-    def recent_accumulated_attention(self, rows: int,
-                                     logit_multiplier: float | tuple[float, ...] = 1.0) -> torch.Tensor:
+    def recent_accumulated_attention(
+        self, rows: int, logit_multiplier: float | tuple[float, ...] = 1.0
+    ) -> torch.Tensor:
         """Column sums over the last ``rows`` queries, logits multiplied (AhaKV, Eq. 5 and 12) by
         one factor or one per batch row."""
         return self.summed_attention(max(0, self.num_queries - rows), logit_multiplier)
@@ -233,8 +240,9 @@ def top_indices(ranking: torch.Tensor, count: int) -> torch.Tensor:
     return last - ranking.flip(-1).sort(dim=-1, descending=True, stable=True).indices[..., :count]
 
 
-def keep_top_scores(scores: torch.Tensor, budget: int, valid: torch.Tensor | None = None,
-                    forced: torch.Tensor | None = None) -> torch.Tensor:
+def keep_top_scores(
+    scores: torch.Tensor, budget: int, valid: torch.Tensor | None = None, forced: torch.Tensor | None = None
+) -> torch.Tensor:
     """Boolean keep mask ``[..., N]`` with exactly ``min(budget, N)`` True per row.
 
     ``forced`` entries are kept first (e.g. the recent window), then the highest ``scores``;
@@ -270,7 +278,7 @@ def recent_mask(num_tokens: int, window: int, like: torch.Tensor) -> torch.Tenso
     """``[..., N]`` True on the last ``window`` stored tokens (tokens are stored oldest first)."""
     recent = torch.zeros(num_tokens, dtype=torch.bool, device=like.device)
     if window > 0:
-        recent[max(0, num_tokens - window):] = True
+        recent[max(0, num_tokens - window) :] = True
     return recent.expand(*like.shape[:-1], num_tokens)
 
 
@@ -290,9 +298,7 @@ class Policy:
             known = {field.name for field in dataclasses.fields(self.config_class)}
             unknown = sorted(set(parameters) - known)
             if unknown:
-                raise ValueError(
-                    f"unknown parameter(s) {unknown} for method {self.name!r}; accepted: {sorted(known)}"
-                )
+                raise ValueError(f"unknown parameter(s) {unknown} for method {self.name!r}; accepted: {sorted(known)}")
             config = self.config_class(**parameters)
         config.validate()
         self.config = config

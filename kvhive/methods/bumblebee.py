@@ -57,10 +57,24 @@ from dataclasses import dataclass
 
 import torch
 
-from kvhive.methods.base import (DECODE, PREFILL, Policy, PolicyConfig, ScoringInputs, require,
-                                 require_int_at_least, require_probability)
-from kvhive.methods.submodular import (Concave, Mixture, StreamingSummary, greedy_maximize, key_norms,
-                                       relu_cosine_similarity)
+from kvhive.methods.base import (
+    DECODE,
+    PREFILL,
+    Policy,
+    PolicyConfig,
+    ScoringInputs,
+    require,
+    require_int_at_least,
+    require_probability,
+)
+from kvhive.methods.submodular import (
+    Concave,
+    Mixture,
+    StreamingSummary,
+    greedy_maximize,
+    key_norms,
+    relu_cosine_similarity,
+)
 
 SCORE = "bumblebee_accumulated"
 SUMMARY = "bumblebee_summary"
@@ -99,16 +113,32 @@ class BumbleBeeConfig(PolicyConfig):
     def validate(self) -> None:
         require_probability(self.mixture_weight, "mixture_weight")
         require(self.concave in CONCAVE_FORMS, "concave", "'log' or 'power'", self.concave)
-        require(_is_number(self.power_alpha) and 0 < self.power_alpha <= 1, "power_alpha", "a number in (0, 1]",
-                self.power_alpha)
-        require(_is_number(self.power_beta) and 0 <= self.power_beta < math.inf, "power_beta",
-                "a finite number >= 0", self.power_beta)
-        require(_is_number(self.local_fraction) and 0 <= self.local_fraction < 1, "local_fraction",
-                "a number in [0, 1)", self.local_fraction)
+        require(
+            _is_number(self.power_alpha) and 0 < self.power_alpha <= 1,
+            "power_alpha",
+            "a number in (0, 1]",
+            self.power_alpha,
+        )
+        require(
+            _is_number(self.power_beta) and 0 <= self.power_beta < math.inf,
+            "power_beta",
+            "a finite number >= 0",
+            self.power_beta,
+        )
+        require(
+            _is_number(self.local_fraction) and 0 <= self.local_fraction < 1,
+            "local_fraction",
+            "a number in [0, 1)",
+            self.local_fraction,
+        )
         if self.local_window is not None:
             require_int_at_least(self.local_window, 0, "local_window")
-        require(self.importance_scale in IMPORTANCE_SCALES, "importance_scale", "'raw' or 'normalised'",
-                self.importance_scale)
+        require(
+            self.importance_scale in IMPORTANCE_SCALES,
+            "importance_scale",
+            "'raw' or 'normalised'",
+            self.importance_scale,
+        )
         require(self.greedy in GREEDY_METHODS, "greedy", "'stochastic', 'lazy' or 'plain'", self.greedy)
         require(_is_number(self.epsilon) and 0 < self.epsilon < 1, "epsilon", "a number in (0, 1)", self.epsilon)
         require_int_at_least(self.seed, 0, "seed")
@@ -191,8 +221,7 @@ class BumbleBee(Policy):
             part = slice(start, min(rows, start + rows_per_chunk))
             sim = relu_cosine_similarity(keys[part], valid[part])
             objective = Mixture(sim, weights[part], valid[part], self.config.mixture_weight, self.concave)
-            picked = greedy_maximize(objective, summary_size, self.config.greedy, self.config.epsilon,
-                                     generators[part])
+            picked = greedy_maximize(objective, summary_size, self.config.greedy, self.config.epsilon, generators[part])
             chosen[part] = picked
             # The members in stored order, with their similarity matrix, seed Algorithm 2.
             members = torch.where(picked, order, candidates).sort(dim=-1).values[:, :summary_size]
@@ -200,9 +229,14 @@ class BumbleBee(Policy):
             member_sim = sim.gather(1, members[:, :, None].expand(count, summary_size, candidates))
             member_sim = member_sim.gather(2, members[:, None, :].expand(count, summary_size, summary_size))
             member_keys = keys[part].gather(1, members[:, :, None].expand(count, summary_size, dim))
-            summaries.append(StreamingSummary.from_similarity(member_sim, key_norms(member_keys),
-                                                              valid[part].gather(1, members),
-                                                              positions[part].gather(1, members)))
+            summaries.append(
+                StreamingSummary.from_similarity(
+                    member_sim,
+                    key_norms(member_keys),
+                    valid[part].gather(1, members),
+                    positions[part].gather(1, members),
+                )
+            )
             del sim, objective
         state[SUMMARY] = StreamingSummary.concatenate(summaries)
         keep = torch.cat([chosen, chosen.new_ones(rows, local)], dim=1)
@@ -229,14 +263,23 @@ class BumbleBee(Policy):
         if summary is None or summary.size != summary_size or not summary.aligned_with(positions):
             # The prompt fit in the budget (Alg. 2 lines 6-8 kept every token so far): the
             # oldest tau_s stored tokens are the summary.
-            summary = StreamingSummary.from_keys(keys[:, :summary_size], valid[:, :summary_size],
-                                                 positions[:, :summary_size])
+            summary = StreamingSummary.from_keys(
+                keys[:, :summary_size], valid[:, :summary_size], positions[:, :summary_size]
+            )
             state[SUMMARY] = summary
             state[REBUILDS] = state.get(REBUILDS, 0) + 1
         # The tokens between the summary and the local window leave the window, oldest first.
-        dropped = summary.step(keys, valid, weights, positions, summary_size, tokens - budget,
-                               self.config.mixture_weight, self.concave,
-                               normalise_mass=self.config.importance_scale == "normalised")
+        dropped = summary.step(
+            keys,
+            valid,
+            weights,
+            positions,
+            summary_size,
+            tokens - budget,
+            self.config.mixture_weight,
+            self.concave,
+            normalise_mass=self.config.importance_scale == "normalised",
+        )
         keep = torch.ones(rows, tokens, dtype=torch.bool, device=keys.device)
         keep.scatter_(1, dropped, False)
         return keep.reshape(batch, heads, tokens)

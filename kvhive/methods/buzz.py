@@ -291,8 +291,9 @@ def group_sum(per_query_head: torch.Tensor, num_heads: int) -> torch.Tensor:
     return per_query_head.reshape(b, num_heads, hq // num_heads, *per_query_head.shape[2:]).sum(dim=2)
 
 
-def prefill_accumulated_attention(queries: torch.Tensor, keys: torch.Tensor, mask_rows, scaling: float,
-                                  max_elements: int = 1 << 22) -> torch.Tensor:
+def prefill_accumulated_attention(
+    queries: torch.Tensor, keys: torch.Tensor, mask_rows, scaling: float, max_elements: int = 1 << 22
+) -> torch.Tensor:
     """Column sums ``[B, Hq, N]`` of the prefill attention (H2O's accumulated attention), chunked
     over query rows. Prefill is causal, so a chunk of rows ``[start, stop)`` only multiplies the
     keys ``[0, stop)``: about half the work of :meth:`ScoringInputs.accumulated_attention`, and
@@ -355,8 +356,9 @@ class Buzz(Policy):
     # -- scores --------------------------------------------------------------------------------
     def _seed_scores(self, scoring: ScoringInputs) -> None:
         if scoring.phase == PREFILL and scoring.num_queries == scoring.num_tokens:
-            accumulated = prefill_accumulated_attention(scoring.queries, scoring.keys, scoring.mask_rows,
-                                                        scoring.scaling)
+            accumulated = prefill_accumulated_attention(
+                scoring.queries, scoring.keys, scoring.mask_rows, scoring.scaling
+            )
         else:
             accumulated = scoring.accumulated_attention()
         scoring.token_scores[SCORE] = group_sum(accumulated, scoring.num_heads)
@@ -368,7 +370,8 @@ class Buzz(Policy):
     def observe_decode(self, scoring: ScoringInputs, state: dict) -> None:
         scores = scoring.token_scores[SCORE]
         scoring.token_scores[SCORE] = scores + group_sum(scoring.last_query_attention(), scoring.num_heads).to(
-            scores.dtype)
+            scores.dtype
+        )
         _record_step(state, _real_tokens(scoring))
 
     # -- selection -----------------------------------------------------------------------------
@@ -475,8 +478,13 @@ def size_statistics(state: dict) -> dict | None:
     }
     layout = state.get(LAYOUT)
     if layout is not None:
-        result.update(sink=layout.sink, window=layout.window, threshold=layout.threshold,
-                      steady_mean_kept=float(layout.steady_mean), steady_peak_kept=layout.peak)
+        result.update(
+            sink=layout.sink,
+            window=layout.window,
+            threshold=layout.threshold,
+            steady_mean_kept=float(layout.steady_mean),
+            steady_peak_kept=layout.peak,
+        )
     return result
 
 
@@ -511,8 +519,7 @@ class BuzzLogNConfig(BuzzConfig):
     def validate(self) -> None:
         super().validate()
         require_int_at_least(self.log_base, 2, "log_base")
-        require(self.log_count in ("key-length", "attended"), "log_count", "'key-length' or 'attended'",
-                self.log_count)
+        require(self.log_count in ("key-length", "attended"), "log_count", "'key-length' or 'attended'", self.log_count)
 
 
 class BuzzLogN(Buzz):

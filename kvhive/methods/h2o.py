@@ -12,8 +12,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kvhive.methods.base import (DECODE, PREFILL, PolicyConfig, ScorerPolicy, ScoringInputs, recent_mask,
-                                 require_probability)
+from kvhive.methods.base import (
+    DECODE,
+    PREFILL,
+    PolicyConfig,
+    ScorerPolicy,
+    ScoringInputs,
+    recent_mask,
+    require_probability,
+)
 
 SCORE = "h2o_accumulated"
 

@@ -56,13 +56,19 @@ def _round_preserving_sum(targets: list[float], total: int) -> list[int]:
     floors = [math.floor(t + 1e-9) for t in targets]
     remainder = total - sum(floors)
     order = sorted(range(len(targets)), key=lambda i: (-(targets[i] - floors[i]), i))
-    for i in order[:max(0, remainder)]:
+    for i in order[: max(0, remainder)]:
         floors[i] += 1
     return floors
 
 
-def pyramid_budgets(budget: int, num_layers: int, beta: float, window: int, window_in_pyramid: bool = False,
-                    context_length: int | None = None) -> list[int]:
+def pyramid_budgets(
+    budget: int,
+    num_layers: int,
+    beta: float,
+    window: int,
+    window_in_pyramid: bool = False,
+    context_length: int | None = None,
+) -> list[int]:
     """Per-layer integer budgets, linear from the first to the last layer, summing to ``budget × L``.
 
     See the module docstring for the formula, the window accounting and the short-prompt rule
@@ -79,8 +85,12 @@ def pyramid_budgets(budget: int, num_layers: int, beta: float, window: int, wind
             f"so the budget must be >= {window}"
         )
     if context_length is not None:
-        require(isinstance(context_length, int) and not isinstance(context_length, bool) and context_length >= 1,
-                "context_length", "an integer >= 1 (real tokens of the sequence)", context_length)
+        require(
+            isinstance(context_length, int) and not isinstance(context_length, bool) and context_length >= 1,
+            "context_length",
+            "an integer >= 1 (real tokens of the sequence)",
+            context_length,
+        )
     if num_layers == 1:
         return [budget]
     base = budget if window_in_pyramid else budget - window
@@ -127,5 +137,4 @@ class PyramidKV(SnapKV):
 
     def layer_budgets(self, budget: int, num_layers: int, context_length: int | None = None) -> list[int]:
         config = self.config
-        return pyramid_budgets(budget, num_layers, config.beta, config.window, config.window_in_pyramid,
-                               context_length)
+        return pyramid_budgets(budget, num_layers, config.beta, config.window, config.window_in_pyramid, context_length)

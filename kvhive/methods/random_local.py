@@ -20,8 +20,17 @@ from dataclasses import dataclass
 
 import torch
 
-from kvhive.methods.base import (DECODE, PREFILL, PolicyConfig, ScorerPolicy, ScoringInputs, recent_mask, require,
-                                 require_int_at_least, require_probability)
+from kvhive.methods.base import (
+    DECODE,
+    PREFILL,
+    PolicyConfig,
+    ScorerPolicy,
+    ScoringInputs,
+    recent_mask,
+    require,
+    require_int_at_least,
+    require_probability,
+)
 
 PRIORITY = "random_priority"
 GENERATOR = "random_generator"
@@ -66,7 +75,7 @@ class RandomLocal(ScorerPolicy):
         counts = fresh.sum(dim=(1, 2)).tolist()
         if any(counts):
             priorities = priorities.clone()
-            for row, (generator, count) in enumerate(zip(self._generators(scoring, state), counts)):
+            for row, (generator, count) in enumerate(zip(self._generators(scoring, state), counts, strict=True)):
                 if count:
                     uniform = torch.rand((count,), generator=generator, dtype=torch.float32)
                     # in (0, 1]: 0 marks "not drawn yet"

@@ -42,13 +42,15 @@ ADA_PREFIX = "ada-"
 
 def policy_class(name: str) -> type[Policy]:
     """The class of registry name ``name``; ``ada-<scorer>`` is Ada-KV over any score-based method."""
-    if name not in _METHODS and name.startswith(ADA_PREFIX) and name[len(ADA_PREFIX):] in _METHODS:
+    if name not in _METHODS and name.startswith(ADA_PREFIX) and name[len(ADA_PREFIX) :] in _METHODS:
         from kvhive.methods.adakv import ada_class
 
-        return ada_class(policy_class(name[len(ADA_PREFIX):]))
+        return ada_class(policy_class(name[len(ADA_PREFIX) :]))
     if name not in _METHODS:
-        raise ValueError(f"unknown method={name!r}; available methods: {', '.join(_METHODS)} "
-                         f"(and {ADA_PREFIX}<any score-based method>, e.g. ada-tova)")
+        raise ValueError(
+            f"unknown method={name!r}; available methods: {', '.join(_METHODS)} "
+            f"(and {ADA_PREFIX}<any score-based method>, e.g. ada-tova)"
+        )
     module_name, class_name = _METHODS[name].split(":")
     return getattr(importlib.import_module(module_name), class_name)
 

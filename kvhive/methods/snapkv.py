@@ -15,8 +15,16 @@ from typing import Final, Literal
 import torch
 import torch.nn.functional as F
 
-from kvhive.methods.base import (PREFILL, PolicyConfig, ScorerPolicy, ScoringInputs, recent_mask, require,
-                                 require_choice, require_int_at_least)
+from kvhive.methods.base import (
+    PREFILL,
+    PolicyConfig,
+    ScorerPolicy,
+    ScoringInputs,
+    recent_mask,
+    require,
+    require_choice,
+    require_int_at_least,
+)
 
 Pooling = Literal["max", "avg"]
 GroupPooling = Literal["pool_then_mean", "mean_then_pool"]
@@ -41,8 +49,9 @@ class SnapKVConfig(PolicyConfig):
         require_choice(self.group_pooling, "group_pooling", GroupPooling)
 
 
-def observation_scores(scoring: ScoringInputs, window: int, kernel: int, pooling: Pooling,
-                       group_pooling: GroupPooling = POOL_THEN_MEAN) -> torch.Tensor:
+def observation_scores(
+    scoring: ScoringInputs, window: int, kernel: int, pooling: Pooling, group_pooling: GroupPooling = POOL_THEN_MEAN
+) -> torch.Tensor:
     """Pooled observation-window scores ``[B, H, N]`` per stored head; the window itself is
     excluded from the pooling input (it is always kept)."""
     weights = scoring.observation_attention(window).sum(dim=2)
@@ -56,7 +65,9 @@ def observation_scores(scoring: ScoringInputs, window: int, kernel: int, pooling
         if pooling == "max":
             flat = F.max_pool1d(flat, kernel_size=kernel, stride=1, padding=kernel // 2)
         else:
-            flat = F.avg_pool1d(flat, kernel_size=kernel, stride=1, padding=kernel // 2)  # zero padding counts, as in the SnapKV reference code
+            flat = F.avg_pool1d(
+                flat, kernel_size=kernel, stride=1, padding=kernel // 2
+            )  # zero padding counts, as in the SnapKV reference code
         prefix = flat.reshape(b, hq, n)
     pooled = torch.cat([prefix, weights[..., num_prefix:]], dim=-1)
     return pooled if group_pooling == MEAN_THEN_POOL else scoring.to_kv_heads(pooled)

@@ -7,8 +7,16 @@ from dataclasses import dataclass
 
 import torch
 
-from kvhive.methods.base import (DECODE, PREFILL, PolicyConfig, ScorerPolicy, ScoringInputs, first_real_tokens,
-                                 recency, require_int_at_least)
+from kvhive.methods.base import (
+    DECODE,
+    PREFILL,
+    PolicyConfig,
+    ScorerPolicy,
+    ScoringInputs,
+    first_real_tokens,
+    recency,
+    require_int_at_least,
+)
 
 
 @dataclass(frozen=True)

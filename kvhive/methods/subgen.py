@@ -32,13 +32,21 @@ from dataclasses import dataclass
 
 import torch
 
-from kvhive.methods.base import (DECODE, PREFILL, Policy, PolicyConfig, ScoringInputs, keep_top_scores,
-                                 recent_mask, require_int_at_least)
+from kvhive.methods.base import (
+    DECODE,
+    PREFILL,
+    Policy,
+    PolicyConfig,
+    ScoringInputs,
+    keep_top_scores,
+    recent_mask,
+    require_int_at_least,
+)
 
 # Per-token scores (kept aligned with the stored tokens by the cache).
-NEAREST_DISTANCE = "subgen_nn_sqdist"   # squared L2 distance to the nearest other candidate
+NEAREST_DISTANCE = "subgen_nn_sqdist"  # squared L2 distance to the nearest other candidate
 NEAREST_POSITION = "subgen_nn_position"  # original position of that candidate (-1: none)
-READY = "subgen_ready"                  # 1: the two entries above are current for this candidate
+READY = "subgen_ready"  # 1: the two entries above are current for this candidate
 
 # Elements of a distance block computed at once (rows x new tokens x stored tokens).
 _BLOCK_ELEMENTS = 1 << 22
@@ -57,15 +65,17 @@ class SubGenConfig(PolicyConfig):
 # ---------------------------------------------------------------------------------------------
 
 
-def _squared_distances(points: torch.Tensor, points_sq: torch.Tensor, centers: torch.Tensor,
-                       centers_sq: torch.Tensor) -> torch.Tensor:
+def _squared_distances(
+    points: torch.Tensor, points_sq: torch.Tensor, centers: torch.Tensor, centers_sq: torch.Tensor
+) -> torch.Tensor:
     """``[R, N, d] x [R, P, d] -> [R, N, P]`` squared L2 distances (clamped at 0)."""
     dots = torch.matmul(points, centers.transpose(-1, -2))
     return (points_sq[..., :, None] - 2 * dots + centers_sq[..., None, :]).clamp_min_(0)
 
 
-def farthest_point_order(keys: torch.Tensor, candidates: torch.Tensor, count: int, *, block: int = 32,
-                         pool: int = 128) -> torch.Tensor:
+def farthest_point_order(
+    keys: torch.Tensor, candidates: torch.Tensor, count: int, *, block: int = 32, pool: int = 128
+) -> torch.Tensor:
     """Greedy k-center on each row: ``[R, count]`` indices of the chosen centers in pick order.
 
     ``keys [R, N, d]``, ``candidates [R, N]`` bool. The first center is each row's first
@@ -161,8 +171,9 @@ def _padded_indices(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return index, present
 
 
-def _nearest_among(keys: torch.Tensor, keys_sq: torch.Tensor, members: torch.Tensor, index: torch.Tensor,
-                   present: torch.Tensor):
+def _nearest_among(
+    keys: torch.Tensor, keys_sq: torch.Tensor, members: torch.Tensor, index: torch.Tensor, present: torch.Tensor
+):
     """Yield ``(columns, distances [R, c, N])``: squared distances of the tokens ``index`` to
     every token, ``inf`` where the token is not in ``members`` or is the token itself."""
     rows, num_tokens, dim = keys.shape
@@ -178,8 +189,15 @@ def _nearest_among(keys: torch.Tensor, keys_sq: torch.Tensor, members: torch.Ten
         yield columns, distances
 
 
-def maintain_candidates(keys: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor, target: int,
-                        nearest_sq: torch.Tensor, nearest_position: torch.Tensor, ready: torch.Tensor):
+def maintain_candidates(
+    keys: torch.Tensor,
+    positions: torch.Tensor,
+    candidates: torch.Tensor,
+    target: int,
+    nearest_sq: torch.Tensor,
+    nearest_position: torch.Tensor,
+    ready: torch.Tensor,
+):
     """Shrink each row's candidate set to ``target`` by repeatedly evicting the newer member of
     the closest pair. All ``[R, N]`` (keys ``[R, N, d]``); ``nearest_*`` are updated in place for
     the candidates; returns the surviving candidates ``[R, N]`` bool."""
@@ -253,8 +271,7 @@ class SubGen(Policy):
         valid, forced, candidates = self._split(scoring)
         b, h, n, d = scoring.keys.shape
         count = budget - self.config.recent
-        order = farthest_point_order(scoring.keys.reshape(b * h, n, d), candidates.reshape(b * h, n),
-                                     min(count, n))
+        order = farthest_point_order(scoring.keys.reshape(b * h, n, d), candidates.reshape(b * h, n), min(count, n))
         rank = torch.zeros(b * h, n, dtype=torch.float32, device=scoring.keys.device)
         # Earlier picks rank higher; -1 entries (no candidate left) go to a scratch column.
         scores = torch.arange(order.shape[1], 0, -1, dtype=torch.float32, device=rank.device).expand_as(order)
@@ -270,18 +287,29 @@ class SubGen(Policy):
         shape = (b * h, n)
         device = scoring.keys.device
         nearest_sq = scores.get(NEAREST_DISTANCE)
-        nearest_sq = (nearest_sq.reshape(shape).clone() if nearest_sq is not None
-                      else torch.full(shape, float("inf"), device=device))
+        nearest_sq = (
+            nearest_sq.reshape(shape).clone()
+            if nearest_sq is not None
+            else torch.full(shape, float("inf"), device=device)
+        )
         nearest_position = scores.get(NEAREST_POSITION)
-        nearest_position = (nearest_position.reshape(shape).clone() if nearest_position is not None
-                            else torch.full(shape, -1.0, device=device))
+        nearest_position = (
+            nearest_position.reshape(shape).clone()
+            if nearest_position is not None
+            else torch.full(shape, -1.0, device=device)
+        )
         ready = scores.get(READY)
-        ready = (ready.reshape(shape) > 0) if ready is not None else torch.zeros(shape, dtype=torch.bool,
-                                                                                  device=device)
+        ready = (ready.reshape(shape) > 0) if ready is not None else torch.zeros(shape, dtype=torch.bool, device=device)
         ready = ready & candidates.reshape(shape)
-        kept = maintain_candidates(scoring.keys.reshape(b * h, n, d), scoring.positions.reshape(shape),
-                                   candidates.reshape(shape), budget - self.config.recent, nearest_sq,
-                                   nearest_position, ready)
+        kept = maintain_candidates(
+            scoring.keys.reshape(b * h, n, d),
+            scoring.positions.reshape(shape),
+            candidates.reshape(shape),
+            budget - self.config.recent,
+            nearest_sq,
+            nearest_position,
+            ready,
+        )
         scores[NEAREST_DISTANCE] = nearest_sq.reshape(b, h, n)
         scores[NEAREST_POSITION] = nearest_position.reshape(b, h, n)
         scores[READY] = ready.reshape(b, h, n).float()

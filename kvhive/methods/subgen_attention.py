@@ -70,8 +70,17 @@ from dataclasses import dataclass
 
 import torch
 
-from kvhive.methods.base import (DECODE, PREFILL, Policy, PolicyConfig, ScoringInputs, keep_top_scores, recency,
-                                 require, require_int_at_least)
+from kvhive.methods.base import (
+    DECODE,
+    PREFILL,
+    Policy,
+    PolicyConfig,
+    ScoringInputs,
+    keep_top_scores,
+    recency,
+    require,
+    require_int_at_least,
+)
 
 STATE_KEY = "subgen_structures"
 PLAN_KEY = "subgen_memory_plan"
@@ -96,8 +105,12 @@ class SubGenAttentionConfig(PolicyConfig):
     seed: int = 0
 
     def validate(self) -> None:
-        ok = (isinstance(self.cluster_radius, (int, float)) and not isinstance(self.cluster_radius, bool)
-              and math.isfinite(self.cluster_radius) and self.cluster_radius > 0)
+        ok = (
+            isinstance(self.cluster_radius, (int, float))
+            and not isinstance(self.cluster_radius, bool)
+            and math.isfinite(self.cluster_radius)
+            and self.cluster_radius > 0
+        )
         require(ok, "cluster_radius", "a finite number > 0 (cluster radius delta)", self.cluster_radius)
         require(isinstance(self.relative_radius, bool), "relative_radius", "a bool", self.relative_radius)
         require_int_at_least(self.samples_per_cluster, 1, "samples_per_cluster")
@@ -106,8 +119,7 @@ class SubGenAttentionConfig(PolicyConfig):
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1
             require(ok, name, "a number in (0, 1)", value)
         total = self.value_sample_fraction + self.cluster_fraction
-        require(total < 1, "value_sample_fraction + cluster_fraction", "a sum < 1 (the window needs the rest)",
-                total)
+        require(total < 1, "value_sample_fraction + cluster_fraction", "a sum < 1 (the window needs the rest)", total)
         require_int_at_least(self.seed, 0, "seed")
 
 
@@ -146,9 +158,20 @@ class StreamingStructures:
     ``m_keys / m_values [R, s, d]``, ``m_sqnorm [R, s]`` (0 = empty slot), ``mu [R]`` (float64).
     """
 
-    def __init__(self, rows: int, dim: int, t: int, s: int, *, dtype: torch.dtype, device: torch.device,
-                 generator: torch.Generator | list[torch.Generator], delta: float, relative_delta: bool,
-                 max_clusters: int | None = None) -> None:
+    def __init__(
+        self,
+        rows: int,
+        dim: int,
+        t: int,
+        s: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        generator: torch.Generator | list[torch.Generator],
+        delta: float,
+        relative_delta: bool,
+        max_clusters: int | None = None,
+    ) -> None:
         self.rows, self.dim, self.t, self.s = rows, dim, t, s
         self.delta, self.relative_delta = float(delta), relative_delta
         self.generator = generator
@@ -172,10 +195,17 @@ class StreamingStructures:
     # -- accounting ------------------------------------------------------------------------------
     def tensors(self) -> dict[str, torch.Tensor]:
         return {
-            "representatives": self.representatives, "representative_sq": self.representative_sq,
-            "counts": self.counts, "samples": self.samples,
-            "num_clusters": self.num_clusters, "radius": self.radius, "m_keys": self.m_keys,
-            "m_values": self.m_values, "m_sqnorm": self.m_sqnorm, "mu": self.mu, "tokens": self.tokens,
+            "representatives": self.representatives,
+            "representative_sq": self.representative_sq,
+            "counts": self.counts,
+            "samples": self.samples,
+            "num_clusters": self.num_clusters,
+            "radius": self.radius,
+            "m_keys": self.m_keys,
+            "m_values": self.m_values,
+            "m_sqnorm": self.m_sqnorm,
+            "mu": self.mu,
+            "tokens": self.tokens,
             "beyond_radius": self.beyond_radius,
         }
 
@@ -188,10 +218,14 @@ class StreamingStructures:
         count) plus ``M`` and the per-row scalars; what a ragged layout would hold."""
         element = self.samples.element_size()
         clusters = int(self.num_clusters.sum())
-        per_cluster = ((self.t + 1) * self.dim * element + self.counts.element_size()
-                       + self.representative_sq.element_size())
-        fixed = sum(x.numel() * x.element_size() for name, x in self.tensors().items()
-                    if name not in ("representatives", "representative_sq", "counts", "samples"))
+        per_cluster = (
+            (self.t + 1) * self.dim * element + self.counts.element_size() + self.representative_sq.element_size()
+        )
+        fixed = sum(
+            x.numel() * x.element_size()
+            for name, x in self.tensors().items()
+            if name not in ("representatives", "representative_sq", "counts", "samples")
+        )
         return clusters * per_cluster + fixed
 
     @property
@@ -206,20 +240,24 @@ class StreamingStructures:
             new_capacity = self.max_clusters
         extra = new_capacity - self.capacity
         self.representatives = torch.cat(
-            [self.representatives, self.representatives.new_zeros(self.rows, extra, self.dim)], dim=1)
+            [self.representatives, self.representatives.new_zeros(self.rows, extra, self.dim)], dim=1
+        )
         self.representative_sq = torch.cat(
-            [self.representative_sq, self.representative_sq.new_zeros(self.rows, extra)], dim=1)
+            [self.representative_sq, self.representative_sq.new_zeros(self.rows, extra)], dim=1
+        )
         self.counts = torch.cat([self.counts, self.counts.new_zeros(self.rows, extra)], dim=1)
-        self.samples = torch.cat(
-            [self.samples, self.samples.new_zeros(self.rows, extra, self.t, self.dim)], dim=1)
+        self.samples = torch.cat([self.samples, self.samples.new_zeros(self.rows, extra, self.t, self.dim)], dim=1)
 
     def _rand_rows(self, counts: list[int], width: int) -> torch.Tensor:
         """``[sum(counts), width]`` uniforms, row ``r``'s ``counts[r]`` lines drawn from its own
         generator (a list of generators: one per row, so a row's draws do not depend on the rest
         of the batch; one generator: shared, row after row)."""
         generators = self.generator if isinstance(self.generator, (list, tuple)) else [self.generator] * self.rows
-        blocks = [torch.rand(count, width, generator=generators[r], device=generators[r].device)
-                  for r, count in enumerate(counts) if count]
+        blocks = [
+            torch.rand(count, width, generator=generators[r], device=generators[r].device)
+            for r, count in enumerate(counts)
+            if count
+        ]
         if not blocks:
             return torch.zeros(0, width, device=self.mu.device)
         return torch.cat(blocks).to(self.mu.device)
@@ -286,15 +324,16 @@ class StreamingStructures:
         row_index = torch.arange(rows, device=device)
         work = keys.float()
         for start in range(0, length, _ASSIGN_CHUNK):
-            chunk = work[:, start:start + _ASSIGN_CHUNK]
-            present = mask[:, start:start + _ASSIGN_CHUNK]
+            chunk = work[:, start : start + _ASSIGN_CHUNK]
+            present = mask[:, start : start + _ASSIGN_CHUNK]
             width = chunk.shape[1]
             used = int(self.num_clusters.max())
             if used > 0:
                 reps = self.representatives[:, :used].float()
                 dots = torch.matmul(chunk, reps.transpose(-1, -2))
-                distances = ((chunk * chunk).sum(-1)[..., None] - 2 * dots
-                             + self.representative_sq[:, None, :used]).clamp_min_(0)
+                distances = (
+                    (chunk * chunk).sum(-1)[..., None] - 2 * dots + self.representative_sq[:, None, :used]
+                ).clamp_min_(0)
                 unused = torch.arange(used, device=device)[None, :] >= self.num_clusters[:, None]
                 distances = distances.masked_fill(unused[:, None, :], float("inf"))
                 best, best_index = distances.min(-1)
@@ -313,7 +352,8 @@ class StreamingStructures:
                 new_rows = founding.nonzero().squeeze(-1)
                 self.representatives[new_rows, slot[new_rows]] = founder[new_rows].to(self.representatives.dtype)
                 self.representative_sq[new_rows, slot[new_rows]] = (
-                    self.representatives[new_rows, slot[new_rows]].float() ** 2).sum(-1)
+                    self.representatives[new_rows, slot[new_rows]].float() ** 2
+                ).sum(-1)
                 self.num_clusters = self.num_clusters + founding.long()
                 # Direct differences: the founder's own distance is exactly 0.
                 to_founder = ((chunk - founder[:, None, :]) ** 2).sum(-1)
@@ -326,7 +366,7 @@ class StreamingStructures:
             # A row at max_clusters: a key beyond the radius joins its nearest cluster anyway and
             # is counted (the stream is not clusterable at this radius and budget).
             self.beyond_radius += (present & (best > threshold)).sum(-1)
-            assignment[:, start:start + width] = torch.where(present, best_index, -1)
+            assignment[:, start : start + width] = torch.where(present, best_index, -1)
         return assignment
 
     def _room(self) -> torch.Tensor:
@@ -345,8 +385,9 @@ class StreamingStructures:
         rows, length, dim = keys.shape
         capacity = self.capacity
         inserted = assignment >= 0
-        flat_cluster = torch.where(inserted, torch.arange(rows, device=keys.device)[:, None] * capacity + assignment,
-                                   rows * capacity)
+        flat_cluster = torch.where(
+            inserted, torch.arange(rows, device=keys.device)[:, None] * capacity + assignment, rows * capacity
+        )
         added = torch.bincount(flat_cluster.reshape(-1), minlength=rows * capacity + 1)[:-1].view(rows, capacity)
         touched_row, touched_cluster = torch.nonzero(added, as_tuple=True)
         if touched_row.numel() == 0:
@@ -359,9 +400,16 @@ class StreamingStructures:
         old = self.counts.reshape(-1)[touched]
         # Pairs are in row order (nonzero is row-major): each row draws its own block.
         per_row = (added > 0).sum(-1).tolist()
-        uniforms = torch.cat([block.view(2, count, self.t).transpose(0, 1) for block, count in zip(
-            self._rand_rows([2 * count for count in per_row], self.t).split([2 * c for c in per_row if c]),
-            [c for c in per_row if c])])
+        uniforms = torch.cat(
+            [
+                block.view(2, count, self.t).transpose(0, 1)
+                for block, count in zip(
+                    self._rand_rows([2 * count for count in per_row], self.t).split([2 * c for c in per_row if c]),
+                    [c for c in per_row if c],
+                    strict=True,
+                )
+            ]
+        )
         replace = uniforms[:, 0] * (old + new)[:, None] < new[:, None]
         rank = (uniforms[:, 1] * new[:, None]).long().clamp_max_(new[:, None] - 1)
         self.counts += added
@@ -394,8 +442,11 @@ class StreamingStructures:
         # Rounded to the queries' dtype first, so the returned max and the exponentials agree.
         max_logit = max_logit.clamp_min(torch.finfo(queries.dtype).min).to(queries.dtype).float()
         tau = (torch.exp(sample_logits - max_logit[..., None]) * cluster_weight[:, None, :]).sum(-1)
-        product_weight = torch.where(filled, self.mu.float()[:, None] / (self.s * self.m_sqnorm.clamp_min(1e-30)),
-                                     torch.zeros_like(self.m_sqnorm))
+        product_weight = torch.where(
+            filled,
+            self.mu.float()[:, None] / (self.s * self.m_sqnorm.clamp_min(1e-30)),
+            torch.zeros_like(self.m_sqnorm),
+        )
         scaled = torch.exp(product_logits - max_logit[..., None]) * product_weight[:, None, :]
         z = torch.matmul(scaled, self.m_values.float())
         return z, tau, max_logit
@@ -405,8 +456,10 @@ class SubGenAttention(Policy):
     name = "subgen-attention"
     phases = frozenset({PREFILL, DECODE})
     config_class = SubGenAttentionConfig
-    paper = ("Zandieh et al. 2024, Algorithm 1 (clusters D + l2 samples M; z/tau) + exact recent window; "
-             "budget = window + clusters + samples")
+    paper = (
+        "Zandieh et al. 2024, Algorithm 1 (clusters D + l2 samples M; z/tau) + exact recent window; "
+        "budget = window + clusters + samples"
+    )
 
     def __init__(self, config: SubGenAttentionConfig | None = None, **parameters) -> None:
         super().__init__(config, **parameters)
@@ -455,9 +508,17 @@ class SubGenAttention(Policy):
                 row_generator.manual_seed((self.config.seed * 1_000_003 + scoring.layer_index) * 1_009 + row % h)
                 generator.append(row_generator)
             structures = StreamingStructures(
-                b * h, d, plan.samples_per_cluster, plan.value_samples, dtype=scoring.keys.dtype,
-                device=scoring.keys.device, generator=generator, delta=self.config.cluster_radius,
-                relative_delta=self.config.relative_radius, max_clusters=plan.max_clusters)
+                b * h,
+                d,
+                plan.samples_per_cluster,
+                plan.value_samples,
+                dtype=scoring.keys.dtype,
+                device=scoring.keys.device,
+                generator=generator,
+                delta=self.config.cluster_radius,
+                relative_delta=self.config.relative_radius,
+                max_clusters=plan.max_clusters,
+            )
             state[STATE_KEY] = structures
             state[PLAN_KEY] = plan
         return structures
@@ -475,7 +536,8 @@ class SubGenAttention(Policy):
             self._structures(scoring, plan, state).insert(
                 scoring.keys[:, :, :upto].reshape(b * h, upto, d),
                 scoring.values[:, :, :upto].reshape(b * h, upto, scoring.values.shape[-1]),
-                leaving[:, :, :upto].reshape(b * h, upto))
+                leaving[:, :, :upto].reshape(b * h, upto),
+            )
         return keep
 
     def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
@@ -495,9 +557,11 @@ class SubGenAttention(Policy):
         grouped = queries.reshape(batch * heads, group * num_queries, dim)
         z, tau, max_logit = structures.query(grouped, scaling)
         dtype = queries.dtype
-        return (z.reshape(batch, query_heads, num_queries, dim).to(dtype),
-                tau.reshape(batch, query_heads, num_queries).to(dtype),
-                max_logit.reshape(batch, query_heads, num_queries).to(dtype))
+        return (
+            z.reshape(batch, query_heads, num_queries, dim).to(dtype),
+            tau.reshape(batch, query_heads, num_queries).to(dtype),
+            max_logit.reshape(batch, query_heads, num_queries).to(dtype),
+        )
 
     def estimate(self, state: dict, queries: torch.Tensor, scaling: float) -> torch.Tensor | None:
         """The paper's output ``z / τ`` over the inserted tokens only, ``[B, Hq, q, d]``."""
@@ -537,9 +601,13 @@ def clustering_statistics(cache) -> dict[int, dict]:
             continue
         beyond = int(structures.beyond_radius.sum())
         result[index] = {
-            "window": plan.window, "value_samples": plan.value_samples, "max_clusters": plan.max_clusters,
-            "clusters": int(structures.num_clusters.max()), "inserted": int(structures.tokens.sum()),
-            "beyond_radius": beyond, "clusterable": beyond == 0,
+            "window": plan.window,
+            "value_samples": plan.value_samples,
+            "max_clusters": plan.max_clusters,
+            "clusters": int(structures.num_clusters.max()),
+            "inserted": int(structures.tokens.sum()),
+            "beyond_radius": beyond,
+            "clusterable": beyond == 0,
             "token_equivalents": float(plan.window + structures.token_equivalents().max()),
             "budget_token_equivalents": plan.token_equivalents,
         }

@@ -61,8 +61,9 @@ def relu_cosine_similarity(keys: torch.Tensor, valid: torch.Tensor | None = None
 # ---------------------------------------------------------------------------------------------
 
 
-def power_concave(x: torch.Tensor, alpha: float = 0.04, beta: float = 1.0, tolerance: float = 1e-14,
-                  max_iterations: int = 100) -> torch.Tensor:
+def power_concave(
+    x: torch.Tensor, alpha: float = 0.04, beta: float = 1.0, tolerance: float = 1e-14, max_iterations: int = 100
+) -> torch.Tensor:
     """``phi(x) = g^{-1}(x)`` with ``g(y) = alpha * y^(1/alpha) + beta * y`` (BumbleBee ♦), elementwise.
 
     ``g`` is increasing and convex on ``[0, inf)``, so Newton's method started above the root
@@ -200,8 +201,11 @@ class _GreedyState:
         """``lam [f_FL(S + e) - f_FL(S)] / f_FL(V)`` ``[len(rows), m]`` (float64) of ``elements``."""
         objective = self.objective
         # Rows of the symmetric matrix (contiguous, unlike its columns): [r, m, n].
-        similarity = objective.sim.view(-1, objective.size).index_select(
-            0, (rows[:, None] * objective.size + elements).reshape(-1)).view(*elements.shape, objective.size)
+        similarity = (
+            objective.sim.view(-1, objective.size)
+            .index_select(0, (rows[:, None] * objective.size + elements).reshape(-1))
+            .view(*elements.shape, objective.size)
+        )
         similarity.sub_(self.coverage[rows][:, None, :]).clamp_(min=0)
         return similarity.sum(dim=-1).double() * objective.facility_scale[rows][:, None]
 
@@ -226,8 +230,13 @@ class _GreedyState:
         self.phi_mass = objective.phi(self.mass)
 
 
-def greedy_maximize(objective: Mixture, k: int, method: str = "stochastic", epsilon: float = 1e-5,
-                    generator: torch.Generator | list[torch.Generator] | None = None) -> torch.Tensor:
+def greedy_maximize(
+    objective: Mixture,
+    k: int,
+    method: str = "stochastic",
+    epsilon: float = 1e-5,
+    generator: torch.Generator | list[torch.Generator] | None = None,
+) -> torch.Tensor:
     """``chosen[R, n]`` with exactly ``min(k, n)`` elements per row maximising ``g`` greedily.
 
     ``method``:
@@ -261,9 +270,10 @@ def greedy_maximize(objective: Mixture, k: int, method: str = "stochastic", epsi
         chunk = max(1, _PLAIN_CHUNK // max(1, rows * n))
         everything = torch.arange(n, device=device).expand(rows, n)
         for _ in range(k):
-            facility = torch.cat([
-                state.facility_gains(all_rows, everything[:, start:start + chunk]) for start in range(0, n, chunk)
-            ], dim=1)
+            facility = torch.cat(
+                [state.facility_gains(all_rows, everything[:, start : start + chunk]) for start in range(0, n, chunk)],
+                dim=1,
+            )
             gains = state.combine(facility, state.feature_gains(everything), valid)
             state.add(gains.masked_fill(state.chosen, float("-inf")).argmax(dim=-1))
         return state.chosen
@@ -292,9 +302,11 @@ def greedy_maximize(objective: Mixture, k: int, method: str = "stochastic", epsi
         from_valid = valid_left > 0
         population = torch.where(from_valid, valid_count, n - valid_count)
         left = torch.where(from_valid, valid_left, n - valid_count - (step - (valid_count - valid_left)))
-        draws = [math.ceil(samples[r] * p / max(1, q)) for r, (p, q) in
-                 enumerate(zip(population.tolist(), left.tolist()))]
-        full = [d >= p for d, p in zip(draws, population.tolist())]
+        draws = [
+            math.ceil(samples[r] * p / max(1, q))
+            for r, (p, q) in enumerate(zip(population.tolist(), left.tolist(), strict=True))
+        ]
+        full = [d >= p for d, p in zip(draws, population.tolist(), strict=True)]
         if all(full):  # every sample would cover V \ S: evaluate all of it (a plain greedy step)
             pool = everything
             eligible = ~state.chosen & (valid == from_valid[:, None])
@@ -302,7 +314,7 @@ def greedy_maximize(objective: Mixture, k: int, method: str = "stochastic", epsi
             # Rows draw independently (their own count, generator and rejection retries), then
             # are padded to one width with ineligible entries; a row whose sample covers what is
             # left takes all of its elements, as alone.
-            width = max(n if f else d for d, f in zip(draws, full))
+            width = max(n if f else d for d, f in zip(draws, full, strict=True))
             pool = torch.zeros(rows, width, dtype=torch.long, device=device)
             eligible = torch.zeros(rows, width, dtype=torch.bool, device=device)
             offsets = torch.where(from_valid, 0, valid_count).tolist()
@@ -318,8 +330,8 @@ def greedy_maximize(objective: Mixture, k: int, method: str = "stochastic", epsi
                     row_eligible = ~state.chosen[r].gather(0, row_pool)
                     if bool(row_eligible.any()):
                         break
-                pool[r, :draws[r]] = row_pool
-                eligible[r, :draws[r]] = row_eligible
+                pool[r, : draws[r]] = row_pool
+                eligible[r, : draws[r]] = row_eligible
         pool_feature = state.feature_gains(pool)
         bounds = state.combine(facility_bounds.gather(1, pool), pool_feature, valid.gather(1, pool))
         bounds = bounds.masked_fill(~eligible, float("-inf"))
@@ -343,8 +355,11 @@ def greedy_maximize(objective: Mixture, k: int, method: str = "stochastic", epsi
             exact = exact.masked_fill(bounds[:, start:stop] == float("-inf"), float("-inf"))
             chunk_best = exact.max(dim=-1).values
             chunk_pick = torch.where(exact == chunk_best[:, None], chunk, n).amin(dim=-1)
-            picks = torch.where(chunk_best > best_gain, chunk_pick,
-                                torch.where(chunk_best == best_gain, torch.minimum(picks, chunk_pick), picks))
+            picks = torch.where(
+                chunk_best > best_gain,
+                chunk_pick,
+                torch.where(chunk_best == best_gain, torch.minimum(picks, chunk_pick), picks),
+            )
             best_gain = torch.maximum(best_gain, chunk_best)
             if stop == pool.shape[1]:
                 break
@@ -398,8 +413,9 @@ class StreamingSummary:
         return self.sim.shape[-1]
 
     @classmethod
-    def from_similarity(cls, sim: torch.Tensor, norms: torch.Tensor, valid: torch.Tensor,
-                        positions: torch.Tensor) -> StreamingSummary:
+    def from_similarity(
+        cls, sim: torch.Tensor, norms: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor
+    ) -> StreamingSummary:
         """Summary whose members (in stored order) have the similarity matrix ``sim[R, T, T]``."""
         rows, size, _ = sim.shape
         sim = sim.contiguous().clone()
@@ -408,16 +424,35 @@ class StreamingSummary:
         others.diagonal(dim1=1, dim2=2).zero_()
         nearest, nearest_slot = others.max(dim=-1)
         order = torch.arange(size, device=sim.device).expand(rows, size)
-        return cls(sim, self_sim, nearest, nearest_slot, norms.float().clone(), valid.clone(), order.clone(),
-                   order.clone(), positions.clone())
+        return cls(
+            sim,
+            self_sim,
+            nearest,
+            nearest_slot,
+            norms.float().clone(),
+            valid.clone(),
+            order.clone(),
+            order.clone(),
+            positions.clone(),
+        )
 
     @classmethod
     def from_keys(cls, keys: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> StreamingSummary:
         """Summary of ``keys[R, T, d]`` (the first ``T`` stored tokens); ``O(T^2 d)``."""
         return cls.from_similarity(relu_cosine_similarity(keys, valid), key_norms(keys), valid, positions)
 
-    def step(self, keys: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
-             first_joiner: int, joiners: int, lam: float, phi: Concave, normalise_mass: bool = False) -> torch.Tensor:
+    def step(
+        self,
+        keys: torch.Tensor,
+        valid: torch.Tensor,
+        weights: torch.Tensor,
+        positions: torch.Tensor,
+        first_joiner: int,
+        joiners: int,
+        lam: float,
+        phi: Concave,
+        normalise_mass: bool = False,
+    ) -> torch.Tensor:
         """Let ``joiners`` stored tokens ``first_joiner, first_joiner + 1, ...`` join one at a time;
         after each, drop the element of ``S' = S + {x}`` with the smallest marginal gain
         ``g(x | S' - x)`` (Alg. 2, lines 10-11). Returns the dropped stored indices ``[R, joiners]``.

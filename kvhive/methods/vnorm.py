@@ -12,29 +12,28 @@ from dataclasses import dataclass
 
 import torch
 
-from kvhive.methods.base import (DECODE, PREFILL, PolicyConfig, ScorerPolicy, ScoringInputs, recent_mask,
-                                 require_int_at_least)
+from kvhive.methods import base
 
 
 @dataclass(frozen=True)
-class ValueNormConfig(PolicyConfig):
+class ValueNormConfig(base.PolicyConfig):
     window: int = 8  # recent tokens always kept
 
     def validate(self) -> None:
-        require_int_at_least(self.window, 0, "window")
+        base.require_int_at_least(self.window, 0, "window")
 
 
-class ValueNorm(ScorerPolicy):
+class ValueNorm(base.ScorerPolicy):
     name = "vnorm"
-    phases = frozenset({PREFILL, DECODE})
+    phases = frozenset({base.PREFILL, base.DECODE})
     config_class = ValueNormConfig
     paper = "kvhive example scorer, not a paper method: keep the largest value norms plus a recent window"
 
     def minimum_budget(self) -> int:
         return self.config.window + 1
 
-    def score(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+    def score(self, scoring: base.ScoringInputs, budget: int, state: dict) -> torch.Tensor:
         return torch.linalg.vector_norm(scoring.values.float(), dim=-1)
 
-    def protected(self, scoring: ScoringInputs, budget: int) -> torch.Tensor:
-        return recent_mask(scoring.num_tokens, self.config.window, scoring.valid)
+    def protected(self, scoring: base.ScoringInputs, budget: int) -> torch.Tensor:
+        return base.recent_mask(scoring.num_tokens, self.config.window, scoring.valid)

@@ -45,9 +45,7 @@ TINY_ATTENTION_KINDS = ("mha", "gqa")
 """``"mha"``: as many KV heads as query heads; ``"gqa"``: 4 query heads share 2 KV heads."""
 
 TINY_MODEL_NAMES = tuple(
-    f"tiny-{architecture}-{attention}"
-    for architecture in TINY_ARCHITECTURES
-    for attention in TINY_ATTENTION_KINDS
+    f"tiny-{architecture}-{attention}" for architecture in TINY_ARCHITECTURES for attention in TINY_ATTENTION_KINDS
 )
 """Names ``load_model`` accepts for tiny models, e.g. ``"tiny-llama-gqa"``."""
 
@@ -114,9 +112,7 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 def _gpt2_bytes_to_unicode() -> dict[int, str]:
     """The GPT-2 byte -> printable character table that ``ByteLevel`` pre-tokenizers use."""
     printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     )
     characters = printable[:]
     next_code_point = 0
@@ -125,7 +121,7 @@ def _gpt2_bytes_to_unicode() -> dict[int, str]:
             printable.append(byte)
             characters.append(256 + next_code_point)
             next_code_point += 1
-    return {byte: chr(code_point) for byte, code_point in zip(printable, characters)}
+    return {byte: chr(code_point) for byte, code_point in zip(printable, characters, strict=True)}
 
 
 _TINY_CONFIG_AND_MODEL_CLASSES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
@@ -139,9 +135,7 @@ _TINY_CONFIG_AND_MODEL_CLASSES: dict[str, tuple[type[PretrainedConfig], type[Pre
 
 def _check_choice(parameter: str, value: Any, accepted: tuple[str, ...]) -> None:
     if value not in accepted:
-        raise ValueError(
-            f"{parameter}={value!r} is not supported; accepted values: {', '.join(map(repr, accepted))}"
-        )
+        raise ValueError(f"{parameter}={value!r} is not supported; accepted values: {', '.join(map(repr, accepted))}")
 
 
 def tiny_model_config(architecture: str, attention: str = "gqa", **overrides: Any) -> PretrainedConfig:

@@ -8,9 +8,10 @@ import hashlib
 import json
 import random
 import re
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterator, Sequence
+from typing import Any, ClassVar
 
 from ..metrics import aggregate_item_metrics
 
@@ -104,7 +105,10 @@ class Task:
         """``metrics`` reordered so that the main metric comes first."""
         if self.main_metric not in metrics:
             return metrics
-        return {self.main_metric: metrics[self.main_metric], **{k: v for k, v in metrics.items() if k != self.main_metric}}
+        return {
+            self.main_metric: metrics[self.main_metric],
+            **{k: v for k, v in metrics.items() if k != self.main_metric},
+        }
 
     def aggregate(self, item_metrics: Sequence[dict[str, float]]) -> dict[str, float]:
         return aggregate_item_metrics(self.kind, item_metrics)
@@ -222,7 +226,7 @@ def open_text(path: Path):
     """Open a text file, transparently gunzipping ``*.gz``."""
     if str(path).endswith(".gz"):
         return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, "r", encoding="utf-8")
+    return open(path, encoding="utf-8")
 
 
 def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:

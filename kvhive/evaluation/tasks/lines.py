@@ -56,7 +56,9 @@ class LineRetrievalTask(Task):
                 )
             per_length.append([cases[i] for i in seeded_order(len(cases), seed, f"lines{n}")])
         # interleave lengths so a small limit covers every length
-        items = [group[i] for i in range(max(map(len, per_length), default=0)) for group in per_length if i < len(group)]
+        items = [
+            group[i] for i in range(max(map(len, per_length), default=0)) for group in per_length if i < len(group)
+        ]
         return take(items, limit)
 
     def score(self, item: Item, output: str) -> dict[str, float]:

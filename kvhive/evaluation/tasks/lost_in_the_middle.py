@@ -33,7 +33,7 @@ QA_TEMPLATE = (
 )
 KV_TEMPLATE = (
     "Extract the value corresponding to the specified key in the JSON object below.\n\n"
-    "JSON data:\n{formatted_kv_records}\n\nKey: \"{key}\"\nCorresponding value:"
+    'JSON data:\n{formatted_kv_records}\n\nKey: "{key}"\nCorresponding value:'
 )
 
 

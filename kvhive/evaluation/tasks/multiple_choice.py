@@ -79,7 +79,11 @@ class PIQATask(_FewShotChoiceTask):
         require_fields(record, ("goal", "sol1", "sol2", "label"), path, line_number)
         if record["label"] not in (0, 1):
             raise TaskDataError(f"{path}: line {line_number}: label {record['label']!r} not 0/1")
-        return f"Question: {record['goal']}\nAnswer:", [f" {record['sol1']}", f" {record['sol2']}"], int(record["label"])
+        return (
+            f"Question: {record['goal']}\nAnswer:",
+            [f" {record['sol1']}", f" {record['sol2']}"],
+            int(record["label"]),
+        )
 
 
 _OPTION_RE = re.compile(r"^\s*([A-Z])\.\s?(.*)$")

@@ -41,14 +41,58 @@ DEFAULT_DEPTHS = (0, 25, 50, 75, 100)
 
 # words for multi-key needle keys (fixed list so keys are reproducible without any data file)
 _KEY_WORDS_A = (
-    "amber", "brisk", "calm", "dusty", "eager", "faint", "gentle", "hollow", "icy", "jolly", "keen",
-    "lively", "mellow", "noble", "olive", "proud", "quiet", "rustic", "silent", "tidy", "urban",
-    "vivid", "witty", "young", "zesty",
+    "amber",
+    "brisk",
+    "calm",
+    "dusty",
+    "eager",
+    "faint",
+    "gentle",
+    "hollow",
+    "icy",
+    "jolly",
+    "keen",
+    "lively",
+    "mellow",
+    "noble",
+    "olive",
+    "proud",
+    "quiet",
+    "rustic",
+    "silent",
+    "tidy",
+    "urban",
+    "vivid",
+    "witty",
+    "young",
+    "zesty",
 )
 _KEY_WORDS_B = (
-    "anchor", "badger", "canyon", "dagger", "ember", "falcon", "garden", "harbor", "island", "jigsaw",
-    "kettle", "lantern", "meadow", "needle", "orchid", "pepper", "quarry", "raven", "saddle", "tunnel",
-    "umbrella", "violin", "walrus", "yarrow", "zephyr",
+    "anchor",
+    "badger",
+    "canyon",
+    "dagger",
+    "ember",
+    "falcon",
+    "garden",
+    "harbor",
+    "island",
+    "jigsaw",
+    "kettle",
+    "lantern",
+    "meadow",
+    "needle",
+    "orchid",
+    "pepper",
+    "quarry",
+    "raven",
+    "saddle",
+    "tunnel",
+    "umbrella",
+    "violin",
+    "walrus",
+    "yarrow",
+    "zephyr",
 )
 
 
@@ -168,7 +212,7 @@ class NeedleMultiKeyTask(NeedleTask):
         numbers = [str(rng.randrange(1_000_000, 10_000_000)) for _ in keys]
         # queried needle first at the cell's depth, distractors at random other depths
         other_depths = [rng.uniform(0, 100) for _ in keys[1:]]
-        placements = sorted(zip([depth] + other_depths, range(len(keys))), key=lambda p: -p[0])
+        placements = sorted(zip([depth] + other_depths, range(len(keys)), strict=True), key=lambda p: -p[0])
         context = haystack
         query_offset = None
         for needle_depth, index in placements:  # deepest first

@@ -37,9 +37,7 @@ def unrelated_summary_score(references: list[list[str]], metric: str = "rougeL")
     sample = references[:CHANCE_SAMPLE]
     if len(sample) < 2:
         return 0.0
-    scores = [
-        rouge_scores_multi(sample[(i + 1) % len(sample)][0], sample[i])[metric] for i in range(len(sample))
-    ]
+    scores = [rouge_scores_multi(sample[(i + 1) % len(sample)][0], sample[i])[metric] for i in range(len(sample))]
     return sum(scores) / len(scores)
 
 

@@ -43,7 +43,7 @@ class SyntheticRecallTask(Task):
             keys = [f"{first}-{rng.choice(_KEY_WORDS_B)}" for first in rng.sample(_KEY_WORDS_A, num_pairs)]
             values = [rng.randrange(10_000, 100_000) for _ in keys]
             queried = rng.randrange(num_pairs)
-            records = "\n".join(f"The value of key {k} is {v}." for k, v in zip(keys, values))
+            records = "\n".join(f"The value of key {k} is {v}." for k, v in zip(keys, values, strict=True))
             prompt = (
                 "Remember the following records.\n"
                 f"{records}\n\n"

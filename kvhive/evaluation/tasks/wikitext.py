@@ -49,7 +49,7 @@ class WikiTextPerplexityTask(Task):
         prefix = [int(bos)] if bos is not None else []
         self.chance = float(len(tokenizer))
         items = []
-        for index, start in enumerate(range(0, len(ids), window)):
+        for _index, start in enumerate(range(0, len(ids), window)):
             chunk = ids[start : start + window]
             if len(prefix) + len(chunk) < 2:
                 continue
