@@ -60,7 +60,7 @@ class KVHiveBackend:
         ids = self.tokenizer(text, return_tensors="pt")["input_ids"]
         if ids.shape[1] > self.max_context:
             raise ValueError(f"prompt of {ids.shape[1]} tokens exceeds the model's context of {self.max_context}")
-        return ids
+        return ids.to(self.model.device)
 
     def _caches(self, settings: list[Setting]):
         # The full cache keeps everything: it takes no budget (one given would be ignored).
@@ -96,7 +96,9 @@ class KVHiveBackend:
             tokens.append(token)
             if step + 1 == max_new_tokens:
                 break
-            output = self.model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+            output = self.model(
+                input_ids=torch.tensor([[token]], device=self.model.device), past_key_values=cache, use_cache=True
+            )
             logits = output.logits[:, -1]
             sizes.observe(cache)
         return tokens
@@ -157,7 +159,7 @@ class KVHiveBackend:
         continuation_ids = []
         for continuation in continuations:
             full = self.tokenizer(context + continuation, return_tensors="pt")["input_ids"][0]
-            continuation_ids.append(full[context_ids.shape[1] :])
+            continuation_ids.append(full[context_ids.shape[1] :].to(self.model.device))
         caches, logits = self._prefilled(context_ids, settings)
         results = []
         self.last_cache_sizes = []
@@ -183,7 +185,7 @@ class KVHiveBackend:
 
     @torch.no_grad()
     def streaming_nll(self, token_ids: list[int], settings: list[Setting]) -> list[tuple[float, int]]:
-        ids = torch.tensor(token_ids)
+        ids = torch.tensor(token_ids, device=self.model.device)
         results = []
         self.last_cache_sizes = []
         for setting in settings:
@@ -216,4 +218,6 @@ def make_backend(model_name: str) -> KVHiveBackend:
     from kvhive.models import load_model
 
     model, tokenizer = load_model(model_name)
+    if torch.cuda.is_available():  # a Ray worker given a GPU, or a GPU machine: evaluate there
+        model = model.to("cuda")
     return KVHiveBackend(model, tokenizer, model_name=model_name)
