@@ -14,6 +14,7 @@ from typing import Any
 from kvhive.attention import ATTENTION_NAME, register
 from kvhive.attention.integration import check_reused_caches
 from kvhive.cache import Budget, KVHiveCache
+from kvhive.cache.kv_cache import CACHE_POSITIONS
 from kvhive.methods import Policy, make_policy
 
 
@@ -129,7 +130,7 @@ def make_cache(
     use_kvhive_attention(model)
     warn_if_allocation_cannot_differ(policy, model.config)
     rotator = None
-    if positions == "cache":
+    if positions == CACHE_POSITIONS:
         from kvhive.attention.rope import KeyRotator
 
         rotator = KeyRotator(model)

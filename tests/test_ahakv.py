@@ -269,9 +269,8 @@ def test_decode_adds_the_new_query_sg_softmax_to_the_running_score(reading):
     previous = torch.rand(2, 2, stored, generator=generator)
     scoring.token_scores[SCORE] = previous.clone()
     policy = AhaKV(recent=4, gain_input=reading)
-    scoring.budget = budget  # the layer budget, set by the cache
     state = {}
-    policy.observe_decode(scoring, state)
+    policy.observe_decode(scoring, state, budget=budget)  # the layer budget, passed by the cache
     # Eq. 12 with n = the row's tokens seen (the second row's 3 padding tokens excluded), k = the budget
     lam = torch.tensor([math.sqrt(2 * math.log(n / budget) / 16) for n in (seen, seen - 3)]).view(2, 1, 1, 1)
     logits = queries @ keys.repeat_interleave(2, dim=1).transpose(-1, -2)  # [2, 4, 1, stored]

@@ -25,7 +25,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvhive.attention.varlen import kernel_supports, varlen_attention, varlen_attention_kernel
-from kvhive.cache.kv_cache import KVHiveCache, active_update
+from kvhive.cache.kv_cache import CACHE_POSITIONS, KVHiveCache, active_update
 from kvhive.cache.storage import PAGE_TOKENS
 from kvhive.methods.base import DECODE, ScoringInputs, causal_mask
 
@@ -163,7 +163,7 @@ def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dr
     store = cache.layers[layer_index]
     policy = cache.policy
     batch, _, num_queries, _ = query.shape
-    if cache.positions == "cache":
+    if cache.positions == CACHE_POSITIONS:
         # transformers built its mask over re-indexed positions; rebuild it over true positions.
         mask = _full_mask(None, batch, num_queries, store.tokens_seen, store.sliding_window, query.device)
         if store.tokens_seen == num_queries:

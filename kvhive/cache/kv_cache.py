@@ -202,9 +202,8 @@ class KVHiveCache(Cache):
             self._reindex(store)
             return
         row_budgets = self._row_budgets(layer_index, scoring.batch_size)
-        scoring.budget = self.layer_budgets[layer_index]
         if DECODE in self.policy.phases:
-            self.policy.initialize_decode(scoring, store.policy_state)
+            self.policy.initialize_decode(scoring, store.policy_state, budget=self.layer_budgets[layer_index])
         keep = self._select_prefill(scoring, row_budgets, store.policy_state)
         self._store_token_scores(store, scoring)
         if self.stores_query_heads:
@@ -295,9 +294,8 @@ class KVHiveCache(Cache):
         self._resolve_budgets(store.tokens_seen)
         budget = self.layer_budgets[layer_index]
         scoring = make_scoring(DECODE)
-        scoring.budget = budget
         # initialize_decode ran in after_prefill (every layer's first forward is its prefill).
-        self.policy.observe_decode(scoring, store.policy_state)
+        self.policy.observe_decode(scoring, store.policy_state, budget=budget)
         self._store_token_scores(store, scoring)
         store.decode_steps_since_compression += 1
         length = scoring.num_tokens

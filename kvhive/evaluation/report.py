@@ -18,6 +18,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from kvhive.methods.registry import method_names
+
 from .backend import FULL_METHOD
 from .metrics import aggregate_item_metrics
 from .results import ResultsSummary, read_results
@@ -25,28 +27,8 @@ from .results import ResultsSummary, read_results
 REPORT_FILE = "report.md"
 CHANCE_MARGIN = 0.05
 
-# display order of methods (docs/METHODS.md registry order); others follow alphabetically
-METHOD_ORDER = (
-    "full",
-    "local",
-    "random",
-    "streamingllm",
-    "h2o",
-    "snapkv",
-    "pyramidkv",
-    "tova",
-    "knorm",
-    "buzz",
-    "buzz-logn",
-    "bumblebee",
-    "bumblebee-power",
-    "ada-snapkv",
-    "ada-pyramidkv",
-    "ada-ahakv",
-    "subgen",
-    "subgen-attention",
-    "ahakv",
-)
+# display order of methods: the registry's order; others (ada-<scorer> combinations) follow alphabetically
+METHOD_ORDER = tuple(method_names())
 
 
 def _method_sort_key(method: str) -> tuple[int, str]:

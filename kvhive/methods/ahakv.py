@@ -217,15 +217,15 @@ class AhaKV(ScorerPolicy):
             )
 
     @staticmethod
-    def _layer_budget(scoring: ScoringInputs) -> int:
-        """``k`` of Eq. 12 in the hooks without a budget argument: the layer budget the cache set
-        (without one, nothing is evicted, ``k = n`` and the step gain is 0)."""
-        return scoring.budget if scoring.budget is not None else scoring.sequence_length
+    def _layer_budget(scoring: ScoringInputs, budget: int | None) -> int:
+        """``k`` of Eq. 12: the layer budget the cache passes (without one, nothing is evicted,
+        ``k = n`` and the step gain is 0)."""
+        return budget if budget is not None else scoring.sequence_length
 
     # -- prefill ---------------------------------------------------------------------------------
-    def initialize_decode(self, scoring: ScoringInputs, state: dict) -> None:
+    def initialize_decode(self, scoring: ScoringInputs, state: dict, budget: int | None = None) -> None:
         """``F_0 = S_hat`` over the prompt (Algorithm 1, line 19)."""
-        budget = self._layer_budget(scoring)
+        budget = self._layer_budget(scoring, budget)
         scoring.token_scores[SCORE] = ahakv_scores(
             scoring, budget, self.config.recent, self.config.kernel, self.config.gain_input
         )
@@ -247,11 +247,11 @@ class AhaKV(ScorerPolicy):
         return recent_mask(scoring.num_tokens, self.config.recent, scoring.valid)
 
     # -- decode ----------------------------------------------------------------------------------
-    def observe_decode(self, scoring: ScoringInputs, state: dict) -> None:
+    def observe_decode(self, scoring: ScoringInputs, state: dict, budget: int | None = None) -> None:
         """``F_t = SG-softmax(A_t) + F_{t-1}`` over the stored keys (line 27)."""
         # Each row's n excludes its prompt padding (recorded at prefill: padding may be evicted since).
         gain = _scoring_multiplier(
-            scoring, self._layer_budget(scoring), self.config.gain_input, state.get("ahakv_row_padding")
+            scoring, self._layer_budget(scoring, budget), self.config.gain_input, state.get("ahakv_row_padding")
         )
         # Every query of this forward pass (one while generating token by token).
         new_rows = scoring.recent_accumulated_attention(scoring.num_queries, logit_multiplier=gain)

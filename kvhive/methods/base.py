@@ -89,9 +89,6 @@ class ScoringInputs:
     sequence_length: int
     phase: Phase
     token_scores: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
-    # This layer's budget (tokens per stored head), set by the cache from the same number it passes
-    # to ``select_*``; read only by hooks that have no budget argument (AhaKV's decode step gain).
-    budget: int | None = None
     last_query_weights: torch.Tensor | None = None
     _memo: dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict, repr=False)
 
@@ -324,12 +321,14 @@ class Policy:
     # -- decode ------------------------------------------------------------------------------
     needs_decode_attention: ClassVar[bool] = False
 
-    def initialize_decode(self, scoring: ScoringInputs, state: dict) -> None:
+    def initialize_decode(self, scoring: ScoringInputs, state: dict, budget: int | None = None) -> None:
         """Called once per layer before the first decode-phase decision (e.g. seed running
-        scores from the prompt into ``scoring.token_scores``)."""
+        scores from the prompt into ``scoring.token_scores``). ``budget`` is the layer's budget,
+        the same number the cache passes to ``select_*`` (None: no budget, nothing evicted)."""
 
-    def observe_decode(self, scoring: ScoringInputs, state: dict) -> None:
-        """Called after every decode step's attention (e.g. to accumulate scores)."""
+    def observe_decode(self, scoring: ScoringInputs, state: dict, budget: int | None = None) -> None:
+        """Called after every decode step's attention (e.g. to accumulate scores); ``budget`` as
+        in :meth:`initialize_decode`."""
 
     def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor | None:
         raise NotImplementedError(f"{self.name} has no decode phase")

@@ -178,10 +178,10 @@ class BumbleBee(Policy):
         return budget - local, local
 
     # -- scores --------------------------------------------------------------------------------
-    def initialize_decode(self, scoring: ScoringInputs, state: dict) -> None:
+    def initialize_decode(self, scoring: ScoringInputs, state: dict, budget: int | None = None) -> None:
         scoring.token_scores[SCORE] = scoring.to_kv_heads(scoring.accumulated_attention()).float()
 
-    def observe_decode(self, scoring: ScoringInputs, state: dict) -> None:
+    def observe_decode(self, scoring: ScoringInputs, state: dict, budget: int | None = None) -> None:
         scores = scoring.token_scores[SCORE]
         scores += scoring.to_kv_heads(scoring.last_query_attention()).to(scores.dtype)
 

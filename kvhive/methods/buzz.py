@@ -363,11 +363,11 @@ class Buzz(Policy):
             accumulated = scoring.accumulated_attention()
         scoring.token_scores[SCORE] = group_sum(accumulated, scoring.num_heads)
 
-    def initialize_decode(self, scoring: ScoringInputs, state: dict) -> None:
+    def initialize_decode(self, scoring: ScoringInputs, state: dict, budget: int | None = None) -> None:
         self._seed_scores(scoring)
         _record_step(state, _real_tokens(scoring))
 
-    def observe_decode(self, scoring: ScoringInputs, state: dict) -> None:
+    def observe_decode(self, scoring: ScoringInputs, state: dict, budget: int | None = None) -> None:
         scores = scoring.token_scores[SCORE]
         scoring.token_scores[SCORE] = scores + group_sum(scoring.last_query_attention(), scoring.num_heads).to(
             scores.dtype

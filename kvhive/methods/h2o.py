@@ -43,10 +43,10 @@ class H2O(ScorerPolicy):
     def _recent_count(self, budget: int) -> int:
         return budget - int(budget * self.config.heavy_fraction)
 
-    def initialize_decode(self, scoring: ScoringInputs, state: dict) -> None:
+    def initialize_decode(self, scoring: ScoringInputs, state: dict, budget: int | None = None) -> None:
         scoring.token_scores[SCORE] = scoring.to_kv_heads(scoring.accumulated_attention())
 
-    def observe_decode(self, scoring: ScoringInputs, state: dict) -> None:
+    def observe_decode(self, scoring: ScoringInputs, state: dict, budget: int | None = None) -> None:
         scores = scoring.token_scores[SCORE]
         scores += scoring.to_kv_heads(scoring.last_query_attention()).to(scores.dtype)
 

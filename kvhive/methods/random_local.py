@@ -83,10 +83,10 @@ class RandomLocal(ScorerPolicy):
         scoring.token_scores[PRIORITY] = priorities
         return priorities
 
-    def initialize_decode(self, scoring: ScoringInputs, state: dict) -> None:
+    def initialize_decode(self, scoring: ScoringInputs, state: dict, budget: int | None = None) -> None:
         self._priorities(scoring, state)
 
-    def observe_decode(self, scoring: ScoringInputs, state: dict) -> None:
+    def observe_decode(self, scoring: ScoringInputs, state: dict, budget: int | None = None) -> None:
         self._priorities(scoring, state)
 
     def score(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
