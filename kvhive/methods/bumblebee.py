@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -100,13 +101,15 @@ class BumbleBeeConfig(PolicyConfig):
     with ``epsilon = 1e-5``, ♦ with ``alpha = 0.04``, ``beta = 1``)."""
 
     mixture_weight: float = 0.3  # lambda of Eq. 4: weight of the facility location
-    concave: str = "log"  # phi of Eq. 3: "log" (♡) or "power" (♦)
+    concave: Literal["log", "power"] = "log"  # phi of Eq. 3: "log" (♡) or "power" (♦)
     power_alpha: float = 0.04
     power_beta: float = 1.0
     local_fraction: float = 0.5  # tau_l = floor(budget * local_fraction) (choice, see module doc)
     local_window: int | None = None  # tau_l in tokens; overrides local_fraction
-    importance_scale: str = "raw"  # what phi of Eq. 3 is applied to: "raw" | "normalised" (module doc)
-    greedy: str = "stochastic"  # prefill maximiser: "stochastic" | "lazy" | "plain"
+    importance_scale: Literal["raw", "normalised"] = (
+        "raw"  # what phi of Eq. 3 is applied to: "raw" | "normalised" (module doc)
+    )
+    greedy: Literal["stochastic", "lazy", "plain"] = "stochastic"  # prefill maximiser: "stochastic" | "lazy" | "plain"
     epsilon: float = 1e-5  # stochastic greedy's epsilon
     seed: int = 0
 
@@ -146,7 +149,7 @@ class BumbleBeeConfig(PolicyConfig):
 
 @dataclass(frozen=True)
 class BumbleBeePowerConfig(BumbleBeeConfig):
-    concave: str = "power"
+    concave: Literal["log", "power"] = "power"
 
 
 class BumbleBee(Policy):
