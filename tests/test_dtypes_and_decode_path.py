@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import kvhive
-from kvhive.attention.varlen import kernel_supports, varlen_attention_kernel, varlen_attention_torch
+from kvhive.attention.varlen import varlen_attention_torch
 from kvhive.cache.storage import MIN_RESERVE_TOKENS
 from kvhive.methods.base import DECODE
 from kvhive.methods.registry import method_names, policy_class
@@ -256,72 +256,3 @@ def test_blocked_varlen_attention_applies_the_model_mask_by_position():
     for s in range(2):
         weights = torch.softmax(rows[s] @ keys_masked[s].T * 0.25, dim=-1)
         torch.testing.assert_close(actual[s], weights @ values_masked[s], atol=1e-5, rtol=1e-5)
-
-
-# Skipped exactly when this machine has no CUDA device: these run the compiled Triton kernel and
-# torch's CUDA sync checker, which exist nowhere else. The same logic is tested without a GPU by
-# the CPU tests above and by test_triton_kernel_interpreted.py (the kernel in Triton's interpreter).
-cuda = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no CUDA device on this machine (compiled Triton kernel / CUDA sync checks)"
-)
-
-
-@cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_triton_varlen_kernel_matches_reference(dtype):
-    generator = torch.Generator().manual_seed(3)
-    lengths = [1, 63, 64, 65, 5000, 3, 17000, 128]
-    keys, values, starts = _segments(lengths, 128, dtype, "cuda", generator)
-    rows = torch.randn(len(lengths), 4, 128, generator=generator).to("cuda", dtype)
-    assert kernel_supports(rows, keys, values)
-    expected = _per_segment_reference(rows.cpu(), keys.cpu(), values.cpu(), starts, lengths, 0.088)
-    output = varlen_attention_kernel(
-        rows,
-        keys,
-        values,
-        0.088,
-        max(lengths),
-        segment_start=starts.cuda(),
-        segment_length=torch.tensor(lengths, dtype=torch.int32, device="cuda"),
-    )
-    assert _relative(output.cpu(), expected) <= (1e-3 if dtype == torch.float32 else 1e-2)
-
-
-@cuda
-@pytest.mark.parametrize("method", list(STEADY_METHODS))
-def test_cuda_steady_decode_step_never_synchronises(method):
-    model = tiny_model("llama", "gqa", dtype=torch.bfloat16).cuda()
-    cache, token = _steady_decode(model, method, STEADY_METHODS[method], "cuda")
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.no_grad():
-            model(input_ids=token, past_key_values=cache, use_cache=True)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-
-
-@cuda
-@pytest.mark.parametrize("method", ["full", "snapkv", "ada-snapkv", "pyramidkv", "h2o", "tova"])
-def test_cuda_bf16_matches_cpu_fp32(method):
-    cpu_model = tiny_model("llama", "gqa")
-    gpu_model = tiny_model("llama", "gqa", dtype=torch.bfloat16).cuda()
-    input_ids, attention_mask = left_padded_batch(cpu_model.config.vocab_size, length=60, pad=5)
-    forced = [torch.randint(3, 200, (2, 1), generator=torch.Generator().manual_seed(s)) for s in range(6)]
-    expected = prefill_and_decode(
-        cpu_model,
-        kvhive.make_cache(cpu_model, method, budget=24),
-        input_ids,
-        attention_mask,
-        steps=6,
-        forced_tokens=forced,
-    )
-    actual = prefill_and_decode(
-        gpu_model,
-        kvhive.make_cache(gpu_model, method, budget=24),
-        input_ids.cuda(),
-        attention_mask.cuda(),
-        steps=6,
-        forced_tokens=[f.cuda() for f in forced],
-    )
-    assert _relative(actual.cpu(), expected) <= 5e-2
