@@ -25,7 +25,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvhive.attention.varlen import kernel_supports, varlen_attention, varlen_attention_kernel
-from kvhive.cache.kv_cache import CACHE_POSITIONS, KVHiveCache, active_update
+from kvhive.cache.kv_cache import CACHE_POSITIONS, ORIGINAL_POSITIONS, KVHiveCache, active_update
 from kvhive.cache.storage import PAGE_TOKENS
 from kvhive.methods.base import DECODE, ScoringInputs, causal_mask
 
@@ -68,7 +68,7 @@ def check_reused_caches(model) -> None:
 
     def prepare_inputs_for_generation(input_ids, *args, **kwargs):
         cache = kwargs.get("past_key_values")
-        if isinstance(cache, KVHiveCache) and cache.positions == "original":
+        if isinstance(cache, KVHiveCache) and cache.positions == ORIGINAL_POSITIONS:
             new_tokens = kwargs.get("next_sequence_length")
             if new_tokens is None and not cache.get_seq_length():
                 new_tokens = input_ids.shape[-1]
