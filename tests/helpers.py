@@ -55,3 +55,22 @@ def materialised_mask(*args, **kwargs):
     kwargs["allow_is_causal_skip"] = False
     kwargs["allow_is_bidirectional_skip"] = False
     return sdpa_mask(*args, **kwargs)
+
+
+def solo_runs(model, new_cache, input_ids, attention_mask, offsets, steps: int, batch_logits, atol: float = 1e-4):
+    """Run each batch row alone (row ``r`` without its first ``offsets[r]`` padding tokens), fed the
+    tokens the batch run chose, and check its logits equal the row's in ``batch_logits``; yields
+    ``(row, offset, solo_cache)`` for further checks on what the caches hold."""
+    tokens = batch_logits[:-1].argmax(-1)[:, :, None]
+    for row, offset in enumerate(offsets):
+        alone = new_cache()
+        solo = prefill_and_decode(
+            model,
+            alone,
+            input_ids[row : row + 1, offset:],
+            attention_mask[row : row + 1, offset:],
+            steps,
+            forced_tokens=tokens[:, row : row + 1],
+        )
+        assert (solo[:, 0] - batch_logits[:, row]).abs().max().item() <= atol, row
+        yield row, offset, alone

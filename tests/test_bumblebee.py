@@ -25,7 +25,7 @@ from kvhive.methods.submodular import (
 )
 from kvhive.models import TINY_ARCHITECTURES, TINY_ATTENTION_KINDS, load_model, tiny_model
 
-from helpers import left_padded_batch, prefill_and_decode, reference_logits
+from helpers import left_padded_batch, prefill_and_decode, reference_logits, solo_runs
 
 ALL_TINY = [(a, k) for a in TINY_ARCHITECTURES for k in TINY_ATTENTION_KINDS]
 CONCAVES = [Concave("log"), Concave("power")]
@@ -709,18 +709,11 @@ def test_a_left_padded_row_gets_what_it_gets_alone(method):
     assert stochastic_sample_size(40 - pad - 7, 7, 0.3) < 40 - pad - 7 - 7
     cache = make_cache(model, method, budget=budget, epsilon=0.3)
     batch_logits = prefill_and_decode(model, cache, input_ids, attention_mask, steps)
-    tokens = batch_logits[:-1].argmax(-1)[:, :, None]
-    for row, offset in ((0, 0), (1, pad)):
-        alone = make_cache(model, method, budget=budget, epsilon=0.3)
-        solo = prefill_and_decode(
-            model,
-            alone,
-            input_ids[row : row + 1, offset:],
-            attention_mask[row : row + 1, offset:],
-            steps,
-            forced_tokens=tokens[:, row : row + 1],
-        )
-        assert (solo[:, 0] - batch_logits[:, row]).abs().max().item() <= 1e-4
+
+    def new_cache():
+        return make_cache(model, method, budget=budget, epsilon=0.3)
+
+    for row, offset, alone in solo_runs(model, new_cache, input_ids, attention_mask, (0, pad), steps, batch_logits):
         for layer in cache.compressed_layers:
             in_batch = cache.layers[layer].dense()[2][row] - offset
             assert torch.equal(alone.layers[layer].dense()[2][0], in_batch)

@@ -33,7 +33,7 @@ from kvhive.methods.subgen_attention import (
 )
 from kvhive.models import TINY_ARCHITECTURES, TINY_ATTENTION_KINDS, tiny_model
 
-from helpers import left_padded_batch, prefill_and_decode, reference_logits
+from helpers import left_padded_batch, prefill_and_decode, reference_logits, solo_runs
 
 ALL_TINY = [(a, k) for a in TINY_ARCHITECTURES for k in TINY_ATTENTION_KINDS]
 
@@ -703,19 +703,12 @@ def test_a_left_padded_row_gets_what_it_gets_alone():
     budget, steps = 16, 10
     cache = kvhive.make_cache(model, "subgen-attention", budget=budget)
     batch = prefill_and_decode(model, cache, input_ids, attention_mask, steps)
-    tokens = batch[:-1].argmax(-1)[:, :, None]
     heads = model.config.num_key_value_heads
-    for row, offset in ((0, 0), (1, pad)):
-        alone = kvhive.make_cache(model, "subgen-attention", budget=budget)
-        solo = prefill_and_decode(
-            model,
-            alone,
-            input_ids[row : row + 1, offset:],
-            attention_mask[row : row + 1, offset:],
-            steps,
-            forced_tokens=tokens[:, row : row + 1],
-        )
-        assert (solo[:, 0] - batch[:, row]).abs().max().item() <= 1e-4
+
+    def new_cache():
+        return kvhive.make_cache(model, "subgen-attention", budget=budget)
+
+    for row, _offset, alone in solo_runs(model, new_cache, input_ids, attention_mask, (0, pad), steps, batch):
         for layer in cache.compressed_layers:
             mine = cache.layers[layer].policy_state[STATE_KEY]
             theirs = alone.layers[layer].policy_state[STATE_KEY]
