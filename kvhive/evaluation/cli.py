@@ -148,23 +148,17 @@ def run_eval_command(args: argparse.Namespace) -> int:
         raise SystemExit("kvhive eval: no backend factory was wired into the CLI")
     grid = resolve_eval_grid(args)
     data_dir = args.data_dir or default_data_dir()
-    if getattr(args, "ray", None) is not None or getattr(args, "workers", None) is not None:
-        return _run_eval_on_ray(args, factory, grid, data_dir)
-    backend = factory(args.model)
-    run = run_eval(
-        backend,
-        grid["tasks"],
-        grid["methods"],
-        grid["budgets"],
-        grid["limit"],
-        data_dir,
-        grid["out_dir"],
+    grid_arguments = (grid["tasks"], grid["methods"], grid["budgets"], grid["limit"], data_dir, grid["out_dir"])
+    options = dict(
         seed=args.seed,
         progress=not args.no_progress,
         method_validator=getattr(args, "method_validator", None),
-        model_name=args.model,
         suite=args.suite,
     )
+    if getattr(args, "ray", None) is not None or getattr(args, "workers", None) is not None:
+        run = _run_eval_on_ray(args, factory, grid_arguments, options)
+    else:
+        run = run_eval(factory(args.model), *grid_arguments, model_name=args.model, **options)
     print(f"{run.written} new results ({run.skipped} already done, {run.total} in the grid) -> {run.results_path}")
     if not args.no_report:
         write_report(grid["out_dir"])
@@ -172,7 +166,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_eval_on_ray(args: argparse.Namespace, factory: BackendFactory, grid: dict[str, Any], data_dir: Path) -> int:
+def _run_eval_on_ray(args: argparse.Namespace, factory: BackendFactory, grid_arguments: tuple, options: dict):
     """``kvhive eval --ray``: the same grid, items spread over Ray workers (kvhive.evaluation.distributed)."""
     if args.ray is None:
         raise SystemExit("kvhive eval: --workers needs --ray (workers are Ray actors)")
@@ -184,27 +178,8 @@ def _run_eval_on_ray(args: argparse.Namespace, factory: BackendFactory, grid: di
         require_ray()
     except ImportError as error:
         raise SystemExit(f"kvhive eval: --ray: {error}") from None
-    run = run_eval_distributed(
-        factory,
-        args.model,
-        grid["tasks"],
-        grid["methods"],
-        grid["budgets"],
-        grid["limit"],
-        data_dir,
-        grid["out_dir"],
-        seed=args.seed,
-        progress=not args.no_progress,
-        address=None if args.ray == "local" else args.ray,
-        workers=args.workers,
-        method_validator=getattr(args, "method_validator", None),
-        suite=args.suite,
-    )
-    print(f"{run.written} new results ({run.skipped} already done, {run.total} in the grid) -> {run.results_path}")
-    if not args.no_report:
-        write_report(grid["out_dir"])
-        print(f"report: {Path(grid['out_dir']) / 'report.md'}")
-    return 0
+    address = None if args.ray == "local" else args.ray
+    return run_eval_distributed(factory, args.model, *grid_arguments, address=address, workers=args.workers, **options)
 
 
 def run_report_command(args: argparse.Namespace) -> int:
