@@ -328,6 +328,10 @@ def claims_section(summary: ResultsSummary) -> str:
         "see `kvhive/evaluation/claims.py`). *holds*: the paper's method beats the baseline(s) as stated; "
         "*not enough data*: settings missing or infeasible, a tie, a difference within two standard errors of the per-item paired difference, or the full cache scoring near chance on the task.",
         "",
+        "*paper's gap … needs n≈N*: the candidate's advantage the paper reports over that baseline, as a fraction of the "
+        "baseline's score measured here, and the items a true gap of that size would need to exceed two paired standard "
+        "errors, given the per-item spread of this run's items (n = (2 sd / gap)^2).",
+        "",
         "| claim | paper | task | the paper says | measured here | verdict |",
         "|---|---|---|---|---|---|",
     ]
