@@ -207,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvhive.bench import SHAPES
     from kvhive.evaluation.cli import add_eval_arguments, add_report_arguments
     from kvhive.evaluation.kvhive_backend import make_backend
-    from kvhive.methods.registry import policy_class
+    from kvhive.methods.registry import canonical_method_spec
     from kvhive.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS
 
     parser = argparse.ArgumentParser(prog="kvhive", description="KV-cache compression for Hugging Face causal LMs")
@@ -274,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(func=command_bench)
 
-    add_eval_arguments(subparsers, backend_factory=make_backend, method_validator=policy_class)
+    add_eval_arguments(subparsers, backend_factory=make_backend, method_validator=canonical_method_spec)
     add_report_arguments(subparsers)
     return parser
 

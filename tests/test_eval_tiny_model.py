@@ -82,7 +82,7 @@ def test_eval_refuses_an_unknown_method_before_loading_anything(tmp_path, capsys
             "--no-progress",
         ]
     )
-    assert code == 2 and "unknown method 'nosuch'" in capsys.readouterr().err
+    assert code == 2 and "invalid method 'nosuch' (unknown method='nosuch'" in capsys.readouterr().err
     assert not (tmp_path / "x" / "results.jsonl").exists()
 
 

@@ -187,7 +187,7 @@ def test_run_eval_validates_arguments(tmp_path):
             raise KeyError(f"no method {name!r}; known: {sorted(REGISTRY)}")
         return object
 
-    with pytest.raises(ValueError, match="unknown method 'snap'.*known"):
+    with pytest.raises(ValueError, match="invalid method 'snap'.*known"):
         run_eval(
             backend,
             ["synthetic_recall"],

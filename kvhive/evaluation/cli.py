@@ -9,7 +9,8 @@
 
 ``backend_factory(model_name) -> Backend`` keeps model code out of this package.
 Lists are comma-separated: ``--tasks needle,mdqa --methods snapkv,h2o --budgets 0.1,0.5,128``;
-a task may carry parameters: ``--tasks needle:lengths=256+512:depths=0+50,xsum``.
+a task may carry parameters: ``--tasks needle:lengths=256+512:depths=0+50,xsum``, and a method
+options: ``--methods buzz:budget_form=peak,h2o``.
 """
 
 from __future__ import annotations
@@ -62,7 +63,12 @@ def add_eval_arguments(
         description="Run task x item x (method, budget); results go to OUT/results.jsonl (a rerun resumes).",
     )
     parser.add_argument("--tasks", type=_comma_list, help="comma-separated task names/specs (default: the suite's)")
-    parser.add_argument("--methods", type=_comma_list, help="comma-separated method registry names")
+    parser.add_argument(
+        "--methods",
+        type=_comma_list,
+        help="comma-separated method registry names, each optionally with options like a task's: "
+        "buzz:budget_form=peak,ahakv:gain_input=scaled_qk",
+    )
     parser.add_argument(
         "--budgets",
         type=_budget_list,

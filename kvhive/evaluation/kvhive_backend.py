@@ -13,8 +13,8 @@ import torch
 
 from kvhive.api import context_length, make_cache, shared_prefill
 from kvhive.evaluation.backend import FULL_METHOD, Setting, SettingFailure
-from kvhive.methods import make_policy
 from kvhive.methods.base import DECODE
+from kvhive.methods.registry import make_policy_from_spec
 
 
 class _SizeTracker:
@@ -35,6 +35,11 @@ class _SizeTracker:
             "mean_kept_per_head": round(sum(self.samples) / len(self.samples), 3),
             "final_kept_per_head": round(self.samples[-1], 3),
         }
+
+
+def _policy(setting: Setting):
+    """The setting's method: a registry name, optionally with options (``buzz:budget_form=peak``)."""
+    return make_policy_from_spec(setting.method)
 
 
 class KVHiveBackend:
@@ -65,7 +70,7 @@ class KVHiveBackend:
     def _caches(self, settings: list[Setting]):
         # The full cache keeps everything: it takes no budget (one given would be ignored).
         return [
-            make_cache(self.model, setting.method, None if setting.method == FULL_METHOD else setting.budget)
+            make_cache(self.model, _policy(setting), None if setting.method == FULL_METHOD else setting.budget)
             for setting in settings
         ]
 
@@ -111,14 +116,14 @@ class KVHiveBackend:
             return None
         if isinstance(setting.budget, int):
             # A token budget below the minimum would make make_cache raise (aborting the grid).
-            minimum = make_policy(setting.method).minimum_budget()
+            minimum = _policy(setting).minimum_budget()
             if setting.budget < minimum:
                 return (
                     f"budget={setting.budget} tokens per head is below method {setting.method!r}'s minimum "
                     f"of {minimum} tokens per head"
                 )
             return None
-        return make_cache(self.model, setting.method, setting.budget).budget_problem(context_tokens)
+        return make_cache(self.model, _policy(setting), setting.budget).budget_problem(context_tokens)
 
     def not_applicable(self, setting: Setting, context_tokens: int, streaming: bool) -> str | None:
         """Why ``setting``'s method cannot keep its budget in this phase, or None: fed token by
@@ -126,7 +131,7 @@ class KVHiveBackend:
         compresses, so its score would be the full cache's under the method's name."""
         if not streaming or setting.method == FULL_METHOD:
             return None
-        policy = make_policy(setting.method)
+        policy = _policy(setting)
         fed_tokens = context_tokens - 1  # the last token is only predicted
         if DECODE in policy.phases or not isinstance(setting.budget, int) or setting.budget >= fed_tokens:
             return None
@@ -194,7 +199,7 @@ class KVHiveBackend:
             compress_sliding = bool(self.sliding_window) and isinstance(budget, int) and budget < self.sliding_window
             if setting.method == FULL_METHOD:
                 budget, compress_sliding = None, False
-            cache = make_cache(self.model, setting.method, budget, compress_sliding=compress_sliding)
+            cache = make_cache(self.model, _policy(setting), budget, compress_sliding=compress_sliding)
             total, count, failure = 0.0, 0, None
             sizes = _SizeTracker()
             for position in range(len(token_ids) - 1):

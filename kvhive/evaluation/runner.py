@@ -107,10 +107,12 @@ def validate_methods(methods: Sequence[str], method_validator: MethodValidator |
         if method_validator is not None and method != FULL_METHOD:
             try:
                 accepted = method_validator(method)
-            except Exception as error:  # a registry lookup raising KeyError etc.
-                raise ValueError(f"methods: unknown method {method!r} ({error})") from error
+            except Exception as error:  # a registry lookup raising KeyError, an option out of range, etc.
+                raise ValueError(f"methods: invalid method {method!r} ({error})") from error
             if accepted is False:
                 raise ValueError(f"methods: unknown method {method!r}")
+            if isinstance(accepted, str):  # the validator's canonical spelling (options sorted)
+                method = accepted
         if method not in out:
             out.append(method)
     return out

@@ -4,6 +4,7 @@ results files). Adding a method: write its module and add one line below."""
 from __future__ import annotations
 
 import importlib
+import json
 from typing import Any
 
 from kvhive.methods.base import Policy
@@ -58,3 +59,53 @@ def policy_class(name: str) -> type[Policy]:
 def make_policy(name: str, **parameters: Any) -> Policy:
     """Instantiate a method by registry name with paper defaults overridden by ``parameters``."""
     return policy_class(name)(**parameters)
+
+
+# A method with options, as one token of a comma-separated list (``kvhive eval --methods``), in the
+# syntax of task parameters: ``buzz:budget_form=peak``, ``ahakv:gain_input=scaled_qk:sink_tokens=4``.
+SPEC_SEPARATOR = ":"
+
+
+def parse_method_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"buzz:budget_form=peak:stride=4"`` -> ``("buzz", {"budget_form": "peak", "stride": 4})``.
+    A value is read as JSON when it parses as JSON (numbers, ``true``/``false``), else as text;
+    the method's config then validates it."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"invalid method={spec!r}: expected a method name, optionally with :option=value parts")
+    name, *pairs = (part.strip() for part in spec.strip().split(SPEC_SEPARATOR))
+    parameters: dict[str, Any] = {}
+    for pair in pairs:
+        option, equals, text = pair.partition("=")
+        if not equals or not option.strip() or not text.strip():
+            raise ValueError(f"invalid method={spec!r}: option {pair!r} is not NAME=VALUE")
+        if option.strip() in parameters:
+            raise ValueError(f"invalid method={spec!r}: option {option.strip()!r} given twice")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text.strip()
+        parameters[option.strip()] = value
+    return name, parameters
+
+
+def method_spec(name: str, parameters: dict[str, Any]) -> str:
+    """The canonical spelling of a method with options (options sorted), so one setting has one name
+    in results whatever order the options were typed in."""
+    parts = [name]
+    for option in sorted(parameters):
+        value = parameters[option]
+        parts.append(f"{option}={value if isinstance(value, str) else json.dumps(value)}")
+    return SPEC_SEPARATOR.join(parts)
+
+
+def make_policy_from_spec(spec: str) -> Policy:
+    """The method a spec names, with its options validated by the method's config (an unknown
+    option or a value out of range raises ValueError naming it)."""
+    name, parameters = parse_method_spec(spec)
+    return make_policy(name, **parameters)
+
+
+def canonical_method_spec(spec: str) -> str:
+    """``spec`` validated (the method exists, its options are accepted) and spelled canonically."""
+    make_policy_from_spec(spec)
+    return method_spec(*parse_method_spec(spec))
