@@ -118,6 +118,9 @@ def test_results_record_the_cache_size_each_setting_held(tmp_path):
     assert h2o["final_kept_per_head"] == 24 and 12 < h2o["mean_kept_per_head"] < 24  # grows to 24, then stays
     peak = make_policy("buzz").layout(24).peak
     assert buzz["final_kept_per_head"] <= peak and buzz["mean_kept_per_head"] <= 24
+    # Both sizes recorded: BUZZ's mean form moves between its floor and a peak above the budget.
+    assert buzz["mean_kept_per_head"] < buzz["peak_kept_per_head"] <= peak and buzz["peak_kept_per_head"] > 24
+    assert h2o["peak_kept_per_head"] == 24
     assert full["final_kept_per_head"] == 96  # BOS + 96 text tokens, all fed but the last (only predicted)
     recall = records[("synthetic_recall", "h2o")]["cache"]
     assert recall["final_kept_per_head"] <= 24 and recall["mean_kept_per_head"] <= 24
