@@ -155,18 +155,30 @@ class KVHiveCache(Cache):
         return budget_problem(self.policy, self.budget, context_length)
 
     def _resolve_budgets(self, context_length: int, row_lengths: list[int] | None = None) -> None:
-        """Layer budgets, once per cache. A ratio resolves on the prompt length ``context_length``
-        (the same for every row, so every row keeps the same count); a layer-wise split
-        (PyramidKV) is computed on each row's real, unpadded length ``row_lengths``."""
+        """Layer budgets, once per cache. A token budget is the same for every row; a ratio resolves
+        on each row's real (unpadded) prompt length ``row_lengths``, so a row of a left-padded batch
+        keeps what it would keep alone, and so does a layer-wise split (PyramidKV's short-prompt
+        rule). A method that also keeps its budget while decoding holds every row of a layer at one
+        length, so rows whose ratio resolves to different token counts are refused for it."""
         if self.layer_budgets:
             return
-        problem = self.budget_problem(context_length)
-        if problem is not None:
-            raise ValueError(problem)
-        tokens = self.budget.resolve(context_length)
+        lengths = row_lengths or [context_length]
+        row_tokens = []
+        for row, length in enumerate(lengths):
+            problem = self.budget_problem(length)
+            if problem is not None:
+                raise ValueError(problem if len(lengths) == 1 else f"row {row} of the batch: {problem}")
+            row_tokens.append(self.budget.resolve(length))
+        if len(set(row_tokens)) > 1 and DECODE in self.policy.phases:
+            raise ValueError(
+                f"invalid budget for this batch: ratio={self.budget.ratio:g} of rows with {lengths} real tokens is "
+                f"{row_tokens} tokens per head, but method {self.policy.name!r} keeps one budget for every row of a "
+                "layer while decoding; give a token budget (budget=N, the same for every row) or batch rows of equal "
+                "real length"
+            )
         per_row = [
             layer_budgets(self.policy, tokens, len(self.compressed_layers), length)
-            for length in (row_lengths or [context_length])
+            for tokens, length in zip(row_tokens, lengths, strict=True)
         ]
         self.row_layer_budgets = {layer: [row[i] for row in per_row] for i, layer in enumerate(self.compressed_layers)}
         self.layer_budgets = {layer: max(budgets) for layer, budgets in self.row_layer_budgets.items()}
