@@ -164,6 +164,29 @@ def test_ada_snapkv_kept_set_hand_checked():
     assert uniform.sum(-1).tolist() == [[5, 5]]
 
 
+def test_protected_sinks_path_follows_the_allocation_option():
+    # Protected tokens that are not a trailing window (a sink at key 0) take the per-row path; the
+    # allocation rule must still be the configured one. As in test_ada_snapkv_kept_set_hand_checked:
+    # head 0 has one large score (key 3), head 1 spreads 0.1 j over keys 1-11; budget 4 = the sink
+    # + b' = 3 per head, safeguard floor(1.5) = 1.
+    scores = torch.full((1, 2, 12), 1e-9)
+    scores[0, 0, 3] = 1.0
+    scores[0, 1, 1:] = 0.1 * torch.arange(1, 12)
+    protected = torch.zeros(1, 2, 12, dtype=torch.bool)
+    protected[..., 0] = True
+    valid = torch.ones(1, 2, 12, dtype=torch.bool)
+    kept = {}
+    for allocation in ("authors", "kvpress"):
+        policy = AdaSnapKV(window=2, kernel=1, allocation=allocation)
+        keep = policy._keep_with_protected(scores, protected, 4, valid)
+        assert keep[..., 0].all() and keep.sum().item() == 2 * 4  # sinks kept, layer total exact
+        kept[allocation] = keep.sum(-1).tolist()
+    # kvpress: each head's own top 1, then the 4 largest remaining (head 1's) -> (1, 5) + the sink.
+    assert kept["kvpress"] == [[2, 6]]
+    # The authors: f = (1, 5) from the global top 6; B = round(0.5 f + 1) = (2, 4) (half to even) + the sink.
+    assert kept["authors"] == [[3, 5]]
+
+
 def _authors_allocation_reference(scores, budget, window, alpha):
     """A plain-Python reading of the authors' rule, independent of kvhive's vectorised one: the
     global top ``H b'`` candidates give ``f_i``; ``B_i = round((1 - alpha) f_i + floor(alpha b'))``

@@ -288,6 +288,40 @@ def test_decode_adds_the_new_query_sg_softmax_to_the_running_score(reading):
     assert keep[1, :, 3:-4].all() and (keep[1, :, :3].sum(-1) == 2).all()
 
 
+@pytest.mark.parametrize("reading", GAIN_INPUTS)
+def test_initialize_decode_scores_the_prompt_with_the_configured_reading_and_keeps_each_rows_padding(reading):
+    # Algorithm 1 line 19 (F_0 = S_hat) with the configured gain reading; the rows' prompt padding is
+    # recorded, because n of Eq. 12 while decoding excludes it even after the padding was evicted.
+    queries, keys, values = _gaussian_inputs(7, n=40, heads=2, dim=16, query_heads=4)
+    queries, keys, values = (t.expand(2, -1, -1, -1).clone() for t in (queries, keys, values))
+    n = keys.shape[2]
+    mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None].repeat(2, 1, 1, 1)
+    mask[1, 0, :, :3] = False  # three padding tokens in the second row
+    policy = AhaKV(recent=4, gain_input=reading)
+    scoring, state = _scoring(queries, keys, values, mask=mask), {}
+    policy.initialize_decode(scoring, state, budget=12)
+    expected = ahakv_scores(_scoring(queries, keys, values, mask=mask), 12, 4, policy.config.kernel, reading)
+    torch.testing.assert_close(scoring.token_scores[SCORE], expected)
+    other = GAIN_INPUTS[1 - GAIN_INPUTS.index(reading)]
+    assert not torch.allclose(
+        expected, ahakv_scores(_scoring(queries, keys, values, mask=mask), 12, 4, policy.config.kernel, other)
+    )
+    assert state["ahakv_row_padding"] == [0, 3]
+    # A decode step after the padding was evicted (every stored key real): row 1's n is still seen - 3.
+    seen, stored = 100, 13
+    decode = _scoring(
+        queries[:, :, -1:], keys[:, :, :stored], keys[:, :, :stored], sequence_length=seen, phase="decode"
+    )
+    decode.mask = torch.ones(2, 1, 1, stored, dtype=torch.bool)
+    decode.token_scores[SCORE] = torch.zeros(2, 2, stored)
+    policy.observe_decode(decode, state, budget=12)
+    lam = torch.tensor([math.sqrt(2 * math.log(m / 12) / 16) for m in (seen, seen - 3)]).view(2, 1, 1, 1)
+    logits = queries[:, :, -1:] @ keys[:, :, :stored].repeat_interleave(2, dim=1).transpose(-1, -2)
+    logits = logits * lam / (4.0 if reading == "scaled_qk" else 1.0)
+    weights = torch.softmax(logits, dim=-1)[:, :, 0]
+    torch.testing.assert_close(decode.token_scores[SCORE], weights.reshape(2, 2, 2, stored).mean(dim=2))
+
+
 # -- runs on the tiny models --------------------------------------------------------------------------
 
 

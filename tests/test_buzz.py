@@ -669,6 +669,12 @@ def test_statistics_report_the_mean_and_peak_sizes_held():
         assert stats["peak_kept"] == max(sizes) == layout.peak
         layer = stats["per_layer"][cache.compressed_layers[0]]
         assert layer["steps"] == steps + 1 and layer["steady_peak_kept"] == layout.peak
+        # Every recorded field (results carry them): the layout that ran and its exact steady mean.
+        assert (layer["sink"], layer["window"], layer["threshold"]) == (layout.sink, layout.window, layout.threshold)
+        assert layer["steady_mean_kept"] == float(layout.steady_mean)
+        assert layer["prefill_rounds"] == 0  # no Remark 2 thinning beyond the single pass: 40 tokens fit
+        assert layer["mean_kept"] == pytest.approx(sum(sizes) / len(sizes)) and layer["peak_kept"] == layout.peak
+        assert set(stats["per_layer"]) == set(cache.compressed_layers)
         if form == "peak":
             assert layout.peak == budget and stats["mean_kept"] < 0.85 * budget
         else:

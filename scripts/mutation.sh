@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Mutation testing of kvhive/methods/ with mutmut (issue 10), scoped to the method tests
+# ([tool.mutmut] in pyproject.toml: the tests that exercise methods on tiny tensors and tiny
+# models, without the embedded-model tests). Not run by CI: ~6,500 mutants; one run on the shared
+# 2-core machine took about the time stated in results/mutation/summary.md. mutmut resumes:
+# rerunning continues where it stopped. Results: `mutmut results`, `mutmut show NAME`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh
+.venv/bin/python -m pip install -q "mutmut==3.8.1"
+OMP_NUM_THREADS=1 .venv/bin/mutmut run --max-children "${MUTMUT_CHILDREN:-1}" "$@"
+.venv/bin/python scripts/mutation_summary.py > results/mutation/summary.md
