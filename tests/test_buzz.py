@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+from fractions import Fraction
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -21,13 +22,16 @@ from kvhive.methods.buzz import (
     OLD,
     SCORE,
     Buzz,
+    BuzzLayout,
     BuzzLogN,
     kept_size_statistics,
     layout_for_budget,
     local_max_mask,
+    mean_layout,
     old_sample_sizes,
     prefill_accumulated_attention,
     small_stride,
+    steady_state_sizes,
     theorem_ratio,
 )
 from kvhive.models import TINY_ARCHITECTURES, TINY_ATTENTION_KINDS, load_model, tiny_model
@@ -646,6 +650,33 @@ def test_mean_form_stream_holds_the_budget_on_average_and_the_peak_at_most(strid
     assert max(lengths) == layout.peak > budget
     for before, after in itertools.pairwise(lengths):
         assert after == before + 1 or (before == layout.peak and after <= budget)
+
+
+def _mean_layout_by_brute_force(budget: int, sink: int, stride: int) -> BuzzLayout | None:
+    """Every window from 1 to the budget (not only those next to Eq. 13/14's centre), thresholds in
+    the paper's range ``ceil(r w) .. ceil(r w) + s``: the layout of largest exact steady mean <= C
+    that never exceeds C after an eviction, ties to ``T/w`` nearest ``r``."""
+    ratio = theorem_ratio(stride)
+    best, best_key = None, None
+    for window in range(1, budget - sink + 1):
+        lowest = math.ceil(ratio * window)
+        for threshold in range(lowest, lowest + stride + 1):
+            layout = BuzzLayout(sink=sink, window=window, threshold=threshold, stride=stride)
+            mean, largest = steady_state_sizes(layout)
+            room = budget - sink - window
+            if mean > budget or largest > room or max(old_sample_sizes(threshold, stride, 4, start=room)) > room:
+                continue
+            key = (mean, -abs(Fraction(threshold, window) - ratio))
+            if best_key is None or key > best_key:
+                best, best_key = layout, key
+    return best
+
+
+@pytest.mark.parametrize("stride", [3, 4, 5])
+def test_mean_layout_is_the_best_layout_over_every_window(stride):
+    # The search looks at five windows around 2(C - k)/(3 + r) only; over all windows nothing does better.
+    for budget in range(4, 90):
+        assert mean_layout(budget, 4, stride) == _mean_layout_by_brute_force(budget, 4, stride), budget
 
 
 def test_statistics_report_the_mean_and_peak_sizes_held():
