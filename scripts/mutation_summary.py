@@ -26,6 +26,32 @@ def load(root: Path) -> dict[str, dict[str, str]]:
     return by_module
 
 
+# Written reasons for survivors that are not paper elements, by the shape of the change.
+REASONS = (
+    ("device=", "equivalent on CPU: only the tensor's device changes"),
+    ('"-INF"', 'equivalent: float("-INF") is float("-inf")'),
+    ("XX", "message or key text only (a ValueError's wording, a statistics key)"),
+    ("raise ValueError(None)", "message text only: the error is still raised"),
+)
+FUNCTION_REASONS = (
+    ("describe", "`kvhive methods` listing text"),
+    ("__repr__", "repr text"),
+    ("_too_small", "error message wording (the error itself is tested)"),
+    ("validate", "parameter validation; each bound is tested by test_invalid_parameters, see the mutant"),
+)
+
+
+def reason(name: str, change: str) -> str:
+    for pattern, why in REASONS:
+        if pattern in change:
+            return why
+    function = name.split("ǁ")[-1] if "ǁ" in name else name.split(".")[-1]
+    for pattern, why in FUNCTION_REASONS:
+        if pattern in function:
+            return why
+    return "to review"
+
+
 def changed_line(name: str) -> str:
     """The mutant's changed line(s) from ``mutmut show`` (the + side of its diff)."""
     shown = subprocess.run([sys.executable, "-m", "mutmut", "show", name], capture_output=True, text=True).stdout
@@ -57,7 +83,8 @@ def main() -> None:
             continue
         print(f"### {module} ({len(survivors)})\n")
         for name in survivors:
-            print(f"- `{name}`: `{changed_line(name)}`")
+            change = changed_line(name)
+            print(f"- `{name}`: `{change}` — {reason(name, change)}")
         print()
 
 

@@ -884,3 +884,17 @@ def test_a_ratio_resolving_to_zero_tokens_on_perplexity_is_infeasible(tmp_path):
     records = {r["budget"]: r for r in read_results(tmp_path) if r["method"] == "local"}
     assert records[1e-9]["status"] == "infeasible" and "0 tokens" in records[1e-9]["reason"]
     assert records[0.5]["status"] == "ok"
+
+
+def test_claims_suite_decides_on_8_perplexity_windows_and_2k_4k_needles():
+    # issue 12: streaming perplexity over >= 8 windows, needles at 2k and 4k tokens
+    from kvhive.evaluation.suites import get_suite
+    from kvhive.evaluation.tasks import get_task, parse_task_spec
+
+    suite = get_suite("claims")
+    specs = {parse_task_spec(spec)[0]: parse_task_spec(spec)[1] for spec in suite.tasks}
+    ppl = get_task("ppl", **specs["ppl"])
+    assert ppl.params["num_tokens"] // ppl.params["window"] >= 8
+    for needle in ("needle", "needle_multikey"):
+        assert specs[needle]["lengths"] == [2000, 4000]
+    assert set(specs) == set(suite.methods)  # every claim task has its methods under its name
