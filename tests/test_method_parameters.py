@@ -1,0 +1,53 @@
+"""Every method parameter refuses a value out of its range with a ValueError that names the
+parameter (the standard for bad input; mutation testing found validators whose message named
+another parameter or none without any test noticing)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from kvhive.methods.registry import make_policy, method_names, policy_class
+
+# Values no parameter of that type accepts (counts >= 0 or >= 1, fractions in [0, 1] or (0, 1],
+# choices from a fixed set, flags as real booleans).
+INVALID = {int: [-1], float: [-0.5, math.nan], bool: ["no"], str: ["no_such_choice"]}
+# Parameters whose whole type admits the invalid probe: they are not validated by range.
+UNBOUNDED = {"seed"}
+
+
+def _cases():
+    for name in method_names():
+        config = policy_class(name).config_class
+        for field in dataclasses.fields(config):
+            default = field.default
+            if field.name in UNBOUNDED or default is dataclasses.MISSING or default is None:
+                continue
+            for value in INVALID.get(type(default), []):
+                yield pytest.param(name, field.name, value, id=f"{name}-{field.name}-{value!r}")
+
+
+@pytest.mark.parametrize(("method", "parameter", "value"), list(_cases()))
+def test_out_of_range_parameter_is_refused_by_name(method, parameter, value):
+    with pytest.raises(ValueError, match=rf"\b{parameter}\b"):
+        make_policy(method, **{parameter: value})
+
+
+def test_streamingllm_needs_its_sinks_and_one_recent_token():
+    # StreamingLLM keeps the attention sinks plus a recent window: the smallest budget is sink + 1.
+    import torch
+
+    import kvhive
+    from kvhive.models import tiny_model
+
+    model = tiny_model("llama", "gqa")
+    for sink in (1, 4):
+        assert make_policy("streamingllm", sink=sink).minimum_budget() == sink + 1
+        cache = kvhive.make_cache(model, "streamingllm", sink + 1, sink=sink)
+        with torch.no_grad():
+            model(input_ids=torch.arange(3, 23)[None], past_key_values=cache, use_cache=True)
+        assert cache.mean_kept_per_head() == sink + 1
+        with pytest.raises(ValueError, match=f"budget={sink}"):
+            kvhive.make_cache(model, "streamingllm", sink, sink=sink)
