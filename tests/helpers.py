@@ -74,3 +74,21 @@ def solo_runs(model, new_cache, input_ids, attention_mask, offsets, steps: int, 
         )
         assert (solo[:, 0] - batch_logits[:, row]).abs().max().item() <= atol, row
         yield row, offset, alone
+
+
+def result_record(method, budget, item, value, task="needle", metric="m", **fields) -> dict:
+    """One scored record of ``results.jsonl`` (what the runner writes), for report and claims tests."""
+    return {
+        "task": task,
+        "item_id": item,
+        "method": method,
+        "budget": budget,
+        "metrics": {metric: value},
+        "kind": "generate",
+        "main_metric": metric,
+        "higher_is_better": True,
+        "chance": 0.0,
+        "model": "fake",
+        "seed": 0,
+        **fields,
+    }

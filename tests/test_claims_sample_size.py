@@ -17,21 +17,7 @@ from kvhive.evaluation.claims import (
 )
 from kvhive.evaluation.results import ResultsSummary
 
-
-def _record(method, budget, item, value):
-    return {
-        "task": "needle",
-        "item_id": item,
-        "method": method,
-        "budget": budget,
-        "metrics": {"m": value},
-        "kind": "generate",
-        "main_metric": "m",
-        "higher_is_better": True,
-        "chance": 0.0,
-        "model": "fake",
-        "seed": 0,
-    }
+from helpers import result_record as _record
 
 
 def test_relative_gap_reads_the_direction_of_the_metric():
@@ -81,13 +67,10 @@ def _verdict_on_fake_data(claim):
         for budget in claim.budgets:
             for item in range(3):
                 value = 0.5 + 0.1 * item + (0.2 if method == claim.methods[0] and item == 0 else 0.0)
+                budget_run = 1.0 if method == "full" else budget
                 records.append(
-                    {
-                        **_record(method, 1.0 if method == "full" else budget, f"i{item}", value),
-                        "task": claim.task,
-                        "main_metric": claim.metric or "m",
-                        "metrics": {claim.metric or "m": value},
-                        "chance": -1.0,
-                    }
+                    _record(
+                        method, budget_run, f"i{item}", value, task=claim.task, metric=claim.metric or "m", chance=-1.0
+                    )
                 )
     return claim.check(ResultsSummary(records))[1]

@@ -9,7 +9,8 @@ import pytest
 
 import kvhive
 from kvhive.models import tiny_model
-from tests.helpers import left_padded_batch, prefill_and_decode, solo_runs
+
+from helpers import left_padded_batch, prefill_and_decode, solo_runs
 
 LENGTH, PAD, RATIO = 100, 30, 0.5  # real lengths 100 and 70: 50 and 35 tokens per head
 

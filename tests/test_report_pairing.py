@@ -13,21 +13,7 @@ from kvhive.evaluation import write_report
 from kvhive.evaluation.claims import outperforms, retains_full
 from kvhive.evaluation.results import ResultsSummary
 
-
-def _record(method, budget, item, value, task="needle"):
-    return {
-        "task": task,
-        "item_id": item,
-        "method": method,
-        "budget": budget,
-        "metrics": {"m": value},
-        "kind": "generate",
-        "main_metric": "m",
-        "higher_is_better": True,
-        "chance": 0.0,
-        "model": "fake",
-        "seed": 0,
-    }
+from helpers import result_record as _record
 
 
 def _write(tmp_path, records):
