@@ -131,7 +131,9 @@ def tiny_cases(methods):
                         if model_name not in models:
                             models[model_name] = _tiny(model_name)
                         model = models[model_name]
-                        pad = 0 if method in UNPADDED_METHODS else PREFILL_PAD
+                        # A ratio resolves on each row's real length: rows of different lengths would get
+                        # different budgets, which decode-phase methods refuse; the ratio case is unpadded.
+                        pad = 0 if method in UNPADDED_METHODS or isinstance(budget, float) else PREFILL_PAD
                         input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=length, pad=pad)
                         return run_case(
                             model, method, parameters, budget, input_ids, attention_mask, DECODE_STEPS, SNAPSHOT_STEPS
