@@ -26,6 +26,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvhive.attention.varlen import kernel_supports, varlen_attention, varlen_attention_kernel
 from kvhive.cache.kv_cache import CACHE_POSITIONS, ORIGINAL_POSITIONS, KVHiveCache, active_update
+from kvhive.cache.rows import CacheRows
 from kvhive.cache.storage import PAGE_TOKENS
 from kvhive.methods.base import DECODE, ScoringInputs, causal_mask
 
@@ -157,6 +158,10 @@ def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dr
             return sdpa_attention_forward(
                 module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
             )
+    if isinstance(cache, CacheRows):
+        return _attention_by_row(
+            module, cache, layer_index, query, key, value, attention_mask, scaling, dropout, kwargs
+        )
     cache.check_attention_module(layer_index, module)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
@@ -190,6 +195,27 @@ def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dr
     output = _decode_variable_length(cache, layer_index, query, mask, scaling)
     cache.after_variable_length_decode(layer_index)
     return output, None
+
+
+def _attention_by_row(
+    module, rows: CacheRows, layer_index, query, key, value, attention_mask, scaling, dropout, kwargs
+):
+    """Row ``i`` of the batch through its own cache: the cache stores the row's new tokens and its
+    method runs as if the row were alone. The projections before and after attention (the cost of
+    a small model's decode step) ran once for all rows."""
+    outputs = []
+    for row, cache in enumerate(rows.caches):
+        row_keys, row_values = cache.update(key[row : row + 1], value[row : row + 1], layer_index)
+        # Every row sees the same positions (CacheRows checks it), so a mask shared by the batch
+        # (first dimension 1) serves each row as it is.
+        row_mask = attention_mask
+        if attention_mask is not None and attention_mask.shape[0] > 1:
+            row_mask = attention_mask[row : row + 1]
+        output, _ = kvhive_attention(
+            module, query[row : row + 1], row_keys, row_values, row_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+        outputs.append(output)
+    return torch.cat(outputs, dim=0), None
 
 
 def _prefill(module, cache: KVHiveCache, layer_index, query, key, value, mask, scaling, dropout, compressed, kwargs):

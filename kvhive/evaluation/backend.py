@@ -26,10 +26,25 @@ __all__ = [
     "parse_budgets",
     "budget_key",
     "budget_to_tokens",
+    "DTYPES",
+    "DEFAULT_DTYPE",
+    "validate_dtype",
 ]
 
 FULL_METHOD = "full"
 FULL_BUDGET = 1.0  # the budget recorded for the uncompressed cache (a ratio of 1.0: keep everything)
+
+# The dtypes a run may load its model in (recorded with every result: numbers of two dtypes are
+# not the same experiment).
+DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_DTYPE = "float32"
+
+
+def validate_dtype(dtype: str) -> str:
+    if dtype not in DTYPES:
+        raise ValueError(f"invalid dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
+    return dtype
+
 
 ACCEPTED_BUDGETS = "a ratio of the context (float in (0, 1]) or a number of tokens per head (int >= 1)"
 

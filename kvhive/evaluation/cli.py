@@ -16,6 +16,7 @@ options: ``--methods buzz:budget_form=peak,h2o``.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Any
 
 from kvhive.models.embedded import DEFAULT_MODEL
 
-from .backend import Backend, parse_budgets
+from .backend import DEFAULT_DTYPE, DTYPES, Backend, parse_budgets
 from .report import write_report
 from .runner import run_eval
 from .suites import SUITES, get_suite
@@ -89,6 +90,12 @@ def add_eval_arguments(
     )
     parser.add_argument("--out", type=Path, default=None, help="output folder (default runs/eval-<model>-<suite>)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=DEFAULT_DTYPE,
+        help=f"load the model in this dtype (default {DEFAULT_DTYPE}); recorded with every result",
+    )
     parser.add_argument("--suite", choices=sorted(SUITES), help="a predefined grid; explicit options override it")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--no-report", action="store_true", help="do not write report.md after the run")
@@ -153,6 +160,9 @@ def run_eval_command(args: argparse.Namespace) -> int:
     if factory is None:
         raise SystemExit("kvhive eval: no backend factory was wired into the CLI")
     grid = resolve_eval_grid(args)
+    dtype = getattr(args, "dtype", DEFAULT_DTYPE)
+    if dtype != DEFAULT_DTYPE:
+        factory = functools.partial(factory, dtype=dtype)
     data_dir = args.data_dir or default_data_dir()
     grid_arguments = (grid["tasks"], grid["methods"], grid["budgets"], grid["limit"], data_dir, grid["out_dir"])
     options = dict(
@@ -160,6 +170,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         method_validator=getattr(args, "method_validator", None),
         suite=args.suite,
+        dtype=dtype,
     )
     if getattr(args, "ray", None) is not None or getattr(args, "workers", None) is not None:
         run = _run_eval_on_ray(args, factory, grid_arguments, options)

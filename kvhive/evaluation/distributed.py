@@ -29,7 +29,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .backend import Backend, Setting
+from .backend import DEFAULT_DTYPE, Backend, Setting
 from .results import ResultsWriter
 from .runner import EvalRun, MethodValidator, PendingItem, _run_item, run_eval
 from .tasks import Task
@@ -91,6 +91,7 @@ class EvalWorker:
             fields["seed"],
             fields["limit"],
             fields["suite"],
+            fields.get("dtype", DEFAULT_DTYPE),
         )
         return records
 
@@ -401,6 +402,7 @@ def run_eval_distributed(
     include_full: bool = True,
     suite: str | None = None,
     init_options: Mapping[str, Any] | None = None,
+    dtype: str = DEFAULT_DTYPE,
 ) -> EvalRun:
     """:func:`~kvhive.evaluation.runner.run_eval` with the items spread over Ray actors, each
     holding ``backend_factory(model_name)``.
@@ -427,4 +429,5 @@ def run_eval_distributed(
             include_full=include_full,
             suite=suite,
             executor=pool,
+            dtype=dtype,
         )

@@ -1,7 +1,10 @@
 """The evaluation backend backed by kvhive: a model plus compressed caches.
 
 One prefill per item serves every (method, budget) whose decision is made from the prefill
-(:func:`kvhive.api.shared_prefill`); each setting then decodes on its own compressed cache.
+(:func:`kvhive.api.shared_prefill`); each setting then decodes on its own compressed cache, all
+settings together as the rows of one batch (:class:`~kvhive.cache.rows.CacheRows`): a decode step
+of a small model costs about the same for one row as for twenty, and each row still computes
+what its cache would alone.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ import math
 import torch
 
 from kvhive.api import context_length, make_cache, shared_prefill
-from kvhive.evaluation.backend import FULL_METHOD, Setting, SettingFailure
+from kvhive.cache.rows import CacheRows
+from kvhive.evaluation.backend import DEFAULT_DTYPE, FULL_METHOD, Setting, SettingFailure, validate_dtype
 from kvhive.methods.base import DECODE
 from kvhive.methods.registry import make_policy_from_spec
 
@@ -47,12 +51,16 @@ def _policy(setting: Setting):
 class KVHiveBackend:
     """:class:`~kvhive.evaluation.backend.Backend` over a transformers model and kvhive caches."""
 
-    def __init__(self, model, tokenizer, model_name: str = "", share_prefill: bool = True) -> None:
+    def __init__(
+        self, model, tokenizer, model_name: str = "", share_prefill: bool = True, share_decode: bool = True
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_context = context_length(model)
         self.share_prefill = share_prefill
+        # Decode the settings of a call as rows of one batch (False: one setting after another).
+        self.share_decode = share_decode
         text_config = model.config.get_text_config(decoder=True)
         self.sliding_window = getattr(text_config, "sliding_window", None)
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
@@ -110,6 +118,54 @@ class KVHiveBackend:
             sizes.observe(cache)
         return tokens
 
+    @torch.no_grad()
+    def _greedy_rows(
+        self, caches: list, logits: list[torch.Tensor], max_new_tokens: int, sizes: list[_SizeTracker]
+    ) -> list[list[int] | SettingFailure]:
+        """:meth:`_greedy` for every cache at once: the caches still generating are the rows of
+        one batch; a row leaves the batch when it stops (a stop token, the length limit, or
+        non-finite logits), exactly where :meth:`_greedy` would stop it."""
+        results: list[list[int] | SettingFailure | None] = [None] * len(caches)
+        tokens: list[list[int]] = [[] for _ in caches]
+        for cache, tracker in zip(caches, sizes, strict=True):
+            tracker.observe(cache)
+        active = list(range(len(caches)))
+        step_logits = torch.cat([row_logits.reshape(1, -1) for row_logits in logits], dim=0)
+        for step in range(max_new_tokens):
+            # One host read per step for all rows (the tokens decide what runs next).
+            finite = torch.isfinite(step_logits).all(dim=-1).tolist()
+            chosen = step_logits.argmax(dim=-1).tolist()
+            still = []
+            for position, row in enumerate(active):
+                if not finite[position]:
+                    results[row] = SettingFailure(
+                        f"non-finite model output: logits at generated token {step} are not finite"
+                    )
+                    continue
+                token = chosen[position]
+                if token in self.stop_tokens:
+                    results[row] = tokens[row]
+                    continue
+                tokens[row].append(token)
+                if step + 1 == max_new_tokens:
+                    results[row] = tokens[row]
+                    continue
+                still.append((row, token))
+            if not still:
+                break
+            active = [row for row, _ in still]
+            input_ids = torch.tensor([[token] for _, token in still], device=self.model.device)
+            output = self.model(
+                input_ids=input_ids, past_key_values=CacheRows([caches[r] for r in active]), use_cache=True
+            )
+            step_logits = output.logits[:, -1]
+            for row in active:
+                sizes[row].observe(caches[row])
+        for row in active:  # max_new_tokens == 0 leaves nothing generated
+            if results[row] is None:
+                results[row] = tokens[row]
+        return results
+
     # -- Backend protocol ------------------------------------------------------------------------
     def infeasible(self, setting: Setting, context_tokens: int) -> str | None:
         """Why ``setting`` cannot run on a context of ``context_tokens`` tokens (its budget resolves
@@ -146,17 +202,19 @@ class KVHiveBackend:
     def generate(self, prompt: str, max_new_tokens: int, settings: list[Setting]) -> list[str]:
         input_ids = self._encode(prompt)
         caches, logits = self._prefilled(input_ids, settings)
-        outputs, self.last_cache_sizes = [], []
-        for cache, first_logits in zip(caches, logits, strict=True):
-            sizes = _SizeTracker()
-            tokens = self._greedy(cache, first_logits, max_new_tokens, sizes)
-            outputs.append(
-                tokens
-                if isinstance(tokens, SettingFailure)
-                else self.tokenizer.decode(tokens, skip_special_tokens=True)
-            )
-            self.last_cache_sizes.append(sizes.summary())
-        return outputs
+        sizes = [_SizeTracker() for _ in caches]
+        if self.share_decode and caches:
+            generated = self._greedy_rows(caches, logits, max_new_tokens, sizes)
+        else:
+            generated = [
+                self._greedy(cache, first_logits, max_new_tokens, tracker)
+                for cache, first_logits, tracker in zip(caches, logits, sizes, strict=True)
+            ]
+        self.last_cache_sizes = [tracker.summary() for tracker in sizes]
+        return [
+            tokens if isinstance(tokens, SettingFailure) else self.tokenizer.decode(tokens, skip_special_tokens=True)
+            for tokens in generated
+        ]
 
     @torch.no_grad()
     def choice_loglikelihoods(
@@ -190,41 +248,59 @@ class KVHiveBackend:
             results.append(scores)
         return results
 
+    def _streaming_cache(self, setting: Setting):
+        budget = setting.budget
+        # Tiny fixed caches (BUZZ Table 3) are below Gemma's 512-token sliding window.
+        compress_sliding = bool(self.sliding_window) and isinstance(budget, int) and budget < self.sliding_window
+        if setting.method == FULL_METHOD:
+            budget, compress_sliding = None, False
+        return make_cache(self.model, _policy(setting), budget, compress_sliding=compress_sliding)
+
     @torch.no_grad()
     def streaming_nll(self, token_ids: list[int], settings: list[Setting]) -> list[tuple[float, int]]:
+        """Each setting's summed NLL of ``token_ids[1:]`` fed one token at a time (and the count);
+        with ``share_decode`` the settings are the rows of one batch, each on its own cache."""
         ids = torch.tensor(token_ids, device=self.model.device)
-        results = []
-        self.last_cache_sizes = []
-        for setting in settings:
-            budget = setting.budget
-            # Tiny fixed caches (BUZZ Table 3) are below Gemma's 512-token sliding window.
-            compress_sliding = bool(self.sliding_window) and isinstance(budget, int) and budget < self.sliding_window
-            if setting.method == FULL_METHOD:
-                budget, compress_sliding = None, False
-            cache = make_cache(self.model, _policy(setting), budget, compress_sliding=compress_sliding)
-            total, count, failure = 0.0, 0, None
-            sizes = _SizeTracker()
+        groups = [list(range(len(settings)))] if self.share_decode else [[index] for index in range(len(settings))]
+        results: list = [None] * len(settings)
+        sizes = [_SizeTracker() for _ in settings]
+        for group in groups:
+            caches = {index: self._streaming_cache(settings[index]) for index in group}
+            totals = dict.fromkeys(group, 0.0)
+            counts = dict.fromkeys(group, 0)
+            active = list(group)
             for position in range(len(token_ids) - 1):
-                output = self.model(input_ids=ids[position][None, None], past_key_values=cache, use_cache=True)
-                sizes.observe(cache)
-                log_probs = torch.log_softmax(output.logits[0, -1].float(), dim=-1)
-                nll = -float(log_probs[ids[position + 1]])
-                if not math.isfinite(nll):
-                    # Recorded as this setting's failure; the other settings still run.
-                    failure = SettingFailure(f"non-finite model output: NLL {nll!r} at position {position}")
+                if not active:
                     break
-                total += nll
-                count += 1
-            results.append(failure or (total, count))
-            self.last_cache_sizes.append(sizes.summary())
+                rows = caches[active[0]] if len(active) == 1 else CacheRows([caches[index] for index in active])
+                input_ids = ids[position].reshape(1, 1).expand(len(active), 1)
+                output = self.model(input_ids=input_ids, past_key_values=rows, use_cache=True)
+                log_probs = torch.log_softmax(output.logits[:, -1].float(), dim=-1)
+                # One host read per step for all rows.
+                nlls = (-log_probs[:, ids[position + 1]]).tolist()
+                still = []
+                for index, nll in zip(active, nlls, strict=True):
+                    sizes[index].observe(caches[index])
+                    if not math.isfinite(nll):
+                        # Recorded as this setting's failure; the other settings still run.
+                        results[index] = SettingFailure(f"non-finite model output: NLL {nll!r} at position {position}")
+                        continue
+                    totals[index] += nll
+                    counts[index] += 1
+                    still.append(index)
+                active = still
+            for index in group:
+                if results[index] is None:
+                    results[index] = (totals[index], counts[index])
+        self.last_cache_sizes = [tracker.summary() for tracker in sizes]
         return results
 
 
-def make_backend(model_name: str) -> KVHiveBackend:
-    """Backend factory for the CLI: ``kvhive eval --model NAME``."""
+def make_backend(model_name: str, dtype: str = DEFAULT_DTYPE) -> KVHiveBackend:
+    """Backend factory for the CLI: ``kvhive eval --model NAME [--dtype DTYPE]``."""
     from kvhive.models import load_model
 
-    model, tokenizer = load_model(model_name)
+    model, tokenizer = load_model(model_name, dtype=getattr(torch, validate_dtype(dtype)))
     if torch.cuda.is_available():  # a Ray worker given a GPU, or a GPU machine: evaluate there
         model = model.to("cuda")
     return KVHiveBackend(model, tokenizer, model_name=model_name)

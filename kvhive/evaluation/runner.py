@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from .backend import (
+    DEFAULT_DTYPE,
     FULL_BUDGET,
     FULL_METHOD,
     Backend,
@@ -29,6 +30,7 @@ from .backend import (
     budget_key,
     budget_to_tokens,
     validate_budgets,
+    validate_dtype,
 )
 from .results import RESULTS_FILE, ResultsWriter
 from .tasks import TASKS, Item, Task, get_task, parse_task_spec
@@ -253,6 +255,7 @@ def run_eval(
     include_full: bool = True,
     suite: str | None = None,
     executor: ItemExecutor | None = None,
+    dtype: str = DEFAULT_DTYPE,
 ) -> EvalRun:
     """Run (or resume) the grid task x item x (method, budget) and append to ``out_dir/results.jsonl``.
 
@@ -260,10 +263,12 @@ def run_eval(
     ``budgets`` are lists for all tasks or dicts ``{task name: list}``; ``budgets=None`` uses each
     task's ``default_budgets``. Budgets: floats in (0, 1] are ratios, ints >= 1 are tokens per head.
     ``method_validator(name)`` (e.g. the method registry's lookup) may raise or return False for
-    unknown methods. Results of another model or seed in ``out_dir`` are refused.
+    unknown methods. Results of another model, seed or ``dtype`` (the model's weights and
+    activations, recorded with every result) in ``out_dir`` are refused.
     ``executor`` runs the pending items elsewhere (:mod:`kvhive.evaluation.distributed`); then
     ``backend`` only has to provide the tokenizer (to load the items) and the model name.
     """
+    validate_dtype(dtype)
     resolved_tasks = resolve_tasks(tasks)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
         raise ValueError(f"limit: expected an integer >= 0 or None, got {limit!r}")
@@ -280,11 +285,13 @@ def run_eval(
 
     out_path = Path(out_dir)
     with ResultsWriter(out_path) as writer:
-        others = {(r.get("model"), r.get("seed")) for r in writer.records} - {(name, seed)}
+        others = {(r.get("model"), r.get("seed"), r.get("dtype", DEFAULT_DTYPE)) for r in writer.records} - {
+            (name, seed, dtype)
+        }
         if others:
             raise ValueError(
-                f"{writer.path} already holds results of (model, seed) {sorted(map(str, others))}; "
-                f"this run is model={name!r}, seed={seed}: use another out dir"
+                f"{writer.path} already holds results of (model, seed, dtype) {sorted(map(str, others))}; "
+                f"this run is model={name!r}, seed={seed}, dtype={dtype!r}: use another out dir"
             )
         _check_items_unchanged(writer.records, loaded, writer.path)
         _write_run_config(
@@ -294,6 +301,7 @@ def run_eval(
                 "seed": seed,
                 "limit": limit,
                 "suite": suite,
+                "dtype": dtype,
                 "data_dir": str(data_dir) if data_dir is not None else None,
                 "tasks": [{"name": t.name, "params": t.params, "settings": [s.label for s in ss]} for t, ss in plans],
                 "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -322,13 +330,13 @@ def run_eval(
                     if pending:
                         work.append(PendingItem(task, item, pending))
             if executor is not None:
-                fields = {"model": name, "seed": seed, "limit": limit, "suite": suite}
+                fields = {"model": name, "seed": seed, "limit": limit, "suite": suite, "dtype": dtype}
                 written = executor(work, writer, bar, fields)
             else:
                 for task, item, pending in work:
                     if bar is not None:
                         bar.set_postfix_str(f"{task.name} {item.id}", refresh=False)
-                    written += _run_item(backend, task, item, pending, writer, name, seed, limit, suite)
+                    written += _run_item(backend, task, item, pending, writer, name, seed, limit, suite, dtype)
                     if bar is not None:
                         bar.update(len(pending))
         finally:
@@ -347,6 +355,7 @@ def _run_item(
     seed: int,
     limit: int | None,
     suite: str | None,
+    dtype: str = DEFAULT_DTYPE,
 ) -> int:
     metadata = dict(item.metadata)
     item_hash = item.fingerprint()
@@ -442,6 +451,7 @@ def _run_item(
             "seed": seed,
             "limit": limit,
             "suite": suite,
+            "dtype": dtype,
             "task_params": task.params,
             "metadata": metadata,
             "prompt_tokens": prompt_tokens,
