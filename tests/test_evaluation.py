@@ -898,3 +898,41 @@ def test_claims_suite_decides_on_8_perplexity_windows_and_2k_4k_needles():
     for needle in ("needle", "needle_multikey"):
         assert specs[needle]["lengths"] == [2000, 4000]
     assert set(specs) == set(suite.methods)  # every claim task has its methods under its name
+
+
+def test_runner_records_the_dtype_and_refuses_to_mix_dtypes(tmp_path):
+    backend = FakeBackend()
+    run_eval(backend, ["synthetic_recall"], ["local"], [0.25], 2, None, tmp_path, progress=False, dtype="bfloat16")
+    records = read_results(tmp_path)
+    assert records and {r["dtype"] for r in records} == {"bfloat16"}
+    assert json.loads((tmp_path / "run_config.json").read_text())["dtype"] == "bfloat16"
+    with pytest.raises(ValueError, match="dtype='float32'"):
+        run_eval(backend, ["synthetic_recall"], ["local"], [0.25], 2, None, tmp_path, progress=False)
+    with pytest.raises(ValueError, match="invalid dtype='fp8'.*float32, bfloat16, float16"):
+        run_eval(backend, ["synthetic_recall"], ["local"], [0.25], 2, None, tmp_path, progress=False, dtype="fp8")
+    # records written before the field existed read as float32
+    legacy = tmp_path / "legacy"
+    run_eval(backend, ["synthetic_recall"], ["local"], [0.25], 2, None, legacy, progress=False)
+    lines = [json.loads(line) for line in (legacy / "results.jsonl").read_text().splitlines()]
+    (legacy / "results.jsonl").write_text(
+        "".join(json.dumps({k: v for k, v in r.items() if k != "dtype"}) + "\n" for r in lines)
+    )
+    assert run_eval(backend, ["synthetic_recall"], ["local"], [0.25], 2, None, legacy, progress=False).written == 0
+
+
+def test_eval_cli_loads_the_model_in_the_dtype_asked(tmp_path):
+    from kvhive.evaluation.cli import main
+
+    asked = []
+
+    def factory(model_name, dtype="float32"):
+        asked.append((model_name, dtype))
+        return FakeBackend()
+
+    argv = ["eval", "--tasks", "synthetic_recall", "--methods", "local", "--budgets", "0.5", "--limit", "1"]
+    main([*argv, "--out", str(tmp_path / "bf16"), "--dtype", "bfloat16", "--no-progress"], backend_factory=factory)
+    main([*argv, "--out", str(tmp_path / "fp32"), "--no-progress"], backend_factory=factory)
+    assert [dtype for _, dtype in asked] == ["bfloat16", "float32"]
+    assert {r["dtype"] for r in read_results(tmp_path / "bf16")} == {"bfloat16"}
+    with pytest.raises(SystemExit):
+        main([*argv, "--out", str(tmp_path / "x"), "--dtype", "int8"], backend_factory=factory)
