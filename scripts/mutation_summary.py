@@ -90,6 +90,52 @@ REVIEWED = {
         for n in (20, 22)
     },
 }
+_KILLED_AHAKV_EDGES = "killed by tests/test_ahakv_edges.py (applied by hand)"
+_AHAKV = "kvhive.methods.ahakv."
+REVIEWED.update(
+    {
+        **{
+            _AHAKV + name: _KILLED_AHAKV_EDGES
+            for name in (
+                "x_sg_lambda__mutmut_1",
+                "x_sg_lambda__mutmut_2",
+                *(f"x_sg_logit_multiplier__mutmut_{n}" for n in (3, 4, 13, 14, 15, 20, 23, 25)),
+                "x_row_padding__mutmut_2",
+                "x_row_padding__mutmut_3",
+                "x_ahakv_scores__mutmut_19",
+                "xǁAhaKVǁscore__mutmut_2",
+                "xǁAhaKVǁscore__mutmut_8",
+                "xǁAhaKVǁscore__mutmut_9",
+            )
+        },
+        _AHAKV + "x_sg_lambda__mutmut_7": "equivalent: at n == k, sqrt(2 ln(n/k) / d) is 0 as the early return",
+        _AHAKV + "x_row_padding__mutmut_10": "equivalent: dim +1 of the [B, N] count is dim -1",
+        _AHAKV + "x__scoring_multiplier__mutmut_19": (
+            "equivalent: a tuple of equal factors scales every row by the same number as the single factor"
+        ),
+        _AHAKV + "x_ahakv_scores__mutmut_1": "equivalent: every caller passes recent and kernel",
+        _AHAKV + "x_ahakv_scores__mutmut_2": "equivalent: every caller passes recent and kernel",
+        _AHAKV + "x_value_prior__mutmut_14": "equivalent: torch.stack promotes the boolean weight to the norms' dtype",
+        _AHAKV + "x_value_prior__mutmut_17": "equivalent: a mean filter of one tap is the identity",
+        _AHAKV + "x_value_prior__mutmut_18": "equivalent: the kernel is validated odd, so kernel 2 never occurs",
+        _AHAKV + "x_value_prior__mutmut_44": "equivalent: count_include_pad=True is avg_pool1d's default",
+        _AHAKV + "x_value_prior__mutmut_48": (
+            "equivalent: the prior is a ratio of two pooled sums with the same count, which cancels"
+        ),
+        _AHAKV + "xǁAhaKVǁ_layer_budget__mutmut_2": "equivalent: the cache always passes a layer budget",
+        _AHAKV + "xǁAhaKVǁinitialize_decode__mutmut_2": "equivalent: the cache always passes a layer budget",
+        _AHAKV + "xǁAhaKVǁobserve_decode__mutmut_10": "equivalent: the cache always passes a layer budget",
+        _AHAKV + "xǁAhaKVǁobserve_decode__mutmut_25": (
+            "equivalent in the tests' fp32: the running score is already in the attention's dtype"
+        ),
+        **{
+            _AHAKV + f"xǁAhaKVǁscore__mutmut_{n}": (
+                "equivalent in results: the prefill is always treated as stale and re-scored (same scores, more work)"
+            )
+            for n in (5, 7, 22, 24)
+        },
+    }
+)
 
 
 def reason(name: str, change: str) -> str:
