@@ -45,7 +45,7 @@ from kvhive.evaluation.metrics import (
     rouge_scores,
 )
 from kvhive.evaluation.results import repair_results_file, result_key
-from kvhive.evaluation.runner import truncate_middle
+from kvhive.evaluation.runner import resolve_tasks, truncate_middle
 from kvhive.evaluation.tasks import TASKS, TaskDataError, parse_task_spec
 from kvhive.evaluation.tasks.needle import NEEDLE
 
@@ -284,6 +284,11 @@ def test_mdqa_gold_position_and_prompt_format():
     assert strip(items[0]) == strip(items[1]) == strip(items[2])
     other_seed = get_task("mdqa").load(DATA_DIR, 3, 1, FakeTokenizer())
     assert [i.id for i in other_seed] != [i.id for i in items[:3]]
+    # Another document count (a longer context) is another item, so both can share one run.
+    longer = get_task("mdqa", num_documents=30, gold_positions=[0, 14, 29]).load(DATA_DIR, 3, 0, FakeTokenizer())
+    assert {i.id for i in longer}.isdisjoint(i.id for i in items)
+    assert all(i.id.endswith(f"-docs30-gold{i.metadata['gold_position']}") for i in longer)
+    assert [i.metadata["num_documents"] for i in longer] == [30, 30, 30]
 
 
 @needs_data
@@ -936,3 +941,31 @@ def test_eval_cli_loads_the_model_in_the_dtype_asked(tmp_path):
     assert {r["dtype"] for r in read_results(tmp_path / "bf16")} == {"bfloat16"}
     with pytest.raises(SystemExit):
         main([*argv, "--out", str(tmp_path / "x"), "--dtype", "int8"], backend_factory=factory)
+
+
+@needs_data
+def test_mdqa_at_two_document_counts_pairs_each_question_across_lengths():
+    [task] = resolve_tasks(["mdqa:num_documents=20+33:gold_positions=0+middle+-1"])
+    items = task.load(DATA_DIR, 12, 0, FakeTokenizer())
+    assert len(items) == 12
+    assert [(i.metadata["num_documents"], i.metadata["gold_position"]) for i in items[:6]] == [
+        (20, 0),
+        (20, 10),
+        (20, 19),
+        (33, 0),
+        (33, 16),
+        (33, 32),
+    ]
+    assert len({i.metadata["line"] for i in items[:6]}) == 1  # one question at both lengths
+    assert items[0].id.endswith("-docs20-gold0") and items[5].id.endswith("-docs33-gold32")
+    for item in items:
+        documents = [line for line in item.prompt.split("\n") if line.startswith("Document [")]
+        assert len(documents) == item.metadata["num_documents"]
+    # Each count's items are those of a run at that count alone.
+    [alone_task] = resolve_tasks(["mdqa:num_documents=33:gold_positions=0+16+32"])
+    alone = alone_task.load(DATA_DIR, 6, 0, FakeTokenizer())
+    assert [(i.id, i.prompt) for i in alone[:3]] == [(i.id, i.prompt) for i in items[3:6]]
+    with pytest.raises(ValueError, match="gold_positions.*outside 0..19"):
+        resolve_tasks(["mdqa:num_documents=20:gold_positions=0+25"])[0].load(DATA_DIR, 3, 0, FakeTokenizer())
+    with pytest.raises(ValueError, match="'first' is not an integer index or 'middle'"):
+        resolve_tasks(["mdqa:gold_positions=first"])[0].load(DATA_DIR, 3, 0, FakeTokenizer())

@@ -42,12 +42,16 @@ QUICK = Suite(
 
 
 # The claims run's task parameters where the task defaults would not decide (issue 12): streaming
-# perplexity over 8 windows of 256 tokens (BUZZ Table 3's caches of 50/100 tokens), needles at 2k
-# and 4k tokens (where a 0.5B model's full cache retrieves; 1k is within most budgets' reach).
+# perplexity over 8 windows of 256 tokens (BUZZ Table 3's caches of 50/100 tokens), needles and
+# multi-document QA at 2k and 4k tokens (where a 0.5B model's full cache retrieves; 1k is within
+# most budgets' reach).
 CLAIMS_TASK_SPECS = {
     "ppl": "ppl:num_tokens=2048:window=256",
     "needle": "needle:lengths=2000+4000",
     "needle_multikey": "needle_multikey:lengths=2000+4000",
+    # 20 and 33 documents: about 2.4k and 4k tokens on Qwen2.5-0.5B; each question at both lengths,
+    # gold first, in the middle and last.
+    "mdqa": "mdqa:num_documents=20+33:gold_positions=0+middle+-1",
 }
 
 

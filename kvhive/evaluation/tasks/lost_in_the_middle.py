@@ -82,31 +82,58 @@ class MultiDocQATask(Task):
             if not gold:
                 continue
             records.append((line_number, record, gold[0]))
-        positions = [int(p) for p in as_list(self.params["gold_positions"])]
-        num_documents = int(self.params["num_documents"])
-        if any(not 0 <= p < num_documents for p in positions):
-            raise ValueError(f"task 'mdqa': gold_positions {positions} outside 0..{num_documents - 1}")
+        counts = [int(c) for c in as_list(self.params["num_documents"])]
+        if not counts or any(c < 1 for c in counts):
+            raise ValueError(f"task 'mdqa': num_documents {counts} must be integers >= 1")
+        # Per document count: an index, a negative index from the end, or "middle".
+        positions = {count: self._gold_positions(as_list(self.params["gold_positions"]), count) for count in counts}
+        default_documents = int(self.default_params()["num_documents"])
         items = []
-        max_questions = None if limit is None else -(-limit // len(positions))
+        per_question = sum(len(p) for p in positions.values())
+        max_questions = None if limit is None else -(-limit // per_question)
+        questions = 0
         for index in seeded_order(len(records), seed, "mdqa"):
-            if max_questions is not None and len(items) >= max_questions * len(positions):
+            if max_questions is not None and questions >= max_questions:
                 break
             line_number, record, gold = records[index]
-            distractors = self._distractors(records, index, num_documents - 1, seed)
-            if len(distractors) < num_documents - 1:
+            distractors = {count: self._distractors(records, index, count - 1, seed) for count in counts}
+            if any(len(distractors[count]) < count - 1 for count in counts):
                 continue
-            for position in positions:
-                documents = distractors[:position] + [gold] + distractors[position:]
-                items.append(
-                    Item(
-                        id=f"q{line_number}-gold{position}",
-                        prompt=qa_prompt(record["question"], documents),
-                        references=list(record["answers"]),
-                        max_new_tokens=int(self.params["max_new_tokens"]),
-                        metadata={"gold_position": position, "num_documents": num_documents, "line": line_number},
+            questions += 1
+            for count in counts:
+                # Another document count is another item (mdqa at 2k and 4k tokens in one run).
+                documents_tag = "" if count == default_documents else f"-docs{count}"
+                for position in positions[count]:
+                    documents = distractors[count][:position] + [gold] + distractors[count][position:]
+                    items.append(
+                        Item(
+                            id=f"q{line_number}{documents_tag}-gold{position}",
+                            prompt=qa_prompt(record["question"], documents),
+                            references=list(record["answers"]),
+                            max_new_tokens=int(self.params["max_new_tokens"]),
+                            metadata={"gold_position": position, "num_documents": count, "line": line_number},
+                        )
                     )
-                )
         return take(items, limit)
+
+    @staticmethod
+    def _gold_positions(spec: list, count: int) -> list[int]:
+        resolved = []
+        for raw in spec:
+            if str(raw) == "middle":
+                position = count // 2
+            else:
+                try:
+                    position = int(raw)
+                except ValueError:
+                    raise ValueError(
+                        f"task 'mdqa': gold_positions entry {raw!r} is not an integer index or 'middle'"
+                    ) from None
+                position = position + count if position < 0 else position
+            if not 0 <= position < count:
+                raise ValueError(f"task 'mdqa': gold_positions {spec} outside 0..{count - 1} for {count} documents")
+            resolved.append(position)
+        return resolved
 
     @staticmethod
     def _distractors(records: list, index: int, count: int, seed: int) -> list[dict]:
