@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from kvhive.evaluation import write_report
 from kvhive.evaluation.claims import outperforms, retains_full
 from kvhive.evaluation.results import ResultsSummary
 
+from helpers import result_record
 from helpers import result_record as _record
 
 
@@ -89,3 +92,45 @@ def test_rouge_mean_is_said_to_be_a_geometric_mean(tmp_path):
     text = write_report(tmp_path)
     assert "`rouge_mean` is the geometric mean" in text and "0 whenever ROUGE-2 is 0" in text
     assert "| h2o | 0.2 | 0.300 ± 0.000 | 0.400 ± 0.000 | 0.000 ± 0.000 | 0.000 | 2 |" in text
+
+
+def _write_run(folder, records):
+    folder.mkdir()
+    (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_claims_across_runs_give_each_run_its_own_verdict(tmp_path):
+    """``kvhive report A --compare B``: the same claim judged on each run, side by side."""
+    from kvhive.evaluation.cli import main
+    from kvhive.evaluation.report import claims_comparison
+
+    methods = ("ahakv", "snapkv", "h2o", "tova", "streamingllm")
+
+    def run(ahakv_wins: bool, model: str, dtype: str):
+        records = []
+        for item in range(12):
+            records.append(result_record("full", 1.0, f"i{item}", 1.0, model=model, dtype=dtype))
+            for budget in (128, 256):
+                for method in methods:
+                    if method == "ahakv":
+                        value = 1.0 if ahakv_wins else 0.0
+                    else:
+                        value = 0.0 if ahakv_wins else 1.0
+                    records.append(result_record(method, budget, f"i{item}", value, model=model, dtype=dtype))
+        return records
+
+    _write_run(tmp_path / "a", run(True, "model-a", "bfloat16"))
+    _write_run(tmp_path / "b", run(False, "model-b", "float32"))
+    text = claims_comparison([tmp_path / "a", tmp_path / "b"])
+    header = next(line for line in text.splitlines() if line.startswith("| claim |"))
+    assert header.endswith("| model-a (bfloat16) | model-b (float32) |")
+    row = next(line for line in text.splitlines() if line.startswith("| ahakv-needle |"))
+    cells = [cell.strip() for cell in row.strip("|").split(" | ")]
+    assert cells[3].startswith("**holds**") and cells[4].startswith("**does not hold**")
+    assert "n=12" in cells[3] and "n=12" in cells[4]
+    with pytest.raises(ValueError, match="at least 2 runs"):
+        claims_comparison([tmp_path / "a"])
+    main(["report", str(tmp_path / "a"), "--compare", str(tmp_path / "b")])
+    assert "## Paper claims across runs" in (tmp_path / "a" / "report.md").read_text()
+    with pytest.raises(SystemExit, match="--compare .*missing: no results.jsonl"):
+        main(["report", str(tmp_path / "a"), "--compare", str(tmp_path / "missing")])

@@ -129,6 +129,14 @@ def add_report_arguments(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--claims", choices=("auto", "yes", "no"), default="auto", help="include the paper-claims section"
     )
+    parser.add_argument(
+        "--compare",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="OTHER_OUT",
+        help="another eval output folder (repeatable): the paper claims side by side, this run first",
+    )
     parser.set_defaults(func=run_report_command)
     return parser
 
@@ -206,7 +214,10 @@ def run_report_command(args: argparse.Namespace) -> int:
     if not (Path(out) / "results.jsonl").exists():
         raise SystemExit(f"kvhive report: no results.jsonl in {out}")
     include = {"auto": None, "yes": True, "no": False}[args.claims]
-    write_report(out, margin=args.margin, include_claims=include)
+    for other in args.compare:
+        if not (Path(other) / "results.jsonl").exists():
+            raise SystemExit(f"kvhive report: --compare {other}: no results.jsonl there")
+    write_report(out, margin=args.margin, include_claims=include, compare=args.compare)
     print(f"report: {Path(out) / 'report.md'}")
     return 0
 

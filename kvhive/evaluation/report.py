@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -344,22 +345,77 @@ def claims_section(summary: ResultsSummary) -> str:
     return "\n".join(lines)
 
 
-def write_report(out_dir: str | Path, margin: float = CHANCE_MARGIN, include_claims: bool | None = None) -> str:
+def _run_label(records: list[dict], out_dir: Path) -> str:
+    models = sorted({str(r.get("model")) for r in records}) or [out_dir.name]
+    dtypes = sorted({str(r.get("dtype", "float32")) for r in records})
+    return f"{', '.join(models)} ({', '.join(dtypes)})" if dtypes else ", ".join(models)
+
+
+def claims_comparison(out_dirs: Sequence[str | Path]) -> str:
+    """The paper claims side by side over several runs (one column per run: what was measured
+    and the verdict), e.g. the same claims suite on two models."""
+    from .claims import CLAIMS, evaluate_claims
+
+    if len(out_dirs) < 2:
+        raise ValueError(f"claims_comparison needs at least 2 runs, got {len(out_dirs)}")
+    verdict_text = {True: "holds", False: "does not hold", None: "not enough data"}
+    columns = []
+    for out_dir in out_dirs:
+        records = read_results(out_dir)
+        if not records:
+            raise ValueError(f"no results in {out_dir}")
+        columns.append((_run_label(records, Path(out_dir)), evaluate_claims(ResultsSummary(records))))
+    lines = [
+        "## Paper claims across runs",
+        "",
+        "Each run's results checked by the same claims (`kvhive/evaluation/claims.py`): "
+        + "; ".join(
+            f"**{label}**: `{Path(d) / 'results.jsonl'}`" for (label, _), d in zip(columns, out_dirs, strict=True)
+        )
+        + ".",
+        "",
+        "| claim | paper | the paper says | " + " | ".join(label for label, _ in columns) + " |",
+        "|---|---|---|" + "---|" * len(columns),
+    ]
+    for index, claim in enumerate(CLAIMS):
+        cells = [claim.id, claim.paper, claim.paper_says]
+        for _, results in columns:
+            holds, measured = results[index]
+            cells.append(f"**{verdict_text[holds]}**: {measured}")
+        lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
+    for label, results in columns:
+        counts = {v: 0 for v in verdict_text.values()}
+        for holds, _ in results:
+            counts[verdict_text[holds]] += 1
+        lines.append("")
+        lines.append(f"{label}: " + ", ".join(f"{v}: {n}" for v, n in counts.items()))
+    return "\n".join(lines)
+
+
+def write_report(
+    out_dir: str | Path,
+    margin: float = CHANCE_MARGIN,
+    include_claims: bool | None = None,
+    compare: Sequence[str | Path] = (),
+) -> str:
     """Write ``out_dir/report.md`` and ``out_dir/quality_<task>.png``; return the markdown.
 
     ``include_claims``: None = when any record comes from a claims run (``suite == "claims"``).
+    ``compare``: other runs' output folders; the claims are then also given side by side
+    (:func:`claims_comparison`), this run first.
     """
     out = Path(out_dir)
     records = read_results(out)
     summary = ResultsSummary(records)
     models = sorted({str(r.get("model")) for r in records})
     seeds = sorted({str(r.get("seed")) for r in records})
+    dtypes = sorted({str(r.get("dtype", "float32")) for r in records}) or ["–"]
     suites = sorted({str(r.get("suite")) for r in records if r.get("suite")})
     lines = [
         "# kvhive evaluation report",
         "",
         f"- results: `{out / 'results.jsonl'}` ({len(records)} records)",
-        f"- model: {', '.join(models) or '–'}; seed: {', '.join(seeds) or '–'}"
+        f"- model: {', '.join(models) or '–'}; dtype: {', '.join(dtypes)}; seed: {', '.join(seeds) or '–'}"
         + (f"; suite: {', '.join(suites)}" if suites else ""),
         f"- generated: {datetime.now(timezone.utc).isoformat(timespec='seconds')}",
         "- budgets: a decimal is a ratio of the context kept; `N tok` is N tokens per KV head per layer; "
@@ -406,9 +462,19 @@ def write_report(out_dir: str | Path, margin: float = CHANCE_MARGIN, include_cla
         include_claims = any(r.get("suite") == "claims" for r in records)
     if include_claims:
         lines += [claims_section(summary), ""]
+    if compare:
+        lines += [claims_comparison([out, *compare]), ""]
     text = "\n".join(lines)
     (out / REPORT_FILE).write_text(text, encoding="utf-8")
     return text
 
 
-__all__ = ["write_report", "task_table", "plot_task", "quality_figures", "paired_ratio_to_full", "claims_section"]
+__all__ = [
+    "write_report",
+    "task_table",
+    "plot_task",
+    "quality_figures",
+    "paired_ratio_to_full",
+    "claims_section",
+    "claims_comparison",
+]
