@@ -902,6 +902,8 @@ def test_claims_suite_decides_on_8_perplexity_windows_and_2k_4k_needles():
     assert ppl.params["num_tokens"] // ppl.params["window"] >= 8
     for needle in ("needle", "needle_multikey"):
         assert specs[needle]["lengths"] == [2000, 4000]
+    # mdqa at ~2.4k and ~4k tokens: 20 and 33 documents, the gold first, in the middle, last
+    assert specs["mdqa"] == {"num_documents": [20, 33], "gold_positions": [0, "middle", -1]}
     assert set(specs) == set(suite.methods)  # every claim task has its methods under its name
 
 
