@@ -68,7 +68,8 @@ def check_reused_caches(model) -> None:
     prepare = model.prepare_inputs_for_generation
 
     def prepare_inputs_for_generation(input_ids, *args, **kwargs):
-        cache = kwargs.get("past_key_values")
+        # transformers >= 5.24 hands the cache to this hook as ``cache`` (5.20-5.23: ``past_key_values``).
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if isinstance(cache, KVHiveCache) and cache.positions == ORIGINAL_POSITIONS:
             new_tokens = kwargs.get("next_sequence_length")
             if new_tokens is None and not cache.get_seq_length():
