@@ -92,3 +92,25 @@ def result_record(method, budget, item, value, task="needle", metric="m", **fiel
         "seed": 0,
         **fields,
     }
+
+
+def scoring_inputs(queries, keys, values, scaling=None, sequence_length=None, mask=None, phase="prefill"):
+    """Hand-made ``ScoringInputs`` of one layer: keys at positions 0..n-1 and, unless a ``mask`` is
+    given, a causal mask for the last ``q`` of them (the queries)."""
+    from kvhive.methods.base import ScoringInputs
+
+    n, q = keys.shape[2], queries.shape[2]
+    if mask is None:
+        mask = torch.ones(n, n, dtype=torch.bool).tril()[n - q :][None, None].expand(keys.shape[0], 1, q, n)
+    return ScoringInputs(
+        keys=keys,
+        values=values,
+        queries=queries,
+        positions=torch.arange(n).expand(keys.shape[:3]),
+        mask=mask,
+        scaling=keys.shape[-1] ** -0.5 if scaling is None else scaling,
+        layer_index=0,
+        num_layers=1,
+        sequence_length=n if sequence_length is None else sequence_length,
+        phase=phase,
+    )

@@ -16,28 +16,16 @@ import torch
 
 from kvhive.methods import make_policy
 from kvhive.methods.adakv import authors_head_budgets
-from kvhive.methods.base import ScoringInputs
+
+from helpers import scoring_inputs
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CASES = json.loads((FIXTURES / "adakv_authors_allocation.json").read_text())["cases"]
 INPUTS = torch.load(FIXTURES / "adakv_authors_inputs.pt")
 
 
-def _scoring(queries: torch.Tensor, keys: torch.Tensor) -> ScoringInputs:
-    n = keys.shape[2]
-    mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
-    return ScoringInputs(
-        keys=keys,
-        values=keys.clone(),
-        queries=queries,
-        positions=torch.arange(n).expand(keys.shape[:3]),
-        mask=mask,
-        scaling=keys.shape[-1] ** -0.5,
-        layer_index=0,
-        num_layers=1,
-        sequence_length=n,
-        phase="prefill",
-    )
+def _scoring(queries: torch.Tensor, keys: torch.Tensor):
+    return scoring_inputs(queries, keys, keys.clone())
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

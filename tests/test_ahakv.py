@@ -20,32 +20,13 @@ from kvhive.methods.ahakv import (
     sg_logit_multiplier,
     value_prior,
 )
-from kvhive.methods.base import ScoringInputs, keep_top_scores
+from kvhive.methods.base import keep_top_scores
 from kvhive.models import TINY_ARCHITECTURES, TINY_ATTENTION_KINDS, tiny_model
 
 from helpers import left_padded_batch, prefill_and_decode, reference_logits
+from helpers import scoring_inputs as _scoring
 
 VARIANTS = [(architecture, attention) for architecture in TINY_ARCHITECTURES for attention in TINY_ATTENTION_KINDS]
-
-
-def _scoring(queries, keys, values, scaling=None, sequence_length=None, mask=None, phase="prefill"):
-    """ScoringInputs with a plain causal mask over the last ``q`` positions (hand-made inputs)."""
-    n = keys.shape[2]
-    q = queries.shape[2]
-    if mask is None:
-        mask = torch.ones(n, n, dtype=torch.bool).tril()[n - q :][None, None].expand(keys.shape[0], 1, q, n)
-    return ScoringInputs(
-        keys=keys,
-        values=values,
-        queries=queries,
-        positions=torch.arange(n).expand(keys.shape[:3]),
-        mask=mask,
-        scaling=keys.shape[-1] ** -0.5 if scaling is None else scaling,
-        layer_index=0,
-        num_layers=1,
-        sequence_length=n if sequence_length is None else sequence_length,
-        phase=phase,
-    )
 
 
 def _gaussian_inputs(seed, n=512, heads=4, dim=64, query_heads=None):

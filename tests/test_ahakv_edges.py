@@ -19,23 +19,7 @@ from kvhive.methods.ahakv import (
 )
 from kvhive.methods.base import ScoringInputs
 
-
-def _scoring(queries, keys, values, mask=None):
-    n, q = keys.shape[2], queries.shape[2]
-    if mask is None:
-        mask = torch.ones(n, n, dtype=torch.bool).tril()[n - q :][None, None].expand(keys.shape[0], 1, q, n)
-    return ScoringInputs(
-        keys=keys,
-        values=values,
-        queries=queries,
-        positions=torch.arange(n).expand(keys.shape[:3]),
-        mask=mask,
-        scaling=keys.shape[-1] ** -0.5,
-        layer_index=0,
-        num_layers=1,
-        sequence_length=n,
-        phase="prefill",
-    )
+from helpers import scoring_inputs as _scoring
 
 
 def _inputs(seed: int, n: int = 40, heads: int = 2, dim: int = 8):

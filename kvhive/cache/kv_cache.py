@@ -49,6 +49,12 @@ def active_update(keys: torch.Tensor) -> tuple[KVHiveCache | None, int | None]:
     return None, None
 
 
+def mark_update(cache, layer_index: int, keys: torch.Tensor) -> None:
+    """Record that ``cache.update`` for ``layer_index`` just returned ``keys`` (read back by
+    :func:`active_update` in kvhive's attention)."""
+    _LAST_UPDATE["cache"], _LAST_UPDATE["layer"], _LAST_UPDATE["keys"] = cache, layer_index, keys
+
+
 def _real_lengths(scoring: ScoringInputs) -> list[int]:
     """Real (unpadded) tokens of each row: the keys some query of the prompt may attend."""
     if scoring.mask is None:
@@ -424,7 +430,7 @@ class KVHiveCache(Cache):
         self._unattended_update = layer_idx
         keys, values = self.layers[layer_idx].update(key_states, value_states)
         # The attention function runs next; it recognises this cache by the tensor it returns.
-        _LAST_UPDATE["cache"], _LAST_UPDATE["layer"], _LAST_UPDATE["keys"] = self, layer_idx, keys
+        mark_update(self, layer_idx, keys)
         return keys, values
 
     # -- reuse checks ------------------------------------------------------------------------------

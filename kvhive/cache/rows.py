@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from kvhive.cache.kv_cache import _LAST_UPDATE, ORIGINAL_POSITIONS, KVHiveCache
+from kvhive.cache.kv_cache import ORIGINAL_POSITIONS, KVHiveCache, mark_update
 
 
 class CacheRows(Cache):
@@ -89,7 +89,7 @@ class CacheRows(Cache):
             )
         # kvhive's attention recognises the returned tensor, then hands each row to its own cache
         # (``KVHiveCache.update``) and runs that row's attention over it.
-        _LAST_UPDATE["cache"], _LAST_UPDATE["layer"], _LAST_UPDATE["keys"] = self, layer_idx, key_states
+        mark_update(self, layer_idx, key_states)
         return key_states, value_states
 
     def _not_per_row(self, *args, **kwargs):

@@ -95,36 +95,22 @@ class KVHiveBackend:
                 logits.append(output.logits[:, -1])
         return caches, logits
 
-    @torch.no_grad()
-    def _greedy(
-        self, cache, logits: torch.Tensor, max_new_tokens: int, sizes: _SizeTracker
-    ) -> list[int] | SettingFailure:
-        tokens: list[int] = []
-        sizes.observe(cache)
-        for step in range(max_new_tokens):
-            if not bool(torch.isfinite(logits).all()):
-                # argmax over NaN picks an arbitrary token: that text is not the model's answer.
-                return SettingFailure(f"non-finite model output: logits at generated token {step} are not finite")
-            token = int(logits.argmax(-1)[0])
-            if token in self.stop_tokens:
-                break
-            tokens.append(token)
-            if step + 1 == max_new_tokens:
-                break
-            output = self.model(
-                input_ids=torch.tensor([[token]], device=self.model.device), past_key_values=cache, use_cache=True
-            )
-            logits = output.logits[:, -1]
-            sizes.observe(cache)
-        return tokens
+    @staticmethod
+    def _rows(caches, active: list[int]):
+        """The cache a forward pass of the ``active`` settings uses: the setting's own cache for one
+        row (the plain path), else the rows of one batch."""
+        if len(active) == 1:
+            return caches[active[0]]
+        return CacheRows([caches[index] for index in active])
 
     @torch.no_grad()
-    def _greedy_rows(
+    def _greedy(
         self, caches: list, logits: list[torch.Tensor], max_new_tokens: int, sizes: list[_SizeTracker]
     ) -> list[list[int] | SettingFailure]:
-        """:meth:`_greedy` for every cache at once: the caches still generating are the rows of
-        one batch; a row leaves the batch when it stops (a stop token, the length limit, or
-        non-finite logits), exactly where :meth:`_greedy` would stop it."""
+        """Greedy decoding of every cache from its first logits: the caches still generating are
+        the rows of one batch; a row leaves the batch where it stops (a stop token, the length
+        limit, or non-finite logits: argmax over NaN picks an arbitrary token, so that row is a
+        failure). With one cache this is plain decoding on that cache."""
         results: list[list[int] | SettingFailure | None] = [None] * len(caches)
         tokens: list[list[int]] = [[] for _ in caches]
         for cache, tracker in zip(caches, sizes, strict=True):
@@ -155,9 +141,7 @@ class KVHiveBackend:
                 break
             active = [row for row, _ in still]
             input_ids = torch.tensor([[token] for _, token in still], device=self.model.device)
-            output = self.model(
-                input_ids=input_ids, past_key_values=CacheRows([caches[r] for r in active]), use_cache=True
-            )
+            output = self.model(input_ids=input_ids, past_key_values=self._rows(caches, active), use_cache=True)
             step_logits = output.logits[:, -1]
             for row in active:
                 sizes[row].observe(caches[row])
@@ -203,11 +187,11 @@ class KVHiveBackend:
         input_ids = self._encode(prompt)
         caches, logits = self._prefilled(input_ids, settings)
         sizes = [_SizeTracker() for _ in caches]
-        if self.share_decode and caches:
-            generated = self._greedy_rows(caches, logits, max_new_tokens, sizes)
+        if self.share_decode:
+            generated = self._greedy(caches, logits, max_new_tokens, sizes) if caches else []
         else:
             generated = [
-                self._greedy(cache, first_logits, max_new_tokens, tracker)
+                self._greedy([cache], [first_logits], max_new_tokens, [tracker])[0]
                 for cache, first_logits, tracker in zip(caches, logits, sizes, strict=True)
             ]
         self.last_cache_sizes = [tracker.summary() for tracker in sizes]
@@ -272,9 +256,8 @@ class KVHiveBackend:
             for position in range(len(token_ids) - 1):
                 if not active:
                     break
-                rows = caches[active[0]] if len(active) == 1 else CacheRows([caches[index] for index in active])
                 input_ids = ids[position].reshape(1, 1).expand(len(active), 1)
-                output = self.model(input_ids=input_ids, past_key_values=rows, use_cache=True)
+                output = self.model(input_ids=input_ids, past_key_values=self._rows(caches, active), use_cache=True)
                 log_probs = torch.log_softmax(output.logits[:, -1].float(), dim=-1)
                 # One host read per step for all rows.
                 nlls = (-log_probs[:, ids[position + 1]]).tolist()

@@ -21,7 +21,7 @@ from typing import Any
 
 from kvhive.methods.registry import method_names
 
-from .backend import FULL_METHOD
+from .backend import DEFAULT_DTYPE, FULL_METHOD
 from .metrics import aggregate_item_metrics
 from .results import ResultsSummary, read_results
 
@@ -318,10 +318,23 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
 
 
+VERDICT_TEXT = {True: "holds", False: "does not hold", None: "not enough data"}
+
+
+def _table_row(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
+
+
+def _verdict_counts(results) -> str:
+    counts = {text: 0 for text in VERDICT_TEXT.values()}
+    for holds, _ in results:
+        counts[VERDICT_TEXT[holds]] += 1
+    return ", ".join(f"{text}: {n}" for text, n in counts.items())
+
+
 def claims_section(summary: ResultsSummary) -> str:
     from .claims import CLAIMS, evaluate_claims
 
-    verdict_text = {True: "holds", False: "does not hold", None: "not enough data"}
     lines = [
         "## Paper claims",
         "",
@@ -336,19 +349,18 @@ def claims_section(summary: ResultsSummary) -> str:
         "| claim | paper | task | the paper says | measured here | verdict |",
         "|---|---|---|---|---|---|",
     ]
-    counts = {v: 0 for v in verdict_text.values()}
-    for claim, (holds, measured) in zip(CLAIMS, evaluate_claims(summary), strict=True):
-        cells = [claim.id, claim.paper, claim.task, claim.paper_says, measured, f"**{verdict_text[holds]}**"]
-        lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
-        counts[verdict_text[holds]] += 1
-    lines += ["", ", ".join(f"{v}: {n}" for v, n in counts.items())]
+    results = evaluate_claims(summary)
+    for claim, (holds, measured) in zip(CLAIMS, results, strict=True):
+        lines.append(
+            _table_row([claim.id, claim.paper, claim.task, claim.paper_says, measured, f"**{VERDICT_TEXT[holds]}**"])
+        )
+    lines += ["", _verdict_counts(results)]
     return "\n".join(lines)
 
 
-def _run_label(records: list[dict], out_dir: Path) -> str:
-    models = sorted({str(r.get("model")) for r in records}) or [out_dir.name]
-    dtypes = sorted({str(r.get("dtype", "float32")) for r in records})
-    return f"{', '.join(models)} ({', '.join(dtypes)})" if dtypes else ", ".join(models)
+def _dtypes(records: list[dict]) -> list[str]:
+    """The dtypes of a run's records (records written before the field existed are float32)."""
+    return sorted({str(r.get("dtype", DEFAULT_DTYPE)) for r in records})
 
 
 def claims_comparison(out_dirs: Sequence[str | Path]) -> str:
@@ -358,13 +370,14 @@ def claims_comparison(out_dirs: Sequence[str | Path]) -> str:
 
     if len(out_dirs) < 2:
         raise ValueError(f"claims_comparison needs at least 2 runs, got {len(out_dirs)}")
-    verdict_text = {True: "holds", False: "does not hold", None: "not enough data"}
     columns = []
     for out_dir in out_dirs:
         records = read_results(out_dir)
         if not records:
             raise ValueError(f"no results in {out_dir}")
-        columns.append((_run_label(records, Path(out_dir)), evaluate_claims(ResultsSummary(records))))
+        models = sorted({str(r.get("model")) for r in records})
+        label = f"{', '.join(models)} ({', '.join(_dtypes(records))})"
+        columns.append((label, evaluate_claims(ResultsSummary(records))))
     lines = [
         "## Paper claims across runs",
         "",
@@ -381,14 +394,10 @@ def claims_comparison(out_dirs: Sequence[str | Path]) -> str:
         cells = [claim.id, claim.paper, claim.paper_says]
         for _, results in columns:
             holds, measured = results[index]
-            cells.append(f"**{verdict_text[holds]}**: {measured}")
-        lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
+            cells.append(f"**{VERDICT_TEXT[holds]}**: {measured}")
+        lines.append(_table_row(cells))
     for label, results in columns:
-        counts = {v: 0 for v in verdict_text.values()}
-        for holds, _ in results:
-            counts[verdict_text[holds]] += 1
-        lines.append("")
-        lines.append(f"{label}: " + ", ".join(f"{v}: {n}" for v, n in counts.items()))
+        lines += ["", f"{label}: {_verdict_counts(results)}"]
     return "\n".join(lines)
 
 
@@ -409,7 +418,7 @@ def write_report(
     summary = ResultsSummary(records)
     models = sorted({str(r.get("model")) for r in records})
     seeds = sorted({str(r.get("seed")) for r in records})
-    dtypes = sorted({str(r.get("dtype", "float32")) for r in records}) or ["–"]
+    dtypes = _dtypes(records) or ["–"]
     suites = sorted({str(r.get("suite")) for r in records if r.get("suite")})
     lines = [
         "# kvhive evaluation report",
