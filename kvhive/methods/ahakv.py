@@ -53,7 +53,9 @@ same: own rows 2.9-3.2, ``raw_qk`` 1.1-2.4 (needed factor 0.34-0.36), ``scaled_q
 (``benchmarks/ahakv_gain_needle_retention.py``) ``raw_qk`` keeps more of the needle sentence's
 tokens at prefill than ``scaled_qk`` on every prompt (budget 128: 0.49 vs 0.35; 256: 0.65 vs
 0.54; paired difference +0.15 +- 0.03 and +0.11 +- 0.03 s.e.). ``raw_qk`` is therefore the
-default; ``scaled_qk`` is kept for comparison.
+default; ``scaled_qk`` is kept for comparison. On generation the effect depends on the model:
+Gemma's needle shows no difference (n = 16), Qwen2.5-0.5B's needle favours ``scaled_qk`` (exact
+match 0.48 vs 0.30, n = 40), mdqa neither (``results/ahakv_gain/README.md``).
 
 GQA: scores are computed per query head and averaged over each KV group (docs/METHODS.md choice);
 the value prior is per stored head. Padding (``valid`` False) is excluded from the mean filter
