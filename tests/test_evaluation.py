@@ -827,6 +827,12 @@ def test_cli_suites_resolve():
     claims = resolve_eval_grid(parser.parse_args(["eval", "--suite", "claims", "--tasks", "xsum", "--limit", "3"]))
     assert claims["tasks"] == ["xsum"] and set(claims["methods"]) == {"xsum"} and claims["limit"] == 3
     assert "buzz" in claims["methods"]["xsum"] and 0.4 in claims["budgets"]["xsum"]
+    # the bare suite command is the committed run: 40 items a task, bf16; explicit options override
+    bare = resolve_eval_grid(parser.parse_args(["eval", "--suite", "claims"]))
+    assert bare["limit"] == 40 and bare["dtype"] == "bfloat16"
+    assert resolve_eval_grid(parser.parse_args(["eval", "--suite", "claims", "--dtype", "float32"]))["dtype"] == "float32"
+    assert quick["dtype"] == "float32"
+    assert resolve_eval_grid(parser.parse_args(["eval", "--tasks", "xsum", "--methods", "h2o"]))["dtype"] == "float32"
 
 
 def test_results_writer_refuses_non_finite_numbers(tmp_path):
@@ -891,15 +897,17 @@ def test_a_ratio_resolving_to_zero_tokens_on_perplexity_is_infeasible(tmp_path):
     assert records[0.5]["status"] == "ok"
 
 
-def test_claims_suite_decides_on_8_perplexity_windows_and_2k_4k_needles():
-    # issue 12: streaming perplexity over >= 8 windows, needles at 2k and 4k tokens
+def test_claims_suite_decides_on_28_perplexity_windows_2k_4k_needles_and_kv_retrieval():
+    # issue 12: streaming perplexity over >= 8 windows (28: what BUZZ - H2O at 50 tokens needs on
+    # Qwen2.5-0.5B), needles at 2k and 4k tokens, kv-retrieval (Qwen's full cache 8/10)
     from kvhive.evaluation.suites import get_suite
     from kvhive.evaluation.tasks import get_task, parse_task_spec
 
     suite = get_suite("claims")
     specs = {parse_task_spec(spec)[0]: parse_task_spec(spec)[1] for spec in suite.tasks}
     ppl = get_task("ppl", **specs["ppl"])
-    assert ppl.params["num_tokens"] // ppl.params["window"] >= 8
+    assert ppl.params["num_tokens"] // ppl.params["window"] >= 28
+    assert set(suite.methods["kv_retrieval"]) >= {"ahakv", "ada-snapkv", "snapkv", "tova", "h2o", "streamingllm"}
     for needle in ("needle", "needle_multikey"):
         assert specs[needle]["lengths"] == [2000, 4000]
     # mdqa at ~2.4k and ~4k tokens: 20 and 33 documents, the gold first, in the middle, last

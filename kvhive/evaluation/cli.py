@@ -93,8 +93,8 @@ def add_eval_arguments(
     parser.add_argument(
         "--dtype",
         choices=DTYPES,
-        default=DEFAULT_DTYPE,
-        help=f"load the model in this dtype (default {DEFAULT_DTYPE}); recorded with every result",
+        default=None,
+        help=f"load the model in this dtype (default: the suite's, else {DEFAULT_DTYPE}); recorded with every result",
     )
     parser.add_argument("--suite", choices=sorted(SUITES), help="a predefined grid; explicit options override it")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -160,7 +160,8 @@ def resolve_eval_grid(args: argparse.Namespace) -> dict[str, Any]:
         if isinstance(budgets, dict):
             budgets = {k: v for k, v in budgets.items() if k in names}
     out = args.out or Path("runs") / f"eval-{args.model}-{args.suite or 'custom'}"
-    return {"tasks": tasks, "methods": methods, "budgets": budgets, "limit": limit, "out_dir": out}
+    dtype = getattr(args, "dtype", None) or (suite.dtype if suite else None) or DEFAULT_DTYPE
+    return {"tasks": tasks, "methods": methods, "budgets": budgets, "limit": limit, "out_dir": out, "dtype": dtype}
 
 
 def run_eval_command(args: argparse.Namespace) -> int:
@@ -168,7 +169,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
     if factory is None:
         raise SystemExit("kvhive eval: no backend factory was wired into the CLI")
     grid = resolve_eval_grid(args)
-    dtype = getattr(args, "dtype", DEFAULT_DTYPE)
+    dtype = grid["dtype"]
     if dtype != DEFAULT_DTYPE:
         factory = functools.partial(factory, dtype=dtype)
     data_dir = args.data_dir or default_data_dir()
