@@ -32,7 +32,7 @@ EXCLUDED = {
     "bash scripts/main.sh": "the main job (set-up + quick evaluation, minutes); CI and the lead run it from a fresh clone",
     "bash scripts/test.sh": "runs this test suite, which would then run itself; CI runs it",
     "kvhive eval --tasks needle,mdqa --methods snapkv,ada-snapkv --budgets 0.1,0.2 --limit 20 --out runs/x": "minutes of model time even at --limit 1; the eval command itself is tested in tests/test_evaluation.py",
-    "kvhive eval --suite claims --model qwen2.5-0.5b --dtype bfloat16 --out runs/claims": (
+    "kvhive eval --suite claims --model qwen2.5-0.5b --out runs/claims": (
         "the paper-claims suite: over an hour of model time"
     ),
 }
