@@ -713,6 +713,11 @@ def test_claim_checks():
         )
     )
     assert near_chance[0] is None and "near chance" in near_chance[1]
+    # only the full cache run (the compressed settings skipped because it is at chance): both said
+    skipped = check(summary({}, full=0.02))
+    assert skipped[0] is None and "near chance" in skipped[1] and "missing: ada-snapkv@64 tok" in skipped[1]
+    full_only = retains_full("needle", "ada-snapkv", 64, 0.9)(summary({}, full=0.02))
+    assert full_only[0] is None and "missing data" in full_only[1] and "near chance" in full_only[1]
     each = outperforms("ppl", "buzz", ["h2o"], (50, 100))  # lower is better
 
     def ppl(b50, b100):

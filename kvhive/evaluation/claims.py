@@ -206,10 +206,10 @@ def outperforms(
                 (values[(candidate, b)], values[(base, b)], base, (b,)) for base in baselines for b in budgets
             ]
         text += f"; full {_fmt(full)}; {n_text}"
-        if missing:
-            return None, text + f"; missing: {', '.join(missing)}"
-        if reason:
-            return None, text + f"; {reason}"
+        if missing or reason:
+            # both when both: a run may skip the compressed settings where the full cache is at chance
+            notes = ([f"missing: {', '.join(missing)}"] if missing else []) + ([reason] if reason else [])
+            return None, text + "; " + "; ".join(notes)
         wins = losses = ties = within_noise = 0
         paired_notes: list[str] = []
         for mine, theirs, base, compared_budgets in comparisons:
@@ -262,7 +262,8 @@ def retains_full(
         if value is None or full is None:
             return (
                 None,
-                f"{metric_name}: {method}@{_budget_text(budget)} {_fmt(value)}, full {_fmt(full)} (missing data)",
+                f"{metric_name}: {method}@{_budget_text(budget)} {_fmt(value)}, full {_fmt(full)} (missing data)"
+                + (f"; {reason}" if reason else ""),
             )
         ratio = value / full if full else float("nan")
         text = (
