@@ -763,3 +763,73 @@ def test_importance_scale_normalised_applies_phi_to_the_mass_fraction():
         )
         torch.testing.assert_close(objective.feature(chosen[None])[0], expected_feature)
     assert not torch.equal(kept["raw"], kept["normalised"])
+
+
+@pytest.mark.parametrize("scale", ["raw", "normalised"])
+def test_prefill_keeps_the_greedy_optimum_of_the_objective_with_its_importance_scale(scale):
+    """Algorithm 1 on each head's own objective: the kept summary equals the plain greedy of
+    Mixture(sim, w, valid, lambda, power) straight from the definition, where w is the head's
+    accumulated attention ("raw") or its fraction of the head's real mass ("normalised"), with the
+    left padding of the row carrying no weight. Head masses of ~15 and ~0.25 and lambda = 0.5 make
+    the selection depend on the scale (mutation testing: the normalisation's branch, its clamp, its
+    sum axis and its padding handling were not pinned; each mutant fails this test)."""
+    generator = torch.Generator().manual_seed(3)
+    b, h, n, d, budget, pad = 1, 2, 36, 8, 12, 3
+    keys = torch.randn(b, h, n, d, generator=generator)
+    weights = torch.rand(b, h, n, generator=generator) * torch.tensor([30.0, 0.5])[None, :, None]
+    mask = torch.ones(b, 1, 1, n, dtype=torch.bool)
+    mask[..., :pad] = False
+    policy = BumbleBeePower(importance_scale=scale, greedy="plain", mixture_weight=0.5)
+    scoring = ScoringInputs(
+        keys=keys,
+        values=keys,
+        queries=torch.zeros(b, h, 1, d),
+        positions=torch.arange(n).expand(b, h, n),
+        mask=mask,
+        scaling=1.0,
+        layer_index=0,
+        num_layers=1,
+        sequence_length=n,
+        phase=DECODE,
+        token_scores={SCORE: weights.clone()},
+    )
+    kept = policy.select_prefill(scoring, budget, {})
+    summary_size, local = policy.split(budget)
+    candidates = n - local
+    valid = mask[0, 0, 0, :candidates]
+    for head in range(h):
+        w = weights[0, head, :candidates].double() * valid
+        if scale == "normalised":
+            w = w / w.sum()
+        objective = Mixture(
+            relu_cosine_similarity(keys[0, head : head + 1, :candidates], valid[None]),
+            w[None],
+            valid[None],
+            0.5,
+            Concave("power"),
+        )
+        expected = reference_greedy(objective, summary_size)[0]
+        assert torch.equal(kept[0, head, :candidates], expected), (scale, head)
+        assert kept[0, head, candidates:].all()
+
+
+def test_prefill_within_the_budget_keeps_every_token():
+    policy = BumbleBee()
+    b, h, n, d = 2, 3, 10, 4
+    keys = torch.randn(b, h, n, d, generator=torch.Generator().manual_seed(0))
+    scoring = ScoringInputs(
+        keys=keys,
+        values=keys,
+        queries=torch.zeros(b, h, 1, d),
+        positions=torch.arange(n).expand(b, h, n),
+        mask=None,
+        scaling=1.0,
+        layer_index=0,
+        num_layers=1,
+        sequence_length=n,
+        phase=DECODE,
+        token_scores={SCORE: torch.rand(b, h, n)},
+    )
+    for budget in (n, n + 5):
+        kept = policy.select_prefill(scoring, budget, {})
+        assert kept.dtype == torch.bool and kept.shape == (b, h, n) and kept.all()
