@@ -778,3 +778,29 @@ def test_evicting_subgen_run_equals_attention_over_exactly_the_kept_tokens():
     finally:
         model.set_attn_implementation("sdpa")
         _ALLOWED.clear()
+
+
+def test_token_equivalents_count_the_vectors_each_row_holds():
+    """The memory subgen-attention reports (clustering_statistics' token_equivalents) in the unit
+    of every other method, a cached token = a key and a value: per row, the s sampled (key, value)
+    pairs of M plus, per cluster in use, its representative key and its t sampled keys. Counted
+    here from the tensors' shapes (mutation testing: the formula was only bounded, not pinned)."""
+    rows, dim, t, s = 3, 4, 3, 5
+    target = structures(rows, dim, t, s, delta=0.8, seed=1)
+    generator = torch.Generator().manual_seed(2)
+    keys = torch.randn(rows, 40, dim, generator=generator) * torch.tensor([0.1, 1.0, 3.0])[:, None, None]
+    insert_in_pieces(target, keys, torch.randn(rows, 40, dim, generator=generator), [7, 1, 32])
+    clusters = target.num_clusters
+    assert len(set(clusters.tolist())) > 1  # rows of different sizes
+    m_vectors = target.m_keys.shape[1] + target.m_values.shape[1]
+    per_cluster = 1 + target.samples.shape[2]  # the representative and its t samples
+    expected = (m_vectors + clusters.double() * per_cluster) / 2
+    torch.testing.assert_close(target.token_equivalents().double(), expected)
+
+
+def test_memory_plan_token_equivalents_are_the_budget_split():
+    for budget in (64, 100, 257):
+        plan = SubGenAttention().plan(budget)
+        clusters = plan.max_clusters * (plan.samples_per_cluster + 1) / 2
+        assert plan.token_equivalents == plan.window + plan.value_samples + clusters
+        assert plan.token_equivalents <= budget
