@@ -30,7 +30,9 @@ def compare(new_dir: Path, old_dir: Path) -> tuple[int, list[str]]:
             continue
         fields = [f for f in ("item_hash", "status", "output", "metrics") if record.get(f) != previous.get(f)]
         if fields:
-            problems.append(f"differs in {', '.join(fields)}: {key}: {record.get('metrics')} vs {previous.get('metrics')}")
+            problems.append(
+                f"differs in {', '.join(fields)}: {key}: {record.get('metrics')} vs {previous.get('metrics')}"
+            )
         else:
             same += 1
     return same, problems

@@ -835,7 +835,9 @@ def test_cli_suites_resolve():
     # the bare suite command is the committed run: 40 items a task, bf16; explicit options override
     bare = resolve_eval_grid(parser.parse_args(["eval", "--suite", "claims"]))
     assert bare["limit"] == 40 and bare["dtype"] == "bfloat16"
-    assert resolve_eval_grid(parser.parse_args(["eval", "--suite", "claims", "--dtype", "float32"]))["dtype"] == "float32"
+    assert (
+        resolve_eval_grid(parser.parse_args(["eval", "--suite", "claims", "--dtype", "float32"]))["dtype"] == "float32"
+    )
     assert quick["dtype"] == "float32"
     assert resolve_eval_grid(parser.parse_args(["eval", "--tasks", "xsum", "--methods", "h2o"]))["dtype"] == "float32"
 

@@ -51,3 +51,22 @@ def test_streamingllm_needs_its_sinks_and_one_recent_token():
         assert cache.mean_kept_per_head() == sink + 1
         with pytest.raises(ValueError, match=f"budget={sink}"):
             kvhive.make_cache(model, "streamingllm", sink, sink=sink)
+
+
+def _seeded_methods():
+    return [
+        name
+        for name in method_names()
+        if any(field.name == "seed" for field in dataclasses.fields(policy_class(name).config_class))
+    ]
+
+
+@pytest.mark.parametrize("method", _seeded_methods())
+def test_seed_accepts_exactly_the_range_a_torch_generator_takes(method):
+    # torch.Generator.manual_seed takes [0, 2**64) but the seeds derived from it must stay below
+    # 2**63 where they are multiplied; each bound is checked on both sides.
+    for seed in (0, 127, 2**63 - 1):
+        make_policy(method, seed=seed)
+    for seed in (-1, 2**63, 2**64):
+        with pytest.raises(ValueError, match=r"\bseed\b"):
+            make_policy(method, seed=seed)

@@ -61,6 +61,28 @@ def require_int_at_least(value: Any, minimum: int, parameter: str) -> None:
     )
 
 
+SEED_LIMIT = 2**63
+
+
+def require_seed(value: Any, parameter: str = "seed") -> None:
+    """A seed is an integer in [0, 2**63): what every derived generator seed below stays within."""
+    require(
+        isinstance(value, int) and not isinstance(value, bool) and 0 <= value < SEED_LIMIT,
+        parameter,
+        "an integer in [0, 2**63)",
+        value,
+    )
+
+
+def derived_seed(seed: int, layer_index: int, head: int | None = None) -> int:
+    """The generator seed of one layer (and head): distinct for every (seed, layer, head) of a real
+    model, in [0, 2**63) whatever the user's seed (torch.Generator.manual_seed overflows above 2**64)."""
+    derived = seed * 1_000_003 + layer_index
+    if head is not None:
+        derived = derived * 1_009 + head
+    return derived % SEED_LIMIT
+
+
 def require_probability(value: Any, parameter: str, low_open: bool = False) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
     ok = ok and (0.0 < value <= 1.0 if low_open else 0.0 <= value <= 1.0)

@@ -64,9 +64,11 @@ from kvhive.methods.base import (
     Policy,
     PolicyConfig,
     ScoringInputs,
+    derived_seed,
     require,
     require_int_at_least,
     require_probability,
+    require_seed,
 )
 from kvhive.methods.submodular import (
     Concave,
@@ -144,7 +146,7 @@ class BumbleBeeConfig(PolicyConfig):
         )
         require(self.greedy in GREEDY_METHODS, "greedy", "'stochastic', 'lazy' or 'plain'", self.greedy)
         require(_is_number(self.epsilon) and 0 < self.epsilon < 1, "epsilon", "a number in (0, 1)", self.epsilon)
-        require_int_at_least(self.seed, 0, "seed")
+        require_seed(self.seed)
 
 
 @dataclass(frozen=True)
@@ -214,7 +216,7 @@ class BumbleBee(Policy):
         generators = []
         for row in range(rows):
             generator = torch.Generator(device=keys.device)
-            generator.manual_seed((self.config.seed * 1_000_003 + scoring.layer_index) * 1_009 + row % heads)
+            generator.manual_seed(derived_seed(self.config.seed, scoring.layer_index, row % heads))
             generators.append(generator)
         chosen = torch.zeros(rows, candidates, dtype=torch.bool, device=keys.device)
         order = torch.arange(candidates, device=keys.device)

@@ -26,10 +26,10 @@ from kvhive.methods.base import (
     PolicyConfig,
     ScorerPolicy,
     ScoringInputs,
+    derived_seed,
     recent_mask,
-    require,
-    require_int_at_least,
     require_probability,
+    require_seed,
 )
 
 PRIORITY = "random_priority"
@@ -43,8 +43,7 @@ class RandomLocalConfig(PolicyConfig):
 
     def validate(self) -> None:
         require_probability(self.recent_fraction, "recent_fraction")
-        require_int_at_least(self.seed, 0, "seed")
-        require(self.seed < 2**63, "seed", "an integer in [0, 2**63)", self.seed)
+        require_seed(self.seed)
 
 
 class RandomLocal(ScorerPolicy):
@@ -60,7 +59,7 @@ class RandomLocal(ScorerPolicy):
         """One generator per batch row, each seeded with ``(seed, layer)``: a row draws what it
         would draw alone, whatever the rest of the batch."""
         if GENERATOR not in state:
-            seed = (self.config.seed * 1_000_003 + scoring.layer_index) % 2**63
+            seed = derived_seed(self.config.seed, scoring.layer_index)
             state[GENERATOR] = [torch.Generator(device="cpu").manual_seed(seed) for _ in range(scoring.batch_size)]
         return state[GENERATOR]
 

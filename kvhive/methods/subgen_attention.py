@@ -76,10 +76,12 @@ from kvhive.methods.base import (
     Policy,
     PolicyConfig,
     ScoringInputs,
+    derived_seed,
     keep_top_scores,
     recency,
     require,
     require_int_at_least,
+    require_seed,
 )
 
 STATE_KEY = "subgen_structures"
@@ -120,7 +122,7 @@ class SubGenAttentionConfig(PolicyConfig):
             require(ok, name, "a number in (0, 1)", value)
         total = self.value_sample_fraction + self.cluster_fraction
         require(total < 1, "value_sample_fraction + cluster_fraction", "a sum < 1 (the window needs the rest)", total)
-        require_int_at_least(self.seed, 0, "seed")
+        require_seed(self.seed)
 
 
 @dataclass(frozen=True)
@@ -505,7 +507,7 @@ class SubGenAttention(Policy):
             generator = []
             for row in range(b * h):
                 row_generator = torch.Generator(device="cpu")
-                row_generator.manual_seed((self.config.seed * 1_000_003 + scoring.layer_index) * 1_009 + row % h)
+                row_generator.manual_seed(derived_seed(self.config.seed, scoring.layer_index, row % h))
                 generator.append(row_generator)
             structures = StreamingStructures(
                 b * h,
