@@ -70,3 +70,37 @@ def test_seed_accepts_exactly_the_range_a_torch_generator_takes(method):
     for seed in (-1, 2**63, 2**64):
         with pytest.raises(ValueError, match=r"\bseed\b"):
             make_policy(method, seed=seed)
+
+
+@pytest.mark.parametrize("method", [name for name in method_names() if name != "full"])
+def test_minimum_budget_is_usable_and_one_less_is_refused(method):
+    # The smallest budget a method states is one it can run with (mutation testing: a minimum
+    # raised by one went unnoticed for the methods with the base minimum of 1).
+    import torch
+
+    import kvhive
+    from kvhive.models import tiny_model
+
+    model = tiny_model("llama", "gqa")
+    minimum = make_policy(method).minimum_budget()
+    cache = kvhive.make_cache(model, method, minimum)
+    with torch.no_grad():
+        model(input_ids=torch.arange(3, 63)[None], past_key_values=cache, use_cache=True)
+    assert 0 < cache.mean_kept_per_head() <= minimum
+    with pytest.raises(ValueError, match=r"budget"):
+        kvhive.make_cache(model, method, minimum - 1)
+
+
+@pytest.mark.parametrize("method", ["local", "random", "h2o", "tova", "knorm", "bumblebee"])
+def test_methods_without_a_fixed_window_honour_a_one_token_cache(method):
+    # No sinks, observation or recent window of fixed size: one token per head is a valid budget.
+    import torch
+
+    import kvhive
+    from kvhive.models import tiny_model
+
+    model = tiny_model("llama", "gqa")
+    cache = kvhive.make_cache(model, method, 1)
+    with torch.no_grad():
+        model(input_ids=torch.arange(3, 33)[None], past_key_values=cache, use_cache=True)
+    assert cache.mean_kept_per_head() == 1
