@@ -104,3 +104,10 @@ def test_methods_without_a_fixed_window_honour_a_one_token_cache(method):
     with torch.no_grad():
         model(input_ids=torch.arange(3, 33)[None], past_key_values=cache, use_cache=True)
     assert cache.mean_kept_per_head() == 1
+
+
+@pytest.mark.parametrize("method", method_names())
+def test_a_layer_without_policy_state_reports_zero_state_bytes(method):
+    # The bytes a policy adds to a layer are part of the memory kvhive reports (cache statistics,
+    # bench); before prefill, or on a layer it does not compress, there are none.
+    assert make_policy(method).state_nbytes({}) == 0
