@@ -9,17 +9,16 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 .venv/bin/python -m pip install -q "mutmut==3.8.1"
 # mutants/ is not committed (mutated copies of the source); the verdicts are: mutmut keeps a
-# function's verdicts while its source hash is unchanged, so restoring the saved .meta files and
-# stats lets a fresh checkout resume where the last run stopped instead of starting over.
+# function's verdicts while its source hash is unchanged, so restoring the saved .meta files lets a
+# fresh checkout resume where the last run stopped instead of starting over (mutmut recollects its
+# test-timing stats, a few minutes, and re-tests the functions whose source changed since).
 STATE=results/mutation/state
 if [ ! -d mutants ] && [ -d "$STATE" ]; then
     mkdir -p mutants/kvhive/methods
-    cp "$STATE"/mutmut-stats.json mutants/ 2>/dev/null || true
     cp "$STATE"/methods/*.meta mutants/kvhive/methods/
 fi
 save_state() {
     mkdir -p "$STATE/methods"
-    cp mutants/mutmut-stats.json "$STATE"/ 2>/dev/null || true
     cp mutants/kvhive/methods/*.meta "$STATE/methods/" 2>/dev/null || true
 }
 trap save_state EXIT
