@@ -833,3 +833,42 @@ def test_prefill_within_the_budget_keeps_every_token():
     for budget in (n, n + 5):
         kept = policy.select_prefill(scoring, budget, {})
         assert kept.dtype == torch.bool and kept.shape == (b, h, n) and kept.all()
+
+
+@pytest.mark.parametrize("rows_per_chunk", [1, 3])
+def test_prefill_in_chunks_of_rows_equals_one_chunk(monkeypatch, rows_per_chunk):
+    # The similarity matrices are built a chunk of (batch, head) rows at a time to bound memory;
+    # the kept tokens and the streaming summary must not depend on the chunking.
+    import dataclasses
+
+    import kvhive.methods.bumblebee as bumblebee_module
+
+    b, h, n, d, budget = 2, 3, 30, 6, 10
+    generator = torch.Generator().manual_seed(5)
+    keys = torch.randn(b, h, n, d, generator=generator)
+    weights = torch.rand(b, h, n, generator=generator)
+
+    def run():
+        scoring = ScoringInputs(
+            keys=keys,
+            values=keys,
+            queries=torch.zeros(b, h, 1, d),
+            positions=torch.arange(n).expand(b, h, n),
+            mask=None,
+            scaling=1.0,
+            layer_index=1,
+            num_layers=2,
+            sequence_length=n,
+            phase=DECODE,
+            token_scores={SCORE: weights.clone()},
+        )
+        state = {}
+        return BumbleBee().select_prefill(scoring, budget, state), state[SUMMARY]
+
+    whole, whole_summary = run()
+    candidates = n - BumbleBee().split(budget)[1]
+    monkeypatch.setattr(bumblebee_module, "MAX_SIMILARITY_ELEMENTS", rows_per_chunk * candidates * candidates)
+    chunked, chunked_summary = run()
+    assert torch.equal(whole, chunked)
+    for field in dataclasses.fields(whole_summary):
+        assert torch.equal(getattr(whole_summary, field.name), getattr(chunked_summary, field.name)), field.name

@@ -22,7 +22,14 @@ import torch
 import kvhive
 from kvhive.methods.base import DECODE, PREFILL, ScoringInputs
 from kvhive.methods.registry import make_policy
-from kvhive.methods.subgen import NEAREST_DISTANCE, NEAREST_POSITION, READY, SubGen, farthest_point_order
+from kvhive.methods.subgen import (
+    NEAREST_DISTANCE,
+    NEAREST_POSITION,
+    READY,
+    SubGen,
+    _padded_indices,
+    farthest_point_order,
+)
 from kvhive.methods.subgen_attention import (
     STATE_KEY,
     StreamingStructures,
@@ -491,7 +498,13 @@ def test_prefill_and_50_decode_steps_keep_exact_budgets(architecture, attention)
         expected = (real_tokens + steps - 8).repeat_interleave(heads)
         assert torch.equal(st.tokens, expected) and torch.equal(st.counts.sum(-1), expected)
         assert (counts >= 1).all()
-    assert structures_nbytes(cache) > 0
+    # the reported bytes are every compressed layer's structures (mutation testing: "=" for "+="
+    # survived while only "> 0" was checked)
+    with_structures = [layer for layer in cache.layers if STATE_KEY in getattr(layer, "policy_state", {})]
+    assert [cache.layers.index(layer) for layer in with_structures] == cache.compressed_layers
+    assert len(with_structures) >= (1 if architecture == "gemma3" else 2)  # gemma3: sliding layers first
+    assert sorted(clustering_statistics(cache)) == cache.compressed_layers
+    assert structures_nbytes(cache) == sum(layer.policy_state[STATE_KEY].nbytes() for layer in with_structures)
 
 
 @pytest.mark.parametrize("architecture", ["llama", "gemma3"])
@@ -804,3 +817,18 @@ def test_memory_plan_token_equivalents_are_the_budget_split():
         clusters = plan.max_clusters * (plan.samples_per_cluster + 1) / 2
         assert plan.token_equivalents == plan.window + plan.value_samples + clusters
         assert plan.token_equivalents <= budget
+
+
+def test_padded_indices_lists_each_rows_true_columns_in_order():
+    mask = torch.tensor([[False, True, True, False, True], [False] * 5, [True, False, False, False, False]])
+    index, present = _padded_indices(mask)
+    assert index.shape == present.shape == (3, 3)
+    assert present.tolist() == [[True] * 3, [False] * 3, [True, False, False]]
+    assert index[0].tolist() == [1, 2, 4] and index[2, 0].item() == 0
+    long = torch.rand(4, 3000, generator=torch.Generator().manual_seed(0)) < 0.3
+    index, present = _padded_indices(long)
+    for row in range(4):
+        assert index[row][present[row]].tolist() == long[row].nonzero().flatten().tolist()
+    # no rows: an empty listing, not an error
+    index, present = _padded_indices(torch.zeros(0, 7, dtype=torch.bool))
+    assert index.shape == present.shape == (0, 0)
