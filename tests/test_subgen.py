@@ -180,6 +180,9 @@ def test_decode_evicts_the_newer_member_of_the_closest_pair_hand_checked():
     near = line_keys([0.0, 10.0, 4.0, 4.5, 50.0])
     keep = policy.select_decode(scoring_for(near, phase=DECODE), 4, {})
     assert keep[0, 0].tolist() == [True, True, True, False, True]  # (4, 4.5): newer 4.5 goes
+    # the same keys at 1/100 of the scale (all squared distances below 1) evict the same token
+    small = line_keys([0.0, 0.1, 0.04, 0.045, 0.5])
+    assert policy.select_decode(scoring_for(small, phase=DECODE), 4, {})[0, 0].tolist() == keep[0, 0].tolist()
     far = line_keys([0.0, 10.0, 4.0, 20.0, 50.0])
     scoring = scoring_for(far, phase=DECODE)
     keep = policy.select_decode(scoring, 4, {})
