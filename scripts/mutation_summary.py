@@ -32,6 +32,15 @@ REASONS = (
     ('"-INF"', 'equivalent: float("-INF") is float("-inf")'),
     ("XX", "message or key text only (a ValueError's wording, a statistics key)"),
     ("raise ValueError(None)", "message text only: the error is still raised"),
+    (".to(None)", "equivalent: .to(None) returns the tensor unchanged"),
+    (
+        '"policy_state", None)',
+        "equivalent for a KVHiveCache: every LayerStore has policy_state (the default serves other caches only)",
+    ),
+    (
+        '"policy_state", )',
+        "equivalent for a KVHiveCache: every LayerStore has policy_state (the default serves other caches only)",
+    ),
 )
 FUNCTION_REASONS = (
     ("describe", "`kvhive methods` listing text"),
@@ -134,6 +143,89 @@ REVIEWED.update(
             )
             for n in (5, 7, 22, 24)
         },
+    }
+)
+
+# Survivors of the session of 2026-11-24 (third stop), each kill checked by applying the change by hand.
+_TEST_PARAMETERS = "tests/test_method_parameters.py"
+_ZERO_STATE = (
+    f"killed by {_TEST_PARAMETERS}::test_a_layer_without_policy_state_reports_zero_state_bytes (applied by hand)"
+)
+_M = "kvhive.methods."
+REVIEWED.update(
+    {
+        **{
+            _M + f"subgen_attention.xǁStreamingStructuresǁtoken_equivalents__mutmut_{n}": (
+                "killed by tests/test_subgen.py::test_token_equivalents_count_the_vectors_each_row_holds (applied by hand)"
+            )
+            for n in (1, 3, 4, 6)
+        },
+        _M + "subgen_attention.xǁSubGenAttentionǁstate_nbytes__mutmut_3": _ZERO_STATE,
+        _M + "subgen_attention.xǁSubGenAttentionǁstate_nbytes__mutmut_5": _ZERO_STATE,
+        _M + "bumblebee.xǁBumbleBeeǁstate_nbytes__mutmut_3": _ZERO_STATE,
+        _M + "bumblebee.xǁBumbleBeeǁstate_nbytes__mutmut_5": _ZERO_STATE,
+        _M + "base.xǁPolicyǁstate_nbytes__mutmut_1": _ZERO_STATE,
+        _M + "base.xǁPolicyǁminimum_budget__mutmut_1": (
+            f"killed by {_TEST_PARAMETERS}::test_methods_without_a_fixed_window_honour_a_one_token_cache (applied by hand)"
+        ),
+        _M + "subgen_attention.x_structures_nbytes__mutmut_2": (
+            "killed by tests/test_subgen.py::test_prefill_and_50_decode_steps_keep_exact_budgets (bytes = sum over layers)"
+        ),
+        _M + "subgen_attention.x_structures_nbytes__mutmut_14": (
+            "killed by tests/test_subgen.py::test_prefill_and_50_decode_steps_keep_exact_budgets (bytes = sum over layers)"
+        ),
+        _M + "subgen_attention.x_clustering_statistics__mutmut_18": (
+            "killed by tests/test_subgen.py::test_prefill_and_50_decode_steps_keep_exact_budgets (gemma3: sliding layers first)"
+        ),
+        _M + "subgen_attention.x_clustering_statistics__mutmut_15": (
+            "equivalent: the structures and the plan are stored together (both or neither)"
+        ),
+        _M
+        + "subgen.x__padded_indices__mutmut_7": "killed by tests/test_subgen.py::test_padded_indices_lists_each_rows_true_columns_in_order (applied by hand)",
+        _M
+        + "subgen.x__padded_indices__mutmut_9": "killed by tests/test_subgen.py::test_padded_indices_lists_each_rows_true_columns_in_order (applied by hand)",
+        _M
+        + "subgen.x__padded_indices__mutmut_21": "killed by tests/test_subgen.py::test_padded_indices_lists_each_rows_true_columns_in_order (3,000-column rows; applied by hand)",
+        **{
+            _M + f"subgen.x__padded_indices__mutmut_{n}": (
+                "killed by tests/test_subgen.py::test_padded_indices_lists_each_rows_true_columns_in_order "
+                "(an unstable sort, as stable=False; applied by hand)"
+            )
+            for n in (13, 16)
+        },
+        _M + "subgen.x__padded_indices__mutmut_3": "equivalent: dim +1 of the [R, N] mask is dim -1",
+        _M + "subgen.x__padded_indices__mutmut_15": "equivalent: torch.sort sorts the last dimension by default",
+        _M + "subgen.x__padded_indices__mutmut_19": "equivalent: dim +1 of the [R, N] mask is dim -1",
+        _M + "subgen.x__squared_distances__mutmut_19": (
+            "killed by tests/test_subgen.py::test_decode_evicts_the_newer_member_of_the_closest_pair_hand_checked (keys at 1/100 scale; applied by hand)"
+        ),
+        **{
+            _M + f"submodular.xǁStreamingSummaryǁconcatenate__mutmut_{n}": (
+                "killed by tests/test_bumblebee.py::test_prefill_in_chunks_of_rows_equals_one_chunk (2 and 6 parts)"
+            )
+            for n in (1, 2, 4, 5, 6, 7, 8, 10, 11, 12, 13, 14)
+        },
+        _M
+        + "submodular.xǁStreamingSummaryǁconcatenate__mutmut_9": "equivalent: torch.cat joins along dim 0 by default",
+        **{
+            _M + f"random_local.xǁRandomLocalǁ_priorities__mutmut_{n}": (
+                "equivalent: one generator per batch row and one count per row: the lengths always agree (strict only guards)"
+            )
+            for n in (26, 29, 34)
+        },
+        _M
+        + "random_local.xǁRandomLocalǁ_priorities__mutmut_38": "equivalent: float32 is torch's default dtype (kvhive never changes it)",
+        _M
+        + "random_local.xǁRandomLocalǁ_priorities__mutmut_41": "equivalent: float32 is torch's default dtype (kvhive never changes it)",
+        **{
+            _M + f"random_local.xǁRandomLocalǁ_priorities__mutmut_{n}": (
+                "equivalent in distribution: every real token still gets an i.i.d. uniform priority above 0, "
+                "so the kept random tokens are a uniformly random subset either way"
+            )
+            for n in (44, 45)
+        },
+        _M + "h2o.xǁH2Oǁscore__mutmut_3": "equivalent: H2O.initialize_decode does not read the state",
+        _M + "h2o.xǁH2Oǁobserve_decode__mutmut_4": "equivalent: an in-place add casts into the running score's dtype",
     }
 )
 
