@@ -78,6 +78,25 @@ def reference_greedy(objective: Mixture, k: int) -> torch.Tensor:
     return chosen
 
 
+def accumulated_scoring(keys, weights, mask=None, layer_index=0, num_layers=1) -> ScoringInputs:
+    """``ScoringInputs`` over ``keys [b, h, n, d]`` whose accumulated attention is ``weights``
+    (what prefill would have summed), positions 0..n-1, an optional key mask ``[b, 1, 1, n]``."""
+    b, h, n, d = keys.shape
+    return ScoringInputs(
+        keys=keys,
+        values=keys,
+        queries=torch.zeros(b, h, 1, d),
+        positions=torch.arange(n).expand(b, h, n),
+        mask=mask,
+        scaling=1.0,
+        layer_index=layer_index,
+        num_layers=num_layers,
+        sequence_length=n,
+        phase=DECODE,
+        token_scores={SCORE: weights.clone()},
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # The objective
 # ----------------------------------------------------------------------------------------------
@@ -732,19 +751,7 @@ def test_importance_scale_normalised_applies_phi_to_the_mass_fraction():
     kept = {}
     for scale in ("raw", "normalised"):
         policy = BumbleBeePower(importance_scale=scale, greedy="plain", mixture_weight=0.05)
-        scoring = ScoringInputs(
-            keys=keys,
-            values=keys,
-            queries=torch.zeros(b, h, 1, d),
-            positions=torch.arange(n).expand(b, h, n),
-            mask=None,
-            scaling=1.0,
-            layer_index=0,
-            num_layers=1,
-            sequence_length=n,
-            phase=DECODE,
-            token_scores={SCORE: weights.clone()},
-        )
+        scoring = accumulated_scoring(keys, weights)
         kept[scale] = policy.select_prefill(scoring, 12, {})
         # The objective the greedy maximised, rebuilt by hand for one head.
         candidates = n - policy.split(12)[1]
@@ -780,19 +787,7 @@ def test_prefill_keeps_the_greedy_optimum_of_the_objective_with_its_importance_s
     mask = torch.ones(b, 1, 1, n, dtype=torch.bool)
     mask[..., :pad] = False
     policy = BumbleBeePower(importance_scale=scale, greedy="plain", mixture_weight=0.5)
-    scoring = ScoringInputs(
-        keys=keys,
-        values=keys,
-        queries=torch.zeros(b, h, 1, d),
-        positions=torch.arange(n).expand(b, h, n),
-        mask=mask,
-        scaling=1.0,
-        layer_index=0,
-        num_layers=1,
-        sequence_length=n,
-        phase=DECODE,
-        token_scores={SCORE: weights.clone()},
-    )
+    scoring = accumulated_scoring(keys, weights, mask)
     kept = policy.select_prefill(scoring, budget, {})
     summary_size, local = policy.split(budget)
     candidates = n - local
@@ -817,19 +812,7 @@ def test_prefill_within_the_budget_keeps_every_token():
     policy = BumbleBee()
     b, h, n, d = 2, 3, 10, 4
     keys = torch.randn(b, h, n, d, generator=torch.Generator().manual_seed(0))
-    scoring = ScoringInputs(
-        keys=keys,
-        values=keys,
-        queries=torch.zeros(b, h, 1, d),
-        positions=torch.arange(n).expand(b, h, n),
-        mask=None,
-        scaling=1.0,
-        layer_index=0,
-        num_layers=1,
-        sequence_length=n,
-        phase=DECODE,
-        token_scores={SCORE: torch.rand(b, h, n)},
-    )
+    scoring = accumulated_scoring(keys, torch.rand(b, h, n))
     for budget in (n, n + 5):
         kept = policy.select_prefill(scoring, budget, {})
         assert kept.dtype == torch.bool and kept.shape == (b, h, n) and kept.all()
@@ -849,19 +832,7 @@ def test_prefill_in_chunks_of_rows_equals_one_chunk(monkeypatch, rows_per_chunk)
     weights = torch.rand(b, h, n, generator=generator)
 
     def run():
-        scoring = ScoringInputs(
-            keys=keys,
-            values=keys,
-            queries=torch.zeros(b, h, 1, d),
-            positions=torch.arange(n).expand(b, h, n),
-            mask=None,
-            scaling=1.0,
-            layer_index=1,
-            num_layers=2,
-            sequence_length=n,
-            phase=DECODE,
-            token_scores={SCORE: weights.clone()},
-        )
+        scoring = accumulated_scoring(keys, weights, layer_index=1, num_layers=2)
         state = {}
         return BumbleBee().select_prefill(scoring, budget, state), state[SUMMARY]
 
