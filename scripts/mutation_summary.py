@@ -32,6 +32,7 @@ REASONS = (
     ('"-INF"', 'equivalent: float("-INF") is float("-inf")'),
     ("XX", "message or key text only (a ValueError's wording, a statistics key)"),
     ("raise ValueError(None)", "message text only: the error is still raised"),
+    ('float("INF")', 'equivalent: float("INF") is float("inf")'),
     (".to(None)", "equivalent: .to(None) returns the tensor unchanged"),
     (
         '"policy_state", None)',
@@ -226,6 +227,41 @@ REVIEWED.update(
         },
         _M + "h2o.xǁH2Oǁscore__mutmut_3": "equivalent: H2O.initialize_decode does not read the state",
         _M + "h2o.xǁH2Oǁobserve_decode__mutmut_4": "equivalent: an in-place add casts into the running score's dtype",
+    }
+)
+
+_EXACT_BLOCKS = (
+    "equivalent in results: block and pool sizes only decide when the exact distances are refreshed "
+    "(test_blocked_farthest_point_equals_the_plain_algorithm: blocks 1-32, pools 1-128 equal the plain algorithm)"
+)
+_NEAREST_BLOCKS = "equivalent in results: the column blocks only bound memory; overlapping or larger blocks recompute the same distances"
+_EDGES = "killed by tests/test_subgen.py::test_farthest_point_order_edges_scale_exhausted_rows_one_center_no_rows (applied by hand)"
+_SEED_MESSAGE = "killed by tests/test_method_parameters.py::test_seed_accepts_exactly_the_range_a_torch_generator_takes (applied by hand)"
+_SEED_CONSTANTS = (
+    "equivalent: another injective map of (seed, layer, head) to a generator seed; the particular random stream "
+    "is not a paper element (each draw is still i.i.d. uniform)"
+)
+_SUBGEN = "kvhive.methods.subgen."
+REVIEWED.update(
+    {
+        **{f"kvhive.methods.base.x_derived_seed__mutmut_{n}": _SEED_CONSTANTS for n in (2, 4, 7, 9)},
+        **{f"kvhive.methods.base.x_require_seed__mutmut_{n}": _SEED_MESSAGE for n in (5, 6, 18)},
+        **{_SUBGEN + f"x__nearest_among__mutmut_{n}": _NEAREST_BLOCKS for n in (7, 13, 14, 20, 24, 25, 26)},
+        **{_SUBGEN + f"x_farthest_point_order__mutmut_{n}": _EXACT_BLOCKS for n in (1, 2, 63, 69, 134, 204, 205, 207)},
+        **{_SUBGEN + f"x_farthest_point_order__mutmut_{n}": _EDGES for n in (22, 30, 119, 273, 274)},
+        _SUBGEN
+        + "x_farthest_point_order__mutmut_28": "equivalent: with no rows the loop has nothing to update (shape (0, count) either way)",
+        **{
+            _SUBGEN
+            + f"x_farthest_point_order__mutmut_{n}": "equivalent: dim +1 of a 2-D [rows, points] tensor is dim -1"
+            for n in (18, 140, 190, 201, 215)
+        },
+        _SUBGEN + "x_farthest_point_order__mutmut_139": "equivalent: topk takes the last dimension by default",
+        **{
+            _SUBGEN + f"x_farthest_point_order__mutmut_{n}": "equivalent on CPU: only the tensor's device changes"
+            for n in (4, 13, 41, 155, 267)
+        },
+        _SUBGEN + "x__padded_indices__mutmut_26": "equivalent on CPU: only the tensor's device changes",
     }
 )
 

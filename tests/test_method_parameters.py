@@ -68,7 +68,7 @@ def test_seed_accepts_exactly_the_range_a_torch_generator_takes(method):
     for seed in (0, 127, 2**63 - 1):
         make_policy(method, seed=seed)
     for seed in (-1, 2**63, 2**64):
-        with pytest.raises(ValueError, match=r"\bseed\b"):
+        with pytest.raises(ValueError, match=rf"invalid seed={seed}: expected an integer in \[0, 2\*\*63\)"):
             make_policy(method, seed=seed)
 
 

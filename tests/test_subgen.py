@@ -835,3 +835,20 @@ def test_padded_indices_lists_each_rows_true_columns_in_order():
     # no rows: an empty listing, not an error
     index, present = _padded_indices(torch.zeros(0, 7, dtype=torch.bool))
     assert index.shape == present.shape == (0, 0)
+
+
+def test_farthest_point_order_edges_scale_exhausted_rows_one_center_no_rows():
+    # Mutation testing: clamping the running distances at 1, the -1 fill of a row whose candidates
+    # run out, a single center and an empty batch were not reached by the blocked-vs-plain test.
+    generator = torch.Generator().manual_seed(4)
+    keys = torch.randn(2, 60, 8, generator=generator, dtype=torch.float64)
+    candidates = torch.ones(2, 60, dtype=torch.bool)
+    candidates[1, 5:] = False  # row 1 has 5 candidates for 12 centers
+    expected = _naive_farthest_point(keys, candidates, 12)
+    assert (expected[1, 5:] == -1).all() and (expected[1, :5] >= 0).all()
+    for block, pool in [(1, 1), (32, 128)]:
+        assert torch.equal(farthest_point_order(keys, candidates, 12, block=block, pool=pool), expected)
+        # k-center compares distances only: at 1/100 of the scale (every distance below 1) the same
+        assert torch.equal(farthest_point_order(keys * 1e-2, candidates, 12, block=block, pool=pool), expected)
+    assert torch.equal(farthest_point_order(keys, candidates, 1), expected[:, :1])
+    assert farthest_point_order(keys[:0], candidates[:0], 3).shape == (0, 3)
