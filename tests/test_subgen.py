@@ -852,3 +852,34 @@ def test_farthest_point_order_edges_scale_exhausted_rows_one_center_no_rows():
         assert torch.equal(farthest_point_order(keys * 1e-2, candidates, 12, block=block, pool=pool), expected)
     assert torch.equal(farthest_point_order(keys, candidates, 1), expected[:, :1])
     assert farthest_point_order(keys[:0], candidates[:0], 3).shape == (0, 3)
+
+
+@pytest.mark.parametrize(("heads", "joining", "dim", "seed"), [(3, 1, 2, 0), (3, 3, 2, 1), (2, 3, 6, 2), (2, 2, 4, 3)])
+def test_decode_bookkeeping_matches_the_reference_per_head_with_several_joining(heads, joining, dim, seed):
+    # As above, with several heads (each its own stream and kept set) and several tokens joining
+    # the candidates per decision (decode_every > 1): the incremental nearest-neighbour bookkeeping
+    # must give the brute-force rule's survivors at every step (mutation testing: its partial
+    # updates survived the one-head, one-token stream).
+    generator = torch.Generator().manual_seed(seed)
+    recent, budget = 2, 8
+    policy = SubGen(recent=recent)
+    stream = torch.randn(heads, 70, dim, generator=generator)
+    keys = stream[:, :12][None]
+    positions = torch.arange(12, dtype=torch.int32).expand(1, heads, 12)
+    keep = policy.select_prefill(scoring_for(keys, positions=positions), budget, {})
+    keys, positions = keys[keep].reshape(1, heads, -1, dim), positions[keep].reshape(1, heads, -1)
+    scores: dict = {}
+    for step in range(12, 70 - joining + 1, joining):
+        new = torch.arange(step, step + joining, dtype=torch.int32)
+        keys = torch.cat([keys, stream[:, step : step + joining][None]], dim=2)
+        positions = torch.cat([positions, new.expand(1, heads, joining)], dim=2)
+        scores = {name: torch.cat([v, v.new_zeros(1, heads, joining)], dim=2) for name, v in scores.items()}
+        scoring = scoring_for(keys, phase=DECODE, positions=positions, token_scores=scores)
+        keep = policy.select_decode(scoring, budget, {})
+        for head in range(heads):
+            candidates = positions[0, head, :-recent].tolist()
+            expected = _brute_force_decode([stream[head, p] for p in candidates], candidates, budget - recent)
+            kept = set(positions[0, head][keep[0, head]].tolist())
+            assert kept == expected | set(positions[0, head, -recent:].tolist()), (step, head)
+        keys, positions = keys[keep].reshape(1, heads, -1, dim), positions[keep].reshape(1, heads, -1)
+        scores = {name: value[keep].reshape(1, heads, -1) for name, value in scoring.token_scores.items()}
