@@ -267,6 +267,43 @@ REVIEWED.update(
             "(applied by hand)"
         ),
         _SUBGEN + "x_maintain_candidates__mutmut_180": "equivalent: two stored tokens never share a position",
+        **{
+            _SUBGEN + f"x_maintain_candidates__mutmut_{n}": (
+                "killed by tests/test_subgen.py::test_decode_bookkeeping_matches_the_reference_per_head_with_several_joining "
+                "(applied by hand)"
+            )
+            for n in (142, 170)
+        },
+        **{
+            _SUBGEN + f"x_maintain_candidates__mutmut_{n}": (
+                "equivalent in results: every pair's distance is held by its newer member's entry (computed over all "
+                "older candidates when it joined, recomputed when its partner leaves), so the minimum over entries is "
+                "the closest pair whether or not older entries are tightened"
+            )
+            for n in (136, 139, 204, 207)
+        },
+        _SUBGEN + "x_maintain_candidates__mutmut_200": (
+            "equivalent in results: recomputing more entries gives the same exact nearest distances (more work)"
+        ),
+        _SUBGEN + "x_maintain_candidates__mutmut_149": (
+            "equivalent in the cache's use: every row of a layer enters with the same excess (same kept budget, "
+            "same tokens joining), so no row is ever active at excess 0 while another has more"
+        ),
+        _SUBGEN + "x_maintain_candidates__mutmut_175": (
+            "equivalent: a candidate's recorded nearest is always an alive candidate, so every row has a partner"
+        ),
+        **{
+            _SUBGEN
+            + f"x_maintain_candidates__mutmut_{n}": "equivalent: dim +1 of a 2-D [rows, tokens] tensor is dim -1"
+            for n in (143, 172, 176)
+        },
+        **{
+            _SUBGEN + f"x_maintain_candidates__mutmut_{n}": (
+                "equivalent in results: the sentinel of an inactive row (or of a token without partner, which a "
+                "row over its target never has) at most triggers an exact recompute"
+            )
+            for n in (38, 62, 63, 197, 198)
+        },
     }
 )
 
