@@ -883,3 +883,23 @@ def test_decode_bookkeeping_matches_the_reference_per_head_with_several_joining(
             assert kept == expected | set(positions[0, head, -recent:].tolist()), (step, head)
         keys, positions = keys[keep].reshape(1, heads, -1, dim), positions[keep].reshape(1, heads, -1)
         scores = {name: value[keep].reshape(1, heads, -1) for name, value in scoring.token_scores.items()}
+
+
+def test_estimate_is_algorithm_1s_z_over_tau_and_approaches_exact_attention():
+    # SubGenAttention.estimate, Algorithm 1's output over the inserted tokens alone: with every key
+    # its own cluster (tau exact) and many l2 samples of the values it approaches exact softmax
+    # attention over those tokens; nothing inserted, no estimate.
+    generator = torch.Generator().manual_seed(6)
+    rows, n, dim = 2, 30, 4
+    keys = torch.randn(rows, n, dim, generator=generator)
+    values = torch.randn(rows, n, dim, generator=generator)
+    target = structures(rows, dim, t=1, s=4000, delta=1e-4, seed=7)
+    insert_in_pieces(target, keys, values, [n])
+    policy = SubGenAttention()
+    queries = torch.randn(1, 2 * rows, 1, dim, generator=generator)  # 2 query heads per stored row
+    assert policy.estimate({}, queries, 0.5) is None
+    estimate = policy.estimate({STATE_KEY: target}, queries, 0.5)
+    grouped = queries.reshape(rows, 2, dim)
+    exact = torch.softmax(grouped @ keys.transpose(1, 2) * 0.5, dim=-1) @ values
+    assert estimate.shape == (1, 2 * rows, 1, dim)
+    torch.testing.assert_close(estimate.reshape(rows, 2, dim), exact, atol=0.1, rtol=0)
