@@ -137,6 +137,9 @@ def test_early_exits_return_boolean_masks_of_the_scores_shape(function):
     for budget in (0, -2):
         nothing = function(scores, budget, 0.5)
         assert nothing.dtype == torch.bool and nothing.shape == scores.shape and not bool(nothing.any())
+    # the smallest budget that allocates: H x 1 entries per row, not an early exit
+    one = function(scores, 1, 0.5)
+    assert one.sum(dim=(1, 2)).tolist() == [3, 3]
 
 
 def test_keep_head_budgets_keeps_each_heads_own_top():
