@@ -272,6 +272,21 @@ REVIEWED.update(
         "kvhive.methods.adakv.x_allocate__mutmut_1": "equivalent: at budget == candidates the general path keeps everything too",
         "kvhive.methods.adakv.x_allocate__mutmut_8": "equivalent: budget 0 allocates nothing on the general path too",
         "kvhive.methods.base.x_require_seed__mutmut_17": _SEED_MESSAGE,
+        **{
+            f"kvhive.methods.snapkv.x_observation_scores__mutmut_{n}": (
+                "killed by tests/test_baselines.py::test_snapkv_keeps_top_observation_scores_and_window "
+                "(average pooling, kernel 5, hand-computed; applied by hand)"
+            )
+            for n in (46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57)
+        },
+        "kvhive.methods.snapkv.x_observation_scores__mutmut_17": "equivalent: pooling with kernel 1 is the identity",
+        "kvhive.methods.snapkv.x_observation_scores__mutmut_18": "equivalent: the kernel is validated odd, so kernel 2 never occurs",
+        "kvhive.methods.snapkv.x_observation_scores__mutmut_20": (
+            "equivalent in selection: a one-token prefix is the only candidate whatever its pooled score"
+        ),
+        "kvhive.methods.snapkv.x_observation_scores__mutmut_27": (
+            "equivalent: 1-D pooling of a 2-D input treats it as one unbatched channel, the same values"
+        ),
         _SUBGEN + "x_maintain_candidates__mutmut_179": (
             "killed by tests/test_subgen.py::test_decode_bookkeeping_matches_the_reference_per_head_with_several_joining "
             "(applied by hand)"

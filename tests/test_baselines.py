@@ -167,6 +167,12 @@ def test_snapkv_keeps_top_observation_scores_and_window():
     inputs = scoring(8, keys=keys, queries=queries)
     keep = make_policy("snapkv", window=1, kernel=3).select_prefill(inputs, 4, {})
     assert kept(keep) == [[[0, 1, 2, 7]]]
+    # Average pooling (kernel 5, zero padding counted as in the SnapKV reference code):
+    # [.074, .076, .116, .112, .060, .056, .054] -> tokens 2, 3, 1 (padding not counted would give
+    # token 0 .123 and keep 0, 2, 3).
+    inputs = scoring(8, keys=keys, queries=queries)
+    keep = make_policy("snapkv", window=1, kernel=5, pooling="avg").select_prefill(inputs, 4, {})
+    assert kept(keep) == [[[1, 2, 3, 7]]]
 
 
 def test_random_local_keeps_recent_half_and_random_older_real_tokens():
