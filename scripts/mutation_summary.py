@@ -273,6 +273,22 @@ REVIEWED.update(
         "kvhive.methods.adakv.x_allocate__mutmut_8": "equivalent: budget 0 allocates nothing on the general path too",
         "kvhive.methods.base.x_require_seed__mutmut_17": _SEED_MESSAGE,
         **{
+            f"kvhive.methods.pyramidkv.x_pyramid_budgets__mutmut_{n}": (
+                "killed by tests/test_pyramidkv.py (the 2 (b - w) boundary, sizes and context_length bounds; "
+                "applied by hand)"
+            )
+            for n in (2, 3, 5, 6, 8, 9, 19, 20, 21, 26, 27, 29, 30, 31, 32, 34, 47)
+        },
+        "kvhive.methods.pyramidkv.x_pyramid_budgets__mutmut_59": (
+            "equivalent: at equality the clamp sets the largest share to the value it already has"
+        ),
+        **{
+            f"kvhive.methods.pyramidkv.x_pyramid_budgets__mutmut_{n}": (
+                "message text only: the error is still raised naming budget and window"
+            )
+            for n in (87, 88, 90)
+        },
+        **{
             f"kvhive.methods.snapkv.x_observation_scores__mutmut_{n}": (
                 "killed by tests/test_baselines.py::test_snapkv_keeps_top_observation_scores_and_window "
                 "(average pooling, kernel 5, hand-computed; applied by hand)"

@@ -180,6 +180,34 @@ def test_short_prompt_falls_back_to_uniform_budgets():
     assert pyramid_budgets(72, 5, 20.0, 32, context_length=79) == [72] * 5
     assert pyramid_budgets(72, 5, 20.0, 32, context_length=50) == [72] * 5  # shorter than b: kept whole
     assert PyramidKV().layer_budgets(72, 5, 79) == [72] * 5
+    # "shorter than 2 (b - w)": a prompt of exactly 80 takes the pyramid, clamped (n - w = 48):
+    # 32 + (48, 44, 40, 36, 32)
+    assert pyramid_budgets(72, 5, 20.0, 32, context_length=80) == [80, 76, 72, 68, 64]
+
+
+@pytest.mark.parametrize(
+    "arguments, name",
+    [
+        ((True, 4), "budget"),
+        ((72.0, 4), "budget"),
+        ((0, 4), "budget"),
+        ((72, True), "num_layers"),
+        ((72, 4.0), "num_layers"),
+        ((72, 0), "num_layers"),
+    ],
+)
+def test_pyramid_budgets_refuse_non_integer_or_non_positive_sizes(arguments, name):
+    with pytest.raises(ValueError, match=rf"invalid {name}="):
+        pyramid_budgets(*arguments, 20.0, 32)
+
+
+def test_pyramid_budgets_context_length_bounds():
+    for context_length in (0, -5, True, 80.0):
+        with pytest.raises(ValueError, match=r"invalid context_length=.*an integer >= 1 \(real tokens"):
+            pyramid_budgets(72, 5, 20.0, 32, context_length=context_length)
+    # the smallest sizes that are valid
+    assert pyramid_budgets(72, 5, 20.0, 32, context_length=1) == [72] * 5
+    assert pyramid_budgets(1, 3, 20.0, 1) == [1, 1, 1]
 
 
 def test_prompt_below_the_first_layer_share_clamps_it_and_raises_the_last():
