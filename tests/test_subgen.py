@@ -903,3 +903,41 @@ def test_estimate_is_algorithm_1s_z_over_tau_and_approaches_exact_attention():
     exact = torch.softmax(grouped @ keys.transpose(1, 2) * 0.5, dim=-1) @ values
     assert estimate.shape == (1, 2 * rows, 1, dim)
     torch.testing.assert_close(estimate.reshape(rows, 2, dim), exact, atol=0.1, rtol=0)
+
+
+def test_structures_store_vectors_in_the_model_dtype_and_start_empty():
+    # The bytes subgen-attention reports follow the tensors' dtypes: keys and values in the model's
+    # dtype (bf16 here), norms in float32, counters as integers; no cluster is allocated before the
+    # first insertion (mutation testing: every dtype and the initial capacity survived in fp32 tests).
+    target = StreamingStructures(
+        2,
+        4,
+        3,
+        5,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+        generator=torch.Generator().manual_seed(0),
+        delta=0.5,
+        relative_delta=False,
+    )
+    expected = {
+        "representatives": torch.bfloat16,
+        "representative_sq": torch.float32,
+        "counts": torch.long,
+        "samples": torch.bfloat16,
+        "num_clusters": torch.long,
+        "radius": torch.float32,
+        "m_keys": torch.bfloat16,
+        "m_values": torch.bfloat16,
+        "m_sqnorm": torch.float32,
+        "mu": torch.float64,
+        "tokens": torch.long,
+        "beyond_radius": torch.long,
+    }
+    assert {name: x.dtype for name, x in target.tensors().items()} == expected
+    assert target.capacity == 0 and target.representatives.shape == (2, 0, 4)
+    assert target.representative_sq.shape == (2, 0) and target.samples.shape == (2, 0, 3, 4)
+    assert target.radius.isnan().all()
+    keys = torch.randn(2, 9, 4, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    insert_in_pieces(target, keys, keys.clone(), [9])
+    assert {name: x.dtype for name, x in target.tensors().items()} == expected
