@@ -273,25 +273,25 @@ REVIEWED.update(
         "kvhive.methods.adakv.x_allocate__mutmut_8": "equivalent: budget 0 allocates nothing on the general path too",
         "kvhive.methods.base.x_require_seed__mutmut_17": _SEED_MESSAGE,
         **{
-            f"kvhive.methods.subgen_attention.xǁStreamingStructuresǁ__init___mutmut_{n}": (
+            f"kvhive.methods.subgen_attention.xǁStreamingStructuresǁ__init____mutmut_{n}": (
                 "killed by tests/test_subgen.py::test_structures_store_vectors_in_the_model_dtype_and_start_empty "
                 "(applied by hand)"
             )
             for n in (8, 11, 17, 22, 24, 30, 34, 50, 56, 82, 87, 93, 98, 118, 121)
         },
         **{
-            f"kvhive.methods.subgen_attention.xǁStreamingStructuresǁ__init___mutmut_{n}": (
+            f"kvhive.methods.subgen_attention.xǁStreamingStructuresǁ__init____mutmut_{n}": (
                 "equivalent: float32 is torch's default dtype (kvhive never changes it)"
             )
             for n in (28, 32, 69, 73, 103, 107)
         },
         **{
-            f"kvhive.methods.subgen_attention.xǁStreamingStructuresǁ__init___mutmut_{n}": (
+            f"kvhive.methods.subgen_attention.xǁStreamingStructuresǁ__init____mutmut_{n}": (
                 "equivalent on CPU: only the tensor's device changes"
             )
             for n in (12, 23, 33, 43, 57, 65, 74, 88, 99, 108, 115, 122)
         },
-        "kvhive.methods.subgen_attention.xǁStreamingStructuresǁ__init___mutmut_77": 'equivalent: float("NAN") is float("nan")',
+        "kvhive.methods.subgen_attention.xǁStreamingStructuresǁ__init____mutmut_77": 'equivalent: float("NAN") is float("nan")',
         **{
             f"kvhive.methods.pyramidkv.x_pyramid_budgets__mutmut_{n}": (
                 "killed by tests/test_pyramidkv.py (the 2 (b - w) boundary, sizes and context_length bounds; "
