@@ -273,6 +273,30 @@ REVIEWED.update(
         "kvhive.methods.adakv.x_allocate__mutmut_8": "equivalent: budget 0 allocates nothing on the general path too",
         "kvhive.methods.base.x_require_seed__mutmut_17": _SEED_MESSAGE,
         **{
+            f"kvhive.methods.subgen.xǁSubGenǁselect_decode__mutmut_{n}": (
+                "equivalent in results: without the ready flags every candidate counts as new and its nearest "
+                "neighbour is recomputed exactly (more work, same evictions)"
+            )
+            for n in (37, 38, 39, 40, 42, 46)
+        },
+        **{
+            f"kvhive.methods.subgen.xǁSubGenǁselect_decode__mutmut_{n}": "equivalent on CPU: only the tensor's device changes"
+            for n in (7, 17, 20, 33, 36, 50, 53)
+        },
+        "kvhive.methods.subgen.xǁSubGenǁselect_prefill__mutmut_5": (
+            "equivalent in results: the farthest-point order is greedy, so extra centers rank below the first "
+            "budget - recent and are not kept (more work)"
+        ),
+        "kvhive.methods.subgen.xǁSubGenǁselect_prefill__mutmut_65": "equivalent: the scratch column only absorbs the -1 indices and is cut off",
+        **{
+            f"kvhive.methods.subgen.xǁSubGenǁselect_prefill__mutmut_{n}": "equivalent: float32 is torch's default dtype (kvhive never changes it)"
+            for n in (32, 36)
+        },
+        **{
+            f"kvhive.methods.subgen.xǁSubGenǁselect_prefill__mutmut_{n}": "equivalent on CPU: only the tensor's device changes"
+            for n in (33, 37, 45, 50)
+        },
+        **{
             f"kvhive.methods.subgen_attention.xǁStreamingStructuresǁ__init____mutmut_{n}": (
                 "killed by tests/test_subgen.py::test_structures_store_vectors_in_the_model_dtype_and_start_empty "
                 "(applied by hand)"
