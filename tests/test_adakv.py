@@ -456,3 +456,22 @@ def test_embedded_gemma_per_query_head_ada_snapkv():
         assert layer.num_heads == query_heads
         assert int(layer.lengths.sum()) == (24 + 4) * query_heads
         assert layer.nbytes() < (prompt_length + 4) * layer.bytes_per_token()  # less than the full layer
+
+
+def test_protected_window_recognises_exactly_a_trailing_window_in_every_head():
+    # Ada-KV takes its fast path (the window plus the allocation over the older tokens) only when
+    # the scorer protects the last w tokens of every head; anything else goes the general way.
+    from kvhive.methods.adakv import _protected_window
+
+    n = 8
+    assert _protected_window(None, n) == 0
+    trailing = torch.zeros(2, 3, n, dtype=torch.bool)
+    trailing[..., -3:] = True
+    assert _protected_window(trailing, n) == 3
+    assert _protected_window(trailing[:1, :1], n) == 3  # a single head
+    sinks = torch.zeros(2, 3, n, dtype=torch.bool)
+    sinks[..., :3] = True
+    assert _protected_window(sinks, n) is None
+    uneven = trailing.clone()
+    uneven[1, 2, -4] = True
+    assert _protected_window(uneven, n) is None
