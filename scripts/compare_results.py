@@ -12,12 +12,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from kvhive.evaluation.backend import budget_key
-from kvhive.evaluation.results import read_results
+from kvhive.evaluation.results import read_results, result_key
 
 
 def keyed(out_dir: Path) -> dict[tuple, dict]:
-    return {(r["task"], str(r["item_id"]), r["method"], budget_key(r["budget"])): r for r in read_results(out_dir)}
+    return {result_key(r): r for r in read_results(out_dir)}
 
 
 def compare(new_dir: Path, old_dir: Path) -> tuple[int, list[str]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -25,7 +26,7 @@ from kvhive.methods.submodular import (
 )
 from kvhive.models import TINY_ARCHITECTURES, TINY_ATTENTION_KINDS, load_model, tiny_model
 
-from helpers import left_padded_batch, prefill_and_decode, reference_logits, solo_runs
+from helpers import left_padded_batch, prefill_and_decode, reference_logits, scoring_inputs, solo_runs
 
 ALL_TINY = [(a, k) for a in TINY_ARCHITECTURES for k in TINY_ATTENTION_KINDS]
 CONCAVES = [Concave("log"), Concave("power")]
@@ -81,19 +82,10 @@ def reference_greedy(objective: Mixture, k: int) -> torch.Tensor:
 def accumulated_scoring(keys, weights, mask=None, layer_index=0, num_layers=1) -> ScoringInputs:
     """``ScoringInputs`` over ``keys [b, h, n, d]`` whose accumulated attention is ``weights``
     (what prefill would have summed), positions 0..n-1, an optional key mask ``[b, 1, 1, n]``."""
-    b, h, n, d = keys.shape
-    return ScoringInputs(
-        keys=keys,
-        values=keys,
-        queries=torch.zeros(b, h, 1, d),
-        positions=torch.arange(n).expand(b, h, n),
-        mask=mask,
-        scaling=1.0,
-        layer_index=layer_index,
-        num_layers=num_layers,
-        sequence_length=n,
-        phase=DECODE,
-        token_scores={SCORE: weights.clone()},
+    b, h, _, d = keys.shape
+    scoring = scoring_inputs(torch.zeros(b, h, 1, d), keys, keys, scaling=1.0, mask=mask, phase=DECODE)
+    return dataclasses.replace(
+        scoring, layer_index=layer_index, num_layers=num_layers, token_scores={SCORE: weights.clone()}
     )
 
 
@@ -822,8 +814,6 @@ def test_prefill_within_the_budget_keeps_every_token():
 def test_prefill_in_chunks_of_rows_equals_one_chunk(monkeypatch, rows_per_chunk):
     # The similarity matrices are built a chunk of (batch, head) rows at a time to bound memory;
     # the kept tokens and the streaming summary must not depend on the chunking.
-    import dataclasses
-
     import kvhive.methods.bumblebee as bumblebee_module
 
     b, h, n, d, budget = 2, 3, 30, 6, 10
