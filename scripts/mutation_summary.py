@@ -11,6 +11,7 @@ import collections
 import json
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 # mutmut's exit-code meanings (mutmut.stats.status_by_exit_code, mutmut 3.8).
@@ -412,6 +413,13 @@ REVIEWED.update(
 )
 
 
+# Later reviews, one TOML file per area (results/mutation/reviews/*.toml: mutant name = verdict), so
+# that reviews of different modules are written side by side without touching this file.
+REVIEWS_DIR = Path(__file__).resolve().parent.parent / "results" / "mutation" / "reviews"
+for _review_file in sorted(REVIEWS_DIR.glob("*.toml")):
+    REVIEWED.update(tomllib.loads(_review_file.read_text()))
+
+
 def reason(name: str, change: str) -> str:
     if name in REVIEWED:
         return REVIEWED[name]
@@ -432,7 +440,20 @@ def changed_line(name: str) -> str:
     return " / ".join(added)[:160] or "(see mutmut show)"
 
 
+def to_review(module: str) -> None:
+    """Print the survivors of one module (e.g. ``subgen_attention.py``) that have no verdict yet, with
+    their change: the work list for a reviewer (``python scripts/mutation_summary.py --to-review X``)."""
+    statuses = load(Path("mutants")).get(module, {})
+    for name in sorted(n for n, status in statuses.items() if status == "survived"):
+        change = changed_line(name)
+        if reason(name, change) == "to review":
+            print(f"{name}\t{change}")
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--to-review"]:
+        to_review(sys.argv[2])
+        return
     by_module = load(Path("mutants"))
     print("# Mutation testing of kvhive/methods/ (mutmut)\n")
     print("| module | mutants | " + " | ".join(COLUMNS) + " | kill rate of checked |")
