@@ -132,6 +132,26 @@ def test_padding_is_never_kept_while_real_tokens_remain():
     assert (keep.sum(dim=(1, 2)) == 4 * 5).all()
 
 
+@pytest.mark.parametrize("allocation", ["authors", "kvpress"])
+def test_left_padded_row_is_allocated_as_the_same_row_unpadded(allocation):
+    # Padding ranks below every real key in every head (adakv docstrings): a left-padded row keeps
+    # what the unpadded row keeps, also in its head budgets (the authors' f_i count only real
+    # keys), however large the scores at the padding. Head 0's padding would win 6 of the 20 global
+    # picks (H b' = 4 x 5) if it were ranked.
+    generator = torch.Generator().manual_seed(3)
+    weights = _concentrations(generator, 1, 4, 20)
+    pad = 6
+    padding = torch.zeros(1, 4, pad)
+    padding[:, 0] = 1.0
+    padded = torch.cat([padding, weights], dim=-1)
+    valid = torch.ones(1, 4, pad + 20, dtype=torch.bool)
+    valid[..., :pad] = False
+    keep = ada_keep(padded, 7, 2, 0.5, valid, allocation)
+    assert not keep[..., :pad].any()
+    assert torch.equal(keep[..., pad:], ada_keep(weights, 7, 2, 0.5, allocation=allocation))
+    assert keep.sum().item() == 4 * 7
+
+
 # -- policies on hand-made inputs ----------------------------------------------------------------------
 
 
@@ -162,6 +182,28 @@ def test_ada_snapkv_kept_set_hand_checked():
     # SnapKV (uniform) would give head 0 three selected keys: two of them are wasted.
     uniform = make_policy("snapkv", window=2, kernel=1).select_prefill(_two_head_case(), 5, {})
     assert uniform.sum(-1).tolist() == [[5, 5]]
+
+
+@pytest.mark.parametrize("allocation", ["authors", "kvpress"])
+@pytest.mark.parametrize("budget", [5, 12, 20])  # below, at and above the 12 prompt tokens
+def test_keep_mask_is_bool_with_exact_totals_at_any_budget(allocation, budget):
+    # select_prefill returns a bool keep mask [B, H, N] (the cache indexes the stored tokens with
+    # it) holding H x min(budget, N) tokens per row, also when the budget covers the whole prompt.
+    keep = AdaSnapKV(window=2, kernel=1, allocation=allocation).select_prefill(_two_head_case(), budget, {})
+    assert keep.dtype == torch.bool and keep.shape == (1, 2, 12)
+    assert keep.sum().item() == 2 * min(budget, 12)
+
+
+def test_config_object_is_used_as_given():
+    # Policy(config) takes a config object in place of keyword parameters (Policy.__init__): the
+    # Ada-KV policy and the scorer it wraps must both run with that config.
+    config = AdaSnapKV.config_class(window=2, kernel=1, alpha=0.2, allocation="kvpress")
+    policy = AdaSnapKV(config)
+    assert policy.config == config and policy.scorer.config.window == 2
+    from_keywords = AdaSnapKV(window=2, kernel=1, alpha=0.2, allocation="kvpress")
+    assert torch.equal(
+        policy.select_prefill(_two_head_case(), 5, {}), from_keywords.select_prefill(_two_head_case(), 5, {})
+    )
 
 
 def test_protected_sinks_path_follows_the_allocation_option():
@@ -232,6 +274,8 @@ def test_ada_ahakv_allocates_over_ahakv_scores():
 def test_ada_pyramidkv_layer_budgets():
     policy = AdaPyramidKV()
     assert policy.layer_budgets(72, 5) == pyramid_budgets(72, 5, 20.0, 32) == [110, 91, 72, 53, 34]
+    # PyramidKV's short-prompt rule on the row's real length (n = 79 < 2 (b - w) = 80): uniform budgets.
+    assert policy.layer_budgets(72, 5, 79) == pyramid_budgets(72, 5, 20.0, 32, context_length=79) == [72] * 5
 
 
 # -- parameters -------------------------------------------------------------------------------------

@@ -175,6 +175,23 @@ def test_snapkv_keeps_top_observation_scores_and_window():
     assert kept(keep) == [[[1, 2, 3, 7]]]
 
 
+@pytest.mark.parametrize("pooling", ["max", "avg"])
+@pytest.mark.parametrize("num_tokens", [3, 4])  # shorter than and as long as the window
+def test_snapkv_prompt_within_the_window_is_scored_unpooled_and_kept_whole(pooling, num_tokens):
+    # Every token of a prompt no longer than the observation window is in the window, which the
+    # pooling leaves out (snapkv.observation_scores: "the window itself is excluded from the pooling
+    # input"): the scores are the window's summed attention unchanged, and SnapKV keeps every token.
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randn(1, 1, num_tokens, 2, generator=generator)
+    queries = torch.randn(1, 1, num_tokens, 2, generator=generator)
+    policy = make_policy("snapkv", window=4, kernel=3, pooling=pooling)
+    inputs = scoring(num_tokens, keys=keys, queries=queries)
+    summed = inputs.observation_attention(4).sum(dim=2)
+    torch.testing.assert_close(policy.score(inputs, 4, {}), summed)
+    keep = policy.select_prefill(scoring(num_tokens, keys=keys, queries=queries), 4, {})
+    assert keep.dtype == torch.bool and keep.all()
+
+
 def test_random_local_keeps_recent_half_and_random_older_real_tokens():
     valid = torch.tensor([[True] * 20, [False] * 6 + [True] * 14])
     policy = make_policy("random", seed=3)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 
 import pytest
 import torch
@@ -103,6 +104,18 @@ def test_layer_budgets_errors_name_the_parameter():
 def test_invalid_parameters(parameters, name):
     with pytest.raises(ValueError, match=name):
         make_policy("pyramidkv", **parameters)
+
+
+@pytest.mark.parametrize("beta", [1, 1.0, 0.5, -3.0, float("inf"), float("nan"), "20", True, None])
+def test_beta_error_names_the_parameter_its_value_and_range(beta):
+    # PyramidKV's beta (last layer gets b / beta, Sec. 3.3) must be a finite number > 1; the error
+    # names the parameter, the value given and the accepted range, from the config and from
+    # pyramid_budgets alike.
+    message = re.escape(f"invalid beta={beta!r}: expected a finite number > 1")
+    with pytest.raises(ValueError, match=message):
+        make_policy("pyramidkv", beta=beta)
+    with pytest.raises(ValueError, match=message):
+        pyramid_budgets(72, 5, beta, 32)
 
 
 def test_budget_below_window_is_rejected_by_the_cache():
