@@ -21,6 +21,23 @@ save_state() {
     mkdir -p "$STATE/methods"
     cp mutants/kvhive/methods/*.meta "$STATE/methods/" 2>/dev/null || true
 }
-trap save_state EXIT
+# mutmut derives each mutant's CPU limit from test durations measured in its stats mode, which
+# records every call and runs ~30x slower than a plain run here: a mutant that loops (e.g. a
+# rejection sampler that never accepts) then holds a worker for over ten minutes. The watchdog sends
+# the signal mutmut's own limit sends (SIGXCPU: recorded as "timeout") once a mutant has used
+# MUTMUT_CPU_LIMIT CPU seconds; unmutated, the whole test file of any one method takes at most ~12.
+watchdog() {
+    while sleep 10; do
+        for pid in $(pgrep -f "^mutmut: kvhive" || true); do
+            used=$(ps -o cputimes= -p "$pid" 2>/dev/null | tr -d ' ' || true)
+            if [ -n "$used" ] && [ "$used" -gt "${MUTMUT_CPU_LIMIT:-60}" ]; then
+                kill -XCPU "$pid" 2>/dev/null || true
+            fi
+        done
+    done
+}
+watchdog &
+WATCHDOG=$!
+trap 'kill $WATCHDOG 2>/dev/null; save_state' EXIT
 OMP_NUM_THREADS=1 .venv/bin/mutmut run --max-children "${MUTMUT_CHILDREN:-1}" "$@"
 .venv/bin/python scripts/mutation_summary.py > results/mutation/summary.md
