@@ -19,6 +19,7 @@ from kvhive.methods.bumblebee import REBUILDS, SCORE, SUMMARY, BumbleBee, Bumble
 from kvhive.methods.submodular import (
     Concave,
     Mixture,
+    StreamingSummary,
     greedy_maximize,
     power_concave,
     relu_cosine_similarity,
@@ -160,9 +161,11 @@ def test_stochastic_greedy_that_samples_reaches_its_bound_in_expectation(phi):
 
 
 @pytest.mark.parametrize("phi", CONCAVES, ids=lambda p: p.kind)
-def test_plain_greedy_follows_the_definition(phi):
-    objective = random_objective(rows=3, n=12, phi=phi, seed=5)
-    assert (greedy_maximize(objective, 5, "plain") == reference_greedy(objective, 5)).all()
+@pytest.mark.parametrize("rows,n,k", [(3, 12, 5), (7, 4, 2)], ids=["rows<n", "rows>n"])
+def test_plain_greedy_follows_the_definition(phi, rows, n, k):
+    # rows > n: many (batch, head) rows over a short prompt (the column chunking must not care).
+    objective = random_objective(rows=rows, n=n, phi=phi, seed=5)
+    assert (greedy_maximize(objective, k, "plain") == reference_greedy(objective, k)).all()
 
 
 @pytest.mark.parametrize("phi", CONCAVES, ids=lambda p: p.kind)
@@ -170,17 +173,50 @@ def test_plain_greedy_follows_the_definition(phi):
 def test_lazy_greedy_returns_the_same_set_as_plain_greedy(phi, lam):
     for seed in range(2):
         objective = random_objective(rows=6, n=80, dim=8, lam=lam, phi=phi, seed=seed)
-        for k in (1, 7, 25):
+        for k in (1, 7, 25, 60):  # 60: more chosen elements than one round of lazy evaluations
             plain = greedy_maximize(objective, k, "plain")
             assert (greedy_maximize(objective, k, "lazy") == plain).all()
             # epsilon this small makes the sample the whole ground set: stochastic == plain too.
             assert (greedy_maximize(objective, k, "stochastic", 1e-300) == plain).all()
 
 
+@pytest.mark.parametrize("lam", [0.3, 1.0])
+def test_lazy_greedy_breaks_exact_ties_like_plain_greedy(lam):
+    """Lazy greedy returns plain greedy's set also when gains tie exactly (ties go to the lowest
+    index in both, greedy_maximize's docstring): keys on 4 axes make every similarity 0 or 1 and
+    small integer weights repeat, so many gains tie exactly (the zero facility gains once every
+    axis is covered too); k up to n takes the padding of row 1 as well, and n = 90 is more than
+    one round of lazy evaluations (at most 32), so the bounds decide what is evaluated."""
+    generator = torch.Generator().manual_seed(11)
+    rows, n = 3, 90
+    keys = torch.nn.functional.one_hot(torch.randint(0, 4, (rows, n), generator=generator), 4).float()
+    weights = torch.randint(1, 4, (rows, n), generator=generator).float()
+    valid = torch.ones(rows, n, dtype=torch.bool)
+    valid[1, :4] = False
+    objective = Mixture(relu_cosine_similarity(keys, valid), weights, valid, lam, Concave("log"))
+    for k in (3, 10, 40, 87, 90):
+        plain = greedy_maximize(objective, k, "plain")
+        assert torch.equal(greedy_maximize(objective, k, "lazy"), plain), k
+        assert torch.equal(greedy_maximize(objective, k, "stochastic", 1e-300), plain), k
+    # Two interleaved clusters of 11 equal keys: after one pick in each every gain ties (the
+    # facility gains are all 0), and element 2 must win although stale bounds of later elements
+    # sort them first; an element whose bound equals the best gain is still evaluated.
+    labels = torch.tensor([0, 1, 0, 0, 1, 0, 1, 0, 1, 1, 0, 1, 1, 1, 0, 0, 0, 1, 0, 1, 0, 1])
+    keys = torch.nn.functional.one_hot(labels, 2).float()[None]
+    valid = torch.ones(1, len(labels), dtype=torch.bool)
+    objective = Mixture(relu_cosine_similarity(keys, valid), torch.ones(1, len(labels)), valid, lam, Concave("log"))
+    plain = greedy_maximize(objective, 3, "plain")
+    assert plain[0].nonzero().flatten().tolist() == [0, 1, 2]
+    assert torch.equal(greedy_maximize(objective, 3, "lazy"), plain)
+
+
 def test_stochastic_greedy_samples_and_keeps_exact_counts():
     assert stochastic_sample_size(1000, 100, 1e-5) == math.ceil(10 * math.log(1e5))
     assert stochastic_sample_size(100, 50, 1e-5) == 24
     assert stochastic_sample_size(20, 2, 1e-5) == 20
+    # s = ceil((n / k) ln(1 / epsilon)) also for k = 1, and at least one draw (never more than n).
+    assert stochastic_sample_size(100, 1, 0.5) == math.ceil(100 * math.log(2)) == 70
+    assert stochastic_sample_size(10, 10, 0.9) == 1 and stochastic_sample_size(1, 1, 1e-5) == 1
     objective = random_objective(rows=5, n=400, dim=8, seed=1)
     chosen = greedy_maximize(objective, 60, "stochastic", 0.5, torch.Generator().manual_seed(0))
     assert (chosen.sum(-1) == 60).all()
@@ -193,17 +229,73 @@ def test_stochastic_greedy_samples_and_keeps_exact_counts():
     assert (again == chosen).all() and not (other == chosen).all()
 
 
+def test_greedy_defaults_to_stochastic_greedy_with_epsilon_1e_minus_5():
+    """The paper's fast path (Appx. D): stochastic greedy with epsilon = 1e-5 unless told otherwise;
+    n = 400, k = 20 makes each step sample 231 of the elements, so the draws decide."""
+    objective = random_objective(rows=2, n=400, dim=8, seed=4)
+    assert stochastic_sample_size(397, 20, 1e-5) < 397 - 20
+    default = greedy_maximize(objective, 20, generator=torch.Generator().manual_seed(0))
+    explicit = greedy_maximize(objective, 20, "stochastic", 1e-5, torch.Generator().manual_seed(0))
+    assert torch.equal(default, explicit)
+
+
 def test_greedy_takes_padding_only_when_real_elements_run_out():
     objective = random_objective(rows=2, n=8, seed=2)  # row 1: 3 padding, 5 real
     for method in ("plain", "lazy", "stochastic"):
         chosen = greedy_maximize(objective, 6, method, 1e-5)
         assert (chosen.sum(-1) == 6).all()
         assert chosen[1, 3:].all() and chosen[1, :3].sum() == 1
+    # epsilon = 0.5: one draw per step (s = 1), so stochastic greedy also samples the padding it
+    # must take once the 5 real elements are chosen (from the padding, not from the real ones).
+    assert stochastic_sample_size(5, 8, 0.5) == 1
+    for seed in range(6):
+        for k in (6, 8):
+            chosen = greedy_maximize(objective, k, "stochastic", 0.5, torch.Generator().manual_seed(seed))
+            assert (chosen.sum(-1) == k).all()
+            assert chosen[1, 3:].all() and chosen[1, :3].sum() == k - 5
+
+
+def test_stochastic_greedy_draws_uniformly_from_the_remaining_real_elements():
+    """Stochastic greedy's sample is uniform draws from the remaining elements (Mirzasoleiman et
+    al. 2015, Lemma 2), padding excluded. epsilon = 0.9 gives one draw per step (s = 1), so with
+    k = 1 the pick is that draw: over 1,200 rows with their own generators every real element is
+    picked about equally often (the first and the last included) and padding never."""
+    single = random_objective(rows=2, n=8, seed=2)  # row 1: 3 padding, 5 real
+    rows = 600
+    objective = Mixture(
+        single.sim.repeat(rows, 1, 1), single.weights.repeat(rows, 1), single.valid.repeat(rows, 1), 0.3, single.phi
+    )
+    assert stochastic_sample_size(8, 1, 0.9) == stochastic_sample_size(5, 1, 0.9) == 1
+    generators = [torch.Generator().manual_seed(seed) for seed in range(2 * rows)]
+    chosen = greedy_maximize(objective, 1, "stochastic", 0.9, generators)
+    counts = chosen.reshape(rows, 2, 8).sum(dim=0)
+    assert counts[1, :3].sum() == 0
+    # 600 picks over 8 (75 each) or 5 (120 each) elements: binomial spread about 8 and 10.
+    assert ((counts[0] - 75).abs() <= 40).all(), counts[0]
+    assert ((counts[1, 3:] - 120).abs() <= 50).all(), counts[1]
+    # Every step samples, not only the first: at k = 2 the second pick is the best of at most
+    # ceil(8 / 7) = 2 draws, so the 600 runs of row 0 give many more pairs than one per first pick.
+    pairs = greedy_maximize(objective, 2, "stochastic", 0.9, generators).reshape(rows, 2, 8)[:, 0]
+    assert len({tuple(pair.nonzero().flatten().tolist()) for pair in pairs}) > 16
+
+
+def test_plain_greedy_in_column_chunks_equals_one_chunk(monkeypatch):
+    """Plain greedy evaluates the gains a chunk of columns at a time to bound memory; the chunks
+    (1 or 3 columns here, one chunk normally) must not change the chosen set."""
+    import kvhive.methods.submodular as submodular_module
+
+    objective = random_objective(rows=3, n=11, seed=9)
+    whole = greedy_maximize(objective, 5, "plain")
+    for columns in (1, 3):
+        monkeypatch.setattr(submodular_module, "_PLAIN_CHUNK", columns * objective.rows * objective.size)
+        assert torch.equal(greedy_maximize(objective, 5, "plain"), whole)
 
 
 def test_power_concave_inverse_is_accurate():
     x = torch.cat([torch.zeros(1), torch.logspace(-10, 10, 401, dtype=torch.float64)])
-    for alpha, beta in [(0.04, 1.0), (0.5, 1.0), (0.04, 0.0), (1.0, 2.0)]:
+    # Any alpha in (0, 1] and beta >= 0 (the config's ranges): a small alpha with a small beta
+    # (0.02, 1e-3) or a small alpha alone (0.01) needs Newton to start above the root.
+    for alpha, beta in [(0.04, 1.0), (0.5, 1.0), (0.04, 0.0), (1.0, 2.0), (0.02, 1e-3), (0.01, 1.0)]:
         y = power_concave(x, alpha, beta)
         back = alpha * y.pow(1 / alpha) + beta * y
         assert torch.allclose(back, x, rtol=1e-12, atol=1e-300), (alpha, beta)
@@ -217,6 +309,43 @@ def test_power_concave_inverse_is_accurate():
     assert torch.allclose(power_concave(tiny), tiny)
     big = torch.tensor([1e8], dtype=torch.float64)
     assert abs(power_concave(big).item() / (big / 0.04).pow(0.04).item() - 1) < 1e-3
+
+
+@pytest.mark.parametrize("phi", CONCAVES, ids=lambda p: p.kind)
+def test_concave_gain_and_loss_are_differences_of_phi(phi):
+    """The feature function's marginal gain phi(a(S) + a_e) - phi(a(S)) (greedy, Eq. 3) and loss
+    phi(a(S')) - phi(a(S') - a_e) (streaming), with phi(base) / phi(total) given or not, for masses
+    below and above 1."""
+    base = torch.tensor([0.0, 0.2, 0.5, 3.0, 40.0], dtype=torch.float64)
+    added = torch.tensor([0.3, 0.1, 2.0, 0.25, 7.0], dtype=torch.float64)
+    expected = phi(base + added) - phi(base)
+    assert (expected > 0).all()
+    for gain in (phi.gain(base, added), phi.gain(base, added, phi(base))):
+        torch.testing.assert_close(gain, expected, rtol=1e-12, atol=0)
+    total = base + added
+    for loss in (phi.loss(total, added), phi.loss(total, added, phi(total))):
+        torch.testing.assert_close(loss, expected, rtol=1e-9, atol=0)
+
+
+def test_power_concave_uses_its_own_alpha_and_beta():
+    """Concave("power", alpha, beta) is g^{-1} for g(y) = alpha y^(1/alpha) + beta y with the
+    given alpha and beta (BumbleBee ♦; the config's power_alpha and power_beta)."""
+    x = torch.logspace(-3, 3, 13, dtype=torch.float64)
+    for alpha, beta in [(0.04, 1.0), (0.1, 2.0), (0.04, 0.25)]:
+        y = Concave("power", alpha, beta)(x)
+        torch.testing.assert_close(alpha * y.pow(1 / alpha) + beta * y, x, rtol=1e-12, atol=0)
+
+
+def test_log_concave_gain_and_loss_do_not_cancel():
+    """phi = log(1 + x): the gain is log1p(a / (1 + b)) = ln((1 + b + a) / (1 + b)), computed
+    without the cancellation of log1p(b + a) - log1p(b), which loses a token with little
+    attention next to a large accumulated mass (here a = 1e-9, b = 1e6)."""
+    phi = Concave("log")
+    base = torch.tensor([1e6], dtype=torch.float64)
+    added = torch.tensor([1e-9], dtype=torch.float64)
+    exact = math.log1p(1e-9 / (1 + 1e6))
+    assert phi.gain(base, added).item() == pytest.approx(exact, rel=1e-9, abs=0)
+    assert phi.loss(base + added, added).item() == pytest.approx(exact, rel=1e-6, abs=0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -295,19 +424,30 @@ def test_streaming_step_hand_checked():
         assert state[REBUILDS] == 1  # nothing was selected in prefill: S = the oldest tau_s tokens
 
 
-def simulate_stream(policy: BumbleBee, budget: int, steps: int, joiners: int = 1, seed: int = 0, dim: int = 6):
+def simulate_stream(
+    policy: BumbleBee,
+    budget: int,
+    steps: int,
+    joiners: int = 1,
+    seed: int = 0,
+    dim: int = 6,
+    score_scale: float = 1.0,
+):
     """Drive ``select_decode`` as the cache does (append, accumulate, compact) over 2 x 2 rows,
     row (1, *) left-padded by 2; check every drop against the brute-force argmin of
-    ``g(x | S' - x)`` for one joiner at a time. Returns the policy state."""
+    ``g(x | S' - x)`` for one joiner at a time (with ``importance_scale="normalised"``, the
+    weights are the fractions of the mass of ``S'``). ``score_scale`` multiplies every
+    attention score. Returns the policy state."""
     generator = torch.Generator().manual_seed(seed)
     summary_size, _ = policy.split(budget)
     lam, phi = policy.config.mixture_weight, policy.concave
+    normalised = policy.config.importance_scale == "normalised"
 
     def fresh_keys(count):
         return torch.randn(2, 2, count, dim, generator=generator)
 
     keys = fresh_keys(budget)
-    scores = torch.rand(2, 2, budget, generator=generator) * 4
+    scores = torch.rand(2, 2, budget, generator=generator) * 4 * score_scale
     valid = torch.ones(2, 2, budget, dtype=torch.bool)
     valid[1, :, :2] = False
     scores[~valid] = 0
@@ -320,8 +460,10 @@ def simulate_stream(policy: BumbleBee, budget: int, steps: int, joiners: int = 1
             new = keys[:, :, :joiners] + 0.05 * torch.randn(2, 2, joiners, dim, generator=generator)
         keys = torch.cat([keys, new], dim=2)
         scores = torch.cat([scores, torch.zeros(2, 2, joiners)], dim=2)
-        scores += torch.rand(scores.shape, generator=generator) ** 4 * torch.cat(
-            [valid, torch.ones(2, 2, joiners, dtype=torch.bool)], dim=2
+        scores += (
+            torch.rand(scores.shape, generator=generator) ** 4
+            * score_scale
+            * torch.cat([valid, torch.ones(2, 2, joiners, dtype=torch.bool)], dim=2)
         )
         valid = torch.cat([valid, torch.ones(2, 2, joiners, dtype=torch.bool)], dim=2)
         arrived = torch.arange(seen, seen + joiners, dtype=torch.int32).expand(2, 2, joiners)
@@ -337,13 +479,10 @@ def simulate_stream(policy: BumbleBee, budget: int, steps: int, joiners: int = 1
             for j in range(joiners):
                 candidate = current + [summary_size + j]
                 index = torch.tensor(candidate)
-                gains = marginal_gains(
-                    flat(keys)[row : row + 1, index],
-                    flat(scores)[row : row + 1, index],
-                    flat(valid)[row : row + 1, index],
-                    lam,
-                    phi,
-                )[0]
+                weights, in_ground_set = flat(scores)[row : row + 1, index], flat(valid)[row : row + 1, index]
+                if normalised:  # c(S) = phi(a(S) / a(S')) / phi(1)
+                    weights = weights * in_ground_set / (weights * in_ground_set).sum()
+                gains = marginal_gains(flat(keys)[row : row + 1, index], weights, in_ground_set, lam, phi)[0]
                 order = gains.argsort(stable=True)
                 assert gains[order[1]] - gains[order[0]] > 1e-9 or not torch.isfinite(gains[order[0]])
                 current = [c for c in candidate if c != candidate[int(order[0])]]
@@ -381,6 +520,63 @@ def test_streaming_drops_the_minimum_marginal_gain_with_the_cached_matrix(method
     policy = make_policy(method, local_window=3)
     state = simulate_stream(policy, budget=9, steps=24 // joiners, joiners=joiners)
     assert state[REBUILDS] == 1  # built once from the stored tokens, then only updated
+
+
+@pytest.mark.parametrize("method", ["bumblebee", "bumblebee-power"])
+@pytest.mark.parametrize("score_scale", [1.0, 0.01])
+def test_streaming_with_normalised_importance_drops_the_minimum_marginal_gain(method, score_scale):
+    """importance_scale="normalised" in decode too: every drop is the argmin of g(x | S' - x) with
+    c(S) = phi(a(S) / a(S')) / phi(1) (module doc), whether the mass of S' is above 1 or, at
+    score_scale 0.01, below it (the fraction is taken all the same)."""
+    policy = make_policy(method, local_window=3, importance_scale="normalised")
+    simulate_stream(policy, budget=9, steps=16, score_scale=score_scale)
+
+
+def test_streaming_step_applies_phi_to_the_raw_mass_by_default():
+    """StreamingSummary.step's default is BumbleBee's default importance_scale="raw"
+    (normalise_mass=False), and the two scales drop different tokens here."""
+    generator = torch.Generator().manual_seed(1)
+    rows, size, joiners, dim = 4, 5, 6, 4
+    keys = torch.randn(rows, size + joiners, dim, generator=generator)
+    weights = torch.rand(rows, size + joiners, generator=generator) ** 2 * 40
+    valid = torch.ones(rows, size + joiners, dtype=torch.bool)
+    positions = torch.arange(size + joiners).expand(rows, -1)
+
+    def dropped(**normalise):
+        summary = StreamingSummary.from_keys(keys[:, :size], valid[:, :size], positions[:, :size])
+        return summary.step(keys, valid, weights, positions, size, joiners, 0.3, Concave("log"), **normalise)
+
+    default = dropped()
+    assert torch.equal(default, dropped(normalise_mass=False))
+    assert not torch.equal(default, dropped(normalise_mass=True))
+
+
+def test_decode_rebuilds_the_summary_when_the_stored_tokens_changed():
+    """Module doc: a decode step checks the summary's member positions against the stored tokens
+    and rebuilds the matrix from the keys if they differ; REBUILDS counts every rebuild. Here the
+    second step sees other tokens (positions 50..59): it must act exactly as on a fresh state."""
+    generator = torch.Generator().manual_seed(2)
+    b, h, n, d, budget = 1, 2, 10, 4, 9
+    policy = BumbleBee(local_window=3)
+    valid = torch.ones(b, h, n, dtype=torch.bool)
+
+    def scoring(offset):
+        keys = torch.randn(b, h, n, d, generator=generator)
+        scores = torch.rand(b, h, n, generator=generator) * 4
+        return decode_scoring(keys, scores, valid, torch.arange(offset, offset + n).expand(b, h, n))
+
+    state = {}
+    policy.select_decode(scoring(0), budget, state)
+    assert state[REBUILDS] == 1
+    other = scoring(50)
+    keep = policy.select_decode(other, budget, state)
+    assert state[REBUILDS] == 2
+    assert torch.equal(keep, policy.select_decode(other, budget, {}))
+    # aligned_with: the first T stored positions (T or more of them) are the members, in order.
+    summary = state[SUMMARY]
+    members = summary.positions
+    assert summary.aligned_with(members) and summary.aligned_with(torch.cat([members, members + 100], dim=1))
+    assert not summary.aligned_with(members.flip(-1)) and not summary.aligned_with(members[:, :-1])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -546,6 +742,10 @@ def test_registry_and_defaults():
         ({"local_window": -1}, "local_window"),
         ({"local_window": 2.5}, "local_window"),
         ({"seed": -1}, "seed"),
+        # Numbers only: a bool or a numeric string is rejected with the parameter's name.
+        ({"power_alpha": True}, "power_alpha"),
+        ({"power_beta": "1.0"}, "power_beta"),
+        ({"epsilon": "1e-5"}, "epsilon"),
     ],
 )
 @pytest.mark.parametrize("method", ["bumblebee", "bumblebee-power"])
@@ -557,7 +757,7 @@ def test_invalid_parameters_raise(method, parameters, name):
 def test_budget_below_local_window_plus_one_raises():
     policy = BumbleBee(local_window=8)
     assert policy.minimum_budget() == 9 and policy.split(9) == (1, 8)
-    with pytest.raises(ValueError, match="budget"):
+    with pytest.raises(ValueError, match=r"budget=8: .* local_window \+ 1 = 9 tokens"):
         policy.split(8)
     model = tiny_model("llama", "gqa")
     input_ids, attention_mask = left_padded_batch(model.config.vocab_size)
@@ -730,6 +930,43 @@ def test_a_left_padded_row_gets_what_it_gets_alone(method):
             assert torch.equal(alone.layers[layer].dense()[2][0], in_batch)
 
 
+def test_stochastic_draws_are_seeded_by_seed_layer_and_head_not_batch_row():
+    """Module doc: one generator per (batch row, KV head) seeded with seed, the layer and the head
+    (not the batch row). Every row here has the same keys and scores, and epsilon = 0.5 samples 4
+    of the 50 candidates per step: heads draw differently, batch rows alike, and another layer or
+    another seed draws differently."""
+    generator = torch.Generator().manual_seed(6)
+    b, h, n, d, budget = 2, 2, 60, 6, 20
+    keys = torch.randn(1, 1, n, d, generator=generator).expand(b, h, n, d).contiguous()
+    weights = torch.rand(1, 1, n, generator=generator).expand(b, h, n).contiguous()
+    assert stochastic_sample_size(50, 10, 0.5) == 4
+
+    def kept(seed=0, layer=0):
+        scoring = accumulated_scoring(keys, weights, layer_index=layer, num_layers=2)
+        return BumbleBee(epsilon=0.5, seed=seed).select_prefill(scoring, budget, {})
+
+    first = kept()
+    assert torch.equal(first[0], first[1])
+    assert not torch.equal(first[0, 0], first[0, 1])
+    assert not torch.equal(first, kept(layer=1))
+    assert not torch.equal(first, kept(seed=1))
+
+
+def test_prefill_without_running_scores_uses_the_prompts_accumulated_attention():
+    """select_prefill on scoring inputs without running scores weighs each token by the attention
+    the prompt's queries gave it (Eq. 3's a_n^i), as it does with those scores stored."""
+    generator = torch.Generator().manual_seed(8)
+    b, hq, h, n, d, budget = 1, 4, 2, 24, 8, 10
+    queries = torch.randn(b, hq, n, d, generator=generator)
+    keys = torch.randn(b, h, n, d, generator=generator)
+    fresh = scoring_inputs(queries, keys, keys.clone())
+    stored = scoring_inputs(queries, keys, keys.clone())
+    stored.token_scores[SCORE] = stored.to_kv_heads(stored.accumulated_attention()).float()
+    policy = BumbleBee(greedy="plain", mixture_weight=0.1)
+    assert torch.equal(policy.select_prefill(fresh, budget, {}), policy.select_prefill(stored, budget, {}))
+    torch.testing.assert_close(fresh.token_scores[SCORE], stored.token_scores[SCORE])
+
+
 def test_importance_scale_normalised_applies_phi_to_the_mass_fraction():
     """importance_scale="normalised": c(S) = phi(a(S)/a(V)) / phi(1); "raw" (default): phi(a(S)) / phi(a(V))."""
     policy = BumbleBee()
@@ -806,8 +1043,13 @@ def test_prefill_within_the_budget_keeps_every_token():
     keys = torch.randn(b, h, n, d, generator=torch.Generator().manual_seed(0))
     scoring = accumulated_scoring(keys, torch.rand(b, h, n))
     for budget in (n, n + 5):
-        kept = policy.select_prefill(scoring, budget, {})
+        state = {}
+        kept = policy.select_prefill(scoring, budget, state)
         assert kept.dtype == torch.bool and kept.shape == (b, h, n) and kept.all()
+        # No prefill selection, so no summary: decode builds it from the stored tokens (REBUILDS).
+        assert state == {}
+        # Decode within the budget evicts nothing (None) and leaves the state alone.
+        assert policy.select_decode(scoring, budget, state) is None and state == {}
 
 
 @pytest.mark.parametrize("rows_per_chunk", [1, 3])

@@ -32,10 +32,13 @@ from kvhive.methods.subgen import (
 )
 from kvhive.methods.subgen_attention import (
     STATE_KEY,
+    MemoryPlan,
     StreamingStructures,
     SubGenAttention,
+    SubGenAttentionConfig,
     cluster_counts,
     clustering_statistics,
+    memory_plan,
     structures_nbytes,
 )
 from kvhive.models import TINY_ARCHITECTURES, TINY_ATTENTION_KINDS, tiny_model
@@ -941,3 +944,309 @@ def test_structures_store_vectors_in_the_model_dtype_and_start_empty():
     keys = torch.randn(2, 9, 4, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     insert_in_pieces(target, keys, keys.clone(), [9])
     assert {name: x.dtype for name, x in target.tensors().items()} == expected
+
+
+# ==============================================================================================
+# Mutation testing (issue 10): the memory plan's bounds, the radius, the coins, the reports
+# ==============================================================================================
+
+
+def test_memory_plan_needs_one_of_each_part_and_the_smallest_budget_is_found():
+    """The budget split (module docstring of subgen_attention): at least one ℓ2 sample, one
+    cluster and one window token; exactly one of each is enough, and a budget missing any part is
+    refused with an error naming ``budget`` (issue 10: each bound of memory_plan survived)."""
+    config = SubGenAttentionConfig
+    # defaults (s = C/4, a quarter of C for clusters of 4 + 1 keys): budget 12 is the first fit
+    assert memory_plan(12, config()) == MemoryPlan(6, 3, 1, 4)
+    assert memory_plan(11, config()) is None
+    assert memory_plan(10, config()) is None  # 2 samples, a window of 6, but 2 tokens < one cluster
+    assert SubGenAttention().minimum_budget() == 12
+    with pytest.raises(ValueError, match="budget"):
+        SubGenAttention().plan(11)
+    # one value sample is enough (10 * 0.1 = 1)
+    assert memory_plan(10, config(value_sample_fraction=0.1, cluster_fraction=0.5, samples_per_cluster=1)) == (
+        MemoryPlan(4, 1, 5, 1)
+    )
+    # no value sample (10 * 0.05 < 1) with clusters and a window: refused
+    assert memory_plan(10, config(value_sample_fraction=0.05, samples_per_cluster=1)) is None
+    # a window of one token is enough (20 - 9 - 10 = 1)
+    assert memory_plan(20, config(value_sample_fraction=0.45, cluster_fraction=0.5, samples_per_cluster=1)) == (
+        MemoryPlan(1, 9, 10, 1)
+    )
+
+
+def test_relative_radius_is_delta_times_the_mean_real_key_norm_at_first_insertion():
+    """Radius choice (module docstring): ``cluster_radius`` times the mean L2 norm of a row's real
+    keys at its first insertion; a row of all-zero keys gets ``cluster_radius`` itself, a row with
+    no real key yet stays unset, and later insertions do not move it (issue 10)."""
+    target = StreamingStructures(
+        4,
+        2,
+        1,
+        1,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        generator=torch.Generator().manual_seed(0),
+        delta=0.5,
+        relative_delta=True,
+    )
+    keys = torch.full((4, 3, 2), 100.0)  # masked-out keys: far larger, must not count
+    mask = torch.zeros(4, 3, dtype=torch.bool)
+    keys[0, 0], keys[0, 1], mask[0, :2] = torch.tensor([0.2, 0.0]), torch.tensor([0.0, 0.6]), True  # mean 0.4
+    keys[1, 2], mask[1, 2] = torch.tensor([3.0, 0.0]), True  # a single key of norm 3
+    keys[2], mask[2] = 0.0, True  # all-zero keys
+    target.insert(keys, keys.clone(), mask)
+    expected = torch.tensor([0.5 * 0.4, 0.5 * 3.0, 0.5, float("nan")])
+    torch.testing.assert_close(target.radius, expected, equal_nan=True)
+    later = torch.zeros(4, 2, 2)
+    later[..., 0] = torch.tensor([5.0, 7.0])  # row 3's first real keys: mean norm 6
+    target.insert(later, later.clone(), torch.ones(4, 2, dtype=torch.bool))
+    expected[3] = 0.5 * 6.0
+    torch.testing.assert_close(target.radius, expected)
+
+
+def _identical_streams(dtype=torch.float32) -> torch.Tensor:
+    """Keys ``[2, 2, 60, 4]``: the same stream in every (batch row, KV head)."""
+    stream = torch.randn(60, 4, generator=torch.Generator().manual_seed(8)) * 2
+    return stream.expand(2, 2, 60, 4).to(dtype).contiguous()
+
+
+def test_policy_structures_take_the_layer_dtype_relative_radius_and_per_head_layer_seed_draws():
+    """SubGenAttention builds one row of structures per (batch row, KV head): vectors in the
+    model's dtype, the relative radius of its config, and one generator per row seeded by the
+    config's seed, the layer and the head only (issue 9 item 5: a batch row draws what it draws
+    alone). With the same stream in every row, the ℓ2 samples of M therefore agree across batch
+    rows of a head and differ between heads, layers and seeds (issue 10: each seed argument)."""
+    policy_options = dict(samples_per_cluster=2, value_sample_fraction=0.25, cluster_fraction=0.25)
+    budget = 40  # 10 value samples, 6 clusters of 2 + 1 keys, a window of 20: 40 tokens leave
+
+    def draws(seed=0, layer=0, dtype=torch.float32):
+        scoring = scoring_for(_identical_streams(dtype))
+        scoring.layer_index = layer
+        state: dict = {}
+        SubGenAttention(seed=seed, **policy_options).select_prefill(scoring, budget, state)
+        return state[STATE_KEY]
+
+    st = draws()
+    assert torch.equal(st.m_keys[0], st.m_keys[2]) and torch.equal(st.m_keys[1], st.m_keys[3])  # head 0, head 1
+    assert not torch.equal(st.m_keys[0], st.m_keys[1])
+    assert not torch.equal(draws(layer=1).m_keys[0], st.m_keys[0])
+    assert not torch.equal(draws(seed=1).m_keys[0], st.m_keys[0])
+    # relative_radius (default): 0.5 x the mean norm of the 40 keys that left the window
+    mean_norm = _identical_streams()[0, 0, :40].norm(dim=-1).mean()
+    torch.testing.assert_close(st.radius, torch.full((4,), 0.5 * float(mean_norm)))
+    assert {x.dtype for x in (st.m_keys, st.m_values, st.representatives, st.samples)} == {torch.float32}
+    low = draws(dtype=torch.bfloat16)
+    assert {x.dtype for x in (low.m_keys, low.m_values, low.representatives, low.samples)} == {torch.bfloat16}
+
+
+def test_a_given_config_is_used_and_extra_attention_answers_in_the_query_dtype():
+    """A config object passed to SubGenAttention is the policy's config, and extra_attention's
+    ``(z, τ, max)`` come back in the queries' dtype, the attention integration's (issue 10)."""
+    config = SubGenAttentionConfig(samples_per_cluster=3, cluster_radius=0.25, seed=5)
+    policy = SubGenAttention(config)
+    assert policy.config == config
+    state: dict = {}
+    policy.select_prefill(scoring_for(_identical_streams()), 40, state)
+    assert state[STATE_KEY].t == 3
+    queries = torch.randn(2, 4, 1, 4, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    assert [x.dtype for x in policy.extra_attention(state, queries, 0.5)] == [torch.bfloat16] * 3
+
+
+def test_clustering_statistics_and_cluster_counts_report_the_layers_with_structures():
+    """The reports of docs/METHODS.md, exact: per layer that inserted tokens, the plan's window and
+    samples, the clusters used, the keys inserted, the keys beyond the radius and whether the
+    stream was clusterable, and the token-equivalents held (window + samples + (t+1)/2 per
+    cluster); cluster_counts the clusters per row (issue 10: keys and values survived)."""
+    from types import SimpleNamespace
+
+    policy = SubGenAttention(cluster_radius=4.0, relative_radius=False)  # one cluster per row
+    plan = policy.plan(40)  # window 20, 10 samples, at most 4 clusters of 4 + 1 keys
+    state: dict = {}
+    policy.select_prefill(scoring_for(_identical_streams() * 0.1), 40, state)
+    cache = SimpleNamespace(layers=[SimpleNamespace(policy_state={}), SimpleNamespace(policy_state=state)])
+    st = state[STATE_KEY]
+    assert (st.num_clusters == 1).all() and int(st.beyond_radius.sum()) == 0
+    assert clustering_statistics(cache) == {
+        1: {
+            "window": 20,
+            "value_samples": 10,
+            "max_clusters": plan.max_clusters,
+            "clusters": 1,
+            "inserted": 4 * 40,
+            "beyond_radius": 0,
+            "clusterable": True,
+            "token_equivalents": 20 + 10 + 1 * (4 + 1) / 2,
+            "budget_token_equivalents": plan.token_equivalents,
+        }
+    }
+    counts = cluster_counts(cache)
+    assert list(counts) == [1] and torch.equal(counts[1], st.num_clusters)
+
+
+def test_insert_marks_tokens_not_inserted_with_minus_one_and_a_lone_token_founds_a_full_cluster():
+    """insert's contract: the cluster of each token, -1 where the mask is False; a key that founds
+    a cluster is its representative, its t samples and count 1 (Lemma 2's Case 2), also when it is
+    the only token of the insertion (issue 10)."""
+    target = structures(1, 2, t=3, s=2, delta=0.5)
+    first = torch.tensor([[[1.0, 2.0]]])
+    assert target.insert(first, first, torch.ones(1, 1, dtype=torch.bool)).tolist() == [[0]]
+    assert target.counts[0, :1].tolist() == [1]
+    assert torch.equal(target.samples[0, 0], first[0].expand(3, 2))
+    second = torch.tensor([[[9.0, 9.0], [1.25, 2.0]]])
+    assignment = target.insert(second, second, torch.tensor([[False, True]]))
+    assert assignment.tolist() == [[-1, 0]] and target.counts[0, :1].tolist() == [2]
+    assert int(target.tokens[0]) == 2
+
+
+def test_a_key_at_exactly_delta_joins_and_ties_go_to_the_older_cluster():
+    """Algorithm 1, lines 12-13: i* = argmin_i ‖x_i − k‖ and the key joins when ‖k − x_i*‖ ≤ δ
+    (inclusive), both when the representative was founded in an earlier insertion and in the same
+    batch; only a key strictly beyond δ counts as beyond the radius. Ties in the argmin go to the
+    first (older) representative, as the one-key-at-a-time algorithm does: batch insertion is
+    exactly the sequential algorithm (module docstring). Distances here are exact in float32."""
+
+    def line(*xs):
+        return torch.tensor([[[x, 0.0] for x in xs]])
+
+    def ones(n):
+        return torch.ones(1, n, dtype=torch.bool)
+
+    for pieces in ([1, 1], [2]):
+        target = structures(1, 2, t=1, s=1, delta=0.5)
+        assert insert_in_pieces(target, line(0.0, 0.5), line(0.0, 0.5), pieces).tolist() == [[0, 0]]
+        assert int(target.num_clusters[0]) == 1
+    bounded = StreamingStructures(
+        1,
+        2,
+        1,
+        1,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        generator=torch.Generator().manual_seed(0),
+        delta=0.5,
+        relative_delta=False,
+        max_clusters=1,
+    )
+    bounded.insert(line(0.0), line(0.0), ones(1))
+    bounded.insert(line(0.5, 2.0), line(0.5, 2.0), ones(2))
+    assert bounded.beyond_radius.tolist() == [1] and bounded.counts[0].tolist() == [3]
+    # 0.75 is 0.75 from both representatives (0 and 1.5, founded before it): the older one wins
+    keys = line(0.0, 1.5, 0.75)
+    _, counts, expected = _sequential_clusters(keys[0], 1.0)
+    assert expected == [0, 1, 0] and counts == [2, 1]
+    for pieces in ([3], [1, 1, 1], [2, 1]):
+        target = structures(1, 2, t=1, s=1, delta=1.0)
+        assert insert_in_pieces(target, keys, keys, pieces).tolist() == [expected], pieces
+
+
+def _with_uniforms(target: StreamingStructures, value: float) -> StreamingStructures:
+    """Every uniform the structures draw is ``value`` (a point of torch.rand's grid k·2^-24)."""
+    target._rand_rows = lambda counts, width: torch.full((sum(counts), width), value)
+    return target
+
+
+def test_reservoir_and_l2_coins_are_exact_at_their_boundaries():
+    """Lemma 1 / Lemma 2 need each slot replaced with probability exactly p = added/(old+added)
+    (‖v‖²/(μ+‖v‖²) for M, 1/count for a cluster). torch.rand draws u on the grid k·2^-24 of
+    [0, 1), so ``u < p`` holds for exactly p·2^24 grid points (``u ≤ p`` would be one more): at
+    u = p = 1/2 nothing is replaced, one grid point below everything is. The ‖v‖² draw inverts the
+    CDF on [0, 1) (token i on [c_{i-1}, c_i)), so even u = 0 never draws a zero-weight (padding)
+    token; small values (‖v‖² < 1) are sampled like any others (issue 10)."""
+    keys = torch.tensor([[[9.0, 9.0], [1.0, 0.0]]])  # token 0: padding, far away
+    values = torch.tensor([[[3.0, 3.0], [0.0, 0.5]]])  # ‖v‖² = 0.25 for the real token
+    later_key, later_value = torch.tensor([[[1.25, 0.0]]]), torch.tensor([[[0.0, 0.5]]])  # p = 1/2 in both
+    for u, replaced in [(0.5, False), (0.5 - 2**-24, True)]:
+        target = _with_uniforms(structures(1, 2, t=2, s=3, delta=10.0), 0.0)
+        target.insert(keys, values, torch.tensor([[False, True]]))
+        assert torch.equal(target.m_keys[0], keys[0, 1].expand(3, 2))  # the real token, in every slot
+        assert torch.equal(target.samples[0, 0], keys[0, 1].expand(2, 2))
+        _with_uniforms(target, u).insert(later_key, later_value, torch.ones(1, 1, dtype=torch.bool))
+        expected = later_key[0, 0] if replaced else keys[0, 1]
+        assert torch.equal(target.m_keys[0], expected.expand(3, 2)), u
+        assert torch.equal(target.samples[0, 0], expected.expand(2, 2)), u
+        assert target.counts[0, :1].tolist() == [2] and float(target.mu[0]) == 0.5
+
+
+def test_query_max_is_over_held_entries_and_z_scales_with_the_values():
+    """QUERYSTREAMATTN relative to a max logit: the max is over the entries the structures hold
+    (cluster samples, filled M slots); an empty M slot (all values zero so far: ‖v‖² = 0 is never
+    drawn) is not an entry, and a row with nothing inserted has no entry (max = the dtype's
+    minimum, τ = 0, z = 0). z = Σ_M μ/(s‖v‖²) e^l v is linear in the values' scale, whatever
+    their norms (the same draws: the ‖v‖² law is scale-free) (issue 10)."""
+    generator = torch.Generator().manual_seed(11)
+    rows, n, dim = 3, 12, 4
+    keys = torch.randn(rows, n, dim, generator=generator)
+    values = torch.randn(rows, n, dim, generator=generator)
+    keys[1] = keys[1].abs() + 0.1
+    values[1] = 0.0
+    mask = torch.ones(rows, n, dtype=torch.bool)
+    mask[2] = False
+    query = -torch.ones(rows, 1, dim)  # every logit of row 1 is negative
+    outputs = []
+    for scale in (1.0, 0.25):
+        target = structures(rows, dim, t=2, s=6, delta=0.8, seed=3)
+        target.insert(keys, values * scale, mask)
+        outputs.append(target.query(query, 1.0))
+    (z, tau, max_logit), (z_small, tau_small, max_small) = outputs
+    assert (target.m_sqnorm[1] == 0).all() and float(target.mu[1]) == 0.0
+    used = int(target.num_clusters[1])
+    sample_logits = query[1] @ target.samples[1, :used].reshape(-1, dim).T
+    assert float(sample_logits.max()) < 0
+    torch.testing.assert_close(max_logit[1], sample_logits.amax(-1))
+    assert float(max_logit[2]) == torch.finfo(torch.float32).min
+    assert float(tau[2]) == 0.0 and (z[2] == 0).all() and (z[1] == 0).all() and float(tau[1]) > 0
+    torch.testing.assert_close(z_small, 0.25 * z)
+    torch.testing.assert_close(tau_small, tau)
+    torch.testing.assert_close(max_small, max_logit)
+
+
+def test_padding_never_displaces_a_real_token_wherever_it_lies():
+    """DESIGN.md §2: every method ranks padding below every real token, so a row keeps padding
+    only when it has fewer real tokens than its budget. Checked with the padding in the last
+    columns (a right-padded prompt), where it would otherwise win the recency and tie orders:
+    subgen's k-center prefill and closest-pair decode, and subgen-attention's window, which must
+    hold the last ``window`` real tokens and insert only the real tokens that leave (issue 10)."""
+    keys = torch.randn(1, 1, 20, 4, generator=torch.Generator().manual_seed(12))
+    valid = torch.ones(1, 1, 20, dtype=torch.bool)
+    valid[..., -3:] = False
+    for phase in (PREFILL, DECODE):
+        select = SubGen.select_prefill if phase == PREFILL else SubGen.select_decode
+        keep = select(SubGen(recent=4), scoring_for(keys, valid, phase=phase), 8, {})
+        assert keep.dtype == torch.bool and int(keep.sum()) == 8 and not keep[..., -3:].any(), phase
+        assert keep[..., 15:17].all()  # the real tokens among the last 4 columns (recent)
+    policy = SubGenAttention()
+    window = policy.plan(24).window  # 12
+    state: dict = {}
+    keep = policy.select_prefill(scoring_for(keys, valid), 24, state)
+    assert keep[0, 0].tolist() == [False] * 5 + [True] * window + [False] * 3
+    assert state[STATE_KEY].tokens.tolist() == [5]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_decode_follows_the_reference_rule_among_exactly_tied_distances(seed):
+    """Keys on a small integer grid (squared distances exact in float32, many equal): the decode
+    rule still evicts, at every step, what the from-scratch reference evicts — the newer member
+    of the first closest pair in age order (the oldest candidate of a closest pair with its
+    oldest nearest neighbour) — so a candidate's recorded nearest neighbour only moves to a
+    newcomer strictly closer than it (issue 10: the tie of that update survived random keys)."""
+    generator = torch.Generator().manual_seed(20 + seed)
+    recent, budget, d = 2, 7, 2
+    policy = SubGen(recent=recent)
+    stream = torch.randint(-3, 4, (60, d), generator=generator).float()
+    keys = stream[:12][None, None]
+    positions = torch.arange(12, dtype=torch.int32)[None, None]
+    keep = policy.select_prefill(scoring_for(keys, positions=positions), budget, {})
+    keys, positions = keys[keep].reshape(1, 1, -1, d), positions[keep].reshape(1, 1, -1)
+    scores: dict = {}
+    for step in range(12, 60):
+        keys = torch.cat([keys, stream[step][None, None, None]], dim=2)
+        positions = torch.cat([positions, torch.tensor([[[step]]], dtype=torch.int32)], dim=2)
+        scores = {name: torch.cat([value, value.new_zeros(1, 1, 1)], dim=2) for name, value in scores.items()}
+        candidates_before = positions[0, 0, :-recent].tolist()
+        scoring = scoring_for(keys, phase=DECODE, positions=positions, token_scores=scores)
+        keep = policy.select_decode(scoring, budget, {})
+        expected = _brute_force_decode([stream[p] for p in candidates_before], candidates_before, budget - recent)
+        assert set(positions[keep].tolist()) == expected | set(positions[0, 0, -recent:].tolist()), step
+        keys, positions = keys[keep].reshape(1, 1, -1, d), positions[keep].reshape(1, 1, -1)
+        scores = {name: value[keep].reshape(1, 1, -1) for name, value in scoring.token_scores.items()}
