@@ -14,8 +14,21 @@ import sys
 import tomllib
 from pathlib import Path
 
-# mutmut's exit-code meanings (mutmut.stats.status_by_exit_code, mutmut 3.8).
-STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", None: "not checked", 36: "timeout"}
+# mutmut's exit-code meanings (mutmut.stats.status_by_exit_code, mutmut 3.8): a timeout is 36 or a
+# CPU-limit signal (SIGXCPU: -24, 24, 152; 255), which scripts/mutation.sh's watchdog also sends.
+STATUS = {
+    1: "killed",
+    3: "killed",
+    0: "survived",
+    5: "no tests",
+    33: "no tests",
+    None: "not checked",
+    36: "timeout",
+    -24: "timeout",
+    24: "timeout",
+    152: "timeout",
+    255: "timeout",
+}
 COLUMNS = ("killed", "survived", "no tests", "timeout", "not checked", "other")
 
 

@@ -30,6 +30,7 @@ from kvhive.methods.buzz import (
     mean_layout,
     old_sample_sizes,
     prefill_accumulated_attention,
+    size_statistics,
     small_stride,
     steady_state_sizes,
     theorem_ratio,
@@ -188,9 +189,10 @@ def test_local_max_mask_matches_loop_and_prefers_first_on_ties():
 
 
 @pytest.mark.parametrize("max_elements", [1 << 22, 700])
-def test_prefill_accumulated_attention_matches_generic_column_sums(max_elements):
+@pytest.mark.parametrize("n", [37, 7])  # 7: a prompt shorter than batch x query heads (12)
+def test_prefill_accumulated_attention_matches_generic_column_sums(max_elements, n):
     generator = torch.Generator().manual_seed(0)
-    b, h, group, n, d = 2, 2, 3, 37, 8
+    b, h, group, d = 2, 2, 3, 8
     keys = torch.randn(b, h, n, d, generator=generator)
     queries = torch.randn(b, h * group, n, d, generator=generator)
     mask = torch.ones(n, n, dtype=torch.bool).tril().expand(b, 1, n, n).clone()
@@ -262,11 +264,18 @@ def test_theorem_ratio_steady_state_old_samples_approach_window(stride, budget):
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("length", [40, 200, 900])
-def test_prefill_samples_until_it_fits(length):
-    policy = Buzz(sink=4, stride=5, budget_form="peak")
+@pytest.mark.parametrize(
+    "stride,length",
+    # Stride 5 (window 4, threshold 22): 118 tokens give exactly 22 samples, which fit (no thinning);
+    # 119 give 23, one round. Stride 3 (window 7, threshold 19, ŝ = 2): 71 tokens need exactly one round.
+    [(5, 40), (5, 118), (5, 119), (5, 200), (5, 900), (3, 71), (3, 300)],
+)
+def test_prefill_samples_until_it_fits(stride, length):
+    """Remark 2: the single pass is thinned with ŝ only while it does not fit (a pass that fits
+    exactly is kept whole), and every round really thins (ŝ = 2 included)."""
+    policy = Buzz(sink=4, stride=stride, budget_form="peak")
     budget = 30
-    layout = policy.layout(budget)  # window 4, threshold 22
+    layout = policy.layout(budget)
     generator = torch.Generator().manual_seed(length)
     scores = torch.rand(1, 2, length, generator=generator)
     state = {}
@@ -281,7 +290,7 @@ def test_prefill_samples_until_it_fits(length):
             layout.sink,
             layout.window,
             0,
-            5,
+            stride,
             layout.threshold,
         )
         assert keep[0, h].nonzero().flatten().tolist() == expected
@@ -728,3 +737,128 @@ def test_full_budget_in_the_mean_form_calls_the_policy_and_matches_plain_transfo
     actual = prefill_and_decode(model, cache, input_ids, attention_mask, steps=steps)
     assert len(calls) == steps * len(cache.compressed_layers)
     assert (actual - expected).abs().max().item() <= 1e-5
+
+
+# ----------------------------------------------------------------------------------------------
+# Statistics and error reports (mutation testing, issue 10)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_statistics_of_a_cache_before_any_forward_are_zero():
+    """kept_size_statistics reports exactly zero sizes and no layers before BUZZ ran (the keys
+    every result record carries)."""
+    model = tiny_model("llama", "gqa")
+    cache = make_cache(model, "buzz", budget=24, stride=3)
+    assert kept_size_statistics(cache) == {"mean_kept": 0.0, "peak_kept": 0, "per_layer": {}}
+
+
+def test_statistics_count_the_remark_2_prefill_rounds():
+    """``prefill_rounds`` counts Remark 2's extra interval rounds beyond the authors' single pass:
+    a 120-token prompt at budget 24 needs two (the samples shrink by ŝ = 2 per round until they fit);
+    a prompt that never reached the threshold was not sampled at all: 0 rounds."""
+    model = tiny_model("llama", "gqa")
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=120, pad=0)
+    for length, rounds in ((120, 2), (10, 0)):
+        cache = make_cache(model, "buzz", budget=24, stride=3)
+        prefill_and_decode(model, cache, input_ids[:1, :length], attention_mask[:1, :length], steps=2)
+        per_layer = kept_size_statistics(cache)["per_layer"]
+        assert set(per_layer) == set(cache.compressed_layers)
+        assert [per_layer[layer]["prefill_rounds"] for layer in cache.compressed_layers] == [rounds] * len(per_layer)
+
+
+@pytest.mark.parametrize("form,smallest", [("peak", 10), ("mean", 9)])
+def test_too_small_budget_error_names_the_budget_its_form_and_the_smallest_budget(form, smallest):
+    """The ValueError says which budget was refused, under which reading, and the smallest one that fits."""
+    with pytest.raises(ValueError, match=rf"budget={smallest - 1} .*budget_form='{form}'.*>= {smallest} "):
+        layout_for_budget(smallest - 1, 4, 5, form)
+
+
+@pytest.mark.parametrize("start,stop", [(3, 4), (3, 3), (5, 2)])
+def test_local_max_mask_keeps_a_one_token_segment_and_nothing_from_an_empty_region(start, stop):
+    """Algorithm 2: a single new token is its own (short) segment, so it is its local maximum and
+    is kept; an empty region keeps nothing."""
+    scores = torch.rand(1, 2, 9, generator=torch.Generator().manual_seed(1))
+    mask = local_max_mask(scores, start, stop, 5)
+    expected = torch.zeros(1, 2, 9, dtype=torch.bool)
+    expected[..., start:stop] = True
+    assert torch.equal(mask, expected)
+
+
+def test_steady_mean_is_the_exact_mean_size_over_whole_eviction_cycles():
+    """Sec. 3.3 / Eq. 10: after an eviction leaving a old samples a layer holds k + w + a tokens and
+    grows by one per step to k + w + T; the steady-state mean (the budget in the mean form) is the
+    exact mean of the sizes held over whole cycles, here k + w + (a* + T)/2 = 19 + (16 + 65)/2."""
+    policy = Buzz(stride=5)
+    layout, olds, lengths = stream(policy, 60, steps=1500, heads=1)
+    assert (layout.sink, layout.window, layout.threshold) == (4, 15, 65) and olds[-1] == 16
+    drops = [i for i in range(1, len(lengths)) if lengths[i] < lengths[i - 1]]
+    cycles = lengths[drops[5] : drops[-1]]  # whole cycles, each from k + w + a* up to the peak
+    assert Fraction(sum(cycles), len(cycles)) == layout.steady_mean == Fraction(119, 2)
+
+
+def _random_scoring(phase: str, n: int, queries: int, seed: int = 0) -> ScoringInputs:
+    """Causal attention inputs with random queries and keys (2 KV heads, groups of 2), no token scores."""
+    generator = torch.Generator().manual_seed(seed)
+    keys = torch.randn(1, 2, n, 4, generator=generator)
+    return ScoringInputs(
+        keys=keys,
+        values=keys.clone(),
+        queries=torch.randn(1, 4, queries, 4, generator=generator),
+        positions=torch.arange(n).expand(1, 2, n),
+        mask=torch.ones(n, n, dtype=torch.bool).tril()[-queries:].expand(1, 1, queries, n),
+        scaling=0.5,
+        layer_index=0,
+        num_layers=1,
+        sequence_length=n,
+        phase=phase,
+    )
+
+
+@pytest.mark.parametrize("phase,queries", [(PREFILL, 40), (DECODE, 1)])
+def test_selection_without_stored_scores_uses_the_accumulated_attention_of_its_inputs(phase, queries):
+    """The policy API alone (no cache): without stored scores BUZZ seeds them from the attention of
+    the queries it is given (H2O's accumulated attention summed over each KV group) and selects
+    exactly as with those scores stored."""
+    policy = Buzz(sink=2, stride=3, budget_form="peak")
+    bare = _random_scoring(phase, 40, queries)
+    seeded = _random_scoring(phase, 40, queries)
+    seeded.token_scores[SCORE] = seeded.accumulated_attention().reshape(1, 2, 2, 40).sum(dim=2)
+    keep = policy._evict(bare, 16, {})
+    assert keep is not None and keep.dtype == torch.bool
+    assert torch.equal(keep, policy._evict(seeded, 16, {}))
+    torch.testing.assert_close(bare.token_scores[SCORE], seeded.token_scores[SCORE])
+
+
+def test_statistics_count_real_tokens_only_in_a_left_padded_row():
+    """Sizes held are real tokens per head (issue 9 item 5): a left-padded row reports exactly the
+    statistics it reports without its padding."""
+    model = tiny_model("llama", "gqa")
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=40, pad=7)
+    stats = []
+    for ids, mask in ((input_ids[1:], attention_mask[1:]), (input_ids[1:, 7:], attention_mask[1:, 7:])):
+        cache = make_cache(model, "buzz", budget=20, stride=3)
+        prefill_and_decode(model, cache, ids, mask, steps=30)
+        stats.append(kept_size_statistics(cache))
+    assert stats[0] == stats[1] and stats[0]["peak_kept"] > 0
+
+
+def test_a_single_kv_head_records_its_sizes():
+    """Multi-query attention (one KV head, e.g. Gemma-3 1B): BUZZ runs and counts the tokens of its only head."""
+    policy = Buzz(sink=2, stride=3, budget_form="peak")
+    scores = torch.rand(1, 1, 30, generator=torch.Generator().manual_seed(0))
+    inputs = scoring_for(scores, phase=PREFILL)
+    state = {}
+    policy.initialize_decode(inputs, state)
+    keep = policy.select_prefill(inputs, 16, state)
+    assert keep.shape == (1, 1, 30)
+    stats = size_statistics(state)
+    assert stats["steps"] == 1 and stats["mean_kept"] == stats["peak_kept"] == int(keep.sum())
+
+
+@pytest.mark.parametrize("count", ["key-length", "attended"])
+def test_logn_factor_is_log_512_of_n_rounded_once_to_float32(count):
+    """Eq. 7's factor log_512(n) is computed in float64 and rounded once (the reference attention
+    above does the same): exact for integer key counts of every size, not a float32 logarithm."""
+    counts = torch.arange(1, 5001)[:, None]  # one query row per count
+    expected = torch.tensor([[math.log(n, 512)] for n in range(1, 5001)], dtype=torch.float64).float()
+    assert torch.equal(BuzzLogN(log_count=count).logit_scale(counts), expected)
