@@ -111,3 +111,71 @@ def test_a_layer_without_policy_state_reports_zero_state_bytes(method):
     # The bytes a policy adds to a layer are part of the memory kvhive reports (cache statistics,
     # bench); before prefill, or on a layer it does not compress, there are none.
     assert make_policy(method).state_nbytes({}) == 0
+
+
+@pytest.mark.parametrize(
+    ("low_open", "accepted", "refused", "expected"),
+    [
+        (False, (0, 0.0, 0.5, 1.0), (-0.5, 1.5, math.nan, True, "0.5"), r"a number in \[0, 1\]"),
+        (True, (0.5, 1, 1.0), (0.0, -0.5, 1.5, math.nan), r"a number in \(0, 1\]"),
+    ],
+)
+def test_a_fraction_is_checked_against_its_stated_interval(low_open, accepted, refused, expected):
+    # require_probability validates fractions (H2O's heavy_fraction, Ada-KV's alpha, ...): the
+    # closed interval [0, 1], or (0, 1] where a zero fraction is meaningless; both bounds are
+    # checked on both sides, and the error names the parameter, the value and the interval.
+    from kvhive.methods.base import require_probability
+
+    for value in accepted:
+        require_probability(value, "fraction", low_open=low_open)
+    for value in refused:
+        with pytest.raises(ValueError, match=rf"^invalid fraction={value!r}: expected {expected}$"):
+            require_probability(value, "fraction", low_open=low_open)
+
+
+def test_a_count_is_checked_against_its_minimum():
+    # require_int_at_least validates counts (windows, sinks, strides, kernels): the minimum itself
+    # is accepted, one less is not, nor a bool, a float or a string; the error names the parameter,
+    # the value and the bound.
+    from kvhive.methods.base import require_int_at_least
+
+    for minimum in (0, 1, 2):
+        for value in (minimum, minimum + 5):
+            require_int_at_least(value, minimum, "count")
+        for value in (minimum - 1, True, float(minimum), str(minimum)):
+            with pytest.raises(ValueError, match=rf"^invalid count={value!r}: expected an integer >= {minimum}$"):
+                require_int_at_least(value, minimum, "count")
+
+
+def test_a_choice_outside_its_options_is_refused_with_the_options():
+    # require_choice validates a parameter against its Literal options (SnapKV's pooling, Ada-KV's
+    # allocation, the cache's positions) and the error lists them.
+    from typing import Literal
+
+    from kvhive.methods.base import require_choice
+
+    pooling = Literal["max", "avg"]  # SnapKV's
+    for value in ("max", "avg"):
+        require_choice(value, "pooling", pooling)
+    with pytest.raises(ValueError, match=r"^invalid pooling='sum': expected 'max' or 'avg'$"):
+        require_choice("sum", "pooling", pooling)
+
+
+def test_a_policy_takes_a_config_object_or_keyword_parameters_not_both():
+    # Policy(config) or Policy(**parameters) (docs: a method's frozen config holds its paper's
+    # defaults); both at once, or an unknown keyword, is refused by name, and a config object is
+    # validated as keywords are.
+    h2o = policy_class("h2o")
+    config = h2o.config_class(heavy_fraction=0.25)
+    assert h2o(config).config == config
+    assert h2o(heavy_fraction=0.25).config == config
+    with pytest.raises(ValueError, match=r"^pass either a config object or keyword parameters, not both$"):
+        h2o(config, heavy_fraction=0.25)
+    accepted = sorted(field.name for field in dataclasses.fields(h2o.config_class))
+    with pytest.raises(
+        ValueError, match=r"^unknown parameter\(s\) \['heavy'\] for method 'h2o'; accepted: \["
+    ) as error:
+        h2o(heavy=0.25)
+    assert str(error.value).endswith(f"accepted: {accepted}")
+    with pytest.raises(ValueError, match="heavy_fraction"):
+        h2o(h2o.config_class(heavy_fraction=2.0))
