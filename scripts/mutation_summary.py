@@ -47,7 +47,6 @@ REASONS = (
     ("XX", "message or key text only (a ValueError's wording, a statistics key)"),
     ("raise ValueError(None)", "message text only: the error is still raised"),
     ('float("INF")', 'equivalent: float("INF") is float("inf")'),
-    (".to(None)", "equivalent: .to(None) returns the tensor unchanged"),
     (
         '"policy_state", None)',
         "equivalent for a KVHiveCache: every LayerStore has policy_state (the default serves other caches only)",
@@ -61,7 +60,6 @@ FUNCTION_REASONS = (
     ("describe", "`kvhive methods` listing text"),
     ("__repr__", "repr text"),
     ("_too_small", "error message wording (the error itself is tested)"),
-    ("validate", "parameter validation; each bound is tested by test_invalid_parameters, see the mutant"),
 )
 
 

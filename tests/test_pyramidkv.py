@@ -243,3 +243,11 @@ def test_layer_budgets_use_each_rows_real_length():
     for layer, expected in ((0, [74, 40]), (1, [6, 40])):
         lengths = cache.layers[layer].lengths_host
         assert lengths.tolist() == [[expected[0]] * 2, [expected[1]] * 2]
+
+
+@pytest.mark.parametrize("context_length", [0, -3, 2.5, True])
+def test_context_length_error_names_the_parameter_its_value_and_range(context_length):
+    """A context length that is not a positive integer is refused with its name, the value given and the range."""
+    expected = re.escape(f"invalid context_length={context_length!r}: expected an integer >= 1")
+    with pytest.raises(ValueError, match=expected):
+        pyramid_budgets(72, 5, 20.0, 32, context_length=context_length)

@@ -1250,3 +1250,31 @@ def test_decode_follows_the_reference_rule_among_exactly_tied_distances(seed):
         assert set(positions[keep].tolist()) == expected | set(positions[0, 0, -recent:].tolist()), step
         keys, positions = keys[keep].reshape(1, 1, -1, d), positions[keep].reshape(1, 1, -1)
         scores = {name: value[keep].reshape(1, 1, -1) for name, value in scoring.token_scores.items()}
+
+
+def test_query_in_bfloat16_reports_the_max_logit_it_scaled_by_in_the_query_dtype():
+    """z and τ are relative to the max logit QUERYSTREAMATTN returns, and the attention layer reads that
+    max back in the queries' dtype to combine the estimate with the exact window: so the max the
+    structures scale by must be exactly representable in that dtype, or the estimate is off by
+    e^(rounding) (up to a few % in bfloat16) against the window's part (issue 10)."""
+    generator = torch.Generator().manual_seed(4)
+    rows, n, dim = 2, 16, 4
+    keys = (torch.randn(rows, n, dim, generator=generator) * 3).bfloat16()
+    values = torch.randn(rows, n, dim, generator=generator).bfloat16()
+    target = StreamingStructures(
+        rows,
+        dim,
+        2,
+        4,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+        generator=torch.Generator().manual_seed(0),
+        delta=0.5,
+        relative_delta=False,
+    )
+    target.insert(keys, values, torch.ones(rows, n, dtype=torch.bool))
+    query = (torch.randn(rows, 1, dim, generator=generator) * 2.3).bfloat16()
+    z, tau, max_logit = target.query(query, 0.37)
+    assert max_logit.dtype == torch.float32
+    assert torch.equal(max_logit.to(torch.bfloat16).float(), max_logit)
+    assert (tau > 0).all()

@@ -196,8 +196,13 @@ class AhaKVConfig(PolicyConfig):
 
     def validate(self) -> None:
         require_int_at_least(self.recent, 1, "recent")
-        require_int_at_least(self.kernel, 1, "kernel")
-        require(self.kernel % 2 == 1, "kernel", "an odd integer (centred mean filter)", self.kernel)
+        is_int = isinstance(self.kernel, int) and not isinstance(self.kernel, bool)
+        require(
+            is_int and self.kernel >= 1 and self.kernel % 2 == 1,
+            "kernel",
+            "an odd integer >= 1 (centred mean filter)",
+            self.kernel,
+        )
         require(self.gain_input in GAIN_INPUTS, "gain_input", f"one of {GAIN_INPUTS}", self.gain_input)
 
 

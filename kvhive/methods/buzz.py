@@ -155,13 +155,14 @@ class BuzzConfig(PolicyConfig):
 
     def validate(self) -> None:
         require_int_at_least(self.sink, 0, "sink")
-        require_int_at_least(self.stride, 1, "stride")
-        if self.stride < 3:
-            raise ValueError(
-                f"invalid stride={self.stride!r}: expected an integer >= 3 (stride 1 evicts nothing and stride 2 "
-                f"gives the small stride floor((2+1)/2) = 1, which never thins the old samples, so the cache "
-                f"would grow without bound)"
-            )
+        # One message for every refused stride, stating the whole range and why 1 and 2 are out.
+        require(
+            isinstance(self.stride, int) and not isinstance(self.stride, bool) and self.stride >= 3,
+            "stride",
+            "an integer >= 3 (stride 1 evicts nothing and stride 2 gives the small stride floor((2+1)/2) = 1, "
+            "which never thins the old samples, so the cache would grow without bound)",
+            self.stride,
+        )
         require(self.budget_form in BUDGET_FORMS, "budget_form", "'mean' or 'peak'", self.budget_form)
 
 

@@ -43,8 +43,13 @@ class SnapKVConfig(PolicyConfig):
 
     def validate(self) -> None:
         require_int_at_least(self.window, 1, "window")
-        require_int_at_least(self.kernel, 1, "kernel")
-        require(self.kernel % 2 == 1, "kernel", "an odd integer (centred pooling)", self.kernel)
+        is_int = isinstance(self.kernel, int) and not isinstance(self.kernel, bool)
+        require(
+            is_int and self.kernel >= 1 and self.kernel % 2 == 1,
+            "kernel",
+            "an odd integer >= 1 (centred pooling)",
+            self.kernel,
+        )
         require_choice(self.pooling, "pooling", Pooling)
         require_choice(self.group_pooling, "group_pooling", GroupPooling)
 
