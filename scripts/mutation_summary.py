@@ -11,8 +11,9 @@ import collections
 import json
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 # mutmut's exit-code meanings (mutmut.stats.status_by_exit_code, mutmut 3.8): a timeout is 36 or a
 # CPU-limit signal (SIGXCPU: -24, 24, 152; 255), which scripts/mutation.sh's watchdog also sends.
