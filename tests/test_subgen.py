@@ -211,19 +211,18 @@ def _brute_force_decode(keys: list[torch.Tensor], positions: list[int], target: 
     return {positions[i] for i in alive}
 
 
-def test_decode_bookkeeping_matches_a_from_scratch_reference_over_a_stream():
-    # Simulates what the cache does (compaction of tokens and per-token scores by the keep mask)
-    # and checks every step against the brute-force rule on the same candidates.
-    generator = torch.Generator().manual_seed(3)
-    recent, budget, d = 2, 7, 3
+def _decode_stream_against_reference(stream: torch.Tensor, recent: int, budget: int, prompt: int = 12):
+    """Simulates what the cache does over ``stream`` (prefill of ``prompt`` tokens, then one token per
+    decode step; compaction of tokens and per-token scores by the keep mask) and checks every step
+    against the brute-force rule on the same candidates."""
     policy = SubGen(recent=recent)
-    stream = torch.randn(60, d, generator=generator)
-    keys = stream[:12][None, None]
-    positions = torch.arange(12, dtype=torch.int32)[None, None]
+    d = stream.shape[-1]
+    keys = stream[:prompt][None, None]
+    positions = torch.arange(prompt, dtype=torch.int32)[None, None]
     keep = policy.select_prefill(scoring_for(keys, positions=positions), budget, {})
     keys, positions = keys[keep].reshape(1, 1, -1, d), positions[keep].reshape(1, 1, -1)
     scores: dict = {}
-    for step in range(12, 60):
+    for step in range(prompt, stream.shape[0]):
         keys = torch.cat([keys, stream[step][None, None, None]], dim=2)
         positions = torch.cat([positions, torch.tensor([[[step]]], dtype=torch.int32)], dim=2)
         scores = {name: torch.cat([value, value.new_zeros(1, 1, 1)], dim=2) for name, value in scores.items()}
@@ -236,6 +235,11 @@ def test_decode_bookkeeping_matches_a_from_scratch_reference_over_a_stream():
         assert kept == expected | set(positions[0, 0, -recent:].tolist()), step
         keys, positions = keys[keep].reshape(1, 1, -1, d), positions[keep].reshape(1, 1, -1)
         scores = {name: value[keep].reshape(1, 1, -1) for name, value in scoring.token_scores.items()}
+
+
+def test_decode_bookkeeping_matches_a_from_scratch_reference_over_a_stream():
+    stream = torch.randn(60, 3, generator=torch.Generator().manual_seed(3))
+    _decode_stream_against_reference(stream, recent=2, budget=7)
 
 
 # ==============================================================================================
@@ -1230,26 +1234,8 @@ def test_decode_follows_the_reference_rule_among_exactly_tied_distances(seed):
     of the first closest pair in age order (the oldest candidate of a closest pair with its
     oldest nearest neighbour) — so a candidate's recorded nearest neighbour only moves to a
     newcomer strictly closer than it (issue 10: the tie of that update survived random keys)."""
-    generator = torch.Generator().manual_seed(20 + seed)
-    recent, budget, d = 2, 7, 2
-    policy = SubGen(recent=recent)
-    stream = torch.randint(-3, 4, (60, d), generator=generator).float()
-    keys = stream[:12][None, None]
-    positions = torch.arange(12, dtype=torch.int32)[None, None]
-    keep = policy.select_prefill(scoring_for(keys, positions=positions), budget, {})
-    keys, positions = keys[keep].reshape(1, 1, -1, d), positions[keep].reshape(1, 1, -1)
-    scores: dict = {}
-    for step in range(12, 60):
-        keys = torch.cat([keys, stream[step][None, None, None]], dim=2)
-        positions = torch.cat([positions, torch.tensor([[[step]]], dtype=torch.int32)], dim=2)
-        scores = {name: torch.cat([value, value.new_zeros(1, 1, 1)], dim=2) for name, value in scores.items()}
-        candidates_before = positions[0, 0, :-recent].tolist()
-        scoring = scoring_for(keys, phase=DECODE, positions=positions, token_scores=scores)
-        keep = policy.select_decode(scoring, budget, {})
-        expected = _brute_force_decode([stream[p] for p in candidates_before], candidates_before, budget - recent)
-        assert set(positions[keep].tolist()) == expected | set(positions[0, 0, -recent:].tolist()), step
-        keys, positions = keys[keep].reshape(1, 1, -1, d), positions[keep].reshape(1, 1, -1)
-        scores = {name: value[keep].reshape(1, 1, -1) for name, value in scoring.token_scores.items()}
+    stream = torch.randint(-3, 4, (60, 2), generator=torch.Generator().manual_seed(20 + seed)).float()
+    _decode_stream_against_reference(stream, recent=2, budget=7)
 
 
 def test_query_in_bfloat16_reports_the_max_logit_it_scaled_by_in_the_query_dtype():
