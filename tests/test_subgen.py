@@ -247,17 +247,29 @@ def test_decode_bookkeeping_matches_a_from_scratch_reference_over_a_stream():
 # ==============================================================================================
 
 
-def structures(rows: int, dim: int, t: int, s: int, delta: float, seed: int = 0) -> StreamingStructures:
+def structures(
+    rows: int,
+    dim: int,
+    t: int,
+    s: int,
+    delta: float,
+    seed: int = 0,
+    *,
+    dtype: torch.dtype = torch.float32,
+    relative_delta: bool = False,
+    max_clusters: int | None = None,
+) -> StreamingStructures:
     return StreamingStructures(
         rows,
         dim,
         t,
         s,
-        dtype=torch.float32,
+        dtype=dtype,
         device=torch.device("cpu"),
         generator=torch.Generator().manual_seed(seed),
         delta=delta,
-        relative_delta=False,
+        relative_delta=relative_delta,
+        max_clusters=max_clusters,
     )
 
 
@@ -662,18 +674,7 @@ def test_clusterable_streams_grow_sublinearly_and_others_are_reported():
     rows, d, t, s, delta = 2, 8, 4, 8, 0.5
     for n in (400, 1600):
         keys, values, _ = clusterable_stream(rows, n, d, 6, delta, 1.0, seed=5)
-        target = StreamingStructures(
-            rows,
-            d,
-            t,
-            s,
-            dtype=torch.float32,
-            device=torch.device("cpu"),
-            generator=torch.Generator().manual_seed(0),
-            delta=delta,
-            relative_delta=False,
-            max_clusters=12,
-        )
+        target = structures(rows, d, t, s, delta, max_clusters=12)
         target.insert(keys, values, torch.ones(rows, n, dtype=torch.bool))
         assert (target.num_clusters <= 6).all() and int(target.beyond_radius.sum()) == 0
         assert (
@@ -692,18 +693,7 @@ def test_clusterable_streams_grow_sublinearly_and_others_are_reported():
             ).nbytes()
         )
     noise = torch.randn(rows, 500, d, generator=torch.Generator().manual_seed(1)) * 10
-    target = StreamingStructures(
-        rows,
-        d,
-        t,
-        s,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        generator=torch.Generator().manual_seed(0),
-        delta=0.1,
-        relative_delta=False,
-        max_clusters=12,
-    )
+    target = structures(rows, d, t, s, 0.1, max_clusters=12)
     target.insert(noise, noise, torch.ones(rows, 500, dtype=torch.bool))
     assert (target.num_clusters == 12).all()
     assert (target.beyond_radius == 500 - 12).all()
@@ -916,17 +906,7 @@ def test_structures_store_vectors_in_the_model_dtype_and_start_empty():
     # The bytes subgen-attention reports follow the tensors' dtypes: keys and values in the model's
     # dtype (bf16 here), norms in float32, counters as integers; no cluster is allocated before the
     # first insertion (mutation testing: every dtype and the initial capacity survived in fp32 tests).
-    target = StreamingStructures(
-        2,
-        4,
-        3,
-        5,
-        dtype=torch.bfloat16,
-        device=torch.device("cpu"),
-        generator=torch.Generator().manual_seed(0),
-        delta=0.5,
-        relative_delta=False,
-    )
+    target = structures(2, 4, 3, 5, 0.5, dtype=torch.bfloat16)
     expected = {
         "representatives": torch.bfloat16,
         "representative_sq": torch.float32,
@@ -983,17 +963,7 @@ def test_relative_radius_is_delta_times_the_mean_real_key_norm_at_first_insertio
     """Radius choice (module docstring): ``cluster_radius`` times the mean L2 norm of a row's real
     keys at its first insertion; a row of all-zero keys gets ``cluster_radius`` itself, a row with
     no real key yet stays unset, and later insertions do not move it (issue 10)."""
-    target = StreamingStructures(
-        4,
-        2,
-        1,
-        1,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        generator=torch.Generator().manual_seed(0),
-        delta=0.5,
-        relative_delta=True,
-    )
+    target = structures(4, 2, 1, 1, 0.5, relative_delta=True)
     keys = torch.full((4, 3, 2), 100.0)  # masked-out keys: far larger, must not count
     mask = torch.zeros(4, 3, dtype=torch.bool)
     keys[0, 0], keys[0, 1], mask[0, :2] = torch.tensor([0.2, 0.0]), torch.tensor([0.0, 0.6]), True  # mean 0.4
@@ -1120,18 +1090,7 @@ def test_a_key_at_exactly_delta_joins_and_ties_go_to_the_older_cluster():
         target = structures(1, 2, t=1, s=1, delta=0.5)
         assert insert_in_pieces(target, line(0.0, 0.5), line(0.0, 0.5), pieces).tolist() == [[0, 0]]
         assert int(target.num_clusters[0]) == 1
-    bounded = StreamingStructures(
-        1,
-        2,
-        1,
-        1,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        generator=torch.Generator().manual_seed(0),
-        delta=0.5,
-        relative_delta=False,
-        max_clusters=1,
-    )
+    bounded = structures(1, 2, 1, 1, 0.5, max_clusters=1)
     bounded.insert(line(0.0), line(0.0), ones(1))
     bounded.insert(line(0.5, 2.0), line(0.5, 2.0), ones(2))
     assert bounded.beyond_radius.tolist() == [1] and bounded.counts[0].tolist() == [3]
@@ -1247,17 +1206,7 @@ def test_query_in_bfloat16_reports_the_max_logit_it_scaled_by_in_the_query_dtype
     rows, n, dim = 2, 16, 4
     keys = (torch.randn(rows, n, dim, generator=generator) * 3).bfloat16()
     values = torch.randn(rows, n, dim, generator=generator).bfloat16()
-    target = StreamingStructures(
-        rows,
-        dim,
-        2,
-        4,
-        dtype=torch.bfloat16,
-        device=torch.device("cpu"),
-        generator=torch.Generator().manual_seed(0),
-        delta=0.5,
-        relative_delta=False,
-    )
+    target = structures(rows, dim, 2, 4, 0.5, dtype=torch.bfloat16)
     target.insert(keys, values, torch.ones(rows, n, dtype=torch.bool))
     query = (torch.randn(rows, 1, dim, generator=generator) * 2.3).bfloat16()
     z, tau, max_logit = target.query(query, 0.37)
