@@ -359,6 +359,18 @@ class Policy:
         """Bytes a method holds per layer beside the cached tokens (e.g. SubGen's clusters)."""
         return 0
 
+    def kept_per_row(self, phase: str, num_tokens: int, budget: int, state: dict) -> int | None:
+        """Tokens every (batch row, head) keeps after ``select_prefill`` (``phase="prefill"``) or
+        ``select_decode`` (``"decode"``) on a layer holding ``num_tokens`` per row, known on the host
+        without reading the device; None when the count depends on the data.
+
+        The cache trusts this count to lay out what is kept, so a decision costs no host
+        synchronisation (it checks the mask against it on the device, asynchronously, and a
+        mismatch is a device-side assertion). With None the cache reads the counts back: one
+        synchronisation per decision. It is asked only when ``num_tokens > budget``, before the
+        decision (``state`` as the decision will see it)."""
+        return None
+
     # -- attention changes -------------------------------------------------------------------
     @property
     def changes_attention_logits(self) -> bool:
@@ -409,6 +421,10 @@ class ScorerPolicy(Policy):
     def keep(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
         scores = self.score(scoring, budget, state)
         return keep_top_scores(scores, budget, scoring.valid, forced=self.protected(scoring, budget))
+
+    def kept_per_row(self, phase: str, num_tokens: int, budget: int, state: dict) -> int | None:
+        # keep_top_scores keeps exactly min(budget, N) per row, padding included when it must.
+        return min(budget, num_tokens)
 
     def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
         return self.keep(scoring, budget, state)
