@@ -16,7 +16,6 @@ sliding-window pattern). The attention function:
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -35,10 +34,6 @@ ATTENTION_NAME = "kvhive"
 # kvhive picks its own sdpa backends: cuDNN's sdpa re-plans for every new key length (milliseconds
 # of host time per call on torch 2.11 / H100), so a decode step would depend on it.
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-# Dense decode attention on CUDA: "sdpa" (flash / memory-efficient, cuDNN excluded) or "kernel"
-# (kvhive's split-K Triton kernel over the buffer's slice). sdpa stays the default until the
-# kernel has been timed against it on a GPU (benchmarks/bench_gpu.py runs both: "snapkv@kernel").
-DENSE_DECODE = os.environ.get("KVHIVE_DENSE_DECODE", "sdpa")
 
 
 def _backends(device: torch.device):
@@ -153,7 +148,7 @@ def _row_logit_scale(policy, mask: torch.Tensor | None, num_keys: int, queries: 
 
 def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Attention over a :class:`KVHiveCache` layer; plain sdpa for any other cache."""
-    cache, layer_index = active_update(key)
+    cache, layer_index = active_update(key, kwargs)
     if cache is None:
         with _backends(query.device):
             return sdpa_attention_forward(
@@ -206,14 +201,15 @@ def _attention_by_row(
     a small model's decode step) ran once for all rows."""
     outputs = []
     for row, cache in enumerate(rows.caches):
-        row_keys, row_values = cache.update(key[row : row + 1], value[row : row + 1], layer_index)
+        row_kwargs = dict(kwargs)
+        row_keys, row_values = cache.update(key[row : row + 1], value[row : row + 1], layer_index, kwargs=row_kwargs)
         # Every row sees the same positions (CacheRows checks it), so a mask shared by the batch
         # (first dimension 1) serves each row as it is.
         row_mask = attention_mask
         if attention_mask is not None and attention_mask.shape[0] > 1:
             row_mask = attention_mask[row : row + 1]
         output, _ = kvhive_attention(
-            module, query[row : row + 1], row_keys, row_values, row_mask, scaling=scaling, dropout=dropout, **kwargs
+            module, query[row : row + 1], row_keys, row_values, row_mask, scaling=scaling, dropout=dropout, **row_kwargs
         )
         outputs.append(output)
     return torch.cat(outputs, dim=0), None
@@ -301,7 +297,7 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
     last_weights = None
     if not wants_weights and extra is None:
         output = None
-        if stored_mask is None and num_queries == 1 and DENSE_DECODE == "kernel":
+        if stored_mask is None and num_queries == 1 and cache.dense_decode == "kernel":
             output = _dense_decode_by_kernel(store, query, scaling)
         if output is None:
             sdpa_mask_ = stored_mask

@@ -9,6 +9,7 @@ prefill is done and peak memory stays at one uncompressed layer.
 
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -25,11 +26,20 @@ Positions = Literal["original", "cache"]
 """Keys keep their true positions (``"original"``) or are re-indexed to contiguous ones (``"cache"``)."""
 ORIGINAL_POSITIONS: Final[Positions] = "original"
 CACHE_POSITIONS: Final[Positions] = "cache"
+DenseDecode = Literal["sdpa", "kernel"]
+"""Attention of a decode step over equal-length heads on CUDA: sdpa, or kvhive's split-K kernel."""
 
 # Per-token RoPE position of a cached key under positions="cache" (kept aligned by the store).
 ROPE_POSITION = "_rope_position"
 
-_LAST_UPDATE: dict = {"cache": None, "layer": None, "keys": None}
+# The key under which ``update`` hands the attention function its cache and layer through
+# transformers' per-layer kwargs (transformers >= 5.24 passes the attention's kwargs to
+# ``Cache.update``; the same dict is then unpacked into the attention call).
+UPDATE_KWARG = "kvhive_layer"
+
+# Older transformers (no kwargs reach ``update``): the last update of each thread, held weakly so a
+# dead cache is never kept alive and threads never see each other's caches.
+_thread_updates = threading.local()
 
 
 class BudgetNotKeptWarning(UserWarning):
@@ -37,22 +47,34 @@ class BudgetNotKeptWarning(UserWarning):
     (a prefill-only method fed token by token, or decoding past a prompt that fit the budget)."""
 
 
-def active_update(keys: torch.Tensor) -> tuple[KVHiveCache | None, int | None]:
+def active_update(keys: torch.Tensor, attention_kwargs: dict) -> tuple[KVHiveCache | None, int | None]:
     """The cache and layer whose ``update`` just returned ``keys``, or ``(None, None)``.
 
-    transformers does not pass the cache object to attention functions; every model calls
-    ``past_key_values.update`` right before its attention, so matching the returned tensor
-    identifies the layer without patching model code (and never mistakes another cache).
+    transformers does not pass the cache object to attention functions; it passes ``update`` the
+    kwargs it will give the attention, so the cache puts itself there (:func:`mark_update`). On
+    versions that do not, the thread's last update is matched by the identity of the returned keys.
     """
-    if _LAST_UPDATE["keys"] is keys:
-        return _LAST_UPDATE["cache"], _LAST_UPDATE["layer"]
+    handed = attention_kwargs.pop(UPDATE_KWARG, None)
+    if handed is not None:
+        return handed
+    last = getattr(_thread_updates, "last", None)
+    if last is None:
+        return None, None
+    cache_ref, layer_index, keys_ref = last
+    if keys_ref() is keys:
+        _thread_updates.last = None
+        return cache_ref(), layer_index
     return None, None
 
 
-def mark_update(cache, layer_index: int, keys: torch.Tensor) -> None:
+def mark_update(cache, layer_index: int, keys: torch.Tensor, update_kwargs: dict) -> None:
     """Record that ``cache.update`` for ``layer_index`` just returned ``keys`` (read back by
-    :func:`active_update` in kvhive's attention)."""
-    _LAST_UPDATE["cache"], _LAST_UPDATE["layer"], _LAST_UPDATE["keys"] = cache, layer_index, keys
+    :func:`active_update` in kvhive's attention). ``update_kwargs`` are the kwargs ``update`` got."""
+    layer_kwargs = update_kwargs.get("kwargs")
+    if isinstance(layer_kwargs, dict):
+        layer_kwargs[UPDATE_KWARG] = (cache, layer_index)
+        return
+    _thread_updates.last = (weakref.ref(cache), layer_index, weakref.ref(keys))
 
 
 def _real_lengths(scoring: ScoringInputs) -> list[int]:
@@ -82,6 +104,7 @@ class KVHiveCache(Cache):
             token stream (``model(input_ids, past_key_values=cache)`` calls, batch without
             padding) can run past the model's trained length (StreamingLLM-style). Needs
             ``key_rotator`` (``kvhive.attention.rope.KeyRotator``; ``make_cache`` passes it).
+        dense_decode: ``"sdpa"`` or ``"kernel"`` (see :data:`DenseDecode`).
     """
 
     def __init__(
@@ -96,6 +119,7 @@ class KVHiveCache(Cache):
         record_prefill: bool = False,
         positions: Positions = ORIGINAL_POSITIONS,
         key_rotator=None,
+        dense_decode: DenseDecode = "sdpa",
     ) -> None:
         if isinstance(budget, (int, float)) and not isinstance(budget, bool):
             budget = Budget.parse(budget)
@@ -110,6 +134,7 @@ class KVHiveCache(Cache):
         if not isinstance(record_prefill, bool):
             raise ValueError(f"invalid record_prefill={record_prefill!r}: expected True or False")
         require_choice(positions, "positions", Positions)
+        require_choice(dense_decode, "dense_decode", DenseDecode)
         if positions == CACHE_POSITIONS and key_rotator is None:
             raise ValueError("positions='cache' needs a key_rotator (use kvhive.make_cache)")
         if positions == CACHE_POSITIONS and type(policy).extra_attention is not Policy.extra_attention:
@@ -141,6 +166,7 @@ class KVHiveCache(Cache):
         self.prefill_records: dict[int, tuple] = {}
         self.positions = positions
         self.key_rotator = key_rotator
+        self.dense_decode = dense_decode
         # Layers a prefill-only method cut at prefill, and whether the growth past the budget of
         # a layer it never cut was reported (once per cache).
         self._cut_at_prefill: set[int] = set()
@@ -222,12 +248,16 @@ class KVHiveCache(Cache):
         row_budgets = self._row_budgets(layer_index, scoring.batch_size)
         if DECODE in self.policy.phases:
             self.policy.initialize_decode(scoring, store.policy_state, budget=self.layer_budgets[layer_index])
+        known_count = None
+        if len(set(row_budgets)) == 1 and scoring.num_tokens > row_budgets[0]:
+            phase = PREFILL if PREFILL in self.policy.phases else DECODE
+            known_count = self.policy.kept_per_row(phase, scoring.num_tokens, row_budgets[0], store.policy_state)
         keep = self._select_prefill(scoring, row_budgets, store.policy_state)
         self._store_token_scores(store, scoring)
         if self.stores_query_heads:
             store.expand_to_query_heads(self.num_query_heads // self.num_kv_heads)
         if keep is not None:
-            store.keep(keep, self._check_keep(keep, store, row_budgets))
+            store.keep(keep, self._kept_counts(keep, store, row_budgets, known_count))
             self._cut_at_prefill.add(layer_index)
         self._reindex(store)
 
@@ -319,11 +349,17 @@ class KVHiveCache(Cache):
         length = scoring.num_tokens
         if length <= budget + self.decode_slack or store.decode_steps_since_compression < self.decode_every:
             return
+        known_count = self.policy.kept_per_row(DECODE, length, budget, store.policy_state)
         keep = self.policy.select_decode(scoring, budget, store.policy_state)
         self._store_token_scores(store, scoring)
         if keep is None:
             return
-        store.keep(keep, self._check_keep(keep, store, [budget + self.decode_slack] * keep.shape[0]))
+        if known_count is not None and known_count > budget + self.decode_slack:
+            raise RuntimeError(
+                f"{self.policy.name} declares {known_count} tokens kept per head in layer {layer_index}, over its "
+                f"budget of {budget + self.decode_slack}"
+            )
+        store.keep(keep, self._kept_counts(keep, store, [budget + self.decode_slack] * keep.shape[0], known_count))
         store.decode_steps_since_compression = 0
 
     # -- re-indexed positions ------------------------------------------------------------------
@@ -402,10 +438,32 @@ class KVHiveCache(Cache):
             return
         store.keep(store.stored_flat_positions() >= store.tokens_seen - store.sliding_window + 1)
 
-    def _check_keep(self, keep: torch.Tensor, store: LayerStore, row_budgets: list[int]) -> torch.Tensor:
-        """Kept tokens per row ``[B, H]`` (read back once, on the host); refuses a mask over budget."""
+    def _kept_counts(
+        self, keep: torch.Tensor, store: LayerStore, row_budgets: list[int], known_count: int | None
+    ) -> torch.Tensor | int:
+        """What ``store.keep`` needs to lay out the kept tokens: the count every row keeps when the
+        policy declared it (``kept_per_row``; checked on the device without waiting for the check),
+        else the counts per row ``[B, H]`` read back once (:meth:`_check_keep`)."""
         if keep.dtype != torch.bool:
             raise TypeError(f"{self.policy.name}: a keep mask must be boolean, got {keep.dtype}")
+        if known_count is None or not store.is_uniform:
+            return self._check_keep(keep, store, row_budgets)
+        if known_count > min(row_budgets):
+            raise RuntimeError(
+                f"{self.policy.name} declares {known_count} tokens kept per head in layer {store.layer_index}, "
+                f"over its budget of {min(row_budgets)}"
+            )
+        # Asynchronous on a GPU: a mismatch stops the device (an error at the next synchronisation)
+        # instead of every step waiting for the host to read the counts.
+        torch._assert_async(
+            (keep.sum(dim=-1) == known_count).all(),
+            f"{self.policy.name}: the keep mask of layer {store.layer_index} does not keep the {known_count} tokens "
+            "per head its kept_per_row declared",
+        )
+        return known_count
+
+    def _check_keep(self, keep: torch.Tensor, store: LayerStore, row_budgets: list[int]) -> torch.Tensor:
+        """Kept tokens per row ``[B, H]`` (read back once, on the host); refuses a mask over budget."""
         counts = keep.sum(dim=-1).cpu()
         kept_per_sequence = counts.reshape(counts.shape[0], -1).sum(-1)
         allowed = torch.tensor(row_budgets) * keep.shape[1]
@@ -429,8 +487,8 @@ class KVHiveCache(Cache):
             )
         self._unattended_update = layer_idx
         keys, values = self.layers[layer_idx].update(key_states, value_states)
-        # The attention function runs next; it recognises this cache by the tensor it returns.
-        mark_update(self, layer_idx, keys)
+        # The attention function runs next; the cache hands itself over through transformers' kwargs.
+        mark_update(self, layer_idx, keys, kwargs)
         return keys, values
 
     # -- reuse checks ------------------------------------------------------------------------------

@@ -89,7 +89,7 @@ class CacheRows(Cache):
             )
         # kvhive's attention recognises the returned tensor, then hands each row to its own cache
         # (``KVHiveCache.update``) and runs that row's attention over it.
-        mark_update(self, layer_idx, key_states)
+        mark_update(self, layer_idx, key_states, kwargs)
         return key_states, value_states
 
     def _not_per_row(self, *args, **kwargs):

@@ -340,12 +340,13 @@ class LayerStore(CacheLayerMixin):
         self.heads_per_kv_head = heads_per_kv_head
 
     # -- eviction ----------------------------------------------------------------------------------
-    def keep(self, keep_mask: torch.Tensor, counts: torch.Tensor | None = None) -> None:
+    def keep(self, keep_mask: torch.Tensor, counts: torch.Tensor | int | None = None) -> None:
         """Drop every token whose entry in ``keep_mask`` is False and free it.
 
         ``keep_mask`` is ``[B, H, L]`` over the dense view, or ``[T]`` over the stored tokens in
-        segment order (packed). ``counts`` (``[B, H]`` kept per row, on the host) saves reading
-        them back when the caller already has them. Rows may keep different counts; the layer is
+        segment order (packed). ``counts`` (``[B, H]`` kept per row, on the host, or one int when
+        every row of a dense mask keeps the same count) saves reading them back when the caller
+        already has them. Rows may keep different counts; the layer is
         then packed. Buffers are re-allocated when the kept tokens fill less than half of them,
         so evicted memory is released.
         """
@@ -354,6 +355,11 @@ class LayerStore(CacheLayerMixin):
         if keep_mask.dim() == 3:
             if self._packed or tuple(keep_mask.shape) != (self._batch, self._heads, self._length):
                 raise ValueError(f"keep mask shape {tuple(keep_mask.shape)} does not match the stored layout")
+            if isinstance(counts, int):
+                # Every row keeps ``counts`` tokens, known on the host: nothing is read back.
+                if counts != self._length:
+                    self._compact_dense(keep_mask, counts)
+                return
             if counts is None:
                 counts = keep_mask.sum(dim=-1).cpu()
             counts = counts.reshape(self._batch, self._heads).long()
