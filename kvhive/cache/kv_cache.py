@@ -31,6 +31,9 @@ DenseDecode = Literal["sdpa", "kernel"]
 
 # Per-token RoPE position of a cached key under positions="cache" (kept aligned by the store).
 ROPE_POSITION = "_rope_position"
+# Per-token flag (1.0) of left padding, recorded at prefill when the batch is padded (kept aligned
+# by the store; appended tokens get 0: real).
+PADDING_SCORE = "_padding"
 
 # The key under which ``update`` hands the attention function its cache and layer through
 # transformers' per-layer kwargs (transformers >= 5.24 passes the attention's kwargs to
@@ -175,6 +178,7 @@ class KVHiveCache(Cache):
         self._attention_modules: dict[int, weakref.ref] = {}
         self._generated_ids: torch.Tensor | None = None
         self._unattended_update: int | None = None  # a layer updated whose attention has not run yet
+        self._compileable = self._static_decode()
         if budget.tokens is not None:
             problem = minimum_budget_problem(policy, budget.tokens)
             if problem is not None:
@@ -226,6 +230,30 @@ class KVHiveCache(Cache):
         granularity = self.policy.head_granularity
         return self.num_query_heads != self.num_kv_heads and (
             granularity == QUERY_HEADS or (granularity == AUTO_HEADS and self.num_kv_heads == 1)
+        )
+
+    @property
+    def is_compileable(self) -> bool:
+        return self._compileable
+
+    def _static_decode(self) -> bool:
+        """Whether a decode step compiles to one graph that serves every later step, so transformers'
+        ``generate`` takes its compiled path (``torch.compile``; CUDA graphs on a GPU): every layer
+        holds a fixed number of tokens from one step to the next, in buffers that keep their
+        address, and the step reads nothing back. That holds when the method evicts to its budget
+        at every step (``Policy.static_decode``) in every layer, at original positions, with one copy
+        per KV head. Layers that grow (the full cache, prefill-only methods) or slide (sliding-window
+        layers move their start at every step) change shape: they decode eagerly."""
+        policy = self.policy
+        return (
+            policy.static_decode
+            and DECODE in policy.phases
+            and self.positions == ORIGINAL_POSITIONS
+            and self.decode_every == 1
+            and self.decode_slack == 0
+            and not self.stores_query_heads
+            and len(self.compressed_layers) == len(self.layers)
+            and not any(layer.is_sliding for layer in self.layers)
         )
 
     def is_compressed(self, layer_index: int) -> bool:
@@ -400,6 +428,15 @@ class KVHiveCache(Cache):
         store.rope_tokens_seen = store.tokens_seen
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        if query_length == 1 and self._compileable:
+            # A static decode step masks its stored tokens itself (padding recorded at prefill), so
+            # the mask transformers builds for it is a fixed, unused column instead of one that
+            # grows with every token seen (a new graph at every step).
+            return 1, 0
+        return self.mask_sizes_over_positions(query_length, layer_idx)
+
+    def mask_sizes_over_positions(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        """The mask size over every original position (what the attention gathers kept tokens from)."""
         if self.positions == CACHE_POSITIONS:
             return self.get_seq_length(layer_idx) + query_length, 0
         return super().get_mask_sizes(query_length, layer_idx)
@@ -562,10 +599,14 @@ class KVHiveCache(Cache):
         # A reference, not a copy: generate appends to a new tensor, it never edits in place.
         self._generated_ids = input_ids if new_tokens is not None or not seen else None
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        """The true number of tokens seen (``positions="cache"``: the next re-indexed position)."""
+    def get_seq_length(self, layer_idx: int = 0) -> int | torch.Tensor:
+        """The true number of tokens seen (``positions="cache"``: the next re-indexed position);
+        a device tensor inside a compiled step."""
         if layer_idx >= len(self.layers):
             return 0
+        if torch.compiler.is_compiling() and self.positions == ORIGINAL_POSITIONS:
+            # A compiled step reads the device counter (see LayerStore.tokens_seen).
+            return self.layers[layer_idx].get_seq_length() if self.layers[layer_idx].is_initialized else 0
         tokens_seen = self.layers[layer_idx].tokens_seen
         if self.positions == CACHE_POSITIONS:
             return self._next_position(tokens_seen)
