@@ -209,15 +209,38 @@ def generate(
     method: str | Policy = "full",
     budget: int | float | str | None = None,
     max_new_tokens: int = 32,
+    compile: bool | None = None,
     **cache_options: Any,
 ) -> tuple[str, KVHiveCache]:
-    """Greedy generation with a compressed cache; returns the generated text and the cache."""
+    """Greedy generation with a compressed cache; returns the generated text and the cache.
+
+    ``compile``: None follows transformers (its compiled decode on an accelerator when the cache is
+    compileable, ``KVHiveCache.is_compileable``); True compiles the decode step on any device and
+    refuses a cache whose step cannot compile to one graph; False decodes eagerly."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"invalid max_new_tokens={max_new_tokens!r}: expected an integer >= 1")
+    if compile not in (None, True, False):
+        raise ValueError(f"invalid compile={compile!r}: expected True, False or None")
     encoded = encode_prompt(tokenizer, prompt, model, max_new_tokens)
     cache = make_cache(model, method, budget, **cache_options)
     import torch
 
+    compile_options: dict[str, Any] = {}
+    if compile is True:
+        if not cache.is_compileable:
+            raise ValueError(
+                f"compile=True: the decode step of method {cache.policy.name!r} with these options cannot compile "
+                "to one graph (its layers change size from step to step: a method without a per-step budget, "
+                "decode_every/decode_slack, positions='cache', sliding-window layers or per-query-head storage); "
+                "methods that can: " + ", ".join(static_decode_methods())
+            )
+        from transformers import CompileConfig
+
+        config = CompileConfig(fullgraph=True, dynamic=False)
+        config._compile_all_devices = True  # transformers compiles only on accelerators otherwise
+        compile_options["compile_config"] = config
+    elif compile is False:
+        compile_options["disable_compile"] = True
     with torch.no_grad():
         output = model.generate(
             **encoded,
@@ -225,6 +248,14 @@ def generate(
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=tokenizer.pad_token_id,
+            **compile_options,
         )
     new_tokens = output[0, encoded["input_ids"].shape[1] :]
     return tokenizer.decode(new_tokens, skip_special_tokens=True), cache
+
+
+def static_decode_methods() -> list[str]:
+    """Registered methods whose decode step compiles to one graph (``Policy.static_decode``)."""
+    from kvhive.methods.registry import method_names, policy_class
+
+    return [name for name in method_names() if policy_class(name).static_decode]

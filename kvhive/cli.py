@@ -102,6 +102,7 @@ def command_generate(args: argparse.Namespace) -> int:
         budget,
         max_new_tokens=args.max_new_tokens,
         compress_sliding=args.compress_sliding,
+        compile=args.compile,
         **parameters,
     )
     statistics = cache.statistics()
@@ -236,6 +237,13 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--max-new-tokens", type=int, default=32)
     generate.add_argument("--param", action="append", metavar="NAME=VALUE", help="method parameter (repeatable)")
     generate.add_argument("--compress-sliding", action="store_true", help="also compress sliding-window layers")
+    generate.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compile the decode step (torch.compile, one graph; refused for a method whose step cannot) or, "
+        "with --no-compile, decode eagerly; default: transformers' choice (compiled on a GPU when possible)",
+    )
     generate.add_argument("--json", action="store_true", help="print the text with cache statistics (a summary)")
     generate.add_argument(
         "--per-layer",

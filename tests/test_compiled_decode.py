@@ -18,7 +18,7 @@ from transformers import CompileConfig
 
 import kvhive
 from kvhive.methods.registry import method_names, policy_class
-from kvhive.models import tiny_model
+from kvhive.models.tiny import tiny_model, tiny_tokenizer
 
 BUDGET = 32
 STATIC_METHODS = [m for m in method_names() if policy_class(m).static_decode]
@@ -119,3 +119,11 @@ def test_growing_caches_are_not_declared_compileable():
     assert not kvhive.make_cache(model, "snapkv", budget=BUDGET).is_compileable
     assert not kvhive.make_cache(model, "h2o", budget=BUDGET, decode_slack=4).is_compileable
     assert not kvhive.make_cache(model, "h2o", budget=BUDGET, positions="cache").is_compileable
+
+
+def test_generate_with_compile_refuses_a_step_that_cannot_compile():
+    model, tokenizer = _model(), tiny_tokenizer()
+    with pytest.raises(ValueError, match=r"compile=True: the decode step of method 'snapkv'.*methods that can: .*tova"):
+        kvhive.generate(model, tokenizer, "a prompt", "snapkv", BUDGET, max_new_tokens=2, compile=True)
+    with pytest.raises(ValueError, match=r"invalid compile='yes'"):
+        kvhive.generate(model, tokenizer, "a prompt", "tova", BUDGET, max_new_tokens=2, compile="yes")
