@@ -349,7 +349,13 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
     else:
         # [B, H, G*q, d] @ [B, H, d, L]: one matmul per stored head, keys and values read once.
         grouped = query.reshape(batch, heads, group * num_queries, head_dim)
-        logits = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scaling
+        if keys.dtype == torch.float16:
+            # fp16's range ends at 65504: a large q.k overflows before it is scaled (stock sdpa
+            # accumulates in fp32 and stays finite), so the logits are formed in fp32. bf16 has
+            # fp32's range and keeps the model's dtype.
+            logits = torch.matmul(grouped.float(), keys.float().transpose(-1, -2)) * scaling
+        else:
+            logits = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scaling
         logits = logits.view(batch, heads, group, num_queries, -1)
         if stored_mask is not None:
             logits = logits.masked_fill(~stored_mask.unsqueeze(2), float("-inf"))
