@@ -102,13 +102,16 @@ def make_cache(
     record_prefill: bool = False,
     positions: str = "original",
     dense_decode: str = "sdpa",
+    prefill_chunk: int | None = None,
     **method_parameters: Any,
 ) -> KVHiveCache:
     """A :class:`KVHiveCache` for ``model`` running ``method`` at ``budget`` tokens per head
     (or ``ratio`` of the prompt). Also switches the model to kvhive attention (a no-op for
     other caches), so the cache can be passed straight to ``generate``. ``dense_decode`` picks the
     attention of a decode step over equal-length heads on CUDA: ``"sdpa"`` (flash / memory-efficient)
-    or ``"kernel"`` (kvhive's split-K Triton kernel over the buffer in place)."""
+    or ``"kernel"`` (kvhive's split-K Triton kernel over the buffer in place). ``prefill_chunk``: the
+    prompt is fed in chunks of that many tokens by ``kvhive.generate`` (pass ``prefill_chunk_size=``
+    to ``model.generate`` yourself), compressed as it goes (``KVHiveCache``)."""
     policy = method if isinstance(method, Policy) else make_policy(method, **method_parameters)
     if budget is not None and ratio is not None:
         raise ValueError("give either budget (tokens per head, or a ratio as a float) or ratio, not both")
@@ -148,6 +151,7 @@ def make_cache(
         positions=positions,
         key_rotator=rotator,
         dense_decode=dense_decode,
+        prefill_chunk=prefill_chunk,
     )
 
 
@@ -226,6 +230,16 @@ def generate(
     import torch
 
     compile_options: dict[str, Any] = {}
+    if cache.prefill_chunk is not None:
+        if compile is True:
+            raise ValueError(
+                "compile=True with prefill_chunk: transformers would compile the prompt chunks too, whose compression "
+                "is not one static graph; compile the decode without chunks, or chunk without compile"
+            )
+        compile = False if compile is None else compile
+        row_lengths = encoded["attention_mask"].sum(dim=-1).tolist() if "attention_mask" in encoded else None
+        cache.plan_prompt(int(encoded["input_ids"].shape[1]), row_lengths)
+        compile_options["prefill_chunk_size"] = cache.prefill_chunk
     if compile is True:
         if not cache.is_compileable:
             raise ValueError(
@@ -239,7 +253,7 @@ def generate(
         config = CompileConfig(fullgraph=True, dynamic=False)
         config._compile_all_devices = True  # transformers compiles only on accelerators otherwise
         compile_options["compile_config"] = config
-    elif compile is False:
+    if compile is False:
         compile_options["disable_compile"] = True
     with torch.no_grad():
         output = model.generate(

@@ -328,7 +328,10 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
         stored_mask = _gather_mask(mask, positions, store, num_queries)
     heads = keys.shape[1]
     group = query_heads // heads
-    wants_weights = compressed and DECODE in policy.phases and policy.needs_decode_attention
+    # The new query's weights come with the attention when there is one new query; a prompt chunk
+    # (several) runs sdpa and a method's scoring computes what it needs in query chunks instead of
+    # materialising [B, H, G, q, L] weights here.
+    wants_weights = compressed and DECODE in policy.phases and policy.needs_decode_attention and num_queries == 1
     extra = policy.extra_attention(store.policy_state, query, scaling) if compressed else None
     if policy.changes_attention_logits:  # every layer (BUZZ log n), compressed or not
         query = _row_logit_scale(policy, stored_mask, keys.shape[2], query)

@@ -108,6 +108,11 @@ class KVHiveCache(Cache):
             padding) can run past the model's trained length (StreamingLLM-style). Needs
             ``key_rotator`` (``kvhive.attention.rope.KeyRotator``; ``make_cache`` passes it).
         dense_decode: ``"sdpa"`` or ``"kernel"`` (see :data:`DenseDecode`).
+        prefill_chunk: feed the prompt in chunks of this many tokens (``kvhive.generate``; with
+            ``model.generate`` pass ``prefill_chunk_size=cache.prefill_chunk``). After each chunk
+            every compressed layer holds at most its budget plus one chunk: streaming methods evict
+            by their decode rule once per chunk, prefill-only methods score kept + new tokens with
+            the chunk's queries (docs/METHODS.md, "Chunked prefill").
     """
 
     def __init__(
@@ -123,6 +128,7 @@ class KVHiveCache(Cache):
         positions: Positions = ORIGINAL_POSITIONS,
         key_rotator=None,
         dense_decode: DenseDecode = "sdpa",
+        prefill_chunk: int | None = None,
     ) -> None:
         if isinstance(budget, (int, float)) and not isinstance(budget, bool):
             budget = Budget.parse(budget)
@@ -138,6 +144,12 @@ class KVHiveCache(Cache):
             raise ValueError(f"invalid record_prefill={record_prefill!r}: expected True or False")
         require_choice(positions, "positions", Positions)
         require_choice(dense_decode, "dense_decode", DenseDecode)
+        if prefill_chunk is not None and (
+            isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1
+        ):
+            raise ValueError(f"invalid prefill_chunk={prefill_chunk!r}: expected an integer >= 1 (tokens), or None")
+        if prefill_chunk is not None and positions == CACHE_POSITIONS:
+            raise ValueError("prefill_chunk is not supported with positions='cache' (stream token by token instead)")
         if positions == CACHE_POSITIONS and key_rotator is None:
             raise ValueError("positions='cache' needs a key_rotator (use kvhive.make_cache)")
         if positions == CACHE_POSITIONS and type(policy).extra_attention is not Policy.extra_attention:
@@ -179,6 +191,11 @@ class KVHiveCache(Cache):
         self._generated_ids: torch.Tensor | None = None
         self._unattended_update: int | None = None  # a layer updated whose attention has not run yet
         self._compileable = self._static_decode()
+        # Chunked prefill: whether the budgets were resolved for the whole prompt (plan_prompt), and
+        # on how many tokens they were resolved; the chunk size kvhive.generate feeds the prompt in.
+        self._prompt_planned = False
+        self._budgets_resolved_on: int | None = None
+        self.prefill_chunk = prefill_chunk
         if budget.tokens is not None:
             problem = minimum_budget_problem(policy, budget.tokens)
             if problem is not None:
@@ -198,6 +215,7 @@ class KVHiveCache(Cache):
         length, so rows whose ratio resolves to different token counts are refused for it."""
         if self.layer_budgets:
             return
+        self._budgets_resolved_on = context_length
         lengths = row_lengths or [context_length]
         row_tokens = []
         for row, length in enumerate(lengths):
@@ -359,7 +377,9 @@ class KVHiveCache(Cache):
             self._trim_sliding(store)
             return
         if DECODE not in self.policy.phases:
-            self._drop_outside_window(store)  # a prefill-only method lets the layer grow
+            self._drop_outside_window(store)  # a prefill-only method lets the layer grow while decoding
+            if PREFILL in self.policy.phases and store.last_update_tokens > 1:
+                self._compress_prompt_chunk(layer_index, store, make_scoring)
             self._warn_budget_not_kept(layer_index, store)
             return
         if not store.is_uniform:
@@ -389,6 +409,46 @@ class KVHiveCache(Cache):
             )
         store.keep(keep, self._kept_counts(keep, store, [budget + self.decode_slack] * keep.shape[0], known_count))
         store.decode_steps_since_compression = 0
+
+    def _compress_prompt_chunk(self, layer_index: int, store: LayerStore, make_scoring) -> None:
+        """A prompt chunk after the first (chunked prefill) for a prefill-only method: the method
+        scores kept + new tokens with this chunk's queries (its observation window is the chunk's
+        last queries) and keeps its budget, so the layer never holds more than budget + one chunk."""
+        if self.budget.ratio is not None and not self._prompt_planned:
+            raise ValueError(
+                f"ratio={self.budget.ratio:g} was resolved on the first {self._budgets_resolved_on} prompt tokens, but "
+                "the prompt came in chunks (chunked prefill): a ratio needs the whole prompt's length; call "
+                "cache.plan_prompt(prompt_length) before the first chunk (kvhive.generate(..., prefill_chunk=N) does), "
+                "or give a token budget"
+            )
+        if not store.is_uniform:
+            raise ValueError(
+                f"method {self.policy.name!r} holds a different number of tokens per head in layer {layer_index}: a "
+                "prompt chunk after the first cannot be scored over head-wise budgets yet; give the prompt in one "
+                "forward (no prefill chunking) for this method"
+            )
+        self._resolve_budgets(store.tokens_seen)
+        budget = self.layer_budgets[layer_index]
+        if store.dense_length <= budget:
+            return
+        scoring = make_scoring(PREFILL)
+        known_count = self.policy.kept_per_row(PREFILL, scoring.num_tokens, budget, store.policy_state)
+        keep = self.policy.select_prefill(scoring, budget, store.policy_state)
+        self._store_token_scores(store, scoring)
+        store.keep(keep, self._kept_counts(keep, store, [budget] * keep.shape[0], known_count))
+        self._cut_at_prefill.add(layer_index)
+
+    def plan_prompt(self, prompt_length: int, row_lengths: list[int] | None = None) -> None:
+        """Resolve the budgets for a prompt of ``prompt_length`` tokens (each row's real length in
+        ``row_lengths`` for a left-padded batch) before it is fed in chunks: a ratio is of the whole
+        prompt, not of its first chunk. Once per cache, before its first forward."""
+        if isinstance(prompt_length, bool) or not isinstance(prompt_length, int) or prompt_length < 1:
+            raise ValueError(f"invalid prompt_length={prompt_length!r}: expected an integer >= 1")
+        if self.layer_budgets or any(layer.is_initialized for layer in self.layers):
+            raise ValueError("plan_prompt must be called on an empty cache, before the prompt's first chunk")
+        if self.policy.phases:
+            self._resolve_budgets(prompt_length, row_lengths)
+        self._prompt_planned = True
 
     # -- re-indexed positions ------------------------------------------------------------------
     def _position_cap(self) -> float:
@@ -522,8 +582,22 @@ class KVHiveCache(Cache):
                 "model using it runs another attention implementation (another model than the one given to "
                 "kvhive.make_cache?); make a cache per model with kvhive.make_cache(model, ...)"
             )
+        store: LayerStore = self.layers[layer_idx]
+        if (
+            key_states.shape[2] > 1
+            and store.is_initialized
+            and not store.is_uniform
+            and self.is_compressed(layer_idx)
+            and DECODE not in self.policy.phases
+        ):
+            # Refused before anything is stored, so the cache stays usable.
+            raise ValueError(
+                f"method {self.policy.name!r} holds a different number of tokens per head in layer {layer_idx}: a "
+                "prompt chunk after the first cannot be scored over head-wise budgets yet; give the prompt in one "
+                "forward (no prefill chunking) for this method, or decode token by token"
+            )
         self._unattended_update = layer_idx
-        keys, values = self.layers[layer_idx].update(key_states, value_states)
+        keys, values = store.update(key_states, value_states)
         # The attention function runs next; the cache hands itself over through transformers' kwargs.
         mark_update(self, layer_idx, keys, kwargs)
         return keys, values

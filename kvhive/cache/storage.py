@@ -66,8 +66,9 @@ class LayerStore(CacheLayerMixin):
         self._tokens_seen = 0
         self._tokens_seen_stale = False
         self.tokens_seen_device: torch.Tensor | None = None
-        # Whether the latest update was this layer's first (its prefill).
+        # Whether the latest update was this layer's first (its prefill), and how many tokens it had.
         self.in_prefill = False
+        self.last_update_tokens = 0
         # Replication of each KV head when a policy stores one copy per query head.
         self.heads_per_kv_head = 1
         self.policy_state: dict = {}
@@ -124,6 +125,7 @@ class LayerStore(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append the new tokens; returns the dense view (or the flat buffers when packed)."""
         self.in_prefill = not self.is_initialized
+        self.last_update_tokens = key_states.shape[2]
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.heads_per_kv_head > 1:
@@ -516,9 +518,11 @@ class LayerStore(CacheLayerMixin):
         keys, values, positions, scores = self._flat_buffers()
         self._set_packed(counts, keys, values, positions, scores, source_index)
 
-    def _set_packed(self, counts, keys, values, positions, scores, source_index) -> None:
+    def _set_packed(
+        self, counts, keys, values, positions, scores, source_index, reserve_tokens: int = SEGMENT_RESERVE_TOKENS
+    ) -> None:
         counts = counts.reshape(-1).long().cpu()
-        capacities = (counts + SEGMENT_RESERVE_TOKENS + PAGE_TOKENS - 1) // PAGE_TOKENS * PAGE_TOKENS
+        capacities = (counts + reserve_tokens + PAGE_TOKENS - 1) // PAGE_TOKENS * PAGE_TOKENS
         starts = torch.cumsum(capacities, 0) - capacities
         total = int(counts.sum())
         offsets = torch.cumsum(counts, 0) - counts
@@ -553,7 +557,15 @@ class LayerStore(CacheLayerMixin):
         if new_tokens > self._packed_headroom:
             # A segment is full: re-lay every segment out with a fresh reserve (host-decided).
             keys, values, positions, scores = self._flat_buffers()
-            self._set_packed(self._segment_length_host.clone(), keys, values, positions, scores, self._stored_index())
+            self._set_packed(
+                self._segment_length_host.clone(),
+                keys,
+                values,
+                positions,
+                scores,
+                self._stored_index(),
+                reserve_tokens=max(SEGMENT_RESERVE_TOKENS, new_tokens),  # a chunk may exceed the usual reserve
+            )
         lengths = self._segment_length_host
         grow = torch.arange(new_tokens, device=self.device)
         destination = ((self._segment_start + self._segment_length.long())[:, None] + grow).reshape(-1)

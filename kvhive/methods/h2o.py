@@ -48,8 +48,10 @@ class H2O(ScorerPolicy):
         scoring.token_scores[SCORE] = scoring.to_kv_heads(scoring.accumulated_attention())
 
     def observe_decode(self, scoring: ScoringInputs, state: dict, budget: int | None = None) -> None:
+        # Every new query adds its weights: one while generating, a whole chunk in a chunked prefill.
         scores = scoring.token_scores[SCORE]
-        scores += scoring.to_kv_heads(scoring.last_query_attention()).to(scores.dtype)
+        new_queries = scoring.last_query_attention() if scoring.num_queries == 1 else scoring.accumulated_attention()
+        scores += scoring.to_kv_heads(new_queries).to(scores.dtype)
 
     def score(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
         if SCORE not in scoring.token_scores:  # prefill-only use (e.g. under Ada-KV): the prompt's sums
