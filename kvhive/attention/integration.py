@@ -114,7 +114,11 @@ def _gather_mask(mask: torch.Tensor | None, positions: torch.Tensor, store, num_
         if num_queries == 1:
             return None
         tokens_seen = store.tokens_seen
-        return causal_mask(positions, tokens_seen - num_queries, tokens_seen)
+        allowed = causal_mask(positions, tokens_seen - num_queries, tokens_seen)
+        if store.is_sliding:  # positions="cache" gives no model mask: apply the window here
+            query_positions = torch.arange(tokens_seen - num_queries, tokens_seen, device=positions.device)
+            allowed &= (query_positions[None, None, :, None] - positions[:, :, None, :]) < store.sliding_window
+        return allowed
     tokens_seen = store.tokens_seen
     if length == tokens_seen:  # nothing was ever evicted: the stored order is the original one
         return mask
@@ -145,6 +149,7 @@ def _record_padding(store, mask: torch.Tensor | None) -> None:
         return
     padding = ~mask[:, 0].any(dim=-2)  # [B, N]: keys no query of the prompt may attend
     if bool(padding.any()):
+        store.has_padding = True
         store.set_token_scores(PADDING_SCORE, padding[:, None, :].expand(-1, store.num_heads, -1).float())
 
 
@@ -199,12 +204,21 @@ def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dr
     policy = cache.policy
     batch, _, num_queries, _ = query.shape
     if cache.positions == CACHE_POSITIONS:
-        # transformers built its mask over re-indexed positions; rebuild it over true positions.
-        mask = _full_mask(None, batch, num_queries, store.tokens_seen, store.sliding_window, query.device)
+        # transformers built its mask over re-indexed positions, which says nothing of the stored
+        # tokens' true positions. The prompt gets the causal mask over true positions (padding is
+        # refused); later forwards get theirs from the stored positions alone (_gather_mask), whose
+        # size follows the kept tokens, not every token ever seen (a long stream stays flat).
+        mask = None
         if store.in_prefill:
+            mask = _full_mask(None, batch, num_queries, store.tokens_seen, store.sliding_window, query.device)
             _refuse_padding(_model_mask(attention_mask), mask, layer_index)
-    else:
+    elif store.in_prefill or store.has_padding or not store.is_uniform:
         mask = _model_mask(attention_mask)
+    else:
+        # After an unpadded prompt the model's mask says nothing the stored positions do not (causal
+        # order, the window): kvhive masks by position, and transformers builds a chunk-sized mask
+        # instead of one over every token seen (KVHiveCache.get_mask_sizes), so a long stream stays flat.
+        mask = None
     compressed = cache.is_compressed(layer_index)
 
     with _backends(query.device):
@@ -321,8 +335,9 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
     policy = cache.policy
     keys, values, positions, token_scores = store.dense()
     batch, query_heads, num_queries, head_dim = query.shape
-    if num_queries == 1 and cache.is_compileable:
-        # A static decode step: transformers' mask is a fixed unused column (get_mask_sizes).
+    if num_queries == 1 and (cache.is_compileable or mask is None):
+        # A static decode step (transformers' mask is a fixed unused column, get_mask_sizes) or no
+        # model mask to gather (none needed, or positions="cache"): the layer masks its tokens itself.
         stored_mask = _stored_decode_mask(store, positions)
     else:
         stored_mask = _gather_mask(mask, positions, store, num_queries)

@@ -493,6 +493,18 @@ class KVHiveCache(Cache):
             # the mask transformers builds for it is a fixed, unused column instead of one that
             # grows with every token seen (a new graph at every step).
             return 1, 0
+        layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
+        if (
+            self.positions == ORIGINAL_POSITIONS
+            and layer is not None
+            and layer.is_initialized
+            and layer.is_uniform
+            and not layer.has_padding
+        ):
+            # After an unpadded prompt kvhive's attention masks by the stored positions and ignores
+            # the model's mask (see kvhive_attention): the mask transformers builds need only span
+            # the new tokens, not every token seen (which grows without bound in a long stream).
+            return query_length, layer.tokens_seen
         return self.mask_sizes_over_positions(query_length, layer_idx)
 
     def mask_sizes_over_positions(self, query_length: int, layer_idx: int) -> tuple[int, int]:

@@ -69,6 +69,8 @@ class LayerStore(CacheLayerMixin):
         # Whether the latest update was this layer's first (its prefill), and how many tokens it had.
         self.in_prefill = False
         self.last_update_tokens = 0
+        # Whether the prompt had left padding (recorded by the attention at prefill).
+        self.has_padding = False
         # Replication of each KV head when a policy stores one copy per query head.
         self.heads_per_kv_head = 1
         self.policy_state: dict = {}
@@ -168,6 +170,7 @@ class LayerStore(CacheLayerMixin):
         self._clear()
         self._tokens_seen, self._tokens_seen_stale, self.tokens_seen_device = 0, False, None
         self.in_prefill = False
+        self.has_padding = False
         self.policy_state = {}
         self.heads_per_kv_head = 1
         self.decode_steps_since_compression = 0
