@@ -16,6 +16,7 @@ import json
 import torch
 
 import kvhive
+from kvhive.compat import cache_kwarg
 from kvhive.evaluation.cli import default_data_dir
 from kvhive.evaluation.runner import resolve_tasks
 from kvhive.models import load_model
@@ -44,7 +45,7 @@ def main() -> None:
             options = dict(variant)
             cache = kvhive.make_cache(model, options.pop("method"), args.budget, **options)
             with torch.no_grad():
-                output = model.generate(input_ids, past_key_values=cache, max_new_tokens=12, do_sample=False)
+                output = model.generate(input_ids, **{cache_kwarg(model): cache}, max_new_tokens=12, do_sample=False)
             text = tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True)
             found[name] += int(task.score(item, text)["exact_match"])
     print(json.dumps({"budget": args.budget, "items": len(items), "found": found}, indent=2))

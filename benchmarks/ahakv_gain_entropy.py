@@ -43,6 +43,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 import kvhive
+from kvhive.compat import cache_kwarg
 from kvhive.methods.ahakv import GAIN_INPUTS, AhaKV, sg_logit_multiplier, value_prior
 from kvhive.methods.base import ScoringInputs, keep_top_scores, recent_mask
 
@@ -97,7 +98,7 @@ class _Recorder(AhaKV):
 def record_layers(model, input_ids: torch.Tensor) -> dict[int, ScoringInputs]:
     recorder = _Recorder()
     cache = kvhive.make_cache(model, recorder, budget=recorder.config.recent)
-    model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(input_ids=input_ids, **{cache_kwarg(model): cache}, use_cache=True, logits_to_keep=1)
     if not recorder.recorded:
         raise RuntimeError("no compressed layer was recorded")
     return recorder.recorded

@@ -28,6 +28,7 @@ import torch
 from transformers import DynamicCache
 
 import kvhive
+from kvhive.compat import cache_kwarg
 from kvhive.models import kv_heavy_model
 
 
@@ -40,7 +41,7 @@ def _prefill(model, input_ids, method: str, budget: int) -> tuple[float, float]:
         cache = kvhive.make_cache(model, method, budget=budget)
     start, start_cpu = time.perf_counter(), time.process_time()
     with torch.no_grad():
-        model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+        model(input_ids=input_ids, **{cache_kwarg(model): cache}, use_cache=True)
     elapsed = time.perf_counter() - start, time.process_time() - start_cpu
     if method not in ("sdpa", "full"):
         kept = cache.kept_tokens()

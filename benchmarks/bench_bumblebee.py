@@ -39,6 +39,7 @@ from transformers import DynamicCache
 import kvhive.methods.bumblebee as bumblebee
 from kvhive.api import make_cache, plain_attention
 from kvhive.cache.storage import LayerStore
+from kvhive.compat import cache_kwarg
 from kvhive.methods.base import ScoringInputs
 from kvhive.methods.submodular import Concave, Mixture, greedy_maximize, relu_cosine_similarity
 from kvhive.models import kv_heavy_model
@@ -78,7 +79,7 @@ def random_prompt(length: int, vocab: int, seed: int = 0) -> torch.Tensor:
 @torch.no_grad()
 def prefill_seconds(model, cache, input_ids) -> float:
     start = time.perf_counter()
-    model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+    model(input_ids=input_ids, **{cache_kwarg(model): cache}, use_cache=True)
     return time.perf_counter() - start
 
 
@@ -237,7 +238,7 @@ def bench_greedy(sizes: list[int], summaries: list[int], concave: str) -> None:
 def decode_step_times(
     model, cache, input_ids, steps: int, totals: dict[str, float] | None = None, targets=None
 ) -> tuple[list[float], dict[str, list[float]]]:
-    output = model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+    output = model(input_ids=input_ids, **{cache_kwarg(model): cache}, use_cache=True)
     token = output.logits[:, -1:].argmax(-1)
     times, parts = [], {}
     for _ in range(steps):
@@ -245,7 +246,7 @@ def decode_step_times(
         context = timing(step_totals, targets) if targets else contextlib.nullcontext()
         with context:
             start = time.perf_counter()
-            output = model(input_ids=token, past_key_values=cache, use_cache=True)
+            output = model(input_ids=token, **{cache_kwarg(model): cache}, use_cache=True)
             times.append(time.perf_counter() - start)
         for label, seconds in step_totals.items():
             parts.setdefault(label, []).append(seconds)

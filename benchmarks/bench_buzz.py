@@ -25,6 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from kvhive.api import make_cache
+from kvhive.compat import cache_kwarg
 from kvhive.methods.buzz import EVICTIONS
 from kvhive.models import kv_heavy_model
 
@@ -47,7 +48,7 @@ def _plain_cache(model):
 def prefill_seconds(model, input_ids, method: str | None, budget: int | None, repeats: int, **parameters) -> float:
     def run():
         cache = _plain_cache(model) if method is None else make_cache(model, method, budget, **parameters)
-        model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=input_ids, **{cache_kwarg(model): cache}, use_cache=True, logits_to_keep=1)
 
     return _median_seconds(run, repeats)
 
@@ -56,9 +57,9 @@ def prefill_seconds(model, input_ids, method: str | None, budget: int | None, re
 def start_stream(model, input_ids, method: str | None, budget: int | None, **parameters):
     """A cache holding the prompt plus one decoded token (so lazy initialisation is not timed)."""
     cache = _plain_cache(model) if method is None else make_cache(model, method, budget, **parameters)
-    output = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    output = model(input_ids=input_ids, **{cache_kwarg(model): cache}, use_cache=True, logits_to_keep=1)
     token = output.logits[:, -1].argmax(-1, keepdim=True)
-    output = model(input_ids=token, past_key_values=cache, use_cache=True)
+    output = model(input_ids=token, **{cache_kwarg(model): cache}, use_cache=True)
     return cache, output.logits[:, -1].argmax(-1, keepdim=True)
 
 
@@ -71,7 +72,7 @@ def stream_ms_per_token(model, cache, token, method: str | None, tokens: int):
         model.set_attn_implementation("kvhive")
     start = time.perf_counter()
     for _ in range(tokens):
-        output = model(input_ids=token, past_key_values=cache, use_cache=True)
+        output = model(input_ids=token, **{cache_kwarg(model): cache}, use_cache=True)
         token = output.logits[:, -1].argmax(-1, keepdim=True)
     return 1000 * (time.perf_counter() - start) / tokens, token
 

@@ -1,16 +1,43 @@
-"""Decode and prefill on a GPU, kvhive vs stock transformers, side by side in one process.
+"""Decode and prefill on a GPU, kvhive vs stock transformers, each configuration in a fresh process.
 
-    PYTHONPATH=. python benchmarks/bench_gpu.py --context 32768 --batch 1 --out runs/gpu.jsonl
+    PYTHONPATH=. python benchmarks/bench_gpu.py --context 32768 --batch 1 --compile
+    PYTHONPATH=. python benchmarks/bench_gpu.py --device cpu --tiny --out runs/smoke.jsonl   # CPU smoke run
 
-Model: Llama-3-8B shape (32 layers, 32 query heads, 8 KV heads of 128), random bf16 weights.
-For every configuration: prefill seconds (one forward over the prompt, compression included),
-decode ms/token (``--decode-tokens`` steps launched back to back, one synchronisation at the
-end, as a serving loop runs), KV bytes held, peak CUDA memory above the weights, and the
-bandwidth bound of a decode step ((weights + KV read) / measured copy bandwidth) with its ratio.
-Stock transformers (sdpa + ``DynamicCache``) is run with cuDNN's sdpa on and off; the best of
-the two is the baseline. ``--profile METHOD`` adds a ``torch.profiler`` trace of decode steps
-(host time, GPU kernel time, device->host synchronisations per step). Each result is one JSON
-line, written as soon as it is measured.
+Model: Llama-3-8B shape (``--layers``, default 32, 32 query heads, 8 KV heads of 128), random bf16
+weights, random token ids; ``--tiny`` takes kvhive's tiny Llama (2 layers, fp32) instead, for a
+smoke run.
+
+Every configuration runs in its own subprocess: a peak of CUDA memory is only valid in a process
+that held nothing before (a cache kept alive by an earlier configuration, or the allocator's
+cached blocks, would shift it). The worker appends one JSON line to ``--out`` (default
+``results/gpu/bench_gpu.jsonl``); the driver skips every configuration that file already holds
+without an error for the same commit and settings, so a killed run resumes where it stopped, and
+records a line with the error when a worker dies (out of memory, killed, timed out).
+
+Each line: prefill seconds (one forward over the prompt, compression included), decode ms/token
+(``--decode-tokens`` steps after 3 warm-up steps, launched back to back with one synchronisation at
+the end, as a serving loop runs), KV bytes held, peak CUDA memory above the weights in the prefill
+and in the decode phase, and the bandwidth bound of a decode step ((weights + KV read) / measured
+copy bandwidth) with its ratio to the measured step. On the CPU the peaks are not measured (torch
+tracks peak memory only for CUDA) and the line says so.
+
+Configurations (``--configs``, comma-separated):
+* ``stock-cudnn-off``, ``stock-cudnn-on``: transformers' sdpa with its ``DynamicCache`` (cuDNN's sdpa
+  re-plans at every key length; off is the better stock eager decode);
+* ``stock-static``: transformers' ``StaticCache`` (cuDNN off);
+* a kvhive method (``full``, ``snapkv``, ``tova``, ...), optionally ``@kernel`` / ``@sdpa`` for
+  kvhive's dense decode attention (where this kvhive has that switch);
+* any of these with ``+compile``: the decode step (the model's forward on one token) through
+  ``torch.compile`` (``--compile-backend``, default inductor with mode ``reduce-overhead``, i.e.
+  CUDA graphs, on CUDA; ``aot_eager`` on the CPU); the prefill stays eager, as in
+  ``model.generate``. ``stock-static+compile`` is the best stock decode. ``--compile`` adds the
+  ``+compile`` row of every configuration (``stock-static+compile`` for the stock ones). A compiled
+  row also records how many graphs dynamo compiled during the timed decode steps (0 when the step
+  neither recompiles nor breaks) and its graph breaks.
+
+``--profile CONFIG`` adds a ``torch.profiler`` trace of 5 decode steps to that configuration's line
+(host time, GPU kernel time, device->host synchronisations per step); ``--varlen`` adds the
+variable-length decode attention kernel against dense sdpa.
 """
 
 from __future__ import annotations
@@ -24,12 +51,80 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO / "results" / "gpu" / "bench_gpu.jsonl"
+STOCK_DYNAMIC = ("stock-cudnn-on", "stock-cudnn-off")
+STOCK_STATIC = "stock-static"
+STOCK = (*STOCK_DYNAMIC, STOCK_STATIC)
+COMPILE_SUFFIX = "+compile"
+DENSE_DECODE_CHOICES = ("kernel", "sdpa")
+WARM_UP_STEPS = 3
+PROFILE_STEPS = 5
+DEFAULT_CONFIGS = (
+    "stock-cudnn-on,stock-cudnn-off,stock-static,full,full@kernel,snapkv,snapkv@kernel,"
+    "ada-snapkv,pyramidkv,tova,knorm,streamingllm"
+)
+# The settings a result line is keyed by: a line with the same values (and no error) is not rerun.
+SETTINGS = (
+    "label",
+    "commit",
+    "device_kind",
+    "tiny",
+    "context",
+    "batch",
+    "budget",
+    "layers",
+    "decode_tokens",
+    "compile_backend",
+)
 
-STOCK = ("stock-cudnn-on", "stock-cudnn-off")
+
+# -- configuration names (checked by the driver before any process starts) -------------------------
 
 
-def versions() -> dict:
+def parse_config(config: str) -> dict:
+    """``"snapkv@kernel+compile"`` -> its parts; a ValueError naming the accepted values otherwise."""
+    from kvhive.methods.registry import method_names
+
+    name, compiled = (config[: -len(COMPILE_SUFFIX)], True) if config.endswith(COMPILE_SUFFIX) else (config, False)
+    base, _, dense_decode = name.partition("@")
+    if base in STOCK:
+        if dense_decode:
+            raise ValueError(f"invalid config {config!r}: '@{dense_decode}' applies to kvhive methods only")
+        return {"config": config, "stock": True, "method": None, "dense_decode": None, "compiled": compiled}
+    if base not in method_names():
+        raise ValueError(
+            f"invalid config {config!r}: expected one of {', '.join(STOCK)} or a kvhive method "
+            f"({', '.join(method_names())}), optionally with @kernel/@sdpa and {COMPILE_SUFFIX}"
+        )
+    if dense_decode and dense_decode not in DENSE_DECODE_CHOICES:
+        raise ValueError(f"invalid config {config!r}: expected @{' or @'.join(DENSE_DECODE_CHOICES)} after the method")
+    return {
+        "config": config,
+        "stock": False,
+        "method": base,
+        "dense_decode": dense_decode or None,
+        "compiled": compiled,
+    }
+
+
+def with_compiled_rows(configs: list[str]) -> list[str]:
+    """``configs`` and, after them, the ``+compile`` row of each (one ``stock-static+compile`` for all stock ones)."""
+    compiled = []
+    for config in configs:
+        if config.endswith(COMPILE_SUFFIX):
+            continue
+        row = STOCK_STATIC + COMPILE_SUFFIX if config.partition("@")[0] in STOCK else config + COMPILE_SUFFIX
+        if row not in configs and row not in compiled:
+            compiled.append(row)
+    return configs + compiled
+
+
+# -- the worker: one configuration, one process ----------------------------------------------------
+
+
+def versions(device: str) -> dict:
+    import torch
     import transformers
 
     try:
@@ -38,48 +133,54 @@ def versions() -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
-        ).stdout.strip() or os.environ.get("KVHIVE_COMMIT")
-    except OSError:
-        commit = os.environ.get("KVHIVE_COMMIT")
     return {
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "triton": triton_version,
         "python": platform.python_version(),
-        "commit": os.environ.get("KVHIVE_COMMIT", commit),
     }
 
 
-def copy_bandwidth() -> float:
+def synchronize(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str) -> float:
     """Bytes/s of a large device-to-device copy (read + write counted)."""
-    source = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)  # 1 GiB
+    import torch
+
+    elements = 1 << (29 if device == "cuda" else 24)  # 1 GiB of bf16 on CUDA, 32 MiB on the CPU
+    source = torch.randn(elements, device=device, dtype=torch.bfloat16)
     target = torch.empty_like(source)
     for _ in range(3):
         target.copy_(source)
-    torch.cuda.synchronize()
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(10):
         target.copy_(source)
-    torch.cuda.synchronize()
+    synchronize(device)
     seconds = (time.perf_counter() - start) / 10
     del source, target
-    return 2 * (1 << 29) * 2 / seconds
+    return 2 * elements * 2 / seconds
 
 
-def build_model(num_layers: int):
+def build_model(num_layers: int, device: str, tiny: bool):
+    import torch
     from transformers import LlamaForCausalLM
 
-    from kvhive.models import llama3_8b_shape_config
+    from kvhive.models import llama3_8b_shape_config, tiny_model
 
+    if tiny:
+        return tiny_model("llama", "gqa").to(device).eval()
     config = llama3_8b_shape_config(num_layers=num_layers)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        with torch.device("cuda"):
+        with torch.device(device):
             model = LlamaForCausalLM(config).eval()
     finally:
         torch.set_default_dtype(previous)
@@ -92,78 +193,139 @@ def kv_bytes(cache) -> int:
     return sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers)
 
 
-def make(model, config: str, budget: float):
-    from transformers import DynamicCache
+def make_cache(model, parts: dict, budget: float, max_length: int):
+    import torch
+    from transformers import DynamicCache, StaticCache
 
-    if config in STOCK:
-        torch.backends.cuda.enable_cudnn_sdp(config == "stock-cudnn-on")
+    if parts["stock"]:
+        base = parts["config"].partition("+")[0]
+        if torch.cuda.is_available():
+            torch.backends.cuda.enable_cudnn_sdp(base == "stock-cudnn-on")
         model.set_attn_implementation("sdpa")
+        if base == STOCK_STATIC:
+            return StaticCache(config=model.config, max_cache_len=max_length)
         return DynamicCache(config=model.config)
-    torch.backends.cuda.enable_cudnn_sdp(True)  # kvhive chooses its own kernels whatever this says
+    if torch.cuda.is_available():
+        torch.backends.cuda.enable_cudnn_sdp(True)  # kvhive chooses its own kernels whatever this says
     import kvhive
+    from kvhive.attention import integration
 
-    config, _, dense_decode = config.partition("@")
-    try:  # "snapkv@kernel": dense decode through kvhive's Triton kernel instead of sdpa
-        from kvhive.attention import integration
-
-        integration.DENSE_DECODE = dense_decode or os.environ.get("KVHIVE_DENSE_DECODE", "sdpa")
-    except ImportError:
-        pass
-    if config == "full":
+    if parts["dense_decode"] is not None:
+        if not hasattr(integration, "DENSE_DECODE"):
+            raise ValueError(
+                f"config {parts['config']!r} refused: this kvhive has no dense-decode switch "
+                "(kvhive.attention.integration.DENSE_DECODE)"
+            )
+        integration.DENSE_DECODE = parts["dense_decode"]
+    if parts["method"] == "full":
         return kvhive.make_cache(model, "full")
-    return kvhive.make_cache(model, config, ratio=budget)
+    return kvhive.make_cache(model, parts["method"], ratio=budget)
 
 
-@torch.no_grad()
-def run_one(model, config, input_ids, budget, decode_tokens, weights_bytes, bandwidth, profile_steps=0):
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    cache = make(model, config, budget)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    output = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    torch.cuda.synchronize()
-    prefill = time.perf_counter() - start
-    token = output.logits[:, -1:].argmax(-1)
-    del output
-    for _ in range(3):  # warm-up (first appends, kernel compilation)
-        token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(decode_tokens):
-        token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-    torch.cuda.synchronize()
-    decode_ms = 1e3 * (time.perf_counter() - start) / decode_tokens
+def dynamo_counts() -> dict:
+    from torch._dynamo.utils import counters
+
+    return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
+
+
+def measure(settings: dict) -> dict:
+    """One configuration's line (without the settings it was run with)."""
+    import torch
+
+    from kvhive.compat import cache_kwarg
+
+    device, parts = settings["device_kind"], parse_config(settings["config"])
+    torch.manual_seed(0)
+    bandwidth = copy_bandwidth(device)
+    model = build_model(settings["layers"], device, settings["tiny"])
+    weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    generator = torch.Generator().manual_seed(0)
+    context, batch, decode_tokens = settings["context"], settings["batch"], settings["decode_tokens"]
+    input_ids = torch.randint(3, model.config.vocab_size, (batch, context), generator=generator).to(device)
+    key = cache_kwarg(model)
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    cache = make_cache(model, parts, settings["budget"], context + WARM_UP_STEPS + decode_tokens + PROFILE_STEPS)
+    step = model
+    if parts["compiled"]:
+        backend = settings["compile_backend"]
+        options = {"mode": "reduce-overhead"} if backend == "inductor" and cuda else {}
+        step = torch.compile(model, backend=backend, dynamic=False, **options)
+    with torch.no_grad():
+        synchronize(device)
+        start = time.perf_counter()
+        output = model(input_ids=input_ids, **{key: cache}, use_cache=True, logits_to_keep=1)
+        synchronize(device)
+        prefill = time.perf_counter() - start
+        token = output.logits[:, -1:].argmax(-1)
+        del output
+        peak_prefill = torch.cuda.max_memory_allocated() - base if cuda else None
+        position = context
+
+        def decode(token):
+            nonlocal position
+            # Positions passed as a tensor: the step's inputs are tensors only, as a compiled step needs.
+            positions = torch.full_like(token, position)
+            position += 1
+            return (
+                step(input_ids=token, position_ids=positions, **{key: cache}, use_cache=True).logits[:, -1:].argmax(-1)
+            )
+
+        start = time.perf_counter()
+        for _ in range(WARM_UP_STEPS):  # first appends, kernel and graph compilation
+            token = decode(token)
+        synchronize(device)
+        warm_up = time.perf_counter() - start
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        compiled_before = dynamo_counts() if parts["compiled"] else None
+        start = time.perf_counter()
+        for _ in range(decode_tokens):
+            token = decode(token)
+        synchronize(device)
+        decode_ms = 1e3 * (time.perf_counter() - start) / decode_tokens
     held = kv_bytes(cache)
     result = {
-        "config": config,
-        "budget": None if config in STOCK or config == "full" else budget,
-        "context": input_ids.shape[1],
-        "batch": input_ids.shape[0],
+        "budget_applied": None if parts["stock"] or parts["method"] == "full" else settings["budget"],
         "prefill_s": prefill,
+        "warm_up_s": warm_up,
         "decode_ms_per_token": decode_ms,
         "kv_bytes": held,
         "reserved_bytes": cache.reserved_nbytes() if hasattr(cache, "reserved_nbytes") else held,
-        "peak_above_weights_bytes": torch.cuda.max_memory_allocated() - base,
+        "weights_bytes": weights_bytes,
+        "copy_bandwidth_GBps": bandwidth / 1e9,
         "bandwidth_bound_ms": 1e3 * (weights_bytes + held) / bandwidth,
     }
     result["bound_over_measured"] = result["bandwidth_bound_ms"] / decode_ms
-    if profile_steps:
-        result["profile"] = profile(model, cache, token, profile_steps)
-    del cache
+    if cuda:
+        result["peak_prefill_above_weights_bytes"] = peak_prefill
+        result["peak_decode_above_weights_bytes"] = torch.cuda.max_memory_allocated() - base
+    else:
+        result["peak_memory"] = "not measured: torch tracks peak memory only on CUDA"
+    if parts["compiled"]:
+        after = dynamo_counts()
+        result["compile_backend"] = settings["compile_backend"]
+        result["graphs_compiled_in_decode"] = after["graphs"] - compiled_before["graphs"]
+        result["graph_breaks_in_decode"] = after["graph_breaks"] - compiled_before["graph_breaks"]
+        result["graphs_total"] = after["graphs"]
+    if settings.get("profile"):
+        result["profile"] = profile(lambda: decode(token), PROFILE_STEPS)
     return result
 
 
-def profile(model, cache, token, steps: int) -> dict:
+def profile(decode_step, steps: int) -> dict:
+    import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with torch.no_grad(), torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         for _ in range(steps):
-            token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            decode_step()
         host = time.perf_counter() - start
         torch.cuda.synchronize()
     events = prof.key_averages()
@@ -181,81 +343,162 @@ def profile(model, cache, token, steps: int) -> dict:
     }
 
 
-def varlen_rows(contexts, batches) -> list[dict]:
+def varlen_rows(settings: dict) -> list[dict]:
+    import torch
+
     from kvhive.bench import variable_length_attention_benchmark
 
-    rows = []
-    for batch in batches:
-        for context in contexts:
-            rows.append(
-                variable_length_attention_benchmark(
-                    context=context,
-                    kv_heads=8,
-                    group_size=4,
-                    head_dim=128,
-                    batch_size=batch,
-                    repeats=50,
-                    device="cuda",
-                    dtype=torch.bfloat16,
-                )
-            )
-    return rows
+    contexts = [256, 1024] if settings["tiny"] else [8192, 32768]
+    return [
+        variable_length_attention_benchmark(
+            context=context,
+            kv_heads=8,
+            group_size=4,
+            head_dim=128,
+            batch_size=batch,
+            repeats=50,
+            device=settings["device_kind"],
+            dtype=torch.bfloat16,
+        )
+        for batch in (1, 8)
+        for context in contexts
+    ]
 
 
-def main(argv=None) -> None:
+def append_line(out: Path, row: dict) -> None:
+    with out.open("a") as handle:
+        handle.write(json.dumps(row) + "\n")
+
+
+def worker(settings: dict, out: Path) -> int:
+    """Measure one configuration and append its line; an exception is recorded as the result."""
+    row = {**settings, **versions(settings["device_kind"])}
+    try:
+        if settings["config"] == "varlen":
+            for varlen in varlen_rows(settings):
+                append_line(out, {**row, "kind": "varlen", **varlen})
+            return 0
+        row.update(kind="e2e", **measure(settings))
+    except Exception as error:  # noqa: BLE001 - a failing configuration is a result to record, not a crash
+        row.update(kind="e2e", error=f"{type(error).__name__}: {error}"[:500])
+    append_line(out, row)
+    return 0
+
+
+# -- the driver ------------------------------------------------------------------------------------
+
+
+def commit() -> str | None:
+    if os.environ.get("KVHIVE_COMMIT"):
+        return os.environ["KVHIVE_COMMIT"]
+    try:
+        result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
+    except OSError:
+        return None
+    return result.stdout.strip() or None
+
+
+def done(out: Path, settings: dict) -> bool:
+    """Whether ``out`` holds an error-free line of this configuration with these settings."""
+    if not out.exists():
+        return False
+    for line in out.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a killed run: not a result
+            continue
+        if (
+            row.get("config") == settings["config"]
+            and "error" not in row
+            and all(row.get(name) == settings[name] for name in SETTINGS)
+        ):
+            return True
+    return False
+
+
+def run_in_fresh_process(settings: dict, out: Path, timeout: float) -> None:
+    """One worker process; a worker that dies without writing its line gets one with the reason."""
+    lines_before = len(out.read_text().splitlines()) if out.exists() else 0
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(settings), "--out", str(out)]
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    try:
+        finished = subprocess.run(command, env=environment, timeout=timeout, capture_output=True, text=True)
+        reason = None if finished.returncode == 0 else f"worker exited {finished.returncode}: {finished.stderr[-400:]}"
+    except subprocess.TimeoutExpired:
+        reason = f"worker timed out after {timeout:g} s"
+    lines_after = len(out.read_text().splitlines()) if out.exists() else 0
+    if reason is not None or lines_after == lines_before:
+        append_line(out, {**settings, "kind": "e2e", "error": reason or "worker wrote no line"})
+
+
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--context", type=int, default=None, help="prompt tokens (default 32768; 512 with --tiny)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--budget", type=float, default=0.1, help="ratio of the prompt kept")
-    parser.add_argument("--decode-tokens", type=int, default=32)
-    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--decode-tokens", type=int, default=None, help="timed steps (default 32; 8 with --tiny)")
+    parser.add_argument("--layers", type=int, default=None, help="layers of the Llama-3-8B shape (default 32)")
+    parser.add_argument("--configs", default=DEFAULT_CONFIGS)
+    parser.add_argument("--compile", action="store_true", help="add the +compile row of every configuration")
     parser.add_argument(
-        "--configs",
-        default="stock-cudnn-on,stock-cudnn-off,full,full@kernel,snapkv,snapkv@kernel,"
-        "ada-snapkv,pyramidkv,tova,knorm,streamingllm",
+        "--compile-backend", default=None, help="torch.compile backend (inductor on cuda, aot_eager on cpu)"
     )
-    parser.add_argument("--profile", default="", help="comma-separated configs to profile")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="kvhive's tiny Llama instead of the Llama-3-8B shape")
+    parser.add_argument("--profile", default="", help="comma-separated configs to profile (CUDA)")
     parser.add_argument("--varlen", action="store_true", help="also time variable-length vs dense attention")
     parser.add_argument("--label", default="kvhive")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds one configuration may take")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # the settings of one configuration (JSON)
     args = parser.parse_args(argv)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"label": args.label, **versions()}
-    bandwidth = copy_bandwidth()
-    meta["copy_bandwidth_GBps"] = bandwidth / 1e9
-    print(json.dumps(meta), flush=True)
+    if args.worker:
+        return worker(json.loads(args.worker), args.out)
+    from kvhive.models import tiny_model_config
 
-    def write(row):
-        row = {**meta, **row}
-        with out.open("a") as handle:
-            handle.write(json.dumps(row) + "\n")
-        print(json.dumps({k: v for k, v in row.items() if k not in meta}), flush=True)
-
-    if args.varlen:
-        for row in varlen_rows([8192, 32768], [1, 8]):
-            write({"kind": "varlen", **row})
-    model = build_model(args.layers)
-    weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    generator = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(3, model.config.vocab_size, (args.batch, args.context), generator=generator).cuda()
-    profiled = set(filter(None, args.profile.split(",")))
-    for config in args.configs.split(","):
+    configs = [config for config in args.configs.split(",") if config]
+    if args.compile:
+        configs = with_compiled_rows(configs)
+    for config in configs:
         try:
-            row = run_one(
-                model,
-                config,
-                input_ids,
-                args.budget,
-                args.decode_tokens,
-                weights_bytes,
-                bandwidth,
-                profile_steps=5 if config in profiled else 0,
-            )
-            write({"kind": "e2e", **row})
-        except Exception as error:  # noqa: BLE001 - a failing method is a result to record, not a crash
-            write({"kind": "e2e", "config": config, "error": f"{type(error).__name__}: {error}"[:500]})
-            torch.cuda.empty_cache()
+            parse_config(config)
+        except ValueError as error:
+            parser.error(str(error))
+    if args.tiny and args.layers is not None:
+        parser.error("invalid --layers with --tiny: the tiny model has its own 2 layers")
+    profiled = set(filter(None, args.profile.split(",")))
+    if profiled and args.device != "cuda":
+        parser.error("invalid --profile: the profile counts CUDA kernels and synchronisations (--device cuda)")
+    if not 0 < args.budget <= 1:
+        parser.error(f"invalid --budget={args.budget}: expected a ratio in (0, 1]")
+    common = {
+        "label": args.label,
+        "commit": commit(),
+        "device_kind": args.device,
+        "tiny": args.tiny,
+        "context": args.context or (512 if args.tiny else 32768),
+        "batch": args.batch,
+        "budget": args.budget,
+        "layers": tiny_model_config("llama", "gqa").num_hidden_layers if args.tiny else args.layers or 32,
+        "decode_tokens": args.decode_tokens or (8 if args.tiny else 32),
+        "compile_backend": args.compile_backend or ("inductor" if args.device == "cuda" else "aot_eager"),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for config in (["varlen"] if args.varlen else []) + configs:
+        settings = {**common, "config": config, "profile": config in profiled}
+        if done(args.out, settings):
+            print(f"{config}: already in {args.out}", flush=True)
+            continue
+        start = time.perf_counter()
+        run_in_fresh_process(settings, args.out, args.timeout)
+        row = json.loads(args.out.read_text().splitlines()[-1])
+        shown = {
+            k: row[k]
+            for k in ("prefill_s", "decode_ms_per_token", "peak_decode_above_weights_bytes", "error")
+            if k in row
+        }
+        print(f"{config}: {json.dumps(shown)} ({time.perf_counter() - start:.0f} s)", flush=True)
+    return 0
 
 
 if __name__ == "__main__":

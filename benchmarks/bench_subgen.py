@@ -26,6 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 import kvhive
+from kvhive.compat import cache_kwarg
 from kvhive.methods.registry import make_policy
 from kvhive.methods.subgen import farthest_point_order
 from kvhive.methods.subgen_attention import STATE_KEY, StreamingStructures, cluster_counts, structures_nbytes
@@ -62,7 +63,7 @@ def timed_prefill(model, method: str, input_ids: torch.Tensor, **options) -> tup
         policy.select_prefill = timer.wrap("compress", policy.select_prefill)
     cache = kvhive.make_cache(model, policy, budget=options.get("budget"), ratio=options.get("ratio"))
     start = time.perf_counter()
-    model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+    model(input_ids=input_ids, **{cache_kwarg(model): cache}, use_cache=True)
     return time.perf_counter() - start, timer.seconds.get("compress", 0.0), cache
 
 
@@ -125,12 +126,12 @@ def decode_time(model, method: str, input_ids: torch.Tensor, tokens: int, **opti
         StreamingStructures.insert = timer.wrap("insert into D/M", original_insert)
     try:
         cache = kvhive.make_cache(model, policy, budget=options.get("budget", input_ids.shape[1] + tokens))
-        output = model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+        output = model(input_ids=input_ids, **{cache_kwarg(model): cache}, use_cache=True)
         timer.seconds.clear()
         token = output.logits[:, -1:].argmax(-1)
         start = time.perf_counter()
         for _ in range(tokens):
-            output = model(input_ids=token, past_key_values=cache, use_cache=True)
+            output = model(input_ids=token, **{cache_kwarg(model): cache}, use_cache=True)
             token = output.logits[:, -1:].argmax(-1)
         elapsed = time.perf_counter() - start
     finally:

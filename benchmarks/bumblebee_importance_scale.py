@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from kvhive.api import make_cache
+from kvhive.compat import cache_kwarg
 from kvhive.methods.base import PREFILL
 from kvhive.methods.submodular import Concave, Mixture, relu_cosine_similarity
 from kvhive.models import load_model
@@ -113,11 +114,13 @@ def main() -> None:
 
                 policy.select_prefill = select
             with torch.no_grad():
-                output = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                output = model(input_ids=prompt, **{cache_kwarg(model): cache}, use_cache=True, logits_to_keep=1)
                 logits = [output.logits[:, -1]]
                 for position in range(continuation.shape[1] - 1):
                     output = model(
-                        input_ids=continuation[:, position : position + 1], past_key_values=cache, use_cache=True
+                        input_ids=continuation[:, position : position + 1],
+                        **{cache_kwarg(model): cache},
+                        use_cache=True,
                     )
                     logits.append(output.logits[:, -1])
             logits = torch.cat(logits).float()

@@ -34,6 +34,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 import kvhive
+from kvhive.compat import cache_kwarg
 from kvhive.methods.subgen_attention import StreamingStructures
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +54,7 @@ def long_text(tokenizer, tokens: int) -> torch.Tensor:
 def full_attention_keys(model, input_ids: torch.Tensor) -> dict[int, torch.Tensor]:
     """Keys ``[H, n, d]`` of every full-attention layer after a prefill with an uncompressed cache."""
     cache = kvhive.make_cache(model, "full")
-    model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+    model(input_ids=input_ids, **{cache_kwarg(model): cache}, use_cache=True)
     keys = {}
     for index, layer in enumerate(cache.layers):
         if layer.is_sliding:

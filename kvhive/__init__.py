@@ -2,11 +2,13 @@
 
 from kvhive.api import compression, generate, make_cache, use_kvhive_attention
 from kvhive.cache import Budget, KVHiveCache
+from kvhive.compat import cache_kwarg
 from kvhive.methods import make_policy, method_names
 
 __all__ = [
     "Budget",
     "KVHiveCache",
+    "cache_kwarg",
     "compression",
     "generate",
     "make_cache",

@@ -1,7 +1,7 @@
 """One-line use of a method with ``model.generate``.
 
 cache = kvhive.make_cache(model, "snapkv", budget=128)
-model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
+model.generate(**inputs, cache=cache, max_new_tokens=32)  # transformers < 5.24: past_key_values=cache
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from kvhive.attention import ATTENTION_NAME, register
 from kvhive.attention.integration import check_reused_caches
 from kvhive.cache import Budget, KVHiveCache
 from kvhive.cache.kv_cache import CACHE_POSITIONS
+from kvhive.compat import cache_kwarg
 from kvhive.methods import Policy, make_policy
 
 
@@ -175,10 +176,12 @@ def shared_prefill(model, input_ids, caches: list[KVHiveCache]):
     recorder = make_cache(model, "full", compress_sliding=True, record_prefill=True)
     per_cache_logits = []
     with torch.no_grad():
-        logits = model(input_ids=input_ids, past_key_values=recorder, use_cache=True, logits_to_keep=1).logits[:, -1]
+        logits = model(input_ids=input_ids, **{cache_kwarg(model): recorder}, use_cache=True, logits_to_keep=1).logits[
+            :, -1
+        ]
         for cache in caches:
             if changes_prefill_attention(cache.policy):
-                own = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                own = model(input_ids=input_ids, **{cache_kwarg(model): cache}, use_cache=True, logits_to_keep=1)
                 per_cache_logits.append(own.logits[:, -1])
             else:
                 replay_prefill(recorder, cache)
@@ -258,7 +261,7 @@ def generate(
     with torch.no_grad():
         output = model.generate(
             **encoded,
-            past_key_values=cache,
+            **{cache_kwarg(model): cache},
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=tokenizer.pad_token_id,

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kvhive.api import make_cache
+from kvhive.compat import cache_kwarg
 from kvhive.models.embedded import EMBEDDED_MODELS
 
 # "embedded" is the default embedded model; an embedded model's name picks that one.
@@ -59,17 +60,18 @@ def _synchronize(device) -> None:
 @torch.no_grad()
 def _timed_run(model, input_ids, method: str, budget, decode_tokens: int, method_parameters: dict):
     cache = make_cache(model, method, budget, **method_parameters)
+    cache_key = cache_kwarg(model)
     device = input_ids.device
     _synchronize(device)
     start = time.perf_counter()
-    output = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    output = model(input_ids=input_ids, **{cache_key: cache}, use_cache=True, logits_to_keep=1)
     _synchronize(device)
     prefill_seconds = time.perf_counter() - start
     next_token = output.logits[:, -1:].argmax(-1)
     step_seconds = []
     for _ in range(decode_tokens):
         start = time.perf_counter()
-        output = model(input_ids=next_token, past_key_values=cache, use_cache=True)
+        output = model(input_ids=next_token, **{cache_key: cache}, use_cache=True)
         _synchronize(device)
         step_seconds.append(time.perf_counter() - start)
         next_token = output.logits[:, -1:].argmax(-1)

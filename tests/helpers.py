@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from kvhive.compat import cache_kwarg
+
 
 def left_padded_batch(vocab_size: int, length: int = 24, pad: int = 5, seed: int = 0):
     """Two rows of random token ids; the second is left-padded by ``pad`` tokens."""
@@ -24,7 +26,8 @@ def prefill_and_decode(model, cache, input_ids, attention_mask, steps: int = 20,
     on the same inputs even when their predictions differ.
     """
     logits = []
-    output = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+    key = cache_kwarg(model)
+    output = model(input_ids=input_ids, attention_mask=attention_mask, **{key: cache}, use_cache=True)
     logits.append(output.logits[:, -1])
     mask = attention_mask
     for step in range(steps):
@@ -32,7 +35,7 @@ def prefill_and_decode(model, cache, input_ids, attention_mask, steps: int = 20,
         if forced_tokens is not None:
             next_token = forced_tokens[step]
         mask = torch.cat([mask, torch.ones_like(next_token)], dim=1)
-        output = model(input_ids=next_token, attention_mask=mask, past_key_values=cache, use_cache=True)
+        output = model(input_ids=next_token, attention_mask=mask, **{key: cache}, use_cache=True)
         logits.append(output.logits[:, -1])
     return torch.stack(logits)
 

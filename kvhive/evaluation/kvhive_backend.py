@@ -16,6 +16,7 @@ import torch
 
 from kvhive.api import context_length, make_cache, shared_prefill
 from kvhive.cache.rows import CacheRows
+from kvhive.compat import cache_kwarg
 from kvhive.evaluation.backend import DEFAULT_DTYPE, FULL_METHOD, Setting, SettingFailure, validate_dtype
 from kvhive.methods.base import DECODE
 from kvhive.methods.registry import make_policy_from_spec
@@ -61,6 +62,7 @@ class KVHiveBackend:
         self.share_prefill = share_prefill
         # Decode the settings of a call as rows of one batch (False: one setting after another).
         self.share_decode = share_decode
+        self.cache_kwarg = cache_kwarg(model)  # the keyword forward takes the cache by (kvhive.compat)
         text_config = model.config.get_text_config(decoder=True)
         self.sliding_window = getattr(text_config, "sliding_window", None)
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
@@ -91,7 +93,7 @@ class KVHiveBackend:
         logits = []
         with torch.no_grad():
             for cache in caches:
-                output = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                output = self.model(input_ids=input_ids, **{self.cache_kwarg: cache}, use_cache=True, logits_to_keep=1)
                 logits.append(output.logits[:, -1])
         return caches, logits
 
@@ -141,7 +143,7 @@ class KVHiveBackend:
                 break
             active = [row for row, _ in still]
             input_ids = torch.tensor([[token] for _, token in still], device=self.model.device)
-            output = self.model(input_ids=input_ids, past_key_values=self._rows(caches, active), use_cache=True)
+            output = self.model(input_ids=input_ids, **{self.cache_kwarg: self._rows(caches, active)}, use_cache=True)
             step_logits = output.logits[:, -1]
             for row in active:
                 sizes[row].observe(caches[row])
@@ -224,7 +226,7 @@ class KVHiveBackend:
                 step_logits = [last_logits]
                 if tokens.numel() > 1:
                     own_cache = copy.deepcopy(cache)
-                    output = self.model(input_ids=tokens[:-1][None], past_key_values=own_cache, use_cache=True)
+                    output = self.model(input_ids=tokens[:-1][None], **{self.cache_kwarg: own_cache}, use_cache=True)
                     step_logits.append(output.logits[0])
                 all_logits = torch.cat([step_logits[0].reshape(1, -1)] + step_logits[1:], dim=0)
                 log_probs = torch.log_softmax(all_logits.float(), dim=-1)
@@ -257,7 +259,9 @@ class KVHiveBackend:
                 if not active:
                     break
                 input_ids = ids[position].reshape(1, 1).expand(len(active), 1)
-                output = self.model(input_ids=input_ids, past_key_values=self._rows(caches, active), use_cache=True)
+                output = self.model(
+                    input_ids=input_ids, **{self.cache_kwarg: self._rows(caches, active)}, use_cache=True
+                )
                 log_probs = torch.log_softmax(output.logits[:, -1].float(), dim=-1)
                 # One host read per step for all rows.
                 nlls = (-log_probs[:, ids[position + 1]]).tolist()
