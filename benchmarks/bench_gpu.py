@@ -208,18 +208,12 @@ def make_cache(model, parts: dict, budget: float, max_length: int):
     if torch.cuda.is_available():
         torch.backends.cuda.enable_cudnn_sdp(True)  # kvhive chooses its own kernels whatever this says
     import kvhive
-    from kvhive.attention import integration
 
-    if parts["dense_decode"] is not None:
-        if not hasattr(integration, "DENSE_DECODE"):
-            raise ValueError(
-                f"config {parts['config']!r} refused: this kvhive has no dense-decode switch "
-                "(kvhive.attention.integration.DENSE_DECODE)"
-            )
-        integration.DENSE_DECODE = parts["dense_decode"]
+    # The dense decode attention is a per-cache option (sdpa unless "@kernel" is named).
+    dense_decode = parts["dense_decode"] or "sdpa"
     if parts["method"] == "full":
-        return kvhive.make_cache(model, "full")
-    return kvhive.make_cache(model, parts["method"], ratio=budget)
+        return kvhive.make_cache(model, "full", dense_decode=dense_decode)
+    return kvhive.make_cache(model, parts["method"], ratio=budget, dense_decode=dense_decode)
 
 
 def dynamo_counts() -> dict:
