@@ -83,6 +83,19 @@ def command_methods(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_int_argument(flag: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= 1, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= 1, got {value}")
+        return value
+
+    return parse
+
+
 def command_generate(args: argparse.Namespace) -> int:
     import kvhive
 
@@ -103,6 +116,7 @@ def command_generate(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         compress_sliding=args.compress_sliding,
         compile=args.compile,
+        prefill_chunk=args.prefill_chunk,
         **parameters,
     )
     statistics = cache.statistics()
@@ -237,6 +251,13 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--max-new-tokens", type=int, default=32)
     generate.add_argument("--param", action="append", metavar="NAME=VALUE", help="method parameter (repeatable)")
     generate.add_argument("--compress-sliding", action="store_true", help="also compress sliding-window layers")
+    generate.add_argument(
+        "--prefill-chunk",
+        type=_positive_int_argument("--prefill-chunk"),
+        default=None,
+        metavar="N",
+        help="feed the prompt in chunks of N tokens, compressing as it goes (peak memory: budget + one chunk)",
+    )
     generate.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
