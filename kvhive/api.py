@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvhive.attention import ATTENTION_NAME, register
-from kvhive.attention.integration import check_reused_caches
+from kvhive.attention.integration import attach
 from kvhive.cache import Budget, KVHiveCache
 from kvhive.cache.kv_cache import CACHE_POSITIONS
 from kvhive.methods import Policy, make_policy
@@ -21,7 +21,7 @@ from kvhive.methods import Policy, make_policy
 def use_kvhive_attention(model) -> str:
     """Switch ``model`` to the kvhive attention implementation; returns the previous one."""
     register()
-    check_reused_caches(model)
+    attach(model)
     previous = model.config._attn_implementation
     if previous != ATTENTION_NAME:
         model.set_attn_implementation(ATTENTION_NAME)
@@ -104,8 +104,11 @@ def make_cache(
     **method_parameters: Any,
 ) -> KVHiveCache:
     """A :class:`KVHiveCache` for ``model`` running ``method`` at ``budget`` tokens per head
-    (or ``ratio`` of the prompt). Also switches the model to kvhive attention (a no-op for
-    other caches), so the cache can be passed straight to ``generate``."""
+    (or ``ratio`` of the prompt), to pass straight to ``model.generate`` or ``model(...)``.
+
+    The model runs kvhive's attention in the calls given a kvhive cache and only there
+    (:func:`kvhive.attention.integration.attach`): its configured implementation (eager, sdpa,
+    flash-attention) and ``prepare_inputs_for_generation`` behave as before in every other call."""
     policy = method if isinstance(method, Policy) else make_policy(method, **method_parameters)
     if budget is not None and ratio is not None:
         raise ValueError("give either budget (tokens per head, or a ratio as a float) or ratio, not both")
@@ -127,7 +130,7 @@ def make_cache(
         budget_spec = Budget(ratio=ratio)
     else:
         budget_spec = Budget.parse(budget)
-    use_kvhive_attention(model)
+    attach(model)
     warn_if_allocation_cannot_differ(policy, model.config)
     rotator = None
     if positions == CACHE_POSITIONS:

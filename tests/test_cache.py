@@ -236,10 +236,11 @@ def test_context_manager_restores_attention_implementation():
     with kvhive.compression(model):
         assert model.config._attn_implementation == "kvhive"
     assert model.config._attn_implementation == "sdpa"
-    kvhive.make_cache(model, "local", budget=8)  # switches to kvhive
-    with plain_attention(model):
+    kvhive.make_cache(model, "local", budget=8)  # leaves the model's implementation (issue 27 item 7)
+    assert model.config._attn_implementation == "sdpa"
+    with kvhive.compression(model), plain_attention(model):
         assert model.config._attn_implementation == "sdpa"
-    assert model.config._attn_implementation == "kvhive"
+    assert model.config._attn_implementation == "sdpa"
 
 
 def test_kvhive_attention_with_another_cache_is_plain_sdpa():

@@ -80,12 +80,12 @@ def test_reused_cache_refuses_another_model():
 
 
 def test_cache_refuses_a_model_not_running_kvhive_attention():
-    # Without kvhive attention nothing is ever compressed: the cache used to grow silently.
-    model = tiny_model("llama", "gqa")
+    # Without kvhive attention nothing is ever compressed: the cache used to grow silently. A model
+    # of the same shape never given to kvhive runs its own attention with the cache.
+    model, other = tiny_model("llama", "gqa"), tiny_model("llama", "gqa")
     cache = kvhive.make_cache(model, "h2o", budget=8)
-    model.set_attn_implementation("sdpa")
     with torch.no_grad(), pytest.raises(ValueError, match="kvhive's attention did not run"):
-        model(input_ids=_ids(20), past_key_values=cache, use_cache=True)
+        other(input_ids=_ids(20), past_key_values=cache, use_cache=True)
 
 
 # -- item 10 / issue 13 item 5: budgets a user did not give, or gave for nothing ---------------------
