@@ -14,7 +14,7 @@ from typing import Any
 from kvhive.attention import ATTENTION_NAME, register
 from kvhive.attention.integration import attach
 from kvhive.cache import Budget, KVHiveCache
-from kvhive.cache.kv_cache import CACHE_POSITIONS
+from kvhive.cache.kv_cache import CACHE_POSITIONS, refuse_encoder_decoder
 from kvhive.methods import Policy, make_policy
 
 
@@ -109,6 +109,7 @@ def make_cache(
     The model runs kvhive's attention in the calls given a kvhive cache and only there
     (:func:`kvhive.attention.integration.attach`): its configured implementation (eager, sdpa,
     flash-attention) and ``prepare_inputs_for_generation`` behave as before in every other call."""
+    refuse_encoder_decoder(model.config)
     policy = method if isinstance(method, Policy) else make_policy(method, **method_parameters)
     if budget is not None and ratio is not None:
         raise ValueError("give either budget (tokens per head, or a ratio as a float) or ratio, not both")

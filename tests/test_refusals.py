@@ -259,3 +259,51 @@ def test_importing_kvhive_installs_no_warnings_filter():
         "assert not added, added\n"
     )
     subprocess.run([sys.executable, "-c", script], check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+# -- issue 27 item 4: a cache remembers the model it was made for ------------------------------------
+@pytest.mark.parametrize(
+    "made_for,used_by,named",
+    [
+        (("gemma3", "gqa", {}), ("llama", "gqa", {}), r"layers: 4 here, 2 in that model; sliding windows: 3 sliding "),
+        (("gemma3", "gqa", {}), ("llama", "gqa", {"num_hidden_layers": 4}), r"sliding windows: 3 sliding \(window 8\)"),
+        (("llama", "gqa", {}), ("llama", "mha", {}), r"KV heads: 2 here, 4 in that model"),
+        (("llama", "gqa", {}), ("llama", "gqa", {"head_dim": 8}), r"head dimension: 16 here, 8 in that model"),
+    ],
+)
+def test_an_empty_cache_refuses_another_model_naming_the_mismatch(made_for, used_by, named):
+    # An empty cache from tiny Gemma-3 used by tiny Llama treated Llama's full-attention layers as
+    # sliding (window 8) and reported the full cache's bytes for Gemma's shape.
+    architecture, attention, overrides = made_for
+    cache = kvhive.make_cache(tiny_model(architecture, attention, **overrides), "h2o", budget=16)
+    architecture, attention, overrides = used_by
+    other = tiny_model(architecture, attention, **overrides)
+    kvhive.make_cache(other, "h2o", budget=16)  # the other model runs kvhive attention too
+    with torch.no_grad(), pytest.raises(ValueError, match=rf"made for another model \({named}.*make a cache per model"):
+        other.generate(_ids(20), attention_mask=torch.ones(1, 20, dtype=torch.long), past_key_values=cache)
+    with torch.no_grad(), pytest.raises(ValueError, match=named):
+        other(input_ids=_ids(20), past_key_values=cache, use_cache=True)
+    statistics = cache.statistics()  # nothing of the other model was stored or counted
+    assert (statistics["tokens_seen"], statistics["cache_bytes"], statistics["full_cache_bytes"]) == (0, 0, 0)
+
+
+def test_an_empty_cache_refuses_a_model_of_another_shape_under_kvhive_attention_alone():
+    # Through kvhive.compression on the base model (no forward hook), kvhive's attention checks
+    # the layer's module the first time it sees it (a filled cache also refuses other KV shapes
+    # before storing anything, test_reused_cache_refuses_another_model).
+    model = tiny_model("llama", "gqa")
+    cache = kvhive.make_cache(model, "h2o", budget=8)
+    other = tiny_model("llama", "mha")
+    with torch.no_grad(), kvhive.compression(other), pytest.raises(ValueError, match=r"KV heads: 2 here, 4"):
+        other.model(input_ids=_ids(20), past_key_values=cache, use_cache=True)
+
+
+def test_encoder_decoder_models_are_refused_as_such():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4, decoder_start_token_id=0)
+    model = T5ForConditionalGeneration(config)
+    with pytest.raises(ValueError, match="encoder-decoder models are not supported"):
+        kvhive.make_cache(model, "h2o", budget=8)
+    with pytest.raises(ValueError, match="encoder-decoder models are not supported"):
+        kvhive.KVHiveCache(config, kvhive.make_policy("h2o"), 8)

@@ -105,12 +105,20 @@ def attach(model) -> None:
         model.prepare_inputs_for_generation = _ReuseCheckingPrepare(model)
 
 
-def _kvhive_cache_in(args, kwargs) -> bool:
+def _kvhive_caches_in(args, kwargs) -> list[KVHiveCache]:
+    """The kvhive caches a forward was given (each row's cache for ``CacheRows``)."""
     # transformers >= 5.24 names the forward argument ``cache`` (``past_key_values`` before).
     for value in (kwargs.get("cache"), kwargs.get("past_key_values"), *args):
-        if isinstance(value, (KVHiveCache, CacheRows)):
-            return True
-    return False
+        if isinstance(value, KVHiveCache):
+            return [value]
+        if isinstance(value, CacheRows):
+            return list(value.caches)
+    return []
+
+
+# The attached models whose forward this thread entered with a kvhive cache, innermost last: the
+# always-called forward hook also runs when the pre-hook raised, and must then restore nothing.
+_ENTERED = threading.local()
 
 
 def _attention_configs(model) -> list:
@@ -129,8 +137,11 @@ def _attachment(model) -> _ModelAttachment:
 
 
 def _enter_forward(model, args, kwargs):
-    if not _kvhive_cache_in(args, kwargs):
+    caches = _kvhive_caches_in(args, kwargs)
+    if not caches:
         return None
+    for cache in caches:
+        cache.check_model(model.config)  # before anything is stored: an empty cache refuses too
     attachment = _attachment(model)
     with attachment.lock:
         if attachment.running == 0:
@@ -139,12 +150,15 @@ def _enter_forward(model, args, kwargs):
             for config in configs:
                 config._attn_implementation_internal = ATTENTION_NAME
         attachment.running += 1
+    _ENTERED.__dict__.setdefault("models", []).append(model)
     return None
 
 
 def _leave_forward(model, args, kwargs, output):
-    if not _kvhive_cache_in(args, kwargs):
+    entered = _ENTERED.__dict__.get("models")
+    if not entered or entered[-1] is not model:
         return None
+    entered.pop()
     attachment = _attachment(model)
     with attachment.lock:
         attachment.running -= 1

@@ -55,6 +55,43 @@ def mark_update(cache, layer_index: int, keys: torch.Tensor) -> None:
     _LAST_UPDATE["cache"], _LAST_UPDATE["layer"], _LAST_UPDATE["keys"] = cache, layer_index, keys
 
 
+def model_shape(config) -> dict:
+    """What a cache depends on in the model it is made for (host-side ints, read from the config):
+    the layer count, each layer's kind (its sliding window, or None for full attention), query
+    heads, KV heads and head dimension. A cache refuses a model whose shape differs."""
+    text_config = config.get_text_config(decoder=True)
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+    query_heads = text_config.num_attention_heads
+    return {
+        "layers": len(layer_types),
+        "sliding windows": tuple(
+            kwargs.get("sliding_window") if "sliding" in layer_type else None
+            for layer_type, kwargs in zip(layer_types, layer_kwargs, strict=True)
+        ),
+        "query heads": query_heads,
+        "KV heads": getattr(text_config, "num_key_value_heads", None) or query_heads,
+        "head dimension": getattr(text_config, "head_dim", None) or text_config.hidden_size // query_heads,
+    }
+
+
+def _describe_windows(windows: tuple) -> str:
+    """``(8, 8, 8, None)`` -> ``"3 sliding (window 8), 1 full"``, in order of first appearance."""
+    counts: dict = {}
+    for window in windows:
+        counts[window] = counts.get(window, 0) + 1
+    return ", ".join(f"{n} full" if w is None else f"{n} sliding (window {w})" for w, n in counts.items())
+
+
+def refuse_encoder_decoder(config) -> None:
+    """kvhive's caches serve decoder-only models: an encoder-decoder model (T5, BART) holds a
+    cross-attention cache beside the self-attention one, which no method here compresses."""
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"encoder-decoder models are not supported (this is a {type(config).__name__}): kvhive compresses "
+            "the KV cache of decoder-only causal LMs (Llama, Qwen, Mistral, Gemma, ...)"
+        )
+
+
 def _real_lengths(scoring: ScoringInputs) -> list[int]:
     """Real (unpadded) tokens of each row: the keys some query of the prompt may attend."""
     if scoring.mask is None:
@@ -117,6 +154,7 @@ class KVHiveCache(Cache):
                 f"positions='cache' is not supported by method {policy.name!r}: its estimator "
                 "keeps keys outside the cache that cannot be re-indexed"
             )
+        refuse_encoder_decoder(config)
         text_config = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
         layers = [
@@ -147,6 +185,9 @@ class KVHiveCache(Cache):
         self._warned_budget_not_kept = False
         # Reuse checks: the attention module of each layer, and the token ids generate fed.
         self._attention_modules: dict[int, weakref.ref] = {}
+        # The model this cache was made for, and the last config found to match it (checked once).
+        self.model_shape = model_shape(config)
+        self._matching_config: weakref.ref | None = None
         self._generated_ids: torch.Tensor | None = None
         self._unattended_update: int | None = None  # a layer updated whose attention has not run yet
         if budget.tokens is not None:
@@ -460,6 +501,30 @@ class KVHiveCache(Cache):
                 "it (make a cache per model)"
             )
 
+    def check_model(self, config) -> None:
+        """Refuse a model other than the one this cache was made for, empty or filled (its layers'
+        kinds and windows, heads and head dimension are what the cache's layers, budgets and
+        accounting were built from). Called before a forward of a model kvhive attached to, and by
+        kvhive's attention the first time it sees a layer's module; a config already matched is
+        not compared again."""
+        if self._matching_config is not None and self._matching_config() is config:
+            return
+        actual = model_shape(config)
+        if actual != self.model_shape:
+            expected = self.model_shape
+            differences = [
+                f"{name}: {_describe_windows(expected[name])} here, {_describe_windows(actual[name])} in that model"
+                if name == "sliding windows"
+                else f"{name}: {expected[name]} here, {actual[name]} in that model"
+                for name in expected
+                if expected[name] != actual[name]
+            ]
+            raise ValueError(
+                "this cache was made for another model (" + "; ".join(differences) + "): make a cache per model "
+                "with kvhive.make_cache(model, ...)"
+            )
+        self._matching_config = weakref.ref(config)
+
     def check_attention_module(self, layer_index: int, module) -> None:
         """Called by kvhive's attention for the layer just updated. Refuses a cache filled by one
         model's attention layers being continued by another's (shapes may agree, so the modules
@@ -467,6 +532,9 @@ class KVHiveCache(Cache):
         self._unattended_update = None
         known = self._attention_modules.get(layer_index)
         if known is None:
+            config = getattr(module, "config", None)
+            if config is not None:
+                self.check_model(config)
             self._attention_modules[layer_index] = weakref.ref(module)
         elif known() is not module:
             raise ValueError(
