@@ -307,3 +307,35 @@ def test_encoder_decoder_models_are_refused_as_such():
         kvhive.make_cache(model, "h2o", budget=8)
     with pytest.raises(ValueError, match="encoder-decoder models are not supported"):
         kvhive.KVHiveCache(config, kvhive.make_policy("h2o"), 8)
+
+
+# -- issue 27 item 6: a budget that would apply to no layer --------------------------------------------
+def test_a_model_whose_every_layer_slides_needs_compress_sliding_for_a_budget():
+    # Mistral with sliding_window set slides in every layer; the budget applied to none of them and
+    # the API said nothing (kvhive generate printed "budget applied to 0 of 2 layers").
+    model = tiny_model("mistral", "gqa", sliding_window=16)
+    with pytest.raises(
+        ValueError, match=r"would compress no layer.*all 2 layers are sliding.*window 16.*compress_sliding=True"
+    ):
+        kvhive.make_cache(model, "h2o", budget=8)
+    cache = kvhive.make_cache(model, "h2o", budget=8, compress_sliding=True)
+    with torch.no_grad():
+        model(input_ids=_ids(40), past_key_values=cache, use_cache=True)
+    assert cache.compressed_layers == [0, 1]
+    assert all(int(layer.lengths_host.max()) == 8 for layer in cache.layers)
+    assert kvhive.make_cache(model, "full").compressed_layers == []  # nothing to apply: no budget
+
+
+def test_cli_generate_refuses_a_budget_that_applies_to_no_layer(monkeypatch, capsys):
+    model = tiny_model("mistral", "gqa", sliding_window=16)
+    monkeypatch.setattr(kvhive, "load_model", lambda *args, **kwargs: (model, _tokenizer()))
+    assert kvhive_main(["generate", "--method", "h2o", "--budget", "8", "--max-new-tokens", "2", "x" * 30]) == 2
+    assert "would compress no layer" in capsys.readouterr().err
+    assert kvhive_main(["generate", "--method", "h2o", "--budget", "8", "--compress-sliding", "x" * 30]) == 0
+    assert "budget applied to 2 of 2 layers" in capsys.readouterr().err
+
+
+def _tokenizer():
+    from kvhive.models.tiny import tiny_tokenizer
+
+    return tiny_tokenizer()

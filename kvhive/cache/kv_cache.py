@@ -170,6 +170,16 @@ class KVHiveCache(Cache):
         self.num_query_heads = text_config.num_attention_heads
         self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or self.num_query_heads
         self.compressed_layers = [i for i, layer in enumerate(self.layers) if compress_sliding or not layer.is_sliding]
+        if policy.phases and not self.compressed_layers:
+            # Every layer slides (Mistral with sliding_window set) and keeps its window: the budget
+            # would apply to no layer, and the cache would be the model's own under the method's name.
+            windows = sorted({layer.sliding_window for layer in self.layers})
+            raise ValueError(
+                f"method {policy.name!r} at budget {budget_label(budget)} would compress no layer of this model: all "
+                f"{len(self.layers)} layers are sliding-window layers (window {', '.join(map(str, windows))}), which "
+                "keep their window when compress_sliding=False; pass compress_sliding=True (--compress-sliding) to apply "
+                "the budget to them, or use method 'full'"
+            )
         # Per compressed layer: the largest row's budget, and every row's (they differ only when a
         # layer-wise split depends on a row's real length).
         self.layer_budgets: dict[int, int] = {}
