@@ -7,6 +7,7 @@ model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -51,7 +52,10 @@ def plain_attention(model) -> Iterator[Any]:
         model.set_attn_implementation(previous)
 
 
+# (method, query heads, KV heads, granularity) already warned about; the lock makes "once" hold
+# when several threads make caches at the same time.
 _EQUIVALENCE_WARNED: set[tuple[str, int, int, str]] = set()
+_EQUIVALENCE_WARNED_LOCK = threading.Lock()
 
 
 def warn_if_allocation_cannot_differ(policy: Policy, config) -> None:
@@ -73,9 +77,12 @@ def warn_if_allocation_cannot_differ(policy: Policy, config) -> None:
     granularity = policy.head_granularity
     stored_heads = {"kv": kv_heads, "query": query_heads}.get(granularity)
     key = (policy.name, query_heads, kv_heads, granularity)
-    if stored_heads != 1 or key in _EQUIVALENCE_WARNED:
+    if stored_heads != 1:
         return
-    _EQUIVALENCE_WARNED.add(key)
+    with _EQUIVALENCE_WARNED_LOCK:
+        if key in _EQUIVALENCE_WARNED:
+            return
+        _EQUIVALENCE_WARNED.add(key)
     hint = (
         f" Pass head_granularity='query' to allocate over the {query_heads} query heads."
         if granularity == "kv" and query_heads > 1

@@ -4,6 +4,7 @@ a prefill-only method streamed past its budget, malformed options, and CLI fault
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -339,3 +340,110 @@ def _tokenizer():
     from kvhive.models.tiny import tiny_tokenizer
 
     return tiny_tokenizer()
+
+
+# -- issue 27: errors that say what to do ---------------------------------------------------------------
+def test_a_method_that_is_not_a_name_is_refused_listing_the_names():
+    model = tiny_model("llama", "gqa")
+    for method in (None, 3, kvhive.make_policy):
+        with pytest.raises(ValueError, match=r"invalid method=.*expected a method name, one of full, local, .*snapkv"):
+            kvhive.make_cache(model, method, budget=8)
+
+
+def test_numpy_numbers_are_budgets_like_the_numbers_they_hold():
+    import numpy as np
+
+    model = tiny_model("llama", "gqa")
+    for given, expected in ((np.int64(16), "16 tok"), (np.int32(4), "4 tok"), (np.float64(0.25), "ratio 0.25")):
+        assert kvhive.make_cache(model, "h2o", budget=given).statistics()["budget"] == expected
+    assert kvhive.make_cache(model, "h2o", budget=np.float32(0.5)).budget.ratio == 0.5
+    assert kvhive.make_cache(model, "h2o", ratio=np.float64(0.5)).budget.ratio == 0.5
+    assert kvhive.KVHiveCache(model.config, kvhive.make_policy("h2o"), np.int64(8)).budget.tokens == 8
+    with pytest.raises(ValueError, match=r"invalid budget=0: expected tokens per head"):
+        kvhive.make_cache(model, "h2o", budget=np.int64(0))
+    with pytest.raises(ValueError, match=r"invalid budget=True"):
+        kvhive.make_cache(model, "h2o", budget=True)
+
+
+def test_a_filled_cache_refuses_pickling_saying_what_to_do_and_deep_copies():
+    import copy
+    import pickle
+
+    model = tiny_model("llama", "gqa")
+    cache = kvhive.make_cache(model, "h2o", budget=8)
+    with torch.no_grad():
+        model(input_ids=_ids(20), past_key_values=cache, use_cache=True)
+    with pytest.raises(TypeError, match=r"cannot be pickled.*copy.deepcopy\(cache\).*kvhive.make_cache"):
+        pickle.dumps(cache)
+    # The prompt-reuse pattern: a filled prefix copied for each continuation, independent of it.
+    copied = copy.deepcopy(cache)
+    with torch.no_grad():
+        original = model(input_ids=_ids(1, seed=3), past_key_values=cache, use_cache=True).logits
+        from_copy = model(input_ids=_ids(1, seed=3), past_key_values=copied, use_cache=True).logits
+        model(input_ids=_ids(1, seed=4), past_key_values=copied, use_cache=True)
+    assert torch.equal(original, from_copy)
+    assert (cache.get_seq_length(), copied.get_seq_length()) == (21, 22)
+    with torch.no_grad(), pytest.raises(ValueError, match="another model"):
+        tiny_model("llama", "mha")(input_ids=_ids(1), past_key_values=copied, use_cache=True)
+
+
+def test_crop_refuses_naming_assisted_and_speculative_decoding():
+    model = tiny_model("llama", "gqa")
+    cache = kvhive.make_cache(model, "h2o", budget=8)
+    with torch.no_grad():
+        model(input_ids=_ids(20), past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError, match=r"cannot be cropped.*assisted or speculative decoding.*DynamicCache"):
+        cache.crop(18)
+    assert cache.get_seq_length() == 20  # nothing was removed
+    with torch.no_grad(), pytest.raises(ValueError, match="[Aa]ssisted decoding"):
+        model.generate(
+            _ids(20),
+            attention_mask=torch.ones(1, 20, dtype=torch.long),
+            past_key_values=cache,
+            assistant_model=tiny_model("llama", "gqa"),
+            max_new_tokens=4,
+            do_sample=False,
+        )
+
+
+def test_the_equivalence_warning_is_given_once_when_threads_race(monkeypatch):
+    # Two threads checked "already warned?" before either recorded it: both warned. The set is made
+    # to hold both threads inside the check until each has looked (or 0.5 s passed).
+    import threading
+
+    from kvhive import api
+
+    barrier = threading.Barrier(2, timeout=0.5)
+
+    class RacingSet(set):
+        def __contains__(self, key):
+            found = super().__contains__(key)
+            with contextlib.suppress(threading.BrokenBarrierError):
+                barrier.wait()
+            return found
+
+    given = []
+    monkeypatch.setattr(api, "_EQUIVALENCE_WARNED", RacingSet())
+    monkeypatch.setattr(warnings, "warn", lambda message, *args, **kwargs: given.append(message))
+    model = tiny_model("llama", "gqa", num_key_value_heads=1)
+    policy = kvhive.make_policy("ada-snapkv", head_granularity="kv")
+    threads = [
+        threading.Thread(target=api.warn_if_allocation_cannot_differ, args=(policy, model.config)) for _ in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(given) == 1, given
+
+
+def test_cli_generate_accepts_method_options_as_eval_does(capsys):
+    # snapkv needs a budget of at least its window (32 by default): budget 8 runs only if window=4 applied.
+    prompt = "x" * 30
+    arguments = ["generate", "--model", "tiny-llama-gqa", "--budget", "8", "--max-new-tokens", "2", prompt]
+    assert kvhive_main([*arguments, "--method", "snapkv:window=4"]) == 0
+    assert "kvhive: snapkv at budget 8 tok" in capsys.readouterr().err
+    assert kvhive_main([*arguments, "--method", "snapkv"]) == 2
+    assert "needs at least 32 tokens per head" in capsys.readouterr().err
+    assert kvhive_main([*arguments, "--method", "snapkv:window=4", "--param", "window=8"]) == 2
+    assert "option 'window' is already given in --method snapkv:window=4" in capsys.readouterr().err
