@@ -297,6 +297,11 @@ def test_an_empty_cache_refuses_a_model_of_another_shape_under_kvhive_attention_
     other = tiny_model("llama", "mha")
     with torch.no_grad(), kvhive.compression(other), pytest.raises(ValueError, match=r"KV heads: 2 here, 4"):
         other.model(input_ids=_ids(20), past_key_values=cache, use_cache=True)
+    statistics = cache.statistics()  # the layer it had stored into was emptied again
+    assert (statistics["tokens_seen"], statistics["cache_bytes"], statistics["full_cache_bytes"]) == (0, 0, 0)
+    with torch.no_grad():  # and the cache still serves its own model
+        model(input_ids=_ids(20), past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == 20
 
 
 def test_encoder_decoder_models_are_refused_as_such():

@@ -571,7 +571,13 @@ class KVHiveCache(Cache):
         if known is None:
             config = getattr(module, "config", None)
             if config is not None:
-                self.check_model(config)
+                try:
+                    self.check_model(config)
+                except ValueError:
+                    # The layer held nothing before this update (its module is seen for the first
+                    # time): drop the other model's tokens, so nothing counts them.
+                    self.layers[layer_index].reset()
+                    raise
             self._attention_modules[layer_index] = weakref.ref(module)
         elif known() is not module:
             raise ValueError(
