@@ -317,7 +317,7 @@ def test_empty_and_too_long_prompts():
 def test_cache_refuses_rollback():
     model = tiny_model("llama", "gqa")
     cache = KVHiveCache(model.config, kvhive.make_policy("local"), 8)
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(ValueError, match="cannot be cropped.*assisted or speculative decoding"):
         cache.layers[0].crop(-1)
 
 
