@@ -155,6 +155,8 @@ def _enter_forward(model, args, kwargs):
 
 
 def _leave_forward(model, args, kwargs, output):
+    if not _kvhive_caches_in(args, kwargs):  # calls without a kvhive cache touch nothing else
+        return None
     entered = _ENTERED.__dict__.get("models")
     if not entered or entered[-1] is not model:
         return None
