@@ -484,33 +484,6 @@ class KVHiveCache(Cache):
         mark_update(self, layer_idx, keys)
         return keys, values
 
-    # -- copies ----------------------------------------------------------------------------------
-    # Shared, not copied: weak references to the model's modules and config (a copy serves the
-    # same model) and the key rotator (read-only frequencies).
-    _SHARED_BY_COPIES = ("_attention_modules", "_matching_config", "key_rotator")
-
-    def __deepcopy__(self, memo: dict) -> KVHiveCache:
-        """An independent copy for the same model (transformers' prompt-reuse pattern: fill a cache
-        with a shared prefix once, ``copy.deepcopy`` it for each continuation)."""
-        import copy
-
-        copied = type(self).__new__(type(self))
-        memo[id(self)] = copied
-        for name, value in self.__dict__.items():
-            if name in self._SHARED_BY_COPIES:
-                value = dict(value) if isinstance(value, dict) else value
-            else:
-                value = copy.deepcopy(value, memo)
-            object.__setattr__(copied, name, value)
-        return copied
-
-    def __reduce_ex__(self, protocol):
-        raise TypeError(
-            "a KVHiveCache cannot be pickled or shallow-copied: it belongs to one model in this process (it holds "
-            "weak references to its attention layers). copy.deepcopy(cache) gives an independent copy for the same "
-            "model; in another process, make a cache there with kvhive.make_cache(model, ...) and run the prompt again"
-        )
-
     # -- reuse checks ------------------------------------------------------------------------------
     def _check_reuse(self, key_states: torch.Tensor, layer_idx: int) -> None:
         """Refuse new tokens that cannot continue what the cache holds (another batch size, another
@@ -689,3 +662,30 @@ class KVHiveCache(Cache):
             "policy_state_bytes": self.policy_state_nbytes(),
             "full_cache_bytes": self.full_cache_nbytes(),
         }
+
+    # -- copies ----------------------------------------------------------------------------------
+    # Shared, not copied: weak references to the model's modules and config (a copy serves the
+    # same model) and the key rotator (read-only frequencies).
+    _SHARED_BY_COPIES = ("_attention_modules", "_matching_config", "key_rotator")
+
+    def __deepcopy__(self, memo: dict) -> KVHiveCache:
+        """An independent copy for the same model (transformers' prompt-reuse pattern: fill a cache
+        with a shared prefix once, ``copy.deepcopy`` it for each continuation)."""
+        import copy
+
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        for name, value in self.__dict__.items():
+            if name in self._SHARED_BY_COPIES:
+                value = dict(value) if isinstance(value, dict) else value
+            else:
+                value = copy.deepcopy(value, memo)
+            object.__setattr__(copied, name, value)
+        return copied
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "a KVHiveCache cannot be pickled or shallow-copied: it belongs to one model in this process (it holds "
+            "weak references to its attention layers). copy.deepcopy(cache) gives an independent copy for the same "
+            "model; in another process, make a cache there with kvhive.make_cache(model, ...) and run the prompt again"
+        )
