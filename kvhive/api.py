@@ -7,14 +7,15 @@ model.generate(**inputs, cache=cache, max_new_tokens=32)  # transformers < 5.24:
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 from kvhive.attention import ATTENTION_NAME, register
-from kvhive.attention.integration import check_reused_caches
+from kvhive.attention.integration import attach
 from kvhive.cache import Budget, KVHiveCache
-from kvhive.cache.kv_cache import CACHE_POSITIONS
+from kvhive.cache.kv_cache import CACHE_POSITIONS, refuse_encoder_decoder
 from kvhive.compat import cache_kwarg
 from kvhive.methods import Policy, make_policy
 
@@ -22,7 +23,7 @@ from kvhive.methods import Policy, make_policy
 def use_kvhive_attention(model) -> str:
     """Switch ``model`` to the kvhive attention implementation; returns the previous one."""
     register()
-    check_reused_caches(model)
+    attach(model)
     previous = model.config._attn_implementation
     if previous != ATTENTION_NAME:
         model.set_attn_implementation(ATTENTION_NAME)
@@ -52,7 +53,10 @@ def plain_attention(model) -> Iterator[Any]:
         model.set_attn_implementation(previous)
 
 
+# (method, query heads, KV heads, granularity) already warned about; the lock makes "once" hold
+# when several threads make caches at the same time.
 _EQUIVALENCE_WARNED: set[tuple[str, int, int, str]] = set()
+_EQUIVALENCE_WARNED_LOCK = threading.Lock()
 
 
 def warn_if_allocation_cannot_differ(policy: Policy, config) -> None:
@@ -74,9 +78,12 @@ def warn_if_allocation_cannot_differ(policy: Policy, config) -> None:
     granularity = policy.head_granularity
     stored_heads = {"kv": kv_heads, "query": query_heads}.get(granularity)
     key = (policy.name, query_heads, kv_heads, granularity)
-    if stored_heads != 1 or key in _EQUIVALENCE_WARNED:
+    if stored_heads != 1:
         return
-    _EQUIVALENCE_WARNED.add(key)
+    with _EQUIVALENCE_WARNED_LOCK:
+        if key in _EQUIVALENCE_WARNED:
+            return
+        _EQUIVALENCE_WARNED.add(key)
     hint = (
         f" Pass head_granularity='query' to allocate over the {query_heads} query heads."
         if granularity == "kv" and query_heads > 1
@@ -107,12 +114,17 @@ def make_cache(
     **method_parameters: Any,
 ) -> KVHiveCache:
     """A :class:`KVHiveCache` for ``model`` running ``method`` at ``budget`` tokens per head
-    (or ``ratio`` of the prompt). Also switches the model to kvhive attention (a no-op for
-    other caches), so the cache can be passed straight to ``generate``. ``dense_decode`` picks the
-    attention of a decode step over equal-length heads on CUDA: ``"sdpa"`` (flash / memory-efficient)
-    or ``"kernel"`` (kvhive's split-K Triton kernel over the buffer in place). ``prefill_chunk``: the
-    prompt is fed in chunks of that many tokens by ``kvhive.generate`` (pass ``prefill_chunk_size=``
-    to ``model.generate`` yourself), compressed as it goes (``KVHiveCache``)."""
+    (or ``ratio`` of the prompt), to pass straight to ``model.generate`` or ``model(...)``.
+
+    The model runs kvhive's attention in the calls given a kvhive cache and only there
+    (:func:`kvhive.attention.integration.attach`): its configured implementation (eager, sdpa,
+    flash-attention) and ``prepare_inputs_for_generation`` behave as before in every other call.
+    ``dense_decode`` picks the attention of a decode step over equal-length heads on CUDA:
+    ``"sdpa"`` (flash / memory-efficient) or ``"kernel"`` (kvhive's split-K Triton kernel over the
+    buffer in place). ``prefill_chunk``: the prompt is fed in chunks of that many tokens by
+    ``kvhive.generate`` (pass ``prefill_chunk_size=`` to ``model.generate`` yourself), compressed
+    as it goes (``KVHiveCache``)."""
+    refuse_encoder_decoder(model.config)
     policy = method if isinstance(method, Policy) else make_policy(method, **method_parameters)
     if budget is not None and ratio is not None:
         raise ValueError("give either budget (tokens per head, or a ratio as a float) or ratio, not both")
@@ -134,7 +146,7 @@ def make_cache(
         budget_spec = Budget(ratio=ratio)
     else:
         budget_spec = Budget.parse(budget)
-    use_kvhive_attention(model)
+    attach(model)
     warn_if_allocation_cannot_differ(policy, model.config)
     rotator = None
     if positions == CACHE_POSITIONS:

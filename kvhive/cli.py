@@ -26,6 +26,19 @@ def _method_parameters(pairs: list[str] | None) -> dict:
     return parameters
 
 
+def _method_and_parameters(method: str, pairs: list[str] | None) -> tuple[str, dict]:
+    """``--method snapkv:window=4`` (the syntax of ``kvhive eval --methods``) and ``--param``
+    options, merged; an option given both ways is refused rather than one silently winning."""
+    from kvhive.methods.registry import parse_method_spec
+
+    name, parameters = parse_method_spec(method)
+    for option, value in _method_parameters(pairs).items():
+        if option in parameters:
+            raise ValueError(f"invalid --param {option}=...: option {option!r} is already given in --method {method}")
+        parameters[option] = value
+    return name, parameters
+
+
 def _budget_argument(text: str):
     from kvhive.cache import Budget
 
@@ -103,15 +116,15 @@ def command_generate(args: argparse.Namespace) -> int:
         raise SystemExit("kvhive generate: give a PROMPT or --prompt-file (exactly one)")
     if args.per_layer and not args.json:
         raise SystemExit("kvhive generate: --per-layer adds detail to --json output; give --json too")
-    parameters = _method_parameters(args.param)
-    budget = _checked_budget("generate", args.method, args.budget, parameters, default=None)
+    method, parameters = _method_and_parameters(args.method, args.param)
+    budget = _checked_budget("generate", method, args.budget, parameters, default=None)
     prompt = args.prompt if args.prompt is not None else _read_prompt_file(args.prompt_file)
     model, tokenizer = kvhive.load_model(args.model)
     text, cache = kvhive.generate(
         model,
         tokenizer,
         prompt,
-        args.method,
+        method,
         budget,
         max_new_tokens=args.max_new_tokens,
         compress_sliding=args.compress_sliding,
@@ -195,11 +208,11 @@ def command_bench(args: argparse.Namespace) -> int:
             context=args.context, device=args.device, batch_size=args.batch_size, dtype=bench.DTYPES[args.dtype]
         )
     else:
-        parameters = _method_parameters(args.param)
-        budget = _checked_budget("bench", args.method, args.budget, parameters, default=BENCH_DEFAULT_BUDGET)
+        method, parameters = _method_and_parameters(args.method, args.param)
+        budget = _checked_budget("bench", method, args.budget, parameters, default=BENCH_DEFAULT_BUDGET)
         result = bench.run_benchmark(
             shape=args.shape,
-            method=args.method,
+            method=method,
             budget=budget,
             context=args.context,
             decode_tokens=args.decode_tokens,
@@ -241,7 +254,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"model name or path: {', '.join(EMBEDDED_MODELS)} (embedded; default {DEFAULT_MODEL}), "
         "a tiny-* test model, a local directory or .gguf file",
     )
-    generate.add_argument("--method", default="full", help="registry name (see `kvhive methods`)")
+    generate.add_argument(
+        "--method",
+        default="full",
+        help="registry name (see `kvhive methods`), optionally with options as in eval: snapkv:window=4",
+    )
     generate.add_argument(
         "--budget",
         type=_budget_argument,

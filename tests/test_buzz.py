@@ -15,6 +15,7 @@ from transformers import AttentionInterface, AttentionMaskInterface, DynamicCach
 from transformers.masking_utils import sdpa_mask
 
 from kvhive.api import make_cache
+from kvhive.methods import buzz as buzz_module
 from kvhive.methods import make_policy
 from kvhive.methods.base import DECODE, PREFILL, ScoringInputs
 from kvhive.methods.buzz import (
@@ -862,3 +863,70 @@ def test_logn_factor_is_log_512_of_n_rounded_once_to_float32(count):
     counts = torch.arange(1, 5001)[:, None]  # one query row per count
     expected = torch.tensor([[math.log(n, 512)] for n in range(1, 5001)], dtype=torch.float64).float()
     assert torch.equal(BuzzLogN(log_count=count).logit_scale(counts), expected)
+
+
+# ----------------------------------------------------------------------------------------------
+# Every search over a parameter is bounded (issue 27 item 9)
+# ----------------------------------------------------------------------------------------------
+
+
+def _linear_minimum(sink: int, stride: int) -> int:
+    """The smallest mean-form budget by definition: every budget from sink + 2 upwards."""
+    budget = sink + 2
+    while mean_layout(budget, sink, stride) is None:
+        budget += 1
+    return budget
+
+
+@pytest.mark.parametrize("stride", [3, 4, 5, 6, 7, 9, 12, 17, 24, 33])
+@pytest.mark.parametrize("sink", [0, 4])
+def test_minimum_budget_equals_the_search_from_the_smallest_budget(stride, sink):
+    # The search starts at a lower bound on any layout's mean; it must find what a search from
+    # sink + 2 finds (the bound is never above the answer).
+    assert buzz_module.minimum_buzz_budget(sink, stride) == _linear_minimum(sink, stride)
+
+
+@pytest.mark.parametrize("threshold", [3, 4, 7, 30, 65, 257, 1000])
+@pytest.mark.parametrize("stride", [3, 4, 5, 8, 33, 1024])
+def test_steady_state_reads_the_cycle_of_the_exact_recurrence(threshold, stride):
+    # Read off the cycle, the tail is the one of the 200 evictions iterated one by one.
+    sizes = old_sample_sizes(threshold, stride, 200)[-24:]
+    layout = BuzzLayout(sink=4, window=3, threshold=threshold, stride=stride)
+    mean, largest = steady_state_sizes(layout)
+    steps = sum(threshold - a + 1 for a in sizes)
+    held = sum((threshold - a + 1) * (2 * 7 + a + threshold) for a in sizes)
+    assert (mean, largest) == (Fraction(held, 2 * steps), max(sizes))
+
+
+def test_minimum_budget_at_a_large_stride_takes_a_few_layout_searches(monkeypatch):
+    """make_cache(m, "buzz", budget=64, stride=1000) ran for minutes: the smallest budget was found
+    by trying every budget from sink + 2 (about 500 layout searches of 5,000 candidates each).
+    Counted, not timed: a few searches near the answer; the count stops a linear search early."""
+    calls = []
+    searched = buzz_module.mean_layout
+
+    def counted(budget, sink, stride):
+        calls.append(budget)
+        if len(calls) > 20:
+            raise AssertionError(f"minimum_buzz_budget searched {len(calls)} budgets: {calls[:5]}...")
+        return searched(budget, sink, stride)
+
+    monkeypatch.setattr(buzz_module, "mean_layout", counted)
+    for cached in ("minimum_buzz_budget", "_minimum_mean_budget_without_sink"):
+        if hasattr(getattr(buzz_module, cached, None), "cache_clear"):
+            getattr(buzz_module, cached).cache_clear()
+    policy = Buzz(sink=5, stride=1000)
+    assert policy.minimum_budget() >= 500
+    assert len(calls) <= 5
+
+
+def test_a_budget_below_a_large_stride_s_minimum_is_refused_naming_the_minimum():
+    model = tiny_model("llama", "gqa")
+    minimum = buzz_module.minimum_buzz_budget(4, 1000)
+    with pytest.raises(ValueError, match=rf"budget=64 .*at least {minimum} tokens per head.*stride=1000"):
+        make_cache(model, "buzz", budget=64, stride=1000)
+
+
+def test_stride_above_the_largest_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"invalid stride=1025: expected an integer in \[3, 1024\]"):
+        Buzz(stride=1025)

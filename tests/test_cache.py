@@ -236,10 +236,11 @@ def test_context_manager_restores_attention_implementation():
     with kvhive.compression(model):
         assert model.config._attn_implementation == "kvhive"
     assert model.config._attn_implementation == "sdpa"
-    kvhive.make_cache(model, "local", budget=8)  # switches to kvhive
-    with plain_attention(model):
+    kvhive.make_cache(model, "local", budget=8)  # leaves the model's implementation (issue 27 item 7)
+    assert model.config._attn_implementation == "sdpa"
+    with kvhive.compression(model), plain_attention(model):
         assert model.config._attn_implementation == "sdpa"
-    assert model.config._attn_implementation == "kvhive"
+    assert model.config._attn_implementation == "sdpa"
 
 
 def test_kvhive_attention_with_another_cache_is_plain_sdpa():
@@ -316,7 +317,7 @@ def test_empty_and_too_long_prompts():
 def test_cache_refuses_rollback():
     model = tiny_model("llama", "gqa")
     cache = KVHiveCache(model.config, kvhive.make_policy("local"), 8)
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(ValueError, match="cannot be cropped.*assisted or speculative decoding"):
         cache.layers[0].crop(-1)
 
 

@@ -279,12 +279,14 @@ RANGES = {
     },
     "buzz": {
         "sink": _int_at_least(0),
-        # Stride 1 and 2 never thin the old samples: every refusal states the range and the reason.
+        # Stride 1 and 2 never thin the old samples, and the largest stride bounds the layout search:
+        # every refusal states the range and the reasons.
         "stride": Range(
-            "an integer >= 3 (stride 1 evicts nothing and stride 2 gives the small stride floor((2+1)/2) = 1, "
-            "which never thins the old samples, so the cache would grow without bound)",
-            (3, 4, 5),
-            (2, 1, 0, True, 5.0, "5"),
+            "an integer in [3, 1024] (stride 1 evicts nothing and stride 2 gives the small stride "
+            "floor((2+1)/2) = 1, which never thins the old samples, so the cache would grow without bound; "
+            "1024 bounds the search for the window and threshold a budget gives)",
+            (3, 4, 5, 1024),
+            (2, 1, 0, 1025, 2**70, True, 5.0, "5"),
         ),
         "budget_form": _choice("mean", "peak"),
     },

@@ -4,6 +4,7 @@ a prefill-only method streamed past its budget, malformed options, and CLI fault
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -80,12 +81,12 @@ def test_reused_cache_refuses_another_model():
 
 
 def test_cache_refuses_a_model_not_running_kvhive_attention():
-    # Without kvhive attention nothing is ever compressed: the cache used to grow silently.
-    model = tiny_model("llama", "gqa")
+    # Without kvhive attention nothing is ever compressed: the cache used to grow silently. A model
+    # of the same shape never given to kvhive runs its own attention with the cache.
+    model, other = tiny_model("llama", "gqa"), tiny_model("llama", "gqa")
     cache = kvhive.make_cache(model, "h2o", budget=8)
-    model.set_attn_implementation("sdpa")
     with torch.no_grad(), pytest.raises(ValueError, match="kvhive's attention did not run"):
-        model(input_ids=_ids(20), past_key_values=cache, use_cache=True)
+        other(input_ids=_ids(20), past_key_values=cache, use_cache=True)
 
 
 # -- item 10 / issue 13 item 5: budgets a user did not give, or gave for nothing ---------------------
@@ -259,3 +260,195 @@ def test_importing_kvhive_installs_no_warnings_filter():
         "assert not added, added\n"
     )
     subprocess.run([sys.executable, "-c", script], check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+# -- issue 27 item 4: a cache remembers the model it was made for ------------------------------------
+@pytest.mark.parametrize(
+    "made_for,used_by,named",
+    [
+        (("gemma3", "gqa", {}), ("llama", "gqa", {}), r"layers: 4 here, 2 in that model; sliding windows: 3 sliding "),
+        (("gemma3", "gqa", {}), ("llama", "gqa", {"num_hidden_layers": 4}), r"sliding windows: 3 sliding \(window 8\)"),
+        (("llama", "gqa", {}), ("llama", "mha", {}), r"KV heads: 2 here, 4 in that model"),
+        (("llama", "gqa", {}), ("llama", "gqa", {"head_dim": 8}), r"head dimension: 16 here, 8 in that model"),
+    ],
+)
+def test_an_empty_cache_refuses_another_model_naming_the_mismatch(made_for, used_by, named):
+    # An empty cache from tiny Gemma-3 used by tiny Llama treated Llama's full-attention layers as
+    # sliding (window 8) and reported the full cache's bytes for Gemma's shape.
+    architecture, attention, overrides = made_for
+    cache = kvhive.make_cache(tiny_model(architecture, attention, **overrides), "h2o", budget=16)
+    architecture, attention, overrides = used_by
+    other = tiny_model(architecture, attention, **overrides)
+    kvhive.make_cache(other, "h2o", budget=16)  # the other model runs kvhive attention too
+    with torch.no_grad(), pytest.raises(ValueError, match=rf"made for another model \({named}.*make a cache per model"):
+        other.generate(_ids(20), attention_mask=torch.ones(1, 20, dtype=torch.long), past_key_values=cache)
+    with torch.no_grad(), pytest.raises(ValueError, match=named):
+        other(input_ids=_ids(20), past_key_values=cache, use_cache=True)
+    statistics = cache.statistics()  # nothing of the other model was stored or counted
+    assert (statistics["tokens_seen"], statistics["cache_bytes"], statistics["full_cache_bytes"]) == (0, 0, 0)
+
+
+def test_an_empty_cache_refuses_a_model_of_another_shape_under_kvhive_attention_alone():
+    # Through kvhive.compression on the base model (no forward hook), kvhive's attention checks
+    # the layer's module the first time it sees it (a filled cache also refuses other KV shapes
+    # before storing anything, test_reused_cache_refuses_another_model).
+    model = tiny_model("llama", "gqa")
+    cache = kvhive.make_cache(model, "h2o", budget=8)
+    other = tiny_model("llama", "mha")
+    with torch.no_grad(), kvhive.compression(other), pytest.raises(ValueError, match=r"KV heads: 2 here, 4"):
+        other.model(input_ids=_ids(20), past_key_values=cache, use_cache=True)
+    statistics = cache.statistics()  # the layer it had stored into was emptied again
+    assert (statistics["tokens_seen"], statistics["cache_bytes"], statistics["full_cache_bytes"]) == (0, 0, 0)
+    with torch.no_grad():  # and the cache still serves its own model
+        model(input_ids=_ids(20), past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == 20
+
+
+def test_encoder_decoder_models_are_refused_as_such():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4, decoder_start_token_id=0)
+    model = T5ForConditionalGeneration(config)
+    with pytest.raises(ValueError, match="encoder-decoder models are not supported"):
+        kvhive.make_cache(model, "h2o", budget=8)
+    with pytest.raises(ValueError, match="encoder-decoder models are not supported"):
+        kvhive.KVHiveCache(config, kvhive.make_policy("h2o"), 8)
+
+
+# -- issue 27 item 6: a budget that would apply to no layer --------------------------------------------
+def test_a_model_whose_every_layer_slides_needs_compress_sliding_for_a_budget():
+    # Mistral with sliding_window set slides in every layer; the budget applied to none of them and
+    # the API said nothing (kvhive generate printed "budget applied to 0 of 2 layers").
+    model = tiny_model("mistral", "gqa", sliding_window=16)
+    with pytest.raises(
+        ValueError, match=r"would compress no layer.*all 2 layers are sliding.*window 16.*compress_sliding=True"
+    ):
+        kvhive.make_cache(model, "h2o", budget=8)
+    cache = kvhive.make_cache(model, "h2o", budget=8, compress_sliding=True)
+    with torch.no_grad():
+        model(input_ids=_ids(40), past_key_values=cache, use_cache=True)
+    assert cache.compressed_layers == [0, 1]
+    assert all(int(layer.lengths_host.max()) == 8 for layer in cache.layers)
+    assert kvhive.make_cache(model, "full").compressed_layers == []  # nothing to apply: no budget
+
+
+def test_cli_generate_refuses_a_budget_that_applies_to_no_layer(monkeypatch, capsys):
+    model = tiny_model("mistral", "gqa", sliding_window=16)
+    monkeypatch.setattr(kvhive, "load_model", lambda *args, **kwargs: (model, _tokenizer()))
+    assert kvhive_main(["generate", "--method", "h2o", "--budget", "8", "--max-new-tokens", "2", "x" * 30]) == 2
+    assert "would compress no layer" in capsys.readouterr().err
+    assert kvhive_main(["generate", "--method", "h2o", "--budget", "8", "--compress-sliding", "x" * 30]) == 0
+    assert "budget applied to 2 of 2 layers" in capsys.readouterr().err
+
+
+def _tokenizer():
+    from kvhive.models.tiny import tiny_tokenizer
+
+    return tiny_tokenizer()
+
+
+# -- issue 27: errors that say what to do ---------------------------------------------------------------
+def test_a_method_that_is_not_a_name_is_refused_listing_the_names():
+    model = tiny_model("llama", "gqa")
+    for method in (None, 3, kvhive.make_policy):
+        with pytest.raises(ValueError, match=r"invalid method=.*expected a method name, one of full, local, .*snapkv"):
+            kvhive.make_cache(model, method, budget=8)
+
+
+def test_numpy_numbers_are_budgets_like_the_numbers_they_hold():
+    import numpy as np
+
+    model = tiny_model("llama", "gqa")
+    for given, expected in ((np.int64(16), "16 tok"), (np.int32(4), "4 tok"), (np.float64(0.25), "ratio 0.25")):
+        assert kvhive.make_cache(model, "h2o", budget=given).statistics()["budget"] == expected
+    assert kvhive.make_cache(model, "h2o", budget=np.float32(0.5)).budget.ratio == 0.5
+    assert kvhive.make_cache(model, "h2o", ratio=np.float64(0.5)).budget.ratio == 0.5
+    assert kvhive.KVHiveCache(model.config, kvhive.make_policy("h2o"), np.int64(8)).budget.tokens == 8
+    with pytest.raises(ValueError, match=r"invalid budget=0: expected tokens per head"):
+        kvhive.make_cache(model, "h2o", budget=np.int64(0))
+    with pytest.raises(ValueError, match=r"invalid budget=True"):
+        kvhive.make_cache(model, "h2o", budget=True)
+
+
+def test_a_filled_cache_refuses_pickling_saying_what_to_do_and_deep_copies():
+    import copy
+    import pickle
+
+    model = tiny_model("llama", "gqa")
+    cache = kvhive.make_cache(model, "h2o", budget=8)
+    with torch.no_grad():
+        model(input_ids=_ids(20), past_key_values=cache, use_cache=True)
+    with pytest.raises(TypeError, match=r"cannot be pickled.*copy.deepcopy\(cache\).*kvhive.make_cache"):
+        pickle.dumps(cache)
+    # The prompt-reuse pattern: a filled prefix copied for each continuation, independent of it.
+    copied = copy.deepcopy(cache)
+    with torch.no_grad():
+        original = model(input_ids=_ids(1, seed=3), past_key_values=cache, use_cache=True).logits
+        from_copy = model(input_ids=_ids(1, seed=3), past_key_values=copied, use_cache=True).logits
+        model(input_ids=_ids(1, seed=4), past_key_values=copied, use_cache=True)
+    assert torch.equal(original, from_copy)
+    assert (cache.get_seq_length(), copied.get_seq_length()) == (21, 22)
+    with torch.no_grad(), pytest.raises(ValueError, match="another model"):
+        tiny_model("llama", "mha")(input_ids=_ids(1), past_key_values=copied, use_cache=True)
+
+
+def test_crop_refuses_naming_assisted_and_speculative_decoding():
+    model = tiny_model("llama", "gqa")
+    cache = kvhive.make_cache(model, "h2o", budget=8)
+    with torch.no_grad():
+        model(input_ids=_ids(20), past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError, match=r"cannot be cropped.*assisted or speculative decoding.*DynamicCache"):
+        cache.crop(18)
+    assert cache.get_seq_length() == 20  # nothing was removed
+    with torch.no_grad(), pytest.raises(ValueError, match="[Aa]ssisted decoding"):
+        model.generate(
+            _ids(20),
+            attention_mask=torch.ones(1, 20, dtype=torch.long),
+            past_key_values=cache,
+            assistant_model=tiny_model("llama", "gqa"),
+            max_new_tokens=4,
+            do_sample=False,
+        )
+
+
+def test_the_equivalence_warning_is_given_once_when_threads_race(monkeypatch):
+    # Two threads checked "already warned?" before either recorded it: both warned. The set is made
+    # to hold both threads inside the check until each has looked (or 0.5 s passed).
+    import threading
+
+    from kvhive import api
+
+    barrier = threading.Barrier(2, timeout=0.5)
+
+    class RacingSet(set):
+        def __contains__(self, key):
+            found = super().__contains__(key)
+            with contextlib.suppress(threading.BrokenBarrierError):
+                barrier.wait()
+            return found
+
+    given = []
+    monkeypatch.setattr(api, "_EQUIVALENCE_WARNED", RacingSet())
+    monkeypatch.setattr(warnings, "warn", lambda message, *args, **kwargs: given.append(message))
+    model = tiny_model("llama", "gqa", num_key_value_heads=1)
+    policy = kvhive.make_policy("ada-snapkv", head_granularity="kv")
+    threads = [
+        threading.Thread(target=api.warn_if_allocation_cannot_differ, args=(policy, model.config)) for _ in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(given) == 1, given
+
+
+def test_cli_generate_accepts_method_options_as_eval_does(capsys):
+    # snapkv needs a budget of at least its window (32 by default): budget 8 runs only if window=4 applied.
+    prompt = "x" * 30
+    arguments = ["generate", "--model", "tiny-llama-gqa", "--budget", "8", "--max-new-tokens", "2", prompt]
+    assert kvhive_main([*arguments, "--method", "snapkv:window=4"]) == 0
+    assert "kvhive: snapkv at budget 8 tok" in capsys.readouterr().err
+    assert kvhive_main([*arguments, "--method", "snapkv"]) == 2
+    assert "needs at least 32 tokens per head" in capsys.readouterr().err
+    assert kvhive_main([*arguments, "--method", "snapkv:window=4", "--param", "window=8"]) == 2
+    assert "option 'window' is already given in --method snapkv:window=4" in capsys.readouterr().err

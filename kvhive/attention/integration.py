@@ -16,6 +16,9 @@ sliding-window pattern). The attention function:
 from __future__ import annotations
 
 import contextlib
+import threading
+import types
+import weakref
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -62,26 +65,140 @@ def register() -> None:
     AttentionMaskInterface.register(ATTENTION_NAME, kvhive_mask)
 
 
-def check_reused_caches(model) -> None:
-    """Make ``model.generate`` show a :class:`KVHiveCache` the full token sequence before each
-    step (transformers passes the model only the tokens the cache has not seen), so a reused
-    cache refuses a prompt that does not continue it. Idempotent; other caches are untouched."""
-    if getattr(model, "_kvhive_checks_reuse", False):
-        return
-    prepare = model.prepare_inputs_for_generation
+class _ModelAttachment:
+    """What :func:`attach` added to one model: how many forwards with a kvhive cache are running
+    (a lock guards the count, so concurrent kvhive forwards switch and restore once) and the
+    attention implementation of each config they switched, restored when the last one ends."""
 
-    def prepare_inputs_for_generation(input_ids, *args, **kwargs):
-        # transformers >= 5.24 hands the cache to this hook as ``cache`` (5.20-5.23: ``past_key_values``).
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.running = 0
+        self.switched: list[tuple[object, object]] = []
+
+
+_ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ATTACHED_LOCK = threading.Lock()
+
+
+def attach(model) -> None:
+    """Let ``model`` run kvhive's attention for the calls given a kvhive cache, and only for them.
+
+    transformers picks the attention function from ``model.config``; a forward that is given a
+    :class:`KVHiveCache` (or ``CacheRows``) switches the model's configs to ``"kvhive"`` for that
+    forward and restores what they held after it (a forward pre-hook and an always-called forward
+    hook). Calls with another cache or none run the model's own implementation (eager, sdpa,
+    flash-attention) and its own mask, as if kvhive had never seen the model; the configs read as
+    before between calls. The one caveat: a forward with a kvhive cache and one without running
+    at the same time in two threads on the *same* model object both see ``"kvhive"`` (which is
+    plain sdpa for other caches).
+
+    ``generate`` also shows a kvhive cache the full token sequence before each step
+    (:class:`_ReuseCheckingPrepare`), so a reused cache refuses a prompt that does not continue
+    it. Idempotent."""
+    register()
+    with _ATTACHED_LOCK:
+        if model in _ATTACHED:
+            return
+        _ATTACHED[model] = _ModelAttachment()
+    if _enter_forward in model._forward_pre_hooks.values():  # a copy of an attached model
+        return
+    model.register_forward_pre_hook(_enter_forward, with_kwargs=True)
+    model.register_forward_hook(_leave_forward, with_kwargs=True, always_call=True)
+    if callable(getattr(model, "prepare_inputs_for_generation", None)):
+        model.prepare_inputs_for_generation = _ReuseCheckingPrepare(model)
+
+
+def _kvhive_caches_in(args, kwargs) -> list[KVHiveCache]:
+    """The kvhive caches a forward was given (each row's cache for ``CacheRows``)."""
+    # transformers >= 5.24 names the forward argument ``cache`` (``past_key_values`` before).
+    for value in (kwargs.get("cache"), kwargs.get("past_key_values"), *args):
+        if isinstance(value, KVHiveCache):
+            return [value]
+        if isinstance(value, CacheRows):
+            return list(value.caches)
+    return []
+
+
+# The attached models whose forward this thread entered with a kvhive cache, innermost last: the
+# always-called forward hook also runs when the pre-hook raised, and must then restore nothing.
+_ENTERED = threading.local()
+
+
+def _attention_configs(model) -> list:
+    """The configs whose ``_attn_implementation`` the model's attention layers and masks read."""
+    configs = [model.config]
+    text_config = model.config.get_text_config(decoder=True)
+    if text_config is not model.config:
+        configs.append(text_config)
+    return configs
+
+
+def _attachment(model) -> _ModelAttachment:
+    # A deep copy or an unpickled copy of an attached model carries the hooks but no entry yet.
+    with _ATTACHED_LOCK:
+        return _ATTACHED.setdefault(model, _ModelAttachment())
+
+
+def _enter_forward(model, args, kwargs):
+    caches = _kvhive_caches_in(args, kwargs)
+    if not caches:
+        return None
+    for cache in caches:
+        cache.check_model(model.config)  # before anything is stored: an empty cache refuses too
+    attachment = _attachment(model)
+    with attachment.lock:
+        if attachment.running == 0:
+            configs = _attention_configs(model)
+            attachment.switched = [(config, config._attn_implementation_internal) for config in configs]
+            for config in configs:
+                config._attn_implementation_internal = ATTENTION_NAME
+        attachment.running += 1
+    _ENTERED.__dict__.setdefault("models", []).append(model)
+    return None
+
+
+def _leave_forward(model, args, kwargs, output):
+    if not _kvhive_caches_in(args, kwargs):  # calls without a kvhive cache touch nothing else
+        return None
+    entered = _ENTERED.__dict__.get("models")
+    if not entered or entered[-1] is not model:
+        return None
+    entered.pop()
+    attachment = _attachment(model)
+    with attachment.lock:
+        attachment.running -= 1
+        if attachment.running == 0:
+            for config, previous in attachment.switched:
+                config._attn_implementation_internal = previous
+            attachment.switched = []
+    return None
+
+
+class _ReuseCheckingPrepare:
+    """The model's own ``prepare_inputs_for_generation``, called unchanged, after showing a kvhive
+    cache the full token sequence (transformers passes the model only the tokens the cache has
+    not seen, so this is where a reused cache can refuse a prompt that does not continue it).
+
+    ``__wrapped__`` is the model's own bound method, so ``inspect.signature`` (which transformers
+    reads to decide, e.g., whether ``generate(inputs_embeds=...)`` is supported) sees exactly the
+    stock signature; other caches go straight through. A class, not a closure, so the model still
+    pickles and deep-copies (a copy's hook calls the copy's method)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    @property
+    def __wrapped__(self):
+        return types.MethodType(type(self.model).prepare_inputs_for_generation, self.model)
+
+    def __call__(self, input_ids, *args, **kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if isinstance(cache, KVHiveCache) and cache.positions == ORIGINAL_POSITIONS:
             new_tokens = kwargs.get("next_sequence_length")
             if new_tokens is None and not cache.get_seq_length():
                 new_tokens = input_ids.shape[-1]
             cache.check_generation_inputs(input_ids, bool(kwargs.get("is_first_iteration")), new_tokens)
-        return prepare(input_ids, *args, **kwargs)
-
-    model.prepare_inputs_for_generation = prepare_inputs_for_generation
-    model._kvhive_checks_reuse = True
+        return self.__wrapped__(input_ids, *args, **kwargs)
 
 
 def _model_mask(attention_mask):

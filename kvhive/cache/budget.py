@@ -14,9 +14,23 @@ and the evaluation harness all use it.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 from kvhive.methods.base import Policy
+
+
+def as_python_number(value):
+    """A numeric scalar of another library (``numpy.int64(16)``, ``numpy.float32(0.2)``) as the
+    Python int or float it holds, so it is read like the same number typed in; anything else
+    (bools included, which are refused later) unchanged."""
+    if isinstance(value, bool) or isinstance(value, (int, float)):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
 
 
 @dataclass(frozen=True)
@@ -27,6 +41,8 @@ class Budget:
     ratio: float | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "tokens", as_python_number(self.tokens))
+        object.__setattr__(self, "ratio", as_python_number(self.ratio))
         if (self.tokens is None) == (self.ratio is None):
             raise ValueError("give exactly one of budget (tokens per head) or ratio (fraction of the context)")
         if self.tokens is not None:
@@ -45,6 +61,7 @@ class Budget:
     @classmethod
     def parse(cls, value: int | float | str) -> Budget:
         """``128`` → tokens, ``0.2`` → ratio (a float in (0, 1]; ``1.0`` is the whole context)."""
+        value = as_python_number(value)
         if isinstance(value, str):
             text = value.strip()
             try:

@@ -80,6 +80,43 @@ def mark_update(cache, layer_index: int, keys: torch.Tensor, update_kwargs: dict
     _thread_updates.last = (weakref.ref(cache), layer_index, weakref.ref(keys))
 
 
+def model_shape(config) -> dict:
+    """What a cache depends on in the model it is made for (host-side ints, read from the config):
+    the layer count, each layer's kind (its sliding window, or None for full attention), query
+    heads, KV heads and head dimension. A cache refuses a model whose shape differs."""
+    text_config = config.get_text_config(decoder=True)
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+    query_heads = text_config.num_attention_heads
+    return {
+        "layers": len(layer_types),
+        "sliding windows": tuple(
+            kwargs.get("sliding_window") if "sliding" in layer_type else None
+            for layer_type, kwargs in zip(layer_types, layer_kwargs, strict=True)
+        ),
+        "query heads": query_heads,
+        "KV heads": getattr(text_config, "num_key_value_heads", None) or query_heads,
+        "head dimension": getattr(text_config, "head_dim", None) or text_config.hidden_size // query_heads,
+    }
+
+
+def _describe_windows(windows: tuple) -> str:
+    """``(8, 8, 8, None)`` -> ``"3 sliding (window 8), 1 full"``, in order of first appearance."""
+    counts: dict = {}
+    for window in windows:
+        counts[window] = counts.get(window, 0) + 1
+    return ", ".join(f"{n} full" if w is None else f"{n} sliding (window {w})" for w, n in counts.items())
+
+
+def refuse_encoder_decoder(config) -> None:
+    """kvhive's caches serve decoder-only models: an encoder-decoder model (T5, BART) holds a
+    cross-attention cache beside the self-attention one, which no method here compresses."""
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"encoder-decoder models are not supported (this is a {type(config).__name__}): kvhive compresses "
+            "the KV cache of decoder-only causal LMs (Llama, Qwen, Mistral, Gemma, ...)"
+        )
+
+
 def _real_lengths(scoring: ScoringInputs) -> list[int]:
     """Real (unpadded) tokens of each row: the keys some query of the prompt may attend."""
     if scoring.mask is None:
@@ -130,8 +167,8 @@ class KVHiveCache(Cache):
         dense_decode: DenseDecode = "sdpa",
         prefill_chunk: int | None = None,
     ) -> None:
-        if isinstance(budget, (int, float)) and not isinstance(budget, bool):
-            budget = Budget.parse(budget)
+        if not isinstance(budget, (Budget, bool, str)):
+            budget = Budget.parse(budget)  # ints and floats, numpy's included
         if not isinstance(budget, Budget):
             raise ValueError(f"invalid budget={budget!r}: expected an int >= 1 or a ratio in (0, 1]")
         if isinstance(decode_every, bool) or not isinstance(decode_every, int) or decode_every < 1:
@@ -157,6 +194,7 @@ class KVHiveCache(Cache):
                 f"positions='cache' is not supported by method {policy.name!r}: its estimator "
                 "keeps keys outside the cache that cannot be re-indexed"
             )
+        refuse_encoder_decoder(config)
         text_config = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
         layers = [
@@ -172,6 +210,16 @@ class KVHiveCache(Cache):
         self.num_query_heads = text_config.num_attention_heads
         self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or self.num_query_heads
         self.compressed_layers = [i for i, layer in enumerate(self.layers) if compress_sliding or not layer.is_sliding]
+        if policy.phases and not self.compressed_layers:
+            # Every layer slides (Mistral with sliding_window set) and keeps its window: the budget
+            # would apply to no layer, and the cache would be the model's own under the method's name.
+            windows = sorted({layer.sliding_window for layer in self.layers})
+            raise ValueError(
+                f"method {policy.name!r} at budget {budget_label(budget)} would compress no layer of this model: all "
+                f"{len(self.layers)} layers are sliding-window layers (window {', '.join(map(str, windows))}), which "
+                "keep their window when compress_sliding=False; pass compress_sliding=True (--compress-sliding) to apply "
+                "the budget to them, or use method 'full'"
+            )
         # Per compressed layer: the largest row's budget, and every row's (they differ only when a
         # layer-wise split depends on a row's real length).
         self.layer_budgets: dict[int, int] = {}
@@ -188,6 +236,9 @@ class KVHiveCache(Cache):
         self._warned_budget_not_kept = False
         # Reuse checks: the attention module of each layer, and the token ids generate fed.
         self._attention_modules: dict[int, weakref.ref] = {}
+        # The model this cache was made for, and the last config found to match it (checked once).
+        self.model_shape = model_shape(config)
+        self._matching_config: weakref.ref | None = None
         self._generated_ids: torch.Tensor | None = None
         self._unattended_update: int | None = None  # a layer updated whose attention has not run yet
         self._compileable = self._static_decode()
@@ -641,6 +692,30 @@ class KVHiveCache(Cache):
                 "it (make a cache per model)"
             )
 
+    def check_model(self, config) -> None:
+        """Refuse a model other than the one this cache was made for, empty or filled (its layers'
+        kinds and windows, heads and head dimension are what the cache's layers, budgets and
+        accounting were built from). Called before a forward of a model kvhive attached to, and by
+        kvhive's attention the first time it sees a layer's module; a config already matched is
+        not compared again."""
+        if self._matching_config is not None and self._matching_config() is config:
+            return
+        actual = model_shape(config)
+        if actual != self.model_shape:
+            expected = self.model_shape
+            differences = [
+                f"{name}: {_describe_windows(expected[name])} here, {_describe_windows(actual[name])} in that model"
+                if name == "sliding windows"
+                else f"{name}: {expected[name]} here, {actual[name]} in that model"
+                for name in expected
+                if expected[name] != actual[name]
+            ]
+            raise ValueError(
+                "this cache was made for another model (" + "; ".join(differences) + "): make a cache per model "
+                "with kvhive.make_cache(model, ...)"
+            )
+        self._matching_config = weakref.ref(config)
+
     def check_attention_module(self, layer_index: int, module) -> None:
         """Called by kvhive's attention for the layer just updated. Refuses a cache filled by one
         model's attention layers being continued by another's (shapes may agree, so the modules
@@ -648,6 +723,15 @@ class KVHiveCache(Cache):
         self._unattended_update = None
         known = self._attention_modules.get(layer_index)
         if known is None:
+            config = getattr(module, "config", None)
+            if config is not None:
+                try:
+                    self.check_model(config)
+                except ValueError:
+                    # The layer held nothing before this update (its module is seen for the first
+                    # time): drop the other model's tokens, so nothing counts them.
+                    self.layers[layer_index].reset()
+                    raise
             self._attention_modules[layer_index] = weakref.ref(module)
         elif known() is not module:
             raise ValueError(
@@ -763,3 +847,30 @@ class KVHiveCache(Cache):
             "policy_state_bytes": self.policy_state_nbytes(),
             "full_cache_bytes": self.full_cache_nbytes(),
         }
+
+    # -- copies ----------------------------------------------------------------------------------
+    # Shared, not copied: weak references to the model's modules and config (a copy serves the
+    # same model) and the key rotator (read-only frequencies).
+    _SHARED_BY_COPIES = ("_attention_modules", "_matching_config", "key_rotator")
+
+    def __deepcopy__(self, memo: dict) -> KVHiveCache:
+        """An independent copy for the same model (transformers' prompt-reuse pattern: fill a cache
+        with a shared prefix once, ``copy.deepcopy`` it for each continuation)."""
+        import copy
+
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        for name, value in self.__dict__.items():
+            if name in self._SHARED_BY_COPIES:
+                value = dict(value) if isinstance(value, dict) else value
+            else:
+                value = copy.deepcopy(value, memo)
+            object.__setattr__(copied, name, value)
+        return copied
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "a KVHiveCache cannot be pickled or shallow-copied: it belongs to one model in this process (it holds "
+            "weak references to its attention layers). copy.deepcopy(cache) gives an independent copy for the same "
+            "model; in another process, make a cache there with kvhive.make_cache(model, ...) and run the prompt again"
+        )

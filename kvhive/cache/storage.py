@@ -176,7 +176,15 @@ class LayerStore(CacheLayerMixin):
         self.decode_steps_since_compression = 0
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("a compressed cache cannot be rolled back (evicted tokens are gone)")
+        # Assisted/speculative decoding runs draft tokens through the cache and crops the rejected
+        # ones; a method may have evicted prompt tokens (or updated its scores) because of the
+        # drafts, which no crop can undo, so the result would not be what the method keeps.
+        raise ValueError(
+            "a kvhive cache cannot be cropped (rolled back), so it does not support assisted or speculative "
+            "decoding (generate with assistant_model=, prompt_lookup_num_tokens=, or a draft model): tokens its "
+            "method evicted while draft tokens were in the cache are gone. Generate without an assistant, or use "
+            "transformers' DynamicCache for assisted decoding"
+        )
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("beam search over a compressed cache is not supported")

@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import threading
 from typing import Any, ClassVar, Final, Literal
 
 import torch
@@ -278,9 +279,18 @@ class AdaKV(Policy):
         return keep
 
 
-@functools.cache
+_ADA_CLASS_LOCK = threading.Lock()
+
+
 def ada_class(scorer_class: type[ScorerPolicy]) -> type[AdaKV]:
-    """The Ada-KV policy class over ``scorer_class`` (registry name ``ada-<scorer>``)."""
+    """The Ada-KV policy class over ``scorer_class`` (registry name ``ada-<scorer>``): one class per
+    scorer, also when threads ask for it at the same time (``functools.cache`` alone may build two)."""
+    with _ADA_CLASS_LOCK:
+        return _build_ada_class(scorer_class)
+
+
+@functools.cache
+def _build_ada_class(scorer_class: type[ScorerPolicy]) -> type[AdaKV]:
     if not issubclass(scorer_class, ScorerPolicy):
         raise ValueError(
             f"invalid method=ada-{scorer_class.name}: Ada-KV wraps a score-based method "

@@ -139,6 +139,10 @@ SIZE_SUM, SIZE_STEPS, SIZE_PEAK = "buzz_size_sum", "buzz_size_steps", "buzz_size
 # Evictions of Eq. (10) iterated to reach the steady state (it contracts by < 1/ŝ - ... per step;
 # 200 is far past convergence for any stride >= 3), and the tail averaged over (covers cycles).
 _STEADY_ITERATIONS, _STEADY_TAIL = 200, 24
+# The largest stride accepted. A layout search tries up to ``stride + 1`` thresholds for each of
+# five windows, so the stride bounds its work (no value can make make_cache run for minutes);
+# the paper uses s = 5, and at s = 1024 the smallest mean budget is already about 500 + sink.
+MAX_STRIDE = 1024
 
 
 @dataclass(frozen=True)
@@ -155,12 +159,14 @@ class BuzzConfig(PolicyConfig):
 
     def validate(self) -> None:
         require_int_at_least(self.sink, 0, "sink")
-        # One message for every refused stride, stating the whole range and why 1 and 2 are out.
+        # One message for every refused stride, stating the whole range, why 1 and 2 are out and
+        # why there is a largest one.
         require(
-            isinstance(self.stride, int) and not isinstance(self.stride, bool) and self.stride >= 3,
+            isinstance(self.stride, int) and not isinstance(self.stride, bool) and 3 <= self.stride <= MAX_STRIDE,
             "stride",
-            "an integer >= 3 (stride 1 evicts nothing and stride 2 gives the small stride floor((2+1)/2) = 1, "
-            "which never thins the old samples, so the cache would grow without bound)",
+            f"an integer in [3, {MAX_STRIDE}] (stride 1 evicts nothing and stride 2 gives the small stride "
+            "floor((2+1)/2) = 1, which never thins the old samples, so the cache would grow without bound; "
+            f"{MAX_STRIDE} bounds the search for the window and threshold a budget gives)",
             self.stride,
         )
         require(self.budget_form in BUDGET_FORMS, "budget_form", "'mean' or 'peak'", self.budget_form)
@@ -201,11 +207,45 @@ def steady_state_sizes(layout: BuzzLayout) -> tuple[Fraction, int]:
 
     After an eviction leaving ``a`` old samples a layer holds ``k + w + a`` tokens and grows by
     one per step to ``k + w + T``; averaged over the last evictions of the exact recurrence."""
-    sizes = old_sample_sizes(layout.threshold, layout.stride, _STEADY_ITERATIONS)[-_STEADY_TAIL:]
+    sizes = _steady_tail(layout.threshold, layout.stride)
     base = layout.sink + layout.window
     held = sum((layout.threshold - a + 1) * (2 * base + a + layout.threshold) for a in sizes)  # 2x sum of sizes
     steps = sum(layout.threshold - a + 1 for a in sizes)
     return Fraction(held, 2 * steps), max(sizes)
+
+
+@functools.lru_cache(maxsize=4096)
+def _steady_tail(threshold: int, stride: int) -> tuple[int, ...]:
+    """``old_sample_sizes(threshold, stride, _STEADY_ITERATIONS)[-_STEADY_TAIL:]``, exactly, without
+    iterating 200 times: Eq. (10) maps an integer to an integer, so the sequence enters a cycle as
+    soon as a value repeats (within a few evictions: the map contracts), and every later term is
+    read off the cycle."""
+    sequence, first_seen = [0], {0: 0}  # a_0, a_1, ...; the index where each value first appeared
+    hat = small_stride(stride)
+    while len(sequence) <= _STEADY_ITERATIONS:
+        old = sequence[-1]
+        new = threshold + 1 - old
+        following = -(-old // hat) + -(-new // stride)
+        if following in first_seen:
+            start = first_seen[following]
+            cycle = sequence[start:]
+            break
+        first_seen[following] = len(sequence)
+        sequence.append(following)
+    else:
+        start, cycle = len(sequence), []  # no repeat within the iterations: every term is in sequence
+    terms = range(_STEADY_ITERATIONS - _STEADY_TAIL + 1, _STEADY_ITERATIONS + 1)  # a_177 .. a_200
+    return tuple(sequence[n] if n < start else cycle[(n - start) % len(cycle)] for n in terms)
+
+
+def _mean_lower_bound_room(budget: int, sink: int, window: int) -> int:
+    """The largest threshold whose layout can have a steady mean ``<= budget``.
+
+    Every old-sample count after an eviction is in ``[1, T + 1]`` (``T >= 3`` for every stride
+    >= 3, and Eq. 10 maps ``[0, T + 1]`` into ``[1, (T + 1)/2 + 2]``), so the mean size
+    ``k + w + (a + T)/2`` averaged with non-negative weights ``T - a + 1`` is at least
+    ``k + w + (1 + T)/2``: thresholds above ``2(C - k - w) - 1`` cannot fit."""
+    return 2 * (budget - sink - window) - 1
 
 
 def _too_small(budget, sink: int, stride: int, form: str) -> ValueError:
@@ -239,7 +279,10 @@ def mean_layout(budget: int, sink: int, stride: int) -> BuzzLayout | None:
     best, best_key = None, None
     for window in range(max(1, centre - 2), centre + 3):
         lowest = math.ceil(ratio * window)
-        for threshold in range(lowest, lowest + stride + 1):
+        # Thresholds past the lower bound on the mean are skipped without computing their mean
+        # (they would fail ``mean > budget`` below): a search near the smallest budget is short.
+        highest = min(lowest + stride, _mean_lower_bound_room(budget, sink, window))
+        for threshold in range(lowest, highest + 1):
             layout = BuzzLayout(sink=sink, window=window, threshold=threshold, stride=stride)
             mean, largest = steady_state_sizes(layout)
             room = budget - sink - window
@@ -264,13 +307,25 @@ def layout_for_budget(budget: int, sink: int, stride: int, form: str = "mean") -
     return layout
 
 
-@functools.lru_cache(maxsize=256)
 def minimum_buzz_budget(sink: int, stride: int, form: str = "mean") -> int:
-    """The smallest budget with a layout (window >= 1)."""
+    """The smallest budget with a layout (window >= 1).
+
+    A layout's fit depends on ``budget - sink`` only (the sink adds to every size), so the
+    smallest budget is ``sink`` plus the smallest one without a sink."""
     if form == "peak":
         return sink + math.ceil(1 + theorem_ratio(stride))
-    budget = sink + 2
-    while mean_layout(budget, sink, stride) is None:
+    return sink + _minimum_mean_budget_without_sink(stride)
+
+
+@functools.lru_cache(maxsize=256)
+def _minimum_mean_budget_without_sink(stride: int) -> int:
+    """The smallest sink-free budget with a mean-form layout, searched upwards from a lower bound:
+    any layout holds on average at least ``w + (1 + T)/2 >= 1 + (1 + ceil(r))/2`` tokens
+    (:func:`_mean_lower_bound_room`; ``w >= 1``, ``T >= ceil(r w)``), so no smaller budget fits, and
+    the search starts a few budgets below the answer instead of at 2 (a linear search from 2 took
+    minutes at stride 1000)."""
+    budget = max(2, math.ceil(1 + Fraction(1 + math.ceil(theorem_ratio(stride)), 2)))
+    while mean_layout(budget, 0, stride) is None:
         budget += 1
     return budget
 

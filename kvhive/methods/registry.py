@@ -43,6 +43,11 @@ ADA_PREFIX = "ada-"
 
 def policy_class(name: str) -> type[Policy]:
     """The class of registry name ``name``; ``ada-<scorer>`` is Ada-KV over any score-based method."""
+    if not isinstance(name, str):
+        raise ValueError(
+            f"invalid method={name!r}: expected a method name, one of {', '.join(_METHODS)} (or {ADA_PREFIX}<any "
+            "score-based method>, e.g. ada-tova), or a Policy instance"
+        )
     if name not in _METHODS and name.startswith(ADA_PREFIX) and name[len(ADA_PREFIX) :] in _METHODS:
         from kvhive.methods.adakv import ada_class
 
