@@ -145,6 +145,13 @@ def _enter_forward(model, args, kwargs):
         return None
     for cache in caches:
         cache.check_model(model.config)  # before anything is stored: an empty cache refuses too
+    if torch.compiler.is_compiling():
+        # Inside a compiled step (one thread, traced once): switch without the lock and the
+        # thread-local bookkeeping, which dynamo cannot trace; the switch is replayed as a side effect.
+        for config in _attention_configs(model):
+            config._kvhive_previous_attention = config._attn_implementation_internal
+            config._attn_implementation_internal = ATTENTION_NAME
+        return None
     attachment = _attachment(model)
     with attachment.lock:
         if attachment.running == 0:
@@ -159,6 +166,10 @@ def _enter_forward(model, args, kwargs):
 
 def _leave_forward(model, args, kwargs, output):
     if not _kvhive_caches_in(args, kwargs):  # calls without a kvhive cache touch nothing else
+        return None
+    if torch.compiler.is_compiling():
+        for config in _attention_configs(model):
+            config._attn_implementation_internal = config._kvhive_previous_attention
         return None
     entered = _ENTERED.__dict__.get("models")
     if not entered or entered[-1] is not model:
