@@ -186,6 +186,11 @@ def run_eval_command(args: argparse.Namespace) -> int:
     else:
         run = run_eval(factory(args.model), *grid_arguments, model_name=args.model, **options)
     print(f"{run.written} new results ({run.skipped} already done, {run.total} in the grid) -> {run.results_path}")
+    if run.transient:
+        print(
+            f"{run.transient} results could not be computed this time (a worker died or ran out of memory; "
+            "see their reason in the report): rerun the same command to retry them"
+        )
     if not args.no_report:
         write_report(grid["out_dir"])
         print(f"report: {Path(grid['out_dir']) / 'report.md'}")

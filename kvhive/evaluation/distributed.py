@@ -10,8 +10,9 @@ lock, same resume (a killed driver loses nothing written and a rerun duplicates 
 
 A worker that dies (its process killed, its node lost) or raises (CUDA out of memory, a crash in
 a kernel) has its item retried on another worker, at most ``max_attempts`` times in all; then every
-pending setting of that item is recorded with ``status="failed"`` and the ``reason``, and the grid
-goes on. Invalid input (``ValueError``/``TypeError``) stops the run with that error instead, as in
+pending setting of that item is recorded with ``status="transient"`` and the ``reason``, and the
+grid goes on: the report counts those items, and a rerun of the same command retries them (the
+new record replaces the transient one). Invalid input (``ValueError``/``TypeError``) stops the run with that error instead, as in
 one process: retrying it cannot help. A dead worker is replaced by a
 fresh one (at most ``workers * max_attempts`` replacements, so a model that cannot load ends the
 run with an error instead of looping). Ray is an optional dependency (``pip install
@@ -30,13 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from .backend import DEFAULT_DTYPE, Backend, Setting
-from .results import ResultsWriter
+from .results import TRANSIENT_STATUS, ResultsWriter
 from .runner import EvalRun, MethodValidator, PendingItem, _run_item, run_eval
 from .tasks import Task
 
 INSTALL_HINT = "Ray is not installed: pip install 'kvhive[ray]' (or pip install 'ray>=2.9')"
 DEFAULT_MAX_ATTEMPTS = 3
-FAILED_STATUS = "failed"
+FAILED_STATUS = TRANSIENT_STATUS  # what an item that exhausted its attempts is recorded as
 # Raised for invalid input (a budget a method refuses, a prompt longer than the model's context):
 # retrying cannot help and the single-process run stops on them, so the distributed run stops too.
 INVALID_INPUT_ERRORS = (ValueError, TypeError)
@@ -100,7 +101,8 @@ class EvalWorker:
 
 
 def failed_records(entry: PendingItem, fields: dict, reason: str, attempts: int) -> list[dict]:
-    """One ``status="failed"`` record per pending setting of an item that could not be run."""
+    """One ``status="transient"`` record per pending setting of an item that could not be run
+    (retried by a rerun)."""
     task, item = entry.task, entry.item
     timestamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
     return [
@@ -321,7 +323,12 @@ class RayPool:
             else:
                 finish(
                     job,
-                    failed_records(job.entry, fields_ref, f"{reason} (after {job.attempts} attempts)", job.attempts),
+                    failed_records(
+                        job.entry,
+                        fields_ref,
+                        f"{reason} (after {job.attempts} attempts; a rerun retries it)",
+                        job.attempts,
+                    ),
                 )
 
         while queue or running:
@@ -411,7 +418,7 @@ def run_eval_distributed(
     ``"HOST:PORT"`` / ``"ray://HOST:PORT"`` joins an existing cluster (kvhive and the model must be
     installed on its nodes). When this process is already connected to Ray (``ray.init`` done),
     that connection is used. ``workers``: actors to start (default: one per GPU of the cluster,
-    else one per CPU). ``max_attempts``: tries per item before its settings are recorded as failed.
+    else one per CPU). ``max_attempts``: tries per item before its settings are recorded as transient (a rerun retries them).
     """
     with RayPool(backend_factory, model_name, workers, address, max_attempts, init_options) as pool:
         return run_eval(

@@ -61,6 +61,7 @@ class EvalRun:
     total: int  # results in the grid
     skipped: int  # already in results.jsonl before this run
     written: int  # appended by this run
+    transient: int = 0  # results of the grid whose latest record is transient: a rerun retries them
 
 
 # --------------------------------------------------------------------------- argument resolution
@@ -342,7 +343,16 @@ def run_eval(
         finally:
             if bar is not None:
                 bar.close()
-    return EvalRun(results_path=out_path / RESULTS_FILE, total=total, skipped=skipped, written=written)
+        grid_keys = {
+            (task.name, item.id, s.method, budget_key(s.budget))
+            for task, items, settings in loaded
+            for item in items
+            for s in settings
+        }
+        transient = len(writer.transient & grid_keys)
+    return EvalRun(
+        results_path=out_path / RESULTS_FILE, total=total, skipped=skipped, written=written, transient=transient
+    )
 
 
 def _run_item(
