@@ -8,18 +8,24 @@ raw into markdown, and so on (each test says what it guards).
 
 from __future__ import annotations
 
+import gzip
 import json
+import os
+from pathlib import Path
 
-from fake_backend import FakeBackend
+import pytest
+from fake_backend import FakeBackend, FakeTokenizer
 
 from kvhive.evaluation import run_eval, write_report
 from kvhive.evaluation.claims import outperforms, retains_full
 from kvhive.evaluation.distributed import failed_records
 from kvhive.evaluation.results import TRANSIENT_STATUS, ResultsSummary, ResultsWriter, read_results, result_key
+from kvhive.evaluation.tasks import TaskDataError, get_task
 
 from helpers import result_record
 
 RECALL = "synthetic_recall:num_pairs=6"
+DATA_DIR = Path(os.environ.get("KVHIVE_DATA_DIR") or "/work/shared/data")
 
 
 def _write(tmp_path, records):
@@ -151,3 +157,32 @@ def test_names_from_results_go_escaped_into_the_report(tmp_path):
     assert "evil\\|col ## heading &lt;img src=x onerror=alert(1)&gt; \\[link\\](http://x) \\*b\\*" in table[0]
     assert "## task\\|x &lt;script&gt;alert(1)&lt;/script&gt;" in text
     assert "&lt;b&gt;bold&lt;/b&gt;\\|x" in text
+
+
+# --------------------------------------------------------------------------- items 3 and 5: data files
+
+
+def _data_dir_with(tmp_path, relative: str, payload: bytes):
+    path = tmp_path / "data" / relative
+    path.parent.mkdir(parents=True)
+    path.write_bytes(payload)
+    return tmp_path / "data", path
+
+
+def test_an_empty_data_file_is_an_error_naming_it_not_an_empty_task(tmp_path):
+    data_dir, path = _data_dir_with(tmp_path, "piqa/valid.jsonl.gz", gzip.compress(b""))
+    with pytest.raises(TaskDataError, match=f"{path}: holds no records"):
+        run_eval(FakeBackend(), ["piqa"], ["local"], [0.5], 2, data_dir, tmp_path / "out", progress=False)
+    data_dir, path = _data_dir_with(tmp_path / "b", "wikitext2/wiki.test.raw", b"")
+    with pytest.raises(TaskDataError, match=f"{path}: is empty"):
+        get_task("ppl").load(data_dir, 1, 0, FakeTokenizer())
+    data_dir, path = _data_dir_with(tmp_path / "c", "paul_graham_essays/essays/a.txt", b"")
+    with pytest.raises(TaskDataError, match="every essay"):  # the haystack loop never ended
+        get_task("needle", lengths=[50], depths=[50]).load(data_dir, 1, 0, FakeTokenizer())
+
+
+def test_a_truncated_gz_is_an_error_naming_the_file(tmp_path):
+    source = (DATA_DIR / "piqa/valid.jsonl.gz").read_bytes()
+    data_dir, path = _data_dir_with(tmp_path, "piqa/valid.jsonl.gz", source[: len(source) // 2])
+    with pytest.raises(TaskDataError, match=rf"{path}: cannot be read past line \d+ \(EOFError"):
+        get_task("piqa").load(data_dir, 2, 0, FakeTokenizer())

@@ -985,5 +985,7 @@ def test_mdqa_at_two_document_counts_pairs_each_question_across_lengths():
     assert [(i.id, i.prompt) for i in alone[:3]] == [(i.id, i.prompt) for i in items[3:6]]
     with pytest.raises(ValueError, match="gold_positions.*outside 0..19"):
         resolve_tasks(["mdqa:num_documents=20:gold_positions=0+25"])[0].load(DATA_DIR, 3, 0, FakeTokenizer())
-    with pytest.raises(ValueError, match="'first' is not an integer index or 'middle'"):
+    with pytest.raises(
+        ValueError, match="'gold_positions': 'first' is not a number; expected an integer .* or 'middle'"
+    ):
         resolve_tasks(["mdqa:gold_positions=first"])[0].load(DATA_DIR, 3, 0, FakeTokenizer())

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..metrics import cut_at_stop, rouge_scores_multi
-from .base import Item, Task, read_jsonl, require_fields, seeded_order, take
+from .base import MAX_GENERATED_TOKENS, Item, Parameter, Task, read_jsonl, require_fields, seeded_order, take
 
 CHANCE_SAMPLE = 30
 _CHANCE_CACHE: dict[tuple[str, str], float] = {}
@@ -58,6 +58,10 @@ class _H2OSummarizationTask(Task):
     @classmethod
     def default_params(cls) -> dict[str, Any]:
         return {"max_new_tokens": None}  # None: the record's max_tokens
+
+    @classmethod
+    def parameters(cls) -> dict[str, Parameter]:
+        return {"max_new_tokens": Parameter("int", 1, MAX_GENERATED_TOKENS, optional=True)}
 
     def load(self, data_dir, limit, seed, tokenizer) -> list[Item]:
         root = self.check_files(data_dir)
@@ -115,6 +119,10 @@ class MultiNewsTask(Task):
     @classmethod
     def default_params(cls) -> dict[str, Any]:
         return {"max_new_tokens": 512}
+
+    @classmethod
+    def parameters(cls) -> dict[str, Parameter]:
+        return {"max_new_tokens": Parameter("int", 1, MAX_GENERATED_TOKENS)}
 
     def load(self, data_dir, limit, seed, tokenizer) -> list[Item]:
         root = self.check_files(data_dir)
