@@ -20,6 +20,7 @@ from kvhive.evaluation import run_eval, write_report
 from kvhive.evaluation.claims import outperforms, retains_full
 from kvhive.evaluation.distributed import failed_records
 from kvhive.evaluation.results import TRANSIENT_STATUS, ResultsSummary, ResultsWriter, read_results, result_key
+from kvhive.evaluation.runner import resolve_tasks
 from kvhive.evaluation.tasks import TaskDataError, get_task
 
 from helpers import result_record
@@ -186,3 +187,53 @@ def test_a_truncated_gz_is_an_error_naming_the_file(tmp_path):
     data_dir, path = _data_dir_with(tmp_path, "piqa/valid.jsonl.gz", source[: len(source) // 2])
     with pytest.raises(TaskDataError, match=rf"{path}: cannot be read past line \d+ \(EOFError"):
         get_task("piqa").load(data_dir, 2, 0, FakeTokenizer())
+
+
+# --------------------------------------------------------------------------- item 2: prompts longer than the context
+
+
+def test_a_needle_prompt_too_long_for_the_model_keeps_its_needle_at_its_depth(tmp_path):
+    # Before issue 27 the runner cut the middle of the prompt: the needle at depth 50 went with it
+    # and the item was recorded ok (scored 0 for every setting, the full cache included).
+    backend = FakeBackend(max_context=400)
+    grid = (["needle:lengths=600:depths=50+100:max_new_tokens=12"], ["local"], [0.5], 2, DATA_DIR, tmp_path)
+    run_eval(backend, *grid, progress=False)
+    records = read_results(tmp_path)
+    assert {r["status"] for r in records} == {"ok"}
+    for record in records:
+        metadata = record["metadata"]
+        assert metadata["truncated_from_tokens"] > 400 and metadata["length"] == 600
+        assert metadata["haystack_tokens"] < 600 and "haystack" in metadata["truncated"]
+        assert abs(metadata["needle_offset_fraction"] - metadata["depth"] / 100) < 0.05  # the same depth
+    full = [r for r in records if r["method"] == "full"]
+    assert [r["metrics"]["exact_match"] for r in full] == [1.0, 1.0]  # the needle is still there to find
+    for task, items, _ in [(t, t.load(DATA_DIR, 2, 0, backend.tokenizer), None) for t in resolve_tasks(grid[0])]:
+        for item in items:
+            short = task.shorten(item, backend.tokenizer, 400 - 12 - 8)
+            assert (
+                "Dolores Park on a sunny day" in short.prompt
+                and len(backend.tokenizer.encode(short.prompt, add_special_tokens=False)) <= 380
+            )
+    text = write_report(tmp_path)
+    assert "2 of 2 item(s) had a prompt longer than the model's context (up to" in text and "haystack" in text
+
+
+def test_a_prompt_that_may_not_be_cut_is_recorded_too_long_and_counted(tmp_path):
+    backend = FakeBackend(max_context=60)
+    run_eval(backend, ["synthetic_recall:num_pairs=20"], ["local"], [0.5], 2, None, tmp_path, progress=False)
+    records = read_results(tmp_path)
+    assert len(records) == 4 and all(r["status"] == "too_long" and r["metrics"] == {} for r in records)
+    assert "does not fit the model's context of 60 tokens" in records[0]["reason"]
+    assert "'synthetic_recall' allows no cut" in records[0]["reason"]
+    assert backend.calls == []  # the model never saw a cut prompt
+    text = write_report(tmp_path)
+    assert "- local @ 0.5: 2 item(s) too_long — prompt of" in text
+
+
+def test_a_summary_prompt_is_cut_in_the_middle_and_the_report_says_so(tmp_path):
+    backend = FakeBackend(max_context=200)
+    run_eval(backend, ["xsum"], ["local"], [0.5], 2, DATA_DIR, tmp_path, progress=False)
+    records = read_results(tmp_path)
+    assert {r["status"] for r in records} == {"ok"}
+    assert all("middle of the article" in r["metadata"]["truncated"] for r in records)
+    assert "had a prompt longer than the model's context" in write_report(tmp_path)

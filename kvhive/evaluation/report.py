@@ -231,6 +231,25 @@ def task_table(summary: ResultsSummary, task: str) -> str:
     return "\n".join(lines)
 
 
+def truncation_note(records: list[dict], task: str) -> str:
+    """How many of ``task``'s items had their prompt cut to fit the model's context, and what was
+    cut (each record carries ``metadata.truncated_from_tokens``), or ``""``."""
+    items = {str(r["item_id"]) for r in records if r["task"] == task}
+    cut: dict[str, dict] = {}
+    for record in records:
+        metadata = record.get("metadata") or {}
+        if record["task"] == task and isinstance(metadata, dict) and metadata.get("truncated_from_tokens"):
+            cut.setdefault(str(record["item_id"]), metadata)
+    if not cut:
+        return ""
+    longest = max(int(m["truncated_from_tokens"]) for m in cut.values())
+    what = sorted({str(m.get("truncated") or "the middle of the prompt") for m in cut.values()})
+    return (
+        f"> **Note:** {len(cut)} of {len(items)} item(s) had a prompt longer than the model's context "
+        f"(up to {longest} tokens) and were cut to fit: {md_text('; '.join(what))}."
+    )
+
+
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "*", "h", "p")
 DODGE_SPREAD = 0.5  # the series at one budget spread over this fraction of the gap to the next budget
 
@@ -509,6 +528,9 @@ def write_report(
         elif summary.count(task, FULL_METHOD) == 0:
             lines += ["> No full-cache results for this task: ratios to full and the chance check are unavailable.", ""]
         lines += [task_table(summary, task), ""]
+        truncated = truncation_note(records, task)
+        if truncated:
+            lines += [truncated, ""]
         for path in plot_task(summary, task, out):
             lines += [f"![{md_text(task)}]({path.name})", ""]
     if include_claims is None:

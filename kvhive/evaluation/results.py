@@ -214,6 +214,18 @@ class ResultsSummary:
             )
             if info["chance"] is None and record.get("chance") is not None:
                 info["chance"] = record["chance"]
+        # A task none of whose items has a score (every prompt too long, every worker dead) still
+        # has its section in the report, which says why.
+        for record in (r for rs in self._unscored.values() for r in rs):
+            self.task_info.setdefault(
+                record["task"],
+                {
+                    "kind": record.get("kind", "generate"),
+                    "main_metric": record.get("main_metric"),
+                    "higher_is_better": record.get("higher_is_better", True),
+                    "chance": record.get("chance"),
+                },
+            )
         self._cache: dict[tuple, dict[str, float]] = {}
 
     def unscored_settings(self, task: str, status: str | None = None) -> list[tuple[str, float | int, str, int, str]]:

@@ -37,6 +37,7 @@ from .tasks import TASKS, Item, Task, get_task, parse_task_spec
 from .tasks.base import encode
 
 MethodValidator = Callable[[str], Any]
+TOO_LONG_STATUS = "too_long"  # a prompt longer than the model's context that the task may not cut
 
 
 class PendingItem(NamedTuple):
@@ -370,16 +371,36 @@ def _run_item(
     metadata = dict(item.metadata)
     item_hash = item.fingerprint()
     prompt_tokens = None
+    too_long = None  # why the prompt cannot be given to the model, when it cannot
     if task.kind in ("generate", "choice"):
         max_context = getattr(backend, "max_context", None)
-        reserve = item.max_new_tokens + 8 if task.kind == "generate" else 0
-        if task.kind == "generate" and max_context:
-            prompt, prompt_tokens = truncate_middle(item.prompt, backend.tokenizer, max(16, int(max_context) - reserve))
-            if prompt != item.prompt:
-                metadata["truncated_from_tokens"] = prompt_tokens
-                item = Item(**{**item.__dict__, "prompt": prompt})
-        else:
-            prompt_tokens = len(encode(backend.tokenizer, item.prompt))
+        prompt_tokens = len(encode(backend.tokenizer, item.prompt))
+        # room for the special tokens the backend adds, and for the generated (or scored) tokens
+        reserve = 8 + (
+            item.max_new_tokens
+            if task.kind == "generate"
+            else max(len(encode(backend.tokenizer, c)) for c in item.choices)
+        )
+        if max_context and prompt_tokens > int(max_context) - reserve:
+            limit_tokens = int(max_context) - reserve
+            shortened = (
+                task.shorten(item, backend.tokenizer, limit_tokens)
+                if task.kind == "generate" and limit_tokens >= 1
+                else None
+            )
+            if shortened is None:
+                too_long = (
+                    f"prompt of {prompt_tokens} tokens does not fit the model's context of {int(max_context)} "
+                    f"tokens ({reserve} kept for the special and the {'generated' if task.kind == 'generate' else 'scored'} tokens); "
+                    f"task {task.name!r} allows no cut (what is cut could be what is asked)"
+                )
+            else:
+                metadata = {
+                    **dict(shortened.metadata),
+                    "truncated_from_tokens": prompt_tokens,
+                    "truncated": task.truncatable,
+                }
+                item = shortened
     else:
         prompt_tokens = len(item.token_ids)
 
@@ -395,6 +416,9 @@ def _run_item(
     not_applicable = getattr(backend, "not_applicable", None)
     reasons: dict[Setting, tuple[str, str]] = {}
     for setting in pending:
+        if too_long is not None:
+            reasons[setting] = (TOO_LONG_STATUS, too_long)
+            continue
         if (
             task.kind == "perplexity"
             and setting.method != FULL_METHOD

@@ -109,6 +109,9 @@ class Item:
     token_ids: list[int] = field(default_factory=list)
     max_new_tokens: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
+    # What the task needs to rebuild a shorter prompt (Task.shorten); not part of the item's
+    # identity (the fingerprint) and never recorded.
+    source: Any = field(default=None, repr=False, compare=False)
 
     @property
     def context(self) -> str:
@@ -139,6 +142,9 @@ class Task:
     higher_is_better: ClassVar[bool] = True
     default_budgets: ClassVar[tuple[float | int, ...]] = (0.2, 0.5)
     source: ClassVar[str] = ""  # where prompt format and metric come from
+    # What Task.shorten may cut when a prompt is longer than the model's context (recorded with
+    # every shortened item and shown in the report); None: nothing, such an item is "too_long".
+    truncatable: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # Every task's own ``load`` gets the chat-template step, so no task (and no caller of
@@ -180,6 +186,13 @@ class Task:
         """Metrics of one output (main metric first). ``output`` is the generated text
         (generate), the list of log-likelihoods (choice) or ``(nll_sum, n_tokens)`` (perplexity)."""
         raise NotImplementedError
+
+    def shorten(self, item: Item, tokenizer: Any, max_tokens: int) -> Item | None:
+        """``item`` with a prompt of at most ``max_tokens`` tokens (without special tokens), cut
+        only where :attr:`truncatable` says the answer cannot be, or None when that is not
+        possible (then the runner records the item ``too_long``). By default nothing may be cut:
+        a record, a document or a line removed could be the one asked about."""
+        return None
 
     # -- shared
     def main_first(self, metrics: dict[str, float]) -> dict[str, float]:

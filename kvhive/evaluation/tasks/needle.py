@@ -164,6 +164,7 @@ class NeedleTask(Task):
     main_metric = "exact_match"
     default_budgets = (64, 128, 256)
     source = "gkamradt/LLMTest_NeedleInAHaystack (needle, question, haystack construction)"
+    truncatable = "the haystack's end, before the needle goes in at its depth (as the upstream tester trims it)"
 
     @classmethod
     def default_params(cls) -> dict[str, Any]:
@@ -191,8 +192,41 @@ class NeedleTask(Task):
             start = random.Random(f"needle:{seed}:{repetition}").randrange(len(essays))
             if (start, length) not in haystacks:
                 haystacks[(start, length)] = build_haystack(essays, start, length, tokenizer)
-            items.append(self._make_item(haystacks[(start, length)], repetition, length, depth, seed))
+            item = self._make_item(haystacks[(start, length)], repetition, length, depth, seed)
+            item.source = {"haystack": haystacks[(start, length)], "repetition": repetition, "seed": seed}
+            items.append(item)
         return take(items, limit)
+
+    def shorten(self, item: Item, tokenizer: Any, max_tokens: int) -> Item | None:
+        """The item rebuilt from a haystack cut short at its end, the needle(s) then inserted at
+        the same depth(s), as the upstream tester fits a haystack to a context: the needle, the
+        question and every needle of the multi-key variant stay whole."""
+        if not isinstance(item.source, dict):
+            return None
+        from .base import apply_chat_template
+
+        haystack_ids = encode(tokenizer, item.source["haystack"])
+        keep = len(haystack_ids)
+        for _ in range(8):  # the cut is exact up to re-tokenisation at its edge: converge in a few steps
+            excess = len(encode(tokenizer, item.prompt)) - max_tokens
+            if excess <= 0:
+                return item
+            keep -= excess
+            if keep < 1:
+                return None
+            haystack = decode(tokenizer, haystack_ids[:keep])
+            rebuilt = self._make_item(
+                haystack,
+                item.source["repetition"],
+                item.metadata["length"],
+                item.metadata["depth"],
+                item.source["seed"],
+            )
+            rebuilt = apply_chat_template([rebuilt], self.kind, tokenizer)[0]
+            rebuilt.metadata["haystack_tokens"] = keep
+            rebuilt.source = item.source
+            item = rebuilt
+        return item if len(encode(tokenizer, item.prompt)) <= max_tokens else None
 
     def _make_item(self, haystack: str, repetition: int, length: int, depth: float, seed: int) -> Item:
         context, offset = insert_at_depth(haystack, NEEDLE, depth)
