@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import shlex
 from pathlib import Path
 
 import pytest
@@ -237,3 +238,64 @@ def test_a_summary_prompt_is_cut_in_the_middle_and_the_report_says_so(tmp_path):
     assert {r["status"] for r in records} == {"ok"}
     assert all("middle of the article" in r["metadata"]["truncated"] for r in records)
     assert "had a prompt longer than the model's context" in write_report(tmp_path)
+
+
+# --------------------------------------------------------------------------- item 5: errors that say what to do
+
+
+def test_report_on_a_non_numeric_metric_names_the_file_and_line(tmp_path, capsys):
+    from kvhive.cli import main
+
+    records = [result_record("full", 1.0, "i0", 1.0), result_record("h2o", 0.5, "i0", "abc")]
+    _write(tmp_path, records)
+    assert main(["report", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert f"{tmp_path / 'results.jsonl'}: line 2: metric 'm' is 'abc', not a number" in error
+    assert "Traceback" not in error
+
+
+def _never_called(model_name):
+    raise AssertionError("the model was loaded although --out was refusable up front")
+
+
+def test_out_naming_a_jsonl_file_or_a_file_is_refused_before_anything_runs(tmp_path, capsys):
+    from kvhive.cli import main
+    from kvhive.evaluation.cli import main as evaluation_main
+
+    for out in (tmp_path / "x.jsonl", tmp_path / "made" / "y.jsonl"):
+        (tmp_path / "made" / "y.jsonl").mkdir(parents=True, exist_ok=True)  # an existing folder with that name
+        argv = ["eval", "--tasks", RECALL, "--methods", "local", "--out", str(out), "--no-progress"]
+        with pytest.raises(ValueError, match=r"out_dir \(--out\): .*ends in \.jsonl; give the output folder"):
+            evaluation_main(argv, backend_factory=_never_called)
+        assert main([*argv, "--model", "no-such-model"]) == 2  # refused before the model is looked up
+        assert "ends in .jsonl" in capsys.readouterr().err
+    assert not (tmp_path / "x.jsonl").exists() and not list((tmp_path / "made" / "y.jsonl").iterdir())
+    a_file = tmp_path / "plain"
+    a_file.write_text("")
+    with pytest.raises(ValueError, match="exists and is not a folder"):
+        evaluation_main(["eval", "--tasks", RECALL, "--methods", "local", "--out", str(a_file)], _never_called)
+
+
+class _InterruptedBackend(FakeBackend):
+    """Ctrl-C arrives during the third item."""
+
+    def generate(self, prompt, max_new_tokens, settings):
+        if sum(kind == "generate" for kind, _ in self.calls) == 2:
+            raise KeyboardInterrupt
+        return super().generate(prompt, max_new_tokens, settings)
+
+
+def test_ctrl_c_during_eval_says_what_is_saved_and_how_to_resume(tmp_path, capsys):
+    from kvhive.evaluation.cli import main as evaluation_main
+
+    out = tmp_path / "out"
+    argv = ["eval", "--tasks", RECALL, "--methods", "local", "--budgets", "0.5", "--limit", "4", "--out", str(out)]
+    argv += ["--no-progress", "--no-report"]
+    assert evaluation_main(argv, backend_factory=lambda name: _InterruptedBackend()) == 130
+    error = capsys.readouterr().err
+    assert "Traceback" not in error and error.count("\n") == 1
+    saved = f"4 results are saved in {out / 'results.jsonl'}"
+    assert error == f"kvhive eval: interrupted; {saved}; resume with: {shlex.join(['kvhive', *argv])}\n"
+    assert len(read_results(out)) == 4
+    assert evaluation_main(argv, backend_factory=lambda name: FakeBackend()) == 0
+    assert len(read_results(out)) == 8

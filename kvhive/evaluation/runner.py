@@ -92,6 +92,21 @@ def resolve_tasks(tasks: Sequence[str | Task] | str) -> list[Task]:
     return resolved
 
 
+def validate_out_dir(out_dir: str | Path) -> Path:
+    """The output folder, refused before anything is computed when it cannot be one: a path that
+    exists and is not a folder, or a name ending in ``.jsonl`` (the results file goes inside the
+    folder, ``OUT/results.jsonl``; ``kvhive report`` would read such a name as the file)."""
+    path = Path(out_dir)
+    if path.suffix == ".jsonl":
+        raise ValueError(
+            f"out_dir (--out): {str(path)!r} ends in .jsonl; give the output folder (results go to "
+            f"FOLDER/{RESULTS_FILE}), e.g. {str(path.with_suffix(''))!r}"
+        )
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"out_dir (--out): {str(path)!r} exists and is not a folder; give a folder")
+    return path
+
+
 def _per_task(value: Any, task: Task, what: str) -> Any:
     if isinstance(value, Mapping):
         if task.name not in value:
@@ -271,6 +286,7 @@ def run_eval(
     ``backend`` only has to provide the tokenizer (to load the items) and the model name.
     """
     validate_dtype(dtype)
+    validate_out_dir(out_dir)
     resolved_tasks = resolve_tasks(tasks)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
         raise ValueError(f"limit: expected an integer >= 0 or None, got {limit!r}")
