@@ -220,13 +220,18 @@ def _run_eval_on_ray(args: argparse.Namespace, factory: BackendFactory, grid_arg
     if args.workers is not None and args.workers < 1:
         raise SystemExit(f"kvhive eval: --workers must be an integer >= 1, got {args.workers}")
     try:
-        from .distributed import require_ray, run_eval_distributed
+        from .distributed import RayClusterError, require_ray, run_eval_distributed
 
         require_ray()
     except ImportError as error:
         raise SystemExit(f"kvhive eval: --ray: {error}") from None
     address = None if args.ray == "local" else args.ray
-    return run_eval_distributed(factory, args.model, *grid_arguments, address=address, workers=args.workers, **options)
+    try:
+        return run_eval_distributed(
+            factory, args.model, *grid_arguments, address=address, workers=args.workers, **options
+        )
+    except RayClusterError as error:  # one line: the cluster is gone or was never there
+        raise SystemExit(f"kvhive eval: --ray: {error}") from None
 
 
 def run_report_command(args: argparse.Namespace) -> int:

@@ -21,8 +21,10 @@ run with an error instead of looping). Ray is an optional dependency (``pip inst
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import socket
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +43,48 @@ FAILED_STATUS = TRANSIENT_STATUS  # what an item that exhausted its attempts is 
 # Raised for invalid input (a budget a method refuses, a prompt longer than the model's context):
 # retrying cannot help and the single-process run stops on them, so the distributed run stops too.
 INVALID_INPUT_ERRORS = (ValueError, TypeError)
+
+
+PROBE_TIMEOUT_S = 5.0  # how long joining a cluster may take to answer before it counts as unreachable
+
+
+class RayClusterError(RuntimeError):
+    """The Ray cluster cannot be reached, or every worker died: the run cannot go on (what is
+    finished is in results.jsonl; the message says what to do)."""
+
+
+def probe_address(address: str, timeout: float = PROBE_TIMEOUT_S) -> None:
+    """Raise :class:`RayClusterError` when ``HOST:PORT`` (or ``ray://HOST:PORT``) does not accept
+    a connection within ``timeout`` seconds: ``ray.init`` would wait minutes on it. Other
+    addresses (``auto``) are left to Ray, which answers them at once."""
+    target = address.removeprefix("ray://")
+    host, separator, port = target.rpartition(":")
+    if not separator or not port.isdigit():
+        return
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            pass
+    except OSError as error:
+        reason = "timed out" if isinstance(error, TimeoutError) else (error.strerror or type(error).__name__)
+        raise RayClusterError(
+            f"cannot reach the Ray cluster at {address} ({reason} within {timeout:g} s): start it there with "
+            "`ray start --head`, check the address, or give --ray alone for a local instance"
+        ) from None
+
+
+@contextlib.contextmanager
+def _loopback_node(ray: Any):
+    """A local Ray instance whose processes listen on the loopback only, not on every interface
+    (Ray's default): Ray picks the loopback as the node address where it treats the machine as
+    a one-node cluster, which this switch (read by ``ray._private.services``) selects."""
+    constants = ray._private.ray_constants
+    saved = constants.ENABLE_RAY_CLUSTER
+    constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        constants.ENABLE_RAY_CLUSTER = saved
 
 
 def require_ray():
@@ -208,9 +252,15 @@ class RayPool:
             if self.address is None:
                 # a fresh local instance; worker logs stay in Ray's session folder, off the progress bar
                 options.setdefault("log_to_driver", False)
-                ray.init(address="local", **options)
+                options.setdefault("_node_ip_address", "127.0.0.1")
+                with _loopback_node(ray):
+                    ray.init(address="local", **options)
             else:
-                ray.init(address=self.address, **options)
+                probe_address(self.address)
+                try:
+                    ray.init(address=self.address, **options)
+                except ConnectionError as error:  # e.g. "auto" with no cluster running
+                    raise RayClusterError(f"cannot reach the Ray cluster at {self.address}: {error}") from None
             self._started_ray = True
         resources = ray.cluster_resources()
         gpus, cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 0))
@@ -242,7 +292,10 @@ class RayPool:
             except self.ray.exceptions.RayError as error:
                 self._lose(worker, error)
                 if not self._workers and not self._pending_starts:
-                    raise RuntimeError(f"no Ray worker could start: {_short(error)}") from error
+                    raise RayClusterError(
+                        f"no Ray worker could start: {_short(error)}; check that the model loads in one process "
+                        "(kvhive eval without --ray)"
+                    ) from None
                 continue
             worker.started = True
             self._tokenizer = info["tokenizer"]
@@ -349,7 +402,7 @@ class RayPool:
                 )
             waiting = list(running) + list(self._pending_starts)
             if not waiting:
-                raise RuntimeError(
+                raise RayClusterError(
                     f"every Ray worker died and the {self.workers * self.max_attempts} replacements are spent "
                     f"(last failure: {self._last_failure}); finished results are in {writer.path}: rerun to resume"
                 )
