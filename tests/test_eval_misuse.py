@@ -299,3 +299,28 @@ def test_ctrl_c_during_eval_says_what_is_saved_and_how_to_resume(tmp_path, capsy
     assert len(read_results(out)) == 4
     assert evaluation_main(argv, backend_factory=lambda name: FakeBackend()) == 0
     assert len(read_results(out)) == 8
+
+
+class _OutOfMemoryOnce(FakeBackend):
+    """The device runs out of memory on the second item, once."""
+
+    failed = False
+
+    def generate(self, prompt, max_new_tokens, settings):
+        if not _OutOfMemoryOnce.failed and sum(kind == "generate" for kind, _ in self.calls) == 1:
+            _OutOfMemoryOnce.failed = True
+            self.calls.append(("generate", list(settings)))
+            raise MemoryError("cannot allocate 2 GiB")
+        return super().generate(prompt, max_new_tokens, settings)
+
+
+def test_out_of_memory_in_one_process_is_transient_and_retried_on_rerun(tmp_path):
+    # Before issue 27 the error ended the run with a traceback; now the grid goes on.
+    grid = ([RECALL], ["local"], [0.5], 3, None, tmp_path)
+    first = run_eval(_OutOfMemoryOnce(), *grid, progress=False)
+    lost = [r for r in read_results(tmp_path) if r["status"] == TRANSIENT_STATUS]
+    assert first.transient == 2 and {r["item_id"] for r in lost} == {"item1"}
+    assert "out of memory (MemoryError: cannot allocate 2 GiB); a rerun retries it" in lost[0]["reason"]
+    again = run_eval(_OutOfMemoryOnce(), *grid, progress=False)
+    assert (again.written, again.transient) == (2, 0)
+    assert all(r["status"] == "ok" for r in read_results(tmp_path))

@@ -137,6 +137,7 @@ class EvalWorker:
             fields["limit"],
             fields["suite"],
             fields.get("dtype", DEFAULT_DTYPE),
+            record_out_of_memory=False,  # raised: the pool retries the item on another worker first
         )
         return records
 

@@ -32,7 +32,7 @@ from .backend import (
     validate_budgets,
     validate_dtype,
 )
-from .results import RESULTS_FILE, ResultsWriter
+from .results import RESULTS_FILE, TRANSIENT_STATUS, ResultsWriter
 from .tasks import TASKS, Item, Task, get_task, parse_task_spec
 from .tasks.base import encode
 
@@ -145,6 +145,17 @@ def settings_for(methods: Sequence[str], budgets: Sequence[float | int], include
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+class TransientFailure(SettingFailure):
+    """A setting's output lost to a failure that may pass (out of memory): recorded
+    ``transient``, so a rerun computes it again."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is the host or a device running out of memory (``MemoryError``,
+    ``torch.cuda.OutOfMemoryError`` and the like, told by name: this module imports no torch)."""
+    return isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError"
 
 
 def truncate_middle(prompt: str, tokenizer: Any, max_tokens: int) -> tuple[str, int]:
@@ -383,7 +394,12 @@ def _run_item(
     limit: int | None,
     suite: str | None,
     dtype: str = DEFAULT_DTYPE,
+    record_out_of_memory: bool = True,
 ) -> int:
+    """Run one item's pending settings (one backend call) and append their records.
+
+    Running out of memory is recorded ``transient`` (a rerun retries it) when
+    ``record_out_of_memory``; else it raises (a Ray worker: the pool retries the item elsewhere)."""
     metadata = dict(item.metadata)
     item_hash = item.fingerprint()
     prompt_tokens = None
@@ -459,7 +475,15 @@ def _run_item(
     feasible = [s for s in pending if s not in reasons]
 
     start = time.perf_counter()
-    outputs = _call_backend(backend, task, item, feasible) if feasible else []
+    try:
+        outputs = _call_backend(backend, task, item, feasible) if feasible else []
+    except Exception as error:  # noqa: BLE001 - only running out of memory is recorded, the rest raises
+        if not (record_out_of_memory and is_out_of_memory(error)):
+            raise
+        # Memory depends on what else the device holds: record it, let the grid go on, retry on rerun.
+        text = str(error).strip().splitlines()
+        reason = f"out of memory ({type(error).__name__}: {text[0] if text else ''}); a rerun retries it"
+        outputs = [TransientFailure(reason)] * len(feasible)
     wall = time.perf_counter() - start
     timestamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
     results = dict(zip(feasible, outputs, strict=True))
@@ -473,6 +497,8 @@ def _run_item(
         output, metrics, status, reason = None, {}, "ok", None
         if setting in reasons:
             status, reason = reasons[setting]
+        elif isinstance(results[setting], TransientFailure):
+            status, reason = TRANSIENT_STATUS, results[setting].reason
         elif isinstance(results[setting], SettingFailure):
             status, reason = "failed", results[setting].reason
         else:
