@@ -328,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # `kvhive eval` says how to resume with it
     from kvhive.evaluation.results import ResultsLockedError
 
     try:

@@ -526,10 +526,11 @@ def test_generate_prompts_are_middle_truncated_to_the_context(tmp_path):
     prompt = " ".join(f"w{i}" for i in range(100))
     short, original = truncate_middle(prompt, tokenizer, 10)
     assert original == 100 and short.split() == [f"w{i}" for i in range(5)] + [f"w{i}" for i in range(95, 100)]
+    # A task whose records could all be asked about is never cut (issue 27): too_long instead.
     backend = FakeBackend(max_context=60)
     run_eval(backend, ["synthetic_recall:num_pairs=20"], ["local"], [0.5], 1, None, tmp_path, progress=False)
     record = read_results(tmp_path)[0]
-    assert record["metadata"]["truncated_from_tokens"] > 60
+    assert record["status"] == "too_long" and "truncated_from_tokens" not in record["metadata"]
 
 
 # The subprocess imports kvhive.evaluation without running kvhive/__init__.py (which loads torch and
@@ -985,5 +986,7 @@ def test_mdqa_at_two_document_counts_pairs_each_question_across_lengths():
     assert [(i.id, i.prompt) for i in alone[:3]] == [(i.id, i.prompt) for i in items[3:6]]
     with pytest.raises(ValueError, match="gold_positions.*outside 0..19"):
         resolve_tasks(["mdqa:num_documents=20:gold_positions=0+25"])[0].load(DATA_DIR, 3, 0, FakeTokenizer())
-    with pytest.raises(ValueError, match="'first' is not an integer index or 'middle'"):
+    with pytest.raises(
+        ValueError, match="'gold_positions': 'first' is not a number; expected an integer .* or 'middle'"
+    ):
         resolve_tasks(["mdqa:gold_positions=first"])[0].load(DATA_DIR, 3, 0, FakeTokenizer())

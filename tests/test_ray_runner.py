@@ -183,7 +183,7 @@ def test_two_workers_give_the_single_process_results_even_when_one_dies_mid_item
 
 
 @pytest.mark.parametrize("mode, reason", [("raise", "RuntimeError: boom on the trigger item"), ("die", "worker died")])
-def test_an_item_that_always_fails_is_recorded_as_failed_and_the_grid_completes(
+def test_an_item_that_always_fails_is_recorded_as_transient_and_the_grid_completes(
     ray_address, reference, tmp_path, mode, reason
 ):
     marker = tmp_path / "attempts"
@@ -194,13 +194,13 @@ def test_an_item_that_always_fails_is_recorded_as_failed_and_the_grid_completes(
     assert deaths == (2 if mode == "die" else 0)
     records = read_results(tmp_path / "out")
     assert run.written == run.total == len(records) == 3 * 5
-    failed = [r for r in records if r["status"] == "failed"]
+    failed = [r for r in records if r["status"] == "transient"]
     assert {r["item_id"] for r in failed} == {"item0"} and {r["task"] for r in failed} == {"synthetic_recall"}
     assert len(failed) == 5  # full + 2 methods x 2 budgets
     for record in failed:
         assert reason in record["reason"] and record["attempts"] == 2 and record["metrics"] == {}
     for record in records:
-        if record["status"] != "failed":
+        if record["status"] != "transient":
             _same_record(record, reference[result_key(record)])
 
 

@@ -244,7 +244,7 @@ def outperforms(
             return None, text + f"; {', '.join(reasons)}: not distinguishable at this n"
         return True, text
 
-    return check
+    return noting_unscored_items(check, task, [(m, b) for m in (candidate, *baselines) for b in budgets])
 
 
 def mean_claim(
@@ -298,7 +298,21 @@ def retains_full(
             return None, text + f"; {reason}"
         return bool(value >= fraction * full - EPSILON), text
 
-    return check
+    return noting_unscored_items(check, task, [(method, budget), ("full", None)])
+
+
+def noting_unscored_items(
+    check: Callable[[ResultsSummary], CheckResult], task: str, settings: Sequence[tuple[str, float | int | None]]
+) -> Callable[[ResultsSummary], CheckResult]:
+    """``check`` whose text also names the compared settings with items that have no score
+    (failed, transient, too long, missing), so no verdict rests on them unsaid."""
+
+    def check_noting(summary: ResultsSummary) -> CheckResult:
+        holds, text = check(summary)
+        note = summary.problems_note(task, settings) if task in summary.task_info else ""
+        return holds, f"{text}; {note}" if note else text
+
+    return check_noting
 
 
 XSUM_BUDGETS = (0.1, 0.2, 0.4, 0.6)

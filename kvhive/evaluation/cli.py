@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import shlex
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,7 +28,8 @@ from kvhive.models.embedded import DEFAULT_MODEL
 
 from .backend import DEFAULT_DTYPE, DTYPES, Backend, parse_budgets
 from .report import write_report
-from .runner import run_eval
+from .results import read_results
+from .runner import run_eval, validate_out_dir
 from .suites import SUITES, get_suite
 
 BackendFactory = Callable[[str], Backend]
@@ -169,6 +172,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
     if factory is None:
         raise SystemExit("kvhive eval: no backend factory was wired into the CLI")
     grid = resolve_eval_grid(args)
+    validate_out_dir(grid["out_dir"])  # before the model loads and anything is computed
     dtype = grid["dtype"]
     if dtype != DEFAULT_DTYPE:
         factory = functools.partial(factory, dtype=dtype)
@@ -181,11 +185,28 @@ def run_eval_command(args: argparse.Namespace) -> int:
         suite=args.suite,
         dtype=dtype,
     )
-    if getattr(args, "ray", None) is not None or getattr(args, "workers", None) is not None:
-        run = _run_eval_on_ray(args, factory, grid_arguments, options)
-    else:
-        run = run_eval(factory(args.model), *grid_arguments, model_name=args.model, **options)
+    try:
+        if getattr(args, "ray", None) is not None or getattr(args, "workers", None) is not None:
+            run = _run_eval_on_ray(args, factory, grid_arguments, options)
+        else:
+            run = run_eval(factory(args.model), *grid_arguments, model_name=args.model, **options)
+    except KeyboardInterrupt:
+        # Every finished result is already durable (one fsync per line); say so and how to go on.
+        try:
+            saved = (
+                f"{len(read_results(grid['out_dir']))} results are saved in {Path(grid['out_dir']) / 'results.jsonl'}"
+            )
+        except (OSError, ValueError):
+            saved = f"finished results are saved in {Path(grid['out_dir']) / 'results.jsonl'}"
+        command = shlex.join(["kvhive", *(getattr(args, "argv", None) or sys.argv[1:])])
+        print(f"kvhive eval: interrupted; {saved}; resume with: {command}", file=sys.stderr)
+        return 130
     print(f"{run.written} new results ({run.skipped} already done, {run.total} in the grid) -> {run.results_path}")
+    if run.transient:
+        print(
+            f"{run.transient} results could not be computed this time (a worker died or ran out of memory; "
+            "see their reason in the report): rerun the same command to retry them"
+        )
     if not args.no_report:
         write_report(grid["out_dir"])
         print(f"report: {Path(grid['out_dir']) / 'report.md'}")
@@ -199,13 +220,18 @@ def _run_eval_on_ray(args: argparse.Namespace, factory: BackendFactory, grid_arg
     if args.workers is not None and args.workers < 1:
         raise SystemExit(f"kvhive eval: --workers must be an integer >= 1, got {args.workers}")
     try:
-        from .distributed import require_ray, run_eval_distributed
+        from .distributed import RayClusterError, require_ray, run_eval_distributed
 
         require_ray()
     except ImportError as error:
         raise SystemExit(f"kvhive eval: --ray: {error}") from None
     address = None if args.ray == "local" else args.ray
-    return run_eval_distributed(factory, args.model, *grid_arguments, address=address, workers=args.workers, **options)
+    try:
+        return run_eval_distributed(
+            factory, args.model, *grid_arguments, address=address, workers=args.workers, **options
+        )
+    except RayClusterError as error:  # one line: the cluster is gone or was never there
+        raise SystemExit(f"kvhive eval: --ray: {error}") from None
 
 
 def run_report_command(args: argparse.Namespace) -> int:
@@ -230,6 +256,7 @@ def main(argv: Sequence[str] | None = None, backend_factory: BackendFactory | No
     add_eval_arguments(subparsers, backend_factory=backend_factory)
     add_report_arguments(subparsers)
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     return args.func(args)
 
 

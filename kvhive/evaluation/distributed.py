@@ -10,8 +10,9 @@ lock, same resume (a killed driver loses nothing written and a rerun duplicates 
 
 A worker that dies (its process killed, its node lost) or raises (CUDA out of memory, a crash in
 a kernel) has its item retried on another worker, at most ``max_attempts`` times in all; then every
-pending setting of that item is recorded with ``status="failed"`` and the ``reason``, and the grid
-goes on. Invalid input (``ValueError``/``TypeError``) stops the run with that error instead, as in
+pending setting of that item is recorded with ``status="transient"`` and the ``reason``, and the
+grid goes on: the report counts those items, and a rerun of the same command retries them (the
+new record replaces the transient one). Invalid input (``ValueError``/``TypeError``) stops the run with that error instead, as in
 one process: retrying it cannot help. A dead worker is replaced by a
 fresh one (at most ``workers * max_attempts`` replacements, so a model that cannot load ends the
 run with an error instead of looping). Ray is an optional dependency (``pip install
@@ -20,8 +21,10 @@ run with an error instead of looping). Ray is an optional dependency (``pip inst
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import socket
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,16 +33,58 @@ from pathlib import Path
 from typing import Any
 
 from .backend import DEFAULT_DTYPE, Backend, Setting
-from .results import ResultsWriter
+from .results import TRANSIENT_STATUS, ResultsWriter
 from .runner import EvalRun, MethodValidator, PendingItem, _run_item, run_eval
 from .tasks import Task
 
 INSTALL_HINT = "Ray is not installed: pip install 'kvhive[ray]' (or pip install 'ray>=2.9')"
 DEFAULT_MAX_ATTEMPTS = 3
-FAILED_STATUS = "failed"
+FAILED_STATUS = TRANSIENT_STATUS  # what an item that exhausted its attempts is recorded as
 # Raised for invalid input (a budget a method refuses, a prompt longer than the model's context):
 # retrying cannot help and the single-process run stops on them, so the distributed run stops too.
 INVALID_INPUT_ERRORS = (ValueError, TypeError)
+
+
+PROBE_TIMEOUT_S = 5.0  # how long joining a cluster may take to answer before it counts as unreachable
+
+
+class RayClusterError(RuntimeError):
+    """The Ray cluster cannot be reached, or every worker died: the run cannot go on (what is
+    finished is in results.jsonl; the message says what to do)."""
+
+
+def probe_address(address: str, timeout: float = PROBE_TIMEOUT_S) -> None:
+    """Raise :class:`RayClusterError` when ``HOST:PORT`` (or ``ray://HOST:PORT``) does not accept
+    a connection within ``timeout`` seconds: ``ray.init`` would wait minutes on it. Other
+    addresses (``auto``) are left to Ray, which answers them at once."""
+    target = address.removeprefix("ray://")
+    host, separator, port = target.rpartition(":")
+    if not separator or not port.isdigit():
+        return
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            pass
+    except OSError as error:
+        reason = "timed out" if isinstance(error, TimeoutError) else (error.strerror or type(error).__name__)
+        raise RayClusterError(
+            f"cannot reach the Ray cluster at {address} ({reason} within {timeout:g} s): start it there with "
+            "`ray start --head`, check the address, or give --ray alone for a local instance"
+        ) from None
+
+
+@contextlib.contextmanager
+def _loopback_node(ray: Any):
+    """A local Ray instance whose processes listen on the loopback only, not on every interface
+    (Ray's default): Ray picks the loopback as the node address where it treats the machine as
+    a one-node cluster, which this switch (read by ``ray._private.services``) selects."""
+    constants = ray._private.ray_constants
+    saved = constants.ENABLE_RAY_CLUSTER
+    constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        constants.ENABLE_RAY_CLUSTER = saved
 
 
 def require_ray():
@@ -92,6 +137,7 @@ class EvalWorker:
             fields["limit"],
             fields["suite"],
             fields.get("dtype", DEFAULT_DTYPE),
+            record_out_of_memory=False,  # raised: the pool retries the item on another worker first
         )
         return records
 
@@ -100,7 +146,8 @@ class EvalWorker:
 
 
 def failed_records(entry: PendingItem, fields: dict, reason: str, attempts: int) -> list[dict]:
-    """One ``status="failed"`` record per pending setting of an item that could not be run."""
+    """One ``status="transient"`` record per pending setting of an item that could not be run
+    (retried by a rerun)."""
     task, item = entry.task, entry.item
     timestamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
     return [
@@ -206,9 +253,15 @@ class RayPool:
             if self.address is None:
                 # a fresh local instance; worker logs stay in Ray's session folder, off the progress bar
                 options.setdefault("log_to_driver", False)
-                ray.init(address="local", **options)
+                options.setdefault("_node_ip_address", "127.0.0.1")
+                with _loopback_node(ray):
+                    ray.init(address="local", **options)
             else:
-                ray.init(address=self.address, **options)
+                probe_address(self.address)
+                try:
+                    ray.init(address=self.address, **options)
+                except ConnectionError as error:  # e.g. "auto" with no cluster running
+                    raise RayClusterError(f"cannot reach the Ray cluster at {self.address}: {error}") from None
             self._started_ray = True
         resources = ray.cluster_resources()
         gpus, cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 0))
@@ -240,7 +293,10 @@ class RayPool:
             except self.ray.exceptions.RayError as error:
                 self._lose(worker, error)
                 if not self._workers and not self._pending_starts:
-                    raise RuntimeError(f"no Ray worker could start: {_short(error)}") from error
+                    raise RayClusterError(
+                        f"no Ray worker could start: {_short(error)}; check that the model loads in one process "
+                        "(kvhive eval without --ray)"
+                    ) from None
                 continue
             worker.started = True
             self._tokenizer = info["tokenizer"]
@@ -321,7 +377,12 @@ class RayPool:
             else:
                 finish(
                     job,
-                    failed_records(job.entry, fields_ref, f"{reason} (after {job.attempts} attempts)", job.attempts),
+                    failed_records(
+                        job.entry,
+                        fields_ref,
+                        f"{reason} (after {job.attempts} attempts; a rerun retries it)",
+                        job.attempts,
+                    ),
                 )
 
         while queue or running:
@@ -342,7 +403,7 @@ class RayPool:
                 )
             waiting = list(running) + list(self._pending_starts)
             if not waiting:
-                raise RuntimeError(
+                raise RayClusterError(
                     f"every Ray worker died and the {self.workers * self.max_attempts} replacements are spent "
                     f"(last failure: {self._last_failure}); finished results are in {writer.path}: rerun to resume"
                 )
@@ -411,7 +472,7 @@ def run_eval_distributed(
     ``"HOST:PORT"`` / ``"ray://HOST:PORT"`` joins an existing cluster (kvhive and the model must be
     installed on its nodes). When this process is already connected to Ray (``ray.init`` done),
     that connection is used. ``workers``: actors to start (default: one per GPU of the cluster,
-    else one per CPU). ``max_attempts``: tries per item before its settings are recorded as failed.
+    else one per CPU). ``max_attempts``: tries per item before its settings are recorded as transient (a rerun retries them).
     """
     with RayPool(backend_factory, model_name, workers, address, max_attempts, init_options) as pool:
         return run_eval(

@@ -23,9 +23,10 @@ from kvhive.methods.registry import method_names
 
 from .backend import DEFAULT_DTYPE, FULL_METHOD
 from .metrics import aggregate_item_metrics
-from .results import ResultsSummary, read_results
+from .results import TRANSIENT_STATUS, ResultsSummary, read_results
 
 REPORT_FILE = "report.md"
+RERUN_HINT = " (rerun the same `kvhive eval` command to retry them)"
 CHANCE_MARGIN = 0.05
 
 # display order of methods: the registry's order; others (ada-<scorer> combinations) follow alphabetically
@@ -34,6 +35,27 @@ METHOD_ORDER = tuple(method_names())
 
 def _method_sort_key(method: str) -> tuple[int, str]:
     return (METHOD_ORDER.index(method), "") if method in METHOD_ORDER else (len(METHOD_ORDER), method)
+
+
+# What can start markup mid-line; an underscore inside a word (synthetic_recall) cannot in
+# GitHub markdown, so it stays as written.
+_MARKDOWN_SPECIAL = re.compile(r"([\\`*\[\]|~]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9]))")
+
+
+def md_text(text: Any) -> str:
+    """``text`` (a method, task or model name, a reason: read from results.jsonl, so anything)
+    as inert markdown inside a table cell or a heading: HTML escaped, markdown punctuation and
+    pipes backslash-escaped, line breaks made spaces."""
+    text = " ".join(str(text).splitlines())
+    text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return _MARKDOWN_SPECIAL.sub(r"\\\1", text)
+
+
+def md_code(text: Any) -> str:
+    """``text`` as inline code when it is a plain identifier (a metric name), else :func:`md_text`
+    (a code span cannot be escaped from inside)."""
+    text = str(text)
+    return f"`{text}`" if re.fullmatch(r"[A-Za-z0-9_.@:=+-]+", text) else md_text(text)
 
 
 def _fmt(value: Any, digits: int = 3) -> str:
@@ -142,23 +164,27 @@ def task_table(summary: ResultsSummary, task: str) -> str:
             if name not in names:
                 names.append(name)
     has_full = summary.count(task, FULL_METHOD) > 0
-    header = ["method", "budget", *names, "n", f"{main} / full", "n paired with full"] + (
-        ["mean kept / head"] if show_kept else []
+    problems = {setting: summary.cell_problems(task, *setting) for setting in summary.settings_with_records(task)}
+    show_problems = any(problems.get((method, budget)) for method, _, budget, *_ in rows)
+    header = (
+        ["method", "budget", *map(md_text, names), "n", f"{md_text(main)} / full", "n paired with full"]
+        + (["mean kept / head"] if show_kept else [])
+        + (["items not scored"] if show_problems else [])
     )
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     warnings_lines: list[str] = []
     unpaired = False
     for method, budget_text, budget, aggregate, n, kept in rows:
         records = summary.item_records(task, method, budget)
-        cells = [method, budget_text]
+        cells = [md_text(method), budget_text]
         for name in names:
             bad = non_finite_items(records, name)
             if bad:
                 cells.append(f"– ({len(bad)} of {n} items non-finite)")
                 shown = ", ".join(bad[:5]) + (", …" if len(bad) > 5 else "")
                 warnings_lines.append(
-                    f"> **Warning:** {method} @ {budget_text}: `{name}` is NaN or infinite on "
-                    f"{len(bad)} of {n} item(s) ({shown}); no mean is shown for it."
+                    f"> **Warning:** {md_text(method)} @ {budget_text}: {md_code(name)} is NaN or infinite on "
+                    f"{len(bad)} of {n} item(s) ({md_text(shown)}); no mean is shown for it."
                 )
             else:
                 cells.append(_cell(aggregate, name))
@@ -168,6 +194,9 @@ def task_table(summary: ResultsSummary, task: str) -> str:
         cells += [str(n), f"{ratio:.2f}×" if ratio is not None else "–", str(paired_n) if has_full else "–"]
         if show_kept:
             cells.append(f"{kept:.1f}" if kept is not None else "–")
+        if show_problems:
+            cell_problems = problems.get((method, budget), [])
+            cells.append(", ".join(f"{count} {status}" for status, count, _ in cell_problems) or "–")
         lines.append("| " + " | ".join(cells) + " |")
     if unpaired:
         lines += [
@@ -179,13 +208,46 @@ def task_table(summary: ResultsSummary, task: str) -> str:
         ]
     if warnings_lines:
         lines += ["", *warnings_lines]
+    if any(problems.values()):
+        lines += ["", "Items without a score in a setting (not counted in its n and mean):"]
+        for (method, budget), cell_problems in problems.items():
+            label = "(all)" if budget is None else _budget_label(budget)
+            for status, count, reason in cell_problems:
+                lines.append(
+                    f"- {md_text(method)} @ {label}: {count} item(s) {status}"
+                    f"{RERUN_HINT if status == TRANSIENT_STATUS else ''} — {md_text(reason)}"
+                )
     infeasible = summary.infeasible_settings(task)
     if infeasible:
         lines.append("")
         lines.append("Could not run (budget below the method's minimum on these contexts; not counted above):")
         for method, budget, count, reason in infeasible:
-            lines.append(f"- {method} @ {_budget_label(budget)}: {count} item(s) — {reason}")
+            lines.append(f"- {md_text(method)} @ {_budget_label(budget)}: {count} item(s) — {md_text(reason)}")
+    not_applicable = summary.unscored_settings(task, "not_applicable")
+    if not_applicable:
+        lines += ["", "Not applicable (the method cannot keep its budget in this task's phase; not counted above):"]
+        for method, budget, _, count, reason in not_applicable:
+            lines.append(f"- {md_text(method)} @ {_budget_label(budget)}: {count} item(s) — {md_text(reason)}")
     return "\n".join(lines)
+
+
+def truncation_note(records: list[dict], task: str) -> str:
+    """How many of ``task``'s items had their prompt cut to fit the model's context, and what was
+    cut (each record carries ``metadata.truncated_from_tokens``), or ``""``."""
+    items = {str(r["item_id"]) for r in records if r["task"] == task}
+    cut: dict[str, dict] = {}
+    for record in records:
+        metadata = record.get("metadata") or {}
+        if record["task"] == task and isinstance(metadata, dict) and metadata.get("truncated_from_tokens"):
+            cut.setdefault(str(record["item_id"]), metadata)
+    if not cut:
+        return ""
+    longest = max(int(m["truncated_from_tokens"]) for m in cut.values())
+    what = sorted({str(m.get("truncated") or "the middle of the prompt") for m in cut.values()})
+    return (
+        f"> **Note:** {len(cut)} of {len(items)} item(s) had a prompt longer than the model's context "
+        f"(up to {longest} tokens) and were cut to fit: {md_text('; '.join(what))}."
+    )
 
 
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "*", "h", "p")
@@ -424,8 +486,8 @@ def write_report(
         "# kvhive evaluation report",
         "",
         f"- results: `{out / 'results.jsonl'}` ({len(records)} records)",
-        f"- model: {', '.join(models) or '–'}; dtype: {', '.join(dtypes)}; seed: {', '.join(seeds) or '–'}"
-        + (f"; suite: {', '.join(suites)}" if suites else ""),
+        f"- model: {md_text(', '.join(models)) or '–'}; dtype: {md_text(', '.join(dtypes))}; "
+        f"seed: {md_text(', '.join(seeds)) or '–'}" + (f"; suite: {md_text(', '.join(suites))}" if suites else ""),
         f"- generated: {datetime.now(timezone.utc).isoformat(timespec='seconds')}",
         "- budgets: a decimal is a ratio of the context kept; `N tok` is N tokens per KV head per layer; "
         "`full` is the uncompressed cache. Cells: mean ± standard error over items.",
@@ -438,9 +500,10 @@ def write_report(
         direction = "higher is better" if info.get("higher_is_better", True) else "lower is better"
         chance = info.get("chance")
         lines += [
-            f"## {task}",
+            f"## {md_text(task)}",
             "",
-            f"Kind: {info.get('kind')}; main metric: `{info.get('main_metric')}` ({direction}); chance level: {_fmt(chance)}.",
+            f"Kind: {md_text(info.get('kind'))}; main metric: {md_code(info.get('main_metric'))} ({direction}); "
+            f"chance level: {_fmt(chance) if isinstance(chance, (int, float)) else md_text(chance)}.",
             "",
         ]
         if any(
@@ -465,8 +528,11 @@ def write_report(
         elif summary.count(task, FULL_METHOD) == 0:
             lines += ["> No full-cache results for this task: ratios to full and the chance check are unavailable.", ""]
         lines += [task_table(summary, task), ""]
+        truncated = truncation_note(records, task)
+        if truncated:
+            lines += [truncated, ""]
         for path in plot_task(summary, task, out):
-            lines += [f"![{task}]({path.name})", ""]
+            lines += [f"![{md_text(task)}]({path.name})", ""]
     if include_claims is None:
         include_claims = any(r.get("suite") == "claims" for r in records)
     if include_claims:

@@ -25,10 +25,34 @@ from .metrics import aggregate_item_metrics
 RESULTS_FILE = "results.jsonl"
 LOCK_FILE = ".results.lock"
 
+# A setting that could not be computed for a reason that may pass (its Ray worker died, the
+# device ran out of memory): recorded so that the report counts it, but not done: a rerun
+# computes it again and the new record replaces it ("the latest record for a key wins").
+TRANSIENT_STATUS = "transient"
+# Statuses of a setting that has no score by design, listed apart in the report: its budget is
+# below the method's minimum there, or the method cannot keep a budget in the task's phase.
+EXPECTED_UNSCORED = ("infeasible", "not_applicable")
+
 
 def results_path(out_dir: str | Path) -> Path:
     path = Path(out_dir)
-    return path if path.suffix == ".jsonl" else path / RESULTS_FILE
+    return path if path.suffix == ".jsonl" and not path.is_dir() else path / RESULTS_FILE
+
+
+def is_done(record: dict) -> bool:
+    """Whether a record settles its key (every status but ``transient``, which a rerun retries)."""
+    return record.get("status", "ok") != TRANSIENT_STATUS
+
+
+def _metrics_problem(record: dict) -> str | None:
+    """Why a record's metrics cannot be read as numbers (a value that is not a number or null)."""
+    metrics = record.get("metrics", {})
+    if not isinstance(metrics, dict):
+        return f"metrics is {type(metrics).__name__}, expected an object"
+    for name, value in metrics.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            return f"metric {name!r} is {value!r}, not a number"
+    return None
 
 
 def result_key(record: dict) -> tuple[str, str, str, str]:
@@ -53,9 +77,12 @@ def repair_results_file(path: Path) -> int:
 
 
 def read_results(out_dir: str | Path) -> list[dict]:
-    """All complete, well-formed records (first occurrence of each key), in file order.
+    """All complete, well-formed records, one per key: the latest record of a key wins (a rerun
+    replaces a ``transient`` record), at the place of the key's first record.
 
-    A partial last line is ignored; a malformed complete line is skipped with a warning.
+    A partial last line is ignored; a malformed complete line is skipped with a warning; a record
+    whose metrics are not numbers raises ``ValueError`` naming the file and line (averaging it
+    would either crash or report a number that is not what it says).
     """
     path = results_path(out_dir)
     if not path.exists():
@@ -65,19 +92,23 @@ def read_results(out_dir: str | Path) -> list[dict]:
     if not data.endswith(b"\n"):
         lines = lines[:-1]  # partial last line (writer killed mid-line)
     records: list[dict] = []
-    seen: set[tuple] = set()
+    index_of: dict[tuple, int] = {}
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
             key = result_key(record)
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError):
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError):
             warnings.warn(f"{path}: line {number}: skipping a malformed record", stacklevel=2)
             continue
-        if key in seen:
+        problem = _metrics_problem(record)
+        if problem is not None:
+            raise ValueError(f"{path}: line {number}: {problem}")
+        if key in index_of:
+            records[index_of[key]] = record
             continue
-        seen.add(key)
+        index_of[key] = len(records)
         records.append(record)
     return records
 
@@ -103,11 +134,16 @@ class ResultsWriter:
             ) from None
         self.repaired_bytes = repair_results_file(self.path)
         self.records = read_results(self.path)
-        self.done = {result_key(r) for r in self.records}
+        # Keys a rerun skips; a key whose latest record is transient is retried.
+        self.done = {result_key(r) for r in self.records if is_done(r)}
+        self.transient = {result_key(r) for r in self.records if not is_done(r)}
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def append(self, record: dict) -> None:
-        """Write one record as one line and make it durable before returning."""
+        """Write one record as one line and make it durable before returning.
+
+        A key already settled is not written again; a key whose record is transient is: the new
+        record replaces it (here and, the latest line winning, for every reader)."""
         key = result_key(record)
         if key in self.done:
             return
@@ -118,7 +154,13 @@ class ResultsWriter:
         while written < len(data):  # os.write may be partial for huge records
             written += os.write(self._fd, data[written:])
         os.fsync(self._fd)
-        self.done.add(key)
+        if key in self.transient:  # replaced (rare: a rerun of what a dead worker left)
+            self.records = [r for r in self.records if result_key(r) != key]
+            self.transient.discard(key)
+        if is_done(record):
+            self.done.add(key)
+        else:
+            self.transient.add(key)
         self.records.append(record)
 
     def close(self) -> None:
@@ -150,7 +192,8 @@ class ResultsSummary:
         self.task_info: dict[str, dict[str, Any]] = {}
         # Settings that produced no score on an item are kept apart: "infeasible" (budget below the
         # method's minimum), "not_applicable" (the method cannot keep its budget in the task's
-        # phase), "failed" (non-finite model output). They have no metrics and never count as a score.
+        # phase), "failed" (non-finite model output), "transient" (a dead worker: retried on rerun),
+        # "too_long" (a prompt that does not fit the model). They never count as a score.
         self._unscored: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
         for record in self.records:
             key = (record["task"], record["method"], budget_key(record["budget"]))
@@ -171,6 +214,18 @@ class ResultsSummary:
             )
             if info["chance"] is None and record.get("chance") is not None:
                 info["chance"] = record["chance"]
+        # A task none of whose items has a score (every prompt too long, every worker dead) still
+        # has its section in the report, which says why.
+        for record in (r for rs in self._unscored.values() for r in rs):
+            self.task_info.setdefault(
+                record["task"],
+                {
+                    "kind": record.get("kind", "generate"),
+                    "main_metric": record.get("main_metric"),
+                    "higher_is_better": record.get("higher_is_better", True),
+                    "chance": record.get("chance"),
+                },
+            )
         self._cache: dict[tuple, dict[str, float]] = {}
 
     def unscored_settings(self, task: str, status: str | None = None) -> list[tuple[str, float | int, str, int, str]]:
@@ -186,6 +241,53 @@ class ResultsSummary:
             for (method, key, record_status), records in grouped.items()
         ]
         return sorted(out, key=lambda row: (row[0], isinstance(row[1], int), float(row[1]), row[2]))
+
+    def task_item_ids(self, task: str) -> set[str]:
+        """Every item of ``task`` that has a record, in any setting and with any status."""
+        return {str(r["item_id"]) for r in self.records if r["task"] == task}
+
+    def problems_note(self, task: str, settings: Iterable[tuple[str, float | int | None]]) -> str:
+        """One line naming the compared settings of ``task`` that lack scores for some items
+        (failed, transient, too long, missing), or ``""``: a verdict built on them says so."""
+        parts = []
+        for method, budget in settings:
+            found = self.cell_problems(task, method, budget)
+            if found:
+                label = method if method == FULL_METHOD or budget is None else f"{method}@{budget_key(budget)}"
+                parts.append(f"{label} " + ", ".join(f"{count} {status}" for status, count, _ in found))
+        return f"items without a score, left out: {'; '.join(parts)}" if parts else ""
+
+    def settings_with_records(self, task: str) -> list[tuple[str, float | int | None]]:
+        """(method, budget) of every setting of ``task`` with a record of any status (the full
+        cache as ``(FULL_METHOD, None)``), scored or not."""
+        keys = {(m, None if m == FULL_METHOD else b) for (t, m, b) in [*self._groups, *self._unscored] if t == task}
+        return sorted(
+            ((m, None if b is None else self._budgets[b]) for m, b in keys),
+            key=lambda s: (s[0] != FULL_METHOD, s[0], s[1] is not None and isinstance(s[1], int), float(s[1] or 0)),
+        )
+
+    def cell_problems(self, task: str, method: str, budget: float | int | None = None) -> list[tuple[str, int, str]]:
+        """``(status, items, first reason)`` for the items of ``task`` that (method, budget) has
+        no score for although they were meant to have one: ``failed`` (deterministic: non-finite
+        output), ``transient`` (a worker died, out of memory: a rerun retries it), ``too_long``
+        (the prompt does not fit the model and the task allows no cut there) and ``missing``
+        (items other settings of the task have, this one has no record of: an interrupted run
+        or another ``--limit``). ``infeasible`` and ``not_applicable`` settings are listed apart
+        (:meth:`unscored_settings`). Empty when the cell is complete."""
+        if method == FULL_METHOD or budget is None:
+            unscored = [r for (t, m, _), rs in self._unscored.items() if t == task and m == method for r in rs]
+        else:
+            unscored = list(self._unscored.get((task, method, budget_key(budget)), []))
+        recorded = {str(r["item_id"]) for r in unscored} | set(self.item_ids(task, method, budget))
+        problems: dict[str, list[str]] = defaultdict(list)
+        for record in unscored:
+            if record["status"] not in EXPECTED_UNSCORED:
+                problems[record["status"]].append(str(record.get("reason", record["status"])))
+        missing = self.task_item_ids(task) - recorded
+        if missing:
+            shown = ", ".join(sorted(missing)[:3]) + (", …" if len(missing) > 3 else "")
+            problems["missing"] = [f"no record for item(s) {shown}"] * len(missing)
+        return [(status, len(reasons), reasons[0]) for status, reasons in sorted(problems.items())]
 
     def infeasible_settings(self, task: str) -> list[tuple[str, float | int, int, str]]:
         """(method, budget, number of items, first reason) of settings that could not run on

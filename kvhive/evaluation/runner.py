@@ -32,11 +32,12 @@ from .backend import (
     validate_budgets,
     validate_dtype,
 )
-from .results import RESULTS_FILE, ResultsWriter
+from .results import RESULTS_FILE, TRANSIENT_STATUS, ResultsWriter
 from .tasks import TASKS, Item, Task, get_task, parse_task_spec
 from .tasks.base import encode
 
 MethodValidator = Callable[[str], Any]
+TOO_LONG_STATUS = "too_long"  # a prompt longer than the model's context that the task may not cut
 
 
 class PendingItem(NamedTuple):
@@ -61,6 +62,7 @@ class EvalRun:
     total: int  # results in the grid
     skipped: int  # already in results.jsonl before this run
     written: int  # appended by this run
+    transient: int = 0  # results of the grid whose latest record is transient: a rerun retries them
 
 
 # --------------------------------------------------------------------------- argument resolution
@@ -88,6 +90,21 @@ def resolve_tasks(tasks: Sequence[str | Task] | str) -> list[Task]:
     if not resolved:
         raise ValueError(f"tasks: no task given; known tasks: {', '.join(TASKS)}")
     return resolved
+
+
+def validate_out_dir(out_dir: str | Path) -> Path:
+    """The output folder, refused before anything is computed when it cannot be one: a path that
+    exists and is not a folder, or a name ending in ``.jsonl`` (the results file goes inside the
+    folder, ``OUT/results.jsonl``; ``kvhive report`` would read such a name as the file)."""
+    path = Path(out_dir)
+    if path.suffix == ".jsonl":
+        raise ValueError(
+            f"out_dir (--out): {str(path)!r} ends in .jsonl; give the output folder (results go to "
+            f"FOLDER/{RESULTS_FILE}), e.g. {str(path.with_suffix(''))!r}"
+        )
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"out_dir (--out): {str(path)!r} exists and is not a folder; give a folder")
+    return path
 
 
 def _per_task(value: Any, task: Task, what: str) -> Any:
@@ -128,6 +145,17 @@ def settings_for(methods: Sequence[str], budgets: Sequence[float | int], include
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+class TransientFailure(SettingFailure):
+    """A setting's output lost to a failure that may pass (out of memory): recorded
+    ``transient``, so a rerun computes it again."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is the host or a device running out of memory (``MemoryError``,
+    ``torch.cuda.OutOfMemoryError`` and the like, told by name: this module imports no torch)."""
+    return isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError"
 
 
 def truncate_middle(prompt: str, tokenizer: Any, max_tokens: int) -> tuple[str, int]:
@@ -269,6 +297,7 @@ def run_eval(
     ``backend`` only has to provide the tokenizer (to load the items) and the model name.
     """
     validate_dtype(dtype)
+    validate_out_dir(out_dir)
     resolved_tasks = resolve_tasks(tasks)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
         raise ValueError(f"limit: expected an integer >= 0 or None, got {limit!r}")
@@ -342,7 +371,16 @@ def run_eval(
         finally:
             if bar is not None:
                 bar.close()
-    return EvalRun(results_path=out_path / RESULTS_FILE, total=total, skipped=skipped, written=written)
+        grid_keys = {
+            (task.name, item.id, s.method, budget_key(s.budget))
+            for task, items, settings in loaded
+            for item in items
+            for s in settings
+        }
+        transient = len(writer.transient & grid_keys)
+    return EvalRun(
+        results_path=out_path / RESULTS_FILE, total=total, skipped=skipped, written=written, transient=transient
+    )
 
 
 def _run_item(
@@ -356,20 +394,45 @@ def _run_item(
     limit: int | None,
     suite: str | None,
     dtype: str = DEFAULT_DTYPE,
+    record_out_of_memory: bool = True,
 ) -> int:
+    """Run one item's pending settings (one backend call) and append their records.
+
+    Running out of memory is recorded ``transient`` (a rerun retries it) when
+    ``record_out_of_memory``; else it raises (a Ray worker: the pool retries the item elsewhere)."""
     metadata = dict(item.metadata)
     item_hash = item.fingerprint()
     prompt_tokens = None
+    too_long = None  # why the prompt cannot be given to the model, when it cannot
     if task.kind in ("generate", "choice"):
         max_context = getattr(backend, "max_context", None)
-        reserve = item.max_new_tokens + 8 if task.kind == "generate" else 0
-        if task.kind == "generate" and max_context:
-            prompt, prompt_tokens = truncate_middle(item.prompt, backend.tokenizer, max(16, int(max_context) - reserve))
-            if prompt != item.prompt:
-                metadata["truncated_from_tokens"] = prompt_tokens
-                item = Item(**{**item.__dict__, "prompt": prompt})
-        else:
-            prompt_tokens = len(encode(backend.tokenizer, item.prompt))
+        prompt_tokens = len(encode(backend.tokenizer, item.prompt))
+        # room for the special tokens the backend adds, and for the generated (or scored) tokens
+        reserve = 8 + (
+            item.max_new_tokens
+            if task.kind == "generate"
+            else max(len(encode(backend.tokenizer, c)) for c in item.choices)
+        )
+        if max_context and prompt_tokens > int(max_context) - reserve:
+            limit_tokens = int(max_context) - reserve
+            shortened = (
+                task.shorten(item, backend.tokenizer, limit_tokens)
+                if task.kind == "generate" and limit_tokens >= 1
+                else None
+            )
+            if shortened is None:
+                too_long = (
+                    f"prompt of {prompt_tokens} tokens does not fit the model's context of {int(max_context)} "
+                    f"tokens ({reserve} kept for the special and the {'generated' if task.kind == 'generate' else 'scored'} tokens); "
+                    f"task {task.name!r} allows no cut (what is cut could be what is asked)"
+                )
+            else:
+                metadata = {
+                    **dict(shortened.metadata),
+                    "truncated_from_tokens": prompt_tokens,
+                    "truncated": task.truncatable,
+                }
+                item = shortened
     else:
         prompt_tokens = len(item.token_ids)
 
@@ -385,6 +448,9 @@ def _run_item(
     not_applicable = getattr(backend, "not_applicable", None)
     reasons: dict[Setting, tuple[str, str]] = {}
     for setting in pending:
+        if too_long is not None:
+            reasons[setting] = (TOO_LONG_STATUS, too_long)
+            continue
         if (
             task.kind == "perplexity"
             and setting.method != FULL_METHOD
@@ -409,7 +475,15 @@ def _run_item(
     feasible = [s for s in pending if s not in reasons]
 
     start = time.perf_counter()
-    outputs = _call_backend(backend, task, item, feasible) if feasible else []
+    try:
+        outputs = _call_backend(backend, task, item, feasible) if feasible else []
+    except Exception as error:  # noqa: BLE001 - only running out of memory is recorded, the rest raises
+        if not (record_out_of_memory and is_out_of_memory(error)):
+            raise
+        # Memory depends on what else the device holds: record it, let the grid go on, retry on rerun.
+        text = str(error).strip().splitlines()
+        reason = f"out of memory ({type(error).__name__}: {text[0] if text else ''}); a rerun retries it"
+        outputs = [TransientFailure(reason)] * len(feasible)
     wall = time.perf_counter() - start
     timestamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
     results = dict(zip(feasible, outputs, strict=True))
@@ -423,6 +497,8 @@ def _run_item(
         output, metrics, status, reason = None, {}, "ok", None
         if setting in reasons:
             status, reason = reasons[setting]
+        elif isinstance(results[setting], TransientFailure):
+            status, reason = TRANSIENT_STATUS, results[setting].reason
         elif isinstance(results[setting], SettingFailure):
             status, reason = "failed", results[setting].reason
         else:

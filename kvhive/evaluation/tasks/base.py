@@ -6,8 +6,10 @@ import functools
 import gzip
 import hashlib
 import json
+import math
 import random
 import re
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -16,10 +18,76 @@ from typing import Any, ClassVar
 from ..metrics import aggregate_item_metrics
 
 KINDS = ("generate", "choice", "perplexity")
+MAX_GENERATED_TOKENS = 65_536  # bound of every max_new_tokens parameter
+MAX_PROMPT_TOKENS = 1_048_576  # bound of every length parameter (a 1M-token context)
 
 
 class TaskDataError(ValueError):
     """A task's data file is malformed (the message names the file and line)."""
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+@dataclass(frozen=True)
+class Parameter:
+    """What a task parameter accepts, checked when the task is made (as method parameters are).
+
+    ``kind``: ``"int"`` (an integer, not a bool), ``"number"`` (int or float, finite) or
+    ``"choice"`` (one of ``choices``). Numbers must lie in ``[minimum, maximum]``. ``words``:
+    strings a numeric parameter also accepts (mdqa's ``"middle"``). ``many``: a list of values
+    (a single value is a list of one; no value twice, since each value makes its own items).
+    ``optional``: ``None`` is accepted (the task's documented default behaviour)."""
+
+    kind: str
+    minimum: float | None = None
+    maximum: float | None = None
+    many: bool = False
+    optional: bool = False
+    choices: tuple = ()
+    words: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        if self.kind == "choice":
+            text = f"one of {list(self.choices)}"
+        else:
+            text = "an integer" if self.kind == "int" else "a number"
+            if self.minimum is not None and self.maximum is not None:
+                text += f" in {_number(self.minimum)}..{_number(self.maximum)}"
+            elif self.minimum is not None:
+                text += f" >= {_number(self.minimum)}"
+            if self.words:
+                text += " or " + " or ".join(repr(w) for w in self.words)
+        if self.many:
+            text = f"{text}, or several joined by '+' (each once)"
+        return text + (", or none" if self.optional else "")
+
+    def problem(self, value: Any) -> str | None:
+        """Why ``value`` is not accepted, or None."""
+        if value is None:
+            return None if self.optional else "a value is required"
+        values = list(value) if self.many and isinstance(value, (list, tuple)) else [value]
+        if self.many and not values:
+            return "no value given"
+        for one in values:
+            if self.kind == "choice":
+                if isinstance(one, bool) or one not in self.choices:
+                    return f"{one!r} is not accepted"
+                continue
+            if isinstance(one, str) and one in self.words:
+                continue
+            if isinstance(one, bool) or not isinstance(one, (int, float)):
+                return f"{one!r} is not a number"
+            if self.kind == "int" and not isinstance(one, int):
+                return f"{one!r} is not an integer"
+            if isinstance(one, float) and not math.isfinite(one):
+                return f"{one!r} is not finite"
+            if (self.minimum is not None and one < self.minimum) or (self.maximum is not None and one > self.maximum):
+                return f"{one!r} is out of range"
+        if len({json.dumps(v) for v in values}) != len(values):
+            return "a value is given more than once"
+        return None
 
 
 @dataclass
@@ -41,6 +109,9 @@ class Item:
     token_ids: list[int] = field(default_factory=list)
     max_new_tokens: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
+    # What the task needs to rebuild a shorter prompt (Task.shorten); not part of the item's
+    # identity (the fingerprint) and never recorded.
+    source: Any = field(default=None, repr=False, compare=False)
 
     @property
     def context(self) -> str:
@@ -71,6 +142,9 @@ class Task:
     higher_is_better: ClassVar[bool] = True
     default_budgets: ClassVar[tuple[float | int, ...]] = (0.2, 0.5)
     source: ClassVar[str] = ""  # where prompt format and metric come from
+    # What Task.shorten may cut when a prompt is longer than the model's context (recorded with
+    # every shortened item and shown in the report); None: nothing, such an item is "too_long".
+    truncatable: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # Every task's own ``load`` gets the chat-template step, so no task (and no caller of
@@ -85,10 +159,23 @@ class Task:
             raise ValueError(
                 f"task {self.name!r}: unknown parameter(s) {unknown}; known: {sorted(self.default_params())}"
             )
+        specs = self.parameters()
+        for key, value in params.items():
+            spec = specs.get(key)
+            problem = spec.problem(value) if spec is not None else None
+            if problem is not None:
+                raise ValueError(
+                    f"task {self.name!r}: parameter {key!r}: {problem}; expected {spec.describe()}, got {value!r}"
+                )
         self.params: dict[str, Any] = {**self.default_params(), **params}
 
     @classmethod
     def default_params(cls) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def parameters(cls) -> dict[str, Parameter]:
+        """What each parameter of :meth:`default_params` accepts (every one has an entry)."""
         return {}
 
     # -- to implement
@@ -99,6 +186,13 @@ class Task:
         """Metrics of one output (main metric first). ``output`` is the generated text
         (generate), the list of log-likelihoods (choice) or ``(nll_sum, n_tokens)`` (perplexity)."""
         raise NotImplementedError
+
+    def shorten(self, item: Item, tokenizer: Any, max_tokens: int) -> Item | None:
+        """``item`` with a prompt of at most ``max_tokens`` tokens (without special tokens), cut
+        only where :attr:`truncatable` says the answer cannot be, or None when that is not
+        possible (then the runner records the item ``too_long``). By default nothing may be cut:
+        a record, a document or a line removed could be the one asked about."""
+        return None
 
     # -- shared
     def main_first(self, metrics: dict[str, float]) -> dict[str, float]:
@@ -214,7 +308,10 @@ def apply_chat_template(items: list[Item], kind: str, tokenizer: Any) -> list[It
 def _rendering_chat_template(load: Callable[..., list[Item]]) -> Callable[..., list[Item]]:
     @functools.wraps(load)
     def load_with_chat_template(self: Task, data_dir, limit, seed, tokenizer) -> list[Item]:
-        return apply_chat_template(load(self, data_dir, limit, seed, tokenizer), self.kind, tokenizer)
+        items = load(self, data_dir, limit, seed, tokenizer)
+        if not items and limit != 0:  # an empty task would "run" and score nothing
+            raise TaskDataError(f"task {self.name!r}: no items with parameters {self.params} from data dir {data_dir}")
+        return apply_chat_template(items, self.kind, tokenizer)
 
     return load_with_chat_template
 
@@ -232,19 +329,43 @@ def open_text(path: Path):
 def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
     """Yield ``(line_number, record)`` (1-based) from a JSON Lines file (``.gz`` allowed).
 
-    Blank lines are skipped; a malformed line raises :class:`TaskDataError` naming file and line.
+    Blank lines are skipped; a malformed line raises :class:`TaskDataError` naming file and line,
+    and so do a file that cannot be read to its end (a truncated ``.gz``) and one without records.
     """
-    with open_text(path) as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise TaskDataError(f"{path}: line {line_number}: malformed JSON ({error.msg})") from None
-            if not isinstance(record, dict):
-                raise TaskDataError(f"{path}: line {line_number}: expected a JSON object")
-            yield line_number, record
+    records = 0
+    line_number = 0
+    try:
+        with open_text(path) as handle:
+            for line_number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise TaskDataError(f"{path}: line {line_number}: malformed JSON ({error.msg})") from None
+                if not isinstance(record, dict):
+                    raise TaskDataError(f"{path}: line {line_number}: expected a JSON object")
+                records += 1
+                yield line_number, record
+    except (EOFError, OSError, UnicodeDecodeError, zlib.error) as error:
+        raise TaskDataError(
+            f"{path}: cannot be read past line {line_number} ({type(error).__name__}: {error}): "
+            "the file is truncated or corrupt; download it again"
+        ) from None
+    if records == 0:
+        raise TaskDataError(f"{path}: holds no records (an empty file?)")
+
+
+def read_text_file(path: Path) -> str:
+    """The text of a data file; an unreadable or empty file raises :class:`TaskDataError` naming it."""
+    try:
+        with open_text(path) as handle:
+            text = handle.read()
+    except (EOFError, OSError, UnicodeDecodeError, zlib.error) as error:
+        raise TaskDataError(f"{path}: cannot be read ({type(error).__name__}: {error})") from None
+    if not text.strip():
+        raise TaskDataError(f"{path}: is empty")
+    return text
 
 
 def require_fields(record: dict, fields: Sequence[str], path: Path, line_number: int) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..metrics import last_integer
-from .base import Item, Task, as_list, read_jsonl, require_fields, seeded_order, take
+from .base import MAX_GENERATED_TOKENS, Item, Parameter, Task, as_list, read_jsonl, require_fields, seeded_order, take
 
 LINES_FILE = "longeval_lines/{n}_lines.jsonl.gz"
 AVAILABLE_LENGTHS = (200, 300, 400, 500, 600, 680, 700, 800, 900, 1000, 1100, 1200, 1350)
@@ -28,6 +28,13 @@ class LineRetrievalTask(Task):
     @classmethod
     def default_params(cls) -> dict[str, Any]:
         return {"lengths": [200, 300], "max_new_tokens": 100}
+
+    @classmethod
+    def parameters(cls) -> dict[str, Parameter]:
+        return {
+            "lengths": Parameter("choice", many=True, choices=AVAILABLE_LENGTHS),
+            "max_new_tokens": Parameter("int", 1, MAX_GENERATED_TOKENS),
+        }
 
     @property
     def required_files(self) -> tuple[str, ...]:  # type: ignore[override]

@@ -22,7 +22,9 @@ import random
 from typing import Any
 
 from ..metrics import best_subspan_em, first_line, normalize_answer
-from .base import Item, Task, as_list, read_jsonl, require_fields, seeded_order, take
+from .base import MAX_GENERATED_TOKENS, Item, Parameter, Task, as_list, read_jsonl, require_fields, seeded_order, take
+
+MAX_DOCUMENTS = 200  # distractors come from other questions' gold passages; far more than the paper's 30
 
 QA_FILE = "lost_in_the_middle/nq-open-oracle.jsonl.gz"
 KV_FILE = "lost_in_the_middle/kv-retrieval-75_keys.jsonl.gz"
@@ -71,6 +73,20 @@ class MultiDocQATask(Task):
     @classmethod
     def default_params(cls) -> dict[str, Any]:
         return {"gold_positions": [0, 4, 9], "num_documents": 10, "max_new_tokens": 100}
+
+    @classmethod
+    def parameters(cls) -> dict[str, Parameter]:
+        return {
+            # an index into the documents (negative: from the end) or "middle"; range checked per count
+            "gold_positions": Parameter("int", -MAX_DOCUMENTS, MAX_DOCUMENTS - 1, many=True, words=("middle",)),
+            "num_documents": Parameter("int", 1, MAX_DOCUMENTS, many=True),
+            "max_new_tokens": Parameter("int", 1, MAX_GENERATED_TOKENS),
+        }
+
+    def __init__(self, **params: Any) -> None:
+        super().__init__(**params)
+        for count in as_list(self.params["num_documents"]):  # every gold position fits every count
+            self._gold_positions(as_list(self.params["gold_positions"]), int(count))
 
     def load(self, data_dir, limit, seed, tokenizer) -> list[Item]:
         root = self.check_files(data_dir)
@@ -131,7 +147,9 @@ class MultiDocQATask(Task):
                     ) from None
                 position = position + count if position < 0 else position
             if not 0 <= position < count:
-                raise ValueError(f"task 'mdqa': gold_positions {spec} outside 0..{count - 1} for {count} documents")
+                raise ValueError(
+                    f"task 'mdqa': parameter 'gold_positions': {spec} outside 0..{count - 1} for {count} documents"
+                )
             resolved.append(position)
         return resolved
 
@@ -176,6 +194,14 @@ class KVRetrievalTask(Task):
         # None = the file's own ordering; "first"/"middle"/"last" or an int index move the queried pair
         return {"positions": ["first", "middle", "last"], "max_new_tokens": 100}
 
+    @classmethod
+    def parameters(cls) -> dict[str, Parameter]:
+        return {
+            # an index among the other pairs (checked against each record's count at load)
+            "positions": Parameter("int", 0, 10_000, many=True, optional=True, words=("first", "middle", "last")),
+            "max_new_tokens": Parameter("int", 1, MAX_GENERATED_TOKENS),
+        }
+
     def load(self, data_dir, limit, seed, tokenizer) -> list[Item]:
         root = self.check_files(data_dir)
         path = root / KV_FILE
@@ -198,6 +224,11 @@ class KVRetrievalTask(Task):
                 if position is not None:
                     rest = [p for p in pairs if p[0] != record["key"]]
                     at = {"first": 0, "middle": len(rest) // 2, "last": len(rest)}.get(position, position)
+                    if not 0 <= int(at) <= len(rest):
+                        raise ValueError(
+                            f"task 'kv_retrieval': parameter 'positions': {position!r} is outside 0..{len(rest)} "
+                            f"for the {len(pairs)} pairs of {path} line {line_number}"
+                        )
                     ordered = rest[: int(at)] + gold + rest[int(at) :]
                 at_index = ordered.index(gold[0])
                 items.append(

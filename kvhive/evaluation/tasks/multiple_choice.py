@@ -19,7 +19,7 @@ import re
 from typing import Any
 
 from ..metrics import choice_accuracy
-from .base import Item, Task, TaskDataError, read_jsonl, require_fields, seeded_order, take
+from .base import Item, Parameter, Task, TaskDataError, read_jsonl, require_fields, seeded_order, take
 
 
 class _FewShotChoiceTask(Task):
@@ -31,6 +31,10 @@ class _FewShotChoiceTask(Task):
     @classmethod
     def default_params(cls) -> dict[str, Any]:
         return {"num_shots": 5}
+
+    @classmethod
+    def parameters(cls) -> dict[str, Parameter]:
+        return {"num_shots": Parameter("int", 0, 100)}
 
     def _parse(self, record: dict, path, line_number: int) -> tuple[str, list[str], int]:
         """(query context, continuations, gold index) of one record."""

@@ -26,7 +26,19 @@ from pathlib import Path
 from typing import Any
 
 from ..metrics import best_subspan_em, first_line, normalize_answer
-from .base import Item, Task, as_list, decode, encode, take
+from .base import (
+    MAX_GENERATED_TOKENS,
+    MAX_PROMPT_TOKENS,
+    Item,
+    Parameter,
+    Task,
+    TaskDataError,
+    as_list,
+    decode,
+    encode,
+    read_text_file,
+    take,
+)
 
 ESSAYS_DIR = "paul_graham_essays/essays"
 
@@ -100,7 +112,11 @@ def load_essays(data_dir: Path) -> list[str]:
     paths = sorted((data_dir / ESSAYS_DIR).glob("*.txt"))
     if not paths:
         raise FileNotFoundError(f"no essays (*.txt) in {data_dir / ESSAYS_DIR}")
-    return [p.read_text(encoding="utf-8") for p in paths]
+    essays = [read_text_file(p) if p.stat().st_size else "" for p in paths]
+    essays = [text for text in essays if text.strip()]
+    if not essays:  # the haystack would never grow
+        raise TaskDataError(f"{data_dir / ESSAYS_DIR}: every essay (*.txt) is empty")
+    return essays
 
 
 def build_haystack(essays: list[str], start: int, num_tokens: int, tokenizer: Any) -> str:
@@ -148,10 +164,19 @@ class NeedleTask(Task):
     main_metric = "exact_match"
     default_budgets = (64, 128, 256)
     source = "gkamradt/LLMTest_NeedleInAHaystack (needle, question, haystack construction)"
+    truncatable = "the haystack's end, before the needle goes in at its depth (as the upstream tester trims it)"
 
     @classmethod
     def default_params(cls) -> dict[str, Any]:
         return {"lengths": list(DEFAULT_LENGTHS), "depths": list(DEFAULT_DEPTHS), "max_new_tokens": 32}
+
+    @classmethod
+    def parameters(cls) -> dict[str, Parameter]:
+        return {
+            "lengths": Parameter("int", 1, MAX_PROMPT_TOKENS, many=True),
+            "depths": Parameter("number", 0, 100, many=True),
+            "max_new_tokens": Parameter("int", 1, MAX_GENERATED_TOKENS),
+        }
 
     def _prompt(self, context: str, question: str, answer_prefix: str) -> str:
         return f"{context}\n\nQuestion: {question} Answer using the text above.\nAnswer: {answer_prefix}"
@@ -167,8 +192,41 @@ class NeedleTask(Task):
             start = random.Random(f"needle:{seed}:{repetition}").randrange(len(essays))
             if (start, length) not in haystacks:
                 haystacks[(start, length)] = build_haystack(essays, start, length, tokenizer)
-            items.append(self._make_item(haystacks[(start, length)], repetition, length, depth, seed))
+            item = self._make_item(haystacks[(start, length)], repetition, length, depth, seed)
+            item.source = {"haystack": haystacks[(start, length)], "repetition": repetition, "seed": seed}
+            items.append(item)
         return take(items, limit)
+
+    def shorten(self, item: Item, tokenizer: Any, max_tokens: int) -> Item | None:
+        """The item rebuilt from a haystack cut short at its end, the needle(s) then inserted at
+        the same depth(s), as the upstream tester fits a haystack to a context: the needle, the
+        question and every needle of the multi-key variant stay whole."""
+        if not isinstance(item.source, dict):
+            return None
+        from .base import apply_chat_template
+
+        haystack_ids = encode(tokenizer, item.source["haystack"])
+        keep = len(haystack_ids)
+        for _ in range(8):  # the cut is exact up to re-tokenisation at its edge: converge in a few steps
+            excess = len(encode(tokenizer, item.prompt)) - max_tokens
+            if excess <= 0:
+                return item
+            keep -= excess
+            if keep < 1:
+                return None
+            haystack = decode(tokenizer, haystack_ids[:keep])
+            rebuilt = self._make_item(
+                haystack,
+                item.source["repetition"],
+                item.metadata["length"],
+                item.metadata["depth"],
+                item.source["seed"],
+            )
+            rebuilt = apply_chat_template([rebuilt], self.kind, tokenizer)[0]
+            rebuilt.metadata["haystack_tokens"] = keep
+            rebuilt.source = item.source
+            item = rebuilt
+        return item if len(encode(tokenizer, item.prompt)) <= max_tokens else None
 
     def _make_item(self, haystack: str, repetition: int, length: int, depth: float, seed: int) -> Item:
         context, offset = insert_at_depth(haystack, NEEDLE, depth)
@@ -201,9 +259,14 @@ class NeedleMultiKeyTask(NeedleTask):
     def default_params(cls) -> dict[str, Any]:
         return {**super().default_params(), "num_needles": 4}
 
+    @classmethod
+    def parameters(cls) -> dict[str, Parameter]:
+        # at most as many needles as distinct keys (the key loop would never end)
+        return {**super().parameters(), "num_needles": Parameter("int", 1, len(_KEY_WORDS_A) * len(_KEY_WORDS_B))}
+
     def _make_item(self, haystack: str, repetition: int, length: int, depth: float, seed: int) -> Item:
         rng = random.Random(f"needle_multikey:{seed}:{repetition}:{length}:{depth}")
-        num_needles = max(1, int(self.params["num_needles"]))
+        num_needles = int(self.params["num_needles"])
         keys: list[str] = []
         while len(keys) < num_needles:
             key = f"{rng.choice(_KEY_WORDS_A)}-{rng.choice(_KEY_WORDS_B)}"

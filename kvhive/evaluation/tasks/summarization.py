@@ -14,10 +14,22 @@ reference summary (computed from the data at load), since common words alone sco
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ..metrics import cut_at_stop, rouge_scores_multi
-from .base import Item, Task, read_jsonl, require_fields, seeded_order, take
+from .base import (
+    MAX_GENERATED_TOKENS,
+    Item,
+    Parameter,
+    Task,
+    decode,
+    encode,
+    read_jsonl,
+    require_fields,
+    seeded_order,
+    take,
+)
 
 CHANCE_SAMPLE = 30
 _CHANCE_CACHE: dict[tuple[str, str], float] = {}
@@ -41,6 +53,18 @@ def unrelated_summary_score(references: list[list[str]], metric: str = "rougeL")
     return sum(scores) / len(scores)
 
 
+def middle_truncated(item: Item, tokenizer: Any, max_tokens: int) -> Item | None:
+    """LongBench's truncation: the first and last ``max_tokens / 2`` tokens of the prompt (the
+    instructions at both ends stay, the middle of a long article goes)."""
+    ids = encode(tokenizer, item.prompt)
+    if len(ids) <= max_tokens:
+        return item
+    if max_tokens < 2:
+        return None
+    half = max_tokens // 2
+    return replace(item, prompt=decode(tokenizer, ids[:half] + ids[len(ids) - (max_tokens - half) :]))
+
+
 MULTI_NEWS_TEMPLATE = (
     "You are given several news passages. Write a one-page summary of all news. \n\nNews:\n{context}\n\n"
     "Now, write a one-page summary of all the news.\n\nSummary:"
@@ -54,10 +78,18 @@ class _H2OSummarizationTask(Task):
     default_budgets = (0.1, 0.2, 0.4, 0.6)
     file = ""
     default_max_new_tokens = 64
+    truncatable = "the middle of the article (LongBench's middle truncation)"
+
+    def shorten(self, item: Item, tokenizer: Any, max_tokens: int) -> Item | None:
+        return middle_truncated(item, tokenizer, max_tokens)
 
     @classmethod
     def default_params(cls) -> dict[str, Any]:
         return {"max_new_tokens": None}  # None: the record's max_tokens
+
+    @classmethod
+    def parameters(cls) -> dict[str, Parameter]:
+        return {"max_new_tokens": Parameter("int", 1, MAX_GENERATED_TOKENS, optional=True)}
 
     def load(self, data_dir, limit, seed, tokenizer) -> list[Item]:
         root = self.check_files(data_dir)
@@ -111,10 +143,18 @@ class MultiNewsTask(Task):
     main_metric = "rougeL"
     default_budgets = (0.1, 0.2, 0.4)
     source = "LongBench v1 multi_news via Zefan-Cai/KVCache-Factory (prompt, 512 new tokens, ROUGE-L)"
+    truncatable = "the middle of the news passages (LongBench's middle truncation)"
+
+    def shorten(self, item: Item, tokenizer: Any, max_tokens: int) -> Item | None:
+        return middle_truncated(item, tokenizer, max_tokens)
 
     @classmethod
     def default_params(cls) -> dict[str, Any]:
         return {"max_new_tokens": 512}
+
+    @classmethod
+    def parameters(cls) -> dict[str, Parameter]:
+        return {"max_new_tokens": Parameter("int", 1, MAX_GENERATED_TOKENS)}
 
     def load(self, data_dir, limit, seed, tokenizer) -> list[Item]:
         root = self.check_files(data_dir)

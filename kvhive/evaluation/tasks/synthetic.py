@@ -13,7 +13,7 @@ import random
 from typing import Any
 
 from ..metrics import first_integer
-from .base import Item, Task, take
+from .base import MAX_GENERATED_TOKENS, Item, Parameter, Task, take
 from .needle import _KEY_WORDS_A, _KEY_WORDS_B
 
 
@@ -29,6 +29,14 @@ class SyntheticRecallTask(Task):
     @classmethod
     def default_params(cls) -> dict[str, Any]:
         return {"num_pairs": 16, "num_items": 20, "max_new_tokens": 8}
+
+    @classmethod
+    def parameters(cls) -> dict[str, Parameter]:
+        return {
+            "num_pairs": Parameter("int", 1, len(_KEY_WORDS_A)),
+            "num_items": Parameter("int", 1, 1_000_000),
+            "max_new_tokens": Parameter("int", 1, MAX_GENERATED_TOKENS),
+        }
 
     def load(self, data_dir, limit, seed, tokenizer) -> list[Item]:
         num_pairs = int(self.params["num_pairs"])

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..metrics import perplexity
-from .base import Item, Task, encode, take
+from .base import MAX_PROMPT_TOKENS, Item, Parameter, Task, encode, read_text_file, take
 
 WIKITEXT_FILE = "wikitext2/wiki.test.raw"
 
@@ -33,13 +33,17 @@ class WikiTextPerplexityTask(Task):
     def default_params(cls) -> dict[str, Any]:
         return {"num_tokens": 1024, "window": 512}
 
+    @classmethod
+    def parameters(cls) -> dict[str, Parameter]:
+        return {"num_tokens": Parameter("int", 2, MAX_PROMPT_TOKENS), "window": Parameter("int", 2, MAX_PROMPT_TOKENS)}
+
     def load(self, data_dir, limit, seed, tokenizer) -> list[Item]:
         root = self.check_files(data_dir)
         num_tokens = int(self.params["num_tokens"])
         window = int(self.params["window"])
         if num_tokens < 2 or window < 2:
             raise ValueError(f"task 'ppl': num_tokens and window must be >= 2, got {num_tokens}, {window}")
-        text = (root / WIKITEXT_FILE).read_text(encoding="utf-8")
+        text = read_text_file(root / WIKITEXT_FILE)
         # tokenize a prefix generous enough for num_tokens (about 4 characters per token), else all
         ids = encode(tokenizer, text[: 12 * num_tokens + 1000])
         if len(ids) < num_tokens:
