@@ -215,6 +215,8 @@ def run_benchmark(
     for suffix, runs in (("_full", full_phases), ("", method_phases)):
         for phase in ("prefill", "decode"):
             result[f"{phase}_peak_bytes{suffix}"] = _highest(run.get(f"{phase}_peak_bytes") for run in runs)
+        # What the decode phase starts from: the cache the prefill left, with the weights.
+        result[f"decode_start_bytes{suffix}"] = _highest(run.get("decode_start_bytes") for run in runs)
     result["peak_rss_bytes"] = _highest(
         [process_peak, peak_rss_bytes(), *(run.get("prefill_peak_bytes") for run in full_phases + method_phases)]
         + [run.get("decode_peak_bytes") for run in full_phases + method_phases]
@@ -248,6 +250,11 @@ def memory_lines(result: dict[str, Any]) -> list[str]:
                 sign = "+" if rise >= 0 else "-"
                 cells.append(f"{label} {format_bytes(peak)} ({sign}{format_bytes(abs(rise))} against baseline)")
         lines.append(f"  {phase} peak: " + "; ".join(cells))
+    starts = [result[f"decode_start_bytes{suffix}"] for suffix in ("_full", "")]
+    if None not in starts:
+        lines.append(
+            f"  held when decoding starts: full {format_bytes(starts[0])}; {result['method']} {format_bytes(starts[1])}"
+        )
     return lines
 
 
