@@ -156,8 +156,11 @@ def run_benchmark(
     input_ids = torch.randint(3, vocab, (batch_size, context), generator=generator).to(device)
 
     _timed_run(model, input_ids[:, : min(context, 64)], "full", None, 1, {})  # warm-up
-    # Resetting the high-water mark per phase resets ru_maxrss too: keep the peak before it.
+    # Resetting the high-water mark per phase resets ru_maxrss (and CUDA's peak) too: keep the
+    # peaks before it.
     process_peak = peak_rss_bytes()
+    cuda = torch.device(device).type == "cuda"
+    cuda_peak = torch.cuda.max_memory_allocated(device) if cuda else None
     memory = PhaseMemory(device)
     memory_baseline = memory.start()  # model and prompt held, nothing else
     full_prefill, full_steps, method_prefill, method_steps = [], [], [], []
@@ -217,14 +220,14 @@ def run_benchmark(
             result[f"{phase}_peak_bytes{suffix}"] = _highest(run.get(f"{phase}_peak_bytes") for run in runs)
         # What the decode phase starts from: the cache the prefill left, with the weights.
         result[f"decode_start_bytes{suffix}"] = _highest(run.get("decode_start_bytes") for run in runs)
-    result["peak_rss_bytes"] = _highest(
-        [process_peak, peak_rss_bytes(), *(run.get("prefill_peak_bytes") for run in full_phases + method_phases)]
-        + [run.get("decode_peak_bytes") for run in full_phases + method_phases]
-        if memory.device.type == "cpu"
-        else [process_peak, peak_rss_bytes()]
-    )
-    if torch.device(device).type == "cuda":
-        result["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
+    phase_peaks = [
+        run.get(f"{phase}_peak_bytes") for run in full_phases + method_phases for phase in ("prefill", "decode")
+    ]
+    if cuda:
+        result["peak_rss_bytes"] = _highest([process_peak, peak_rss_bytes()])
+        result["peak_cuda_bytes"] = _highest([cuda_peak, torch.cuda.max_memory_allocated(device), *phase_peaks])
+    else:
+        result["peak_rss_bytes"] = _highest([process_peak, peak_rss_bytes(), *phase_peaks])
     return result
 
 
