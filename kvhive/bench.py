@@ -2,13 +2,18 @@
 
 ``run_benchmark`` measures, for one method at one context length and budget: prefill time with
 an uncompressed kvhive cache, prefill + compression time with the method (compression time is
-the difference), decode ms/token for both, cache bytes against the full cache, and peak RSS.
+the difference), decode ms/token for both, cache bytes against the full cache, and the peak memory
+of the prefill and of the decode phase for both (``kvhive.memory.PhaseMemory``: CUDA
+``max_memory_allocated``, CPU the process's resident high-water mark, reset at each phase).
+``capacity_search`` finds the longest prompt or the largest batch whose run fits a memory limit,
+one trial per fresh process (``capacity_trial``).
 ``variable_length_attention_benchmark`` compares the variable-length decode attention path with
 dense sdpa over the same number of tokens.
 """
 
 from __future__ import annotations
 
+import os
 import resource
 import statistics
 import sys
@@ -20,6 +25,16 @@ import torch.nn.functional as F
 
 from kvhive.api import make_cache
 from kvhive.compat import cache_kwarg
+from kvhive.memory import (
+    PhaseMemory,
+    SearchResult,
+    TrialOutcome,
+    format_bytes,
+    is_out_of_memory,
+    out_of_memory_reason,
+    search_largest,
+    trial_in_subprocess,
+)
 from kvhive.models.embedded import EMBEDDED_MODELS
 
 # "embedded" is the default embedded model; an embedded model's name picks that one.
@@ -28,7 +43,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (Linux reports KiB, macOS bytes)."""
+    """Peak resident set size of this process (Linux reports KiB, macOS bytes) since it started
+    or since the last reset of its high-water mark (``kvhive.memory.PhaseMemory.start``)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
@@ -58,16 +74,34 @@ def _synchronize(device) -> None:
 
 
 @torch.no_grad()
-def _timed_run(model, input_ids, method: str, budget, decode_tokens: int, method_parameters: dict):
+def _timed_run(
+    model,
+    input_ids,
+    method: str,
+    budget,
+    decode_tokens: int,
+    method_parameters: dict,
+    memory: PhaseMemory | None = None,
+):
+    """One prefill and ``decode_tokens`` greedy steps; with ``memory``, also each phase's memory at
+    its start and its peak (``*_start_bytes``, ``*_peak_bytes``; the decode phase only if it ran)."""
     cache = make_cache(model, method, budget, **method_parameters)
     cache_key = cache_kwarg(model)
     device = input_ids.device
+    phases: dict[str, int | None] = {}
+    if memory is not None:
+        phases["prefill_start_bytes"] = memory.start()
     _synchronize(device)
     start = time.perf_counter()
     output = model(input_ids=input_ids, **{cache_key: cache}, use_cache=True, logits_to_keep=1)
     _synchronize(device)
     prefill_seconds = time.perf_counter() - start
     next_token = output.logits[:, -1:].argmax(-1)
+    del output
+    if memory is not None:
+        phases["prefill_peak_bytes"] = memory.peak()
+        if decode_tokens:
+            phases["decode_start_bytes"] = memory.start()
     step_seconds = []
     for _ in range(decode_tokens):
         start = time.perf_counter()
@@ -75,7 +109,19 @@ def _timed_run(model, input_ids, method: str, budget, decode_tokens: int, method
         _synchronize(device)
         step_seconds.append(time.perf_counter() - start)
         next_token = output.logits[:, -1:].argmax(-1)
-    return cache, prefill_seconds, step_seconds
+    if memory is not None and decode_tokens:
+        phases["decode_peak_bytes"] = memory.peak()
+    return cache, prefill_seconds, step_seconds, phases
+
+
+def _weights_bytes(model) -> int:
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+
+
+def _highest(values) -> int | None:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
 
 
 def run_benchmark(
@@ -112,16 +158,30 @@ def run_benchmark(
     input_ids = torch.randint(3, vocab, (batch_size, context), generator=generator).to(device)
 
     _timed_run(model, input_ids[:, : min(context, 64)], "full", None, 1, {})  # warm-up
+    # Resetting the high-water mark per phase resets ru_maxrss (and CUDA's peak) too: keep the
+    # peaks before it.
+    process_peak = peak_rss_bytes()
+    cuda = torch.device(device).type == "cuda"
+    cuda_peak = torch.cuda.max_memory_allocated(device) if cuda else None
+    memory = PhaseMemory(device)
+    memory_baseline = memory.start()  # model and prompt held, nothing else
     full_prefill, full_steps, method_prefill, method_steps = [], [], [], []
+    full_phases, method_phases = [], []
     for _ in range(repeats):
-        full_cache, prefill_seconds, steps = _timed_run(model, input_ids, "full", None, decode_tokens, {})
+        full_cache, prefill_seconds, steps, phases = _timed_run(
+            model, input_ids, "full", None, decode_tokens, {}, memory
+        )
         full_prefill.append(prefill_seconds)
         full_steps.extend(steps)
+        full_phases.append(phases)
         full_bytes = full_cache.nbytes()
         del full_cache
-        cache, prefill_seconds, steps = _timed_run(model, input_ids, method, budget, decode_tokens, method_parameters)
+        cache, prefill_seconds, steps, phases = _timed_run(
+            model, input_ids, method, budget, decode_tokens, method_parameters, memory
+        )
         method_prefill.append(prefill_seconds)
         method_steps.extend(steps)
+        method_phases.append(phases)
     kept = sum(int(v.sum()) for v in cache.kept_tokens().values())
     bytes_per_token = cache.layers[0].bytes_per_token()
     prefill = statistics.median(full_prefill)
@@ -148,11 +208,259 @@ def run_benchmark(
         "cache_fraction": cache.nbytes() / full_bytes if full_bytes else None,
         "kept_tokens": kept,
         "bytes_over_kept_tokens": cache.nbytes() / (kept * bytes_per_token) if kept else None,
-        "peak_rss_bytes": peak_rss_bytes(),
+        "peak_rss_bytes": None,  # below: the highest of every phase
+        "weights_bytes": _weights_bytes(model),
+        "memory_measure": memory.measure,
     }
-    if device.startswith("cuda"):
-        result["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
+    if memory.unavailable is not None:
+        result["memory_unavailable"] = memory.unavailable
+    # Peaks are highest over the repeats; the baseline is what the process (CPU) or the device
+    # allocator (CUDA) held after the warm-up with the model and the prompt loaded.
+    result["memory_baseline_bytes"] = memory_baseline
+    for suffix, runs in (("_full", full_phases), ("", method_phases)):
+        for phase in ("prefill", "decode"):
+            result[f"{phase}_peak_bytes{suffix}"] = _highest(run.get(f"{phase}_peak_bytes") for run in runs)
+        # What the decode phase starts from: the cache the prefill left, with the weights.
+        result[f"decode_start_bytes{suffix}"] = _highest(run.get("decode_start_bytes") for run in runs)
+    phase_peaks = [
+        run.get(f"{phase}_peak_bytes") for run in full_phases + method_phases for phase in ("prefill", "decode")
+    ]
+    if cuda:
+        result["peak_rss_bytes"] = _highest([process_peak, peak_rss_bytes()])
+        result["peak_cuda_bytes"] = _highest([cuda_peak, torch.cuda.max_memory_allocated(device), *phase_peaks])
+    else:
+        result["peak_rss_bytes"] = _highest([process_peak, peak_rss_bytes(), *phase_peaks])
     return result
+
+
+def memory_lines(result: dict[str, Any]) -> list[str]:
+    """The phase peaks of a ``run_benchmark`` result for people: what is measured, then each peak
+    and how far it rose above the baseline (the model and prompt loaded)."""
+    if result.get("memory_unavailable"):
+        return [f"peak memory per phase: not measured: {result['memory_unavailable']}"]
+    baseline = result["memory_baseline_bytes"]
+    lines = [
+        f"peak memory per phase: {result['memory_measure']}",
+        f"  baseline (model and prompt loaded, before the measured runs): {format_bytes(baseline)}"
+        f" (weights {format_bytes(result['weights_bytes'])})",
+    ]
+    for phase in ("prefill", "decode"):
+        cells = []
+        for label, suffix in (("full", "_full"), (result["method"], "")):
+            peak = result[f"{phase}_peak_bytes{suffix}"]
+            if peak is None:
+                cells.append(f"{label} not run")
+            else:
+                rise = peak - baseline
+                sign = "+" if rise >= 0 else "-"
+                cells.append(f"{label} {format_bytes(peak)} ({sign}{format_bytes(abs(rise))} against baseline)")
+        lines.append(f"  {phase} peak: " + "; ".join(cells))
+    starts = [result[f"decode_start_bytes{suffix}"] for suffix in ("_full", "")]
+    if None not in starts:
+        lines.append(
+            f"  held when decoding starts: full {format_bytes(starts[0])}; {result['method']} {format_bytes(starts[1])}"
+        )
+    return lines
+
+
+SEARCHES = ("context", "batch")
+SEARCH_DEFAULT_STEP = {"context": 256, "batch": 1}
+SEARCH_DEFAULT_BATCH_MAXIMUM = 4096
+
+
+@torch.no_grad()
+def capacity_trial(
+    search: str,
+    shape: str,
+    method: str,
+    budget,
+    context: int,
+    batch_size: int,
+    decode_tokens: int,
+    num_layers: int | None,
+    device: str,
+    dtype: str,
+    method_parameters: dict,
+    memory_limit: int,
+) -> TrialOutcome:
+    """One trial of ``capacity_search``, meant for a fresh process (``kvhive.memory`` runs it there):
+    load the model, prefill ``batch_size`` prompts of ``context`` tokens with ``method``, decode
+    ``decode_tokens`` tokens, and say whether it fit ``memory_limit`` bytes.
+
+    CUDA: the caching allocator is capped at the limit (``set_per_process_memory_fraction``), so
+    a run that needs more raises out-of-memory there; it fits when nothing ran out. The peak is
+    ``max_memory_allocated`` (weights included; the CUDA context is outside the allocator).
+    CPU: the peak is the process's resident high-water mark over the whole trial (interpreter,
+    torch, weights, prompt, cache, activations); it fits when that peak is <= the limit and no
+    allocation failed.
+    """
+    value = context if search == "context" else batch_size
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, memory_limit / total), device)
+    # Importing torch may have peaked above what the process holds now; PhaseMemory resets the mark.
+    imported_peak = None if cuda else _process_peak_bytes()
+    memory = PhaseMemory(device)
+    try:
+        model = load_shape(shape, num_layers, device, dtype=DTYPES[dtype])
+        vocab = model.config.get_text_config().vocab_size
+        generator = torch.Generator().manual_seed(0)
+        input_ids = torch.randint(3, vocab, (batch_size, context), generator=generator).to(device)
+        loaded_peak = memory.peak() if cuda or memory.unavailable is None else None
+        _, _, _, phases = _timed_run(
+            model, input_ids, method, budget, decode_tokens, method_parameters, None if memory.unavailable else memory
+        )
+    except Exception as error:  # noqa: BLE001 - only out-of-memory is an outcome; the rest re-raised
+        if not is_out_of_memory(error):
+            raise
+        return TrialOutcome(value, False, out_of_memory_reason(error))
+    if memory.unavailable is None:
+        peak = _highest([imported_peak, loaded_peak, phases.get("prefill_peak_bytes"), phases.get("decode_peak_bytes")])
+        details = {key: phases.get(key) for key in ("prefill_peak_bytes", "decode_peak_bytes")}
+    elif not cuda and os.path.exists("/proc/self/status"):
+        # No reset, so no phase peaks, but the never-reset high-water mark is the trial's peak.
+        peak, details = _process_peak_bytes(), {"phase_peaks_unavailable": memory.unavailable}
+    else:
+        raise ValueError(f"cannot measure the peak memory of a trial: {memory.unavailable}")
+    if peak > memory_limit:
+        return TrialOutcome(
+            value, False, f"peak {format_bytes(peak)} > limit {format_bytes(memory_limit)}", peak, details
+        )
+    return TrialOutcome(value, True, f"peak {format_bytes(peak)} <= limit {format_bytes(memory_limit)}", peak, details)
+
+
+def _process_peak_bytes() -> int:
+    from kvhive.memory import _process_status
+
+    return _process_status()["VmHWM"]
+
+
+def _max_positions(shape: str, num_layers: int | None) -> int:
+    """The model's position limit, read from its config (without building the weights)."""
+    from kvhive import models
+
+    if shape == "kv-heavy":
+        return models.kv_heavy_model_config(num_layers or 4).max_position_embeddings
+    if shape == "llama3-8b":
+        return models.llama3_8b_shape_config(num_layers or 32).max_position_embeddings
+    from transformers import AutoConfig
+
+    name = models.DEFAULT_MODEL if shape == "embedded" else shape
+    config = AutoConfig.from_pretrained(models.converted_model_directory(models.embedded_model(name)))
+    return config.get_text_config().max_position_embeddings
+
+
+def capacity_search(
+    search: str,
+    memory_limit: int | None = None,
+    shape: str = "kv-heavy",
+    method: str = "snapkv",
+    budget: int | float | str | None = 0.1,
+    context: int = 8192,
+    batch_size: int = 1,
+    decode_tokens: int = 32,
+    num_layers: int | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    method_parameters: dict | None = None,
+    step: int | None = None,
+    maximum: int | None = None,
+    report=None,
+    trial=None,
+) -> dict[str, Any]:
+    """The longest prompt (``search="context"``, at ``batch_size``) or the largest batch
+    (``search="batch"``, at ``context``) whose prefill + ``decode_tokens`` decode steps with
+    ``method`` fit ``memory_limit`` bytes (CUDA: default the device's memory; CPU: required).
+
+    Bisection (``kvhive.memory.search_largest``) from the given context or batch size, in
+    multiples of ``step`` (context 256, batch 1), up to ``maximum`` (context: the model's
+    positions minus the decode tokens; batch: 4096). Each trial runs in a fresh process
+    (``capacity_trial``); ``trial`` replaces that (a function of the value). ``report`` sees each
+    trial's outcome as it comes.
+    """
+    if search not in SEARCHES:
+        raise ValueError(f"invalid --search {search!r}: expected one of {', '.join(SEARCHES)}")
+    cuda = torch.device(device).type == "cuda"
+    if memory_limit is None:
+        if not cuda:
+            raise ValueError("--search on CPU needs --memory-limit (e.g. --memory-limit 8GB): the limit to fit in")
+        memory_limit = torch.cuda.get_device_properties(device).total_memory
+    elif isinstance(memory_limit, bool) or not isinstance(memory_limit, int) or memory_limit <= 0:
+        raise ValueError(f"invalid --memory-limit {memory_limit!r}: must be > 0 bytes")
+    elif cuda and memory_limit > torch.cuda.get_device_properties(device).total_memory:
+        total = torch.cuda.get_device_properties(device).total_memory
+        raise ValueError(
+            f"invalid --memory-limit {format_bytes(memory_limit)}: more than the device's {format_bytes(total)}"
+        )
+    step = SEARCH_DEFAULT_STEP[search] if step is None else step
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"invalid --search-step {step!r}: expected an integer >= 1")
+    if isinstance(decode_tokens, bool) or not isinstance(decode_tokens, int) or decode_tokens < 0:
+        raise ValueError(f"invalid decode_tokens={decode_tokens!r}: expected an integer >= 0")
+    for name, value in (("context", context), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"invalid {name}={value!r}: expected an integer >= 1")
+    if search == "context":
+        positions = _max_positions(shape, num_layers) - decode_tokens
+        if maximum is None:
+            maximum = positions
+        elif maximum > positions:
+            raise ValueError(
+                f"invalid --search-max {maximum}: the model has {positions} positions left after the decode tokens"
+            )
+    elif maximum is None:
+        maximum = SEARCH_DEFAULT_BATCH_MAXIMUM
+    if isinstance(maximum, bool) or not isinstance(maximum, int) or maximum < step:
+        raise ValueError(f"invalid --search-max {maximum!r}: expected an integer >= the step ({step})")
+    spec = {
+        "search": search,
+        "shape": shape,
+        "method": method,
+        "budget": budget,
+        "context": context,
+        "batch_size": batch_size,
+        "decode_tokens": decode_tokens,
+        "num_layers": num_layers,
+        "device": device,
+        "dtype": dtype,
+        "method_parameters": method_parameters or {},
+        "memory_limit": memory_limit,
+    }
+    if trial is None:
+
+        def trial(value: int) -> TrialOutcome:
+            return trial_in_subprocess({**spec, search if search == "context" else "batch_size": value})
+
+    start = context if search == "context" else batch_size
+    result: SearchResult = search_largest(trial, start, minimum=step, maximum=maximum, step=step, report=report)
+    if cuda:
+        measure = (
+            "torch.cuda.max_memory_allocated over the whole trial; fits = no out-of-memory with the caching "
+            "allocator capped at the limit (the CUDA context is outside it)"
+        )
+    else:
+        measure = (
+            "process resident high-water mark (VmHWM) over the whole trial, each trial a fresh process "
+            "(interpreter, torch and weights included); fits = peak <= limit and no allocation failed"
+        )
+    return {
+        "search": search,
+        "memory_limit_bytes": memory_limit,
+        "measure": measure,
+        "shape": shape,
+        "method": method,
+        "budget": budget,
+        "context": None if search == "context" else context,
+        "batch_size": None if search == "batch" else batch_size,
+        "decode_tokens": decode_tokens,
+        "num_layers": num_layers,
+        "device": device,
+        "dtype": dtype,
+        "step": step,
+        "maximum": maximum,
+        **result.as_dict(),
+    }
 
 
 @torch.no_grad()

@@ -203,6 +203,12 @@ def savings_headline(cache, statistics: dict) -> str:
 def command_bench(args: argparse.Namespace) -> int:
     from kvhive import bench
 
+    given = {"--memory-limit": args.memory_limit, "--search-step": args.search_step, "--search-max": args.search_max}
+    for flag, value in given.items():
+        if value is not None and args.search is None:
+            raise SystemExit(f"kvhive bench: {flag} belongs to a --search (context or batch); give --search too")
+    if args.search is not None:
+        return _command_bench_search(args)
     if args.varlen:
         result = bench.variable_length_attention_benchmark(
             context=args.context, device=args.device, batch_size=args.batch_size, dtype=bench.DTYPES[args.dtype]
@@ -228,6 +234,76 @@ def command_bench(args: argparse.Namespace) -> int:
     else:
         for key, value in result.items():
             print(f"{key:<30} {value:.4g}" if isinstance(value, float) else f"{key:<30} {value}")
+        if not args.varlen:
+            print("\n".join(bench.memory_lines(result)))
+    return 0
+
+
+def _memory_limit_argument(text: str) -> int:
+    from kvhive.memory import parse_memory_size
+
+    try:
+        return parse_memory_size(text, "--memory-limit")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _capacity_search(args: argparse.Namespace, bench, budget, parameters: dict, report) -> dict:
+    return bench.capacity_search(
+        args.search,
+        memory_limit=args.memory_limit,
+        shape=args.shape,
+        method=args.method,
+        budget=budget,
+        context=args.context,
+        batch_size=args.batch_size,
+        decode_tokens=args.decode_tokens,
+        num_layers=args.num_layers,
+        device=args.device,
+        dtype=args.dtype,
+        method_parameters=parameters,
+        step=args.search_step,
+        maximum=args.search_max,
+        report=report,
+    )
+
+
+def _command_bench_search(args: argparse.Namespace) -> int:
+    """``kvhive bench --search context|batch``: each trial's outcome on stderr as it comes, the
+    boundary on stdout (or everything as JSON)."""
+    from kvhive import bench
+    from kvhive.memory import format_bytes
+
+    if args.varlen:
+        raise SystemExit("kvhive bench: --search and --varlen are different benchmarks; give one")
+    parameters = _method_parameters(args.param)
+    budget = _checked_budget("bench", args.method, args.budget, parameters, default=BENCH_DEFAULT_BUDGET)
+    fixed = f"batch {args.batch_size}" if args.search == "context" else f"context {args.context}"
+
+    def report(outcome) -> None:
+        verdict = "fits" if outcome.fits else "does not fit"
+        print(f"kvhive bench: {args.search} {outcome.value} ({fixed}): {verdict}: {outcome.reason}", file=sys.stderr)
+
+    try:
+        result = _capacity_search(args, bench, budget, parameters, report)
+    except RuntimeError as error:  # a trial that failed for a reason other than memory
+        print(f"kvhive bench: error: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    what = "longest prompt" if args.search == "context" else "largest batch"
+    run = (
+        f"{args.method}{'' if budget is None else f' at budget {budget}'}, {fixed}, {args.decode_tokens} decode tokens"
+    )
+    limit = format_bytes(result["memory_limit_bytes"])
+    if result["largest_fitting"] is None:
+        print(f"{what} within {limit} ({run}): none; even {result['smallest_failing']} does not fit")
+    else:
+        beyond = result["smallest_failing"]
+        tail = f"; {beyond} does not" if beyond is not None else f" (the search maximum, {result['maximum']})"
+        print(f"{what} within {limit} ({run}): {result['largest_fitting']}{tail}")
+    print(f"measured: {result['measure']}")
     return 0
 
 
@@ -316,6 +392,30 @@ def build_parser() -> argparse.ArgumentParser:
         "--varlen",
         action="store_true",
         help="instead: variable-length decode attention vs dense sdpa at equal total length",
+    )
+    bench.add_argument(
+        "--search",
+        choices=("context", "batch"),
+        default=None,
+        help="instead: find the longest prompt (context, at --batch-size) or the largest batch (at --context) "
+        "that fits --memory-limit, by bisection from --context / --batch-size; each trial in a fresh process",
+    )
+    bench.add_argument(
+        "--memory-limit",
+        type=_memory_limit_argument,
+        default=None,
+        metavar="SIZE",
+        help="with --search: the memory to fit in, e.g. 8GB or 512MiB (CPU: required, compared with the trial "
+        "process's resident peak; CUDA: default the device's memory, the allocator capped at it)",
+    )
+    bench.add_argument(
+        "--search-step", type=int, default=None, help="with --search: granularity (default: context 256, batch 1)"
+    )
+    bench.add_argument(
+        "--search-max",
+        type=int,
+        default=None,
+        help="with --search: largest value tried (default: context the model's positions, batch 4096)",
     )
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(func=command_bench)
