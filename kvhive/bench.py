@@ -82,11 +82,26 @@ def _timed_run(
     decode_tokens: int,
     method_parameters: dict,
     memory: PhaseMemory | None = None,
+    compile: bool = False,
 ):
     """One prefill and ``decode_tokens`` greedy steps; with ``memory``, also each phase's memory at
-    its start and its peak (``*_start_bytes``, ``*_peak_bytes``; the decode phase only if it ran)."""
-    cache = make_cache(model, method, budget, **method_parameters)
+    its start and its peak (``*_start_bytes``, ``*_peak_bytes``; the decode phase only if it ran).
+
+    ``compile``: the decode step runs through ``torch.compile(fullgraph=True, dynamic=False)``
+    (the first step, which compiles, is not timed). The full cache is then transformers'
+    ``StaticCache`` (the best stock compiled decode); a kvhive method must be compileable."""
     cache_key = cache_kwarg(model)
+    if compile and method == "full":
+        from transformers import StaticCache
+
+        cache = StaticCache(config=model.config, max_cache_len=input_ids.shape[1] + decode_tokens + 1)
+    else:
+        cache = make_cache(model, method, budget, **method_parameters)
+        if compile and not cache.is_compileable:
+            raise ValueError(
+                f"--compile: the decode step of method {method!r} cannot compile to one graph (its layers change "
+                "size from step to step); methods that can: " + ", ".join(_static_decode_methods())
+            )
     device = input_ids.device
     phases: dict[str, int | None] = {}
     if memory is not None:
@@ -103,15 +118,42 @@ def _timed_run(
         if decode_tokens:
             phases["decode_start_bytes"] = memory.start()
     step_seconds = []
-    for _ in range(decode_tokens):
+
+    def step(token, position):
+        return model(input_ids=token, position_ids=position, **{cache_key: cache}, use_cache=True).logits
+
+    if compile:
+        torch._dynamo.reset()  # each configuration compiles its own graph (not a recompile of the last one's)
+        step = torch.compile(
+            step, fullgraph=True, dynamic=False, backend="inductor" if device.type == "cuda" else "aot_eager"
+        )
+    position = torch.full((input_ids.shape[0], 1), input_ids.shape[1], dtype=torch.long, device=device)
+    for index in range(decode_tokens + (1 if compile else 0)):
         start = time.perf_counter()
-        output = model(input_ids=next_token, **{cache_key: cache}, use_cache=True)
+        logits = step(next_token, position)
         _synchronize(device)
-        step_seconds.append(time.perf_counter() - start)
-        next_token = output.logits[:, -1:].argmax(-1)
+        if not (compile and index == 0):  # the compiling step is not a decode step's time
+            step_seconds.append(time.perf_counter() - start)
+        next_token = logits[:, -1:].argmax(-1)
+        position = position + 1
     if memory is not None and decode_tokens:
         phases["decode_peak_bytes"] = memory.peak()
     return cache, prefill_seconds, step_seconds, phases
+
+
+def _static_decode_methods() -> list[str]:
+    from kvhive.api import static_decode_methods
+
+    return static_decode_methods()
+
+
+def _cache_bytes(cache) -> int:
+    """Key/value bytes a cache holds: kvhive's own count, or a StaticCache's tokens seen x bytes per token
+    (what a dynamic cache of those tokens would hold, not its preallocated length)."""
+    if hasattr(cache, "nbytes"):
+        return cache.nbytes()
+    tokens = int(cache.get_seq_length())
+    return sum(2 * layer.keys[:, :, :tokens].numel() * layer.keys.element_size() for layer in cache.layers)
 
 
 def _weights_bytes(model) -> int:
@@ -136,8 +178,10 @@ def run_benchmark(
     device: str = "cpu",
     method_parameters: dict | None = None,
     dtype: torch.dtype = torch.float32,
+    compile: bool = False,
 ) -> dict[str, Any]:
-    """Benchmark ``method`` against an uncompressed cache; returns a dict of numbers."""
+    """Benchmark ``method`` against an uncompressed cache; returns a dict of numbers. ``compile``:
+    both decode steps compiled (the full cache as transformers' ``StaticCache``)."""
     if isinstance(context, bool) or not isinstance(context, int) or context < 2:
         raise ValueError(f"invalid context={context!r}: expected an integer >= 2 (prompt tokens)")
     if isinstance(decode_tokens, bool) or not isinstance(decode_tokens, int) or decode_tokens < 0:
@@ -169,15 +213,15 @@ def run_benchmark(
     full_phases, method_phases = [], []
     for _ in range(repeats):
         full_cache, prefill_seconds, steps, phases = _timed_run(
-            model, input_ids, "full", None, decode_tokens, {}, memory
+            model, input_ids, "full", None, decode_tokens, {}, memory, compile=compile
         )
         full_prefill.append(prefill_seconds)
         full_steps.extend(steps)
         full_phases.append(phases)
-        full_bytes = full_cache.nbytes()
+        full_bytes = _cache_bytes(full_cache)
         del full_cache
         cache, prefill_seconds, steps, phases = _timed_run(
-            model, input_ids, method, budget, decode_tokens, method_parameters, memory
+            model, input_ids, method, budget, decode_tokens, method_parameters, memory, compile=compile
         )
         method_prefill.append(prefill_seconds)
         method_steps.extend(steps)
@@ -204,6 +248,7 @@ def run_benchmark(
         "cache_bytes": cache.nbytes(),
         "reserved_bytes": cache.reserved_nbytes(),
         "metadata_bytes": cache.metadata_nbytes(),
+        "compiled_decode": compile,
         "full_cache_bytes": full_bytes,
         "cache_fraction": cache.nbytes() / full_bytes if full_bytes else None,
         "kept_tokens": kept,

@@ -228,6 +228,7 @@ def command_bench(args: argparse.Namespace) -> int:
             device=args.device,
             method_parameters=parameters,
             dtype=bench.DTYPES[args.dtype],
+            compile=args.compile,
         )
     if args.json:
         print(json.dumps(result, indent=2))
@@ -416,6 +417,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="with --search: largest value tried (default: context the model's positions, batch 4096)",
+    )
+    bench.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile both decode steps (torch.compile, one graph; the full cache as transformers' StaticCache); "
+        "refused for a method whose step cannot compile",
     )
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(func=command_bench)

@@ -127,3 +127,19 @@ def test_generate_with_compile_refuses_a_step_that_cannot_compile():
         kvhive.generate(model, tokenizer, "a prompt", "snapkv", BUDGET, max_new_tokens=2, compile=True)
     with pytest.raises(ValueError, match=r"invalid compile='yes'"):
         kvhive.generate(model, tokenizer, "a prompt", "tova", BUDGET, max_new_tokens=2, compile="yes")
+
+
+def test_bench_compiles_both_decode_steps():
+    from kvhive import bench
+
+    result = bench.run_benchmark(
+        shape="kv-heavy", method="tova", budget=16, context=64, decode_tokens=3, num_layers=1, compile=True
+    )
+    assert result["compiled_decode"] is True
+    assert result["decode_ms_per_token"] > 0 and result["decode_ms_per_token_full"] > 0
+    # The StaticCache baseline counts the tokens it holds, not its preallocated length.
+    assert result["cache_fraction"] == pytest.approx(16 / (64 + 4), rel=1e-6)
+    with pytest.raises(ValueError, match=r"--compile: the decode step of method 'snapkv' cannot compile"):
+        bench.run_benchmark(
+            shape="kv-heavy", method="snapkv", budget=32, context=64, decode_tokens=2, num_layers=1, compile=True
+        )
