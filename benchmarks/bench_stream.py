@@ -53,9 +53,19 @@ def _peak_bytes(device: torch.device) -> int:
 
 
 def stream(model, method: str, args, device: torch.device, write) -> None:
+    # Re-indexed positions let the stream run past the trained length; a method whose estimator keeps
+    # keys outside the cache (SubGen's) refuses them and streams at original positions (RoPE of any
+    # position is defined; a random-weight model has no trained length to leave).
+    positions = "cache"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cache = kvhive.make_cache(model, method, budget=args.budget, positions="cache")
+        try:
+            cache = kvhive.make_cache(model, method, budget=args.budget, positions="cache")
+        except ValueError as error:
+            if "positions='cache' is not supported" not in str(error):
+                raise
+            positions = "original"
+            cache = kvhive.make_cache(model, method, budget=args.budget)
     generator = torch.Generator().manual_seed(0)
     seen, stretch_start, chunks = 0, time.perf_counter(), 0
     _reset_peak(device)
@@ -80,6 +90,7 @@ def stream(model, method: str, args, device: torch.device, write) -> None:
                         "kept_tokens_max": max(layer.max_length for layer in cache.layers),
                         "cache_bytes": cache.nbytes(),
                         "budget": args.budget,
+                        "positions": positions,
                         "device": str(device),
                     }
                 )
