@@ -143,3 +143,34 @@ def test_bench_compiles_both_decode_steps():
         bench.run_benchmark(
             shape="kv-heavy", method="snapkv", budget=32, context=64, decode_tokens=2, num_layers=1, compile=True
         )
+
+
+@pytest.mark.parametrize("compress_sliding", [False, True])
+def test_sliding_window_layers_compile_too(compress_sliding):
+    # Gemma 3: sliding layers keep their window in place (drop_oldest moves it to the front), so
+    # their decode step has one shape; with compress_sliding the method evicts there too.
+    torch.manual_seed(0)
+    model = tiny_model("gemma3", "gqa")
+    window = model.config.sliding_window
+    budget = window - 3 if compress_sliding else BUDGET
+
+    def step(token, position, cache):
+        return model(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True).logits
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend="aot_eager")
+    prompt = _prompt(model)
+    caches = [kvhive.make_cache(model, "h2o", budget=budget, compress_sliding=compress_sliding) for _ in range(2)]
+    assert caches[0].is_compileable
+    with torch.no_grad():
+        token = model(input_ids=prompt, past_key_values=caches[0]).logits[:, -1:].argmax(-1)
+        model(input_ids=prompt, past_key_values=caches[1])
+        position = torch.full((1, 1), prompt.shape[1])
+        for index in range(24):
+            compiled_logits = compiled(token, position, caches[0])
+            torch.testing.assert_close(
+                compiled_logits, step(token, position, caches[1]), atol=1e-5, rtol=1e-5, msg=f"step {index}"
+            )
+            token, position = compiled_logits[:, -1:].argmax(-1), position + 1
+    assert counters["stats"]["unique_graphs"] == 1
+    for layer in caches[0].layers:
+        assert layer.dense_length == (min(budget, window - 1) if layer.is_sliding else budget)

@@ -311,8 +311,9 @@ class KVHiveCache(Cache):
         holds a fixed number of tokens from one step to the next, in buffers that keep their
         address, and the step reads nothing back. That holds when the method evicts to its budget
         at every step (``Policy.static_decode``) in every layer, at original positions, with one copy
-        per KV head. Layers that grow (the full cache, prefill-only methods) or slide (sliding-window
-        layers move their start at every step) change shape: they decode eagerly."""
+        per KV head; sliding-window layers keep their window in place (``LayerStore.drop_oldest``).
+        Layers that grow (the full cache, prefill-only methods) change shape at every step: they
+        decode eagerly."""
         policy = self.policy
         return (
             policy.static_decode
@@ -321,8 +322,8 @@ class KVHiveCache(Cache):
             and self.decode_every == 1
             and self.decode_slack == 0
             and not self.stores_query_heads
-            and len(self.compressed_layers) == len(self.layers)
-            and not any(layer.is_sliding for layer in self.layers)
+            # Every full-attention layer keeps a budget; a sliding layer keeps its window.
+            and all(self.is_compressed(index) or layer.is_sliding for index, layer in enumerate(self.layers))
         )
 
     def is_compressed(self, layer_index: int) -> bool:

@@ -383,14 +383,23 @@ class LayerStore(CacheLayerMixin):
         self._length += new_tokens
 
     def drop_oldest(self, count: int) -> None:
-        """Forget the ``count`` oldest tokens of every row (dense layout: moves ``start``)."""
+        """Forget the ``count`` oldest tokens of every row (dense layout).
+
+        The kept tokens move to the front of the buffers (a copy of at most a window), so a
+        sliding layer in its steady state starts at the same place every step: each decode step
+        has the same shapes and offsets and compiles to one graph, and the buffers never move."""
         if count <= 0:
             return
         if self._packed:
             raise RuntimeError("drop_oldest needs the dense layout")
         count = min(count, self._length)
-        self._start += count
-        self._length -= count
+        kept = slice(self._start + count, self._start + self._length)
+        length = self._length - count
+        buffers = [self._key_buffer, self._value_buffer, self._position_buffer, *self._score_buffers.values()]
+        for buffer in buffers:
+            # Staged through a copy: the source and destination ranges overlap.
+            buffer[:, :, :length].copy_(buffer[:, :, kept].clone())
+        self._start, self._length = 0, length
 
     def expand_to_query_heads(self, heads_per_kv_head: int) -> None:
         """Store one copy of each KV head per query head of its group (Ada-KV on GQA/MQA)."""
