@@ -111,6 +111,7 @@ def make_cache(
     positions: str = "original",
     dense_decode: str = "sdpa",
     prefill_chunk: int | None = None,
+    decode_capacity: int | None = None,
     **method_parameters: Any,
 ) -> KVHiveCache:
     """A :class:`KVHiveCache` for ``model`` running ``method`` at ``budget`` tokens per head
@@ -165,6 +166,7 @@ def make_cache(
         key_rotator=rotator,
         dense_decode=dense_decode,
         prefill_chunk=prefill_chunk,
+        decode_capacity=decode_capacity,
     )
 
 
@@ -241,6 +243,10 @@ def generate(
     if compile not in (None, True, False):
         raise ValueError(f"invalid compile={compile!r}: expected True, False or None")
     encoded = encode_prompt(tokenizer, prompt, model, max_new_tokens)
+    if compile is True and "decode_capacity" not in cache_options and not cache_options.get("prefill_chunk"):
+        # Layers that grow while decoding (the full cache, prefill-only methods) get room for every
+        # new token, so the compiled step keeps one shape (used only by such layers).
+        cache_options["decode_capacity"] = max_new_tokens + 1
     cache = make_cache(model, method, budget, **cache_options)
     import torch
 

@@ -254,13 +254,13 @@ def _gather_mask(mask: torch.Tensor | None, positions: torch.Tensor, store, num_
     return mask.expand(batch, heads, num_queries, mask.shape[-1]).gather(3, index)
 
 
-def _stored_decode_mask(store, positions: torch.Tensor) -> torch.Tensor | None:
+def _stored_decode_mask(store, positions: torch.Tensor, token_scores: dict) -> torch.Tensor | None:
     """``[B, H, 1, L]`` mask of one new query of a static decode step (``cache.is_compileable``:
     transformers' mask is not used, see ``KVHiveCache.get_mask_sizes``), from what the layer knows
     on the device: left padding recorded at prefill, and the sliding window by the stored tokens'
     positions. None when neither applies."""
     allowed = None
-    padding = store.token_scores.get(PADDING_SCORE)
+    padding = token_scores.get(PADDING_SCORE)  # aligned with ``positions`` (the view attention reads)
     if padding is not None:
         allowed = padding == 0
     if store.is_sliding:
@@ -461,14 +461,18 @@ def replay_prefill(recorded: KVHiveCache, target: KVHiveCache) -> None:
 def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling, dropout, compressed, kwargs):
     store = cache.layers[layer_index]
     policy = cache.policy
-    keys, values, positions, token_scores = store.dense()
+    # With a fixed decode capacity: the whole buffers and which slots hold a token.
+    keys, values, positions, token_scores, filled = store.decode_view()
     batch, query_heads, num_queries, head_dim = query.shape
     if num_queries == 1 and (cache.is_compileable or mask is None):
         # A static decode step (transformers' mask is a fixed unused column, get_mask_sizes) or no
         # model mask to gather (none needed, or positions="cache"): the layer masks its tokens itself.
-        stored_mask = _stored_decode_mask(store, positions)
+        stored_mask = _stored_decode_mask(store, positions, token_scores)
     else:
         stored_mask = _gather_mask(mask, positions, store, num_queries)
+    if filled is not None:  # empty slots of a fixed capacity are never attended
+        filled = filled[None, None, None, :]
+        stored_mask = filled if stored_mask is None else stored_mask & filled
     heads = keys.shape[1]
     group = query_heads // heads
     # The new query's weights come with the attention when there is one new query; a prompt chunk

@@ -145,6 +145,10 @@ class KVHiveCache(Cache):
             padding) can run past the model's trained length (StreamingLLM-style). Needs
             ``key_rotator`` (``kvhive.attention.rope.KeyRotator``; ``make_cache`` passes it).
         dense_decode: ``"sdpa"`` or ``"kernel"`` (see :data:`DenseDecode`).
+        decode_capacity: room for this many decode tokens in every layer that only grows while
+            decoding (the full cache, prefill-only methods), reserved after the prompt: its decode
+            step then has one shape (attention over the capacity, empty slots masked) and the cache
+            is compileable. Tokens past it fall back to growing buffers (eager only).
         prefill_chunk: feed the prompt in chunks of this many tokens (``kvhive.generate``; with
             ``model.generate`` pass ``prefill_chunk_size=cache.prefill_chunk``). After each chunk
             every compressed layer holds at most its budget plus one chunk: streaming methods evict
@@ -166,6 +170,7 @@ class KVHiveCache(Cache):
         key_rotator=None,
         dense_decode: DenseDecode = "sdpa",
         prefill_chunk: int | None = None,
+        decode_capacity: int | None = None,
     ) -> None:
         if not isinstance(budget, (Budget, bool, str)):
             budget = Budget.parse(budget)  # ints and floats, numpy's included
@@ -185,6 +190,12 @@ class KVHiveCache(Cache):
             isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1
         ):
             raise ValueError(f"invalid prefill_chunk={prefill_chunk!r}: expected an integer >= 1 (tokens), or None")
+        if decode_capacity is not None and (
+            isinstance(decode_capacity, bool) or not isinstance(decode_capacity, int) or decode_capacity < 1
+        ):
+            raise ValueError(f"invalid decode_capacity={decode_capacity!r}: expected an integer >= 1 (tokens), or None")
+        if decode_capacity is not None and prefill_chunk is not None:
+            raise ValueError("decode_capacity (a compiled decode) and prefill_chunk cannot be combined yet")
         if prefill_chunk is not None and positions == CACHE_POSITIONS:
             raise ValueError("prefill_chunk is not supported with positions='cache' (stream token by token instead)")
         if positions == CACHE_POSITIONS and key_rotator is None:
@@ -241,12 +252,13 @@ class KVHiveCache(Cache):
         self._matching_config: weakref.ref | None = None
         self._generated_ids: torch.Tensor | None = None
         self._unattended_update: int | None = None  # a layer updated whose attention has not run yet
-        self._compileable = self._static_decode()
         # Chunked prefill: whether the budgets were resolved for the whole prompt (plan_prompt), and
         # on how many tokens they were resolved; the chunk size kvhive.generate feeds the prompt in.
         self._prompt_planned = False
         self._budgets_resolved_on: int | None = None
         self.prefill_chunk = prefill_chunk
+        self.decode_capacity = decode_capacity
+        self._compileable = self._static_decode()
         if budget.tokens is not None:
             problem = minimum_budget_problem(policy, budget.tokens)
             if problem is not None:
@@ -312,12 +324,14 @@ class KVHiveCache(Cache):
         address, and the step reads nothing back. That holds when the method evicts to its budget
         at every step (``Policy.static_decode``) in every layer, at original positions, with one copy
         per KV head; sliding-window layers keep their window in place (``LayerStore.drop_oldest``).
-        Layers that grow (the full cache, prefill-only methods) change shape at every step: they
-        decode eagerly."""
+        Layers that grow (the full cache, prefill-only methods) compile with a fixed decode capacity
+        (``decode_capacity``: room for that many decode tokens, attention over the whole capacity
+        with the empty slots masked); without one they change shape at every step and decode eagerly."""
         policy = self.policy
+        # A layer that only grows while decoding (no decode phase) has one shape with a fixed capacity.
+        grows_in_place = DECODE not in policy.phases and self.decode_capacity is not None
         return (
-            policy.static_decode
-            and DECODE in policy.phases
+            ((policy.static_decode and DECODE in policy.phases) or grows_in_place)
             and self.positions == ORIGINAL_POSITIONS
             and self.decode_every == 1
             and self.decode_slack == 0
@@ -332,6 +346,17 @@ class KVHiveCache(Cache):
     # -- phases (called by the attention function) --------------------------------------------
     def after_prefill(self, layer_index: int, make_scoring: Callable[[str], ScoringInputs]) -> None:
         """Cut one layer right after its prefill attention ran."""
+        try:
+            self._after_prefill(layer_index, make_scoring)
+        finally:
+            self._reserve_decode(self.layers[layer_index])
+
+    def _reserve_decode(self, store: LayerStore) -> None:
+        """With a decode capacity, a layer that only grows while decoding gets its room now."""
+        if self.decode_capacity is not None and DECODE not in self.policy.phases and not store.is_sliding:
+            store.reserve_decode(self.decode_capacity)
+
+    def _after_prefill(self, layer_index: int, make_scoring: Callable[[str], ScoringInputs]) -> None:
         store: LayerStore = self.layers[layer_index]
         if not self.is_compressed(layer_index):
             self._trim_sliding(store)
@@ -399,6 +424,8 @@ class KVHiveCache(Cache):
         ever having compressed this layer: a token-by-token stream, or a prompt that fit the
         budget, gets no compression at all, so the cache is the full cache under the method's name."""
         budget = self.layer_budgets.get(layer_index)
+        if torch.compiler.is_compiling():
+            return  # a compiled step reads no host length (the warning comes from eager steps)
         if (
             self._warned_budget_not_kept
             or budget is None

@@ -66,6 +66,14 @@ class LayerStore(CacheLayerMixin):
         self._tokens_seen = 0
         self._tokens_seen_stale = False
         self.tokens_seen_device: torch.Tensor | None = None
+        # A fixed decode capacity (reserve_decode): the dense buffers hold the prompt's kept tokens
+        # plus room for every decode step, new tokens are written at a device index, and attention
+        # runs over the whole capacity with the empty slots masked, so a layer that grows by a
+        # token per step (the full cache, prefill-only methods) keeps one shape from step to step.
+        self.length_device: torch.Tensor | None = None
+        self._length_value = 0
+        self._length_stale = False
+        self.fixed_capacity = False
         # Whether the latest update was this layer's first (its prefill), and how many tokens it had.
         self.in_prefill = False
         self.last_update_tokens = 0
@@ -99,6 +107,22 @@ class LayerStore(CacheLayerMixin):
         self._lengths_cache: torch.Tensor | None = None
 
     @property
+    def _length(self) -> int:
+        """Tokens per row in the dense layout (host); read from the device counter, once, after
+        compiled decode steps appended to a layer with a fixed decode capacity."""
+        if self._length_stale:
+            self._length_value = int(self.length_device)
+            self._length_stale = False
+        return self._length_value
+
+    @_length.setter
+    def _length(self, value: int) -> None:
+        self._length_value = value
+        self._length_stale = False
+        if self.length_device is not None:
+            self.length_device.fill_(value)
+
+    @property
     def tokens_seen(self) -> int:
         """Tokens this layer has seen (a host int; read from the device counter, once, after
         compiled decode steps advanced it)."""
@@ -128,6 +152,8 @@ class LayerStore(CacheLayerMixin):
         """Append the new tokens; returns the dense view (or the flat buffers when packed)."""
         self.in_prefill = not self.is_initialized
         self.last_update_tokens = key_states.shape[2]
+        if self.fixed_capacity and key_states.shape[2] > 1:
+            self.fixed_capacity = False  # a prompt chunk: the growing layout (a decode step reserves again)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.heads_per_kv_head > 1:
@@ -144,7 +170,7 @@ class LayerStore(CacheLayerMixin):
         else:
             self._tokens_seen = self.tokens_seen + new_tokens
         if not self._packed:
-            view = self.dense()
+            view = self.decode_view() if self.fixed_capacity else self.dense()
             return view[0], view[1]
         return self._key_buffer.unsqueeze(0).unsqueeze(0), self._value_buffer.unsqueeze(0).unsqueeze(0)
 
@@ -169,6 +195,7 @@ class LayerStore(CacheLayerMixin):
     def reset(self) -> None:
         self._clear()
         self._tokens_seen, self._tokens_seen_stale, self.tokens_seen_device = 0, False, None
+        self.length_device, self._length_value, self._length_stale, self.fixed_capacity = None, 0, False, False
         self.in_prefill = False
         self.has_padding = False
         self.policy_state = {}
@@ -356,7 +383,53 @@ class LayerStore(CacheLayerMixin):
         self._score_buffers = new_scores
         self._start = 0
 
+    def reserve_decode(self, tokens: int) -> None:
+        """Give the dense buffers room for ``tokens`` more tokens at once and switch the layer to
+        its fixed decode capacity (see ``fixed_capacity``): appends write at a device index, and
+        ``decode_view`` is the whole capacity with a mask of the filled slots."""
+        if self._packed or not self.is_initialized or self._key_buffer is None:
+            return
+        capacity = self._length + tokens
+        if self._start != 0 or capacity > self._key_buffer.shape[2]:
+            self._move_dense(max(capacity, self._key_buffer.shape[2]))
+        if self.length_device is None:
+            self.length_device = torch.zeros((), dtype=torch.int64, device=self.device)
+            torch._dynamo.mark_static_address(self.length_device)
+        self.length_device.fill_(self._length)
+        self.fixed_capacity = True
+
+    def decode_view(self):
+        """``(keys, values, positions, token_scores, filled)`` for a decode step's attention: the
+        stored tokens and None, or with a fixed capacity the whole buffers and ``filled [C]`` (True
+        on the slots holding a token)."""
+        if not self.fixed_capacity:
+            return (*self.dense(), None)
+        capacity = self._key_buffer.shape[2]
+        filled = torch.arange(capacity, device=self.device) < self.length_device
+        return self._key_buffer, self._value_buffer, self._position_buffer, dict(self._score_buffers), filled
+
+    def _append_at_device_index(self, key_states, value_states, new_tokens: int) -> None:
+        """Fixed capacity: write the new tokens at the device length (no host value read)."""
+        index = torch.arange(new_tokens, device=self.device) + self.length_device
+        self._key_buffer.index_copy_(2, index, key_states)
+        self._value_buffer.index_copy_(2, index, value_states)
+        positions = (torch.arange(new_tokens, device=self.device) + self.tokens_seen_device).to(POSITION_DTYPE)
+        self._position_buffer.index_copy_(2, index, positions.expand(self._batch, self._heads, new_tokens))
+        for buffer in self._score_buffers.values():
+            buffer.index_fill_(2, index, 0.0)
+        self.length_device.add_(new_tokens)
+        if torch.compiler.is_compiling():
+            self._length_stale = True  # a constant store: no guard on the host length
+        else:
+            self._length_value += new_tokens
+
     def _append_dense(self, key_states, value_states, new_tokens: int) -> None:
+        if self.fixed_capacity:
+            if torch.compiler.is_compiling() or self._length + new_tokens <= self._key_buffer.shape[2]:
+                self._append_at_device_index(key_states, value_states, new_tokens)
+                return
+            # Past the reserved capacity (more tokens than reserved): back to geometric growth.
+            self.fixed_capacity = False
         if self._key_buffer is None:
             # First tokens (the prompt): exactly their size; a later append grows the buffer.
             self._key_buffer, self._value_buffer, self._position_buffer = self._allocate_dense(
@@ -488,7 +561,7 @@ class LayerStore(CacheLayerMixin):
         gathered_values = values.index_select(0, rows).view(*shape, dv)
         gathered_positions = positions.index_select(0, rows).view(shape)
         gathered_scores = {name: score.index_select(0, rows).view(shape) for name, score in scores.items()}
-        if capacity > 2 * (kept + reserve(kept)):
+        if capacity > 2 * (kept + reserve(kept)) and not self.fixed_capacity:
             # Release the evicted memory: new buffers sized to what is kept.
             capacity = kept + reserve(kept)
             self._key_buffer, self._value_buffer, self._position_buffer = self._allocate_dense(capacity, d, dv)
