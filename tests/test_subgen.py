@@ -164,8 +164,7 @@ def _naive_farthest_point(keys: torch.Tensor, candidates: torch.Tensor, count: i
     return order
 
 
-def test_blocked_farthest_point_equals_the_plain_algorithm():
-    # Small blocks and pools force every refresh path (pool exhausted, stale bound violated).
+def test_batched_farthest_point_equals_the_plain_algorithm():
     generator = torch.Generator().manual_seed(2)
     for trial in range(6):
         n = 40 + 23 * trial
@@ -173,8 +172,7 @@ def test_blocked_farthest_point_equals_the_plain_algorithm():
         candidates = torch.rand(3, n, generator=generator) > 0.25
         count = 5 + 4 * trial
         expected = _naive_farthest_point(keys, candidates, count)
-        for block, pool in [(1, 1), (3, 4), (8, 16), (32, 128)]:
-            assert torch.equal(farthest_point_order(keys, candidates, count, block=block, pool=pool), expected)
+        assert torch.equal(farthest_point_order(keys, candidates, count), expected)
 
 
 def test_decode_evicts_the_newer_member_of_the_closest_pair_hand_checked():
@@ -836,17 +834,16 @@ def test_padded_indices_lists_each_rows_true_columns_in_order():
 
 def test_farthest_point_order_edges_scale_exhausted_rows_one_center_no_rows():
     # Mutation testing: clamping the running distances at 1, the -1 fill of a row whose candidates
-    # run out, a single center and an empty batch were not reached by the blocked-vs-plain test.
+    # run out, a single center and an empty batch were not reached by the batched-vs-plain test.
     generator = torch.Generator().manual_seed(4)
     keys = torch.randn(2, 60, 8, generator=generator, dtype=torch.float64)
     candidates = torch.ones(2, 60, dtype=torch.bool)
     candidates[1, 5:] = False  # row 1 has 5 candidates for 12 centers
     expected = _naive_farthest_point(keys, candidates, 12)
     assert (expected[1, 5:] == -1).all() and (expected[1, :5] >= 0).all()
-    for block, pool in [(1, 1), (32, 128)]:
-        assert torch.equal(farthest_point_order(keys, candidates, 12, block=block, pool=pool), expected)
-        # k-center compares distances only: at 1/100 of the scale (every distance below 1) the same
-        assert torch.equal(farthest_point_order(keys * 1e-2, candidates, 12, block=block, pool=pool), expected)
+    assert torch.equal(farthest_point_order(keys, candidates, 12), expected)
+    # k-center compares distances only: at 1/100 of the scale (every distance below 1) the same
+    assert torch.equal(farthest_point_order(keys * 1e-2, candidates, 12), expected)
     assert torch.equal(farthest_point_order(keys, candidates, 1), expected[:, :1])
     assert farthest_point_order(keys[:0], candidates[:0], 3).shape == (0, 3)
 

@@ -10,8 +10,8 @@ Prefill (the paper's "apply the greedy k-center clustering algorithm once to com
 entire KV cache"): the first center is the oldest real token outside the recent window
 **(choice: the paper leaves the seed point open; the oldest token is deterministic and keeps
 the attention sink)**; each next center is the candidate farthest from the centers chosen so
-far. Computed exactly, but in blocks (see :func:`farthest_point_order`) so the keys are read
-once per ``block`` centers instead of once per center.
+far. Computed exactly as a fixed number of device steps batched over rows and heads (see
+:func:`farthest_point_order`), with no host read.
 
 Decode **(choice; the paper compresses once)**: when a token leaves the recent window it
 joins the candidate set (the ``k`` kept centers); while the set is larger than ``k`` the
@@ -73,87 +73,44 @@ def _squared_distances(
     return (points_sq[..., :, None] - 2 * dots + centers_sq[..., None, :]).clamp_min_(0)
 
 
-def farthest_point_order(
-    keys: torch.Tensor, candidates: torch.Tensor, count: int, *, block: int = 32, pool: int = 128
-) -> torch.Tensor:
+def farthest_point_order(keys: torch.Tensor, candidates: torch.Tensor, count: int) -> torch.Tensor:
     """Greedy k-center on each row: ``[R, count]`` indices of the chosen centers in pick order.
 
     ``keys [R, N, d]``, ``candidates [R, N]`` bool. The first center is each row's first
     candidate; every next one is the candidate with the largest distance to its nearest chosen
-    center (ties: any maximiser). A row with fewer candidates than ``count`` gets ``-1`` after
-    its candidates run out.
+    center (ties: the first maximiser). A row with fewer candidates than ``count`` gets ``-1``
+    after its candidates run out.
 
-    Exact, but blocked: the distances of all points to the newest centers are applied in one
-    matrix product every ``block`` centers (the keys are read once per block, not once per
-    center). In between, the exact distances are maintained only for a pool of the ``pool``
-    points with the largest (possibly stale, i.e. too large) values; the pool's best point is
-    the true farthest point whenever its exact value is at least the largest stale value
-    outside the pool (stale values only overestimate), otherwise the block is applied early.
+    ``min(count, N)`` fixed tensor steps batched over rows, each one pass over the keys (the
+    distances of every point to the newest center, one fused product), with no host read: the
+    argmax of each step stays on the device. (An earlier blocked version read the keys once per
+    32 centers but read a bool on the host at every pick to certify it; sound certificates fail
+    often on high-dimensional keys, so the exact algorithm needs the pass per pick anyway.)
     """
-    rows, num_points, dim = keys.shape
-    device = keys.device
-    order = torch.full((rows, count), -1, dtype=torch.long, device=device)
-    available = candidates.sum(-1)
-    steps = min(count, int(available.max())) if rows else 0
-    if steps == 0:
+    rows, num_points, _ = keys.shape
+    steps = min(count, num_points)
+    order = torch.full((rows, count), -1, dtype=torch.long, device=keys.device)
+    if steps == 0 or rows == 0:
         return order
     keys = keys.float()
     keys_sq = (keys * keys).sum(-1)
-    row_index = torch.arange(rows, device=device)
-    neg_inf = float("-inf")
-    # nearest[x]: squared distance to the nearest of the centers applied so far (stale: the
-    # centers picked since the last refresh are not applied); -inf = not eligible (not a
-    # candidate, or a center as of the last refresh).
-    nearest = torch.where(candidates, float("inf"), neg_inf)
-    applied = 0
-    pool = max(1, min(pool, num_points))
-    state: dict = {}
-
-    def refresh(upto: int) -> None:
-        nonlocal applied, nearest
-        if upto > applied:
-            picked = order[:, applied:upto]
-            centers = keys.gather(1, picked[..., None].expand(-1, -1, dim))
-            # min_j |x - c_j|² = |x|² + min_j (|c_j|² - 2 x·c_j): one fused product, one reduction.
-            partial = torch.baddbmm(keys_sq.gather(1, picked)[:, None, :], keys, centers.transpose(1, 2), alpha=-2)
-            nearest = torch.minimum(nearest, (partial.amin(-1) + keys_sq).clamp_min_(0))
-            nearest.scatter_(1, order[:, applied:upto], neg_inf)
-            applied = upto
-        take = min(pool + 1, num_points)
-        values, index = nearest.topk(take, dim=-1)
-        if take > pool:
-            state["threshold"] = values[:, pool]
-            values, index = values[:, :pool], index[:, :pool]
-        else:
-            state["threshold"] = torch.full((rows,), neg_inf, device=device)
-        state["index"], state["value"] = index, values.contiguous()
-        state["keys"] = keys.gather(1, index[..., None].expand(-1, -1, dim))
-        state["sq"] = keys_sq.gather(1, index)
-
-    # A row that runs out of candidates keeps "picking" ineligible points (value -inf); those
-    # picks are harmless and replaced by -1 at the end.
+    row_index = torch.arange(rows, device=keys.device)
+    nearest = torch.where(candidates, float("inf"), float("-inf"))  # -inf: not eligible
     chosen = candidates.to(torch.int8).argmax(-1)
     for step in range(steps):
-        if step > 0:
-            if not state:
-                refresh(step)
-            best, slot = state["value"].max(-1)
-            if step - applied >= block or bool((best < state["threshold"]).any()):
-                refresh(step)
-                best, slot = state["value"].max(-1)
-            chosen = state["index"].gather(1, slot[:, None]).squeeze(1)
-            state["value"][row_index, slot] = neg_inf
         order[:, step] = chosen
-        if state:
-            # Exact distances of the pool to the new center: |p|² + |c|² - 2 p·c (a batched
-            # matrix-vector product is several times slower than this on CPU at pool sizes).
-            center = keys[row_index, chosen]
-            dots = (state["keys"] * center[:, None, :]).sum(-1)
-            distance = torch.add(state["sq"] + keys_sq[row_index, chosen][:, None], dots, alpha=-2).clamp_min_(0)
-            torch.minimum(state["value"], distance, out=state["value"])
-    exhausted = torch.arange(count, device=device)[None, :] >= available[:, None]
-    order.masked_fill_(exhausted, -1)
-    return order
+        # [R, 1, d] viewed as [R, d, 1]: this layout takes the fast batched matrix-vector kernel
+        # on CPU (a contiguous [R, d, 1] is ~6x slower there).
+        center = keys[row_index, chosen][:, None, :].transpose(1, 2)
+        # |x|² - 2 x·c in one fused product, then + |c|².
+        partial = torch.baddbmm(keys_sq[:, :, None], keys, center, alpha=-2).squeeze(-1)
+        distance = (partial + keys_sq[row_index, chosen][:, None]).clamp_min_(0)
+        nearest = torch.minimum(nearest, distance)
+        nearest[row_index, chosen] = float("-inf")
+        chosen = nearest.argmax(-1)
+    # A row that ran out of candidates kept "picking" ineligible points: those become -1.
+    exhausted = torch.arange(count, device=keys.device)[None, :] >= candidates.sum(-1)[:, None]
+    return order.masked_fill_(exhausted, -1)
 
 
 # ---------------------------------------------------------------------------------------------
