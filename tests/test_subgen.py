@@ -819,16 +819,16 @@ def test_memory_plan_token_equivalents_are_the_budget_split():
 
 def test_padded_indices_lists_each_rows_true_columns_in_order():
     mask = torch.tensor([[False, True, True, False, True], [False] * 5, [True, False, False, False, False]])
-    index, present = _padded_indices(mask)
+    index, present = _padded_indices(mask, 3)
     assert index.shape == present.shape == (3, 3)
     assert present.tolist() == [[True] * 3, [False] * 3, [True, False, False]]
     assert index[0].tolist() == [1, 2, 4] and index[2, 0].item() == 0
     long = torch.rand(4, 3000, generator=torch.Generator().manual_seed(0)) < 0.3
-    index, present = _padded_indices(long)
+    index, present = _padded_indices(long, 3000)
     for row in range(4):
         assert index[row][present[row]].tolist() == long[row].nonzero().flatten().tolist()
     # no rows: an empty listing, not an error
-    index, present = _padded_indices(torch.zeros(0, 7, dtype=torch.bool))
+    index, present = _padded_indices(torch.zeros(0, 7, dtype=torch.bool), 0)
     assert index.shape == present.shape == (0, 0)
 
 
