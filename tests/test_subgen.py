@@ -264,7 +264,7 @@ def structures(
         s,
         dtype=dtype,
         device=torch.device("cpu"),
-        generator=torch.Generator().manual_seed(seed),
+        seed=seed,
         delta=delta,
         relative_delta=relative_delta,
         max_clusters=max_clusters,
@@ -684,7 +684,7 @@ def test_clusterable_streams_grow_sublinearly_and_others_are_reported():
                 s,
                 dtype=torch.float32,
                 device=torch.device("cpu"),
-                generator=torch.Generator(),
+                seed=0,
                 delta=delta,
                 relative_delta=False,
                 max_clusters=12,
@@ -706,8 +706,8 @@ def test_clusterable_streams_grow_sublinearly_and_others_are_reported():
 
 
 def test_a_left_padded_row_gets_what_it_gets_alone():
-    """Issue 9 item 5: the reservoir and ℓ2 draws come from per-row generators seeded by head and
-    layer, and the ‖v‖² draw skips padding, so a padded row matches its solo run."""
+    """Issue 9 item 5: the reservoir and ℓ2 draws are hashes of (seed, layer, head, the row's own
+    token count), and the ‖v‖² draw skips padding, so a padded row matches its solo run."""
     model = tiny_model("llama", "gqa")
     pad = 7
     input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=40, pad=pad)
@@ -984,8 +984,8 @@ def _identical_streams(dtype=torch.float32) -> torch.Tensor:
 
 def test_policy_structures_take_the_layer_dtype_relative_radius_and_per_head_layer_seed_draws():
     """SubGenAttention builds one row of structures per (batch row, KV head): vectors in the
-    model's dtype, the relative radius of its config, and one generator per row seeded by the
-    config's seed, the layer and the head only (issue 9 item 5: a batch row draws what it draws
+    model's dtype, the relative radius of its config, and draws indexed by the config's seed,
+    the layer and the head only (issue 9 item 5: a batch row draws what it draws
     alone). With the same stream in every row, the ℓ2 samples of M therefore agree across batch
     rows of a head and differ between heads, layers and seeds (issue 10: each seed argument)."""
     policy_options = dict(samples_per_cluster=2, value_sample_fraction=0.25, cluster_fraction=0.25)
@@ -1101,8 +1101,10 @@ def test_a_key_at_exactly_delta_joins_and_ties_go_to_the_older_cluster():
 
 
 def _with_uniforms(target: StreamingStructures, value: float) -> StreamingStructures:
-    """Every uniform the structures draw is ``value`` (a point of torch.rand's grid k·2^-24)."""
-    target._rand_rows = lambda counts, width: torch.full((sum(counts), width), value)
+    """Every uniform the structures draw is ``value`` (a point of their grid k·2^-48)."""
+    target._uniforms = lambda purpose, *indices: torch.full(
+        torch.broadcast_shapes((target.rows,), *(index.shape for index in indices)), value, dtype=torch.float64
+    )
     return target
 
 

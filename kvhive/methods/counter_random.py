@@ -60,3 +60,13 @@ def uniform(seed: int, *indices: torch.Tensor | int) -> torch.Tensor:
     """``float32`` uniforms in ``[0, 1)`` on a grid of ``2**-24``, indexed by ``indices``."""
     word = hashed_words(seed, *indices)
     return (word >> (32 - _UNIFORM_BITS)).to(torch.float32) * (1.0 / (1 << _UNIFORM_BITS))
+
+
+def uniform_float64(seed: int, *indices: torch.Tensor | int) -> torch.Tensor:
+    """``float64`` uniforms in ``[0, 1)`` on a grid of ``2**-48`` (two 24-bit draws), for
+    probabilities that may be far below ``2**-24`` (a reservoir coin ``1/n`` of a long stream)."""
+    word = hashed_words(seed, *indices)
+    low = _mix(_mix((word + _INCREMENT) & _WORD))
+    high_part = (word >> (32 - _UNIFORM_BITS)).to(torch.float64)
+    low_part = (low >> (32 - _UNIFORM_BITS)).to(torch.float64)
+    return (high_part + low_part * (1.0 / (1 << _UNIFORM_BITS))) * (1.0 / (1 << _UNIFORM_BITS))
