@@ -101,11 +101,14 @@ def make_cache(
     decode_slack: int = 0,
     record_prefill: bool = False,
     positions: str = "original",
+    dense_decode: str = "sdpa",
     **method_parameters: Any,
 ) -> KVHiveCache:
     """A :class:`KVHiveCache` for ``model`` running ``method`` at ``budget`` tokens per head
     (or ``ratio`` of the prompt). Also switches the model to kvhive attention (a no-op for
-    other caches), so the cache can be passed straight to ``generate``."""
+    other caches), so the cache can be passed straight to ``generate``. ``dense_decode`` picks the
+    attention of a decode step over equal-length heads on CUDA: ``"sdpa"`` (flash / memory-efficient)
+    or ``"kernel"`` (kvhive's split-K Triton kernel over the buffer in place)."""
     policy = method if isinstance(method, Policy) else make_policy(method, **method_parameters)
     if budget is not None and ratio is not None:
         raise ValueError("give either budget (tokens per head, or a ratio as a float) or ratio, not both")
@@ -144,6 +147,7 @@ def make_cache(
         record_prefill=record_prefill,
         positions=positions,
         key_rotator=rotator,
+        dense_decode=dense_decode,
     )
 
 

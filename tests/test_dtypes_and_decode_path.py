@@ -21,6 +21,7 @@ from kvhive.attention.varlen import varlen_attention_torch
 from kvhive.cache.storage import MIN_RESERVE_TOKENS
 from kvhive.methods.base import DECODE
 from kvhive.methods.registry import method_names, policy_class
+from kvhive.methods.tova import TOVA
 from kvhive.models import tiny_model
 
 from helpers import left_padded_batch, prefill_and_decode, reference_logits
@@ -144,14 +145,22 @@ def test_steady_decode_step_reads_nothing_back(method):
     assert calls == [], f"{method}: host reads in a steady decode step: {calls}"
 
 
-def test_host_read_counter_sees_an_eviction():
-    # The counter is not blind: an evicting decode step reads its kept counts back once per layer.
+def test_host_read_counter_sees_an_eviction_of_undeclared_size():
+    # The counter is not blind: a method that does not declare its kept count (kept_per_row None)
+    # makes the cache read the counts back once per layer at every eviction.
+    class UndeclaredTOVA(TOVA):
+        def kept_per_row(self, phase, num_tokens, budget, state):
+            return None
+
     model = _model("llama", torch.float32)
-    cache, token = _steady_decode(model, "tova", 16, "cpu")
-    assert DECODE in cache.policy.phases
-    with torch.no_grad(), counted_host_reads() as calls:
-        model(input_ids=token, past_key_values=cache, use_cache=True)
+    input_ids = torch.randint(3, model.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    cache = kvhive.make_cache(model, UndeclaredTOVA(), budget=16)
+    with torch.no_grad():
+        token = model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        with counted_host_reads() as calls:
+            model(input_ids=token, past_key_values=cache, use_cache=True)
     model.set_attn_implementation("sdpa")
+    assert DECODE in cache.policy.phases
     assert calls.count("cpu") >= len(cache.compressed_layers)
 
 

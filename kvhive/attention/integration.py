@@ -16,7 +16,6 @@ sliding-window pattern). The attention function:
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -25,7 +24,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvhive.attention.varlen import kernel_supports, varlen_attention, varlen_attention_kernel
-from kvhive.cache.kv_cache import CACHE_POSITIONS, ORIGINAL_POSITIONS, KVHiveCache, active_update
+from kvhive.cache.kv_cache import CACHE_POSITIONS, ORIGINAL_POSITIONS, PADDING_SCORE, KVHiveCache, active_update
 from kvhive.cache.rows import CacheRows
 from kvhive.cache.storage import PAGE_TOKENS
 from kvhive.methods.base import DECODE, ScoringInputs, causal_mask
@@ -35,10 +34,6 @@ ATTENTION_NAME = "kvhive"
 # kvhive picks its own sdpa backends: cuDNN's sdpa re-plans for every new key length (milliseconds
 # of host time per call on torch 2.11 / H100), so a decode step would depend on it.
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-# Dense decode attention on CUDA: "sdpa" (flash / memory-efficient, cuDNN excluded) or "kernel"
-# (kvhive's split-K Triton kernel over the buffer's slice). sdpa stays the default until the
-# kernel has been timed against it on a GPU (benchmarks/bench_gpu.py runs both: "snapkv@kernel").
-DENSE_DECODE = os.environ.get("KVHIVE_DENSE_DECODE", "sdpa")
 
 
 def _backends(device: torch.device):
@@ -48,7 +43,15 @@ def _backends(device: torch.device):
 def kvhive_mask(*args, **kwargs):
     """transformers' sdpa mask. It is None when nothing needs masking (no padding, no window in
     reach), which the attention reads as "causal over original positions"; otherwise it spans
-    every original position and kept tokens are gathered from it by position."""
+    every original position and kept tokens are gathered from it by position.
+
+    In a compiled decode step (one new query) there is no mask at all: a mask over every original
+    position grows by one column per step (a new graph each step); kvhive's attention masks the
+    stored tokens of a static decode step itself (padding recorded at prefill, the window by
+    position)."""
+    q_length = kwargs.get("q_length", args[1] if len(args) > 1 else None)
+    if q_length == 1 and torch.compiler.is_compiling():
+        return None  # no mask is built inside a compiled step (kvhive's attention masks it)
     kwargs["allow_is_bidirectional_skip"] = False
     return sdpa_mask(*args, **kwargs)
 
@@ -100,9 +103,7 @@ def _full_mask(attention_mask, batch_size, num_queries, tokens_seen, sliding_win
     return allowed[None, None].expand(batch_size, 1, num_queries, tokens_seen)
 
 
-def _gather_mask(
-    mask: torch.Tensor | None, positions: torch.Tensor, tokens_seen: int, num_queries: int
-) -> torch.Tensor | None:
+def _gather_mask(mask: torch.Tensor | None, positions: torch.Tensor, store, num_queries: int) -> torch.Tensor | None:
     """The mask over the stored tokens: ``[B, H|1, q, L]``, or None when nothing is masked.
 
     The model's mask (padding, a window in reach) is gathered at the stored tokens' positions.
@@ -112,11 +113,39 @@ def _gather_mask(
     if mask is None:
         if num_queries == 1:
             return None
+        tokens_seen = store.tokens_seen
         return causal_mask(positions, tokens_seen - num_queries, tokens_seen)
+    tokens_seen = store.tokens_seen
     if length == tokens_seen:  # nothing was ever evicted: the stored order is the original one
         return mask
     index = positions.long()[:, :, None, :].expand(batch, heads, num_queries, length)
     return mask.expand(batch, heads, num_queries, mask.shape[-1]).gather(3, index)
+
+
+def _stored_decode_mask(store, positions: torch.Tensor) -> torch.Tensor | None:
+    """``[B, H, 1, L]`` mask of one new query of a static decode step (``cache.is_compileable``:
+    transformers' mask is not used, see ``KVHiveCache.get_mask_sizes``), from what the layer knows
+    on the device: left padding recorded at prefill, and the sliding window by the stored tokens'
+    positions. None when neither applies."""
+    allowed = None
+    padding = store.token_scores.get(PADDING_SCORE)
+    if padding is not None:
+        allowed = padding == 0
+    if store.is_sliding:
+        # The new token sits at tokens_seen - 1; the window reaches back window - 1 tokens.
+        in_window = positions >= store.tokens_seen_device - store.sliding_window
+        allowed = in_window if allowed is None else allowed & in_window
+    return None if allowed is None else allowed[:, :, None, :]
+
+
+def _record_padding(store, mask: torch.Tensor | None) -> None:
+    """Remember which prompt tokens are left padding (a compiled decode step masks them itself).
+    One read per layer at prefill; nothing is stored for a batch without padding."""
+    if mask is None:
+        return
+    padding = ~mask[:, 0].any(dim=-2)  # [B, N]: keys no query of the prompt may attend
+    if bool(padding.any()):
+        store.set_token_scores(PADDING_SCORE, padding[:, None, :].expand(-1, store.num_heads, -1).float())
 
 
 def _refuse_padding(model_mask: torch.Tensor | None, causal: torch.Tensor, layer_index: int) -> None:
@@ -153,7 +182,7 @@ def _row_logit_scale(policy, mask: torch.Tensor | None, num_keys: int, queries: 
 
 def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Attention over a :class:`KVHiveCache` layer; plain sdpa for any other cache."""
-    cache, layer_index = active_update(key)
+    cache, layer_index = active_update(key, kwargs)
     if cache is None:
         with _backends(query.device):
             return sdpa_attention_forward(
@@ -172,14 +201,14 @@ def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dr
     if cache.positions == CACHE_POSITIONS:
         # transformers built its mask over re-indexed positions; rebuild it over true positions.
         mask = _full_mask(None, batch, num_queries, store.tokens_seen, store.sliding_window, query.device)
-        if store.tokens_seen == num_queries:
+        if store.in_prefill:
             _refuse_padding(_model_mask(attention_mask), mask, layer_index)
     else:
         mask = _model_mask(attention_mask)
     compressed = cache.is_compressed(layer_index)
 
     with _backends(query.device):
-        if store.tokens_seen == num_queries:
+        if store.in_prefill:
             return _prefill(module, cache, layer_index, query, key, value, mask, scaling, dropout, compressed, kwargs)
         if store.is_uniform:
             return _decode_dense(module, cache, layer_index, query, mask, scaling, dropout, compressed, kwargs)
@@ -206,14 +235,15 @@ def _attention_by_row(
     a small model's decode step) ran once for all rows."""
     outputs = []
     for row, cache in enumerate(rows.caches):
-        row_keys, row_values = cache.update(key[row : row + 1], value[row : row + 1], layer_index)
+        row_kwargs = dict(kwargs)
+        row_keys, row_values = cache.update(key[row : row + 1], value[row : row + 1], layer_index, kwargs=row_kwargs)
         # Every row sees the same positions (CacheRows checks it), so a mask shared by the batch
         # (first dimension 1) serves each row as it is.
         row_mask = attention_mask
         if attention_mask is not None and attention_mask.shape[0] > 1:
             row_mask = attention_mask[row : row + 1]
         output, _ = kvhive_attention(
-            module, query[row : row + 1], row_keys, row_values, row_mask, scaling=scaling, dropout=dropout, **kwargs
+            module, query[row : row + 1], row_keys, row_values, row_mask, scaling=scaling, dropout=dropout, **row_kwargs
         )
         outputs.append(output)
     return torch.cat(outputs, dim=0), None
@@ -229,6 +259,7 @@ def _prefill(module, cache: KVHiveCache, layer_index, query, key, value, mask, s
         module, attended_queries, key, value, mask, dropout=dropout, scaling=scaling, **kwargs
     )
 
+    _record_padding(cache.layers[layer_index], mask)
     if cache.record_prefill:
         cache.prefill_records[layer_index] = (attended_queries, mask, scaling)
     # Policies score with the queries the model attended with (as in decode).
@@ -290,7 +321,11 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
     policy = cache.policy
     keys, values, positions, token_scores = store.dense()
     batch, query_heads, num_queries, head_dim = query.shape
-    stored_mask = _gather_mask(mask, positions, store.tokens_seen, num_queries)
+    if num_queries == 1 and cache.is_compileable:
+        # A static decode step: transformers' mask is a fixed unused column (get_mask_sizes).
+        stored_mask = _stored_decode_mask(store, positions)
+    else:
+        stored_mask = _gather_mask(mask, positions, store, num_queries)
     heads = keys.shape[1]
     group = query_heads // heads
     wants_weights = compressed and DECODE in policy.phases and policy.needs_decode_attention
@@ -301,7 +336,7 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
     last_weights = None
     if not wants_weights and extra is None:
         output = None
-        if stored_mask is None and num_queries == 1 and DENSE_DECODE == "kernel":
+        if stored_mask is None and num_queries == 1 and cache.dense_decode == "kernel":
             output = _dense_decode_by_kernel(store, query, scaling)
         if output is None:
             sdpa_mask_ = stored_mask
@@ -350,7 +385,7 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
             scaling=scaling,
             layer_index=layer_index,
             num_layers=len(cache.layers),
-            sequence_length=store.tokens_seen,
+            sequence_length=store.tokens_seen_device if torch.compiler.is_compiling() else store.tokens_seen,
             phase=phase,
             token_scores=dict(token_scores),
             last_query_weights=last_weights,

@@ -51,12 +51,13 @@ def _segment_table(segment_start, segment_length_host, block):
     return segment_of_block, token_index, in_segment
 
 
-def _page_table(segment_capacity_host, segment_length_host, page, device):
-    """Pages of a paged buffer (segments tile it in order, each capacity a multiple of ``page``):
-    ``(segment_of_page [P], in_segment [P, page])``."""
+def _page_table(segment_capacity_host, segment_length_host, page, device, total_pages):
+    """Pages of a paged buffer of ``total_pages`` pages (segments tile it in order, each capacity a
+    multiple of ``page``): ``(segment_of_page [P], in_segment [P, page])``."""
     pages_per_segment = (segment_capacity_host // page).to(device)
     segments = torch.arange(segment_capacity_host.numel(), device=device)
-    segment_of_page = torch.repeat_interleave(segments, pages_per_segment)
+    # The buffer's size gives the output size: no read of the per-segment counts.
+    segment_of_page = torch.repeat_interleave(segments, pages_per_segment, output_size=total_pages)
     first_page = torch.cumsum(pages_per_segment, 0) - pages_per_segment
     page_in_segment = torch.arange(segment_of_page.numel(), device=device) - first_page[segment_of_page]
     offset = page_in_segment[:, None] * page + torch.arange(page, device=device)[None, :]
@@ -87,12 +88,12 @@ def varlen_attention_torch(
     """
     num_segments, rows, _ = query_rows.shape
     if segment_capacity_host is not None:
+        if keys.shape[0] % block:
+            raise ValueError(f"paged buffer of {keys.shape[0]} rows is not whole pages of {block}")
+        pages = keys.shape[0] // block
         segment_of_block, in_segment = _page_table(
-            segment_capacity_host.reshape(-1), segment_length_host.reshape(-1), block, keys.device
+            segment_capacity_host.reshape(-1), segment_length_host.reshape(-1), block, keys.device, pages
         )
-        pages = segment_of_block.numel()
-        if pages * block != keys.shape[0]:
-            raise ValueError(f"paged buffer of {keys.shape[0]} rows is not {pages} pages of {block}")
         block_keys = keys.view(pages, block, keys.shape[-1])  # [NB, block, d], no copy
         block_values = values.view(pages, block, values.shape[-1])
         token_index = torch.arange(pages * block, device=keys.device).view(pages, block)

@@ -9,6 +9,7 @@ prefill is done and peak memory stays at one uncompressed layer.
 
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -25,11 +26,23 @@ Positions = Literal["original", "cache"]
 """Keys keep their true positions (``"original"``) or are re-indexed to contiguous ones (``"cache"``)."""
 ORIGINAL_POSITIONS: Final[Positions] = "original"
 CACHE_POSITIONS: Final[Positions] = "cache"
+DenseDecode = Literal["sdpa", "kernel"]
+"""Attention of a decode step over equal-length heads on CUDA: sdpa, or kvhive's split-K kernel."""
 
 # Per-token RoPE position of a cached key under positions="cache" (kept aligned by the store).
 ROPE_POSITION = "_rope_position"
+# Per-token flag (1.0) of left padding, recorded at prefill when the batch is padded (kept aligned
+# by the store; appended tokens get 0: real).
+PADDING_SCORE = "_padding"
 
-_LAST_UPDATE: dict = {"cache": None, "layer": None, "keys": None}
+# The key under which ``update`` hands the attention function its cache and layer through
+# transformers' per-layer kwargs (transformers >= 5.24 passes the attention's kwargs to
+# ``Cache.update``; the same dict is then unpacked into the attention call).
+UPDATE_KWARG = "kvhive_layer"
+
+# Older transformers (no kwargs reach ``update``): the last update of each thread, held weakly so a
+# dead cache is never kept alive and threads never see each other's caches.
+_thread_updates = threading.local()
 
 
 class BudgetNotKeptWarning(UserWarning):
@@ -37,22 +50,34 @@ class BudgetNotKeptWarning(UserWarning):
     (a prefill-only method fed token by token, or decoding past a prompt that fit the budget)."""
 
 
-def active_update(keys: torch.Tensor) -> tuple[KVHiveCache | None, int | None]:
+def active_update(keys: torch.Tensor, attention_kwargs: dict) -> tuple[KVHiveCache | None, int | None]:
     """The cache and layer whose ``update`` just returned ``keys``, or ``(None, None)``.
 
-    transformers does not pass the cache object to attention functions; every model calls
-    ``past_key_values.update`` right before its attention, so matching the returned tensor
-    identifies the layer without patching model code (and never mistakes another cache).
+    transformers does not pass the cache object to attention functions; it passes ``update`` the
+    kwargs it will give the attention, so the cache puts itself there (:func:`mark_update`). On
+    versions that do not, the thread's last update is matched by the identity of the returned keys.
     """
-    if _LAST_UPDATE["keys"] is keys:
-        return _LAST_UPDATE["cache"], _LAST_UPDATE["layer"]
+    handed = attention_kwargs.pop(UPDATE_KWARG, None)
+    if handed is not None:
+        return handed
+    last = getattr(_thread_updates, "last", None)
+    if last is None:
+        return None, None
+    cache_ref, layer_index, keys_ref = last
+    if keys_ref() is keys:
+        _thread_updates.last = None
+        return cache_ref(), layer_index
     return None, None
 
 
-def mark_update(cache, layer_index: int, keys: torch.Tensor) -> None:
+def mark_update(cache, layer_index: int, keys: torch.Tensor, update_kwargs: dict) -> None:
     """Record that ``cache.update`` for ``layer_index`` just returned ``keys`` (read back by
-    :func:`active_update` in kvhive's attention)."""
-    _LAST_UPDATE["cache"], _LAST_UPDATE["layer"], _LAST_UPDATE["keys"] = cache, layer_index, keys
+    :func:`active_update` in kvhive's attention). ``update_kwargs`` are the kwargs ``update`` got."""
+    layer_kwargs = update_kwargs.get("kwargs")
+    if isinstance(layer_kwargs, dict):
+        layer_kwargs[UPDATE_KWARG] = (cache, layer_index)
+        return
+    _thread_updates.last = (weakref.ref(cache), layer_index, weakref.ref(keys))
 
 
 def _real_lengths(scoring: ScoringInputs) -> list[int]:
@@ -82,6 +107,7 @@ class KVHiveCache(Cache):
             token stream (``model(input_ids, past_key_values=cache)`` calls, batch without
             padding) can run past the model's trained length (StreamingLLM-style). Needs
             ``key_rotator`` (``kvhive.attention.rope.KeyRotator``; ``make_cache`` passes it).
+        dense_decode: ``"sdpa"`` or ``"kernel"`` (see :data:`DenseDecode`).
     """
 
     def __init__(
@@ -96,6 +122,7 @@ class KVHiveCache(Cache):
         record_prefill: bool = False,
         positions: Positions = ORIGINAL_POSITIONS,
         key_rotator=None,
+        dense_decode: DenseDecode = "sdpa",
     ) -> None:
         if isinstance(budget, (int, float)) and not isinstance(budget, bool):
             budget = Budget.parse(budget)
@@ -110,6 +137,7 @@ class KVHiveCache(Cache):
         if not isinstance(record_prefill, bool):
             raise ValueError(f"invalid record_prefill={record_prefill!r}: expected True or False")
         require_choice(positions, "positions", Positions)
+        require_choice(dense_decode, "dense_decode", DenseDecode)
         if positions == CACHE_POSITIONS and key_rotator is None:
             raise ValueError("positions='cache' needs a key_rotator (use kvhive.make_cache)")
         if positions == CACHE_POSITIONS and type(policy).extra_attention is not Policy.extra_attention:
@@ -141,6 +169,7 @@ class KVHiveCache(Cache):
         self.prefill_records: dict[int, tuple] = {}
         self.positions = positions
         self.key_rotator = key_rotator
+        self.dense_decode = dense_decode
         # Layers a prefill-only method cut at prefill, and whether the growth past the budget of
         # a layer it never cut was reported (once per cache).
         self._cut_at_prefill: set[int] = set()
@@ -149,6 +178,7 @@ class KVHiveCache(Cache):
         self._attention_modules: dict[int, weakref.ref] = {}
         self._generated_ids: torch.Tensor | None = None
         self._unattended_update: int | None = None  # a layer updated whose attention has not run yet
+        self._compileable = self._static_decode()
         if budget.tokens is not None:
             problem = minimum_budget_problem(policy, budget.tokens)
             if problem is not None:
@@ -202,6 +232,30 @@ class KVHiveCache(Cache):
             granularity == QUERY_HEADS or (granularity == AUTO_HEADS and self.num_kv_heads == 1)
         )
 
+    @property
+    def is_compileable(self) -> bool:
+        return self._compileable
+
+    def _static_decode(self) -> bool:
+        """Whether a decode step compiles to one graph that serves every later step, so transformers'
+        ``generate`` takes its compiled path (``torch.compile``; CUDA graphs on a GPU): every layer
+        holds a fixed number of tokens from one step to the next, in buffers that keep their
+        address, and the step reads nothing back. That holds when the method evicts to its budget
+        at every step (``Policy.static_decode``) in every layer, at original positions, with one copy
+        per KV head. Layers that grow (the full cache, prefill-only methods) or slide (sliding-window
+        layers move their start at every step) change shape: they decode eagerly."""
+        policy = self.policy
+        return (
+            policy.static_decode
+            and DECODE in policy.phases
+            and self.positions == ORIGINAL_POSITIONS
+            and self.decode_every == 1
+            and self.decode_slack == 0
+            and not self.stores_query_heads
+            and len(self.compressed_layers) == len(self.layers)
+            and not any(layer.is_sliding for layer in self.layers)
+        )
+
     def is_compressed(self, layer_index: int) -> bool:
         return layer_index in self.compressed_layers
 
@@ -222,12 +276,16 @@ class KVHiveCache(Cache):
         row_budgets = self._row_budgets(layer_index, scoring.batch_size)
         if DECODE in self.policy.phases:
             self.policy.initialize_decode(scoring, store.policy_state, budget=self.layer_budgets[layer_index])
+        known_count = None
+        if len(set(row_budgets)) == 1 and scoring.num_tokens > row_budgets[0]:
+            phase = PREFILL if PREFILL in self.policy.phases else DECODE
+            known_count = self.policy.kept_per_row(phase, scoring.num_tokens, row_budgets[0], store.policy_state)
         keep = self._select_prefill(scoring, row_budgets, store.policy_state)
         self._store_token_scores(store, scoring)
         if self.stores_query_heads:
             store.expand_to_query_heads(self.num_query_heads // self.num_kv_heads)
         if keep is not None:
-            store.keep(keep, self._check_keep(keep, store, row_budgets))
+            store.keep(keep, self._kept_counts(keep, store, row_budgets, known_count))
             self._cut_at_prefill.add(layer_index)
         self._reindex(store)
 
@@ -319,11 +377,17 @@ class KVHiveCache(Cache):
         length = scoring.num_tokens
         if length <= budget + self.decode_slack or store.decode_steps_since_compression < self.decode_every:
             return
+        known_count = self.policy.kept_per_row(DECODE, length, budget, store.policy_state)
         keep = self.policy.select_decode(scoring, budget, store.policy_state)
         self._store_token_scores(store, scoring)
         if keep is None:
             return
-        store.keep(keep, self._check_keep(keep, store, [budget + self.decode_slack] * keep.shape[0]))
+        if known_count is not None and known_count > budget + self.decode_slack:
+            raise RuntimeError(
+                f"{self.policy.name} declares {known_count} tokens kept per head in layer {layer_index}, over its "
+                f"budget of {budget + self.decode_slack}"
+            )
+        store.keep(keep, self._kept_counts(keep, store, [budget + self.decode_slack] * keep.shape[0], known_count))
         store.decode_steps_since_compression = 0
 
     # -- re-indexed positions ------------------------------------------------------------------
@@ -364,6 +428,15 @@ class KVHiveCache(Cache):
         store.rope_tokens_seen = store.tokens_seen
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        if query_length == 1 and self._compileable:
+            # A static decode step masks its stored tokens itself (padding recorded at prefill), so
+            # the mask transformers builds for it is a fixed, unused column instead of one that
+            # grows with every token seen (a new graph at every step).
+            return 1, 0
+        return self.mask_sizes_over_positions(query_length, layer_idx)
+
+    def mask_sizes_over_positions(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        """The mask size over every original position (what the attention gathers kept tokens from)."""
         if self.positions == CACHE_POSITIONS:
             return self.get_seq_length(layer_idx) + query_length, 0
         return super().get_mask_sizes(query_length, layer_idx)
@@ -402,10 +475,32 @@ class KVHiveCache(Cache):
             return
         store.keep(store.stored_flat_positions() >= store.tokens_seen - store.sliding_window + 1)
 
-    def _check_keep(self, keep: torch.Tensor, store: LayerStore, row_budgets: list[int]) -> torch.Tensor:
-        """Kept tokens per row ``[B, H]`` (read back once, on the host); refuses a mask over budget."""
+    def _kept_counts(
+        self, keep: torch.Tensor, store: LayerStore, row_budgets: list[int], known_count: int | None
+    ) -> torch.Tensor | int:
+        """What ``store.keep`` needs to lay out the kept tokens: the count every row keeps when the
+        policy declared it (``kept_per_row``; checked on the device without waiting for the check),
+        else the counts per row ``[B, H]`` read back once (:meth:`_check_keep`)."""
         if keep.dtype != torch.bool:
             raise TypeError(f"{self.policy.name}: a keep mask must be boolean, got {keep.dtype}")
+        if known_count is None or not store.is_uniform:
+            return self._check_keep(keep, store, row_budgets)
+        if known_count > min(row_budgets):
+            raise RuntimeError(
+                f"{self.policy.name} declares {known_count} tokens kept per head in layer {store.layer_index}, "
+                f"over its budget of {min(row_budgets)}"
+            )
+        # Asynchronous on a GPU: a mismatch stops the device (an error at the next synchronisation)
+        # instead of every step waiting for the host to read the counts.
+        torch._assert_async(
+            (keep.sum(dim=-1) == known_count).all(),
+            f"{self.policy.name}: the keep mask of layer {store.layer_index} does not keep the {known_count} tokens "
+            "per head its kept_per_row declared",
+        )
+        return known_count
+
+    def _check_keep(self, keep: torch.Tensor, store: LayerStore, row_budgets: list[int]) -> torch.Tensor:
+        """Kept tokens per row ``[B, H]`` (read back once, on the host); refuses a mask over budget."""
         counts = keep.sum(dim=-1).cpu()
         kept_per_sequence = counts.reshape(counts.shape[0], -1).sum(-1)
         allowed = torch.tensor(row_budgets) * keep.shape[1]
@@ -429,8 +524,8 @@ class KVHiveCache(Cache):
             )
         self._unattended_update = layer_idx
         keys, values = self.layers[layer_idx].update(key_states, value_states)
-        # The attention function runs next; it recognises this cache by the tensor it returns.
-        mark_update(self, layer_idx, keys)
+        # The attention function runs next; the cache hands itself over through transformers' kwargs.
+        mark_update(self, layer_idx, keys, kwargs)
         return keys, values
 
     # -- reuse checks ------------------------------------------------------------------------------
@@ -504,10 +599,14 @@ class KVHiveCache(Cache):
         # A reference, not a copy: generate appends to a new tensor, it never edits in place.
         self._generated_ids = input_ids if new_tokens is not None or not seen else None
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        """The true number of tokens seen (``positions="cache"``: the next re-indexed position)."""
+    def get_seq_length(self, layer_idx: int = 0) -> int | torch.Tensor:
+        """The true number of tokens seen (``positions="cache"``: the next re-indexed position);
+        a device tensor inside a compiled step."""
         if layer_idx >= len(self.layers):
             return 0
+        if torch.compiler.is_compiling() and self.positions == ORIGINAL_POSITIONS:
+            # A compiled step reads the device counter (see LayerStore.tokens_seen).
+            return self.layers[layer_idx].get_seq_length() if self.layers[layer_idx].is_initialized else 0
         tokens_seen = self.layers[layer_idx].tokens_seen
         if self.positions == CACHE_POSITIONS:
             return self._next_position(tokens_seen)

@@ -70,7 +70,8 @@ class CacheRows(Cache):
         return self.caches[0].get_seq_length(layer_idx)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        sizes = [cache.get_mask_sizes(query_length, layer_idx) for cache in self.caches]
+        # Over original positions for every row: a static-decode row ignores it and masks itself.
+        sizes = [cache.mask_sizes_over_positions(query_length, layer_idx) for cache in self.caches]
         if len(set(sizes)) > 1:
             raise RuntimeError(f"rows disagree on the mask of layer {layer_idx} (kv length, offset): {sizes}")
         return sizes[0]
@@ -89,7 +90,7 @@ class CacheRows(Cache):
             )
         # kvhive's attention recognises the returned tensor, then hands each row to its own cache
         # (``KVHiveCache.update``) and runs that row's attention over it.
-        mark_update(self, layer_idx, key_states)
+        mark_update(self, layer_idx, key_states, kwargs)
         return key_states, value_states
 
     def _not_per_row(self, *args, **kwargs):

@@ -39,10 +39,18 @@ def reserve(tokens: int) -> int:
     return max(MIN_RESERVE_TOKENS, tokens // RESERVE_FRACTION)
 
 
+def _static(buffer: torch.Tensor) -> torch.Tensor:
+    """Mark a dense buffer's address as fixed, as transformers' StaticLayer does: a compiled decode
+    step then reads and writes it in place (an unmarked buffer mutated in place makes CUDA graphs
+    skip the step, or be copied in at every replay). The buffers a decode step uses are the ones
+    allocated after the prefill; they keep their address while the budget is kept."""
+    torch._dynamo.mark_static_address(buffer)
+    return buffer
+
+
 class LayerStore(CacheLayerMixin):
     """One layer's cache. Knows nothing about methods; ``policy_state`` is opaque to it."""
 
-    is_compileable = False
     is_croppable = False
 
     def __init__(self, layer_index: int, sliding_window: int | None = None) -> None:
@@ -50,7 +58,16 @@ class LayerStore(CacheLayerMixin):
         self.layer_index = layer_index
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
-        self.tokens_seen = 0
+        # Tokens seen, twice: a host int for the host-side logic, and a device counter that a
+        # captured decode step reads and advances (it may not read or change a Python int: a
+        # compiled step guards on such values and would recompile at every step). Inside a
+        # compiled step only the device counter moves; the host copy is refreshed from it (one
+        # read) the next time it is asked for outside.
+        self._tokens_seen = 0
+        self._tokens_seen_stale = False
+        self.tokens_seen_device: torch.Tensor | None = None
+        # Whether the latest update was this layer's first (its prefill).
+        self.in_prefill = False
         # Replication of each KV head when a policy stores one copy per query head.
         self.heads_per_kv_head = 1
         self.policy_state: dict = {}
@@ -78,14 +95,35 @@ class LayerStore(CacheLayerMixin):
         self._segment_length: torch.Tensor | None = None  # device int32 [S]
         self._lengths_cache: torch.Tensor | None = None
 
+    @property
+    def tokens_seen(self) -> int:
+        """Tokens this layer has seen (a host int; read from the device counter, once, after
+        compiled decode steps advanced it)."""
+        if self._tokens_seen_stale:
+            self._tokens_seen = int(self.tokens_seen_device)
+            self._tokens_seen_stale = False
+        return self._tokens_seen
+
+    @tokens_seen.setter
+    def tokens_seen(self, value: int) -> None:
+        self._tokens_seen = value
+        self._tokens_seen_stale = False
+        if self.tokens_seen_device is not None:
+            self.tokens_seen_device.fill_(value)
+
     # -- transformers' CacheLayerMixin ---------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self._batch, self._heads = key_states.shape[0], key_states.shape[1]
+        self.tokens_seen_device = torch.zeros((), dtype=torch.int64, device=self.device)
+        # A fixed address, as transformers' StaticLayer marks its buffers: a compiled step then
+        # reads it in place instead of copying it in (or skipping CUDA graphs).
+        torch._dynamo.mark_static_address(self.tokens_seen_device)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append the new tokens; returns the dense view (or the flat buffers when packed)."""
+        self.in_prefill = not self.is_initialized
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.heads_per_kv_head > 1:
@@ -96,17 +134,29 @@ class LayerStore(CacheLayerMixin):
             self._append_packed(key_states, value_states, new_tokens)
         else:
             self._append_dense(key_states, value_states, new_tokens)
-        self.tokens_seen += new_tokens
+        self.tokens_seen_device.add_(new_tokens)
+        if torch.compiler.is_compiling():
+            self._tokens_seen_stale = True  # a constant store: no guard on the host count
+        else:
+            self._tokens_seen = self.tokens_seen + new_tokens
         if not self._packed:
             view = self.dense()
             return view[0], view[1]
         return self._key_buffer.unsqueeze(0).unsqueeze(0), self._value_buffer.unsqueeze(0).unsqueeze(0)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # The mask always spans every original position; attention gathers it at kept tokens.
+        if query_length == 1 and torch.compiler.is_compiling():
+            # kvhive's mask function builds no mask for one new query (kvhive's attention masks a
+            # decode step itself), so the size is unused; a constant keeps the step static.
+            return 1, 0
+        # The mask spans every original position; attention gathers it at kept tokens.
         return self.tokens_seen + query_length, 0
 
-    def get_seq_length(self) -> int:
+    def get_seq_length(self) -> int | torch.Tensor:
+        # In a compiled step, the device counter (as transformers' StaticLayer): model positions
+        # then come from a tensor instead of a Python int the graph would specialise on.
+        if torch.compiler.is_compiling():
+            return self.tokens_seen_device
         return self.tokens_seen
 
     def get_max_length(self) -> int:
@@ -114,7 +164,8 @@ class LayerStore(CacheLayerMixin):
 
     def reset(self) -> None:
         self._clear()
-        self.tokens_seen = 0
+        self._tokens_seen, self._tokens_seen_stale, self.tokens_seen_device = 0, False, None
+        self.in_prefill = False
         self.policy_state = {}
         self.heads_per_kv_head = 1
         self.decode_steps_since_compression = 0
@@ -241,11 +292,15 @@ class LayerStore(CacheLayerMixin):
             raise RuntimeError(f"layer {self.layer_index} is packed; per-token scores need the dense layout")
         buffer = self._score_buffers.get(name)
         if buffer is None:
-            buffer = torch.zeros(self._key_buffer.shape[:3], dtype=torch.float32, device=self.device)
+            buffer = _static(torch.zeros(self._key_buffer.shape[:3], dtype=torch.float32, device=self.device))
             self._score_buffers[name] = buffer
         target = buffer[:, :, self._start : self._start + self._length]
-        if scores.data_ptr() == target.data_ptr() and scores.stride() == target.stride():
-            return  # the policy handed back the stored view itself
+        if scores is target:
+            return
+        if not torch.compiler.is_compiling() and (
+            scores.data_ptr() == target.data_ptr() and scores.stride() == target.stride()
+        ):
+            return  # the policy handed back the stored view itself (a compiled step copies it onto itself)
         target.copy_(scores.reshape(self._batch, self._heads, -1))
 
     def _allocate_dense(self, capacity: int, head_dim: int, value_dim: int):
@@ -253,7 +308,7 @@ class LayerStore(CacheLayerMixin):
         keys = torch.empty(b, h, capacity, head_dim, dtype=self.dtype, device=self.device)
         values = torch.empty(b, h, capacity, value_dim, dtype=self.dtype, device=self.device)
         positions = torch.empty(b, h, capacity, dtype=POSITION_DTYPE, device=self.device)
-        return keys, values, positions
+        return _static(keys), _static(values), _static(positions)
 
     def _move_dense(self, capacity: int) -> None:
         """Copy the stored slice to the front of new (or the same, when it fits) buffers."""
@@ -275,7 +330,7 @@ class LayerStore(CacheLayerMixin):
                 capacity, self._key_buffer.shape[-1], self._value_buffer.shape[-1]
             )
             new_scores = {
-                name: torch.empty(new_keys.shape[:3], dtype=torch.float32, device=self.device)
+                name: _static(torch.empty(new_keys.shape[:3], dtype=torch.float32, device=self.device))
                 for name in self._score_buffers
             }
         length = self._length
@@ -308,7 +363,7 @@ class LayerStore(CacheLayerMixin):
         self._key_buffer[:, :, end:stop].copy_(key_states)
         self._value_buffer[:, :, end:stop].copy_(value_states)
         self._position_buffer[:, :, end:stop].copy_(
-            torch.arange(self.tokens_seen, self.tokens_seen + new_tokens, dtype=POSITION_DTYPE, device=self.device)
+            torch.arange(new_tokens, dtype=POSITION_DTYPE, device=self.device) + self.tokens_seen_device
         )
         for buffer in self._score_buffers.values():
             buffer[:, :, end:stop].zero_()
@@ -340,12 +395,13 @@ class LayerStore(CacheLayerMixin):
         self.heads_per_kv_head = heads_per_kv_head
 
     # -- eviction ----------------------------------------------------------------------------------
-    def keep(self, keep_mask: torch.Tensor, counts: torch.Tensor | None = None) -> None:
+    def keep(self, keep_mask: torch.Tensor, counts: torch.Tensor | int | None = None) -> None:
         """Drop every token whose entry in ``keep_mask`` is False and free it.
 
         ``keep_mask`` is ``[B, H, L]`` over the dense view, or ``[T]`` over the stored tokens in
-        segment order (packed). ``counts`` (``[B, H]`` kept per row, on the host) saves reading
-        them back when the caller already has them. Rows may keep different counts; the layer is
+        segment order (packed). ``counts`` (``[B, H]`` kept per row, on the host, or one int when
+        every row of a dense mask keeps the same count) saves reading them back when the caller
+        already has them. Rows may keep different counts; the layer is
         then packed. Buffers are re-allocated when the kept tokens fill less than half of them,
         so evicted memory is released.
         """
@@ -354,6 +410,11 @@ class LayerStore(CacheLayerMixin):
         if keep_mask.dim() == 3:
             if self._packed or tuple(keep_mask.shape) != (self._batch, self._heads, self._length):
                 raise ValueError(f"keep mask shape {tuple(keep_mask.shape)} does not match the stored layout")
+            if isinstance(counts, int):
+                # Every row keeps ``counts`` tokens, known on the host: nothing is read back.
+                if counts != self._length:
+                    self._compact_dense(keep_mask, counts)
+                return
             if counts is None:
                 counts = keep_mask.sum(dim=-1).cpu()
             counts = counts.reshape(self._batch, self._heads).long()
@@ -410,7 +471,7 @@ class LayerStore(CacheLayerMixin):
             capacity = kept + reserve(kept)
             self._key_buffer, self._value_buffer, self._position_buffer = self._allocate_dense(capacity, d, dv)
             self._score_buffers = {
-                name: torch.zeros(self._key_buffer.shape[:3], dtype=torch.float32, device=self.device)
+                name: _static(torch.zeros(self._key_buffer.shape[:3], dtype=torch.float32, device=self.device))
                 for name in scores
             }
         self._key_buffer[:, :, :kept].copy_(gathered_keys)
@@ -499,7 +560,7 @@ class LayerStore(CacheLayerMixin):
         d, dv = key_states.shape[-1], value_states.shape[-1]
         self._key_buffer.index_copy_(0, destination, key_states.reshape(-1, d))
         self._value_buffer.index_copy_(0, destination, value_states.reshape(-1, dv))
-        new_positions = (grow + self.tokens_seen).to(POSITION_DTYPE).repeat(self.num_segments)
+        new_positions = (grow + self.tokens_seen_device).to(POSITION_DTYPE).repeat(self.num_segments)
         self._position_buffer.index_copy_(0, destination, new_positions)
         for buffer in self._score_buffers.values():
             buffer.index_fill_(0, destination, 0.0)

@@ -359,6 +359,11 @@ class Policy:
         """Bytes a method holds per layer beside the cached tokens (e.g. SubGen's clusters)."""
         return 0
 
+    static_decode: ClassVar[bool] = False
+    """A decode decision keeps exactly the layer's budget at every step, computed by tensor work of
+    fixed shape without host reads, so a decode step compiles to one graph that serves every later
+    step (``KVHiveCache.is_compileable``; tests/test_compiled_decode.py holds every such method to it)."""
+
     def kept_per_row(self, phase: str, num_tokens: int, budget: int, state: dict) -> int | None:
         """Tokens every (batch row, head) keeps after ``select_prefill`` (``phase="prefill"``) or
         ``select_decode`` (``"decode"``) on a layer holding ``num_tokens`` per row, known on the host

@@ -36,6 +36,7 @@ class H2OConfig(PolicyConfig):
 class H2O(ScorerPolicy):
     name = "h2o"
     phases = frozenset({PREFILL, DECODE})
+    static_decode = True  # evicts to exactly the budget each step (tests/test_compiled_decode.py)
     config_class = H2OConfig
     paper = "Zhang et al. 2023, Algorithm 1 (heavy hitters + recent)"
     needs_decode_attention = True

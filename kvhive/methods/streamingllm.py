@@ -30,6 +30,7 @@ class StreamingLLMConfig(PolicyConfig):
 class StreamingLLM(ScorerPolicy):
     name = "streamingllm"
     phases = frozenset({PREFILL, DECODE})
+    static_decode = True  # evicts to exactly the budget each step (tests/test_compiled_decode.py)
     config_class = StreamingLLMConfig
     paper = "Xiao et al. 2023, Sec. 3.2 (rolling KV cache with attention sinks)"
 

@@ -1,0 +1,121 @@
+"""A decode step that compiles to one graph (issue 23): the CPU proxy of a CUDA-graph-capturable step.
+
+``torch.compile(fullgraph=True, dynamic=False)`` with the ``aot_eager`` backend (which also checks
+in-place buffer mutation) over one decode step, run through evictions with
+``error_on_recompile``: no graph break, no recompilation, and logits equal to the eager step.
+Every method that declares ``static_decode`` is held to it; ``model.generate`` with such a cache
+takes transformers' compiled path end to end (on CPU that needs ``_compile_all_devices``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from transformers import CompileConfig
+
+import kvhive
+from kvhive.methods.registry import method_names, policy_class
+from kvhive.models import tiny_model
+
+BUDGET = 32
+STATIC_METHODS = [m for m in method_names() if policy_class(m).static_decode]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        yield
+    torch._dynamo.reset()
+
+
+def _model():
+    torch.manual_seed(0)
+    return tiny_model("llama", "gqa")
+
+
+def _prompt(model, batch=1, length=96):
+    return torch.randint(3, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(0))
+
+
+def test_the_static_methods_are_the_decode_evicting_scorers():
+    # Guards the list below against silently shrinking: these evict to the budget every step.
+    assert {"tova", "h2o", "streamingllm", "local"} <= set(STATIC_METHODS)
+
+
+@pytest.mark.parametrize("method", STATIC_METHODS)
+def test_one_compiled_decode_step_serves_40_evicting_steps(method):
+    model = _model()
+
+    def step(token, position, cache):
+        return model(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True).logits
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend="aot_eager")
+    prompt = _prompt(model)
+    compiled_cache = kvhive.make_cache(model, method, budget=BUDGET)
+    eager_cache = kvhive.make_cache(model, method, budget=BUDGET)
+    assert compiled_cache.is_compileable
+    with torch.no_grad():
+        token = model(input_ids=prompt, past_key_values=compiled_cache).logits[:, -1:].argmax(-1)
+        model(input_ids=prompt, past_key_values=eager_cache)
+        position = torch.full((1, 1), prompt.shape[1])
+        for index in range(40):
+            compiled_logits = compiled(token, position, compiled_cache)
+            eager_logits = step(token, position, eager_cache)
+            torch.testing.assert_close(compiled_logits, eager_logits, atol=1e-5, rtol=1e-5, msg=f"step {index}")
+            token, position = compiled_logits[:, -1:].argmax(-1), position + 1
+    assert counters["stats"]["unique_graphs"] == 1
+    assert compiled_cache.get_seq_length() == prompt.shape[1] + 40
+    assert all(layer.dense_length == BUDGET for layer in compiled_cache.layers)
+
+
+@pytest.mark.parametrize("method", ["h2o", "tova"])
+def test_generate_takes_the_compiled_path_on_a_padded_batch(method):
+    model = _model()
+    prompt = _prompt(model, batch=2, length=60)
+    attention_mask = torch.ones_like(prompt)
+    attention_mask[1, :13] = 0  # left padding: the step masks it from the flags recorded at prefill
+    config = CompileConfig(fullgraph=True, dynamic=False, backend="aot_eager")
+    config._compile_all_devices = True  # transformers compiles only on accelerators otherwise
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # aot_eager ignores the default mode="reduce-overhead"
+        compiled = model.generate(
+            prompt,
+            attention_mask=attention_mask,
+            past_key_values=kvhive.make_cache(model, method, budget=BUDGET),
+            max_new_tokens=24,
+            do_sample=False,
+            compile_config=config,
+        )
+    assert counters["stats"]["unique_graphs"] == 1, "generate did not compile its decode step once"
+    eager = model.generate(
+        prompt,
+        attention_mask=attention_mask,
+        past_key_values=kvhive.make_cache(model, method, budget=BUDGET),
+        max_new_tokens=24,
+        do_sample=False,
+        disable_compile=True,
+    )
+    assert torch.equal(compiled, eager)
+    # Each row decodes as it would alone (the padding is masked, not attended).
+    alone = model.generate(
+        prompt[1:, 13:],
+        past_key_values=kvhive.make_cache(model, method, budget=BUDGET),
+        max_new_tokens=24,
+        do_sample=False,
+        disable_compile=True,
+    )
+    assert torch.equal(compiled[1:, 13:], alone)
+
+
+def test_growing_caches_are_not_declared_compileable():
+    # A layer that grows by a token per step would be a new graph per step: generate stays eager.
+    model = _model()
+    assert not kvhive.make_cache(model, "full").is_compileable
+    assert not kvhive.make_cache(model, "snapkv", budget=BUDGET).is_compileable
+    assert not kvhive.make_cache(model, "h2o", budget=BUDGET, decode_slack=4).is_compileable
+    assert not kvhive.make_cache(model, "h2o", budget=BUDGET, positions="cache").is_compileable
