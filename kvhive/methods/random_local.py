@@ -54,6 +54,7 @@ class RandomLocal(ScorerPolicy):
     name = "random"
     phases = frozenset({PREFILL, DECODE})
     config_class = RandomLocalConfig
+    static_decode = True  # evicts to exactly the budget each step (tests/test_compiled_decode.py)
     paper = "baseline: random eviction + recent window (Random+Local)"
 
     def recent_count(self, budget: int) -> int:
