@@ -29,6 +29,7 @@ from kvhive.methods.subgen import (
     SubGen,
     _padded_indices,
     farthest_point_order,
+    maintain_candidates,
 )
 from kvhive.methods.subgen_attention import (
     STATE_KEY,
@@ -1212,3 +1213,51 @@ def test_query_in_bfloat16_reports_the_max_logit_it_scaled_by_in_the_query_dtype
     assert max_logit.dtype == torch.float32
     assert torch.equal(max_logit.to(torch.bfloat16).float(), max_logit)
     assert (tau > 0).all()
+
+
+def test_a_dropped_hub_refreshes_its_stale_neighbours_smallest_first():
+    """maintain_candidates refreshes at most ``stale_refresh_width`` candidates whose nearest
+    neighbour was dropped, smallest recorded distance first; the others keep their recorded
+    distance, a lower bound of the true one. Five keys around a hub all have the hub as nearest
+    neighbour; the hub is the newest and goes first."""
+    angles = torch.arange(5) * (2 * math.pi / 5)
+    radii = torch.tensor([1.00, 1.01, 1.02, 1.03, 1.04])
+    ring = torch.stack([radii * angles.cos(), radii * angles.sin()], dim=-1)
+    far = torch.tensor([[20.0, 0.0], [20.0, 3.0]])
+    keys = torch.cat([far, ring, torch.zeros(1, 2)])[None]  # hub last: the newest
+    positions = torch.arange(8)[None]
+    candidates = torch.ones(1, 8, dtype=torch.bool)
+    target = 6
+
+    def run(width):
+        nearest_sq = torch.full((1, 8), float("inf"))
+        nearest_position = torch.full((1, 8), -1.0)
+        ready = torch.zeros(1, 8, dtype=torch.bool)
+        kept = maintain_candidates(
+            keys,
+            positions,
+            candidates,
+            target,
+            nearest_sq,
+            nearest_position,
+            ready,
+            newcomer_bound=8,
+            removal_bound=2,
+            stale_refresh_width=width,
+        )
+        return kept, nearest_sq
+
+    expected = _brute_force_decode(list(keys[0]), list(range(8)), target)
+    assert 7 not in expected  # the hub went first
+    kept, nearest_sq = run(8)
+    assert set(kept[0].nonzero().flatten().tolist()) == expected
+    survivors = kept[0].nonzero().flatten()
+    true = torch.cdist(keys[0, survivors], keys[0, survivors]).fill_diagonal_(float("inf")).min(-1).values ** 2
+    torch.testing.assert_close(nearest_sq[0, survivors], true)
+    # One refresh per removal: the count is still exact and every recorded distance a lower bound.
+    kept, nearest_sq = run(1)
+    assert int(kept.sum()) == target
+    survivors = kept[0].nonzero().flatten()
+    true = torch.cdist(keys[0, survivors], keys[0, survivors]).fill_diagonal_(float("inf")).min(-1).values ** 2
+    assert (nearest_sq[0, survivors] <= true + 1e-5).all()
+    assert (nearest_sq[0, survivors] < true - 1e-3).any()  # some entries are still stale
