@@ -246,6 +246,7 @@ class SubGen(Policy):
     phases = frozenset({PREFILL, DECODE})
     config_class = SubGenConfig
     paper = "Zandieh et al. 2024, Sec. 3.2 (recent r + greedy k-center of the rest, budget r + k)"
+    static_decode = True  # evicts to exactly the budget each step (tests/test_compiled_decode.py)
 
     def minimum_budget(self) -> int:
         return self.config.recent + 1
@@ -270,7 +271,35 @@ class SubGen(Policy):
         scratch = torch.cat([rank, rank.new_zeros(b * h, 1)], dim=1)
         scratch.scatter_(1, torch.where(order >= 0, order, n), scores)
         rank = scratch[:, :n].reshape(b, h, n)
+        self._record_center_neighbours(scoring, order)
         return keep_top_scores(rank, budget, valid, forced=forced)
+
+    def _record_center_neighbours(self, scoring: ScoringInputs, order: torch.Tensor) -> None:
+        """Each kept center's nearest other center (distance, position) and READY, as per-token
+        scores: the decode bookkeeping starts from the prefill's decision, so the first decode
+        step does the work of every later one (one newcomer), not a from-scratch pass over all
+        candidates (a decode step of fixed shape compiles to one graph)."""
+        b, h, n, d = scoring.keys.shape
+        picked, present = order.clamp_min(0), order >= 0
+        keys = scoring.keys.reshape(b * h, n, d).float()
+        centers = keys.gather(1, picked[..., None].expand(-1, -1, d))
+        centers_sq = (centers * centers).sum(-1)
+        distances = _squared_distances(centers, centers_sq, centers, centers_sq)
+        excluded = ~present[:, None, :] | torch.eye(order.shape[1], dtype=torch.bool, device=keys.device)
+        best, where_best = distances.masked_fill(excluded, float("inf")).min(-1)
+        found = torch.isfinite(best) & present
+        positions = scoring.positions.reshape(b * h, n).float()
+        neighbour_position = positions.gather(1, picked.gather(1, where_best))
+        slot = torch.where(present, order, n)  # absent picks go to a scratch column
+
+        def per_token(values: torch.Tensor, fill: float) -> torch.Tensor:
+            scratch = torch.full((b * h, n + 1), fill, device=keys.device)
+            return scratch.scatter_(1, slot, values)[:, :n].reshape(b, h, n)
+
+        scores = scoring.token_scores
+        scores[NEAREST_DISTANCE] = per_token(torch.where(found, best, float("inf")), float("inf"))
+        scores[NEAREST_POSITION] = per_token(torch.where(found, neighbour_position, -1.0), -1.0)
+        scores[READY] = per_token(present.float(), 0.0)
 
     def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
         valid, forced, candidates = self._split(scoring)
@@ -293,8 +322,9 @@ class SubGen(Policy):
         ready = scores.get(READY)
         ready = (ready.reshape(shape) > 0) if ready is not None else torch.zeros(shape, dtype=torch.bool, device=device)
         ready = ready & candidates.reshape(shape)
-        # After a decision the kept candidates are ready, so the candidates not ready since are
-        # the tokens that left the recent window: at most the n - budget appended since.
+        # After a decision (prefill's included) the kept candidates are ready, so the candidates
+        # not ready since are the tokens that left the recent window: at most the n - budget
+        # appended since. Without a decision before (select_decode called first), all of them.
         newcomer_bound = n - self.config.recent if scores.get(READY) is None else n - budget
         kept = maintain_candidates(
             scoring.keys.reshape(b * h, n, d),
