@@ -1102,10 +1102,13 @@ def test_a_key_at_exactly_delta_joins_and_ties_go_to_the_older_cluster():
 
 
 def _with_uniforms(target: StreamingStructures, value: float) -> StreamingStructures:
-    """Every uniform the structures draw is ``value`` (a point of their grid k·2^-48)."""
-    target._uniforms = lambda purpose, *indices: torch.full(
-        torch.broadcast_shapes((target.rows,), *(index.shape for index in indices)), value, dtype=torch.float64
-    )
+    """Every uniform the structures draw is ``value`` (a point of their grid k·2^-24)."""
+
+    def constant(purpose, index):
+        shape = (target.rows, *index.shape[1:])
+        return torch.full(shape, value, dtype=torch.float64), torch.full(shape, value, dtype=torch.float64)
+
+    target._draws = constant
     return target
 
 

@@ -37,15 +37,10 @@ def _mix(word: torch.Tensor) -> torch.Tensor:
     return word ^ (word >> 16)
 
 
-def hashed_words(seed: int, *indices: torch.Tensor | int) -> torch.Tensor:
-    """``int64`` words in ``[0, 2**32)``: a hash of ``seed`` (any non-negative int) and the
-    ``indices`` (int tensors or ints, broadcast together; negative values are allowed)."""
-    tensors = [index for index in indices if isinstance(index, torch.Tensor)]
-    if not tensors:
-        raise ValueError("hashed_words needs at least one index tensor (the shape and device of the draw)")
-    device = tensors[0].device
-    word = torch.full((), seed & _WORD, dtype=torch.int64, device=device)
-    for index in ((seed >> 32) & _WORD, *indices):
+def fold(word: torch.Tensor, *indices: torch.Tensor | int) -> torch.Tensor:
+    """Continue a hash: mix each of ``indices`` (int tensors or ints, broadcast with ``word``;
+    negative values allowed) into ``word`` (int64 words in ``[0, 2**32)``)."""
+    for index in indices:
         if isinstance(index, torch.Tensor):
             index = index.to(torch.int64) & _WORD
         else:
@@ -56,17 +51,36 @@ def hashed_words(seed: int, *indices: torch.Tensor | int) -> torch.Tensor:
     return word
 
 
+def hashed_words(seed: int, *indices: torch.Tensor | int) -> torch.Tensor:
+    """``int64`` words in ``[0, 2**32)``: a hash of ``seed`` (any non-negative int) and the
+    ``indices`` (int tensors or ints, broadcast together; negative values are allowed)."""
+    tensors = [index for index in indices if isinstance(index, torch.Tensor)]
+    if not tensors:
+        raise ValueError("hashed_words needs at least one index tensor (the shape and device of the draw)")
+    word = torch.full((), seed & _WORD, dtype=torch.int64, device=tensors[0].device)
+    return fold(word, (seed >> 32) & _WORD, *indices)
+
+
+def uniforms_of(word: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Uniforms in ``[0, 1)`` on a grid of ``2**-24`` from hashed words."""
+    return (word >> (32 - _UNIFORM_BITS)).to(dtype) * (1.0 / (1 << _UNIFORM_BITS))
+
+
+def second_word(word: torch.Tensor) -> torch.Tensor:
+    """Another word, independent of ``word`` in practice: two uniforms from one hash."""
+    return _mix(_mix((word + _INCREMENT) & _WORD))
+
+
 def uniform(seed: int, *indices: torch.Tensor | int) -> torch.Tensor:
     """``float32`` uniforms in ``[0, 1)`` on a grid of ``2**-24``, indexed by ``indices``."""
-    word = hashed_words(seed, *indices)
-    return (word >> (32 - _UNIFORM_BITS)).to(torch.float32) * (1.0 / (1 << _UNIFORM_BITS))
+    return uniforms_of(hashed_words(seed, *indices))
 
 
 def uniform_float64(seed: int, *indices: torch.Tensor | int) -> torch.Tensor:
     """``float64`` uniforms in ``[0, 1)`` on a grid of ``2**-48`` (two 24-bit draws), for
     probabilities that may be far below ``2**-24`` (a reservoir coin ``1/n`` of a long stream)."""
     word = hashed_words(seed, *indices)
-    low = _mix(_mix((word + _INCREMENT) & _WORD))
+    low = second_word(word)
     high_part = (word >> (32 - _UNIFORM_BITS)).to(torch.float64)
     low_part = (low >> (32 - _UNIFORM_BITS)).to(torch.float64)
     return (high_part + low_part * (1.0 / (1 << _UNIFORM_BITS))) * (1.0 / (1 << _UNIFORM_BITS))

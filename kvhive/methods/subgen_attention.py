@@ -83,13 +83,13 @@ from kvhive.methods.base import (
     require_int_at_least,
     require_seed,
 )
-from kvhive.methods.counter_random import uniform_float64
+from kvhive.methods.counter_random import fold, hashed_words, second_word, uniforms_of
 
 STATE_KEY = "subgen_structures"
 PLAN_KEY = "subgen_memory_plan"
 
-# Purposes of the counter-based draws (one hash input), so no two kinds of draw coincide.
-_COIN_M, _DRAW_M, _COIN_CLUSTER, _DRAW_CLUSTER = 1, 2, 3, 4
+# What a counter-based draw is for (one hash input), so the two kinds of draw never coincide.
+_VALUE_SAMPLES, _CLUSTER_SAMPLES = 1, 2
 
 # Tokens whose cluster assignment is resolved together (distances to the existing
 # representatives in one matrix product; the founding of new clusters loops inside a chunk).
@@ -185,7 +185,11 @@ class StreamingStructures:
         # row r draws as stream r % streams_per_seed (the policy: one stream per KV head, so a
         # batch row draws what it draws alone); None: every row its own stream.
         self.seed = seed
-        self.stream = torch.arange(rows, device=device) % (streams_per_seed or max(rows, 1))
+        stream = torch.arange(rows, device=device) % (streams_per_seed or max(rows, 1))
+        # The hash of (seed, stream, purpose) per row, once: a draw then folds in two inputs.
+        self._purpose_words = {
+            purpose: hashed_words(seed, stream, purpose) for purpose in (_VALUE_SAMPLES, _CLUSTER_SAMPLES)
+        }
         # None: unbounded (capacity doubles as clusters are founded); else allocated once.
         self.max_clusters = max_clusters
         self.beyond_radius = torch.zeros(rows, dtype=torch.long, device=device)
@@ -259,15 +263,16 @@ class StreamingStructures:
         self.counts = torch.cat([self.counts, self.counts.new_zeros(self.rows, extra)], dim=1)
         self.samples = torch.cat([self.samples, self.samples.new_zeros(self.rows, extra, self.t, self.dim)], dim=1)
 
-    def _uniforms(self, purpose: int, *indices: torch.Tensor) -> torch.Tensor:
-        """``float64`` uniforms on ``[0, 1)`` (a grid of ``2**-48``) of the broadcast shape of
-        ``[R, 1, ...]`` and ``indices``, computed on the device from (seed, the row's stream,
-        ``purpose``, the row's tokens inserted before this insertion, ``indices``): no generator
-        state, no host read; a row's draws depend on nothing else in the batch."""
-        shape = (self.rows,) + (1,) * max((index.dim() - 1 for index in indices), default=0)
-        stream = self.stream.view(shape)
-        tokens = self.tokens.view(shape)
-        return uniform_float64(self.seed, stream, purpose, tokens, *indices)
+    def _draws(self, purpose: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two ``float64`` uniform tensors on ``[0, 1)`` (a grid of ``2**-24``, as torch.rand's
+        float32) of shape ``[R, *index.shape[1:]]`` (``index``: ``[1, ...]`` integers), computed
+        on the device from (seed, the row's stream, ``purpose``, the row's tokens inserted before
+        this insertion, ``index``): no generator state, no host read, and a row's draws depend on
+        nothing else in the batch. One hash gives both (few kernels per insertion)."""
+        row = self._purpose_words[purpose].view((self.rows,) + (1,) * (index.dim() - 1))
+        tokens = self.tokens.view(row.shape)
+        word = fold(fold(row, tokens), index)
+        return uniforms_of(word, torch.float64), uniforms_of(second_word(word), torch.float64)
 
     # -- insertion -------------------------------------------------------------------------------
     def insert(self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -306,8 +311,9 @@ class StreamingStructures:
         # Per row: s coin flips, then s draws ∝ ‖v‖² by inverse CDF (padding, weight 0, is never
         # drawn and does not shift the draws: a row draws what it draws alone).
         slots = torch.arange(self.s, device=keys.device)[None, :]
-        replace = self._uniforms(_COIN_M, slots) < probability[:, None]
-        target = self._uniforms(_DRAW_M, slots) * added[:, None]
+        coin, draw = self._draws(_VALUE_SAMPLES, slots)
+        replace = coin < probability[:, None]
+        target = draw * added[:, None]
         self.mu = self.mu + added
         cumulative = weights.cumsum(-1)
         drawn = torch.searchsorted(cumulative, target, right=True).clamp_max_(weights.shape[-1] - 1)
@@ -413,11 +419,11 @@ class StreamingStructures:
         # Members of each cluster, grouped: stable sort of the tokens by cluster id (stream order).
         order = torch.sort(flat_cluster, stable=True).indices
         starts = (torch.cumsum(added.reshape(-1), 0) - added.reshape(-1)).view(rows, capacity)
-        clusters = torch.arange(capacity, device=device)[None, :, None]
-        slots = torch.arange(self.t, device=device)[None, None, :]
+        cluster_slots = torch.arange(capacity * self.t, device=device).view(1, capacity, self.t)
         old, new = self.counts[..., None], added[..., None]
-        replace = self._uniforms(_COIN_CLUSTER, clusters, slots) * (old + new) < new
-        rank = (self._uniforms(_DRAW_CLUSTER, clusters, slots) * new).long().clamp_max_((new - 1).clamp_min(0))
+        coin, draw = self._draws(_CLUSTER_SAMPLES, cluster_slots)
+        replace = coin * (old + new) < new
+        rank = (draw * new).long().clamp_max_((new - 1).clamp_min(0))
         self.counts += added
         member = order[(starts[..., None] + rank).clamp_max_(order.numel() - 1)]  # flat token index
         drawn = keys.reshape(rows * length, dim)[member.reshape(-1)].view(rows, capacity, self.t, dim)
