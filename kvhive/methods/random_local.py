@@ -32,12 +32,13 @@ from kvhive.methods.base import (
     require_probability,
     require_seed,
 )
-from kvhive.methods.counter_random import uniform
+from kvhive.methods.counter_random import fold, hashed_words, uniforms_of
 
 PRIORITY = "random_priority"
 # [B, H] original position of each row's first real token: a token's draw is indexed by its
 # position minus this, i.e. its index among the row's real tokens (what the row would have alone).
 FIRST_REAL_POSITION = "random_first_real_position"
+HEAD_WORDS = "random_head_words"  # [1, H, 1] hash of (seed, layer, head)
 
 
 @dataclass(frozen=True)
@@ -70,20 +71,34 @@ class RandomLocal(ScorerPolicy):
             state[FIRST_REAL_POSITION] = torch.where(valid, positions, beyond).amin(-1)
         return state[FIRST_REAL_POSITION]
 
+    def _head_words(self, scoring: ScoringInputs, state: dict) -> torch.Tensor:
+        """``[1, H, 1]`` the hash of (seed, layer, head), once per layer: a draw folds in one index."""
+        if HEAD_WORDS not in state:
+            head = torch.arange(scoring.num_heads, device=scoring.keys.device)[None, :, None]
+            state[HEAD_WORDS] = hashed_words(derived_seed(self.config.seed, scoring.layer_index), head)
+        return state[HEAD_WORDS]
+
     def _priorities(self, scoring: ScoringInputs, state: dict) -> torch.Tensor:
         """Priorities for every stored token; real tokens not drawn yet (0) draw now. Padding gets
-        1 once (never ranked: padding is never kept first). Every token's draw is computed and
-        only the fresh ones are taken (O(N) integer work, no host read of which ones are fresh)."""
+        1 once (never ranked: padding is never kept first).
+
+        The cache calls a hook of this method at every forward of the layer (``initialize_decode``
+        at prefill, ``observe_decode`` at every decode step), so once the priorities exist only the
+        tokens of the current forward (the last ``q`` columns) can be new: only they are hashed,
+        and the fresh ones among them taken (a fixed amount of work, no host read)."""
         priorities = scoring.token_scores.get(PRIORITY)
         if priorities is None:
             valid = scoring.valid.expand(scoring.batch_size, scoring.num_heads, scoring.num_tokens)
             priorities = (~valid).to(torch.float32)
+            start = 0
+        else:
+            start = max(0, scoring.num_tokens - scoring.num_queries)
         first = self._first_real_position(scoring, state)
-        index = scoring.positions.to(torch.int64) - first[..., None]
-        head = torch.arange(scoring.num_heads, device=index.device)[None, :, None]
+        index = scoring.positions[..., start:].to(torch.int64) - first[..., None]
         # in (0, 1]: 0 marks "not drawn yet"
-        drawn = 1.0 - uniform(derived_seed(self.config.seed, scoring.layer_index), head, index)
-        priorities = torch.where(priorities == 0, drawn, priorities)
+        drawn = 1.0 - uniforms_of(fold(self._head_words(scoring, state), index))
+        tail = priorities[..., start:]
+        priorities = torch.cat([priorities[..., :start], torch.where(tail == 0, drawn, tail)], dim=-1)
         scoring.token_scores[PRIORITY] = priorities
         return priorities
 
