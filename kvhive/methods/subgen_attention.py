@@ -301,7 +301,7 @@ class StreamingStructures:
             value = self.delta * scale
         else:
             value = torch.full_like(self.radius, self.delta)
-        self.radius = torch.where(unset, value, self.radius)
+        self.radius.copy_(torch.where(unset, value, self.radius))  # in place: buffers keep their address
 
     def _update_matrix_product(self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> None:
         """UPDATEMATRIXPRODUCT for a batch: the net effect of the token-by-token coin flips."""
@@ -314,7 +314,7 @@ class StreamingStructures:
         coin, draw = self._draws(_VALUE_SAMPLES, slots)
         replace = coin < probability[:, None]
         target = draw * added[:, None]
-        self.mu = self.mu + added
+        self.mu.add_(added)
         cumulative = weights.cumsum(-1)
         drawn = torch.searchsorted(cumulative, target, right=True).clamp_max_(weights.shape[-1] - 1)
         # Every slot is written (a fixed amount of work): a slot not replaced keeps its entry.
@@ -371,7 +371,7 @@ class StreamingStructures:
                 self.representative_sq[row_index, slot] = torch.where(
                     founding, (representative.float() ** 2).sum(-1), self.representative_sq[row_index, slot]
                 )
-                self.num_clusters = self.num_clusters + founding.long()
+                self.num_clusters.add_(founding.long())
                 # Direct differences: the founder's own distance is exactly 0.
                 to_founder = ((chunk - founder[:, None, :]) ** 2).sum(-1)
                 later = founding[:, None] & (columns >= first[:, None])
@@ -469,6 +469,7 @@ class SubGenAttention(Policy):
     name = "subgen-attention"
     phases = frozenset({PREFILL, DECODE})
     config_class = SubGenAttentionConfig
+    static_decode = True  # keeps exactly the window each step (tests/test_compiled_decode.py)
     paper = (
         "Zandieh et al. 2024, Algorithm 1 (clusters D + l2 samples M; z/tau) + exact recent window; "
         "budget = window + clusters + samples"
