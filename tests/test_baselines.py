@@ -224,6 +224,7 @@ def test_random_local_streaming_keeps_a_uniform_sample_of_older_tokens():
             if PRIORITY in scores:
                 scores[PRIORITY] = torch.cat([scores[PRIORITY], torch.zeros(1, 1, 1)], dim=-1)
             inputs = scoring(positions.shape[-1], token_scores=scores, phase=DECODE)
+            inputs.positions = positions  # the stored tokens' original positions (draws are indexed by them)
             keep = policy.select_decode(inputs, budget, state)
             scores = {PRIORITY: inputs.token_scores[PRIORITY][keep].view(1, 1, -1)}
             positions = positions[keep].view(1, 1, -1)

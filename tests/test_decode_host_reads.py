@@ -25,13 +25,10 @@ PROMPT = 160
 # Host reads per steady decode step (tiny Llama-GQA, 2 layers) of methods whose selection still
 # reads the device; the cache side reads nothing.
 REMAINING_HOST_READS = {
-    "random": 4,
     "buzz": 6,
     "buzz-logn": 6,
     "bumblebee": 14,
     "bumblebee-power": 30,
-    "subgen": 26,
-    "subgen-attention": 34,
 }
 
 

@@ -29,6 +29,7 @@ from kvhive.methods.subgen import (
     SubGen,
     _padded_indices,
     farthest_point_order,
+    maintain_candidates,
 )
 from kvhive.methods.subgen_attention import (
     STATE_KEY,
@@ -164,8 +165,7 @@ def _naive_farthest_point(keys: torch.Tensor, candidates: torch.Tensor, count: i
     return order
 
 
-def test_blocked_farthest_point_equals_the_plain_algorithm():
-    # Small blocks and pools force every refresh path (pool exhausted, stale bound violated).
+def test_batched_farthest_point_equals_the_plain_algorithm():
     generator = torch.Generator().manual_seed(2)
     for trial in range(6):
         n = 40 + 23 * trial
@@ -173,8 +173,7 @@ def test_blocked_farthest_point_equals_the_plain_algorithm():
         candidates = torch.rand(3, n, generator=generator) > 0.25
         count = 5 + 4 * trial
         expected = _naive_farthest_point(keys, candidates, count)
-        for block, pool in [(1, 1), (3, 4), (8, 16), (32, 128)]:
-            assert torch.equal(farthest_point_order(keys, candidates, count, block=block, pool=pool), expected)
+        assert torch.equal(farthest_point_order(keys, candidates, count), expected)
 
 
 def test_decode_evicts_the_newer_member_of_the_closest_pair_hand_checked():
@@ -266,7 +265,7 @@ def structures(
         s,
         dtype=dtype,
         device=torch.device("cpu"),
-        generator=torch.Generator().manual_seed(seed),
+        seed=seed,
         delta=delta,
         relative_delta=relative_delta,
         max_clusters=max_clusters,
@@ -686,7 +685,7 @@ def test_clusterable_streams_grow_sublinearly_and_others_are_reported():
                 s,
                 dtype=torch.float32,
                 device=torch.device("cpu"),
-                generator=torch.Generator(),
+                seed=0,
                 delta=delta,
                 relative_delta=False,
                 max_clusters=12,
@@ -708,8 +707,8 @@ def test_clusterable_streams_grow_sublinearly_and_others_are_reported():
 
 
 def test_a_left_padded_row_gets_what_it_gets_alone():
-    """Issue 9 item 5: the reservoir and ℓ2 draws come from per-row generators seeded by head and
-    layer, and the ‖v‖² draw skips padding, so a padded row matches its solo run."""
+    """Issue 9 item 5: the reservoir and ℓ2 draws are hashes of (seed, layer, head, the row's own
+    token count), and the ‖v‖² draw skips padding, so a padded row matches its solo run."""
     model = tiny_model("llama", "gqa")
     pad = 7
     input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=40, pad=pad)
@@ -821,32 +820,31 @@ def test_memory_plan_token_equivalents_are_the_budget_split():
 
 def test_padded_indices_lists_each_rows_true_columns_in_order():
     mask = torch.tensor([[False, True, True, False, True], [False] * 5, [True, False, False, False, False]])
-    index, present = _padded_indices(mask)
+    index, present = _padded_indices(mask, 3)
     assert index.shape == present.shape == (3, 3)
     assert present.tolist() == [[True] * 3, [False] * 3, [True, False, False]]
     assert index[0].tolist() == [1, 2, 4] and index[2, 0].item() == 0
     long = torch.rand(4, 3000, generator=torch.Generator().manual_seed(0)) < 0.3
-    index, present = _padded_indices(long)
+    index, present = _padded_indices(long, 3000)
     for row in range(4):
         assert index[row][present[row]].tolist() == long[row].nonzero().flatten().tolist()
     # no rows: an empty listing, not an error
-    index, present = _padded_indices(torch.zeros(0, 7, dtype=torch.bool))
+    index, present = _padded_indices(torch.zeros(0, 7, dtype=torch.bool), 0)
     assert index.shape == present.shape == (0, 0)
 
 
 def test_farthest_point_order_edges_scale_exhausted_rows_one_center_no_rows():
     # Mutation testing: clamping the running distances at 1, the -1 fill of a row whose candidates
-    # run out, a single center and an empty batch were not reached by the blocked-vs-plain test.
+    # run out, a single center and an empty batch were not reached by the batched-vs-plain test.
     generator = torch.Generator().manual_seed(4)
     keys = torch.randn(2, 60, 8, generator=generator, dtype=torch.float64)
     candidates = torch.ones(2, 60, dtype=torch.bool)
     candidates[1, 5:] = False  # row 1 has 5 candidates for 12 centers
     expected = _naive_farthest_point(keys, candidates, 12)
     assert (expected[1, 5:] == -1).all() and (expected[1, :5] >= 0).all()
-    for block, pool in [(1, 1), (32, 128)]:
-        assert torch.equal(farthest_point_order(keys, candidates, 12, block=block, pool=pool), expected)
-        # k-center compares distances only: at 1/100 of the scale (every distance below 1) the same
-        assert torch.equal(farthest_point_order(keys * 1e-2, candidates, 12, block=block, pool=pool), expected)
+    assert torch.equal(farthest_point_order(keys, candidates, 12), expected)
+    # k-center compares distances only: at 1/100 of the scale (every distance below 1) the same
+    assert torch.equal(farthest_point_order(keys * 1e-2, candidates, 12), expected)
     assert torch.equal(farthest_point_order(keys, candidates, 1), expected[:, :1])
     assert farthest_point_order(keys[:0], candidates[:0], 3).shape == (0, 3)
 
@@ -987,8 +985,8 @@ def _identical_streams(dtype=torch.float32) -> torch.Tensor:
 
 def test_policy_structures_take_the_layer_dtype_relative_radius_and_per_head_layer_seed_draws():
     """SubGenAttention builds one row of structures per (batch row, KV head): vectors in the
-    model's dtype, the relative radius of its config, and one generator per row seeded by the
-    config's seed, the layer and the head only (issue 9 item 5: a batch row draws what it draws
+    model's dtype, the relative radius of its config, and draws indexed by the config's seed,
+    the layer and the head only (issue 9 item 5: a batch row draws what it draws
     alone). With the same stream in every row, the ℓ2 samples of M therefore agree across batch
     rows of a head and differ between heads, layers and seeds (issue 10: each seed argument)."""
     policy_options = dict(samples_per_cluster=2, value_sample_fraction=0.25, cluster_fraction=0.25)
@@ -1104,8 +1102,13 @@ def test_a_key_at_exactly_delta_joins_and_ties_go_to_the_older_cluster():
 
 
 def _with_uniforms(target: StreamingStructures, value: float) -> StreamingStructures:
-    """Every uniform the structures draw is ``value`` (a point of torch.rand's grid k·2^-24)."""
-    target._rand_rows = lambda counts, width: torch.full((sum(counts), width), value)
+    """Every uniform the structures draw is ``value`` (a point of their grid k·2^-24)."""
+
+    def constant(purpose, index):
+        shape = (target.rows, *index.shape[1:])
+        return torch.full(shape, value, dtype=torch.float64), torch.full(shape, value, dtype=torch.float64)
+
+    target._draws = constant
     return target
 
 
@@ -1213,3 +1216,51 @@ def test_query_in_bfloat16_reports_the_max_logit_it_scaled_by_in_the_query_dtype
     assert max_logit.dtype == torch.float32
     assert torch.equal(max_logit.to(torch.bfloat16).float(), max_logit)
     assert (tau > 0).all()
+
+
+def test_a_dropped_hub_refreshes_its_stale_neighbours_smallest_first():
+    """maintain_candidates refreshes at most ``stale_refresh_width`` candidates whose nearest
+    neighbour was dropped, smallest recorded distance first; the others keep their recorded
+    distance, a lower bound of the true one. Five keys around a hub all have the hub as nearest
+    neighbour; the hub is the newest and goes first."""
+    angles = torch.arange(5) * (2 * math.pi / 5)
+    radii = torch.tensor([1.00, 1.01, 1.02, 1.03, 1.04])
+    ring = torch.stack([radii * angles.cos(), radii * angles.sin()], dim=-1)
+    far = torch.tensor([[20.0, 0.0], [20.0, 3.0]])
+    keys = torch.cat([far, ring, torch.zeros(1, 2)])[None]  # hub last: the newest
+    positions = torch.arange(8)[None]
+    candidates = torch.ones(1, 8, dtype=torch.bool)
+    target = 6
+
+    def run(width):
+        nearest_sq = torch.full((1, 8), float("inf"))
+        nearest_position = torch.full((1, 8), -1.0)
+        ready = torch.zeros(1, 8, dtype=torch.bool)
+        kept = maintain_candidates(
+            keys,
+            positions,
+            candidates,
+            target,
+            nearest_sq,
+            nearest_position,
+            ready,
+            newcomer_bound=8,
+            removal_bound=2,
+            stale_refresh_width=width,
+        )
+        return kept, nearest_sq
+
+    expected = _brute_force_decode(list(keys[0]), list(range(8)), target)
+    assert 7 not in expected  # the hub went first
+    kept, nearest_sq = run(8)
+    assert set(kept[0].nonzero().flatten().tolist()) == expected
+    survivors = kept[0].nonzero().flatten()
+    true = torch.cdist(keys[0, survivors], keys[0, survivors]).fill_diagonal_(float("inf")).min(-1).values ** 2
+    torch.testing.assert_close(nearest_sq[0, survivors], true)
+    # One refresh per removal: the count is still exact and every recorded distance a lower bound.
+    kept, nearest_sq = run(1)
+    assert int(kept.sum()) == target
+    survivors = kept[0].nonzero().flatten()
+    true = torch.cdist(keys[0, survivors], keys[0, survivors]).fill_diagonal_(float("inf")).min(-1).values ** 2
+    assert (nearest_sq[0, survivors] <= true + 1e-5).all()
+    assert (nearest_sq[0, survivors] < true - 1e-3).any()  # some entries are still stale

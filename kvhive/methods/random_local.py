@@ -6,9 +6,10 @@ real tokens, independently per (batch row, head).
 
 Randomness is seeded and reproducible: every token gets one i.i.d. priority ``u ~ U(0, 1]`` when
 it enters the cache (``state["token_scores"]["random_priority"]``, kept aligned by the cache),
-drawn from a ``torch.Generator`` per layer and batch row seeded with ``(seed, layer)`` (so a row of a
-padded batch draws exactly what it would draw alone: its real tokens in order); the kept older tokens
-are the ones with the highest priorities. Keeping the top-``r`` priorities of a stream is
+computed on the device by a counter-based hash of ``(seed, layer, head, the token's index among its
+row's real tokens)`` (:mod:`kvhive.methods.counter_random`): no generator state, no host read, and a
+row of a padded batch draws exactly what it would draw alone; the kept older tokens are the ones
+with the highest priorities. Keeping the top-``r`` priorities of a stream is
 priority (bottom-k) sampling, so in decoding too the kept older tokens are at every step a
 uniform random ``r``-subset of all older tokens seen so far (not biased towards recent ones as
 "evict a random token each step" would be). Padding is never kept while real tokens remain.
@@ -31,9 +32,13 @@ from kvhive.methods.base import (
     require_probability,
     require_seed,
 )
+from kvhive.methods.counter_random import fold, hashed_words, uniforms_of
 
 PRIORITY = "random_priority"
-GENERATOR = "random_generator"
+# [B, H] original position of each row's first real token: a token's draw is indexed by its
+# position minus this, i.e. its index among the row's real tokens (what the row would have alone).
+FIRST_REAL_POSITION = "random_first_real_position"
+HEAD_WORDS = "random_head_words"  # [1, H, 1] hash of (seed, layer, head)
 
 
 @dataclass(frozen=True)
@@ -50,35 +55,50 @@ class RandomLocal(ScorerPolicy):
     name = "random"
     phases = frozenset({PREFILL, DECODE})
     config_class = RandomLocalConfig
+    static_decode = True  # evicts to exactly the budget each step (tests/test_compiled_decode.py)
     paper = "baseline: random eviction + recent window (Random+Local)"
 
     def recent_count(self, budget: int) -> int:
         return budget - int(budget * (1.0 - self.config.recent_fraction))
 
-    def _generators(self, scoring: ScoringInputs, state: dict) -> list[torch.Generator]:
-        """One generator per batch row, each seeded with ``(seed, layer)``: a row draws what it
-        would draw alone, whatever the rest of the batch."""
-        if GENERATOR not in state:
-            seed = derived_seed(self.config.seed, scoring.layer_index)
-            state[GENERATOR] = [torch.Generator(device="cpu").manual_seed(seed) for _ in range(scoring.batch_size)]
-        return state[GENERATOR]
+    def _first_real_position(self, scoring: ScoringInputs, state: dict) -> torch.Tensor:
+        """``[B, H]`` position of each row's first real token, recorded at the layer's first call
+        (nothing is evicted before it, so the row's padding is still there to be skipped)."""
+        if FIRST_REAL_POSITION not in state:
+            valid = scoring.valid.expand(scoring.batch_size, scoring.num_heads, scoring.num_tokens)
+            positions = scoring.positions.to(torch.int64)
+            beyond = torch.iinfo(torch.int64).max
+            state[FIRST_REAL_POSITION] = torch.where(valid, positions, beyond).amin(-1)
+        return state[FIRST_REAL_POSITION]
+
+    def _head_words(self, scoring: ScoringInputs, state: dict) -> torch.Tensor:
+        """``[1, H, 1]`` the hash of (seed, layer, head), once per layer: a draw folds in one index."""
+        if HEAD_WORDS not in state:
+            head = torch.arange(scoring.num_heads, device=scoring.keys.device)[None, :, None]
+            state[HEAD_WORDS] = hashed_words(derived_seed(self.config.seed, scoring.layer_index), head)
+        return state[HEAD_WORDS]
 
     def _priorities(self, scoring: ScoringInputs, state: dict) -> torch.Tensor:
-        """Priorities for every stored token; real tokens not drawn yet (0) draw now, per row in
-        (head, token) order. Padding gets 1 once (never ranked: padding is never kept first)."""
+        """Priorities for every stored token; real tokens not drawn yet (0) draw now. Padding gets
+        1 once (never ranked: padding is never kept first).
+
+        The cache calls a hook of this method at every forward of the layer (``initialize_decode``
+        at prefill, ``observe_decode`` at every decode step), so once the priorities exist only the
+        tokens of the current forward (the last ``q`` columns) can be new: only they are hashed,
+        and the fresh ones among them taken (a fixed amount of work, no host read)."""
         priorities = scoring.token_scores.get(PRIORITY)
         if priorities is None:
             valid = scoring.valid.expand(scoring.batch_size, scoring.num_heads, scoring.num_tokens)
             priorities = (~valid).to(torch.float32)
-        fresh = priorities == 0
-        counts = fresh.sum(dim=(1, 2)).tolist()
-        if any(counts):
-            priorities = priorities.clone()
-            for row, (generator, count) in enumerate(zip(self._generators(scoring, state), counts, strict=True)):
-                if count:
-                    uniform = torch.rand((count,), generator=generator, dtype=torch.float32)
-                    # in (0, 1]: 0 marks "not drawn yet"
-                    priorities[row][fresh[row]] = (1.0 - uniform).to(priorities.device)
+            start = 0
+        else:
+            start = max(0, scoring.num_tokens - scoring.num_queries)
+        first = self._first_real_position(scoring, state)
+        index = scoring.positions[..., start:].to(torch.int64) - first[..., None]
+        # in (0, 1]: 0 marks "not drawn yet"
+        drawn = 1.0 - uniforms_of(fold(self._head_words(scoring, state), index))
+        tail = priorities[..., start:]
+        priorities = torch.cat([priorities[..., :start], torch.where(tail == 0, drawn, tail)], dim=-1)
         scoring.token_scores[PRIORITY] = priorities
         return priorities
 

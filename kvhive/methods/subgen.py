@@ -10,8 +10,8 @@ Prefill (the paper's "apply the greedy k-center clustering algorithm once to com
 entire KV cache"): the first center is the oldest real token outside the recent window
 **(choice: the paper leaves the seed point open; the oldest token is deterministic and keeps
 the attention sink)**; each next center is the candidate farthest from the centers chosen so
-far. Computed exactly, but in blocks (see :func:`farthest_point_order`) so the keys are read
-once per ``block`` centers instead of once per center.
+far. Computed exactly as a fixed number of device steps batched over rows and heads (see
+:func:`farthest_point_order`), with no host read.
 
 Decode **(choice; the paper compresses once)**: when a token leaves the recent window it
 joins the candidate set (the ``k`` kept centers); while the set is larger than ``k`` the
@@ -73,87 +73,44 @@ def _squared_distances(
     return (points_sq[..., :, None] - 2 * dots + centers_sq[..., None, :]).clamp_min_(0)
 
 
-def farthest_point_order(
-    keys: torch.Tensor, candidates: torch.Tensor, count: int, *, block: int = 32, pool: int = 128
-) -> torch.Tensor:
+def farthest_point_order(keys: torch.Tensor, candidates: torch.Tensor, count: int) -> torch.Tensor:
     """Greedy k-center on each row: ``[R, count]`` indices of the chosen centers in pick order.
 
     ``keys [R, N, d]``, ``candidates [R, N]`` bool. The first center is each row's first
     candidate; every next one is the candidate with the largest distance to its nearest chosen
-    center (ties: any maximiser). A row with fewer candidates than ``count`` gets ``-1`` after
-    its candidates run out.
+    center (ties: the first maximiser). A row with fewer candidates than ``count`` gets ``-1``
+    after its candidates run out.
 
-    Exact, but blocked: the distances of all points to the newest centers are applied in one
-    matrix product every ``block`` centers (the keys are read once per block, not once per
-    center). In between, the exact distances are maintained only for a pool of the ``pool``
-    points with the largest (possibly stale, i.e. too large) values; the pool's best point is
-    the true farthest point whenever its exact value is at least the largest stale value
-    outside the pool (stale values only overestimate), otherwise the block is applied early.
+    ``min(count, N)`` fixed tensor steps batched over rows, each one pass over the keys (the
+    distances of every point to the newest center, one fused product), with no host read: the
+    argmax of each step stays on the device. (An earlier blocked version read the keys once per
+    32 centers but read a bool on the host at every pick to certify it; sound certificates fail
+    often on high-dimensional keys, so the exact algorithm needs the pass per pick anyway.)
     """
-    rows, num_points, dim = keys.shape
-    device = keys.device
-    order = torch.full((rows, count), -1, dtype=torch.long, device=device)
-    available = candidates.sum(-1)
-    steps = min(count, int(available.max())) if rows else 0
-    if steps == 0:
+    rows, num_points, _ = keys.shape
+    steps = min(count, num_points)
+    order = torch.full((rows, count), -1, dtype=torch.long, device=keys.device)
+    if steps == 0 or rows == 0:
         return order
     keys = keys.float()
     keys_sq = (keys * keys).sum(-1)
-    row_index = torch.arange(rows, device=device)
-    neg_inf = float("-inf")
-    # nearest[x]: squared distance to the nearest of the centers applied so far (stale: the
-    # centers picked since the last refresh are not applied); -inf = not eligible (not a
-    # candidate, or a center as of the last refresh).
-    nearest = torch.where(candidates, float("inf"), neg_inf)
-    applied = 0
-    pool = max(1, min(pool, num_points))
-    state: dict = {}
-
-    def refresh(upto: int) -> None:
-        nonlocal applied, nearest
-        if upto > applied:
-            picked = order[:, applied:upto]
-            centers = keys.gather(1, picked[..., None].expand(-1, -1, dim))
-            # min_j |x - c_j|² = |x|² + min_j (|c_j|² - 2 x·c_j): one fused product, one reduction.
-            partial = torch.baddbmm(keys_sq.gather(1, picked)[:, None, :], keys, centers.transpose(1, 2), alpha=-2)
-            nearest = torch.minimum(nearest, (partial.amin(-1) + keys_sq).clamp_min_(0))
-            nearest.scatter_(1, order[:, applied:upto], neg_inf)
-            applied = upto
-        take = min(pool + 1, num_points)
-        values, index = nearest.topk(take, dim=-1)
-        if take > pool:
-            state["threshold"] = values[:, pool]
-            values, index = values[:, :pool], index[:, :pool]
-        else:
-            state["threshold"] = torch.full((rows,), neg_inf, device=device)
-        state["index"], state["value"] = index, values.contiguous()
-        state["keys"] = keys.gather(1, index[..., None].expand(-1, -1, dim))
-        state["sq"] = keys_sq.gather(1, index)
-
-    # A row that runs out of candidates keeps "picking" ineligible points (value -inf); those
-    # picks are harmless and replaced by -1 at the end.
+    row_index = torch.arange(rows, device=keys.device)
+    nearest = torch.where(candidates, float("inf"), float("-inf"))  # -inf: not eligible
     chosen = candidates.to(torch.int8).argmax(-1)
     for step in range(steps):
-        if step > 0:
-            if not state:
-                refresh(step)
-            best, slot = state["value"].max(-1)
-            if step - applied >= block or bool((best < state["threshold"]).any()):
-                refresh(step)
-                best, slot = state["value"].max(-1)
-            chosen = state["index"].gather(1, slot[:, None]).squeeze(1)
-            state["value"][row_index, slot] = neg_inf
         order[:, step] = chosen
-        if state:
-            # Exact distances of the pool to the new center: |p|² + |c|² - 2 p·c (a batched
-            # matrix-vector product is several times slower than this on CPU at pool sizes).
-            center = keys[row_index, chosen]
-            dots = (state["keys"] * center[:, None, :]).sum(-1)
-            distance = torch.add(state["sq"] + keys_sq[row_index, chosen][:, None], dots, alpha=-2).clamp_min_(0)
-            torch.minimum(state["value"], distance, out=state["value"])
-    exhausted = torch.arange(count, device=device)[None, :] >= available[:, None]
-    order.masked_fill_(exhausted, -1)
-    return order
+        # [R, 1, d] viewed as [R, d, 1]: this layout takes the fast batched matrix-vector kernel
+        # on CPU (a contiguous [R, d, 1] is ~6x slower there).
+        center = keys[row_index, chosen][:, None, :].transpose(1, 2)
+        # |x|² - 2 x·c in one fused product, then + |c|².
+        partial = torch.baddbmm(keys_sq[:, :, None], keys, center, alpha=-2).squeeze(-1)
+        distance = (partial + keys_sq[row_index, chosen][:, None]).clamp_min_(0)
+        nearest = torch.minimum(nearest, distance)
+        nearest[row_index, chosen] = float("-inf")
+        chosen = nearest.argmax(-1)
+    # A row that ran out of candidates kept "picking" ineligible points: those become -1.
+    exhausted = torch.arange(count, device=keys.device)[None, :] >= candidates.sum(-1)[:, None]
+    return order.masked_fill_(exhausted, -1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,14 +118,21 @@ def farthest_point_order(
 # ---------------------------------------------------------------------------------------------
 
 
-def _padded_indices(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``mask [R, N]`` -> ``(index [R, a], present [R, a])`` with the True columns of each row."""
-    counts = mask.sum(-1)
-    width = int(counts.max()) if counts.numel() else 0
+def _padded_indices(mask: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mask [R, N]`` -> ``(index [R, width], present [R, width])``: the first ``width`` True
+    columns of each row, in order (``width`` is a bound known on the host: no read of the counts)."""
+    width = min(width, mask.shape[-1])
     # Stable sort puts the True columns first, in order.
     index = torch.sort((~mask).to(torch.int8), dim=-1, stable=True).indices[:, :width]
-    present = torch.arange(width, device=mask.device)[None, :] < counts[:, None]
-    return index, present
+    return index, mask.gather(1, index)
+
+
+def _smallest_indices(values: torch.Tensor, mask: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(index [R, width], present [R, width])``: the ``width`` True columns of ``mask`` with the
+    smallest ``values`` (fewer where a row has fewer; ``present`` marks the real ones)."""
+    width = min(width, mask.shape[-1])
+    index = torch.where(mask, values, float("inf")).topk(width, dim=-1, largest=False).indices
+    return index, mask.gather(1, index)
 
 
 def _nearest_among(
@@ -189,6 +153,21 @@ def _nearest_among(
         yield columns, distances
 
 
+def _stale(candidates: torch.Tensor, positions: torch.Tensor, nearest_position: torch.Tensor) -> torch.Tensor:
+    """``[R, N]`` candidates whose recorded nearest neighbour is no longer a candidate (or none).
+    Stored tokens are oldest first, so ``positions`` ascend in every row: one binary search each."""
+    slot = torch.searchsorted(positions.contiguous(), nearest_position.contiguous()).clamp_max_(positions.shape[-1] - 1)
+    alive = (positions.gather(1, slot) == nearest_position) & candidates.gather(1, slot)
+    return candidates & ~alive
+
+
+# Candidates whose nearest neighbour was dropped that get a new one right away, per removal and
+# row, smallest recorded distance first. The dropped token is on average the nearest neighbour of
+# one candidate; a row with more keeps the rest as lower bounds (still stale) and refreshes them
+# at the next removals, smallest first.
+STALE_REFRESH_WIDTH = 8
+
+
 def maintain_candidates(
     keys: torch.Tensor,
     positions: torch.Tensor,
@@ -197,10 +176,24 @@ def maintain_candidates(
     nearest_sq: torch.Tensor,
     nearest_position: torch.Tensor,
     ready: torch.Tensor,
+    *,
+    newcomer_bound: int,
+    removal_bound: int,
+    stale_refresh_width: int = STALE_REFRESH_WIDTH,
 ):
     """Shrink each row's candidate set to ``target`` by repeatedly evicting the newer member of
     the closest pair. All ``[R, N]`` (keys ``[R, N, d]``); ``nearest_*`` are updated in place for
-    the candidates; returns the surviving candidates ``[R, N]`` bool."""
+    the candidates; returns the surviving candidates ``[R, N]`` bool.
+
+    Fixed work, no host read: ``newcomer_bound`` (a host-known bound on the candidates not yet
+    ``ready`` in any row) and ``removal_bound`` (on the excess over ``target``) set the number of
+    tensor steps; a row with less to do is masked. After each removal the
+    ``stale_refresh_width`` stale candidates (nearest neighbour gone) with the smallest recorded
+    distances get their nearest neighbour again. A stale candidate beyond that width keeps its
+    recorded distance, a lower bound of the true one, until a later removal refreshes it: the
+    closest-pair search is exact whenever no row has more stale candidates than that width at a
+    removal (true on the tests' streams and golden cases; in 2 dimensions a token is the unique
+    nearest neighbour of at most 6 others)."""
     keys = keys.float()
     keys_sq = (keys * keys).sum(-1)
     positions = positions.to(nearest_position.dtype)
@@ -208,8 +201,7 @@ def maintain_candidates(
     row_index = torch.arange(rows, device=keys.device)
     candidates = candidates.clone()
 
-    def recompute(mask: torch.Tensor, update_others: bool) -> None:
-        index, present = _padded_indices(mask)
+    def recompute(index: torch.Tensor, present: torch.Tensor, update_others: bool) -> None:
         if index.shape[1] == 0:
             return
         for columns, distances in _nearest_among(keys, keys_sq, candidates, index, present):
@@ -218,7 +210,7 @@ def maintain_candidates(
             found = torch.isfinite(best) & here
             new_sq = torch.where(found, best, float("inf"))
             new_pos = torch.where(found, positions.gather(1, where_best), -1.0)
-            # Rows without a valid entry scatter onto their own first index with its current value.
+            # Entries not present scatter their own current value back (indices are distinct).
             nearest_sq.scatter_(1, chosen, torch.where(here, new_sq, nearest_sq.gather(1, chosen)))
             nearest_position.scatter_(1, chosen, torch.where(here, new_pos, nearest_position.gather(1, chosen)))
             if update_others:
@@ -229,11 +221,9 @@ def maintain_candidates(
                 nearest_sq.copy_(torch.where(closer, column_best, nearest_sq))
                 nearest_position.copy_(torch.where(closer, source, nearest_position))
 
-    newcomers = candidates & ~ready
-    if bool(newcomers.any()):
-        recompute(newcomers, update_others=True)
+    recompute(*_padded_indices(candidates & ~ready, newcomer_bound), update_others=True)
     excess = candidates.sum(-1) - target
-    while bool((excess > 0).any()):
+    for _ in range(removal_bound):
         active = excess > 0
         value = torch.where(candidates, nearest_sq, float("inf"))
         first = value.argmin(-1)
@@ -242,12 +232,10 @@ def maintain_candidates(
         partner = partner_mask.to(torch.int8).argmax(-1)
         has_partner = partner_mask.any(-1)
         newer_is_partner = has_partner & (positions[row_index, partner] > positions[row_index, first])
-        drop = torch.where(newer_is_partner, partner, first)
-        candidates[row_index[active], drop[active]] = False
-        dropped_position = torch.where(active, positions[row_index, drop], -2.0)
-        affected = candidates & (nearest_position == dropped_position[:, None])
-        if bool(affected.any()):
-            recompute(affected, update_others=False)
+        drop = torch.where(newer_is_partner, partner, first)[:, None]
+        candidates.scatter_(1, drop, candidates.gather(1, drop) & ~active[:, None])
+        stale = _stale(candidates, positions, nearest_position)
+        recompute(*_smallest_indices(nearest_sq, stale, stale_refresh_width), update_others=False)
         excess = excess - active.long()
     ready.copy_(candidates.to(ready.dtype))
     return candidates
@@ -258,9 +246,14 @@ class SubGen(Policy):
     phases = frozenset({PREFILL, DECODE})
     config_class = SubGenConfig
     paper = "Zandieh et al. 2024, Sec. 3.2 (recent r + greedy k-center of the rest, budget r + k)"
+    static_decode = True  # evicts to exactly the budget each step (tests/test_compiled_decode.py)
 
     def minimum_budget(self) -> int:
         return self.config.recent + 1
+
+    def kept_per_row(self, phase: str, num_tokens: int, budget: int, state: dict) -> int | None:
+        # Both decisions end in keep_top_scores: exactly min(budget, N) per row.
+        return min(budget, num_tokens)
 
     def _split(self, scoring: ScoringInputs):
         valid = scoring.valid
@@ -278,7 +271,35 @@ class SubGen(Policy):
         scratch = torch.cat([rank, rank.new_zeros(b * h, 1)], dim=1)
         scratch.scatter_(1, torch.where(order >= 0, order, n), scores)
         rank = scratch[:, :n].reshape(b, h, n)
+        self._record_center_neighbours(scoring, order)
         return keep_top_scores(rank, budget, valid, forced=forced)
+
+    def _record_center_neighbours(self, scoring: ScoringInputs, order: torch.Tensor) -> None:
+        """Each kept center's nearest other center (distance, position) and READY, as per-token
+        scores: the decode bookkeeping starts from the prefill's decision, so the first decode
+        step does the work of every later one (one newcomer), not a from-scratch pass over all
+        candidates (a decode step of fixed shape compiles to one graph)."""
+        b, h, n, d = scoring.keys.shape
+        picked, present = order.clamp_min(0), order >= 0
+        keys = scoring.keys.reshape(b * h, n, d).float()
+        centers = keys.gather(1, picked[..., None].expand(-1, -1, d))
+        centers_sq = (centers * centers).sum(-1)
+        distances = _squared_distances(centers, centers_sq, centers, centers_sq)
+        excluded = ~present[:, None, :] | torch.eye(order.shape[1], dtype=torch.bool, device=keys.device)
+        best, where_best = distances.masked_fill(excluded, float("inf")).min(-1)
+        found = torch.isfinite(best) & present
+        positions = scoring.positions.reshape(b * h, n).float()
+        neighbour_position = positions.gather(1, picked.gather(1, where_best))
+        slot = torch.where(present, order, n)  # absent picks go to a scratch column
+
+        def per_token(values: torch.Tensor, fill: float) -> torch.Tensor:
+            scratch = torch.full((b * h, n + 1), fill, device=keys.device)
+            return scratch.scatter_(1, slot, values)[:, :n].reshape(b, h, n)
+
+        scores = scoring.token_scores
+        scores[NEAREST_DISTANCE] = per_token(torch.where(found, best, float("inf")), float("inf"))
+        scores[NEAREST_POSITION] = per_token(torch.where(found, neighbour_position, -1.0), -1.0)
+        scores[READY] = per_token(present.float(), 0.0)
 
     def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
         valid, forced, candidates = self._split(scoring)
@@ -301,6 +322,10 @@ class SubGen(Policy):
         ready = scores.get(READY)
         ready = (ready.reshape(shape) > 0) if ready is not None else torch.zeros(shape, dtype=torch.bool, device=device)
         ready = ready & candidates.reshape(shape)
+        # After a decision (prefill's included) the kept candidates are ready, so the candidates
+        # not ready since are the tokens that left the recent window: at most the n - budget
+        # appended since. Without a decision before (select_decode called first), all of them.
+        newcomer_bound = n - self.config.recent if scores.get(READY) is None else n - budget
         kept = maintain_candidates(
             scoring.keys.reshape(b * h, n, d),
             scoring.positions.reshape(shape),
@@ -309,6 +334,8 @@ class SubGen(Policy):
             nearest_sq,
             nearest_position,
             ready,
+            newcomer_bound=max(0, newcomer_bound),
+            removal_bound=max(0, n - budget),
         )
         scores[NEAREST_DISTANCE] = nearest_sq.reshape(b, h, n)
         scores[NEAREST_POSITION] = nearest_position.reshape(b, h, n)

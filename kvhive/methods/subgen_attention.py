@@ -83,9 +83,13 @@ from kvhive.methods.base import (
     require_int_at_least,
     require_seed,
 )
+from kvhive.methods.counter_random import fold, hashed_words, second_word, uniforms_of
 
 STATE_KEY = "subgen_structures"
 PLAN_KEY = "subgen_memory_plan"
+
+# What a counter-based draw is for (one hash input), so the two kinds of draw never coincide.
+_VALUE_SAMPLES, _CLUSTER_SAMPLES = 1, 2
 
 # Tokens whose cluster assignment is resolved together (distances to the existing
 # representatives in one matrix product; the founding of new clusters loops inside a chunk).
@@ -169,14 +173,23 @@ class StreamingStructures:
         *,
         dtype: torch.dtype,
         device: torch.device,
-        generator: torch.Generator | list[torch.Generator],
+        seed: int,
         delta: float,
         relative_delta: bool,
         max_clusters: int | None = None,
+        streams_per_seed: int | None = None,
     ) -> None:
         self.rows, self.dim, self.t, self.s = rows, dim, t, s
         self.delta, self.relative_delta = float(delta), relative_delta
-        self.generator = generator
+        # Draws are a hash of (seed, the row's stream, the row's tokens inserted so far, ...):
+        # row r draws as stream r % streams_per_seed (the policy: one stream per KV head, so a
+        # batch row draws what it draws alone); None: every row its own stream.
+        self.seed = seed
+        stream = torch.arange(rows, device=device) % (streams_per_seed or max(rows, 1))
+        # The hash of (seed, stream, purpose) per row, once: a draw then folds in two inputs.
+        self._purpose_words = {
+            purpose: hashed_words(seed, stream, purpose) for purpose in (_VALUE_SAMPLES, _CLUSTER_SAMPLES)
+        }
         # None: unbounded (capacity doubles as clusters are founded); else allocated once.
         self.max_clusters = max_clusters
         self.beyond_radius = torch.zeros(rows, dtype=torch.long, device=device)
@@ -250,19 +263,16 @@ class StreamingStructures:
         self.counts = torch.cat([self.counts, self.counts.new_zeros(self.rows, extra)], dim=1)
         self.samples = torch.cat([self.samples, self.samples.new_zeros(self.rows, extra, self.t, self.dim)], dim=1)
 
-    def _rand_rows(self, counts: list[int], width: int) -> torch.Tensor:
-        """``[sum(counts), width]`` uniforms, row ``r``'s ``counts[r]`` lines drawn from its own
-        generator (a list of generators: one per row, so a row's draws do not depend on the rest
-        of the batch; one generator: shared, row after row)."""
-        generators = self.generator if isinstance(self.generator, (list, tuple)) else [self.generator] * self.rows
-        blocks = [
-            torch.rand(count, width, generator=generators[r], device=generators[r].device)
-            for r, count in enumerate(counts)
-            if count
-        ]
-        if not blocks:
-            return torch.zeros(0, width, device=self.mu.device)
-        return torch.cat(blocks).to(self.mu.device)
+    def _draws(self, purpose: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two ``float64`` uniform tensors on ``[0, 1)`` (a grid of ``2**-24``, as torch.rand's
+        float32) of shape ``[R, *index.shape[1:]]`` (``index``: ``[1, ...]`` integers), computed
+        on the device from (seed, the row's stream, ``purpose``, the row's tokens inserted before
+        this insertion, ``index``): no generator state, no host read, and a row's draws depend on
+        nothing else in the batch. One hash gives both (few kernels per insertion)."""
+        row = self._purpose_words[purpose].view((self.rows,) + (1,) * (index.dim() - 1))
+        tokens = self.tokens.view(row.shape)
+        word = fold(fold(row, tokens), index)
+        return uniforms_of(word, torch.float64), uniforms_of(second_word(word), torch.float64)
 
     # -- insertion -------------------------------------------------------------------------------
     def insert(self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -272,8 +282,8 @@ class StreamingStructures:
         """
         keys = keys.to(self.samples.dtype)
         values = values.to(self.m_values.dtype)
-        if not bool(mask.any()):
-            return torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)
+        # No early exit on an empty mask (that would be a host read): every step below leaves a
+        # row that inserts nothing unchanged.
         self._set_radius(keys, mask)
         self._update_matrix_product(keys, values, mask)
         assignment = self._assign(keys, mask)
@@ -283,8 +293,6 @@ class StreamingStructures:
 
     def _set_radius(self, keys: torch.Tensor, mask: torch.Tensor) -> None:
         unset = torch.isnan(self.radius) & mask.any(-1)
-        if not bool(unset.any()):
-            return
         if self.relative_delta:
             norms = keys.float().norm(dim=-1)
             mean_norm = (norms * mask).sum(-1) / mask.sum(-1).clamp_min(1)
@@ -293,7 +301,7 @@ class StreamingStructures:
             value = self.delta * scale
         else:
             value = torch.full_like(self.radius, self.delta)
-        self.radius = torch.where(unset, value, self.radius)
+        self.radius.copy_(torch.where(unset, value, self.radius))  # in place: buffers keep their address
 
     def _update_matrix_product(self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> None:
         """UPDATEMATRIXPRODUCT for a batch: the net effect of the token-by-token coin flips."""
@@ -302,20 +310,20 @@ class StreamingStructures:
         probability = torch.where(added > 0, added / (self.mu + added), torch.zeros_like(added))
         # Per row: s coin flips, then s draws ∝ ‖v‖² by inverse CDF (padding, weight 0, is never
         # drawn and does not shift the draws: a row draws what it draws alone).
-        uniforms = self._rand_rows([2] * self.rows, self.s).view(self.rows, 2, self.s).double()
-        replace = uniforms[:, 0] < probability[:, None]
-        self.mu = self.mu + added
-        row, slot = torch.nonzero(replace, as_tuple=True)
-        if row.numel() == 0:
-            return
+        slots = torch.arange(self.s, device=keys.device)[None, :]
+        coin, draw = self._draws(_VALUE_SAMPLES, slots)
+        replace = coin < probability[:, None]
+        target = draw * added[:, None]
+        self.mu.add_(added)
         cumulative = weights.cumsum(-1)
-        target = uniforms[:, 1] * added[:, None]
         drawn = torch.searchsorted(cumulative, target, right=True).clamp_max_(weights.shape[-1] - 1)
-        token = drawn[row, slot]
-        # Only the replaced slots are written (in decode a slot changes with probability ~1/n).
-        self.m_keys[row, slot] = keys[row, token]
-        self.m_values[row, slot] = values[row, token]
-        self.m_sqnorm[row, slot] = (values[row, token].float() ** 2).sum(-1)
+        # Every slot is written (a fixed amount of work): a slot not replaced keeps its entry.
+        index = drawn[..., None].expand(-1, -1, keys.shape[-1])
+        # In place: the structures' buffers keep their addresses (a captured decode step reads them).
+        self.m_keys.copy_(torch.where(replace[..., None], keys.gather(1, index), self.m_keys))
+        self.m_values.copy_(torch.where(replace[..., None], values.gather(1, index), self.m_values))
+        drawn_sqnorm = (values.gather(1, index).float() ** 2).sum(-1)
+        self.m_sqnorm.copy_(torch.where(replace, drawn_sqnorm, self.m_sqnorm))
 
     def _assign(self, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """UPDATESOFTMAXNORMALIZER's clustering for a batch, in stream order (founds clusters)."""
@@ -329,7 +337,9 @@ class StreamingStructures:
             chunk = work[:, start : start + _ASSIGN_CHUNK]
             present = mask[:, start : start + _ASSIGN_CHUNK]
             width = chunk.shape[1]
-            used = int(self.num_clusters.max())
+            # Bounded structures compare against every slot (unused ones masked): a fixed shape.
+            # Unbounded ones (tests, statistics) grow, so they read how many slots are in use.
+            used = self.capacity if self.max_clusters is not None else int(self.num_clusters.max())
             if used > 0:
                 reps = self.representatives[:, :used].float()
                 dots = torch.matmul(chunk, reps.transpose(-1, -2))
@@ -345,18 +355,23 @@ class StreamingStructures:
             columns = torch.arange(width, device=device)[None, :]
             room = self._room()
             uncovered = present & (best > threshold) & room[:, None]
-            while bool(uncovered.any()):
+            # Each round founds at most one cluster per row (its first uncovered key), so a row
+            # founds at most min(width, max_clusters) in a chunk: that many masked rounds.
+            rounds = width if self.max_clusters is None else min(width, self.max_clusters)
+            for _ in range(rounds):
                 founding = uncovered.any(-1)
                 first = uncovered.to(torch.int8).argmax(-1)
-                self._grow(int(self.num_clusters.max()) + 1)
-                slot = self.num_clusters.clone()
-                founder = chunk[row_index, first]
-                new_rows = founding.nonzero().squeeze(-1)
-                self.representatives[new_rows, slot[new_rows]] = founder[new_rows].to(self.representatives.dtype)
-                self.representative_sq[new_rows, slot[new_rows]] = (
-                    self.representatives[new_rows, slot[new_rows]].float() ** 2
-                ).sum(-1)
-                self.num_clusters = self.num_clusters + founding.long()
+                if self.max_clusters is None:
+                    self._grow(int(self.num_clusters.max()) + 1)
+                slot = self.num_clusters.clamp_max(self.capacity - 1)
+                founder = chunk[row_index, first].to(self.representatives.dtype)
+                # A row that founds nothing writes its slot's current entry back.
+                representative = torch.where(founding[:, None], founder, self.representatives[row_index, slot])
+                self.representatives[row_index, slot] = representative
+                self.representative_sq[row_index, slot] = torch.where(
+                    founding, (representative.float() ** 2).sum(-1), self.representative_sq[row_index, slot]
+                )
+                self.num_clusters.add_(founding.long())
                 # Direct differences: the founder's own distance is exactly 0.
                 to_founder = ((chunk - founder[:, None, :]) ** 2).sum(-1)
                 later = founding[:, None] & (columns >= first[:, None])
@@ -383,43 +398,36 @@ class StreamingStructures:
         return self.s + self.num_clusters.float() * (self.t + 1) / 2
 
     def _update_cluster_samples(self, keys: torch.Tensor, assignment: torch.Tensor) -> None:
-        """Reservoir update of every cluster's ``t`` samples and its count for a batch."""
+        """Reservoir update of every cluster's ``t`` samples and its count for a batch.
+
+        Fixed shapes ``[R, C, t]``: every (cluster, slot) draws a coin (replaced with probability
+        ``added / (old + added)``, never for a cluster that got nothing) and a rank among the
+        cluster's added keys (uniform); the replaced slots take that key."""
         rows, length, dim = keys.shape
         capacity = self.capacity
+        if capacity == 0:
+            return
+        device = keys.device
         inserted = assignment >= 0
         flat_cluster = torch.where(
-            inserted, torch.arange(rows, device=keys.device)[:, None] * capacity + assignment, rows * capacity
-        )
-        added = torch.bincount(flat_cluster.reshape(-1), minlength=rows * capacity + 1)[:-1].view(rows, capacity)
-        touched_row, touched_cluster = torch.nonzero(added, as_tuple=True)
-        if touched_row.numel() == 0:
-            return
-        # Members of each touched cluster, grouped: stable sort of the tokens by cluster id.
-        order = torch.sort(flat_cluster.reshape(-1), stable=True).indices
-        starts = torch.cumsum(added.reshape(-1), 0) - added.reshape(-1)
-        touched = touched_row * capacity + touched_cluster
-        new = added.reshape(-1)[touched]
-        old = self.counts.reshape(-1)[touched]
-        # Pairs are in row order (nonzero is row-major): each row draws its own block.
-        per_row = (added > 0).sum(-1).tolist()
-        uniforms = torch.cat(
-            [
-                block.view(2, count, self.t).transpose(0, 1)
-                for block, count in zip(
-                    self._rand_rows([2 * count for count in per_row], self.t).split([2 * c for c in per_row if c]),
-                    [c for c in per_row if c],
-                    strict=True,
-                )
-            ]
-        )
-        replace = uniforms[:, 0] * (old + new)[:, None] < new[:, None]
-        rank = (uniforms[:, 1] * new[:, None]).long().clamp_max_(new[:, None] - 1)
+            inserted, torch.arange(rows, device=device)[:, None] * capacity + assignment, rows * capacity
+        ).reshape(-1)
+        # Keys added per cluster (scatter_add over a fixed size: bincount's size would be a read).
+        added = torch.zeros(rows * capacity + 1, dtype=torch.long, device=device)
+        added.scatter_add_(0, flat_cluster, torch.ones_like(flat_cluster))
+        added = added[:-1].view(rows, capacity)
+        # Members of each cluster, grouped: stable sort of the tokens by cluster id (stream order).
+        order = torch.sort(flat_cluster, stable=True).indices
+        starts = (torch.cumsum(added.reshape(-1), 0) - added.reshape(-1)).view(rows, capacity)
+        cluster_slots = torch.arange(capacity * self.t, device=device).view(1, capacity, self.t)
+        old, new = self.counts[..., None], added[..., None]
+        coin, draw = self._draws(_CLUSTER_SAMPLES, cluster_slots)
+        replace = coin * (old + new) < new
+        rank = (draw * new).long().clamp_max_((new - 1).clamp_min(0))
         self.counts += added
-        pair, sample = torch.nonzero(replace, as_tuple=True)
-        if pair.numel() == 0:
-            return
-        member = order[starts[touched[pair]] + rank[pair, sample]]  # flat token index (row * length + i)
-        self.samples[touched_row[pair], touched_cluster[pair], sample] = keys.reshape(rows * length, dim)[member]
+        member = order[(starts[..., None] + rank).clamp_max_(order.numel() - 1)]  # flat token index
+        drawn = keys.reshape(rows * length, dim)[member.reshape(-1)].view(rows, capacity, self.t, dim)
+        self.samples.copy_(torch.where(replace[..., None], drawn, self.samples))
 
     # -- query -----------------------------------------------------------------------------------
     def query(self, queries: torch.Tensor, scaling: float):
@@ -430,9 +438,12 @@ class StreamingStructures:
         """
         rows, num_queries, dim = queries.shape
         work = queries.float()
-        used = int(self.num_clusters.max())
-        samples = self.samples[:, :used].reshape(rows, used * self.t, dim).float()
-        cluster_weight = (self.counts[:, :used].float() / self.t).repeat_interleave(self.t, dim=1)
+        # Every slot (unused ones weigh 0 and are masked): a fixed shape, no read of the clusters in use.
+        used = self.capacity
+        samples = self.samples.reshape(rows, used * self.t, dim).float()
+        cluster_weight = (
+            (self.counts.float() / self.t)[..., None].expand(rows, used, self.t).reshape(rows, used * self.t)
+        )
         sample_logits = torch.matmul(work, samples.transpose(-1, -2)) * scaling
         sample_logits = sample_logits.masked_fill((cluster_weight == 0)[:, None, :], float("-inf"))
         filled = self.m_sqnorm > 0
@@ -458,6 +469,7 @@ class SubGenAttention(Policy):
     name = "subgen-attention"
     phases = frozenset({PREFILL, DECODE})
     config_class = SubGenAttentionConfig
+    static_decode = True  # keeps exactly the window each step (tests/test_compiled_decode.py)
     paper = (
         "Zandieh et al. 2024, Algorithm 1 (clusters D + l2 samples M; z/tau) + exact recent window; "
         "budget = window + clusters + samples"
@@ -503,12 +515,6 @@ class SubGenAttention(Policy):
         structures = state.get(STATE_KEY)
         if structures is None:
             b, h, _, d = scoring.keys.shape
-            # One generator per (batch row, KV head), seeded by layer and head only (issue 9 item 5).
-            generator = []
-            for row in range(b * h):
-                row_generator = torch.Generator(device="cpu")
-                row_generator.manual_seed(derived_seed(self.config.seed, scoring.layer_index, row % h))
-                generator.append(row_generator)
             structures = StreamingStructures(
                 b * h,
                 d,
@@ -516,10 +522,13 @@ class SubGenAttention(Policy):
                 plan.value_samples,
                 dtype=scoring.keys.dtype,
                 device=scoring.keys.device,
-                generator=generator,
+                # Draws seeded by the layer, one stream per KV head (issue 9 item 5: a batch row
+                # draws what it draws alone).
+                seed=derived_seed(self.config.seed, scoring.layer_index),
                 delta=self.config.cluster_radius,
                 relative_delta=self.config.relative_radius,
                 max_clusters=plan.max_clusters,
+                streams_per_seed=h,
             )
             state[STATE_KEY] = structures
             state[PLAN_KEY] = plan
@@ -530,17 +539,22 @@ class SubGenAttention(Policy):
         plan = self._plan_for(budget)
         valid = scoring.valid
         keep = keep_top_scores(recency(valid), plan.window, valid)
-        leaving = valid & ~keep
-        if bool(leaving.any()):
-            b, h, n, d = scoring.keys.shape
-            # Tokens are stored oldest first, so the leaving ones lie in a prefix of the columns.
-            upto = int(leaving.reshape(-1, n).any(0).nonzero().max()) + 1
+        b, h, n, d = scoring.keys.shape
+        # Tokens are stored oldest first and the kept ones are the newest real tokens, so the
+        # leaving ones lie in the first n - window columns: a bound known on the host.
+        upto = n - plan.window
+        if upto > 0:
+            leaving = valid & ~keep
             self._structures(scoring, plan, state).insert(
                 scoring.keys[:, :, :upto].reshape(b * h, upto, d),
                 scoring.values[:, :, :upto].reshape(b * h, upto, scoring.values.shape[-1]),
                 leaving[:, :, :upto].reshape(b * h, upto),
             )
         return keep
+
+    def kept_per_row(self, phase: str, num_tokens: int, budget: int, state: dict) -> int | None:
+        # keep_top_scores keeps exactly min(window, N) per row; the cache's budget is the window.
+        return min(self._plan_for(budget).window, num_tokens)
 
     def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
         return self._window(scoring, budget, state)
