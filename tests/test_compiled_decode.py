@@ -115,11 +115,55 @@ def test_generate_takes_the_compiled_path_on_a_padded_batch(method):
     assert torch.equal(compiled[1:, 13:], alone)
 
 
+GROWING_METHODS = ["full", "snapkv", "pyramidkv", "knorm"]
+
+
+@pytest.mark.parametrize("method", GROWING_METHODS)
+def test_a_growing_cache_compiles_with_a_fixed_decode_capacity(method):
+    # The full cache and prefill-only methods add a token per step: with decode_capacity the
+    # buffers have room for every step and attention runs over the capacity, empty slots masked.
+    model = _model()
+
+    def step(token, position, cache):
+        return model(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True).logits
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend="aot_eager")
+    prompt = _prompt(model)
+    options = {"decode_capacity": 48} if method == "full" else {"budget": BUDGET, "decode_capacity": 48}
+    caches = [kvhive.make_cache(model, method, **options) for _ in range(2)]
+    uncompiled_reference = kvhive.make_cache(
+        model, method, **{k: v for k, v in options.items() if k != "decode_capacity"}
+    )
+    assert caches[0].is_compileable and not uncompiled_reference.is_compileable
+    with torch.no_grad():
+        token = model(input_ids=prompt, past_key_values=caches[0]).logits[:, -1:].argmax(-1)
+        model(input_ids=prompt, past_key_values=caches[1])
+        model(input_ids=prompt, past_key_values=uncompiled_reference)
+        pointers = [layer.buffers()[0].data_ptr() for layer in caches[0].layers]
+        position = torch.full((1, 1), prompt.shape[1])
+        for index in range(40):
+            compiled_logits = compiled(token, position, caches[0])
+            eager_logits = step(token, position, caches[1])
+            reference_logits = step(token, position, uncompiled_reference)
+            torch.testing.assert_close(compiled_logits, eager_logits, atol=1e-5, rtol=1e-5, msg=f"step {index}")
+            torch.testing.assert_close(compiled_logits, reference_logits, atol=1e-5, rtol=1e-5, msg=f"step {index}")
+            token, position = compiled_logits[:, -1:].argmax(-1), position + 1
+    assert counters["stats"]["unique_graphs"] == 1
+    assert [layer.buffers()[0].data_ptr() for layer in caches[0].layers] == pointers
+    # The host lengths, stale inside compiled steps, are right when read afterwards.
+    assert caches[0].get_seq_length() == prompt.shape[1] + 40
+    assert caches[0].statistics()["kept_tokens_per_layer"] == uncompiled_reference.statistics()["kept_tokens_per_layer"]
+    assert caches[0].nbytes() == uncompiled_reference.nbytes()
+
+
 def test_growing_caches_are_not_declared_compileable():
-    # A layer that grows by a token per step would be a new graph per step: generate stays eager.
+    # Without a decode capacity, a layer that grows by a token per step would be a new graph per
+    # step: generate stays eager.
     model = _model()
     assert not kvhive.make_cache(model, "full").is_compileable
     assert not kvhive.make_cache(model, "snapkv", budget=BUDGET).is_compileable
+    # Head-wise budgets keep different counts per head (a packed layout): not one shape yet.
+    assert not kvhive.make_cache(model, "ada-snapkv", budget=BUDGET, decode_capacity=8).is_compileable
     assert not kvhive.make_cache(model, "h2o", budget=BUDGET, decode_slack=4).is_compileable
     assert not kvhive.make_cache(model, "h2o", budget=BUDGET, positions="cache").is_compileable
 

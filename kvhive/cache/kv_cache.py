@@ -329,7 +329,9 @@ class KVHiveCache(Cache):
         with the empty slots masked); without one they change shape at every step and decode eagerly."""
         policy = self.policy
         # A layer that only grows while decoding (no decode phase) has one shape with a fixed capacity.
-        grows_in_place = DECODE not in policy.phases and self.decode_capacity is not None
+        # (A method that does not declare its kept counts may keep different counts per head: packed.)
+        declares_counts = not policy.phases or type(policy).kept_per_row is not Policy.kept_per_row
+        grows_in_place = DECODE not in policy.phases and self.decode_capacity is not None and declares_counts
         return (
             ((policy.static_decode and DECODE in policy.phases) or grows_in_place)
             and self.positions == ORIGINAL_POSITIONS
