@@ -129,6 +129,10 @@ SCORE = "buzz_accumulated"
 OLD = "buzz_old_samples"  # per-layer state: number of old samples (same for every head and row)
 LAYOUT = "buzz_layout"  # per-layer state: (sink, window, threshold) derived from the layer budget
 EVICTIONS = "buzz_evictions"  # per-layer state: number of evictions so far (prefill included)
+# Per-layer state: padding tokens at the front of every row, read from the device once (at the
+# prefill) and then followed on the host: appends add none and an eviction drops them all.
+PADDING = "buzz_padding"
+UNEQUAL_ROWS = "buzz_unequal_rows"  # per-layer state: real tokens per row when rows differ (refused at eviction)
 
 
 BudgetForm = Literal["mean", "peak"]
@@ -366,14 +370,20 @@ class Buzz(Policy):
 
     def initialize_decode(self, scoring: ScoringInputs, state: dict, budget: int | None = None) -> None:
         self._seed_scores(scoring)
-        _record_step(state, _real_tokens(scoring))
+        _record_step(state, scoring.num_tokens - _padding(scoring, state))
 
     def observe_decode(self, scoring: ScoringInputs, state: dict, budget: int | None = None) -> None:
         scores = scoring.token_scores[SCORE]
         scoring.token_scores[SCORE] = scores + group_sum(scoring.last_query_attention(), scoring.num_heads).to(
             scores.dtype
         )
-        _record_step(state, _real_tokens(scoring))
+        _record_step(state, scoring.num_tokens - _padding(scoring, state))
+
+    def kept_per_row(self, phase: str, num_tokens: int, budget: int, state: dict) -> int | None:
+        if PADDING not in state or state.get(UNEQUAL_ROWS) is not None:
+            return None  # known once the layer has seen its prompt (and refused for unequal rows)
+        plan = _eviction_plan(self.layout(budget), num_tokens, state[PADDING], state.get(OLD, 0), budget)
+        return num_tokens if plan is None else plan.kept
 
     # -- selection -----------------------------------------------------------------------------
     def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor | None:
@@ -386,46 +396,76 @@ class Buzz(Policy):
         layout = self.layout(budget)
         state[LAYOUT] = layout
         n = scoring.num_tokens
-        padding = _common_padding(scoring)
-        # Everything below counts real tokens from the first one (a row alone has no padding).
-        real = n - padding
-        old = state.get(OLD, 0)
-        sink_end = padding + min(layout.sink, real)
-        window_start = max(sink_end, n - layout.window)
-        old_end = min(sink_end + old, window_start)
-        old = old_end - sink_end
-        if window_start - sink_end <= layout.threshold:
+        padding = _padding(scoring, state, evicting=True)
+        plan = _eviction_plan(layout, n, padding, state.get(OLD, 0), budget)
+        if plan is None:
             return None  # below the threshold: buffer, evict nothing
-        stride, hat = self.config.stride, small_stride(self.config.stride)
         if SCORE not in scoring.token_scores:
             self._seed_scores(scoring)
         scores = scoring.token_scores[SCORE]
         index = torch.arange(n, device=scores.device)
+        sink_end, old_end, window_start = plan.sink_end, plan.old_end, plan.window_start
+        hat = small_stride(self.config.stride)
 
         # Algorithm 1 line 15: interval-sample the old samples, local-max-sample the new tokens.
         old_picks = (index >= sink_end) & (index < old_end) & ((index - sink_end) % hat == 0)
-        samples = old_picks | local_max_mask(scores, old_end, window_start, stride)
-        count = -(-old // hat) + -(-(window_start - old_end) // stride)
-        # The authors' code samples once; where that exceeds what the cache may hold after an
-        # eviction (the budget), Remark 2: sample the old samples again with ŝ until they fit
-        # (r rounds = stride ŝ**r).
-        room = budget - layout.sink - layout.window
-        step, rounds = 1, 0
-        while -(-count // step) > room:
-            step *= hat
-            rounds += 1
-        if step > 1:
+        samples = old_picks | local_max_mask(scores, old_end, window_start, self.config.stride)
+        if plan.thinning > 1:
             ordinal = samples.long().cumsum(dim=-1) - 1
-            samples = samples & (ordinal % step == 0)
-            count = -(-count // step)
+            samples = samples & (ordinal % plan.thinning == 0)
         keep = (samples | ((index >= padding) & (index < sink_end)) | (index >= window_start)).expand(scores.shape)
         keep = keep.clone()
         if scoring.phase == PREFILL:
-            state[PREFILL_ROUNDS] = rounds
-        state[OLD] = count
+            state[PREFILL_ROUNDS] = plan.rounds
+        state[OLD] = plan.samples
+        state[PADDING] = 0  # the eviction dropped the padding
         state[EVICTIONS] = state.get(EVICTIONS, 0) + 1
-        _record_eviction(state, (sink_end - padding) + count + (n - window_start))
+        _record_eviction(state, plan.kept)
         return keep
+
+
+@dataclass(frozen=True)
+class EvictionPlan:
+    """Where one eviction cuts a layer of ``n`` stored tokens (host integers, the same for every
+    row and head): the sink ends at ``sink_end``, the old samples at ``old_end``, the window starts
+    at ``window_start``; ``samples`` old samples remain after ``rounds`` extra rounds of Remark 2
+    (every ``thinning``-th sample kept); ``kept`` tokens per row in all."""
+
+    sink_end: int
+    old_end: int
+    window_start: int
+    samples: int
+    rounds: int
+    thinning: int
+    kept: int
+
+
+def _eviction_plan(layout: BuzzLayout, n: int, padding: int, old: int, budget: int) -> EvictionPlan | None:
+    """The eviction of a layer holding ``n`` tokens (``padding`` of them at the front of every row,
+    ``old`` old samples after the sink); None below the threshold (nothing evicted). Sizes only,
+    from the host's counts: Eq. (10) gives the number of samples whatever the scores."""
+    # Everything below counts real tokens from the first one (a row alone has no padding).
+    real = n - padding
+    sink_end = padding + min(layout.sink, real)
+    window_start = max(sink_end, n - layout.window)
+    old_end = min(sink_end + old, window_start)
+    old = old_end - sink_end
+    if window_start - sink_end <= layout.threshold:
+        return None
+    stride = layout.stride
+    hat = small_stride(stride)
+    count = -(-old // hat) + -(-(window_start - old_end) // stride)
+    # The authors' code samples once; where that exceeds what the cache may hold after an
+    # eviction (the budget), Remark 2: sample the old samples again with ŝ until they fit
+    # (r rounds = stride ŝ**r).
+    room = budget - layout.sink - layout.window
+    step, rounds = 1, 0
+    while -(-count // step) > room:
+        step *= hat
+        rounds += 1
+    count = -(-count // step)
+    kept = (sink_end - padding) + count + (n - window_start)
+    return EvictionPlan(sink_end, old_end, window_start, count, rounds, step, kept)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -433,22 +473,23 @@ def _cached_layout(budget: int, sink: int, stride: int, form: str) -> BuzzLayout
     return layout_for_budget(budget, sink, stride, form)
 
 
-def _common_padding(scoring: ScoringInputs) -> int:
-    """Padding tokens at the front of every row; refuses rows with different amounts (module
-    docstring, "Batches")."""
-    valid = scoring.valid[:, 0]
-    real = valid.sum(dim=-1)
-    if bool((real != real[0]).any()):
+def _padding(scoring: ScoringInputs, state: dict, evicting: bool = False) -> int:
+    """Padding tokens at the front of the first row: read from the device the first time a layer
+    is seen (one host read), then followed on the host (``PADDING``). An eviction (``evicting``)
+    refuses rows with different amounts (module docstring, "Batches"); a layer that never evicts
+    runs them, its sizes counted on the first row."""
+    if PADDING not in state:
+        real = scoring.valid[:, 0].sum(dim=-1).tolist()
+        state[PADDING] = scoring.num_tokens - real[0]
+        if any(count != real[0] for count in real):
+            state[UNEQUAL_ROWS] = real
+    if evicting and state.get(UNEQUAL_ROWS) is not None:
         raise ValueError(
-            f"BUZZ cannot compress a batch whose rows hold different numbers of real tokens ({real.tolist()}, "
+            f"BUZZ cannot compress a batch whose rows hold different numbers of real tokens ({state[UNEQUAL_ROWS]}, "
             "left padding): each row needs its own eviction schedule, and a kvhive cache keeps every row of a "
             "layer at the same length; run these rows one at a time (batch size 1)"
         )
-    return int(valid.shape[-1] - real[0])
-
-
-def _real_tokens(scoring: ScoringInputs) -> int:
-    return int(scoring.valid[0, 0].sum())
+    return state[PADDING]
 
 
 def _record_step(state: dict, size: int) -> None:
