@@ -307,6 +307,10 @@ def prefill_accumulated_attention(
     b, hq, n, d = queries.shape
     h = keys.shape[1]
     group = hq // h
+    if queries.dtype == torch.float16:
+        # float16 logits overflow past 65504 where the model's sdpa (fp32 inside) stays finite
+        # (issue 27 item 5): multiply in float32, as ScoringInputs.attention_weights does.
+        queries, keys = queries.float(), keys.float()
     total = torch.zeros(b, hq, n, dtype=torch.float32, device=queries.device)
     rows = max(1, max_elements // max(1, b * hq * n))
     for start in range(0, n, rows):
