@@ -365,7 +365,8 @@ class _StochasticSampler:
                 raise ValueError(f"invalid generator: expected one per row ({rows}), got {len(generator)}")
             self.generators = list(generator)
         else:
-            seeds = torch.randint(0, 2**62, (rows,), generator=generator).tolist()
+            source = "cpu" if generator is None else generator.device
+            seeds = torch.randint(0, 2**62, (rows,), generator=generator, device=source).tolist()
             self.generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
         self.states = [g.get_state() for g in self.generators]
 
