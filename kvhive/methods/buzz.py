@@ -21,8 +21,8 @@ Cache layout per head (Sec. 3.3, Fig. 3)::
 * **Scores**: accumulated attention (H2O's column sums over every query seen so far), summed over
   the query heads of a KV group (docs/METHODS.md: the reference code sums over the group). They are
   held in ``scoring.token_scores["buzz_accumulated"]`` so the cache keeps them aligned. The
-  prefill column sums are computed by :func:`prefill_accumulated_attention`, which skips the
-  causally masked key blocks (3x faster than the generic ``ScoringInputs`` path at 2k tokens).
+  column sums come from ``ScoringInputs.accumulated_attention`` (the one scoring-attention path:
+  causal chunks skip the masked key blocks, float32 softmax, float16-safe product).
 * **Prefill**: the prompt is one big arrival of new tokens, sampled once as above — as the
   authors' code does (``BuzzKVCacheWithAccumulation``: one call in the prefill forward) — and,
   only where that does not fit the cache's hard limit ``C``, the old samples are
@@ -296,40 +296,6 @@ def group_sum(per_query_head: torch.Tensor, num_heads: int) -> torch.Tensor:
     return per_query_head.reshape(b, num_heads, hq // num_heads, *per_query_head.shape[2:]).sum(dim=2)
 
 
-def prefill_accumulated_attention(
-    queries: torch.Tensor, keys: torch.Tensor, mask_rows, scaling: float, max_elements: int = 1 << 22
-) -> torch.Tensor:
-    """Column sums ``[B, Hq, N]`` of the prefill attention (H2O's accumulated attention), chunked
-    over query rows. Prefill is causal, so a chunk of rows ``[start, stop)`` only multiplies the
-    keys ``[0, stop)``: about half the work of :meth:`ScoringInputs.accumulated_attention`, and
-    small chunks (``max_elements`` logits at a time) stay in cache; same result (fully masked
-    padding rows count 0)."""
-    b, hq, n, d = queries.shape
-    h = keys.shape[1]
-    group = hq // h
-    if queries.dtype == torch.float16:
-        # float16 logits overflow past 65504 where the model's sdpa (fp32 inside) stays finite
-        # (issue 27 item 5): multiply in float32, as ScoringInputs.attention_weights does.
-        queries, keys = queries.float(), keys.float()
-    total = torch.zeros(b, hq, n, dtype=torch.float32, device=queries.device)
-    rows = max(1, max_elements // max(1, b * hq * n))
-    for start in range(0, n, rows):
-        stop = min(n, start + rows)
-        # [B, H, G*rows, d] @ [B, H, d, stop]: no broadcast over the group, so the keys are not
-        # expanded (copied) once per chunk.
-        chunk = queries[:, :, start:stop].reshape(b, h, group * (stop - start), d) * scaling
-        logits = torch.matmul(chunk, keys[:, :, :stop].transpose(-1, -2))
-        logits = logits.reshape(b, hq, stop - start, stop).float()
-        allowed = mask_rows(slice(start, stop), stop)
-        if allowed.shape[1] not in (1, hq):
-            allowed = allowed.repeat_interleave(group, dim=1)
-        logits.masked_fill_(~allowed, float("-inf"))
-        # Fully masked (padding) query rows give NaN rows; they count 0 (a model NaN stays NaN).
-        weights = torch.where(allowed.any(dim=-1, keepdim=True), torch.softmax(logits, dim=-1), 0.0)
-        total[..., :stop] += weights.sum(dim=2)
-    return total
-
-
 def local_max_mask(scores: torch.Tensor, start: int, stop: int, stride: int) -> torch.Tensor:
     """Algorithm 2, vectorised: ``[..., N]`` True at the argmax of each segment
     ``[start + i*s, start + (i+1)*s) ∩ [start, stop)`` (first index on ties)."""
@@ -364,13 +330,7 @@ class Buzz(Policy):
 
     # -- scores --------------------------------------------------------------------------------
     def _seed_scores(self, scoring: ScoringInputs) -> None:
-        if scoring.phase == PREFILL and scoring.num_queries == scoring.num_tokens:
-            accumulated = prefill_accumulated_attention(
-                scoring.queries, scoring.keys, scoring.mask_rows, scoring.scaling
-            )
-        else:
-            accumulated = scoring.accumulated_attention()
-        scoring.token_scores[SCORE] = group_sum(accumulated, scoring.num_heads)
+        scoring.token_scores[SCORE] = group_sum(scoring.accumulated_attention(), scoring.num_heads)
 
     def initialize_decode(self, scoring: ScoringInputs, state: dict, budget: int | None = None) -> None:
         self._seed_scores(scoring)
