@@ -210,6 +210,38 @@ def test_lazy_greedy_breaks_exact_ties_like_plain_greedy(lam):
     assert torch.equal(greedy_maximize(objective, 3, "lazy"), plain)
 
 
+@pytest.mark.parametrize("phi", CONCAVES, ids=lambda p: p.kind)
+def test_greedy_runs_again_when_its_planned_evaluations_fall_short(monkeypatch, phi):
+    """The device greedy evaluates a planned number of exact gains per step and checks, once per
+    run, that every step was settled; with one evaluation per step planned it is not, the rerun
+    (with what the steps needed, then everything drawn) must still return plain greedy's set,
+    and the host reads stay a handful per call (the sampler's 2, one per run)."""
+    import kvhive.methods.submodular as submodular_module
+    from kvhive.diagnostics import HostReadCounter
+
+    objective = random_objective(rows=5, n=120, dim=6, phi=phi, seed=8)
+    plain = greedy_maximize(objective, 40, "plain")
+    generators = [torch.Generator().manual_seed(row) for row in range(5)]
+    planned = greedy_maximize(objective, 40, "stochastic", 1e-300, generators)
+    runs = []
+    original = submodular_module._lazy_greedy
+
+    def counted(*args):
+        runs.append(args[2])
+        return original(*args)
+
+    monkeypatch.setattr(submodular_module, "_lazy_greedy", counted)
+    monkeypatch.setattr(submodular_module, "_LAZY_EVALUATIONS", 1)
+    for method in ("lazy", "stochastic"):
+        runs.clear()
+        with HostReadCounter() as counter:
+            chosen = greedy_maximize(objective, 40, method, 1e-300, generators)
+        assert torch.equal(chosen, plain), method
+        assert len(runs) >= 2 and sum(runs[-1]) > sum(runs[0]), method  # it did run again, with more
+        assert counter.total == len(runs) + (2 if method == "stochastic" else 0), counter
+    assert torch.equal(planned, plain)
+
+
 def test_stochastic_greedy_samples_and_keeps_exact_counts():
     assert stochastic_sample_size(1000, 100, 1e-5) == math.ceil(10 * math.log(1e5))
     assert stochastic_sample_size(100, 50, 1e-5) == 24

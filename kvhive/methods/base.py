@@ -166,8 +166,15 @@ class ScoringInputs:
     def attention_weights(
         self, query_rows: slice, logit_multiplier: float | tuple[float, ...] = 1.0, num_keys: int | None = None
     ) -> torch.Tensor:
-        """Softmax weights ``[B, Hq, rows, K]`` of the selected query rows over the first
-        ``num_keys`` stored tokens (default all), the model's mask applied."""
+        """Softmax weights ``[B, Hq, rows, K]`` (float32) of the selected query rows over the first
+        ``num_keys`` stored tokens (default all), the model's mask applied.
+
+        The one place that computes softmax attention for scoring. The product runs in the
+        model's dtype (fp32 accumulation on every backend) except in float16, whose logits
+        overflow past 65504 where the model's own attention (sdpa, fp32 accumulation inside) stays
+        finite (issue 27 item 5): there queries and keys are multiplied in float32. Softmax and
+        everything after it run in float32. Keys are read once per stored head (GQA without
+        repeating them)."""
         num_keys = self.num_tokens if num_keys is None else num_keys
         # The scale goes on the queries (rows x d), not on the logits (rows x K): one pass fewer.
         if isinstance(logit_multiplier, tuple):  # one factor per batch row (AhaKV's n is per row)
@@ -176,13 +183,21 @@ class ScoringInputs:
         else:
             factor = self.scaling * logit_multiplier
         queries = self.queries[:, :, query_rows] * factor
+        keys = self._product_keys()[:, :, :num_keys]
         b, hq, rows, d = queries.shape
         h = self.num_heads
         group = hq // h
-        keys = self.keys[:, :, :num_keys]
         # [B, H, G*rows, d] @ [B, H, d, K]: keys are read once per stored head.
-        grouped = queries.reshape(b, h, group, rows, d).reshape(b, h, group * rows, d)
-        logits = torch.matmul(grouped, keys.transpose(-1, -2)).view(b, h, group, rows, num_keys)
+        grouped = queries.reshape(b, h, group, rows, d).reshape(b, h, group * rows, d).to(keys.dtype)
+        logits = torch.matmul(grouped, keys.transpose(-1, -2)).view(b, h, group, rows, num_keys).float()
+        start, stop, _ = query_rows.indices(self.num_queries)
+        first_future = self.num_tokens - self.num_queries + start + 1
+        if self.mask is None and self.phase == "prefill" and first_future > 0 and num_keys == first_future + rows - 1:
+            # Causal prefill rows over exactly the keys they may see (summed_attention's chunks):
+            # only the square block of the chunk's own tokens has a future to mask.
+            future = torch.ones(rows, rows, dtype=torch.bool, device=logits.device).triu_(1)
+            logits[..., first_future - 1 :].masked_fill_(future, float("-inf"))
+            return torch.softmax(logits, dim=-1).reshape(b, hq, rows, num_keys)
         mask = self.mask_rows(query_rows, num_keys).unsqueeze(2)
         logits.masked_fill_(~mask, float("-inf"))  # in place: the product is a fresh tensor
         weights = torch.softmax(logits, dim=-1)
@@ -192,28 +207,33 @@ class ScoringInputs:
             weights = torch.where(mask.any(dim=-1, keepdim=True), weights, 0.0)
         return weights.reshape(b, hq, rows, num_keys)
 
+    def _product_keys(self) -> torch.Tensor:
+        """The keys the scoring product reads: float32 copies for a float16 model (made once)."""
+        if self.keys.dtype != torch.float16:
+            return self.keys
+        if "float32_keys" not in self._memo:
+            self._memo["float32_keys"] = self.keys.float()
+        return self._memo["float32_keys"]
+
     def summed_attention(self, first_row: int, logit_multiplier: float | tuple[float, ...] = 1.0) -> torch.Tensor:
-        """Column sums ``[B, Hq, N]`` of the weights of query rows ``first_row..q-1``, chunked."""
+        """Column sums ``[B, Hq, N]`` (float32) of the weights of query rows ``first_row..q-1``,
+        chunked."""
         key = ("summed", first_row, logit_multiplier)
         if key in self._memo:
             return self._memo[key]
         b, hq, q, _ = self.queries.shape
         rows_per_chunk = max(1, _CHUNK_ELEMENTS // max(1, b * hq * self.num_tokens))
         total = torch.zeros(b, hq, self.num_tokens, dtype=torch.float32, device=self.keys.device)
-        # Stored tokens are in order and the queries are the newest ones, so query row r cannot
-        # see keys past ``offset + r``: each chunk only multiplies against the keys it may see.
+        # In prefill the queries are the newest q stored tokens (they were just appended, oldest
+        # first), so query row r cannot see keys past ``offset + r``: each chunk only multiplies
+        # against the keys it may see. Known from the shapes alone (no host read).
         offset = self.num_tokens - q
-        causal = self.phase == "prefill" and bool(
-            (
-                self.positions[..., offset:]
-                == self.positions[..., -1:] - (q - 1) + torch.arange(q, device=self.positions.device)
-            ).all()
-        )
+        causal = self.phase == "prefill" and offset >= 0
         for start in range(first_row, q, rows_per_chunk):
             stop = min(q, start + rows_per_chunk)
             visible = offset + stop if causal else self.num_tokens
             weights = self.attention_weights(slice(start, stop), logit_multiplier, num_keys=visible)
-            total[..., :visible] += weights.sum(dim=2).float()
+            total[..., :visible] += weights.sum(dim=2)
         self._memo[key] = total
         return total
 

@@ -81,6 +81,10 @@ from kvhive.methods.submodular import (
 
 SCORE = "bumblebee_accumulated"
 SUMMARY = "bumblebee_summary"
+# (tokens seen, tokens kept per row) after the layer's last decision: host integers that tell a
+# decode step whether the cache only appended since (then the summary's members are still the
+# first tau_s stored tokens) without reading the stored positions back from the device.
+SYNCED = "bumblebee_synced"
 # How many times a layer's summary was (re)built from the stored keys in decode: once when the
 # prompt fit in the budget (no prefill selection), never after a prefill selection.
 REBUILDS = "bumblebee_rebuilds"
@@ -244,8 +248,13 @@ class BumbleBee(Policy):
             )
             del sim, objective
         state[SUMMARY] = StreamingSummary.concatenate(summaries)
+        state[SYNCED] = (scoring.sequence_length, budget)
         keep = torch.cat([chosen, chosen.new_ones(rows, local)], dim=1)
         return keep.reshape(batch, heads, tokens)
+
+    def kept_per_row(self, phase: str, num_tokens: int, budget: int, state: dict) -> int | None:
+        # Prefill keeps tau_s members and the tau_l window; decode drops num_tokens - budget.
+        return min(budget, num_tokens)
 
     def state_nbytes(self, state: dict) -> int:
         """Bytes of the layer's streaming summary (similarity matrix of the ``tau_s`` members and
@@ -265,14 +274,21 @@ class BumbleBee(Policy):
         positions = scoring.positions.reshape(rows, tokens)
         weights = self._accumulated(scoring).reshape(rows, tokens)
         summary: StreamingSummary | None = state.get(SUMMARY)
-        if summary is None or summary.size != summary_size or not summary.aligned_with(positions):
-            # The prompt fit in the budget (Alg. 2 lines 6-8 kept every token so far): the
-            # oldest tau_s stored tokens are the summary.
+        seen, kept = state.get(SYNCED, (None, None))
+        # Only appends since the last decision (counted on the host): the members are still the
+        # first tau_s stored tokens. The device checks it without the host waiting.
+        appended_only = seen is not None and tokens == kept + scoring.sequence_length - seen
+        if summary is None or summary.size != summary_size or not appended_only:
+            # The prompt fit in the budget (Alg. 2 lines 6-8 kept every token so far), or the
+            # stored tokens changed otherwise: the oldest tau_s stored tokens are the summary.
             summary = StreamingSummary.from_keys(
                 keys[:, :summary_size], valid[:, :summary_size], positions[:, :summary_size]
             )
             state[SUMMARY] = summary
             state[REBUILDS] = state.get(REBUILDS, 0) + 1
+        else:
+            torch._assert_async(summary.matches(positions), "BumbleBee's summary is not the first stored tokens")
+        state[SYNCED] = (scoring.sequence_length, budget)
         # The tokens between the summary and the local window leave the window, oldest first.
         dropped = summary.step(
             keys,

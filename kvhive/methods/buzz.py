@@ -21,8 +21,8 @@ Cache layout per head (Sec. 3.3, Fig. 3)::
 * **Scores**: accumulated attention (H2O's column sums over every query seen so far), summed over
   the query heads of a KV group (docs/METHODS.md: the reference code sums over the group). They are
   held in ``scoring.token_scores["buzz_accumulated"]`` so the cache keeps them aligned. The
-  prefill column sums are computed by :func:`prefill_accumulated_attention`, which skips the
-  causally masked key blocks (3x faster than the generic ``ScoringInputs`` path at 2k tokens).
+  column sums come from ``ScoringInputs.accumulated_attention`` (the one scoring-attention path:
+  causal chunks skip the masked key blocks, float32 softmax, float16-safe product).
 * **Prefill**: the prompt is one big arrival of new tokens, sampled once as above — as the
   authors' code does (``BuzzKVCacheWithAccumulation``: one call in the prefill forward) — and,
   only where that does not fit the cache's hard limit ``C``, the old samples are
@@ -129,6 +129,10 @@ SCORE = "buzz_accumulated"
 OLD = "buzz_old_samples"  # per-layer state: number of old samples (same for every head and row)
 LAYOUT = "buzz_layout"  # per-layer state: (sink, window, threshold) derived from the layer budget
 EVICTIONS = "buzz_evictions"  # per-layer state: number of evictions so far (prefill included)
+# Per-layer state: padding tokens at the front of every row, read from the device once (at the
+# prefill) and then followed on the host: appends add none and an eviction drops them all.
+PADDING = "buzz_padding"
+UNEQUAL_ROWS = "buzz_unequal_rows"  # per-layer state: real tokens per row when rows differ (refused at eviction)
 
 
 BudgetForm = Literal["mean", "peak"]
@@ -347,36 +351,6 @@ def group_sum(per_query_head: torch.Tensor, num_heads: int) -> torch.Tensor:
     return per_query_head.reshape(b, num_heads, hq // num_heads, *per_query_head.shape[2:]).sum(dim=2)
 
 
-def prefill_accumulated_attention(
-    queries: torch.Tensor, keys: torch.Tensor, mask_rows, scaling: float, max_elements: int = 1 << 22
-) -> torch.Tensor:
-    """Column sums ``[B, Hq, N]`` of the prefill attention (H2O's accumulated attention), chunked
-    over query rows. Prefill is causal, so a chunk of rows ``[start, stop)`` only multiplies the
-    keys ``[0, stop)``: about half the work of :meth:`ScoringInputs.accumulated_attention`, and
-    small chunks (``max_elements`` logits at a time) stay in cache; same result (fully masked
-    padding rows count 0)."""
-    b, hq, n, d = queries.shape
-    h = keys.shape[1]
-    group = hq // h
-    total = torch.zeros(b, hq, n, dtype=torch.float32, device=queries.device)
-    rows = max(1, max_elements // max(1, b * hq * n))
-    for start in range(0, n, rows):
-        stop = min(n, start + rows)
-        # [B, H, G*rows, d] @ [B, H, d, stop]: no broadcast over the group, so the keys are not
-        # expanded (copied) once per chunk.
-        chunk = queries[:, :, start:stop].reshape(b, h, group * (stop - start), d) * scaling
-        logits = torch.matmul(chunk, keys[:, :, :stop].transpose(-1, -2))
-        logits = logits.reshape(b, hq, stop - start, stop).float()
-        allowed = mask_rows(slice(start, stop), stop)
-        if allowed.shape[1] not in (1, hq):
-            allowed = allowed.repeat_interleave(group, dim=1)
-        logits.masked_fill_(~allowed, float("-inf"))
-        # Fully masked (padding) query rows give NaN rows; they count 0 (a model NaN stays NaN).
-        weights = torch.where(allowed.any(dim=-1, keepdim=True), torch.softmax(logits, dim=-1), 0.0)
-        total[..., :stop] += weights.sum(dim=2)
-    return total
-
-
 def local_max_mask(scores: torch.Tensor, start: int, stop: int, stride: int) -> torch.Tensor:
     """Algorithm 2, vectorised: ``[..., N]`` True at the argmax of each segment
     ``[start + i*s, start + (i+1)*s) ∩ [start, stop)`` (first index on ties)."""
@@ -411,24 +385,24 @@ class Buzz(Policy):
 
     # -- scores --------------------------------------------------------------------------------
     def _seed_scores(self, scoring: ScoringInputs) -> None:
-        if scoring.phase == PREFILL and scoring.num_queries == scoring.num_tokens:
-            accumulated = prefill_accumulated_attention(
-                scoring.queries, scoring.keys, scoring.mask_rows, scoring.scaling
-            )
-        else:
-            accumulated = scoring.accumulated_attention()
-        scoring.token_scores[SCORE] = group_sum(accumulated, scoring.num_heads)
+        scoring.token_scores[SCORE] = group_sum(scoring.accumulated_attention(), scoring.num_heads)
 
     def initialize_decode(self, scoring: ScoringInputs, state: dict, budget: int | None = None) -> None:
         self._seed_scores(scoring)
-        _record_step(state, _real_tokens(scoring))
+        _record_step(state, scoring.num_tokens - _padding(scoring, state))
 
     def observe_decode(self, scoring: ScoringInputs, state: dict, budget: int | None = None) -> None:
         scores = scoring.token_scores[SCORE]
         scoring.token_scores[SCORE] = scores + group_sum(scoring.last_query_attention(), scoring.num_heads).to(
             scores.dtype
         )
-        _record_step(state, _real_tokens(scoring))
+        _record_step(state, scoring.num_tokens - _padding(scoring, state))
+
+    def kept_per_row(self, phase: str, num_tokens: int, budget: int, state: dict) -> int | None:
+        if PADDING not in state or state.get(UNEQUAL_ROWS) is not None:
+            return None  # known once the layer has seen its prompt (and refused for unequal rows)
+        plan = _eviction_plan(self.layout(budget), num_tokens, state[PADDING], state.get(OLD, 0), budget)
+        return num_tokens if plan is None else plan.kept
 
     # -- selection -----------------------------------------------------------------------------
     def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor | None:
@@ -441,46 +415,76 @@ class Buzz(Policy):
         layout = self.layout(budget)
         state[LAYOUT] = layout
         n = scoring.num_tokens
-        padding = _common_padding(scoring)
-        # Everything below counts real tokens from the first one (a row alone has no padding).
-        real = n - padding
-        old = state.get(OLD, 0)
-        sink_end = padding + min(layout.sink, real)
-        window_start = max(sink_end, n - layout.window)
-        old_end = min(sink_end + old, window_start)
-        old = old_end - sink_end
-        if window_start - sink_end <= layout.threshold:
+        padding = _padding(scoring, state, evicting=True)
+        plan = _eviction_plan(layout, n, padding, state.get(OLD, 0), budget)
+        if plan is None:
             return None  # below the threshold: buffer, evict nothing
-        stride, hat = self.config.stride, small_stride(self.config.stride)
         if SCORE not in scoring.token_scores:
             self._seed_scores(scoring)
         scores = scoring.token_scores[SCORE]
         index = torch.arange(n, device=scores.device)
+        sink_end, old_end, window_start = plan.sink_end, plan.old_end, plan.window_start
+        hat = small_stride(self.config.stride)
 
         # Algorithm 1 line 15: interval-sample the old samples, local-max-sample the new tokens.
         old_picks = (index >= sink_end) & (index < old_end) & ((index - sink_end) % hat == 0)
-        samples = old_picks | local_max_mask(scores, old_end, window_start, stride)
-        count = -(-old // hat) + -(-(window_start - old_end) // stride)
-        # The authors' code samples once; where that exceeds what the cache may hold after an
-        # eviction (the budget), Remark 2: sample the old samples again with ŝ until they fit
-        # (r rounds = stride ŝ**r).
-        room = budget - layout.sink - layout.window
-        step, rounds = 1, 0
-        while -(-count // step) > room:
-            step *= hat
-            rounds += 1
-        if step > 1:
+        samples = old_picks | local_max_mask(scores, old_end, window_start, self.config.stride)
+        if plan.thinning > 1:
             ordinal = samples.long().cumsum(dim=-1) - 1
-            samples = samples & (ordinal % step == 0)
-            count = -(-count // step)
+            samples = samples & (ordinal % plan.thinning == 0)
         keep = (samples | ((index >= padding) & (index < sink_end)) | (index >= window_start)).expand(scores.shape)
         keep = keep.clone()
         if scoring.phase == PREFILL:
-            state[PREFILL_ROUNDS] = rounds
-        state[OLD] = count
+            state[PREFILL_ROUNDS] = plan.rounds
+        state[OLD] = plan.samples
+        state[PADDING] = 0  # the eviction dropped the padding
         state[EVICTIONS] = state.get(EVICTIONS, 0) + 1
-        _record_eviction(state, (sink_end - padding) + count + (n - window_start))
+        _record_eviction(state, plan.kept)
         return keep
+
+
+@dataclass(frozen=True)
+class EvictionPlan:
+    """Where one eviction cuts a layer of ``n`` stored tokens (host integers, the same for every
+    row and head): the sink ends at ``sink_end``, the old samples at ``old_end``, the window starts
+    at ``window_start``; ``samples`` old samples remain after ``rounds`` extra rounds of Remark 2
+    (every ``thinning``-th sample kept); ``kept`` tokens per row in all."""
+
+    sink_end: int
+    old_end: int
+    window_start: int
+    samples: int
+    rounds: int
+    thinning: int
+    kept: int
+
+
+def _eviction_plan(layout: BuzzLayout, n: int, padding: int, old: int, budget: int) -> EvictionPlan | None:
+    """The eviction of a layer holding ``n`` tokens (``padding`` of them at the front of every row,
+    ``old`` old samples after the sink); None below the threshold (nothing evicted). Sizes only,
+    from the host's counts: Eq. (10) gives the number of samples whatever the scores."""
+    # Everything below counts real tokens from the first one (a row alone has no padding).
+    real = n - padding
+    sink_end = padding + min(layout.sink, real)
+    window_start = max(sink_end, n - layout.window)
+    old_end = min(sink_end + old, window_start)
+    old = old_end - sink_end
+    if window_start - sink_end <= layout.threshold:
+        return None
+    stride = layout.stride
+    hat = small_stride(stride)
+    count = -(-old // hat) + -(-(window_start - old_end) // stride)
+    # The authors' code samples once; where that exceeds what the cache may hold after an
+    # eviction (the budget), Remark 2: sample the old samples again with ŝ until they fit
+    # (r rounds = stride ŝ**r).
+    room = budget - layout.sink - layout.window
+    step, rounds = 1, 0
+    while -(-count // step) > room:
+        step *= hat
+        rounds += 1
+    count = -(-count // step)
+    kept = (sink_end - padding) + count + (n - window_start)
+    return EvictionPlan(sink_end, old_end, window_start, count, rounds, step, kept)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -488,22 +492,23 @@ def _cached_layout(budget: int, sink: int, stride: int, form: str) -> BuzzLayout
     return layout_for_budget(budget, sink, stride, form)
 
 
-def _common_padding(scoring: ScoringInputs) -> int:
-    """Padding tokens at the front of every row; refuses rows with different amounts (module
-    docstring, "Batches")."""
-    valid = scoring.valid[:, 0]
-    real = valid.sum(dim=-1)
-    if bool((real != real[0]).any()):
+def _padding(scoring: ScoringInputs, state: dict, evicting: bool = False) -> int:
+    """Padding tokens at the front of the first row: read from the device the first time a layer
+    is seen (one host read), then followed on the host (``PADDING``). An eviction (``evicting``)
+    refuses rows with different amounts (module docstring, "Batches"); a layer that never evicts
+    runs them, its sizes counted on the first row."""
+    if PADDING not in state:
+        real = scoring.valid[:, 0].sum(dim=-1).tolist()
+        state[PADDING] = scoring.num_tokens - real[0]
+        if any(count != real[0] for count in real):
+            state[UNEQUAL_ROWS] = real
+    if evicting and state.get(UNEQUAL_ROWS) is not None:
         raise ValueError(
-            f"BUZZ cannot compress a batch whose rows hold different numbers of real tokens ({real.tolist()}, "
+            f"BUZZ cannot compress a batch whose rows hold different numbers of real tokens ({state[UNEQUAL_ROWS]}, "
             "left padding): each row needs its own eviction schedule, and a kvhive cache keeps every row of a "
             "layer at the same length; run these rows one at a time (batch size 1)"
         )
-    return int(valid.shape[-1] - real[0])
-
-
-def _real_tokens(scoring: ScoringInputs) -> int:
-    return int(scoring.valid[0, 0].sum())
+    return state[PADDING]
 
 
 def _record_step(state: dict, size: int) -> None:

@@ -23,9 +23,12 @@ import torch
 
 # Rank given to invalid (padding) elements: below every real gain, above "not selectable".
 PADDING_GAIN = -1e30
-# Lazy evaluation: elements per row whose exact gain a round computes (the first round of a
-# step takes as many as the previous step needed, up to 4x this).
-_LAZY_EVALUATIONS = 8
+# Lazy evaluation: exact gains a greedy step computes beyond its fresh draws (a run where that
+# was not enough for some step runs again with what it needed). 32 left one run of
+# bumblebee-power on tiny Llama short; 48 settled every tiny model at 256-2,048 tokens in one run.
+_LAZY_EVALUATIONS = 48
+# Runs of lazy/stochastic greedy before the one that evaluates every element drawn, included.
+_LAZY_RUNS = 3
 # Plain greedy: elements of the temporary [rows, candidates, n] tensor per chunk.
 _PLAIN_CHUNK = 1 << 24
 
@@ -50,7 +53,7 @@ def relu_cosine_similarity(keys: torch.Tensor, valid: torch.Tensor | None = None
     units = keys.float() / key_norms(keys)[..., None]
     sim = torch.bmm(units, units.transpose(1, 2))
     sim.clamp_(min=0)
-    if valid is not None and not bool(valid.all()):
+    if valid is not None:  # multiplying by 1 changes nothing, and asking whether all are valid is a host read
         weight = valid.to(sim.dtype)
         sim.mul_(weight[:, :, None]).mul_(weight[:, None, :])
     return sim
@@ -61,27 +64,25 @@ def relu_cosine_similarity(keys: torch.Tensor, valid: torch.Tensor | None = None
 # ---------------------------------------------------------------------------------------------
 
 
-def power_concave(
-    x: torch.Tensor, alpha: float = 0.04, beta: float = 1.0, tolerance: float = 1e-14, max_iterations: int = 100
-) -> torch.Tensor:
+def power_concave(x: torch.Tensor, alpha: float = 0.04, beta: float = 1.0, iterations: int = 12) -> torch.Tensor:
     """``phi(x) = g^{-1}(x)`` with ``g(y) = alpha * y^(1/alpha) + beta * y`` (BumbleBee ♦), elementwise.
 
     ``g`` is increasing and convex on ``[0, inf)``, so Newton's method started above the root
     decreases monotonically to it (no overshoot). Both ``x / beta`` and ``(x / alpha)^alpha``
     are above the root (each drops one non-negative term of ``g``); the smaller one is the start.
-    Vectorised over any shape; iterates until every element moved less than ``tolerance``
-    relative.
+    Vectorised over any shape. A fixed number of steps, so that no step waits for the host to
+    test convergence (issue 25): over ``alpha`` in [0.005, 1], ``beta`` in [0, 1e6] and ``x`` in
+    [1e-300, 1e300], no element moves by more than 1e-14 relative after the 8th step; 12 leave
+    a margin (a converged element stays put: the step is then 0 or an ulp).
     """
     x = x.double().clamp_min(0)
     y = (x / alpha).pow(alpha)
     if beta > 0:
         y = torch.minimum(y, x / beta)
-    for _ in range(max_iterations):
+    for _ in range(iterations):
         power = y.pow(1.0 / alpha - 1.0)  # g'(y) - beta
         step = (alpha * power * y + beta * y - x) / (power + beta).clamp_min(1e-300)
         y = (y - step).clamp_min_(0)
-        if not bool((step.abs() > tolerance * y).any()):
-            break
     return y
 
 
@@ -242,8 +243,9 @@ def greedy_maximize(
     ``method``:
       * ``"plain"``: Nemhauser et al. — every step evaluates every remaining element.
       * ``"lazy"``: Minoux's accelerated greedy — stale gains are upper bounds (submodularity);
-        each step evaluates elements in decreasing order of their bounds until the best exact
-        gain beats the next bound. Same set as plain (ties go to the lowest index in both).
+        each step evaluates the elements with the highest bounds and keeps the best exact gain
+        once it beats every bound left unevaluated. Same set as plain (ties go to the lowest
+        index in both).
       * ``"stochastic"``: stochastic greedy (Mirzasoleiman et al. 2015, the paper's fast path)
         — each step takes the best element of ``s = (n / k) ln(1 / epsilon)`` uniform draws
         from the remaining elements (independent draws, the form of their Lemma 2; when
@@ -251,127 +253,261 @@ def greedy_maximize(
         the result is exactly stochastic greedy's, at lazy-greedy cost.
 
     Each row is its own problem: the sample size uses the row's own number of valid elements
-    and its draws come from ``generator[row]`` (a list, one per row) or, given one generator,
-    from it row after row; so a row padded on the left draws exactly what it draws alone.
+    and its draws come from ``generator[row]`` (a list, one per row), consumed as one call per
+    draw of ``s`` values would (on the CPU a generator's stream does not depend on how it is cut
+    into calls, so this is the stream of the per-step calls); given one generator (or None, the
+    default one), each row's generator is seeded from it. So a row padded on the left draws
+    exactly what it draws alone.
 
-    Only the facility-location part of a bound is stale: the feature part ``c(e | S)`` costs
-    ``O(1)`` per element and is recomputed exactly at every step, which keeps the bounds tight.
-    All rows advance together; padding is picked only once a row has no valid element left.
+    On the device, without host round trips (issue 25): the ``k`` steps are a fixed number of
+    tensor operations over all rows; step ``j`` evaluates the exact gains of the
+    ``evaluations[j]`` elements with the highest bounds (stochastic greedy: twice the elements
+    the step draws for the first time, plus 48; lazy greedy: 48) and records, on the device,
+    whether that was enough (the best exact gain beats every bound left unevaluated) and
+    whether every row's draws held an element it may pick (else it draws again, up to
+    ``attempts`` times, as rejection sampling does). One host read per run checks both; a run
+    that fell short runs again with the evaluations its steps showed they needed (then with
+    everything drawn) or 4x the attempts, so the result is always the one evaluating
+    everything. Host reads per call: the sampler's 2 plus 1 per run (one run on the tiny and
+    kv-heavy models measured). Only the facility-location part of a bound is stale: the
+    feature part ``c(e | S)`` costs ``O(1)`` per element and is recomputed exactly at every
+    step, which keeps the bounds tight. Padding is picked only once a row has no valid element
+    left (then its lowest-index remaining padding element, or the lowest-index one drawn).
     """
-    rows, n = objective.rows, objective.size
+    n = objective.size
     k = min(k, n)
-    state = _GreedyState(objective)
     if k <= 0:
-        return state.chosen
+        return _GreedyState(objective).chosen
+    if method == "plain":
+        return _plain_greedy(objective, k)
+    if method not in ("lazy", "stochastic"):
+        raise ValueError(f"invalid greedy={method!r}: expected 'stochastic', 'lazy' or 'plain'")
+    sampler = _StochasticSampler(objective.valid, k, epsilon, generator) if method == "stochastic" else None
+    if sampler is None:
+        widths = [n] * k
+        evaluations = [min(_LAZY_EVALUATIONS, n)] * k
+    else:
+        widths = sampler.width
+        evaluations = sampler.first_evaluations(_LAZY_EVALUATIONS)
+    attempts, runs = 1, 1
+    while True:
+        chosen, enough, needed = _lazy_greedy(objective, k, evaluations, sampler, attempts)
+        report = torch.cat([enough.long(), needed]).tolist()  # the run's one host read
+        evaluated_enough, drew_enough = report[0], report[1]
+        if evaluated_enough and drew_enough:
+            return chosen
+        if not drew_enough:  # some row rejected all its draws more than `attempts` times
+            attempts *= 4
+        if not evaluated_enough:
+            # Enough for this run's steps (exactly so up to its first unsettled step, whose
+            # state the next run reproduces); the last run evaluates everything drawn.
+            runs += 1
+            evaluations = [
+                width if runs >= _LAZY_RUNS else min(width, max(count, need + _LAZY_EVALUATIONS))
+                for width, count, need in zip(widths, evaluations, report[2:], strict=True)
+            ]
+
+
+def _plain_greedy(objective: Mixture, k: int) -> torch.Tensor:
+    state = _GreedyState(objective)
+    rows, n = objective.rows, objective.size
+    chunk = max(1, _PLAIN_CHUNK // max(1, rows * n))
+    everything = torch.arange(n, device=objective.sim.device).expand(rows, n)
+    for _ in range(k):
+        facility = torch.cat(
+            [state.facility_gains(state.rows, everything[:, start : start + chunk]) for start in range(0, n, chunk)],
+            dim=1,
+        )
+        gains = state.combine(facility, state.feature_gains(everything), objective.valid)
+        state.add(gains.masked_fill(state.chosen, float("-inf")).argmax(dim=-1))
+    return state.chosen
+
+
+class _StochasticSampler:
+    """Stochastic greedy's draws for all rows and steps, sized on the host once.
+
+    Step ``j`` of row ``r`` draws ``d[j, r] = ceil(s_r * p / q)`` uniform elements of its
+    population (the row's valid elements while any is left, else its padding; ``p`` of them,
+    ``q`` not yet chosen) from a static valid-first index list; ``full[j, r]``: the draws would
+    cover the population, so the row evaluates all of it. Because padding is picked only once
+    no valid element is left, the number of valid elements left after ``j`` steps is
+    ``max(0, valid - j)``: every count is known from the valid counts alone, so the table is
+    built on the device and one host read brings the per-step widths and stream lengths back.
+    """
+
+    def __init__(self, valid: torch.Tensor, k: int, epsilon: float, generator) -> None:
+        rows, n = valid.shape
+        device = valid.device
+        self.valid_first = torch.sort((~valid).long(), dim=-1, stable=True).indices
+        count = valid.sum(dim=-1)
+        step = torch.arange(k, device=device)[:, None]
+        valid_left = (count - step).clamp_min(0)
+        self.from_valid = valid_left > 0  # [k, R]
+        population = torch.where(self.from_valid, count, n - count)
+        left = torch.where(self.from_valid, valid_left, n - step)
+        # stochastic_sample_size per row, in float64 exactly as in Python (same IEEE operations).
+        real = count.clamp_min(1)
+        samples = torch.minimum(real, torch.ceil(real.double() / max(1, k) * math.log(1.0 / epsilon)).long())
+        samples = samples.clamp_min(1)
+        draws = torch.ceil((samples * population).double() / left.clamp_min(1).double()).long()
+        self.full = draws >= population
+        self.draws = torch.where(self.full, 0, draws)
+        self.population = population
+        self.offset = torch.where(self.from_valid, 0, count)  # start of the population in valid_first
+        width = torch.where(self.full, n, draws).amax(dim=-1)
+        total = self.draws.sum(dim=0)  # draws per row over all steps (without repeats)
+        plan = torch.cat([width, self.full.all(dim=-1).long(), total]).tolist()  # the sampler's one host read
+        self.width = plan[:k]
+        self.all_full = [bool(flag) for flag in plan[k : 2 * k]]
+        self.total = plan[2 * k :]
+        if isinstance(generator, (list, tuple)):
+            if len(generator) != rows:
+                raise ValueError(f"invalid generator: expected one per row ({rows}), got {len(generator)}")
+            self.generators = list(generator)
+        else:
+            source = "cpu" if generator is None else generator.device
+            seeds = torch.randint(0, 2**62, (rows,), generator=generator, device=source).tolist()
+            self.generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+        self.states = [g.get_state() for g in self.generators]
+
+    def first_evaluations(self, margin: int) -> list[int]:
+        """Evaluations per step for a first run: twice the elements drawn for the first time at
+        that step (never evaluated, so their bounds are the loose gains over the empty set and
+        lazy evaluation reaches them all) plus ``margin``, at most the step's width;
+        steps that evaluate everything start from ``margin``. One host read."""
+        stream = self.streams(1)
+        rows, n = self.valid_first.shape
+        k = len(self.width)
+        device = stream.device
+        end = self.draws.t().cumsum(dim=-1)  # [R, k]: where each step's draws end in the stream
+        position = torch.arange(stream.shape[1], device=device).expand(rows, -1)
+        step = torch.searchsorted(end, position.contiguous(), right=True).clamp_(max=k - 1)  # [R, L]
+        population = self.population.t().gather(1, step)
+        offset = self.offset.t().gather(1, step)
+        element = self.valid_first.gather(1, (stream * population).long().clamp_(max=n - 1) + offset)
+        drawn = position < end[:, -1:]
+        first = torch.full((rows, n), k, dtype=torch.long, device=device)
+        first.scatter_reduce_(1, element, torch.where(drawn, step, k), "amin")
+        fresh = torch.zeros(rows, k + 1, dtype=torch.long, device=device).scatter_add_(1, first, torch.ones_like(first))
+        counts = torch.where(self.full.all(dim=-1), 0, fresh[:, :k].amax(dim=0)).tolist()
+        # Twice the fresh elements: a row's earlier draws it did not evaluate come back with stale
+        # bounds too (measured on a kv-heavy layer at 4k: one run settles with 2x, not with 1.5x).
+        return [min(width, 2 * count + margin) for width, count in zip(self.width, counts, strict=True)]
+
+    def streams(self, attempts: int) -> torch.Tensor:
+        """``[R, L]`` uniform draws: each row's generator from its initial state, ``attempts``
+        times the row's draws (a step whose draws are all rejected draws again)."""
+        length = max(1, attempts * max(self.total))
+        device = self.valid_first.device
+        out = torch.zeros(len(self.generators), length, device=device)
+        for row, (generator, state) in enumerate(zip(self.generators, self.states, strict=True)):
+            generator.set_state(state)
+            size = attempts * self.total[row]
+            if size:
+                out[row, :size] = torch.rand(size, generator=generator, device=device)
+        return out
+
+
+def _lazy_greedy(
+    objective: Mixture, k: int, evaluations: list[int], sampler: _StochasticSampler | None, attempts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One run of lazy (``sampler`` None) or stochastic greedy evaluating ``evaluations[j]``
+    exact gains at step ``j``: ``(chosen, enough, needed)`` — ``enough`` ``[2]`` device bools
+    (every step settled; every row's draws held an element it may pick), ``needed[k]`` the
+    evaluations that settle each step (the elements whose bound reaches its best exact gain,
+    an upper bound when the step was not settled)."""
+    state = _GreedyState(objective)
+    rows, n = objective.rows, objective.size
     device = objective.sim.device
     all_rows = state.rows
     valid = objective.valid
-    if method == "plain":
-        chunk = max(1, _PLAIN_CHUNK // max(1, rows * n))
-        everything = torch.arange(n, device=device).expand(rows, n)
-        for _ in range(k):
-            facility = torch.cat(
-                [state.facility_gains(all_rows, everything[:, start : start + chunk]) for start in range(0, n, chunk)],
-                dim=1,
-            )
-            gains = state.combine(facility, state.feature_gains(everything), valid)
-            state.add(gains.masked_fill(state.chosen, float("-inf")).argmax(dim=-1))
-        return state.chosen
-    if method not in ("lazy", "stochastic"):
-        raise ValueError(f"invalid greedy={method!r}: expected 'stochastic', 'lazy' or 'plain'")
-
     # Stale facility-location gains: upper bounds of the current ones (submodularity).
     facility_bounds = objective.sim.sum(dim=-1).double() * objective.facility_scale[:, None]
     everything = torch.arange(n, device=device).expand(rows, n)
-    # Stochastic greedy draws its sample from the valid elements left (padding only once none
-    # is left): independent uniform draws from a static valid-first index list, the chosen
-    # ones rejected, as many draws as give ``sample`` elements of V \ S in expectation.
-    valid_first = torch.sort((~valid).long(), dim=-1, stable=True).indices
     valid_count = valid.sum(dim=-1)
-    valid_left = valid_count.clone()
-    counts_host = valid_count.tolist()
-    if method == "lazy":
-        samples = [n] * rows
-    else:  # each row's own ground set: padding does not enlarge its sample
-        samples = [stochastic_sample_size(max(1, count), k, epsilon) for count in counts_host]
-    generators = generator if isinstance(generator, (list, tuple)) else [generator] * rows
-    if len(generators) != rows:
-        raise ValueError(f"invalid generator: expected one per row ({rows}), got {len(generators)}")
-    batch = _LAZY_EVALUATIONS  # evaluations per row in the first round of a step; adapts
+    evaluated_enough = torch.ones((), dtype=torch.bool, device=device)
+    drew_enough = torch.ones((), dtype=torch.bool, device=device)
+    needed = torch.zeros(k, dtype=torch.long, device=device)
+    if sampler is not None:
+        stream = sampler.streams(attempts)
+        consumed = torch.zeros(rows, dtype=torch.long, device=device)
+        tries = torch.arange(attempts, device=device)
     for step in range(k):
-        from_valid = valid_left > 0
-        population = torch.where(from_valid, valid_count, n - valid_count)
-        left = torch.where(from_valid, valid_left, n - valid_count - (step - (valid_count - valid_left)))
-        draws = [
-            math.ceil(samples[r] * p / max(1, q))
-            for r, (p, q) in enumerate(zip(population.tolist(), left.tolist(), strict=True))
-        ]
-        full = [d >= p for d, p in zip(draws, population.tolist(), strict=True)]
-        if all(full):  # every sample would cover V \ S: evaluate all of it (a plain greedy step)
+        from_valid = valid_count > step  # padding only once no valid element is left
+        if sampler is None or sampler.all_full[step]:
             pool = everything
             eligible = ~state.chosen & (valid == from_valid[:, None])
         else:
-            # Rows draw independently (their own count, generator and rejection retries), then
-            # are padded to one width with ineligible entries; a row whose sample covers what is
-            # left takes all of its elements, as alone.
-            width = max(n if f else d for d, f in zip(draws, full, strict=True))
-            pool = torch.zeros(rows, width, dtype=torch.long, device=device)
-            eligible = torch.zeros(rows, width, dtype=torch.bool, device=device)
-            offsets = torch.where(from_valid, 0, valid_count).tolist()
-            for r in range(rows):
-                if full[r]:
-                    pool[r, :n] = everything[r]
-                    eligible[r, :n] = ~state.chosen[r] & (valid[r] == from_valid[r])
-                    continue
-                size = int(population[r])
-                while True:
-                    drawn = torch.rand(draws[r], generator=generators[r], device=device) * size
-                    row_pool = valid_first[r].gather(0, drawn.long().clamp_(max=n - 1) + offsets[r])
-                    row_eligible = ~state.chosen[r].gather(0, row_pool)
-                    if bool(row_eligible.any()):
-                        break
-                pool[r, : draws[r]] = row_pool
-                eligible[r, : draws[r]] = row_eligible
+            pool, eligible, used = _sampled_pool(sampler, step, stream, consumed, tries, state.chosen)
+            consumed += used
+            if sampler.width[step] == n:  # some rows evaluate everything
+                full = sampler.full[step][:, None]
+                pool = torch.where(full, everything, pool)
+                eligible = torch.where(full, ~state.chosen & (valid == from_valid[:, None]), eligible)
+            drew_enough &= eligible.any(dim=-1).all()
+            # Each element once (independent draws repeat some): a repeat's bound would tie
+            # with its own exact gain and look unsettled.
+            column = torch.arange(pool.shape[1], device=device).expand_as(pool)
+            first = torch.full((rows, n), pool.shape[1], dtype=torch.long, device=device)
+            first.scatter_reduce_(1, pool, torch.where(eligible, column, pool.shape[1]), "amin")
+            eligible = eligible & (first.gather(1, pool) == column)
+        width = pool.shape[1]
         pool_feature = state.feature_gains(pool)
         bounds = state.combine(facility_bounds.gather(1, pool), pool_feature, valid.gather(1, pool))
         bounds = bounds.masked_fill(~eligible, float("-inf"))
-        # Evaluate in decreasing order of the bounds until the best exact gain so far beats the
-        # next bound: nothing unevaluated can reach it (Minoux's lazy greedy). Ties go to the
-        # lowest element index, as in plain greedy: the sort is stable over an index-ordered pool
-        # (lazy), and a bound equal to the best gain is still evaluated, except between padding
-        # elements, whose gain is their bound.
-        bounds, order = bounds.sort(dim=-1, descending=True, stable=True)
-        order_feature = pool_feature.gather(1, order)
-        elements = pool.gather(1, order)
-        best_gain = torch.full((rows,), float("-inf"), dtype=torch.float64, device=device)
-        picks = torch.full((rows,), n, dtype=torch.long, device=device)
-        start = 0
-        while True:
-            stop = min(pool.shape[1], start + batch)
-            chunk = elements[:, start:stop]
-            facility = state.facility_gains(all_rows, chunk)
-            facility_bounds.scatter_(1, chunk, facility)
-            exact = state.combine(facility, order_feature[:, start:stop], valid.gather(1, chunk))
-            exact = exact.masked_fill(bounds[:, start:stop] == float("-inf"), float("-inf"))
-            chunk_best = exact.max(dim=-1).values
-            chunk_pick = torch.where(exact == chunk_best[:, None], chunk, n).amin(dim=-1)
-            picks = torch.where(
-                chunk_best > best_gain,
-                chunk_pick,
-                torch.where(chunk_best == best_gain, torch.minimum(picks, chunk_pick), picks),
-            )
-            best_gain = torch.maximum(best_gain, chunk_best)
-            if stop == pool.shape[1]:
-                break
-            following = bounds[:, stop]
-            settled = (best_gain > following) | (following == float("-inf")) | (best_gain == PADDING_GAIN)
-            if bool(settled.all()):
-                break
-            start = stop
-        batch = max(_LAZY_EVALUATIONS, min(4 * _LAZY_EVALUATIONS, stop))
+        # The highest bounds are evaluated exactly; nothing unevaluated can beat the best exact
+        # gain when that gain is above the next bound (Minoux). A bound equal to the best gain
+        # leaves the step unsettled, so a tie with a lower index is never missed.
+        count = evaluations[step]
+        top = bounds.topk(min(count + 1, width), dim=-1)
+        candidates = top.indices[:, :count]
+        elements = pool.gather(1, candidates)
+        facility = state.facility_gains(all_rows, elements)
+        facility_bounds.scatter_(1, elements, facility)
+        exact = state.combine(facility, pool_feature.gather(1, candidates), valid.gather(1, elements))
+        exact = exact.masked_fill(top.values[:, :count] == float("-inf"), float("-inf"))
+        best = exact.amax(dim=-1)
+        picks = torch.where(exact == best[:, None], elements, n).amin(dim=-1)
+        if width > count:
+            following = top.values[:, count]
+            settled = (best > following) | (following == float("-inf")) | ~from_valid
+            evaluated_enough &= settled.all()
+            needed[step] = ((bounds >= best[:, None]) & from_valid[:, None]).sum(dim=-1).amax()
+        # Padding ties at PADDING_GAIN: the lowest-index eligible one.
+        padding_pick = torch.where(eligible, pool, n).amin(dim=-1)
+        picks = torch.where(from_valid, picks, padding_pick).clamp_(max=n - 1)
         state.add(picks)
-        valid_left -= valid.gather(1, picks[:, None]).squeeze(1).long()
-    return state.chosen
+    return state.chosen, torch.stack([evaluated_enough, drew_enough]), needed
+
+
+def _sampled_pool(
+    sampler: _StochasticSampler,
+    step: int,
+    stream: torch.Tensor,
+    consumed: torch.Tensor,
+    tries: torch.Tensor,
+    chosen: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step ``step``'s draws ``[R, width]`` (pool, eligible) and the stream values each row used.
+
+    A row takes its first attempt of ``d`` draws holding an element it may pick (rejection
+    sampling: today's loop draws again while none is eligible); rows that evaluate everything
+    draw nothing."""
+    rows, n = chosen.shape
+    width = sampler.width[step]
+    draws = sampler.draws[step]
+    column = torch.arange(width, device=chosen.device)
+    index = consumed[:, None, None] + tries[None, :, None] * draws[:, None, None] + column
+    values = stream.gather(1, index.clamp_(max=stream.shape[1] - 1).view(rows, -1)).view(rows, -1, width)
+    drawn = (values * sampler.population[step][:, None, None]).long().clamp_(max=n - 1)
+    drawn += sampler.offset[step][:, None, None]
+    pool = sampler.valid_first.gather(1, drawn.view(rows, -1)).view(rows, -1, width)
+    eligible = ~chosen.gather(1, pool.view(rows, -1)).view(rows, -1, width) & (column < draws[:, None])[:, None]
+    holds = eligible.any(dim=-1)  # [R, attempts]
+    attempt = holds.int().argmax(dim=-1)  # the first attempt holding an eligible element
+    pick = attempt[:, None, None].expand(rows, 1, width)
+    used = torch.where(sampler.full[step], 0, (attempt + 1) * draws)
+    return pool.gather(1, pick).squeeze(1), eligible.gather(1, pick).squeeze(1), used
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,6 +604,7 @@ class StreamingSummary:
         slots = torch.arange(size, device=device)
         all_rows = torch.arange(rows, device=device)
         member_index = self.rank_of_slot.clone()  # stored index of each slot's member
+        diagonal = torch.eye(size, dtype=torch.bool, device=device)
         dropped = torch.empty(rows, joiners, dtype=torch.long, device=device)
         for j in range(joiners):
             x = first_joiner + j
@@ -514,12 +651,11 @@ class StreamingSummary:
             rescan = replace[:, None] & ((old_slot == y) | (slots == y))
             self.nearest_slot = torch.where(keep_old | (sim_x <= self.nearest), old_slot, y)
             self.nearest = torch.where(keep_old, self.nearest, nearest_with_x)
-            which, members = rescan.nonzero(as_tuple=True)
-            scanned = self.sim[which, members]
-            scanned[torch.arange(which.numel(), device=device), members] = 0.0
-            value, argument = scanned.max(dim=-1)
-            self.nearest[which, members] = value
-            self.nearest_slot[which, members] = argument
+            # Every row is scanned and the rescanned ones taken (masked work over the fixed
+            # T x T bound, Appx. E's O(T^2) per step): selecting the rows would be a host read.
+            value, argument = self.sim.masked_fill(diagonal, 0.0).max(dim=-1)
+            self.nearest = torch.where(rescan, value, self.nearest)
+            self.nearest_slot = torch.where(rescan, argument, self.nearest_slot)
             # x is the newest member: its slot moves to the last rank, the later ones move up.
             rank_y = self.rank_of_slot.gather(1, y)
             shifted = (self.rank_of_slot - (self.rank_of_slot > rank_y).long()).scatter_(1, y, size - 1)
@@ -533,10 +669,17 @@ class StreamingSummary:
         matrix per row for a budget ``k``, never the stored tokens' ``N x N``)."""
         return sum(getattr(self, field.name).nbytes for field in dataclasses.fields(self))
 
-    def aligned_with(self, positions: torch.Tensor) -> bool:
-        """Whether the first ``T`` stored tokens are this summary's members (``positions[R, >=T]``)."""
+    def matches(self, positions: torch.Tensor) -> torch.Tensor:
+        """0-d device bool: the first ``T`` stored tokens are this summary's members
+        (``positions[R, >=T]``), computed without a host read."""
         size = self.size
-        return positions.shape[-1] >= size and bool((positions[:, :size] == self.positions).all())
+        if positions.shape[-1] < size:
+            return torch.zeros((), dtype=torch.bool, device=positions.device)
+        return (positions[:, :size] == self.positions).all()
+
+    def aligned_with(self, positions: torch.Tensor) -> bool:
+        """Whether the first ``T`` stored tokens are this summary's members (a host read)."""
+        return bool(self.matches(positions))
 
     @classmethod
     def concatenate(cls, parts: list[StreamingSummary]) -> StreamingSummary:
