@@ -170,8 +170,10 @@ def test_growing_caches_are_not_declared_compileable():
 
 def test_generate_with_compile_refuses_a_step_that_cannot_compile():
     model, tokenizer = _model(), tiny_tokenizer()
-    with pytest.raises(ValueError, match=r"compile=True: the decode step of method 'snapkv'.*methods that can: .*tova"):
-        kvhive.generate(model, tokenizer, "a prompt", "snapkv", BUDGET, max_new_tokens=2, compile=True)
+    with pytest.raises(
+        ValueError, match=r"compile=True: the decode step of method 'ada-snapkv'.*methods that can: .*tova"
+    ):
+        kvhive.generate(model, tokenizer, "a prompt", "ada-snapkv", BUDGET, max_new_tokens=2, compile=True)
     with pytest.raises(ValueError, match=r"invalid compile='yes'"):
         kvhive.generate(model, tokenizer, "a prompt", "tova", BUDGET, max_new_tokens=2, compile="yes")
 

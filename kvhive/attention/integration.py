@@ -518,6 +518,10 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
             extra_numerator, extra_denominator, extra_max = (
                 t.reshape(batch, heads, group, num_queries, *t.shape[3:]).float() for t in extra
             )
+            # An estimate whose denominator (the evicted tokens' estimated mass) is 0 contributes
+            # nothing: its max must not set the common scale (exp of the gap would underflow the
+            # exact part to 0 and leave 0 / 0, as fp16-sized logits showed).
+            extra_max = torch.where(extra_denominator > 0, extra_max, float("-inf"))
             common = torch.maximum(row_max.squeeze(-1), extra_max)
             exact_weight = torch.exp(row_max.squeeze(-1) - common)
             extra_weight = torch.exp(extra_max - common)

@@ -453,7 +453,9 @@ class StreamingStructures:
         if used:
             max_logit = torch.maximum(max_logit, sample_logits.amax(-1))
         # Rounded to the queries' dtype first, so the returned max and the exponentials agree.
-        max_logit = max_logit.clamp_min(torch.finfo(queries.dtype).min).to(queries.dtype).float()
+        max_logit = max_logit.clamp_min(torch.finfo(queries.dtype).min)
+        if queries.dtype != torch.float16:  # fp16 would round a large max to inf (NaN once merged)
+            max_logit = max_logit.to(queries.dtype).float()
         tau = (torch.exp(sample_logits - max_logit[..., None]) * cluster_weight[:, None, :]).sum(-1)
         product_weight = torch.where(
             filled,
