@@ -54,4 +54,17 @@ def derive_held_memory(record: dict, config) -> dict | None:
     }
 
 
-__all__ = ["DERIVED_NOTE", "derive_held_memory"]
+def held_memory(summary, task: str, method: str, budget: float | int | None) -> dict | None:
+    """Mean over the setting's items of the KV entries and bytes it held (the item's mean and its
+    peak, in the layers its budget applies to), or None when some record lacks them."""
+    records = summary.item_records(task, method, budget)
+    fields = ("kv_entries_mean", "kv_entries_peak", "kv_bytes_mean", "kv_bytes_peak")
+    if not records or any(not all(f in (r.get("cache") or {}) for f in fields) for r in records):
+        return None
+    out = {f: sum(float(r["cache"][f]) for r in records) / len(records) for f in fields}
+    for name in ("stored_heads", "layers_counted"):
+        out[name] = sorted({int(r["cache"][name]) for r in records if name in r["cache"]})
+    return out
+
+
+__all__ = ["DERIVED_NOTE", "derive_held_memory", "held_memory"]
