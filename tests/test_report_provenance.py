@@ -34,3 +34,22 @@ def test_a_report_of_an_earlier_run_says_what_was_not_recorded_and_the_model_siz
     text = write_report(tmp_path)
     assert "kvhive commit and package versions of the run: not recorded" in text
     assert "- model: gemma-3-270m (0.27B parameters)" in text and "- items per task: needle 4" in text
+
+
+def test_the_commit_is_the_checkout_s_and_only_package_changes_make_it_dirty():
+    import subprocess
+    from pathlib import Path
+
+    from kvhive.evaluation.environment import kvhive_commit
+
+    repository = Path(__file__).resolve().parents[1]
+    head = subprocess.run(
+        ["git", "-C", str(repository), "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    package_changed = subprocess.run(
+        ["git", "-C", str(repository), "status", "--porcelain", "--", "kvhive"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert kvhive_commit() == head + ("-dirty" if package_changed else "")

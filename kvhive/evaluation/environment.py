@@ -11,21 +11,23 @@ from pathlib import Path
 PACKAGES = ("torch", "transformers", "numpy", "rouge-score")
 
 
+def _git(source: Path, *arguments: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(source), *arguments], capture_output=True, text=True, timeout=10, check=True
+    ).stdout.strip()
+
+
 def kvhive_commit() -> str:
-    """``git describe --always --dirty`` of the kvhive source tree, or "unknown" (an installed
-    copy outside a git checkout)."""
-    source = Path(__file__).resolve().parents[2]
+    """The short commit of the kvhive source tree, with ``-dirty`` when files of the ``kvhive``
+    package differ from it (results and reports written beside the code do not count), or
+    "unknown" (an installed copy outside a git checkout)."""
+    package = Path(__file__).resolve().parents[1]
     try:
-        described = subprocess.run(
-            ["git", "-C", str(source), "describe", "--always", "--dirty", "--abbrev=7"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
+        commit = _git(package, "rev-parse", "--short=7", "HEAD")
+        changed = _git(package, "status", "--porcelain", "--", ".")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-    return described or "unknown"
+    return (commit + ("-dirty" if changed else "")) if commit else "unknown"
 
 
 def package_versions() -> dict[str, str]:
