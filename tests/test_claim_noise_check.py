@@ -226,3 +226,15 @@ def test_no_committed_verdict_rests_on_a_point_estimate(run):
         else:
             assert against and all(c.low > c.null or c.high < c.null for c in against)
         assert "interval" in verdict[1]
+
+
+def test_a_handful_of_items_decides_nothing_however_consistent():
+    # 4 items, the candidate ahead on every one: the percentile interval excludes 0 but 4 items
+    # have 35 distinct resamples, too few to trust it
+    records = [result_record("full", 1.0, f"i{i}", 1.0) for i in range(4)]
+    records += [result_record("snapkv", 64, f"i{i}", 0.2 * i) for i in range(4)]
+    records += [result_record("ahakv", 64, f"i{i}", 0.2 * i + 0.3) for i in range(4)]
+    verdict = outperforms("needle", "ahakv", ["snapkv"], (64,))(ResultsSummary(records))
+    (comparison,) = verdict.evidence
+    assert comparison.low > 0 and not comparison.decided and verdict[0] is None
+    assert "n=4 < 10 items: too few to decide" in verdict[1]

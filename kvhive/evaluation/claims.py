@@ -376,7 +376,7 @@ def outperforms(
         ties = sum(1 for _, boot in boots if not np.any(boot.resampled))
         undecided = sum(1 for c in corrected if not c.decided)
         if undecided and not any(c.decided and not f for c, f in zip(corrected, favourable, strict=True)):
-            reasons = [f"{undecided} corrected interval(s) include 0"] + ([f"{ties} tie(s)"] if ties else [])
+            reasons = [f"{undecided} comparison(s) not decided"] + ([f"{ties} tie(s)"] if ties else [])
             text += f"; {', '.join(reasons)}: not decided at this n"
         return _verdict(text, corrected, favourable)
 

@@ -23,6 +23,9 @@ import numpy as np
 BOOTSTRAP_RESAMPLES = 5000
 BOOTSTRAP_SEED = 0
 ROUNDING_DECIMALS = 12
+# Fewer items than this decide nothing: a percentile interval over a handful of items is too
+# narrow (4 items have at most 35 distinct resamples), so it is shown but not trusted.
+MIN_DECIDING_ITEMS = 10
 FAMILY_ERROR_RATE = 0.05  # Holm: the chance that any comparison of a claim's family is decided wrongly
 
 
@@ -133,7 +136,8 @@ class CorrectedComparison:
 
     ``low``/``high``: the percentile interval at level ``1 - error_rate`` where ``error_rate`` is
     Holm's for this comparison's rank; ``decided``: the interval excludes ``null`` and every
-    comparison of smaller p-value was decided too (Holm's step-down)."""
+    comparison of smaller p-value was decided too (Holm's step-down), on at least
+    ``MIN_DECIDING_ITEMS`` items."""
 
     label: str
     estimate: float
@@ -147,11 +151,18 @@ class CorrectedComparison:
     family_size: int
 
     @property
-    def above_null(self) -> bool:
-        return self.estimate > self.null
+    def excludes_null(self) -> bool:
+        return self.low > self.null or self.high < self.null
 
     def text(self, digits: int = 3) -> str:
-        verdict = "" if self.decided else f", includes {self.null:g}"
+        if self.decided:
+            verdict = ""
+        elif not self.excludes_null:
+            verdict = f", includes {self.null:g}"
+        elif self.items < MIN_DECIDING_ITEMS:
+            verdict = f", n={self.items} < {MIN_DECIDING_ITEMS} items: too few to decide"
+        else:
+            verdict = ", not decided: Holm's step-down stopped at a comparison of smaller p-value"
         sign = "+" if self.null == 0 else ""
         return (
             f"{self.label} {self.estimate:{sign}.{digits}g} [{self.low:{sign}.{digits}g}, {self.high:{sign}.{digits}g}] "
@@ -180,7 +191,7 @@ def holm_corrected(
         alpha = error_rate / (m - rank)
         low, high = (float(q) for q in np.quantile(boot.resampled, [alpha / 2, 1 - alpha / 2]))
         excludes = low > null or high < null
-        still_rejecting = still_rejecting and excludes
+        still_rejecting = still_rejecting and excludes and boot.items >= MIN_DECIDING_ITEMS
         results[index] = CorrectedComparison(
             label=label,
             estimate=boot.estimate,
@@ -200,6 +211,7 @@ __all__ = [
     "BOOTSTRAP_RESAMPLES",
     "BOOTSTRAP_SEED",
     "FAMILY_ERROR_RATE",
+    "MIN_DECIDING_ITEMS",
     "Bootstrap",
     "CorrectedComparison",
     "Statistic",
