@@ -20,6 +20,7 @@ from kvhive.methods.base import DECODE, PREFILL, ScoringInputs
 from kvhive.methods.buzz import (
     EVICTIONS,
     OLD,
+    PREFILL_ROUNDS,
     SCORE,
     Buzz,
     BuzzLayout,
@@ -862,3 +863,21 @@ def test_logn_factor_is_log_512_of_n_rounded_once_to_float32(count):
     counts = torch.arange(1, 5001)[:, None]  # one query row per count
     expected = torch.tensor([[math.log(n, 512)] for n in range(1, 5001)], dtype=torch.float64).float()
     assert torch.equal(BuzzLogN(log_count=count).logit_scale(counts), expected)
+
+
+def test_mean_form_prefill_thins_to_the_budget_not_to_the_peak():
+    # Remark 2 in the mean form (issue 26 item 3): budget C = 100 gives the layout (k, w, T) =
+    # (4, 26, 113), peak 143. A 450-token prompt's single sampling pass keeps 4 + ceil(420/5) + 26
+    # = 114 tokens: within the paper's literal limit T + k + w = 143, but above C. kvhive thins the
+    # old samples once more with ŝ = 3 (ceil(84/3) = 28), so the layer holds 4 + 28 + 26 = 58 <= C;
+    # the literal reading would keep 114 and is pinned out here.
+    policy = make_policy("buzz")
+    layout = policy.layout(100)
+    assert (layout.sink, layout.window, layout.threshold) == (4, 26, 113)
+    n = 450
+    scores = torch.rand(1, 1, n, generator=torch.Generator().manual_seed(0))
+    state: dict = {}
+    keep = policy.select_prefill(scoring_for(scores, phase=PREFILL), 100, state)
+    assert int(keep.sum()) == 4 + 28 + 26
+    assert state[PREFILL_ROUNDS] == 1
+    assert keep[..., :4].all() and keep[..., -26:].all()
