@@ -26,7 +26,6 @@ from .results import ResultsSummary
 from .statistics import CorrectedComparison, Statistic, holm_corrected, item_matrix, paired_bootstrap, statistic_of
 
 CheckResult = tuple[bool | None, str]  # what a check returns: a Verdict (a tuple of these two)
-EPSILON = 1e-9
 
 
 @dataclass(frozen=True)
