@@ -269,6 +269,31 @@ def test_decode_adds_the_new_query_sg_softmax_to_the_running_score(reading):
     assert keep[1, :, 3:-4].all() and (keep[1, :, :3].sum(-1) == 2).all()
 
 
+def test_decode_n_stored_counts_the_keys_the_new_query_attends():
+    # The other reading of Eq. 12's n while decoding (issue 26 item 6): the row's stored real keys
+    # (13, and 10 for the row with 3 padding keys) instead of its tokens seen (100, 97).
+    generator = torch.Generator().manual_seed(3)
+    stored, seen, budget = 13, 100, 12
+    keys = torch.randn(2, 2, stored, 16, generator=generator)
+    queries = torch.randn(2, 4, 1, 16, generator=generator)
+    mask = torch.ones(2, 1, 1, stored, dtype=torch.bool)
+    mask[1, 0, 0, :3] = False
+    scoring = _scoring(queries, keys, keys, sequence_length=seen, mask=mask, phase="decode")
+    previous = torch.rand(2, 2, stored, generator=generator)
+    scoring.token_scores[SCORE] = previous.clone()
+    AhaKV(recent=4, decode_n="stored").observe_decode(scoring, {}, budget=budget)
+    gains = [math.sqrt(2 * math.log(n / budget) / 16) if n > budget else 0.0 for n in (stored, stored - 3)]
+    lam = torch.tensor(gains).view(2, 1, 1, 1)
+    logits = queries @ keys.repeat_interleave(2, dim=1).transpose(-1, -2) * lam
+    weights = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)[:, :, 0]
+    expected = previous + weights.reshape(2, 2, 2, stored).mean(dim=2)
+    torch.testing.assert_close(scoring.token_scores[SCORE], expected)
+    # the second row has 10 <= 12 real keys: no gain, a plain uniform softmax over them
+    torch.testing.assert_close(weights[1, :, 3:], torch.full((4, 10), 0.1))
+    with pytest.raises(ValueError, match="decode_n"):
+        AhaKV(decode_n="tokens")
+
+
 @pytest.mark.parametrize("reading", GAIN_INPUTS)
 def test_initialize_decode_scores_the_prompt_with_the_configured_reading_and_keeps_each_rows_padding(reading):
     # Algorithm 1 line 19 (F_0 = S_hat) with the configured gain reading; the rows' prompt padding is

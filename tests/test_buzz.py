@@ -22,6 +22,7 @@ from kvhive.methods.buzz import (
     EVICTIONS,
     OLD,
     PADDING,
+    PREFILL_ROUNDS,
     SCORE,
     Buzz,
     BuzzLayout,
@@ -904,3 +905,21 @@ def test_a_budget_below_a_large_stride_s_minimum_is_refused_naming_the_minimum()
 def test_stride_above_the_largest_is_refused_naming_it():
     with pytest.raises(ValueError, match=r"invalid stride=1025: expected an integer in \[3, 1024\]"):
         Buzz(stride=1025)
+
+
+def test_mean_form_prefill_thins_to_the_budget_not_to_the_peak():
+    # Remark 2 in the mean form (issue 26 item 3): budget C = 100 gives the layout (k, w, T) =
+    # (4, 26, 113), peak 143. A 450-token prompt's single sampling pass keeps 4 + ceil(420/5) + 26
+    # = 114 tokens: within the paper's literal limit T + k + w = 143, but above C. kvhive thins the
+    # old samples once more with ŝ = 3 (ceil(84/3) = 28), so the layer holds 4 + 28 + 26 = 58 <= C;
+    # the literal reading would keep 114 and is pinned out here.
+    policy = make_policy("buzz")
+    layout = policy.layout(100)
+    assert (layout.sink, layout.window, layout.threshold) == (4, 26, 113)
+    n = 450
+    scores = torch.rand(1, 1, n, generator=torch.Generator().manual_seed(0))
+    state: dict = {}
+    keep = policy.select_prefill(scoring_for(scores, phase=PREFILL), 100, state)
+    assert int(keep.sum()) == 4 + 28 + 26
+    assert state[PREFILL_ROUNDS] == 1
+    assert keep[..., :4].all() and keep[..., -26:].all()

@@ -42,9 +42,16 @@ def test_verdict_text_states_the_items_the_papers_gap_needs():
     records += [_record("snapkv", 64, f"i{i}", float(i % 2)) for i in range(4)]
     records += [_record("ahakv", 64, f"i{i}", float(i % 2 or i == 0)) for i in range(4)]
     check = outperforms("needle", "ahakv", ["snapkv"], (64,), paper_gaps={"snapkv": 0.1})
-    holds, text = check(ResultsSummary(records))
+    verdict = check(ResultsSummary(records))
+    holds, text = verdict
     assert holds is None
-    assert "vs snapkv +0.25 ± 0.25 (paper's gap 10.0% = 0.05 needs n≈400)" in text
+    # the per-item spread is the bootstrap standard error times sqrt(n) (0.5 * sqrt(3/4) here: the
+    # bootstrap's plug-in variance), so n = (2 * 0.433 / 0.05)^2 = 300
+    (comparison,) = verdict.evidence
+    assert comparison.standard_error == pytest.approx(0.25 * math.sqrt(3 / 4), rel=0.05)
+    needed = items_to_detect(0.05, comparison.standard_error * 2)
+    assert 270 < needed < 330
+    assert "vs snapkv +0.25 [+0, +0.75]" in text and f"(paper's gap 10.0% = 0.05 needs n≈{needed})" in text
 
 
 def test_paper_gaps_must_name_compared_baselines():
@@ -68,9 +75,10 @@ def _verdict_on_fake_data(claim):
             for item in range(3):
                 value = 0.5 + 0.1 * item + (0.2 if method == claim.methods[0] and item == 0 else 0.0)
                 budget_run = 1.0 if method == "full" else budget
-                records.append(
-                    _record(
-                        method, budget_run, f"i{item}", value, task=claim.task, metric=claim.metric or "m", chance=-1.0
-                    )
+                record = _record(
+                    method, budget_run, f"i{item}", value, task=claim.task, metric=claim.metric or "m", chance=-1.0
                 )
+                if claim.metric == "rouge_mean":  # a corpus statistic: its per-item components
+                    record["metrics"] = {"rouge1": value, "rouge2": value, "rougeL": value}
+                records.append(record)
     return claim.check(ResultsSummary(records))[1]

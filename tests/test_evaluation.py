@@ -679,16 +679,26 @@ def test_report_flags_near_chance_and_aggregates_perplexity(tmp_path):
 
 
 def test_claim_checks():
-    def summary(values, task="needle", higher=True, chance=0.0, full=1.0):
-        records = [
-            _record(task, "full", 1.0, "a", {"m": full}, main_metric="m", higher_is_better=higher, chance=chance)
-        ]
-        for (method, budget), value in values.items():
-            records.append(
-                _record(
-                    task, method, budget, "a", {"m": value}, main_metric="m", higher_is_better=higher, chance=chance
-                )
+    def summary(values, task="needle", higher=True, chance=0.0, full=1.0, items=12):
+        # Every setting scores its value plus the same item offset on each item: the paired
+        # differences are exact, so their interval is a point and decides.
+        def record(method, budget, item, value):
+            offset = 0.01 * (item % 3)
+            return _record(
+                task,
+                method,
+                budget,
+                f"i{item}",
+                {"m": value + offset},
+                main_metric="m",
+                higher_is_better=higher,
+                chance=chance,
             )
+
+        records = [record("full", 1.0, item, full) for item in range(items)]
+        records += [
+            record(method, budget, item, value) for (method, budget), value in values.items() for item in range(items)
+        ]
         return ResultsSummary(records)
 
     check = outperforms("needle", "ada-snapkv", ["snapkv"], (64, 128), mode="mean")
@@ -733,6 +743,16 @@ def test_claim_checks():
     assert each(ppl(9.4, 8.0))[0] is True and each(ppl(9.4, 9.5))[0] is False
     keeps = retains_full("needle", "buzz", 0.4, 0.99)
     assert keeps(summary({("buzz", 0.4): 0.995}))[0] is True and keeps(summary({("buzz", 0.4): 0.9}))[0] is False
+    # one item: no interval, so no verdict however large the difference
+    assert (
+        check(
+            summary(
+                {("ada-snapkv", 64): 0.9, ("ada-snapkv", 128): 0.9, ("snapkv", 64): 0.1, ("snapkv", 128): 0.1}, items=1
+            )
+        )[0]
+        is None
+    )
+    assert keeps(summary({("buzz", 0.4): 0.5}, items=1))[0] is None
 
 
 def test_claim_differences_within_paired_noise_are_not_verdicts():
@@ -746,10 +766,9 @@ def test_claim_differences_within_paired_noise_are_not_verdicts():
         return ResultsSummary(records)
 
     check = outperforms("needle", "ada-snapkv", ["snapkv"], (64,))
-    one_item = check(summary({0, 1, 2}, {0, 1}))  # one more item of 12: 0.083 ± 0.083
-    assert (
-        one_item[0] is None and "within 2 standard errors" in one_item[1] and "vs snapkv +0.0833 ± 0.083" in one_item[1]
-    )
+    one_item = check(summary({0, 1, 2}, {0, 1}))  # one more item of 12: a bootstrap interval from 0 to 0.25
+    assert one_item[0] is None and "1 comparison(s) not decided" in one_item[1]
+    assert "vs snapkv +0.0833 [+0, +0.25]" in one_item[1] and "95.0% interval, includes 0" in one_item[1]
     one_item_loss = check(summary({0, 1}, {0, 1, 2}))
     assert one_item_loss[0] is None
     assert check(summary(set(range(8)), set()))[0] is True  # 8 of 12 items, none the other way

@@ -318,6 +318,7 @@ RANGES = {
         "gain_input": Range(
             "one of ('raw_qk', 'scaled_qk')", ("raw_qk", "scaled_qk"), ("no_such_choice", "RAW_QK", None)
         ),
+        "decode_n": Range("one of ('seen', 'stored')", ("seen", "stored"), ("no_such_choice", "SEEN", None)),
     },
     "subgen": {"recent": _int_at_least(0)},
     "subgen-attention": {

@@ -65,8 +65,11 @@ def test_retains_full_is_paired():
     records = [_record("full", 1.0, f"i{i}", float(i < 2)) for i in range(8)]
     records += [_record("buzz", 0.4, "i0", 1.0), _record("buzz", 0.4, "i1", 0.9)]
     holds, text = retains_full("needle", "buzz", 0.4, 0.99)(ResultsSummary(records))
-    assert holds is False  # 0.95 of the full cache's 1.0 on the same two items (not of its 0.25 over 8)
+    # 0.95 of the full cache's 1.0 on the same two items (not of its 0.25 over 8); two items give
+    # a ratio interval [0.9, 1] that includes 0.99: no verdict
+    assert holds is None
     assert "= 0.95 of full (1)" in text and "n=2 items run by both; 6 item(s)" in text
+    assert "buzz ÷ full 0.95 [0.9, 1]" in text and "includes 0.99" in text
 
 
 def test_a_non_finite_item_is_named_not_silently_blanked(tmp_path):

@@ -29,6 +29,7 @@ __all__ = [
     "DTYPES",
     "DEFAULT_DTYPE",
     "validate_dtype",
+    "compresses_sliding",
 ]
 
 FULL_METHOD = "full"
@@ -185,3 +186,10 @@ def budget_key(budget: float | int) -> str:
 def budget_to_tokens(budget: float | int, num_tokens: int) -> int:
     """Tokens kept for ``budget`` on a sequence of ``num_tokens`` (:meth:`Budget.resolve`)."""
     return Budget.parse(budget).resolve(num_tokens)
+
+
+def compresses_sliding(method: str, budget: float | int, sliding_window: int | None) -> bool:
+    """Whether a streamed (token-by-token) setting compresses the sliding-window layers too: a
+    fixed token budget below the window (BUZZ Table 3's 50 and 100 tokens on Gemma's 512-token
+    window) would otherwise leave those layers at their window. The full cache never does."""
+    return method != FULL_METHOD and bool(sliding_window) and isinstance(budget, int) and budget < sliding_window

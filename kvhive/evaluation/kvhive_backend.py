@@ -17,31 +17,60 @@ import torch
 from kvhive.api import context_length, make_cache, shared_prefill
 from kvhive.cache.rows import CacheRows
 from kvhive.compat import cache_kwarg
-from kvhive.evaluation.backend import DEFAULT_DTYPE, FULL_METHOD, Setting, SettingFailure, validate_dtype
+from kvhive.evaluation.backend import (
+    DEFAULT_DTYPE,
+    FULL_METHOD,
+    Setting,
+    SettingFailure,
+    compresses_sliding,
+    validate_dtype,
+)
 from kvhive.methods.base import DECODE
 from kvhive.methods.registry import make_policy_from_spec
 
 
 class _SizeTracker:
-    """Cache size over a run (mean, final and peak tokens per head): a method whose size moves below its budget (BUZZ's beehive, SubGen's
-    clusters) holds fewer tokens on average than one pinned at the budget, and a fair comparison
-    needs that number next to the score."""
+    """Cache size over a run: tokens per stored head (mean, final, peak) and the KV entries and
+    bytes held in the layers the budget applies to (mean and peak). A method whose size moves
+    below its budget (BUZZ's beehive, SubGen's clusters) holds fewer tokens on average than one
+    pinned at the budget, and one storing a copy per query head (Ada-KV on a one-KV-head model)
+    holds more entries at the same tokens per head: a fair comparison needs what was held next
+    to the score."""
 
     def __init__(self) -> None:
         self.samples: list[float] = []
+        self.entries: list[int] = []
+        self.bytes: list[int] = []
+        self.stored_heads: set[int] = set()
+        self.layers = 0
 
     def observe(self, cache) -> None:
         self.samples.append(cache.mean_kept_per_head())
+        layers = [cache.layers[i] for i in cache.compressed_layers if cache.layers[i].is_initialized]
+        self.entries.append(sum(int(layer.lengths_host.sum()) for layer in layers))
+        self.bytes.append(sum(layer.nbytes() for layer in layers))
+        self.stored_heads.update(int(layer.lengths_host.shape[1]) for layer in layers)
+        self.layers = len(layers)
 
     def summary(self) -> dict[str, float]:
         if not self.samples:
             return {}
-        return {
+        summary = {
             "mean_kept_per_head": round(sum(self.samples) / len(self.samples), 3),
             "final_kept_per_head": round(self.samples[-1], 3),
             # The largest size held (a budget read as a peak, like BUZZ's peak form, bounds this one).
             "peak_kept_per_head": round(max(self.samples), 3),
+            "kv_entries_mean": round(sum(self.entries) / len(self.entries), 3),
+            "kv_entries_peak": max(self.entries),
+            "kv_bytes_mean": round(sum(self.bytes) / len(self.bytes), 3),
+            "kv_bytes_peak": max(self.bytes),
+            "layers_counted": self.layers,
         }
+        if (
+            len(self.stored_heads) == 1
+        ):  # heads per compressed layer (query heads when Ada-KV stores a copy per query head)
+            summary["stored_heads"] = next(iter(self.stored_heads))
+        return summary
 
 
 def _policy(setting: Setting):
@@ -68,8 +97,7 @@ class KVHiveBackend:
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         eos = eos if eos is not None else tokenizer.eos_token_id
         self.stop_tokens = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
-        # Per setting of the last call: {"mean_kept_per_head", "final_kept_per_head"} (the runner
-        # stores it with each result).
+        # Per setting of the last call: _SizeTracker.summary() (the runner stores it with each result).
         self.last_cache_sizes: list[dict[str, float]] = []
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -235,11 +263,8 @@ class KVHiveBackend:
         return results
 
     def _streaming_cache(self, setting: Setting):
-        budget = setting.budget
-        # Tiny fixed caches (BUZZ Table 3) are below Gemma's 512-token sliding window.
-        compress_sliding = bool(self.sliding_window) and isinstance(budget, int) and budget < self.sliding_window
-        if setting.method == FULL_METHOD:
-            budget, compress_sliding = None, False
+        budget = None if setting.method == FULL_METHOD else setting.budget
+        compress_sliding = compresses_sliding(setting.method, setting.budget, self.sliding_window)
         return make_cache(self.model, _policy(setting), budget, compress_sliding=compress_sliding)
 
     @torch.no_grad()

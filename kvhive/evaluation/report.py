@@ -12,6 +12,7 @@ what was measured here, and the verdict.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import re
 from collections.abc import Sequence
@@ -22,6 +23,8 @@ from typing import Any
 from kvhive.methods.registry import method_names
 
 from .backend import DEFAULT_DTYPE, FULL_METHOD
+from .environment import kvhive_commit, package_versions, versions_text
+from .memory import held_memory
 from .metrics import aggregate_item_metrics
 from .results import TRANSIENT_STATUS, ResultsSummary, read_results
 
@@ -158,6 +161,8 @@ def task_table(summary: ResultsSummary, task: str) -> str:
     # Shown when the backend reported it: what the cache really held, since a method may stay
     # below its nominal budget (BUZZ) and should be compared at what it used.
     show_kept = any(row[5] is not None for row in rows)
+    memories = [held_memory(summary, task, method, budget) for method, _, budget, _, _, _ in rows]
+    show_memory = any(memory is not None for memory in memories)
     names: list[str] = []
     for _, _, _, aggregate, _, _ in rows:
         for name in _metric_names(aggregate, main):
@@ -169,12 +174,13 @@ def task_table(summary: ResultsSummary, task: str) -> str:
     header = (
         ["method", "budget", *map(md_text, names), "n", f"{md_text(main)} / full", "n paired with full"]
         + (["mean kept / head"] if show_kept else [])
+        + (["stored heads × layers", "KV entries held mean / peak", "KV MiB mean / peak"] if show_memory else [])
         + (["items not scored"] if show_problems else [])
     )
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     warnings_lines: list[str] = []
     unpaired = False
-    for method, budget_text, budget, aggregate, n, kept in rows:
+    for (method, budget_text, budget, aggregate, n, kept), memory in zip(rows, memories, strict=True):
         records = summary.item_records(task, method, budget)
         cells = [md_text(method), budget_text]
         for name in names:
@@ -194,6 +200,8 @@ def task_table(summary: ResultsSummary, task: str) -> str:
         cells += [str(n), f"{ratio:.2f}×" if ratio is not None else "–", str(paired_n) if has_full else "–"]
         if show_kept:
             cells.append(f"{kept:.1f}" if kept is not None else "–")
+        if show_memory:
+            cells += _memory_cells(memory)
         if show_problems:
             cell_problems = problems.get((method, budget), [])
             cells.append(", ".join(f"{count} {status}" for status, count, _ in cell_problems) or "–")
@@ -248,6 +256,18 @@ def truncation_note(records: list[dict], task: str) -> str:
         f"> **Note:** {len(cut)} of {len(items)} item(s) had a prompt longer than the model's context "
         f"(up to {longest} tokens) and were cut to fit: {md_text('; '.join(what))}."
     )
+
+
+def _memory_cells(memory: dict | None) -> list[str]:
+    if memory is None:
+        return ["–", "not recorded", "–"]
+    heads = "/".join(str(h) for h in memory["stored_heads"]) or "?"
+    layers = "/".join(str(n) for n in memory["layers_counted"]) or "?"
+    return [
+        f"{heads} × {layers}",
+        f"{memory['kv_entries_mean']:,.0f} / {memory['kv_entries_peak']:,.0f}",
+        f"{memory['kv_bytes_mean'] / 2**20:.2f} / {memory['kv_bytes_peak'] / 2**20:.2f}",
+    ]
 
 
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "*", "h", "p")
@@ -380,7 +400,7 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
 
 
-VERDICT_TEXT = {True: "holds", False: "does not hold", None: "not enough data"}
+VERDICT_TEXT = {True: "holds", False: "does not hold", None: "not decided"}
 
 
 def _table_row(cells: Sequence[str]) -> str:
@@ -394,19 +414,46 @@ def _verdict_counts(results) -> str:
     return ", ".join(f"{text}: {n}" for text, n in counts.items())
 
 
+NOISE_CHECK_TEXT = (
+    "Every verdict rests on intervals: each comparison is the paired bootstrap over items (items resampled "
+    "with both settings together, 5,000 resamples, seed 0, so a re-rendered report gives the same numbers) of the "
+    "candidate's statistic minus the baseline's — a corpus statistic (perplexity, BUZZ's geometric-mean ROUGE) is "
+    "recomputed on each resample — and the comparisons a claim rests on (each baseline × each budget it names, or "
+    "each baseline on the mean over its budgets; the family is named in the cell) are corrected together by Holm's "
+    "step-down (family error rate 0.05). *holds*: every corrected interval lies on the paper's side of 0; *does not "
+    "hold*: one lies on the other side; *not decided*: an interval includes 0, data are missing or infeasible, or "
+    "the full cache scores near chance on the task. A claim that the method keeps a fraction of the full cache uses "
+    "the paired bootstrap of the ratio of the two statistics, its 95% interval against that fraction. *held KV "
+    "entries mean/peak*: the keys and values the cache held in the layers the budget applies to, mean and peak over "
+    "an item, averaged over the items (stored heads counted: Ada-KV on a one-KV-head model stores one copy per "
+    "query head, labelled *×N memory*)."
+)
+SAMPLE_SIZE_TEXT = (
+    "*paper's gap … needs n≈N*: the candidate's advantage the paper reports over that baseline, as a fraction of "
+    "the baseline's score measured here, and the items a true gap of that size would need to exceed two paired "
+    "standard errors, given the per-item spread of this run's items (n = (2 sd / gap)^2)."
+)
+
+
+def _verdict_cell(claim, holds, models: Sequence[str]) -> str:
+    from .claims import model_size_note
+
+    return f"**{VERDICT_TEXT[holds]}** ({model_size_note(claim, models)})"
+
+
 def claims_section(summary: ResultsSummary) -> str:
     from .claims import CLAIMS, evaluate_claims
 
+    models = sorted({str(r.get("model")) for r in summary.records})
     lines = [
         "## Paper claims",
         "",
         "Each claim is checked on this run's results (the model, lengths and budgets differ from the papers'; "
-        "see `kvhive/evaluation/claims.py`). *holds*: the paper's method beats the baseline(s) as stated; "
-        "*not enough data*: settings missing or infeasible, a tie, a difference within two standard errors of the per-item paired difference, or the full cache scoring near chance on the task.",
+        "see `kvhive/evaluation/claims.py`).",
         "",
-        "*paper's gap … needs n≈N*: the candidate's advantage the paper reports over that baseline, as a fraction of the "
-        "baseline's score measured here, and the items a true gap of that size would need to exceed two paired standard "
-        "errors, given the per-item spread of this run's items (n = (2 sd / gap)^2).",
+        NOISE_CHECK_TEXT,
+        "",
+        SAMPLE_SIZE_TEXT,
         "",
         "| claim | paper | task | the paper says | measured here | verdict |",
         "|---|---|---|---|---|---|",
@@ -414,7 +461,9 @@ def claims_section(summary: ResultsSummary) -> str:
     results = evaluate_claims(summary)
     for claim, (holds, measured) in zip(CLAIMS, results, strict=True):
         lines.append(
-            _table_row([claim.id, claim.paper, claim.task, claim.paper_says, measured, f"**{VERDICT_TEXT[holds]}**"])
+            _table_row(
+                [claim.id, claim.paper, claim.task, claim.paper_says, measured, _verdict_cell(claim, holds, models)]
+            )
         )
     lines += ["", _verdict_counts(results)]
     return "\n".join(lines)
@@ -423,6 +472,35 @@ def claims_section(summary: ResultsSummary) -> str:
 def _dtypes(records: list[dict]) -> list[str]:
     """The dtypes of a run's records (records written before the field existed are float32)."""
     return sorted({str(r.get("dtype", DEFAULT_DTYPE)) for r in records})
+
+
+def run_provenance(out_dir: str | Path) -> str:
+    """The kvhive commit and package versions a run recorded in its ``run_config.json``."""
+    path = Path(out_dir) / "run_config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = {}
+    if "kvhive_commit" not in config:
+        return "kvhive commit and package versions of the run: not recorded (runs before issue 26)"
+    return f"run at kvhive commit {config['kvhive_commit']} with {versions_text(config.get('versions', {}))}"
+
+
+def _model_text(models: Sequence[str]) -> str:
+    from .claims import MODEL_BILLIONS
+
+    return ", ".join(
+        f"{m} ({MODEL_BILLIONS[m]:g}B parameters)" if m in MODEL_BILLIONS else f"{m} (size unknown)" for m in models
+    )
+
+
+def _items_text(summary: ResultsSummary) -> str:
+    """Items per task: the most any setting of the task was scored on."""
+    counts = []
+    for task in summary.tasks():
+        settings = [(m, b) for m in summary.methods(task) for b in summary.budgets(task, m)]
+        counts.append(f"{task} {max(summary.count(task, m, b) for m, b in settings)}")
+    return ", ".join(counts) or "–"
 
 
 def claims_comparison(out_dirs: Sequence[str | Path]) -> str:
@@ -439,26 +517,29 @@ def claims_comparison(out_dirs: Sequence[str | Path]) -> str:
             raise ValueError(f"no results in {out_dir}")
         models = sorted({str(r.get("model")) for r in records})
         label = f"{', '.join(models)} ({', '.join(_dtypes(records))})"
-        columns.append((label, evaluate_claims(ResultsSummary(records))))
+        columns.append((label, evaluate_claims(ResultsSummary(records)), models))
     lines = [
         "## Paper claims across runs",
         "",
         "Each run's results checked by the same claims (`kvhive/evaluation/claims.py`): "
         + "; ".join(
-            f"**{label}**: `{Path(d) / 'results.jsonl'}`" for (label, _), d in zip(columns, out_dirs, strict=True)
+            f"**{label}**: `{Path(d) / 'results.jsonl'}` ({run_provenance(d)})"
+            for (label, _, _), d in zip(columns, out_dirs, strict=True)
         )
         + ".",
         "",
-        "| claim | paper | the paper says | " + " | ".join(label for label, _ in columns) + " |",
+        NOISE_CHECK_TEXT,
+        "",
+        "| claim | paper | the paper says | " + " | ".join(label for label, _, _ in columns) + " |",
         "|---|---|---|" + "---|" * len(columns),
     ]
     for index, claim in enumerate(CLAIMS):
         cells = [claim.id, claim.paper, claim.paper_says]
-        for _, results in columns:
+        for _, results, models in columns:
             holds, measured = results[index]
-            cells.append(f"**{VERDICT_TEXT[holds]}**: {measured}")
+            cells.append(f"{_verdict_cell(claim, holds, models)}: {measured}")
         lines.append(_table_row(cells))
-    for label, results in columns:
+    for label, results, _ in columns:
         lines += ["", f"{label}: {_verdict_counts(results)}"]
     return "\n".join(lines)
 
@@ -486,8 +567,11 @@ def write_report(
         "# kvhive evaluation report",
         "",
         f"- results: `{out / 'results.jsonl'}` ({len(records)} records)",
-        f"- model: {md_text(', '.join(models)) or '–'}; dtype: {md_text(', '.join(dtypes))}; "
+        f"- model: {_model_text(models) or '–'}; dtype: {md_text(', '.join(dtypes))}; "
         f"seed: {md_text(', '.join(seeds)) or '–'}" + (f"; suite: {md_text(', '.join(suites))}" if suites else ""),
+        f"- items per task: {_items_text(summary)}",
+        f"- {run_provenance(out)}",
+        f"- rendered at kvhive commit {kvhive_commit()} with {versions_text(package_versions())}",
         f"- generated: {datetime.now(timezone.utc).isoformat(timespec='seconds')}",
         "- budgets: a decimal is a ratio of the context kept; `N tok` is N tokens per KV head per layer; "
         "`full` is the uncompressed cache. Cells: mean ± standard error over items.",

@@ -32,6 +32,7 @@ from .backend import (
     validate_budgets,
     validate_dtype,
 )
+from .environment import run_environment
 from .results import RESULTS_FILE, TRANSIENT_STATUS, ResultsWriter
 from .tasks import TASKS, Item, Task, get_task, parse_task_spec
 from .tasks.base import encode
@@ -334,6 +335,7 @@ def run_eval(
                 "data_dir": str(data_dir) if data_dir is not None else None,
                 "tasks": [{"name": t.name, "params": t.params, "settings": [s.label for s in ss]} for t, ss in plans],
                 "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                **run_environment(),  # the code and package versions behind the results
             },
         )
         total = sum(len(items) * len(settings) for _, items, settings in loaded)

@@ -92,6 +92,13 @@ GainInput = Literal["raw_qk", "scaled_qk"]
 GAIN_INPUTS: tuple[str, ...] = ("raw_qk", "scaled_qk")
 DEFAULT_GAIN_INPUT: GainInput = "raw_qk"
 
+# What n of Eq. 12 counts while decoding: the row's tokens seen so far ("seen", the paper's n,
+# the sequence length) or the keys the new query's softmax runs over ("stored", about b + 1 once
+# the cache is full). The paper does not say which for the decode phase (issue 26, item 6).
+DecodeN = Literal["seen", "stored"]
+DECODE_N_READINGS: tuple[str, ...] = ("seen", "stored")
+DEFAULT_DECODE_N: DecodeN = "seen"
+
 
 def sg_lambda(num_tokens: int, budget: int, head_dim: int) -> float:
     """Eq. 12: ``lambda = sqrt(2 ln(n/k) / d)``; zero while ``n <= k`` (nothing to evict)."""
@@ -188,11 +195,14 @@ def row_padding(scoring: ScoringInputs) -> list[int]:
 class AhaKVConfig(PolicyConfig):
     """``recent`` = ``B_r`` (the rows of Eq. 5 and the recent budget), ``kernel`` = the value
     prior's mean filter (Eq. 13), ``gain_input`` = what SG-softmax's ``lambda`` multiplies
-    (``"raw_qk"``: ``q.k``, Eq. 8-12; ``"scaled_qk"``: ``q.k / sqrt(d)``, Algorithm 1 line 6)."""
+    (``"raw_qk"``: ``q.k``, Eq. 8-12; ``"scaled_qk"``: ``q.k / sqrt(d)``, Algorithm 1 line 6),
+    ``decode_n`` = what ``n`` of Eq. 12 counts while decoding (``"seen"``: the row's tokens seen;
+    ``"stored"``: the keys the new query attends, about ``b + 1``)."""
 
     recent: int = 32
     kernel: int = 7
     gain_input: GainInput = DEFAULT_GAIN_INPUT
+    decode_n: DecodeN = DEFAULT_DECODE_N
 
     def validate(self) -> None:
         require_int_at_least(self.recent, 1, "recent")
@@ -204,6 +214,7 @@ class AhaKVConfig(PolicyConfig):
             self.kernel,
         )
         require(self.gain_input in GAIN_INPUTS, "gain_input", f"one of {GAIN_INPUTS}", self.gain_input)
+        require(self.decode_n in DECODE_N_READINGS, "decode_n", f"one of {DECODE_N_READINGS}", self.decode_n)
 
 
 class AhaKV(ScorerPolicy):
@@ -256,10 +267,17 @@ class AhaKV(ScorerPolicy):
     # -- decode ----------------------------------------------------------------------------------
     def observe_decode(self, scoring: ScoringInputs, state: dict, budget: int | None = None) -> None:
         """``F_t = SG-softmax(A_t) + F_{t-1}`` over the stored keys (line 27)."""
-        # Each row's n excludes its prompt padding (recorded at prefill: padding may be evicted since).
-        gain = _scoring_multiplier(
-            scoring, self._layer_budget(scoring, budget), self.config.gain_input, state.get("ahakv_row_padding")
-        )
+        budget = self._layer_budget(scoring, budget)
+        if self.config.decode_n == "stored":
+            # n = the real keys each row's softmax runs over (stored heads hold equal counts while decoding)
+            factors = tuple(
+                sg_logit_multiplier(int(count), budget, scoring.keys.shape[-1], scoring.scaling, self.config.gain_input)
+                for count in scoring.valid[:, 0].sum(dim=-1).tolist()
+            )
+            gain = factors[0] if len(set(factors)) == 1 else factors
+        else:
+            # Each row's n excludes its prompt padding (recorded at prefill: padding may be evicted since).
+            gain = _scoring_multiplier(scoring, budget, self.config.gain_input, state.get("ahakv_row_padding"))
         # Every query of this forward pass (one while generating token by token).
         new_rows = scoring.recent_accumulated_attention(scoring.num_queries, logit_multiplier=gain)
         running = scoring.token_scores[SCORE]
