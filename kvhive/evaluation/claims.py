@@ -459,9 +459,14 @@ def noting_unscored_items(
     (failed, transient, too long, missing), so no verdict rests on them unsaid."""
 
     def check_noting(summary: ResultsSummary) -> CheckResult:
-        holds, text = check(summary)
+        result = check(summary)
+        holds, text = result
         note = summary.problems_note(task, settings) if task in summary.task_info else ""
-        return holds, f"{text}; {note}" if note else text
+        if not note:
+            return result
+        if isinstance(result, Verdict):  # the same verdict and evidence, with the note in its text
+            return Verdict(holds, f"{text}; {note}", result.evidence, result.favourable)
+        return holds, f"{text}; {note}"
 
     return check_noting
 

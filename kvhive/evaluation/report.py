@@ -499,7 +499,9 @@ def _items_text(summary: ResultsSummary) -> str:
     counts = []
     for task in summary.tasks():
         settings = [(m, b) for m in summary.methods(task) for b in summary.budgets(task, m)]
-        counts.append(f"{task} {max(summary.count(task, m, b) for m, b in settings)}")
+        # A task whose items all went unscored (e.g. every prompt too long) has no scored setting.
+        scored = max((summary.count(task, m, b) for m, b in settings), default=0)
+        counts.append(f"{md_text(task)} {scored}")
     return ", ".join(counts) or "–"
 
 
