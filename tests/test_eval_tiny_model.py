@@ -58,8 +58,12 @@ def test_every_method_at_a_covering_budget_reproduces_full_scores(tmp_path):
             assert record["output"] == reference["output"], record["setting"]
             assert record["metrics"] == reference["metrics"], record["setting"]
         else:  # log-likelihoods: the same computation, summed in the same order
+            # ... except subgen-attention, whose decode step always merges its estimator (a fixed
+            # shape, no host check of whether anything was evicted), so its exact part is its own
+            # float32 softmax rather than sdpa's: equal to ~1e-5 relative, not bit for bit.
+            tolerance = 5e-5 if record["method"] == "subgen-attention" else 1e-5
             for mine, theirs in zip(record["output"], reference["output"], strict=True):
-                assert math.isclose(mine, theirs, rel_tol=1e-5, abs_tol=1e-4), record["setting"]
+                assert math.isclose(mine, theirs, rel_tol=tolerance, abs_tol=1e-4), record["setting"]
             if record["kind"] == "choice":
                 assert record["metrics"] == reference["metrics"], record["setting"]
     assert (out / "report.md").exists() and list(out.glob("quality_*.png"))
