@@ -100,12 +100,18 @@ DECODE_N_READINGS: tuple[str, ...] = ("seen", "stored")
 DEFAULT_DECODE_N: DecodeN = "seen"
 
 
-def sg_lambda(num_tokens: int, budget: int, head_dim: int) -> float:
-    """Eq. 12: ``lambda = sqrt(2 ln(n/k) / d)``; zero while ``n <= k`` (nothing to evict)."""
+def sg_lambda(num_tokens: int | torch.Tensor, budget: int, head_dim: int) -> float | torch.Tensor:
+    """Eq. 12: ``lambda = sqrt(2 ln(n/k) / d)``; zero while ``n <= k`` (nothing to evict).
+
+    ``n`` may be a device tensor (a compiled decode step counts tokens seen on the device): the
+    same formula as tensor work, so the step neither reads it back nor specialises on its value."""
     if budget < 1:
         raise ValueError(f"invalid budget={budget!r}: expected an integer >= 1")
     if head_dim < 1:
         raise ValueError(f"invalid head_dim={head_dim!r}: expected an integer >= 1")
+    if isinstance(num_tokens, torch.Tensor):
+        ratio = num_tokens.to(torch.float64) / budget
+        return torch.sqrt(2.0 * torch.log(ratio.clamp_min(1.0)) / head_dim)  # log 1 = 0 while n <= k
     if num_tokens <= budget:
         return 0.0
     return math.sqrt(2.0 * math.log(num_tokens / budget) / head_dim)
@@ -180,6 +186,8 @@ def _scoring_multiplier(
         sg_logit_multiplier(scoring.sequence_length - pad, budget, scoring.keys.shape[-1], scoring.scaling, gain_input)
         for pad in padding
     )
+    if isinstance(factors[0], torch.Tensor):  # n on the device (compiled step): one factor per row
+        return factors[0] if len(set(padding)) == 1 else torch.stack(factors)
     return factors[0] if len(set(factors)) == 1 else factors
 
 
@@ -220,6 +228,7 @@ class AhaKVConfig(PolicyConfig):
 class AhaKV(ScorerPolicy):
     name = "ahakv"
     phases = frozenset({PREFILL, DECODE})
+    static_decode = True  # evicts to exactly the budget each step (tests/test_compiled_decode.py)
     config_class = AhaKVConfig
     paper = "Gu et al. 2025, Algorithm 1 (Eq. 5, 12, 13-15)"
     needs_decode_attention = False  # the SG-softmax of the new query is recomputed from q and K

@@ -154,8 +154,10 @@ class ScoringInputs:
         if self.mask is not None:
             return self.mask[:, :, query_rows, :num_keys]
         start, stop, _ = query_rows.indices(self.num_queries)
-        first = self.sequence_length - self.num_queries
-        return causal_mask(self.positions[..., :num_keys], first + start, first + stop)
+        # sequence_length may be a device counter (a compiled decode step): positions as tensor work.
+        first = self.sequence_length - self.num_queries + start
+        query_positions = torch.arange(stop - start, device=self.positions.device) + first
+        return self.positions[..., :num_keys][:, :, None, :] <= query_positions[None, None, :, None]
 
     def to_kv_heads(self, per_query_head: torch.Tensor) -> torch.Tensor:
         """Mean over the query heads of each group: ``[B, Hq, ...] -> [B, H, ...]`` (docs/METHODS.md)."""
@@ -177,7 +179,10 @@ class ScoringInputs:
         repeating them)."""
         num_keys = self.num_tokens if num_keys is None else num_keys
         # The scale goes on the queries (rows x d), not on the logits (rows x K): one pass fewer.
-        if isinstance(logit_multiplier, tuple):  # one factor per batch row (AhaKV's n is per row)
+        if isinstance(logit_multiplier, torch.Tensor):  # on the device: one factor, or one per batch row
+            factor = (logit_multiplier.to(torch.float32) * self.scaling).to(self.queries.dtype)
+            factor = factor.view(-1, 1, 1, 1) if factor.dim() else factor
+        elif isinstance(logit_multiplier, tuple):  # one factor per batch row (AhaKV's n is per row)
             factor = torch.tensor(logit_multiplier, dtype=torch.float32, device=self.queries.device)
             factor = (factor * self.scaling).to(self.queries.dtype).view(-1, 1, 1, 1)
         else:
