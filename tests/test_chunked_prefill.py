@@ -52,7 +52,7 @@ def test_one_chunk_covering_the_prompt_is_the_one_shot_prefill(method):
 def test_every_chunk_leaves_at_most_the_budget(method):
     model = _model()
     ids = _prompt_ids(model)
-    cache = kvhive.make_cache(model, method, BUDGET, **PARAMETERS.get(method, {}))
+    cache = kvhive.make_cache(model, method, BUDGET, prefill_chunk=64, **PARAMETERS.get(method, {}))
     with torch.no_grad():
         for start in range(0, ids.shape[1], 64):
             model(input_ids=ids[:, start : start + 64], past_key_values=cache)
@@ -83,7 +83,7 @@ def test_a_chunked_prompt_continues_to_decode():
 def test_a_ratio_needs_the_whole_prompt_length():
     model = _model()
     ids = _prompt_ids(model, 200)
-    cache = kvhive.make_cache(model, "snapkv", 0.2, window=4)
+    cache = kvhive.make_cache(model, "snapkv", 0.2, window=4, prefill_chunk=100)
     with torch.no_grad():
         model(input_ids=ids[:, :100], past_key_values=cache)
         with pytest.raises(ValueError, match=r"ratio=0.2 was resolved on the first 100 prompt tokens.*plan_prompt"):
@@ -114,7 +114,7 @@ def test_head_wise_budgets_refuse_a_second_chunk():
     ids = _prompt_ids(model, 200)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cache = kvhive.make_cache(model, "ada-snapkv", BUDGET, window=4)
+        cache = kvhive.make_cache(model, "ada-snapkv", BUDGET, window=4, prefill_chunk=100)
     with torch.no_grad():
         model(input_ids=ids[:, :100], past_key_values=cache)
         if all(cache.layers[i].is_uniform for i in cache.compressed_layers):
@@ -125,3 +125,16 @@ def test_head_wise_budgets_refuse_a_second_chunk():
         assert cache.get_seq_length() == 100
         model(input_ids=ids[:, 100:101], past_key_values=cache)
     assert cache.get_seq_length() == 101
+
+
+def test_without_chunked_prefill_a_continuation_is_not_compressed():
+    # A multi-token forward after the prompt of a cache not made for chunks (e.g. a multiple-choice
+    # answer scored over the compressed prompt) is a continuation: a prefill-only method leaves it
+    # as it is, and a ratio budget resolved on the prompt is not refused.
+    model = _model()
+    ids = _prompt_ids(model, 200)
+    cache = kvhive.make_cache(model, "snapkv", 0.2, window=4)
+    with torch.no_grad():
+        model(input_ids=ids[:, :150], past_key_values=cache)
+        model(input_ids=ids[:, 150:], past_key_values=cache)
+    assert all(cache.layers[i].max_length == 30 + 50 for i in cache.compressed_layers)  # 0.2 of 150, + 50

@@ -459,7 +459,7 @@ class KVHiveCache(Cache):
             return
         if DECODE not in self.policy.phases:
             self._drop_outside_window(store)  # a prefill-only method lets the layer grow while decoding
-            if PREFILL in self.policy.phases and store.last_update_tokens > 1:
+            if PREFILL in self.policy.phases and store.last_update_tokens > 1 and self.takes_prompt_chunks:
                 self._compress_prompt_chunk(layer_index, store, make_scoring)
             self._warn_budget_not_kept(layer_index, store)
             return
@@ -518,6 +518,14 @@ class KVHiveCache(Cache):
         self._store_token_scores(store, scoring)
         store.keep(keep, self._kept_counts(keep, store, [budget] * keep.shape[0], known_count))
         self._cut_at_prefill.add(layer_index)
+
+    @property
+    def takes_prompt_chunks(self) -> bool:
+        """Whether a multi-token forward after the first is a chunk of the prompt, compressed as it
+        comes (``prefill_chunk`` given, or ``plan_prompt`` called). Otherwise it is a continuation
+        (e.g. a multiple-choice answer scored over the compressed prompt) that a prefill-only method
+        leaves uncompressed, as before chunked prefill existed."""
+        return self.prefill_chunk is not None or self._prompt_planned
 
     def plan_prompt(self, prompt_length: int, row_lengths: list[int] | None = None) -> None:
         """Resolve the budgets for a prompt of ``prompt_length`` tokens (each row's real length in
@@ -678,6 +686,7 @@ class KVHiveCache(Cache):
         store: LayerStore = self.layers[layer_idx]
         if (
             key_states.shape[2] > 1
+            and self.takes_prompt_chunks
             and store.is_initialized
             and not store.is_uniform
             and self.is_compressed(layer_idx)
