@@ -1,0 +1,95 @@
+"""Chunked against one-shot prefill, paired per item: for every setting ``METHOD:prefill_chunk=N@B``
+of an eval folder and its one-shot ``METHOD@B``, the mean over the items both scored of
+(chunked - one-shot) on the task's main metric, with its standard error, per task and prompt
+length (needle's ``length``, mdqa's ``num_documents``).
+
+    python scripts/paired_chunked.py results/chunked_prefill
+
+Prints a markdown table (docs/METHODS.md, "Chunked prefill").
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from kvhive.evaluation.backend import budget_key, split_cache_options
+from kvhive.evaluation.results import read_results
+
+LENGTH_KEYS = ("length", "num_documents")  # needle's haystack length, mdqa's document count
+
+
+def length_group(record: dict) -> str:
+    for key in LENGTH_KEYS:
+        if key in (record.get("metadata") or {}):
+            return f"{key}={record['metadata'][key]}"
+    return "-"
+
+
+def paired_rows(records: list[dict]) -> list[list[str]]:
+    scored = {}
+    for record in records:
+        if record.get("status") == "ok":
+            key = (record["task"], str(record["item_id"]), record["method"], budget_key(record["budget"]))
+            scored[key] = record
+    groups: dict[tuple, list[tuple[float, float, int]]] = defaultdict(list)
+    for (task, item, method, budget), record in scored.items():
+        base, options = split_cache_options(method)
+        chunk = options.get("prefill_chunk")
+        one_shot = scored.get((task, item, base, budget))
+        if chunk is None or one_shot is None:
+            continue
+        main = record["main_metric"]
+        group = (task, length_group(record), base, budget, chunk)
+        groups[group].append((record["metrics"][main], one_shot["metrics"][main], record["prompt_tokens"]))
+    rows = []
+    for (task, length, base, budget, chunk), pairs in sorted(groups.items()):
+        differences = [chunked - one_shot for chunked, one_shot, _ in pairs]
+        n = len(differences)
+        se = statistics.stdev(differences) / math.sqrt(n) if n > 1 else float("nan")
+        tokens = statistics.mean(p[2] for p in pairs)
+        rows.append(
+            [
+                task,
+                length,
+                f"{tokens:.0f}",
+                base,
+                budget,
+                str(chunk),
+                str(n),
+                f"{statistics.mean(p[1] for p in pairs):.3f}",
+                f"{statistics.mean(p[0] for p in pairs):.3f}",
+                f"{statistics.mean(differences):+.3f} ± {se:.3f}",
+            ]
+        )
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print(__doc__, file=sys.stderr)
+        return 2
+    header = [
+        "task",
+        "length",
+        "prompt tokens",
+        "method",
+        "budget",
+        "chunk",
+        "n",
+        "one-shot",
+        "chunked",
+        "chunked − one-shot ± SE",
+    ]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in paired_rows(read_results(Path(argv[0]))):
+        print("| " + " | ".join(row) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
