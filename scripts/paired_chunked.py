@@ -1,7 +1,8 @@
 """Chunked against one-shot prefill, paired per item: for every setting ``METHOD:prefill_chunk=N@B``
 of an eval folder and its one-shot ``METHOD@B``, the mean over the items both scored of
-(chunked - one-shot) on the task's main metric, with its standard error, per task and prompt
-length (needle's ``length``, mdqa's ``num_documents``).
+(chunked - one-shot) on each of the task's metrics, with its standard error (and the full
+cache's score on those items), per task and prompt
+length (needle's ``length``, mdqa's ``num_documents``) and pooled over the lengths (``all``).
 
     python scripts/paired_chunked.py results/chunked_prefill
 
@@ -16,7 +17,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from kvhive.evaluation.backend import budget_key, split_cache_options
+from kvhive.evaluation.backend import FULL_BUDGET, FULL_METHOD, budget_key, split_cache_options
 from kvhive.evaluation.results import read_results
 
 LENGTH_KEYS = ("length", "num_documents")  # needle's haystack length, mdqa's document count
@@ -35,31 +36,39 @@ def paired_rows(records: list[dict]) -> list[list[str]]:
         if record.get("status") == "ok":
             key = (record["task"], str(record["item_id"]), record["method"], budget_key(record["budget"]))
             scored[key] = record
-    groups: dict[tuple, list[tuple[float, float, int]]] = defaultdict(list)
+    groups: dict[tuple, list[tuple[float, float, float, int]]] = defaultdict(list)
     for (task, item, method, budget), record in scored.items():
         base, options = split_cache_options(method)
         chunk = options.get("prefill_chunk")
         one_shot = scored.get((task, item, base, budget))
         if chunk is None or one_shot is None:
             continue
-        main = record["main_metric"]
-        group = (task, length_group(record), base, budget, chunk)
-        groups[group].append((record["metrics"][main], one_shot["metrics"][main], record["prompt_tokens"]))
+        full = scored.get((task, item, FULL_METHOD, budget_key(FULL_BUDGET)))
+        for metric in record["metrics"]:
+            pair = (
+                record["metrics"][metric],
+                one_shot["metrics"][metric],
+                full["metrics"][metric] if full else float("nan"),
+                record["prompt_tokens"],
+            )
+            for length in (length_group(record), "all"):  # per prompt length, and pooled over the lengths
+                groups[(task, metric, length, base, budget, chunk)].append(pair)
     rows = []
-    for (task, length, base, budget, chunk), pairs in sorted(groups.items()):
-        differences = [chunked - one_shot for chunked, one_shot, _ in pairs]
+    for (task, metric, length, base, budget, chunk), pairs in sorted(groups.items()):
+        differences = [chunked - one_shot for chunked, one_shot, _, _ in pairs]
         n = len(differences)
         se = statistics.stdev(differences) / math.sqrt(n) if n > 1 else float("nan")
-        tokens = statistics.mean(p[2] for p in pairs)
         rows.append(
             [
                 task,
+                metric,
                 length,
-                f"{tokens:.0f}",
+                f"{statistics.mean(p[3] for p in pairs):.0f}",
                 base,
                 budget,
                 str(chunk),
                 str(n),
+                f"{statistics.mean(p[2] for p in pairs):.3f}",
                 f"{statistics.mean(p[1] for p in pairs):.3f}",
                 f"{statistics.mean(p[0] for p in pairs):.3f}",
                 f"{statistics.mean(differences):+.3f} ± {se:.3f}",
@@ -74,12 +83,14 @@ def main(argv: list[str]) -> int:
         return 2
     header = [
         "task",
+        "metric",
         "length",
         "prompt tokens",
         "method",
         "budget",
         "chunk",
         "n",
+        "full",
         "one-shot",
         "chunked",
         "chunked − one-shot ± SE",
