@@ -4,9 +4,9 @@ of an eval folder and its one-shot ``METHOD@B``, the mean over the items both sc
 cache's score on those items), per task and prompt
 length (needle's ``length``, mdqa's ``num_documents``) and pooled over the lengths (``all``).
 
-    python scripts/paired_chunked.py results/chunked_prefill
+    python scripts/paired_chunked.py [--compact] results/chunked_prefill
 
-Prints a markdown table (docs/METHODS.md, "Chunked prefill").
+Prints a markdown table (``--compact``: a column per method) (docs/METHODS.md, "Chunked prefill").
 """
 
 from __future__ import annotations
@@ -77,10 +77,29 @@ def paired_rows(records: list[dict]) -> list[list[str]]:
     return rows
 
 
+def compact_table(rows: list[list[str]]) -> str:
+    """One line per (task, metric, length), a column per method: one-shot -> chunked (difference ± SE)."""
+    methods = sorted({row[4] for row in rows})
+    lines: dict[tuple, dict[str, str]] = {}
+    for task, metric, length, tokens, method, _, _, n, full, one_shot, chunked, difference in rows:
+        cells = lines.setdefault((task, metric, length, tokens, n, full), {})
+        cells[method] = f"{one_shot} → {chunked} ({difference})"
+    header = ["task", "metric", "length", "prompt tokens", "n", "full", *methods]
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for key, cells in lines.items():
+        out.append("| " + " | ".join([*key, *(cells.get(method, "–") for method in methods)]) + " |")
+    return "\n".join(out)
+
+
 def main(argv: list[str]) -> int:
+    compact = "--compact" in argv
+    argv = [arg for arg in argv if arg != "--compact"]
     if len(argv) != 1:
         print(__doc__, file=sys.stderr)
         return 2
+    if compact:
+        print(compact_table(paired_rows(read_results(Path(argv[0])))))
+        return 0
     header = [
         "task",
         "metric",
