@@ -213,3 +213,39 @@ def test_non_finite_model_outputs_are_recorded_as_failed(tmp_path):
     for record in records:
         assert record["status"] == "failed", record
         assert record["metrics"] == {} and "non-finite" in record["reason"]
+
+
+def test_a_chunked_prefill_setting_runs_is_labelled_and_resumes(tmp_path, capsys):
+    # ``METHOD:prefill_chunk=N`` feeds the prompt in chunks of N tokens (its own prefill, not the
+    # shared one-shot one); the chunk size is in the setting's name and in every record, so the
+    # chunked and one-shot results are separate rows. A chunk covering the prompt is the one-shot.
+    from kvhive.evaluation.backend import split_cache_options
+
+    assert split_cache_options("snapkv:window=4:prefill_chunk=64") == ("snapkv:window=4", {"prefill_chunk": 64})
+    out = tmp_path / "chunked"
+    methods = (
+        "snapkv,snapkv:prefill_chunk=100000,snapkv:prefill_chunk=64,h2o,h2o:prefill_chunk=100000,h2o:prefill_chunk=64"
+    )
+    tasks = "needle:lengths=300:depths=50:max_new_tokens=6,synthetic_recall:num_pairs=6"
+    assert _eval(out, tasks, methods, "0.3") == 0
+    records = read_results(out)
+    by_key = {(r["task"], r["setting"]): r for r in records}
+    assert all(r["status"] == "ok" for r in records)
+    for task in ("needle", "synthetic_recall"):
+        for method in ("snapkv", "h2o"):
+            one_shot = by_key[(task, f"{method}@0.3")]
+            whole = by_key[(task, f"{method}:prefill_chunk=100000@0.3")]
+            chunked = by_key[(task, f"{method}:prefill_chunk=64@0.3")]
+            assert "prefill_chunk" not in one_shot
+            assert whole["prefill_chunk"] == 100000 and chunked["prefill_chunk"] == 64
+            assert whole["method"] == f"{method}:prefill_chunk=100000"
+            assert whole["output"] == one_shot["output"] and whole["metrics"] == one_shot["metrics"]
+            assert whole["cache"] == one_shot["cache"]
+            # Fed in chunks, the cache still ends at the budget of the whole prompt (plus what was generated).
+            assert chunked["cache"]["final_kept_per_head"] <= one_shot["cache"]["final_kept_per_head"]
+    report = (out / "report.md").read_text()
+    assert "snapkv:prefill_chunk=64" in report
+    capsys.readouterr()
+    assert _eval(out, tasks, methods, "0.3") == 0  # a rerun resumes: nothing left to compute
+    assert "0 new results" in capsys.readouterr().out
+    assert len(read_results(out)) == len(records)

@@ -30,6 +30,9 @@ __all__ = [
     "DEFAULT_DTYPE",
     "validate_dtype",
     "compresses_sliding",
+    "CACHE_OPTIONS",
+    "split_cache_options",
+    "with_cache_options",
 ]
 
 FULL_METHOD = "full"
@@ -45,6 +48,37 @@ def validate_dtype(dtype: str) -> str:
     if dtype not in DTYPES:
         raise ValueError(f"invalid dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
     return dtype
+
+
+# Options of a setting's method spec that configure the cache, not the method: ``snapkv:prefill_chunk=512``
+# feeds the prompt in chunks of 512 tokens (chunked prefill). Kept in the method spec, so a chunked
+# setting has its own name (label, results key, report row) and is never mixed with the one-shot one.
+CACHE_OPTIONS = ("prefill_chunk",)
+
+
+def split_cache_options(method: str) -> tuple[str, dict[str, int]]:
+    """``"snapkv:window=8:prefill_chunk=512"`` -> ``("snapkv:window=8", {"prefill_chunk": 512})``:
+    the method's own spec (for the method registry) and the cache options, validated."""
+    name, *parts = method.split(":")
+    kept, options = [name], {}
+    for part in parts:
+        option, equals, text = part.partition("=")
+        if option.strip() not in CACHE_OPTIONS:
+            kept.append(part)
+            continue
+        option = option.strip()
+        if option in options:
+            raise ValueError(f"invalid method={method!r}: option {option!r} given twice")
+        if not equals or not re.fullmatch(r"\s*\d+\s*", text) or int(text) < 1:
+            raise ValueError(f"invalid method={method!r}: {option} must be an integer >= 1 (tokens), got {text!r}")
+        options[option] = int(text)
+    return ":".join(kept), options
+
+
+def with_cache_options(method: str, options: dict[str, int]) -> str:
+    """The method spec with the cache options appended (in :data:`CACHE_OPTIONS` order): the
+    canonical spelling of a setting whose method spec is already canonical."""
+    return ":".join([method, *(f"{option}={options[option]}" for option in CACHE_OPTIONS if option in options)])
 
 
 ACCEPTED_BUDGETS = "a ratio of the context (float in (0, 1]) or a number of tokens per head (int >= 1)"
@@ -65,6 +99,11 @@ class Setting:
     def label(self) -> str:
         """Short human-readable name, e.g. ``snapkv@0.2`` or ``h2o@128``."""
         return f"{self.method}@{budget_key(self.budget)}"
+
+    @property
+    def prefill_chunk(self) -> int | None:
+        """The chunk size of a chunked prefill (``snapkv:prefill_chunk=512``), or None: one prefill."""
+        return split_cache_options(self.method)[1].get("prefill_chunk")
 
 
 @dataclass(frozen=True)

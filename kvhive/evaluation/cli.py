@@ -10,7 +10,9 @@
 ``backend_factory(model_name) -> Backend`` keeps model code out of this package.
 Lists are comma-separated: ``--tasks needle,mdqa --methods snapkv,h2o --budgets 0.1,0.5,128``;
 a task may carry parameters: ``--tasks needle:lengths=256+512:depths=0+50,xsum``, and a method
-options: ``--methods buzz:budget_form=peak,h2o``.
+options: ``--methods buzz:budget_form=peak,h2o``, or the cache option ``prefill_chunk``
+(``--methods snapkv,snapkv:prefill_chunk=512``: the same method with a chunked prefill, a setting of
+its own).
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ def add_eval_arguments(
         "--methods",
         type=_comma_list,
         help="comma-separated method registry names, each optionally with options like a task's: "
-        "buzz:budget_form=peak,ahakv:gain_input=scaled_qk",
+        "buzz:budget_form=peak,ahakv:gain_input=scaled_qk; the cache option prefill_chunk=N feeds the prompt in "
+        "chunks of N tokens (snapkv:prefill_chunk=512, its own setting next to the one-shot snapkv)",
     )
     parser.add_argument(
         "--budgets",

@@ -23,6 +23,7 @@ from kvhive.evaluation.backend import (
     Setting,
     SettingFailure,
     compresses_sliding,
+    split_cache_options,
     validate_dtype,
 )
 from kvhive.methods.base import DECODE
@@ -74,8 +75,9 @@ class _SizeTracker:
 
 
 def _policy(setting: Setting):
-    """The setting's method: a registry name, optionally with options (``buzz:budget_form=peak``)."""
-    return make_policy_from_spec(setting.method)
+    """The setting's method: a registry name, optionally with options (``buzz:budget_form=peak``);
+    cache options (``:prefill_chunk=512``) are the cache's (:func:`_caches`)."""
+    return make_policy_from_spec(split_cache_options(setting.method)[0])
 
 
 class KVHiveBackend:
@@ -110,19 +112,49 @@ class KVHiveBackend:
     def _caches(self, settings: list[Setting]):
         # The full cache keeps everything: it takes no budget (one given would be ignored).
         return [
-            make_cache(self.model, _policy(setting), None if setting.method == FULL_METHOD else setting.budget)
+            make_cache(
+                self.model,
+                _policy(setting),
+                None if setting.method == FULL_METHOD else setting.budget,
+                prefill_chunk=setting.prefill_chunk,
+            )
             for setting in settings
         ]
 
+    @torch.no_grad()
+    def _own_prefill(self, input_ids: torch.Tensor, cache) -> torch.Tensor:
+        """The prompt through ``cache`` alone: in one forward, or in chunks of ``cache.prefill_chunk``
+        tokens (budgets planned on the whole prompt first, as ``kvhive.generate`` does). Returns the
+        last position's logits."""
+        chunk = cache.prefill_chunk
+        if chunk is None:
+            output = self.model(input_ids=input_ids, **{self.cache_kwarg: cache}, use_cache=True, logits_to_keep=1)
+            return output.logits[:, -1]
+        cache.plan_prompt(int(input_ids.shape[1]))  # a ratio budget is of the whole prompt
+        for start in range(0, input_ids.shape[1], chunk):
+            output = self.model(
+                input_ids=input_ids[:, start : start + chunk],
+                **{self.cache_kwarg: cache},
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        return output.logits[:, -1]
+
     def _prefilled(self, input_ids: torch.Tensor, settings: list[Setting]):
+        """Each setting's cache filled with the prompt, and the logits of its last position. The
+        one-shot settings share one prefill (``share_prefill``); a chunked prefill is a setting's
+        own (its chunks are compressed as they come, so no other setting's forward is the same)."""
         caches = self._caches(settings)
-        if self.share_prefill:
-            return caches, shared_prefill(self.model, input_ids, caches)
-        logits = []
-        with torch.no_grad():
-            for cache in caches:
-                output = self.model(input_ids=input_ids, **{self.cache_kwarg: cache}, use_cache=True, logits_to_keep=1)
-                logits.append(output.logits[:, -1])
+        shared = [index for index, cache in enumerate(caches) if self.share_prefill and cache.prefill_chunk is None]
+        logits: list = [None] * len(caches)
+        if shared:
+            for index, row_logits in zip(
+                shared, shared_prefill(self.model, input_ids, [caches[i] for i in shared]), strict=True
+            ):
+                logits[index] = row_logits
+        for index, cache in enumerate(caches):
+            if logits[index] is None:
+                logits[index] = self._own_prefill(input_ids, cache)
         return caches, logits
 
     @staticmethod
@@ -200,7 +232,13 @@ class KVHiveBackend:
     def not_applicable(self, setting: Setting, context_tokens: int, streaming: bool) -> str | None:
         """Why ``setting``'s method cannot keep its budget in this phase, or None: fed token by
         token (``streaming``), a method that compresses only a prompt (no decode phase) never
-        compresses, so its score would be the full cache's under the method's name."""
+        compresses, so its score would be the full cache's under the method's name; and a stream
+        has no prompt to chunk (a chunked setting would score as the one-shot one)."""
+        if streaming and setting.prefill_chunk is not None:
+            return (
+                f"prefill_chunk={setting.prefill_chunk}: the text is fed one token at a time, there is no prompt "
+                "to feed in chunks"
+            )
         if not streaming or setting.method == FULL_METHOD:
             return None
         policy = _policy(setting)

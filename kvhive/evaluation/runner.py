@@ -29,8 +29,10 @@ from .backend import (
     SettingFailure,
     budget_key,
     budget_to_tokens,
+    split_cache_options,
     validate_budgets,
     validate_dtype,
+    with_cache_options,
 )
 from .environment import run_environment
 from .results import RESULTS_FILE, TRANSIENT_STATUS, ResultsWriter
@@ -123,7 +125,11 @@ def validate_methods(methods: Sequence[str], method_validator: MethodValidator |
     for method in methods:
         if not isinstance(method, str) or not method.strip():
             raise ValueError(f"methods: {method!r} is not a method name")
-        method = method.strip()
+        # Cache options (``:prefill_chunk=512``) are no method's: the validator sees the method alone.
+        try:
+            method, cache_options = split_cache_options(method.strip())
+        except ValueError as error:
+            raise ValueError(f"methods: {error}") from None
         if method_validator is not None and method != FULL_METHOD:
             try:
                 accepted = method_validator(method)
@@ -133,6 +139,7 @@ def validate_methods(methods: Sequence[str], method_validator: MethodValidator |
                 raise ValueError(f"methods: unknown method {method!r}")
             if isinstance(accepted, str):  # the validator's canonical spelling (options sorted)
                 method = accepted
+        method = with_cache_options(method, cache_options)
         if method not in out:
             out.append(method)
     return out
@@ -537,6 +544,8 @@ def _run_item(
             "settings_in_call": len(feasible),
             "time": timestamp,
         }
+        if setting.prefill_chunk is not None:  # also in the method's name: never mixed with a one-shot prefill
+            record["prefill_chunk"] = setting.prefill_chunk
         if cache_sizes.get(setting):
             record["cache"] = cache_sizes[setting]
         if status != "ok":
