@@ -156,6 +156,25 @@ def test_a_growing_cache_compiles_with_a_fixed_decode_capacity(method):
     assert caches[0].nbytes() == uncompiled_reference.nbytes()
 
 
+def test_a_reserved_capacity_holds_zeros_in_its_empty_slots():
+    # Attention over the capacity gives the empty slots weight 0, and 0 x uninitialised memory can
+    # be NaN (the compiled test above failed intermittently that way): they must hold zeros.
+    from kvhive.cache.storage import LayerStore
+
+    store = LayerStore(0)
+    store.update(torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4))
+    store.update(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))  # grows the buffer with a reserve
+    keys, values = store.buffers()
+    assert keys.shape[2] >= 41  # the reserve already covers what is asked below: no new buffer
+    for buffer in (keys, values):
+        buffer[:, :, 11:].fill_(float("nan"))  # what torch.empty may hand out
+    store.reserve_decode(30)
+    keys, values = store.buffers()
+    assert store.fixed_capacity
+    assert torch.equal(keys[:, :, 11:], torch.zeros_like(keys[:, :, 11:]))
+    assert torch.equal(values[:, :, 11:], torch.zeros_like(values[:, :, 11:]))
+
+
 def test_growing_caches_are_not_declared_compileable():
     # Without a decode capacity, a layer that grows by a token per step would be a new graph per
     # step: generate stays eager.

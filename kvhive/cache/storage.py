@@ -392,6 +392,10 @@ class LayerStore(CacheLayerMixin):
         capacity = self._length + tokens
         if self._start != 0 or capacity > self._key_buffer.shape[2]:
             self._move_dense(max(capacity, self._key_buffer.shape[2]))
+        # The empty slots are attended with weight 0, and 0 x uninitialised memory can be NaN:
+        # they hold zeros until a token is written there.
+        for buffer in (self._key_buffer, self._value_buffer, self._position_buffer, *self._score_buffers.values()):
+            buffer[:, :, self._length :].zero_()
         if self.length_device is None:
             self.length_device = torch.zeros((), dtype=torch.int64, device=self.device)
             torch._dynamo.mark_static_address(self.length_device)
