@@ -483,11 +483,6 @@ class KVHiveCache(Cache):
         self._store_token_scores(store, scoring)
         if keep is None:
             return
-        if known_count is not None and known_count > budget + self.decode_slack:
-            raise RuntimeError(
-                f"{self.policy.name} declares {known_count} tokens kept per head in layer {layer_index}, over its "
-                f"budget of {budget + self.decode_slack}"
-            )
         store.keep(keep, self._kept_counts(keep, store, [budget + self.decode_slack] * keep.shape[0], known_count))
         store.decode_steps_since_compression = 0
 
@@ -502,12 +497,7 @@ class KVHiveCache(Cache):
                 "cache.plan_prompt(prompt_length) before the first chunk (kvhive.generate(..., prefill_chunk=N) does), "
                 "or give a token budget"
             )
-        if not store.is_uniform:
-            raise ValueError(
-                f"method {self.policy.name!r} holds a different number of tokens per head in layer {layer_index}: a "
-                "prompt chunk after the first cannot be scored over head-wise budgets yet; give the prompt in one "
-                "forward (no prefill chunking) for this method"
-            )
+        # (A layer of head-wise counts never gets here: update refuses its chunk before storing it.)
         self._resolve_budgets(store.tokens_seen)
         budget = self.layer_budgets[layer_index]
         if store.dense_length <= budget:
