@@ -229,6 +229,7 @@ def command_bench(args: argparse.Namespace) -> int:
             method_parameters=parameters,
             dtype=bench.DTYPES[args.dtype],
             compile=args.compile,
+            prefill_chunk=args.prefill_chunk,
         )
     if args.json:
         print(json.dumps(result, indent=2))
@@ -266,6 +267,7 @@ def _capacity_search(args: argparse.Namespace, bench, budget, parameters: dict, 
         step=args.search_step,
         maximum=args.search_max,
         report=report,
+        prefill_chunk=args.prefill_chunk,
     )
 
 
@@ -423,6 +425,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="compile both decode steps (torch.compile, one graph; the full cache as transformers' StaticCache); "
         "refused for a method whose step cannot compile",
+    )
+    bench.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        metavar="N",
+        help="feed the prompt in chunks of N tokens, each compressed as it comes (the full cache takes the same "
+        "chunks); with --search, every trial does",
     )
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(func=command_bench)
