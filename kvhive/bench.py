@@ -119,7 +119,10 @@ def _timed_run(
     chunk = input_ids.shape[1] if prefill_chunk is None else prefill_chunk
     for chunk_start in range(0, input_ids.shape[1], chunk):
         output = model(
-            input_ids=input_ids[:, chunk_start : chunk_start + chunk], **{cache_key: cache}, use_cache=True, logits_to_keep=1
+            input_ids=input_ids[:, chunk_start : chunk_start + chunk],
+            **{cache_key: cache},
+            use_cache=True,
+            logits_to_keep=1,
         )
     _synchronize(device)
     prefill_seconds = time.perf_counter() - start
@@ -157,7 +160,9 @@ def _check_prefill_chunk(prefill_chunk, compile: bool) -> None:
     if prefill_chunk is None:
         return
     if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-        raise ValueError(f"invalid prefill_chunk={prefill_chunk!r}: expected an integer >= 1 (tokens per chunk) or none")
+        raise ValueError(
+            f"invalid prefill_chunk={prefill_chunk!r}: expected an integer >= 1 (tokens per chunk) or none"
+        )
     if compile:
         raise ValueError(
             "prefill_chunk with compile: a chunked cache has no fixed decode capacity yet; chunk without compile"
