@@ -15,6 +15,7 @@ from typing import Any
 from kvhive.attention import ATTENTION_NAME, register
 from kvhive.attention.integration import attach
 from kvhive.cache import Budget, KVHiveCache
+from kvhive.cache.budget import bucket_up
 from kvhive.cache.kv_cache import CACHE_POSITIONS, refuse_encoder_decoder
 from kvhive.compat import cache_kwarg
 from kvhive.methods import Policy, make_policy
@@ -112,6 +113,7 @@ def make_cache(
     dense_decode: str = "sdpa",
     prefill_chunk: int | None = None,
     decode_capacity: int | None = None,
+    bucket_budget: bool = False,
     **method_parameters: Any,
 ) -> KVHiveCache:
     """A :class:`KVHiveCache` for ``model`` running ``method`` at ``budget`` tokens per head
@@ -124,8 +126,12 @@ def make_cache(
     ``"sdpa"`` (flash / memory-efficient) or ``"kernel"`` (kvhive's split-K Triton kernel over the
     buffer in place). ``prefill_chunk``: the prompt is fed in chunks of that many tokens by
     ``kvhive.generate`` (pass ``prefill_chunk_size=`` to ``model.generate`` yourself), compressed
-    as it goes (``KVHiveCache``)."""
+    as it goes (``KVHiveCache``). ``bucket_budget``: a ratio budget resolves up to one of a few
+    sizes (:func:`kvhive.cache.budget.bucket_up`: at most 25% more tokens), so prompts of many
+    lengths share one compiled decode graph; ``kvhive.generate(compile=True)`` turns it on."""
     refuse_encoder_decoder(model.config)
+    if not isinstance(bucket_budget, bool):
+        raise ValueError(f"invalid bucket_budget={bucket_budget!r}: expected True or False")
     policy = method if isinstance(method, Policy) else make_policy(method, **method_parameters)
     if budget is not None and ratio is not None:
         raise ValueError("give either budget (tokens per head, or a ratio as a float) or ratio, not both")
@@ -147,6 +153,8 @@ def make_cache(
         budget_spec = Budget(ratio=ratio)
     else:
         budget_spec = Budget.parse(budget)
+    if bucket_budget and budget_spec.ratio is not None and policy.phases:
+        budget_spec = Budget(ratio=budget_spec.ratio, bucketed=True)
     attach(model)
     warn_if_allocation_cannot_differ(policy, model.config)
     rotator = None
@@ -237,7 +245,9 @@ def generate(
 
     ``compile``: None follows transformers (its compiled decode on an accelerator when the cache is
     compileable, ``KVHiveCache.is_compileable``); True compiles the decode step on any device and
-    refuses a cache whose step cannot compile to one graph; False decodes eagerly."""
+    refuses a cache whose step cannot compile to one graph, and resolves a ratio budget up to one of a
+    few sizes (``bucket_budget``, at most 25% more tokens; pass ``bucket_budget=False`` for the
+    exact ratio, one graph per prompt length); False decodes eagerly."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"invalid max_new_tokens={max_new_tokens!r}: expected an integer >= 1")
     if compile not in (None, True, False):
@@ -245,8 +255,12 @@ def generate(
     encoded = encode_prompt(tokenizer, prompt, model, max_new_tokens)
     if compile is True and "decode_capacity" not in cache_options and not cache_options.get("prefill_chunk"):
         # Layers that grow while decoding (the full cache, prefill-only methods) get room for every
-        # new token, so the compiled step keeps one shape (used only by such layers).
-        cache_options["decode_capacity"] = max_new_tokens + 1
+        # new token, so the compiled step keeps one shape (used only by such layers); bucketed, so
+        # requests of different lengths share it.
+        cache_options["decode_capacity"] = bucket_up(max_new_tokens + 1)
+    if compile is True:
+        # A ratio of each prompt would be a new shape, and so a new graph, per prompt length.
+        cache_options.setdefault("bucket_budget", True)
     cache = make_cache(model, method, budget, **cache_options)
     import torch
 
