@@ -19,7 +19,7 @@ import torch
 from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
 from kvhive.cache.budget import Budget, budget_label, budget_problem, layer_budgets, minimum_budget_problem
-from kvhive.cache.storage import LayerStore
+from kvhive.cache.storage import LayerStore, row_index
 from kvhive.methods.base import AUTO_HEADS, DECODE, PREFILL, QUERY_HEADS, Policy, ScoringInputs, require_choice
 
 Positions = Literal["original", "cache"]
@@ -693,6 +693,52 @@ class KVHiveCache(Cache):
         # The attention function runs next; the cache hands itself over through transformers' kwargs.
         mark_update(self, layer_idx, keys, kwargs)
         return keys, values
+
+    # -- batch rows (beam search, contrastive search, batch slicing) -----------------------------
+    def _select_rows(self, index: torch.Tensor) -> None:
+        """Keep batch rows ``index`` (host 1-D long; may repeat or reorder) in every layer: its
+        stored tokens, per-token scores, per-row counters and the method's per-layer state. The
+        method's state is selected first, so a method that cannot leaves the cache unchanged."""
+        initialized = [layer for layer in self.layers if layer.is_initialized]
+        if not initialized:
+            return
+        for layer in initialized:
+            layer.check_rows_selectable(self.policy.name)
+        batch = initialized[0].batch_size
+        rows = index.tolist()
+        if rows and (min(rows) < 0 or max(rows) >= batch):
+            raise IndexError(f"batch row index {rows} out of range for a batch of {batch} row(s)")
+        states = [self.policy.select_state_rows(layer.policy_state, index, layer.num_heads) for layer in initialized]
+        for layer, state in zip(initialized, states, strict=True):
+            layer.select_rows(index)
+            layer.policy_state = state
+        self.row_layer_budgets = {
+            layer: [budgets[row] for row in rows] if len(budgets) == batch else budgets
+            for layer, budgets in self.row_layer_budgets.items()
+        }
+        if self._generated_ids is not None and self._generated_ids.shape[0] == batch:
+            self._generated_ids = self._generated_ids.index_select(0, index.to(self._generated_ids.device))
+
+    def _batch_size(self) -> int:
+        return next((layer.batch_size for layer in self.layers if layer.is_initialized), 0)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row ``i`` becomes row ``beam_idx[i]``."""
+        self._select_rows(row_index(beam_idx, self._batch_size()))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the batch rows ``indices`` (row numbers, or a boolean mask over the rows)."""
+        self._select_rows(row_index(indices, self._batch_size()))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every batch row ``repeats`` times in place (``[a, b] -> [a, a, b, b]``)."""
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"invalid repeats={repeats!r}: expected an integer >= 1")
+        self._select_rows(torch.arange(self._batch_size()).repeat_interleave(repeats))
+
+    def row_tokens_seen(self, layer_idx: int = 0) -> list[int]:
+        """Tokens seen by each batch row of a layer (they differ in a stacked cache, :meth:`stack`)."""
+        return self.layers[layer_idx].row_tokens_seen
 
     # -- reuse checks ------------------------------------------------------------------------------
     def _check_reuse(self, key_states: torch.Tensor, layer_idx: int) -> None:
