@@ -72,7 +72,7 @@ def test_stacked_rows_decode_as_each_cache_alone(model, method, budget):
     assert stacked.row_tokens_seen() == list(LENGTHS)
     assert stacked.get_seq_length() == max(LENGTHS)
     got = _decode(model, stacked, steps, stacked=True)
-    for row, (prompt, cache) in enumerate(zip(prompts, caches, strict=True)):
+    for row, cache in enumerate(caches):
         expected = _decode(model, cache, steps[row : row + 1], stacked=False)
         torch.testing.assert_close(got[row : row + 1], expected, rtol=1e-4, atol=1e-5)
         for layer, alone in zip(stacked.layers, cache.layers, strict=True):
