@@ -112,3 +112,39 @@ def test_one_prompt_equals_generate(model_and_tokenizer):
     assert kvhive.generate_batch(model, tokenizer, [prompt], "tova", 32, max_new_tokens=6) == [
         kvhive.generate(model, tokenizer, prompt, "tova", 32, max_new_tokens=6)[0]
     ]
+
+
+@pytest.mark.parametrize("name", ["full", "h2o", "snapkv", "ahakv"])
+def test_sliding_window_layers(name):
+    """Gemma 3's sliding-window layers (window 8 in the tiny model) mask each row by its own
+    position: rows equal each prompt alone there too."""
+    model, tokenizer = tiny_model("gemma3", "gqa"), tiny_tokenizer()
+    prompts = _prompts(tokenizer)
+    budget = _budget(name)
+    texts = kvhive.generate_batch(model, tokenizer, prompts, name, budget, max_new_tokens=8)
+    assert texts == [kvhive.generate(model, tokenizer, p, name, budget, max_new_tokens=8)[0] for p in prompts]
+
+
+def test_cli_prompts_file(tmp_path, capsys):
+    import json
+
+    from kvhive.cli import main
+
+    model, tokenizer = tiny_model("llama", "gqa"), tiny_tokenizer()
+    prompts = _prompts(tokenizer)
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join(prompts) + "\n\n", encoding="utf-8")
+    base = ["generate", "--model", "tiny-llama-gqa", "--method", "snapkv", "--budget", "32", "--max-new-tokens", "5"]
+    assert main([*base, "--prompts-file", str(path)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    expected = [kvhive.generate(model, tokenizer, p, "snapkv", 32, max_new_tokens=5)[0] for p in prompts]
+    assert [json.loads(line) for line in lines] == expected
+    assert main([*base, "--json", "--prompts-file", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)["texts"] == expected
+    assert main([*base, "--method", "buzz", "--prompts-file", str(path)]) == 2
+    assert "method 'buzz' cannot stack caches" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="exactly one"):
+        main([*base, "--prompts-file", str(path), "a prompt"])
+    (tmp_path / "empty.txt").write_text("\n \n", encoding="utf-8")
+    with pytest.raises(SystemExit, match="holds no prompt"):
+        main([*base, "--prompts-file", str(tmp_path / "empty.txt")])
