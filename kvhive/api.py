@@ -383,7 +383,6 @@ def generate_batch(
         caches.append(cache)
     stacked = KVHiveCache.stack(caches, decode_capacity=max_new_tokens)
     del caches
-    device = first_logits[0].device
     next_tokens = torch.cat(first_logits).argmax(dim=-1)
     generated: list[list[int]] = [[] for _ in prompts]
     active = list(range(len(prompts)))  # prompt of each row of the stacked batch
@@ -409,7 +408,8 @@ def generate_batch(
                 stacked.batch_select_indices(torch.tensor(still))
                 next_tokens = next_tokens[torch.tensor(still, device=next_tokens.device)]
                 active = [active[row] for row in still]
-            positions = torch.tensor(stacked.row_tokens_seen(), dtype=torch.long, device=device)[:, None]
+            # Each row's next position, from the layer's device counter (no host data sent per step).
+            positions = stacked.layers[0].row_tokens_seen_device[:, None].clone()
             output = model(input_ids=next_tokens[:, None], position_ids=positions, **{kwarg: stacked}, use_cache=True)
             next_tokens = output.logits[:, -1].argmax(dim=-1)
     return [tokenizer.decode(tokens, skip_special_tokens=True) for tokens in generated]

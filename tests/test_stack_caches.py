@@ -78,6 +78,9 @@ def test_stacked_rows_decode_as_each_cache_alone(model, method, budget):
         for layer, alone in zip(stacked.layers, cache.layers, strict=True):
             assert layer.lengths_host[row].tolist() == alone.lengths_host[0].tolist()
             assert layer.row_tokens_seen[row] == alone.tokens_seen
+    # Accounting counts each row's own tokens (kept and seen), as the caches alone do.
+    assert stacked.nbytes() == sum(cache.nbytes() for cache in caches)
+    assert stacked.full_cache_nbytes() == sum(cache.full_cache_nbytes() for cache in caches)
     if method == "full":  # rows of different lengths in slots of a common capacity
         assert all(layer.has_row_lengths for layer in stacked.layers)
         assert stacked.kept_tokens()[0][:, 0].tolist() == [n + STEPS for n in LENGTHS]

@@ -1053,11 +1053,11 @@ class KVHiveCache(Cache):
         for layer in self.layers:
             if not layer.is_initialized or layer.nbytes() == 0:
                 continue
-            tokens = layer.tokens_seen
+            # Each row's own count (rows of a stacked cache have seen different numbers of tokens).
+            rows = layer.row_tokens_seen
             if layer.is_sliding:
-                tokens = min(tokens, layer.sliding_window - 1)
-            per_token = layer.bytes_per_token() * self.num_kv_heads * layer.batch_size
-            total += tokens * per_token
+                rows = [min(tokens, layer.sliding_window - 1) for tokens in rows]
+            total += sum(rows) * layer.bytes_per_token() * self.num_kv_heads
         return total
 
     def budget_label(self) -> str:
