@@ -156,3 +156,21 @@ def test_packed_layout_is_refused(model):
     layer.keep(keep)
     with pytest.raises(ValueError, match="'ada-snapkv'.*head-wise"):
         KVHiveCache.stack(caches)
+
+
+@pytest.mark.parametrize("method,budget", [("full", None), ("h2o", 32), ("snapkv", 32), ("tova", 32)])
+def test_stacked_decode_step_makes_no_host_read(model, method, budget):
+    """A decode step of a stacked cache (per-row positions from the device counter, rows of
+    different lengths written at device indices) reads nothing back, like a cache alone
+    (tests/test_decode_host_reads.py)."""
+    from kvhive.diagnostics import HostReadCounter
+
+    stacked = KVHiveCache.stack([_prefilled(model, method, budget, prompt) for prompt in _prompts()])
+    token = torch.ones(len(LENGTHS), 1, dtype=torch.long)
+    with torch.no_grad():
+        for step in range(3):
+            positions = stacked.layers[0].row_tokens_seen_device[:, None].clone()
+            with HostReadCounter() as reads:
+                model(input_ids=token + step, position_ids=positions, **{cache_kwarg(model): stacked}, use_cache=True)
+            if step:
+                assert reads.total == 0, f"{method}: {reads}"
