@@ -12,6 +12,10 @@ Two layouts, chosen by what the layer holds:
   segment_start[s] + length[s])`` of its reserved range. Nothing is padded to a common length;
   each segment has a small reserve for decode appends, re-laid out when one is full.
 
+Rows prefilled separately and stacked (``KVHiveCache.stack``) keep their own tokens seen (a host
+list and a device ``[B]`` counter); when they hold different numbers of tokens the dense buffers
+are a common capacity whose row ``b`` fills slots ``[0, L_b)``, with a per-row length.
+
 Lengths are mirrored on the host (they only change by appends, whose size the host knows,
 and by evictions, which report their counts once), so a decode step that evicts nothing reads
 nothing back from the device. ``nbytes()`` counts the kept tokens' payload exactly;
