@@ -265,7 +265,10 @@ def _stored_decode_mask(store, positions: torch.Tensor, token_scores: dict) -> t
         allowed = padding == 0
     if store.is_sliding:
         # The new token sits at tokens_seen - 1; the window reaches back window - 1 tokens.
-        in_window = positions >= store.tokens_seen_device - store.sliding_window
+        seen = store.tokens_seen_device
+        if store.row_tokens_seen_device is not None:  # stacked rows: each row its own count
+            seen = store.row_tokens_seen_device[:, None, None]
+        in_window = positions >= seen - store.sliding_window
         allowed = in_window if allowed is None else allowed & in_window
     return None if allowed is None else allowed[:, :, None, :]
 
@@ -471,7 +474,8 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
     else:
         stored_mask = _gather_mask(mask, positions, store, num_queries)
     if filled is not None:  # empty slots of a fixed capacity are never attended
-        filled = filled[None, None, None, :]
+        # [C] (one length for every row) or [B, C] (stacked rows of different lengths)
+        filled = filled[None, None, None, :] if filled.dim() == 1 else filled[:, None, None, :]
         stored_mask = filled if stored_mask is None else stored_mask & filled
     heads = keys.shape[1]
     group = query_heads // heads
