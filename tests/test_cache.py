@@ -317,8 +317,8 @@ def test_empty_and_too_long_prompts():
 def test_cache_refuses_rollback():
     model = tiny_model("llama", "gqa")
     cache = KVHiveCache(model.config, kvhive.make_policy("local"), 8)
-    with pytest.raises(ValueError, match="cannot be cropped.*assisted or speculative decoding"):
-        cache.layers[0].crop(-1)
+    with pytest.raises(ValueError, match="'local' evicts while decoding, so its cache cannot be rolled back"):
+        cache.crop(-1)
 
 
 @pytest.mark.parametrize("method", ["h2o", "snapkv", "streamingllm"])

@@ -384,6 +384,7 @@ class KVHiveCache(Cache):
         if keep is not None:
             store.keep(keep, self._kept_counts(keep, store, row_budgets, known_count))
             self._cut_at_prefill.add(layer_index)
+            store.settled_tokens = store.tokens_seen  # chosen with every token so far: no crop below this
         self._reindex(store)
 
     def _select_prefill(self, scoring: ScoringInputs, row_budgets: list[int], state: dict) -> torch.Tensor | None:
@@ -508,6 +509,7 @@ class KVHiveCache(Cache):
         self._store_token_scores(store, scoring)
         store.keep(keep, self._kept_counts(keep, store, [budget] * keep.shape[0], known_count))
         self._cut_at_prefill.add(layer_index)
+        store.settled_tokens = store.tokens_seen
 
     @property
     def takes_prompt_chunks(self) -> bool:
@@ -726,6 +728,42 @@ class KVHiveCache(Cache):
 
     def _batch_size(self) -> int:
         return next((layer.batch_size for layer in self.layers if layer.is_initialized), 0)
+
+    @property
+    def is_croppable(self) -> bool:
+        """Whether :meth:`crop` can roll the newest tokens back (transformers' assisted decoding asks
+        after the prefill): no eviction while decoding, one count for every head and row, and no
+        sliding window already full (its oldest tokens would go with the drafts)."""
+        if DECODE in self.policy.phases:
+            return False
+        return all(
+            layer.is_uniform
+            and not layer.has_row_lengths
+            and not (layer.is_sliding and layer.tokens_seen >= layer.sliding_window - 1)
+            for layer in self.layers
+            if layer.is_initialized
+        )
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Roll back the newest tokens, as assisted / speculative decoding does with rejected drafts.
+
+        Supported where nothing is evicted while decoding (the full cache and the prefill-only
+        methods: the drafts were only appended); every layer is checked before any is changed."""
+        if DECODE in self.policy.phases:
+            # A draft token may have made the method evict a prompt token or move its scores; no
+            # crop can undo that, so the result would not be what the method keeps.
+            raise ValueError(
+                f"method {self.policy.name!r} evicts while decoding, so its cache cannot be rolled back (cropped): "
+                "assisted or speculative decoding (assistant_model=, prompt_lookup_num_tokens=) would keep tokens "
+                "chosen with the rejected drafts. Generate without an assistant, or use a method that compresses "
+                "only the prompt (full, snapkv, pyramidkv, knorm)"
+            )
+        for layer in self.layers:
+            problem = layer.crop_problem(tokens_to_remove)
+            if problem is not None:
+                raise ValueError(problem)
+        for layer in self.layers:
+            layer.crop(tokens_to_remove)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row ``i`` becomes row ``beam_idx[i]``."""

@@ -110,6 +110,8 @@ class LayerStore(CacheLayerMixin):
         self.policy_state: dict = {}
         self.decode_steps_since_compression = 0
         self.rope_tokens_seen = 0
+        # Tokens seen when the layer last evicted in a prompt (crop cannot roll back below it).
+        self.settled_tokens = 0
         self._clear()
 
     def _clear(self) -> None:
@@ -232,17 +234,67 @@ class LayerStore(CacheLayerMixin):
         self.policy_state = {}
         self.heads_per_kv_head = 1
         self.decode_steps_since_compression = 0
+        self.settled_tokens = 0
+
+    def crop_problem(self, tokens_to_remove: int) -> str | None:
+        """Why :meth:`crop` cannot roll this layer back (``None`` when it can). Reads the stored
+        positions back: a crop happens between forwards, never inside a compiled step."""
+        remove = self._tokens_to_crop(tokens_to_remove)
+        if remove == 0:
+            return None
+        if remove > self.tokens_seen:
+            return f"cannot remove {remove} tokens from layer {self.layer_index}: it has seen {self.tokens_seen}"
+        if self._packed or self._row_tokens_seen is not None:
+            return (
+                f"layer {self.layer_index} keeps a different number of tokens per head or per row (head-wise budgets, "
+                "or stacked caches): rolling it back is not supported"
+            )
+        length, new_seen = self._length, self.tokens_seen - remove
+        if new_seen < self.settled_tokens:
+            return (
+                f"layer {self.layer_index} was compressed with the first {self.settled_tokens} tokens, so it cannot be "
+                f"rolled back to {new_seen}: run the prompt through the cache before generating with an assistant "
+                "(transformers feeds the prompt and the first drafts in one forward)"
+            )
+        positions = self.dense()[2]
+        # Only tokens appended since the layer last evicted can go: the newest ``remove`` stored
+        # tokens must be exactly those at or past the new length.
+        if remove > length or not bool((positions[..., length - remove :] >= new_seen).all()):
+            return (
+                f"layer {self.layer_index} evicted some of the last {remove} tokens (or compressed after they "
+                "arrived): they cannot be rolled back"
+            )
+        if self.is_sliding and length - remove < min(new_seen, self.sliding_window - 1):
+            return f"layer {self.layer_index}'s window slid past tokens the rolled-back cache needs again"
+        return None
+
+    def _tokens_to_crop(self, tokens_to_remove: int) -> int:
+        # transformers passes minus the number of tokens to remove; a positive value is the legacy
+        # absolute length to keep (transformers < 5.24).
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
+            raise ValueError(f"invalid tokens_to_remove={tokens_to_remove!r}: expected an integer")
+        if not self.is_initialized:
+            return 0
+        if tokens_to_remove <= 0:
+            return -tokens_to_remove
+        return max(0, self.tokens_seen - tokens_to_remove)
 
     def crop(self, tokens_to_remove: int) -> None:
-        # Assisted/speculative decoding runs draft tokens through the cache and crops the rejected
-        # ones; a method may have evicted prompt tokens (or updated its scores) because of the
-        # drafts, which no crop can undo, so the result would not be what the method keeps.
-        raise ValueError(
-            "a kvhive cache cannot be cropped (rolled back), so it does not support assisted or speculative "
-            "decoding (generate with assistant_model=, prompt_lookup_num_tokens=, or a draft model): tokens its "
-            "method evicted while draft tokens were in the cache are gone. Generate without an assistant, or use "
-            "transformers' DynamicCache for assisted decoding"
-        )
+        """Roll back the newest tokens: assisted or speculative decoding's rejected drafts. Only
+        tokens appended since the layer last evicted can be removed (``crop_problem``); the freed
+        slots are zeroed, as a fixed decode capacity's empty slots must be."""
+        problem = self.crop_problem(tokens_to_remove)
+        if problem is not None:
+            raise ValueError(problem)
+        remove = self._tokens_to_crop(tokens_to_remove)
+        if remove == 0:
+            return
+        length = self._length
+        freed = slice(self._start + length - remove, self._start + length)
+        for buffer in (self._key_buffer, self._value_buffer, self._position_buffer, *self._score_buffers.values()):
+            buffer[:, :, freed].zero_()
+        self._length = length - remove
+        self.tokens_seen = self.tokens_seen - remove
 
     # Batch rows (beam search, contrastive search, batch slicing). ``KVHiveCache`` overrides the
     # cache-level methods to select its method's per-layer state too; these move the layer's tokens.
