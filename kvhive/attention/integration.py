@@ -26,6 +26,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from kvhive.attention.column_sums import column_sums, flash_attention_with_lse
+from kvhive.attention.column_sums import kernel_supports as column_sums_kernel_supports
 from kvhive.attention.varlen import kernel_supports, varlen_attention, varlen_attention_kernel
 from kvhive.cache.kv_cache import CACHE_POSITIONS, ORIGINAL_POSITIONS, PADDING_SCORE, KVHiveCache, active_update
 from kvhive.cache.rows import CacheRows
@@ -397,7 +399,11 @@ def _prefill(module, cache: KVHiveCache, layer_index, query, key, value, mask, s
     if policy.changes_attention_logits:  # every layer (BUZZ log n), compressed or not
         attended_queries = _row_logit_scale(policy, mask, key.shape[2], query)
     accumulated = None
-    if compressed and policy.prefill_column_sums and _fusable(module, attended_queries, key, value, mask, dropout, kwargs):
+    if (
+        compressed
+        and policy.prefill_column_sums
+        and _fusable(module, attended_queries, key, value, mask, dropout, kwargs)
+    ):
         # The policy scores by the prompt's column sums: one pass computes them with the output.
         output, accumulated = _attention_with_column_sums(attended_queries, key, value, mask, scaling)
     else:
@@ -410,9 +416,7 @@ def _prefill(module, cache: KVHiveCache, layer_index, query, key, value, mask, s
     if cache.record_prefill:
         cache.prefill_records[layer_index] = (attended_queries, mask, scaling)
     # Policies score with the queries the model attended with (as in decode).
-    cache.after_prefill(
-        layer_index, _prefill_scoring(cache, layer_index, attended_queries, mask, scaling, accumulated)
-    )
+    cache.after_prefill(layer_index, _prefill_scoring(cache, layer_index, attended_queries, mask, scaling, accumulated))
     return output, None
 
 
@@ -445,8 +449,16 @@ def _fusable(module, query, key, value, mask, dropout, kwargs) -> bool:
 
 def _attention_with_column_sums(query, key, value, mask, scaling):
     """``(output [B, q, Hq, dv], column sums [B, Hq, N] float32)`` of causal softmax attention
-    over ``mask`` (None: causal). The one computation is :meth:`ScoringInputs.attention_with_column_sums`
-    (chunked: every chunk's softmax exact, the output ``P V`` and the sums ``P`` from one ``QK^T``)."""
+    over ``mask`` (None: causal). The computation is :meth:`ScoringInputs.attention_with_column_sums`
+    (chunked: every chunk's softmax exact, the output ``P V`` and the sums ``P`` from one ``QK^T``),
+    except on CUDA in half precision without a mask: there sdpa's flash kernel gives the output
+    with each row's log-sum-exp and the Triton kernel sums ``exp(q.k * scale - lse)`` per key
+    (``kvhive.attention.column_sums``; its reference is the torch path)."""
+    if mask is None and query.is_cuda and column_sums_kernel_supports(query, key):
+        flash = flash_attention_with_lse(query, key, value, scaling)
+        if flash is not None:
+            output, lse = flash
+            return output.transpose(1, 2).contiguous(), column_sums(query, key, lse, scaling)
     batch, heads, num_keys, _ = key.shape
     positions = torch.arange(num_keys, device=key.device).expand(batch, heads, num_keys)
     scoring = ScoringInputs(
