@@ -55,6 +55,57 @@ def test_triton_varlen_kernel_matches_reference(dtype):
 
 # -- steady decode: no synchronisation, capturable as a CUDA graph -----------------------------------
 
+
+def _column_sum_inputs(padded: bool):
+    generator = torch.Generator().manual_seed(5)
+    batch, query_heads, heads, tokens, dim = 2, 8, 2, 700, 128
+    q, k, v = (
+        torch.randn(batch, h, tokens, dim, generator=generator).to("cuda", torch.bfloat16)
+        for h in (query_heads, heads, heads)
+    )
+    mask = None
+    if padded:
+        mask = torch.ones(tokens, tokens, dtype=torch.bool, device="cuda").tril()[None, None].repeat(batch, 1, 1, 1)
+        mask[1, :, :, :37] = False
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["causal", "left-padded"])
+def test_prefill_column_sum_kernel_matches_the_torch_path_in_bf16(padded):
+    """The prefill's column sums on CUDA (flash attention's output and lse, then the Triton
+    column-sum kernel; with a padding mask the kernel after a float64 lse) against the torch path
+    (ScoringInputs.attention_with_column_sums, bf16 logits) and a float64 reference.
+
+    Tolerances: the kernel multiplies bf16 inputs exactly into float32 and exponentiates against a
+    float32 lse, so its sums (up to ~700) are within 1e-3 relative of float64; the torch path
+    rounds each logit to bf16 (relative step 2**-8, |logit| ~ 1: a weight off by ~0.4%), so the
+    two agree within 2e-2 relative; outputs within two bf16 steps (|o| < 4)."""
+    from kvhive.attention.column_sums import column_sums, flash_attention_with_lse
+    from kvhive.attention.integration import _attention_with_column_sums
+    from kvhive.methods.base import ScoringInputs
+
+    q, k, v, mask = _column_sum_inputs(padded)
+    batch, heads, tokens, dim = k.shape
+    scaling = dim**-0.5
+    group = q.shape[1] // heads
+    logits = q.double() @ k.double().repeat_interleave(group, dim=1).transpose(-1, -2) * scaling
+    allowed = torch.ones(tokens, tokens, dtype=torch.bool, device="cuda").tril()[None, None] if mask is None else mask
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    expected = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(dim=2)
+    positions = torch.arange(tokens, device="cuda").expand(batch, heads, tokens)
+    torch_output, torch_sums = ScoringInputs(
+        k, v, q, positions, mask, scaling, 0, 1, tokens, "prefill"
+    ).attention_with_column_sums()
+    if padded:
+        sums = column_sums(q, k, torch.logsumexp(logits, dim=-1).float(), scaling, mask)
+    else:
+        assert flash_attention_with_lse(q, k, v, scaling) is not None  # the kernel path runs
+        output, sums = _attention_with_column_sums(q, k, v, None, scaling)
+        torch.testing.assert_close(output.transpose(1, 2).float(), torch_output.float(), atol=3.2e-2, rtol=0)
+    torch.testing.assert_close(sums.double(), expected, rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(sums, torch_sums, rtol=2e-2, atol=2e-2)
+
+
 WARM_UP_STEPS = 4  # the first appends grow the buffers and compile kernels: not the steady state
 # More decode steps than the longest period of a registered method's decode work (BUZZ evicts every
 # `stride` = 5 steps), so every kind of step is checked.

@@ -26,11 +26,13 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from kvhive.attention.column_sums import column_sums, flash_attention_with_lse
+from kvhive.attention.column_sums import kernel_supports as column_sums_kernel_supports
 from kvhive.attention.varlen import kernel_supports, varlen_attention, varlen_attention_kernel
 from kvhive.cache.kv_cache import CACHE_POSITIONS, ORIGINAL_POSITIONS, PADDING_SCORE, KVHiveCache, active_update
 from kvhive.cache.rows import CacheRows
 from kvhive.cache.storage import PAGE_TOKENS
-from kvhive.methods.base import DECODE, ScoringInputs, causal_mask
+from kvhive.methods.base import DECODE, PREFILL, ScoringInputs, causal_mask
 
 ATTENTION_NAME = "kvhive"
 
@@ -399,21 +401,88 @@ def _prefill(module, cache: KVHiveCache, layer_index, query, key, value, mask, s
     attended_queries = query
     if policy.changes_attention_logits:  # every layer (BUZZ log n), compressed or not
         attended_queries = _row_logit_scale(policy, mask, key.shape[2], query)
-    # No mask (no padding, no window in reach): transformers' sdpa runs its causal kernels.
-    output, _ = sdpa_attention_forward(
-        module, attended_queries, key, value, mask, dropout=dropout, scaling=scaling, **kwargs
-    )
+    accumulated = None
+    if (
+        compressed
+        and policy.prefill_column_sums
+        and _fusable(module, attended_queries, key, value, mask, dropout, kwargs)
+    ):
+        # The policy scores by the prompt's column sums: one pass computes them with the output.
+        output, accumulated = _attention_with_column_sums(attended_queries, key, value, mask, scaling)
+    else:
+        # No mask (no padding, no window in reach): transformers' sdpa runs its causal kernels.
+        output, _ = sdpa_attention_forward(
+            module, attended_queries, key, value, mask, dropout=dropout, scaling=scaling, **kwargs
+        )
 
     _record_padding(cache.layers[layer_index], mask)
     if cache.record_prefill:
         cache.prefill_records[layer_index] = (attended_queries, mask, scaling)
     # Policies score with the queries the model attended with (as in decode).
-    cache.after_prefill(layer_index, _prefill_scoring(cache, layer_index, attended_queries, mask, scaling))
+    cache.after_prefill(layer_index, _prefill_scoring(cache, layer_index, attended_queries, mask, scaling, accumulated))
     return output, None
 
 
-def _prefill_scoring(cache: KVHiveCache, layer_index: int, query, mask, scaling):
-    """A factory of the :class:`ScoringInputs` of one layer right after its prefill."""
+# Keywords of transformers' attention call that change what sdpa computes: with any of them set,
+# the prefill runs sdpa and the scoring computes its column sums itself.
+_ATTENTION_CHANGES = ("softcap", "position_bias", "s_aux", "sinks", "head_mask")
+
+
+def _fusable(module, query, key, value, mask, dropout, kwargs) -> bool:
+    """Whether the prefill attention may be computed by kvhive's pass with column sums: plain
+    causal softmax attention (what sdpa_attention_forward computes for these arguments) with the
+    queries the newest of the keys, no dropout, nothing that changes the logits."""
+    is_causal = kwargs.get("is_causal")
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    num_queries, num_keys = query.shape[2], key.shape[2]
+    return (
+        dropout == 0.0
+        and bool(is_causal)
+        and num_queries > 1
+        # Without a mask sdpa's causal kernels align the queries with the first keys: only a
+        # prompt over exactly its own keys reads the same both ways.
+        and (mask is not None or num_keys == num_queries)
+        and (mask is None or (mask.dim() == 4 and mask.shape[-2:] == (num_queries, num_keys)))
+        and query.shape[1] % key.shape[1] == 0
+        and key.shape[1] == value.shape[1]
+        and all(kwargs.get(name) is None for name in _ATTENTION_CHANGES)
+    )
+
+
+def _attention_with_column_sums(query, key, value, mask, scaling):
+    """``(output [B, q, Hq, dv], column sums [B, Hq, N] float32)`` of causal softmax attention
+    over ``mask`` (None: causal). The computation is :meth:`ScoringInputs.attention_with_column_sums`
+    (chunked: every chunk's softmax exact, the output ``P V`` and the sums ``P`` from one ``QK^T``),
+    except on CUDA in half precision without a mask: there sdpa's flash kernel gives the output
+    with each row's log-sum-exp and the Triton kernel sums ``exp(q.k * scale - lse)`` per key
+    (``kvhive.attention.column_sums``; its reference is the torch path)."""
+    if mask is None and query.is_cuda and column_sums_kernel_supports(query, key):
+        flash = flash_attention_with_lse(query, key, value, scaling)
+        if flash is not None:
+            output, lse = flash
+            return output.transpose(1, 2).contiguous(), column_sums(query, key, lse, scaling)
+    batch, heads, num_keys, _ = key.shape
+    positions = torch.arange(num_keys, device=key.device).expand(batch, heads, num_keys)
+    scoring = ScoringInputs(
+        keys=key,
+        values=value,
+        queries=query,
+        positions=positions,
+        mask=mask,
+        scaling=scaling,
+        layer_index=0,
+        num_layers=1,
+        sequence_length=num_keys,
+        phase=PREFILL,
+    )
+    output, sums = scoring.attention_with_column_sums()
+    return output.to(query.dtype).transpose(1, 2).contiguous(), sums
+
+
+def _prefill_scoring(cache: KVHiveCache, layer_index: int, query, mask, scaling, accumulated=None):
+    """A factory of the :class:`ScoringInputs` of one layer right after its prefill (``accumulated``:
+    the column sums the attention computed with its output, or None)."""
     store = cache.layers[layer_index]
 
     def make_scoring(phase: str) -> ScoringInputs:
@@ -435,6 +504,7 @@ def _prefill_scoring(cache: KVHiveCache, layer_index: int, query, mask, scaling)
             sequence_length=store.tokens_seen,
             phase=phase,
             token_scores=dict(token_scores),
+            accumulated_weights=accumulated,
         )
 
     return make_scoring

@@ -342,6 +342,7 @@ def _build_ada_class(scorer_class: type[ScorerPolicy]) -> type[AdaKV]:
         {
             "name": f"ada-{scorer_class.name}",
             "scorer_class": scorer_class,
+            "prefill_column_sums": scorer_class.prefill_column_sums,
             "config_class": config_class,
             "paper": paper,
             "__module__": __name__,

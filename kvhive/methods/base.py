@@ -34,8 +34,10 @@ def require_choice(value: Any, parameter: str, options: Any) -> None:
 
 
 # Element count above which attention statistics are computed in query chunks, so that a long
-# prompt never materialises a full n x n probability tensor per head.
-_CHUNK_ELEMENTS = 1 << 24
+# prompt never materialises a full n x n probability tensor per head. 2**22 float32 (16 MiB): on
+# CPU the prefill pass with column sums (kv-heavy shape, 4k prompt: 64-row chunks) ran 1.15x
+# flash sdpa's time, against 1.5x with 2**24 (chunks past the caches) and 1.2x with 2**21.
+_CHUNK_ELEMENTS = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,9 @@ class ScoringInputs:
     phase: Phase
     token_scores: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     last_query_weights: torch.Tensor | None = None
+    # Column sums [B, Hq, N] (float32) of every query's weights, computed by the attention in the
+    # pass that produced its output (a policy with ``prefill_column_sums``); None: computed here.
+    accumulated_weights: torch.Tensor | None = None
     _memo: dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
@@ -224,11 +229,35 @@ class ScoringInputs:
         """Column sums ``[B, Hq, N]`` (float32) of the weights of query rows ``first_row..q-1``,
         chunked."""
         key = ("summed", first_row, logit_multiplier)
-        if key in self._memo:
-            return self._memo[key]
+        if key not in self._memo:
+            self._memo[key] = self._chunked_attention(first_row, logit_multiplier)[0]
+        return self._memo[key]
+
+    def attention_with_column_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention output ``[B, Hq, q, dv]`` (the values' dtype) and the column sums
+        ``[B, Hq, N]`` (float32) of every query's weights, in one pass over query chunks.
+
+        Each chunk's rows see every key they may attend, so their softmax is exact: the output
+        rows are ``P V`` (weights cast to the values' dtype, the product accumulating in fp32, as
+        sdpa's kernels do) and the column sums add ``P`` over the rows, from the same
+        :meth:`attention_weights` as :meth:`summed_attention` (bit for bit the same sums). The
+        sums are memoised as :meth:`accumulated_attention`'s. A fully masked query row (left
+        padding) gets weights 0, hence an output of 0."""
+        total, output = self._chunked_attention(0, 1.0, with_output=True)
+        self._memo[("summed", 0, 1.0)] = total
+        return output, total
+
+    def _chunked_attention(
+        self, first_row: int, logit_multiplier: float | tuple[float, ...], with_output: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         b, hq, q, _ = self.queries.shape
         rows_per_chunk = max(1, _CHUNK_ELEMENTS // max(1, b * hq * self.num_tokens))
         total = torch.zeros(b, hq, self.num_tokens, dtype=torch.float32, device=self.keys.device)
+        output = None
+        if with_output:
+            values = self.values
+            h, dv = values.shape[1], values.shape[-1]
+            output = torch.empty(b, h, hq // h, q, dv, dtype=values.dtype, device=values.device)
         # In prefill the queries are the newest q stored tokens (they were just appended, oldest
         # first), so query row r cannot see keys past ``offset + r``: each chunk only multiplies
         # against the keys it may see. Known from the shapes alone (no host read).
@@ -239,8 +268,15 @@ class ScoringInputs:
             visible = offset + stop if causal else self.num_tokens
             weights = self.attention_weights(slice(start, stop), logit_multiplier, num_keys=visible)
             total[..., :visible] += weights.sum(dim=2)
-        self._memo[key] = total
-        return total
+            if output is not None:
+                # [B, H, G*rows, K] @ [B, H, K, dv]: values read once per stored head.
+                rows = stop - start
+                grouped = weights.reshape(b, h, (hq // h) * rows, visible).to(values.dtype)
+                product = torch.matmul(grouped, values[:, :, :visible])
+                output[:, :, :, start:stop] = product.view(b, h, hq // h, rows, dv)
+        if output is not None:
+            output = output.view(b, hq, q, -1)
+        return total, output
 
     def observation_attention(self, window: int) -> torch.Tensor:
         """Weights ``[B, Hq, w, N]`` of the last ``window`` queries (SnapKV's observation window)."""
@@ -248,7 +284,10 @@ class ScoringInputs:
         return self.attention_weights(slice(start, self.num_queries))
 
     def accumulated_attention(self) -> torch.Tensor:
-        """H2O's accumulated attention ``[B, Hq, N]``: column sums over all current queries."""
+        """H2O's accumulated attention ``[B, Hq, N]``: column sums over all current queries (the
+        attention's own when it computed them with its output, ``accumulated_weights``)."""
+        if self.accumulated_weights is not None:
+            return self.accumulated_weights
         return self.summed_attention(0)
 
     def recent_accumulated_attention(
@@ -364,6 +403,13 @@ class Policy:
     # -- prefill -----------------------------------------------------------------------------
     def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
         raise NotImplementedError(f"{self.name} has no prefill phase")
+
+    prefill_column_sums: ClassVar[bool] = False
+    """The prefill decision (or ``initialize_decode``) reads :meth:`ScoringInputs.accumulated_attention`,
+    the column sums of the prompt's causal attention: a compressed layer's prefill attention then
+    computes them in the pass that computes its output (``ScoringInputs.attention_with_column_sums``
+    on CPU, the column-sum kernel after flash attention on CUDA) instead of a second ``QK^T``
+    pass for scoring."""
 
     # -- decode ------------------------------------------------------------------------------
     needs_decode_attention: ClassVar[bool] = False

@@ -165,6 +165,7 @@ class BumbleBee(Policy):
     config_class = BumbleBeeConfig
     paper = "Kumari et al. 2024, Algorithms 1-2 (submodular summary + local context), phi = log(1+x)"
     needs_decode_attention = True
+    prefill_column_sums = True  # accumulated attention of the prompt, with the attention's output
 
     @property
     def concave(self) -> Concave:

@@ -375,6 +375,7 @@ class Buzz(Policy):
     config_class = BuzzConfig
     paper = "Zhao et al. 2024 (BUZZ), Algorithms 1-2, Remark 2, Theorem 3.1; budget = mean size held"
     needs_decode_attention = True
+    prefill_column_sums = True  # accumulated attention of the prompt, with the attention's output
 
     # -- budget --------------------------------------------------------------------------------
     def minimum_budget(self) -> int:

@@ -40,6 +40,7 @@ class H2O(ScorerPolicy):
     config_class = H2OConfig
     paper = "Zhang et al. 2023, Algorithm 1 (heavy hitters + recent)"
     needs_decode_attention = True
+    prefill_column_sums = True  # accumulated attention of the prompt, with the attention's output
 
     def _recent_count(self, budget: int) -> int:
         return budget - int(budget * self.config.heavy_fraction)

@@ -1,0 +1,220 @@
+"""Column sums of causal softmax attention from the rows' log-sum-exp (Triton; issue 25 item 1).
+
+A policy that scores prompt tokens by accumulated attention (H2O, BUZZ, BumbleBee) needs, per
+query head ``h`` and key ``n``, ``sum_i softmax(q_i K^T * scale)[n] = sum_i exp(q_i . k_n * scale
+- lse_i)`` over the query rows ``i`` that may attend ``n``. A flash kernel returns ``lse`` (the
+row log-sum-exp) with its output, so the column sums need no softmax of their own: this kernel
+recomputes ``q . k`` block by block, exponentiates against ``lse`` and sums over query rows.
+
+Program ``(j, b * H + h)`` loads key block ``j`` of stored head ``h`` once and walks the query
+rows of every query head of its group (GQA without repeating keys) from the first row that may
+see the block (causal: the queries are the newest ``q`` of ``N`` keys), accumulating in float32
+registers. An optional boolean mask ``[B, 1, q, N]`` (the model's: padding, a window) is applied
+on top of causality. Each key column is written once (no atomics).
+
+The torch reference, and the path everywhere the kernel does not run, is
+:meth:`kvhive.methods.base.ScoringInputs.attention_with_column_sums` (tests/column_sums_check.py
+runs this kernel in Triton's interpreter against it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # Triton ships with CUDA builds of PyTorch; CPU builds may lack it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the installation
+    triton = None
+    tl = None
+
+_LOG2E = 1.4426950408889634
+
+if triton is not None:
+
+    @triton.jit
+    def _column_sums_kernel(
+        query,
+        key,
+        lse,
+        mask,
+        out,
+        stride_qb,
+        stride_qh,
+        stride_qm,
+        stride_kb,
+        stride_kh,
+        stride_kn,
+        stride_lb,
+        stride_lh,
+        stride_mb,
+        stride_mm,
+        stride_mn,
+        stride_ob,
+        stride_oh,
+        num_heads,
+        num_queries,
+        num_keys,
+        scale_log2,
+        GROUP: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        HAS_MASK: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        block = tl.program_id(0)
+        pair = tl.program_id(1)
+        b = pair // num_heads
+        h = pair % num_heads
+        n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        d = tl.arange(0, BLOCK_D)
+        in_keys = n < num_keys
+        k = tl.load(
+            key + b * stride_kb + h * stride_kh + n[:, None] * stride_kn + d[None, :],
+            mask=in_keys[:, None] & (d[None, :] < HEAD_DIM),
+            other=0.0,
+        )
+        offset = num_keys - num_queries  # query row r sits at position offset + r
+        # The first query row that may see this block's first key (rows before it see none of it).
+        first_row = tl.maximum(block * BLOCK_N - offset, 0)
+        first_row = (first_row // BLOCK_M) * BLOCK_M
+        for g in range(GROUP):
+            head = h * GROUP + g
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for start in range(first_row, num_queries, BLOCK_M):
+                r = start + tl.arange(0, BLOCK_M)
+                in_rows = r < num_queries
+                q = tl.load(
+                    query + b * stride_qb + head * stride_qh + r[:, None] * stride_qm + d[None, :],
+                    mask=in_rows[:, None] & (d[None, :] < HEAD_DIM),
+                    other=0.0,
+                )
+                row_lse = tl.load(lse + b * stride_lb + head * stride_lh + r, mask=in_rows, other=0.0)
+                if IEEE:
+                    logits = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    logits = tl.dot(q, tl.trans(k))
+                allowed = in_rows[:, None] & in_keys[None, :] & (n[None, :] <= offset + r[:, None])
+                if HAS_MASK:
+                    allowed &= (
+                        tl.load(
+                            mask + b * stride_mb + r[:, None] * stride_mm + n[None, :] * stride_mn,
+                            mask=in_rows[:, None] & in_keys[None, :],
+                            other=0,
+                        )
+                        != 0
+                    )
+                # A fully masked row (left padding) has lse -inf: where() drops its NaN.
+                weights = tl.where(allowed, tl.exp2(logits * scale_log2 - row_lse[:, None] * 1.4426950408889634), 0.0)
+                acc += tl.sum(weights, axis=0)
+            tl.store(out + b * stride_ob + head * stride_oh + n, acc, mask=in_keys)
+
+
+def kernel_supports(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None = None) -> bool:
+    """Whether :func:`column_sums` runs on these tensors: Triton on a CUDA device (or its CPU
+    interpreter), float32/16/bf16, head dim <= 256, queries the newest of the keys, query heads a
+    multiple of key heads, a mask (if any) ``[B, 1, q, N]`` boolean."""
+    if triton is None or not (query.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    batch, query_heads, num_queries, dim = query.shape
+    return (
+        query.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        and key.dtype == query.dtype
+        and key.shape[0] == batch
+        and key.shape[-1] == dim <= 256
+        and query_heads % key.shape[1] == 0
+        and key.shape[2] >= num_queries
+        and query.stride(-1) == 1
+        and key.stride(-1) == 1
+        and (
+            mask is None
+            or (
+                mask.dtype == torch.bool
+                and mask.dim() == 4
+                and mask.shape[1] == 1
+                and mask.shape[-2:] == (num_queries, key.shape[2])
+            )
+        )
+    )
+
+
+def column_sums(
+    query: torch.Tensor, key: torch.Tensor, lse: torch.Tensor, scaling: float, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Column sums ``[B, Hq, N]`` (float32) of ``softmax(query key^T * scaling)`` over the causal
+    keys of each query row (and ``mask`` ``[B, 1, q, N]``, True = may attend, if given).
+
+    ``query`` ``[B, Hq, q, d]`` (the newest ``q`` of the ``N`` keys), ``key`` ``[B, H, N, d]``,
+    ``lse`` ``[B, Hq, >= q]`` float32: the natural log-sum-exp of each row's scaled logits over the
+    keys it attends (what flash attention returns; ``-inf`` for a row that attends nothing)."""
+    batch, query_heads, num_queries, dim = query.shape
+    heads, num_keys = key.shape[1], key.shape[2]
+    out = torch.zeros(batch, query_heads, num_keys, dtype=torch.float32, device=query.device)
+    lse = lse.float()
+    block_d = max(16, triton.next_power_of_2(dim))
+    block_n = 64 if block_d <= 128 else 32
+    block_m = 64 if block_d <= 128 else 32
+    if mask is not None:
+        mask_arg, mask_strides = mask, (mask.stride(0), mask.stride(2), mask.stride(3))
+    else:
+        mask_arg, mask_strides = out, (0, 0, 0)  # never read (HAS_MASK False)
+    grid = (triton.cdiv(num_keys, block_n), batch * heads)
+    _column_sums_kernel[grid](
+        query,
+        key,
+        lse,
+        mask_arg,
+        out,
+        query.stride(0),
+        query.stride(1),
+        query.stride(2),
+        key.stride(0),
+        key.stride(1),
+        key.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        *mask_strides,
+        out.stride(0),
+        out.stride(1),
+        heads,
+        num_queries,
+        num_keys,
+        scaling * _LOG2E,
+        GROUP=query_heads // heads,
+        HEAD_DIM=dim,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        HAS_MASK=mask is not None,
+        IEEE=query.dtype == torch.float32,
+    )
+    return out
+
+
+def flash_attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float):
+    """Causal attention ``(output [B, Hq, q, d], lse [B, Hq, q] float32)`` by sdpa's flash kernel
+    (CUDA, float16/bfloat16, no mask, ``q == N``), which returns the row log-sum-exp with its output;
+    None where it does not run. Keys and values are given per stored head (flash attention reads
+    a group's keys once); where the kernel refuses that, they are repeated per query head."""
+    if not (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256):
+        return None
+    if key.shape[2] != query.shape[2]:
+        return None
+    flash = torch.ops.aten._scaled_dot_product_flash_attention
+    try:
+        result = flash(query, key, value, 0.0, True, False, scale=scaling)
+    except RuntimeError:
+        group = query.shape[1] // key.shape[1]
+        if group == 1:
+            return None
+        key = key.repeat_interleave(group, dim=1)
+        value = value.repeat_interleave(group, dim=1)
+        try:
+            result = flash(query, key, value, 0.0, True, False, scale=scaling)
+        except RuntimeError:
+            return None
+    return result[0], result[1]

@@ -1,0 +1,198 @@
+"""Accumulated attention without a second pass (issue 25 item 1).
+
+H2O, BUZZ and BumbleBee score prompt tokens by the column sums of the prefill's causal softmax
+attention. A compressed layer of such a method (``Policy.prefill_column_sums``) computes its
+attention output and the column sums in one pass over query chunks
+(``ScoringInputs.attention_with_column_sums``) instead of sdpa followed by a second ``QK^T``
+pass for the scoring. These tests hold it to the two-pass results (the column sums bit for bit:
+the same chunks of the same ``attention_weights``), to sdpa's output, and to one ``QK^T``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import kvhive
+from kvhive.compat import cache_kwarg
+from kvhive.methods import base
+from kvhive.models import tiny_model
+
+HEAD_DIM = 16  # the tiny models' head dimension (their hidden size is 64)
+
+
+def random_attention(dtype, batch=2, query_heads=4, heads=2, tokens=37, dim=HEAD_DIM, padding=5, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, query_heads, tokens, dim, generator=generator).to(dtype)
+    k = torch.randn(batch, heads, tokens, dim, generator=generator).to(dtype)
+    v = torch.randn(batch, heads, tokens, dim, generator=generator).to(dtype)
+    mask = None
+    if padding:
+        mask = torch.ones(tokens, tokens, dtype=torch.bool).tril()[None, None].repeat(batch, 1, 1, 1)
+        mask[1, :, :, :padding] = False  # row 1 is left-padded: nothing attends its first tokens
+    return q, k, v, mask
+
+
+def dense_reference(q, k, v, mask, scaling):
+    """float64 softmax attention over the whole matrix: (output [B, Hq, q, d], column sums [B, Hq, N])."""
+    group = q.shape[1] // k.shape[1]
+    keys = k.double().repeat_interleave(group, dim=1)
+    values = v.double().repeat_interleave(group, dim=1)
+    logits = q.double() @ keys.transpose(-1, -2) * scaling
+    n = k.shape[2]
+    allowed = torch.ones(n, n, dtype=torch.bool).tril()[None, None] if mask is None else mask
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a fully masked (padding) row: 0
+    return weights @ values, weights.sum(dim=2)
+
+
+class _ModuleLike:
+    num_key_value_groups = 2
+    is_causal = True
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["causal", "left-padded"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_pass_equals_the_two_pass_scoring_and_sdpa(dtype, padded, monkeypatch):
+    """GQA (4 query heads over 2), batch 2, chunks of 5 query rows (so several chunks, the last
+    one short): the column sums are the two-pass scoring's bit for bit, close to a float64
+    reference, and the output is sdpa's.
+
+    Tolerances: float32 differs from sdpa and the reference by summation order only (1e-5);
+    bfloat16 forms the logits and the output in bf16 (8 mantissa bits, relative step 2**-8),
+    so the output (|o| < 4, a bf16 step of 1.6e-2 at 2..4) is within two such steps of sdpa's
+    and a column sum (up to 37 weights, each off by ~1% through its bf16 logit) within 0.1 of
+    float64."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from kvhive.attention.integration import _attention_with_column_sums
+    from kvhive.methods.base import ScoringInputs
+
+    q, k, v, mask = random_attention(dtype, padding=5 if padded else 0)
+    batch, query_heads, tokens, _ = q.shape
+    monkeypatch.setattr(base, "_CHUNK_ELEMENTS", 5 * batch * query_heads * tokens)
+    scaling = 0.3
+    output, sums = _attention_with_column_sums(q, k, v, mask, scaling)  # [B, q, Hq, d], [B, Hq, N]
+
+    positions = torch.arange(tokens).expand(batch, k.shape[1], tokens)
+    two_pass = ScoringInputs(k, v, q, positions, mask, scaling, 0, 1, tokens, "prefill").summed_attention(0)
+    assert sums.dtype == torch.float32
+    assert torch.equal(sums, two_pass)
+
+    expected_output, expected_sums = dense_reference(q, k, v, mask, scaling)
+    stock, _ = sdpa_attention_forward(_ModuleLike(), q, k, v, mask, scaling=scaling)
+    assert output.dtype == dtype and output.shape == stock.shape
+    output_atol, sums_atol = (1e-5, 1e-5) if dtype == torch.float32 else (3.2e-2, 0.1)
+    torch.testing.assert_close(output.float(), stock.float(), atol=output_atol, rtol=0)
+    torch.testing.assert_close(output.double().transpose(1, 2), expected_output, atol=output_atol, rtol=0)
+    torch.testing.assert_close(sums.double(), expected_sums, atol=sums_atol, rtol=0)
+    if padded:  # padding keys get nothing, padding queries add nothing and attend nothing
+        assert (sums[1, :, :5] == 0).all()
+        assert (output[1, :5] == 0).all()
+
+
+def _prefill(model, method, input_ids, attention_mask, **parameters):
+    cache = kvhive.make_cache(model, method, budget=12, **parameters)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, **{cache_kwarg(model): cache}).logits
+    return cache, logits
+
+
+@pytest.mark.parametrize("method", ["h2o", "buzz", "bumblebee", "ada-h2o"])
+def test_a_model_keeps_what_the_two_pass_scoring_keeps(method, monkeypatch):
+    """A left-padded batch of two through a tiny GQA Llama: logits equal sdpa's (full cache) and
+    the kept positions and running scores equal those of the two-pass scoring (the policy made
+    to not declare its column sums). fp32: logits within 1e-5 (summation order)."""
+    from helpers import left_padded_batch
+
+    model = tiny_model("llama", "gqa")
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=40, pad=5)
+    if method == "buzz":  # BUZZ refuses rows of different lengths: no padding
+        attention_mask = torch.ones_like(attention_mask)
+    _, stock = _prefill(model, "full", input_ids, attention_mask)
+    fused_cache, fused = _prefill(model, method, input_ids, attention_mask)
+    assert type(fused_cache.policy).prefill_column_sums
+    monkeypatch.setattr(type(fused_cache.policy), "prefill_column_sums", False)
+    two_pass_cache, two_pass = _prefill(model, method, input_ids, attention_mask)
+    real = attention_mask.bool()
+    torch.testing.assert_close(fused[real], stock[real], atol=1e-5, rtol=0)
+    torch.testing.assert_close(fused[real], two_pass[real], atol=1e-5, rtol=0)
+    for fused_layer, two_pass_layer in zip(fused_cache.layers, two_pass_cache.layers, strict=True):
+        _, _, fused_positions, fused_scores = fused_layer.dense()
+        _, _, two_pass_positions, two_pass_scores = two_pass_layer.dense()
+        assert torch.equal(fused_positions, two_pass_positions)
+        assert fused_scores.keys() == two_pass_scores.keys()
+        for name in fused_scores:
+            torch.testing.assert_close(fused_scores[name], two_pass_scores[name], atol=1e-5, rtol=0)
+
+
+class _QueryKeyProducts(TorchDispatchMode):
+    """Counts the query rows multiplied with keys: every (batch, head, query row) of a product
+    whose inner dimension is the head dimension (the model's projections have inner dimension
+    64 or 128, a ``P V`` product the number of keys), and every query row of a fused sdpa kernel.
+    Also counts the sdpa kernels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows = 0
+        self.sdpa_calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name.startswith("_scaled_dot_product") and not name.endswith("_backward"):
+            self.sdpa_calls += 1
+            query = args[0]
+            self.rows += query.shape[0] * query.shape[1] * query.shape[2]
+        elif name in ("bmm", "mm", "baddbmm", "addmm"):
+            left, right = (args[1], args[2]) if name.startswith(("baddbmm", "addmm")) else (args[0], args[1])
+            if left.shape[-1] == HEAD_DIM and right.shape[-2] == HEAD_DIM:
+                self.rows += left.numel() // HEAD_DIM
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("method", ["h2o", "buzz", "bumblebee"])
+def test_the_prefill_multiplies_queries_and_keys_once(method):
+    """Prefill of 40 tokens at budget 12 on a 2-layer GQA Llama (4 query heads of dim 16): every
+    (query head, query row) of every layer meets the keys once; the two-pass scoring met them twice
+    (sdpa, then the scoring's chunks). BumbleBee's own key-similarity products (keys x keys,
+    inner dimension 16 too) are left out by counting its rows only up to the attention."""
+    model = tiny_model("llama", "gqa")
+    assert model.config.head_dim == HEAD_DIM and model.config.hidden_size != HEAD_DIM
+    tokens = 40
+    input_ids = torch.randint(3, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(1))
+    cache = kvhive.make_cache(model, method, budget=12)
+    counter = _QueryKeyProducts()
+    if method == "bumblebee":  # its summary's similarity products are not attention
+        policy_class = type(cache.policy)
+        original = policy_class.select_prefill
+
+        def select_prefill(self, *args, **kwargs):
+            with torch.utils._python_dispatch._disable_current_modes():
+                return original(self, *args, **kwargs)
+
+        policy_class.select_prefill = select_prefill
+    try:
+        with torch.no_grad(), counter:
+            model(input_ids=input_ids, **{cache_kwarg(model): cache})
+    finally:
+        if method == "bumblebee":
+            policy_class.select_prefill = original
+    layers = model.config.num_hidden_layers
+    assert all(cache.is_compressed(index) for index in range(layers))
+    assert counter.rows == layers * model.config.num_attention_heads * tokens
+    assert counter.sdpa_calls == 0
+
+
+@pytest.mark.filterwarnings("ignore:method 'full' keeps every token")
+def test_other_methods_keep_sdpa():
+    """SnapKV (observation-window scores) and the full cache run the model's sdpa at prefill."""
+    model = tiny_model("llama", "gqa")
+    input_ids = torch.randint(3, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
+    for method in ("full", "snapkv"):
+        cache = kvhive.make_cache(model, method, budget=34)  # SnapKV's least: its window, 32
+        counter = _QueryKeyProducts()
+        with torch.no_grad(), counter:
+            model(input_ids=input_ids, **{cache_kwarg(model): cache})
+        assert counter.sdpa_calls == model.config.num_hidden_layers, method
