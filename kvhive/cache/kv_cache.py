@@ -258,6 +258,12 @@ class KVHiveCache(Cache):
         self._budgets_resolved_on: int | None = None
         self.prefill_chunk = prefill_chunk
         self.decode_capacity = decode_capacity
+        if decode_capacity is not None and DECODE not in policy.phases:
+            for layer in self.layers:
+                if not layer.is_sliding:
+                    # A layer packed at prefill (head-wise budgets) is laid out with the room for the
+                    # decode tokens at once (reserve_decode then finds it there: no second copy).
+                    layer.segment_reserve_tokens = max(layer.segment_reserve_tokens, decode_capacity)
         self._compileable = self._static_decode()
         if budget.tokens is not None:
             problem = minimum_budget_problem(policy, budget.tokens)
@@ -326,12 +332,19 @@ class KVHiveCache(Cache):
         per KV head; sliding-window layers keep their window in place (``LayerStore.drop_oldest``).
         Layers that grow (the full cache, prefill-only methods) compile with a fixed decode capacity
         (``decode_capacity``: room for that many decode tokens, attention over the whole capacity
-        with the empty slots masked); without one they change shape at every step and decode eagerly."""
+        with the empty slots masked); without one they change shape at every step and decode eagerly.
+        That holds for head-wise budgets too (Ada-KV: a packed layer, each segment with its own room,
+        attention over every page of the buffers with the slots past each segment's length masked),
+        except in compressed sliding-window layers, whose packed heads drop tokens outside the window
+        by their host-side lengths."""
         policy = self.policy
         # A layer that only grows while decoding (no decode phase) has one shape with a fixed capacity.
         # (A method that does not declare its kept counts may keep different counts per head: packed.)
         declares_counts = not policy.phases or type(policy).kept_per_row is not Policy.kept_per_row
-        grows_in_place = DECODE not in policy.phases and self.decode_capacity is not None and declares_counts
+        packed_sliding = not declares_counts and any(
+            layer.is_sliding and self.is_compressed(index) for index, layer in enumerate(self.layers)
+        )
+        grows_in_place = DECODE not in policy.phases and self.decode_capacity is not None and not packed_sliding
         return (
             ((policy.static_decode and DECODE in policy.phases) or grows_in_place)
             and self.positions == ORIGINAL_POSITIONS

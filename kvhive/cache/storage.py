@@ -81,6 +81,9 @@ class LayerStore(CacheLayerMixin):
         self.has_padding = False
         # Replication of each KV head when a policy stores one copy per query head.
         self.heads_per_kv_head = 1
+        # Room each packed segment gets for appends when the layer is packed (a cache with a decode
+        # capacity sets it to that capacity, so the layout made at prefill already has the room).
+        self.segment_reserve_tokens = SEGMENT_RESERVE_TOKENS
         self.policy_state: dict = {}
         self.decode_steps_since_compression = 0
         self.rope_tokens_seen = 0
@@ -104,6 +107,19 @@ class LayerStore(CacheLayerMixin):
         self._segment_capacity_host: torch.Tensor | None = None  # int64 [S]
         self._segment_start: torch.Tensor | None = None  # device int64 [S]
         self._segment_length: torch.Tensor | None = None  # device int32 [S]
+        self._segment_capacity: torch.Tensor | None = None  # device int64 [S]
+        # Pages of the packed buffers (fixed by the layout): the segment of each page and the offset
+        # of its first slot in that segment (device int64 [P]), so attention over every page needs
+        # only the device lengths; and the largest segment capacity (host int): a bound on any
+        # segment's length that does not change from one decode step to the next.
+        self._page_segment: torch.Tensor | None = None
+        self._page_offset: torch.Tensor | None = None
+        self._packed_bound = 0
+        # Host mirrors of the packed lengths, stale after compiled decode steps appended at the
+        # device lengths (refreshed from them, one read, when next asked for outside such a step).
+        self._packed_stale = False
+        self._packed_max_length = 0
+        self._packed_headroom = 0
         self._lengths_cache: torch.Tensor | None = None
 
     @property
@@ -121,6 +137,46 @@ class LayerStore(CacheLayerMixin):
         self._length_stale = False
         if self.length_device is not None:
             self.length_device.fill_(value)
+
+    # Packed layout, host mirrors: refreshed from the device lengths after compiled decode steps.
+    @property
+    def _segment_length_host(self) -> torch.Tensor | None:
+        if self._packed_stale:
+            self._refresh_packed()
+        return self._segment_length_host_value
+
+    @_segment_length_host.setter
+    def _segment_length_host(self, value: torch.Tensor | None) -> None:
+        self._segment_length_host_value = value
+
+    @property
+    def _packed_max_length(self) -> int:
+        if self._packed_stale:
+            self._refresh_packed()
+        return self._packed_max_length_value
+
+    @_packed_max_length.setter
+    def _packed_max_length(self, value: int) -> None:
+        self._packed_max_length_value = value
+
+    @property
+    def _packed_headroom(self) -> int:
+        if self._packed_stale:
+            self._refresh_packed()
+        return self._packed_headroom_value
+
+    @_packed_headroom.setter
+    def _packed_headroom(self, value: int) -> None:
+        self._packed_headroom_value = value
+
+    def _refresh_packed(self) -> None:
+        """Read the device lengths back (once) after compiled decode steps appended at them."""
+        lengths = self._segment_length.cpu().long()
+        self._packed_stale = False
+        self._segment_length_host_value = lengths
+        self._packed_max_length_value = int(lengths.max()) if lengths.numel() else 0
+        headroom = self._segment_capacity_host - lengths
+        self._packed_headroom_value = int(headroom.min()) if lengths.numel() else SEGMENT_RESERVE_TOKENS
 
     @property
     def tokens_seen(self) -> int:
@@ -384,10 +440,15 @@ class LayerStore(CacheLayerMixin):
         self._start = 0
 
     def reserve_decode(self, tokens: int) -> None:
-        """Give the dense buffers room for ``tokens`` more tokens at once and switch the layer to
-        its fixed decode capacity (see ``fixed_capacity``): appends write at a device index, and
-        ``decode_view`` is the whole capacity with a mask of the filled slots."""
-        if self._packed or not self.is_initialized or self._key_buffer is None:
+        """Give the buffers room for ``tokens`` more tokens at once and switch the layer to its
+        fixed decode capacity (see ``fixed_capacity``): appends write at a device index. Dense:
+        ``decode_view`` is the whole capacity with a mask of the filled slots; packed: every segment
+        gets the room (``_reserve_packed``) and attention reads every page of the buffers, the slots
+        past each segment's device length masked (``packed_pages``)."""
+        if not self.is_initialized or self._key_buffer is None:
+            return
+        if self._packed:
+            self._reserve_packed(tokens)
             return
         capacity = self._length + tokens
         if self._start != 0 or capacity > self._key_buffer.shape[2]:
@@ -613,7 +674,7 @@ class LayerStore(CacheLayerMixin):
         each segment with its own append reserve."""
         source_index = self._stored_index()[flat_mask]
         keys, values, positions, scores = self._flat_buffers()
-        self._set_packed(counts, keys, values, positions, scores, source_index)
+        self._set_packed(counts, keys, values, positions, scores, source_index, self.segment_reserve_tokens)
 
     def _set_packed(
         self, counts, keys, values, positions, scores, source_index, reserve_tokens: int = SEGMENT_RESERVE_TOKENS
@@ -639,18 +700,49 @@ class LayerStore(CacheLayerMixin):
         for name, score in scores.items():
             new_scores[name] = score.new_zeros(size)
             new_scores[name][destination] = score[source_index]
-        self._key_buffer, self._value_buffer, self._position_buffer = new_keys, new_values, new_positions
-        self._score_buffers = new_scores
+        # Fixed addresses (as the dense buffers): a compiled decode step appends into them in place.
+        self._key_buffer, self._value_buffer, self._position_buffer = (
+            _static(new_keys),
+            _static(new_values),
+            (_static(new_positions)),
+        )
+        self._score_buffers = {name: _static(score) for name, score in new_scores.items()}
         self._packed = True
+        self._packed_stale = False
         self._segment_start_host, self._segment_length_host, self._segment_capacity_host = starts, counts, capacities
-        self._segment_start = starts.to(self.device)
-        self._segment_length = counts.to(device=self.device, dtype=torch.int32)
+        self._segment_start = _static(starts.to(self.device))
+        self._segment_length = _static(counts.to(device=self.device, dtype=torch.int32))
+        self._segment_capacity = _static(capacities.to(self.device))
+        pages_per_segment = capacities // PAGE_TOKENS
+        total_pages = size // PAGE_TOKENS
+        page_segment = torch.repeat_interleave(torch.arange(counts.numel()), pages_per_segment, output_size=total_pages)
+        first_page = torch.cumsum(pages_per_segment, 0) - pages_per_segment
+        page_offset = (torch.arange(total_pages) - first_page[page_segment]) * PAGE_TOKENS
+        self._page_segment = _static(page_segment.to(self.device))
+        self._page_offset = _static(page_offset.to(self.device))
         self._start, self._length = 0, 0
         # Host-side ints, so a decode append decides without touching any tensor.
         self._packed_max_length = int(counts.max()) if counts.numel() else 0
+        # The largest capacity is the longest segment's (capacities grow with counts): no other read.
+        self._packed_bound = (self._packed_max_length + reserve_tokens + PAGE_TOKENS - 1) // PAGE_TOKENS * PAGE_TOKENS
         self._packed_headroom = int((capacities - counts).min()) if counts.numel() else SEGMENT_RESERVE_TOKENS
 
     def _append_packed(self, key_states, value_states, new_tokens: int) -> None:
+        if self.fixed_capacity:
+            if torch.compiler.is_compiling():
+                # A compiled step: write at the device lengths, decide nothing on the host (the host
+                # mirrors are refreshed when next read outside). Past a segment's capacity the write
+                # would land in the next segment: the device refuses it instead.
+                torch._assert_async(
+                    (self._segment_length + new_tokens <= self._segment_capacity).all(),
+                    "kvhive: a decode step went past the decode_capacity reserved in a packed layer",
+                )
+                self._write_packed(key_states, value_states, new_tokens)
+                self._packed_stale = True  # a constant store: no guard on the host lengths
+                return
+            if new_tokens > self._packed_headroom:
+                # Past the reserved capacity (more tokens than reserved): back to re-laying out.
+                self.fixed_capacity = False
         if new_tokens > self._packed_headroom:
             # A segment is full: re-lay every segment out with a fresh reserve (host-decided).
             keys, values, positions, scores = self._flat_buffers()
@@ -664,6 +756,13 @@ class LayerStore(CacheLayerMixin):
                 reserve_tokens=max(SEGMENT_RESERVE_TOKENS, new_tokens),  # a chunk may exceed the usual reserve
             )
         lengths = self._segment_length_host
+        self._write_packed(key_states, value_states, new_tokens)
+        self._segment_length_host = lengths + new_tokens
+        self._packed_headroom -= new_tokens
+        self._packed_max_length += new_tokens
+
+    def _write_packed(self, key_states, value_states, new_tokens: int) -> None:
+        """Write the new tokens at each segment's device length and advance it (no host value read)."""
         grow = torch.arange(new_tokens, device=self.device)
         destination = ((self._segment_start + self._segment_length.long())[:, None] + grow).reshape(-1)
         d, dv = key_states.shape[-1], value_states.shape[-1]
@@ -674,9 +773,25 @@ class LayerStore(CacheLayerMixin):
         for buffer in self._score_buffers.values():
             buffer.index_fill_(0, destination, 0.0)
         self._segment_length += new_tokens
-        self._segment_length_host = lengths + new_tokens
-        self._packed_headroom -= new_tokens
-        self._packed_max_length += new_tokens
+
+    def _reserve_packed(self, tokens: int) -> None:
+        """Packed layout: room for ``tokens`` more tokens in every segment (re-laid out once, each
+        segment's capacity its kept tokens plus ``tokens``, whole pages; nothing is padded to the
+        largest segment), then appends write at the device lengths until the room is used."""
+        if self._packed_headroom < tokens:
+            keys, values, positions, scores = self._flat_buffers()
+            self._set_packed(
+                self._segment_length_host.clone(), keys, values, positions, scores, self._stored_index(), tokens
+            )
+        self.fixed_capacity = True
+
+    def packed_pages(self):
+        """``(page_segment [P], page_offset [P], bound)``: the segment of each page of the packed
+        buffers, the offset of its first slot in that segment (device), and the largest segment
+        capacity (host int; fixed by the layout, a bound on every segment's length)."""
+        if not self._packed:
+            raise RuntimeError(f"layer {self.layer_index} is dense")
+        return self._page_segment, self._page_offset, self._packed_bound
 
     @property
     def segment_capacity_host(self) -> torch.Tensor:
@@ -695,6 +810,21 @@ class LayerStore(CacheLayerMixin):
             self._segment_start,
             self._segment_length,
             self.max_length,
+        )
+
+    def packed_buffers(self):
+        """``(keys [C, d], values [C, dv], positions [C], segment_start [S] int64, segment_length
+        [S] int32, scores {name: [C]})``: the packed buffers as they are (the scores aligned with the
+        slots, 0 in empty ones); nothing is read on the host."""
+        if not self._packed:
+            raise RuntimeError(f"layer {self.layer_index} is dense")
+        return (
+            self._key_buffer,
+            self._value_buffer,
+            self._position_buffer,
+            self._segment_start,
+            self._segment_length,
+            dict(self._score_buffers),
         )
 
     def stored_flat_positions(self) -> torch.Tensor:
