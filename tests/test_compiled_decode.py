@@ -200,14 +200,15 @@ def test_a_packed_layer_reserves_its_decode_capacity_per_segment(method):
     from kvhive.cache.storage import PAGE_TOKENS
 
     model = _model()
-    cache = kvhive.make_cache(model, method, **_growing_options(method, decode_capacity=DECODE_CAPACITY))
+    capacity = 100  # more than a page beyond the usual 32-token append reserve: the layout must differ
+    cache = kvhive.make_cache(model, method, **_growing_options(method, decode_capacity=capacity))
     with torch.no_grad():
         model(input_ids=_prompt(model), past_key_values=cache)
     packed = [layer for layer in cache.layers if not layer.is_uniform]
-    assert packed
+    assert packed and all(layer.fixed_capacity for layer in packed)
     for layer in packed:
         kept = layer.lengths_host.reshape(-1)
-        expected = (kept + DECODE_CAPACITY + PAGE_TOKENS - 1) // PAGE_TOKENS * PAGE_TOKENS
+        expected = (kept + capacity + PAGE_TOKENS - 1) // PAGE_TOKENS * PAGE_TOKENS
         assert torch.equal(layer.segment_capacity_host, expected)
         assert layer.capacity == int(expected.sum())
         assert layer.capacity < kept.numel() * int(expected.max()) or bool((expected == expected[0]).all())
