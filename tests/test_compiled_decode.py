@@ -193,6 +193,42 @@ def test_a_growing_cache_compiles_with_a_fixed_decode_capacity(method):
     assert caches[0].statistics()["kept_tokens_per_layer"] == uncompiled_reference.statistics()["kept_tokens_per_layer"]
 
 
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_ada_storing_a_copy_per_query_head_compiles_too(kv_heads):
+    # head_granularity "query" (the default "auto" on a model with one KV head, as Gemma-3-270M):
+    # each query head stores its own copy, and a decode step repeats the new token's KV heads.
+    torch.manual_seed(0)
+    model = tiny_model("llama", "gqa", num_key_value_heads=kv_heads)
+
+    def step(token, position, cache):
+        return model(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True).logits
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend="aot_eager")
+    prompt = _prompt(model)
+    options = _growing_options("ada-snapkv", **({} if kv_heads == 1 else {"head_granularity": "query"}))
+    caches = [kvhive.make_cache(model, "ada-snapkv", decode_capacity=24, **options) for _ in range(2)]
+    reference = kvhive.make_cache(model, "ada-snapkv", **options)
+    assert caches[0].stores_query_heads and caches[0].is_compileable
+    with torch.no_grad():
+        token = model(input_ids=prompt, past_key_values=caches[0]).logits[:, -1:].argmax(-1)
+        model(input_ids=prompt, past_key_values=caches[1])
+        model(input_ids=prompt, past_key_values=reference)
+        assert all(layer.num_heads == model.config.num_attention_heads for layer in caches[0].layers)
+        assert any(not layer.is_uniform for layer in caches[0].layers)
+        position = torch.full((1, 1), prompt.shape[1])
+        for index in range(20):
+            compiled_logits = compiled(token, position, caches[0])
+            torch.testing.assert_close(
+                compiled_logits, step(token, position, caches[1]), atol=1e-5, rtol=1e-5, msg=f"step {index}"
+            )
+            torch.testing.assert_close(
+                compiled_logits, step(token, position, reference), atol=1e-5, rtol=1e-5, msg=f"step {index}"
+            )
+            token, position = compiled_logits[:, -1:].argmax(-1), position + 1
+    assert counters["stats"]["unique_graphs"] == 1
+    assert caches[0].statistics()["kept_tokens_per_layer"] == reference.statistics()["kept_tokens_per_layer"]
+
+
 @pytest.mark.parametrize("method", ADA_METHODS)
 def test_a_packed_layer_reserves_its_decode_capacity_per_segment(method):
     # Storage stays proportional to what each head keeps: every segment gets its kept tokens plus

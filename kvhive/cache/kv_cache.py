@@ -329,7 +329,7 @@ class KVHiveCache(Cache):
         holds a fixed number of tokens from one step to the next, in buffers that keep their
         address, and the step reads nothing back. That holds when the method evicts to its budget
         at every step (``Policy.static_decode``) in every layer, at original positions, with one copy
-        per KV head; sliding-window layers keep their window in place (``LayerStore.drop_oldest``).
+        per KV head (a growing layer may store one per query head); sliding-window layers keep their window in place (``LayerStore.drop_oldest``).
         Layers that grow (the full cache, prefill-only methods) compile with a fixed decode capacity
         (``decode_capacity``: room for that many decode tokens, attention over the whole capacity
         with the empty slots masked); without one they change shape at every step and decode eagerly.
@@ -350,7 +350,9 @@ class KVHiveCache(Cache):
             and self.positions == ORIGINAL_POSITIONS
             and self.decode_every == 1
             and self.decode_slack == 0
-            and not self.stores_query_heads
+            # One copy per query head (Ada-KV's head_granularity): a decode step repeats the new
+            # token's KV heads by a fixed factor, a fixed shape; held to it only for growing layers.
+            and (grows_in_place or not self.stores_query_heads)
             # Every full-attention layer keeps a budget; a sliding layer keeps its window.
             and all(self.is_compressed(index) or layer.is_sliding for index, layer in enumerate(self.layers))
         )
