@@ -874,7 +874,8 @@ class LayerStore(CacheLayerMixin):
         per_token = self._position_buffer.element_size() + 4 * len(self._score_buffers)
         total = self.num_stored * per_token
         if self._packed:
-            total += self.num_segments * (8 + 4)
+            # Per segment: start and capacity (int64), length (int32); per page: its segment and offset.
+            total += self.num_segments * (8 + 8 + 4) + self._page_segment.numel() * (8 + 8)
         return total
 
     def bytes_per_token(self) -> int:
