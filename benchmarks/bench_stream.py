@@ -6,7 +6,8 @@ positions, so the stream runs past the model's trained length), and records ever
 tokens: the process's peak memory over that stretch (CPU: VmHWM, reset through
 ``/proc/self/clear_refs``; CUDA: ``max_memory_allocated``), the milliseconds per chunk over that
 stretch, and the tokens the cache holds. One JSON line per record, written as it goes to ``--out``
-(a rerun skips the methods already complete there).
+(a rerun skips the methods already complete there, and streams again a method whose run was
+interrupted, its earlier records dropped).
 
 CPU (the committed numbers): ``python benchmarks/bench_stream.py``; the 8B shape on a GPU:
 ``python benchmarks/bench_stream.py --shape llama3-8b --device cuda --dtype bfloat16 --budget 32768``.
@@ -141,7 +142,22 @@ def main() -> None:
         if method in done:
             print(f"{method}: complete in {out}, skipped")
             continue
+        _drop_partial_run(out, method)
         stream(model, method, args, device, write)
+
+
+def _drop_partial_run(out: Path, method: str) -> None:
+    """A stream cannot resume mid-way (its cache is gone with the process): the records of an
+    interrupted run of ``method`` are removed before it streams again, so none is counted twice."""
+    if not out.exists():
+        return
+    lines = out.read_text().splitlines()
+    kept = [line for line in lines if json.loads(line)["method"] != method]
+    if len(kept) != len(lines):
+        print(f"{method}: {len(lines) - len(kept)} records of an interrupted run dropped from {out}; streaming again")
+        temporary = out.with_suffix(out.suffix + ".tmp")
+        temporary.write_text("".join(line + "\n" for line in kept))
+        temporary.replace(out)
 
 
 if __name__ == "__main__":

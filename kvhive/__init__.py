@@ -1,6 +1,6 @@
 """kvhive: KV-cache compression for Hugging Face causal LMs, without retraining."""
 
-from kvhive.api import compression, generate, make_cache, use_kvhive_attention
+from kvhive.api import compression, generate, generate_batch, make_cache, use_kvhive_attention
 from kvhive.cache import Budget, KVHiveCache
 from kvhive.compat import cache_kwarg
 from kvhive.methods import make_policy, method_names
@@ -11,6 +11,7 @@ __all__ = [
     "cache_kwarg",
     "compression",
     "generate",
+    "generate_batch",
     "make_cache",
     "make_policy",
     "method_names",

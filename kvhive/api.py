@@ -15,6 +15,7 @@ from typing import Any
 from kvhive.attention import ATTENTION_NAME, register
 from kvhive.attention.integration import attach
 from kvhive.cache import Budget, KVHiveCache
+from kvhive.cache.budget import bucket_up
 from kvhive.cache.kv_cache import CACHE_POSITIONS, refuse_encoder_decoder
 from kvhive.compat import cache_kwarg
 from kvhive.methods import Policy, make_policy
@@ -112,6 +113,7 @@ def make_cache(
     dense_decode: str = "sdpa",
     prefill_chunk: int | None = None,
     decode_capacity: int | None = None,
+    bucket_budget: bool = False,
     **method_parameters: Any,
 ) -> KVHiveCache:
     """A :class:`KVHiveCache` for ``model`` running ``method`` at ``budget`` tokens per head
@@ -124,8 +126,12 @@ def make_cache(
     ``"sdpa"`` (flash / memory-efficient) or ``"kernel"`` (kvhive's split-K Triton kernel over the
     buffer in place). ``prefill_chunk``: the prompt is fed in chunks of that many tokens by
     ``kvhive.generate`` (pass ``prefill_chunk_size=`` to ``model.generate`` yourself), compressed
-    as it goes (``KVHiveCache``)."""
+    as it goes (``KVHiveCache``). ``bucket_budget``: a ratio budget resolves up to one of a few
+    sizes (:func:`kvhive.cache.budget.bucket_up`: at most 25% more tokens), so prompts of many
+    lengths share one compiled decode graph; ``kvhive.generate(compile=True)`` turns it on."""
     refuse_encoder_decoder(model.config)
+    if not isinstance(bucket_budget, bool):
+        raise ValueError(f"invalid bucket_budget={bucket_budget!r}: expected True or False")
     policy = method if isinstance(method, Policy) else make_policy(method, **method_parameters)
     if budget is not None and ratio is not None:
         raise ValueError("give either budget (tokens per head, or a ratio as a float) or ratio, not both")
@@ -147,6 +153,8 @@ def make_cache(
         budget_spec = Budget(ratio=ratio)
     else:
         budget_spec = Budget.parse(budget)
+    if bucket_budget and budget_spec.ratio is not None and policy.phases:
+        budget_spec = Budget(ratio=budget_spec.ratio, bucketed=True)
     attach(model)
     warn_if_allocation_cannot_differ(policy, model.config)
     rotator = None
@@ -237,7 +245,9 @@ def generate(
 
     ``compile``: None follows transformers (its compiled decode on an accelerator when the cache is
     compileable, ``KVHiveCache.is_compileable``); True compiles the decode step on any device and
-    refuses a cache whose step cannot compile to one graph; False decodes eagerly."""
+    refuses a cache whose step cannot compile to one graph, and resolves a ratio budget up to one of a
+    few sizes (``bucket_budget``, at most 25% more tokens; pass ``bucket_budget=False`` for the
+    exact ratio, one graph per prompt length); False decodes eagerly."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"invalid max_new_tokens={max_new_tokens!r}: expected an integer >= 1")
     if compile not in (None, True, False):
@@ -245,8 +255,12 @@ def generate(
     encoded = encode_prompt(tokenizer, prompt, model, max_new_tokens)
     if compile is True and "decode_capacity" not in cache_options and not cache_options.get("prefill_chunk"):
         # Layers that grow while decoding (the full cache, prefill-only methods) get room for every
-        # new token, so the compiled step keeps one shape (used only by such layers).
-        cache_options["decode_capacity"] = max_new_tokens + 1
+        # new token, so the compiled step keeps one shape (used only by such layers); bucketed, so
+        # requests of different lengths share it.
+        cache_options["decode_capacity"] = bucket_up(max_new_tokens + 1)
+    if compile is True:
+        # A ratio of each prompt would be a new shape, and so a new graph, per prompt length.
+        cache_options.setdefault("bucket_budget", True)
     cache = make_cache(model, method, budget, **cache_options)
     import torch
 
@@ -297,3 +311,142 @@ def static_decode_methods() -> list[str]:
     from kvhive.methods.registry import method_names, policy_class
 
     return [name for name in method_names() if policy_class(name).static_decode]
+
+
+def _prefill_alone(model, encoded, cache: KVHiveCache):
+    """Run one prompt (a batch of one) through ``cache``, in chunks when the cache was made with
+    ``prefill_chunk`` (as ``kvhive.generate`` feeds it); returns the last position's logits."""
+    import torch
+
+    input_ids, attention_mask = encoded["input_ids"], encoded.get("attention_mask")
+    length = int(input_ids.shape[1])
+    chunk = cache.prefill_chunk or length
+    if cache.prefill_chunk is not None:
+        cache.plan_prompt(length, attention_mask.sum(dim=-1).tolist() if attention_mask is not None else None)
+    kwarg = cache_kwarg(model)
+    logits = None
+    with torch.no_grad():
+        for start in range(0, length, chunk):
+            stop = min(length, start + chunk)
+            mask = attention_mask[:, :stop] if attention_mask is not None else None
+            output = model(
+                input_ids=input_ids[:, start:stop],
+                attention_mask=mask,
+                **{kwarg: cache},
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            logits = output.logits[:, -1]
+    return logits
+
+
+def _stop_ids(model, eos_token_id) -> set[int]:
+    """The token ids that end a row: ``eos_token_id`` (an int or ints) or the model's generation
+    config's (as ``model.generate`` stops)."""
+    if eos_token_id is None:
+        config = getattr(model, "generation_config", None)
+        eos_token_id = getattr(config, "eos_token_id", None)
+    if eos_token_id is None:
+        return set()
+    if isinstance(eos_token_id, int):
+        return {eos_token_id}
+    return {int(token) for token in eos_token_id}
+
+
+def generate_batch(
+    model,
+    tokenizer,
+    prompts: list[str],
+    method: str | Policy = "full",
+    budget: int | float | str | None = None,
+    max_new_tokens: int = 32,
+    *,
+    stop_strings: list[str] | list[list[str]] | None = None,
+    eos_token_id: int | list[int] | None = None,
+    **cache_options: Any,
+) -> list[str]:
+    """Greedy generation for several prompts: each prompt is prefilled alone into its own cache
+    (``make_cache(model, method, budget, **cache_options)``; ``prefill_chunk`` feeds it in chunks),
+    the caches are stacked into one batch (:meth:`KVHiveCache.stack`), and all rows decode together,
+    one token per row per step with each row's own positions. A row ends at an end-of-sequence token
+    (``eos_token_id``, default the model's generation config, as ``model.generate``) or once its
+    text contains one of its ``stop_strings`` (a list for every row, or one list per row; the stop
+    string stays in the text), or after ``max_new_tokens``; finished rows leave the batch. Returns
+    one text per prompt, each what ``kvhive.generate`` returns for that prompt alone.
+
+    A method whose caches cannot be stacked (BUZZ and BumbleBee, whose eviction schedule follows
+    each layer's token count; subgen-attention's estimator; Ada-KV when heads keep different counts;
+    rows of different lengths in a layer that evicts while decoding) is refused with a ValueError
+    naming it: decode those prompts one at a time with ``kvhive.generate``."""
+    import torch
+
+    if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError(f"invalid prompts={prompts!r}: expected a non-empty list of strings")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"invalid max_new_tokens={max_new_tokens!r}: expected an integer >= 1")
+    if "decode_capacity" in cache_options or "compile" in cache_options:
+        raise ValueError("generate_batch decodes eagerly: decode_capacity and compile are not accepted")
+    row_stops = _row_stop_strings(stop_strings, len(prompts))
+    stop_ids = _stop_ids(model, eos_token_id)
+    encoded = [encode_prompt(tokenizer, prompt, model, max_new_tokens) for prompt in prompts]
+    caches, first_logits = [], []
+    for row in encoded:
+        cache = make_cache(model, method, budget, **cache_options)
+        if cache.positions != "original":
+            raise ValueError("generate_batch needs positions='original' (rows sit at different positions)")
+        first_logits.append(_prefill_alone(model, row, cache))
+        caches.append(cache)
+    stacked = KVHiveCache.stack(caches, decode_capacity=max_new_tokens)
+    del caches
+    next_tokens = torch.cat(first_logits).argmax(dim=-1)
+    generated: list[list[int]] = [[] for _ in prompts]
+    active = list(range(len(prompts)))  # prompt of each row of the stacked batch
+    kwarg = cache_kwarg(model)
+    with torch.no_grad():
+        for step in range(max_new_tokens):
+            still = []
+            for row, prompt_index in enumerate(active):
+                token = int(next_tokens[row])
+                generated[prompt_index].append(token)
+                done = token in stop_ids or (
+                    row_stops[prompt_index]
+                    and any(
+                        stop in tokenizer.decode(generated[prompt_index], skip_special_tokens=True)
+                        for stop in row_stops[prompt_index]
+                    )
+                )
+                if not done:
+                    still.append(row)
+            if step == max_new_tokens - 1 or not still:
+                break
+            if len(still) < len(active):
+                stacked.batch_select_indices(torch.tensor(still))
+                next_tokens = next_tokens[torch.tensor(still, device=next_tokens.device)]
+                active = [active[row] for row in still]
+            # Each row's next position, from the layer's device counter (no host data sent per step).
+            positions = stacked.layers[0].row_tokens_seen_device[:, None].clone()
+            output = model(input_ids=next_tokens[:, None], position_ids=positions, **{kwarg: stacked}, use_cache=True)
+            next_tokens = output.logits[:, -1].argmax(dim=-1)
+    return [tokenizer.decode(tokens, skip_special_tokens=True) for tokens in generated]
+
+
+def _row_stop_strings(stop_strings, rows: int) -> list[list[str]]:
+    if stop_strings is None:
+        return [[] for _ in range(rows)]
+    if isinstance(stop_strings, str):
+        stop_strings = [stop_strings]
+    if not isinstance(stop_strings, (list, tuple)):
+        raise ValueError(f"invalid stop_strings={stop_strings!r}: expected a list of strings, or one list per prompt")
+    if all(isinstance(stop, str) for stop in stop_strings):
+        per_row = [list(stop_strings)] * rows
+    elif len(stop_strings) == rows and all(isinstance(stops, (list, tuple)) for stops in stop_strings):
+        per_row = [list(stops) for stops in stop_strings]
+    else:
+        raise ValueError(
+            f"invalid stop_strings={stop_strings!r}: expected a list of strings, or one list of strings per prompt "
+            f"({rows})"
+        )
+    for stops in per_row:
+        if not all(isinstance(stop, str) and stop for stop in stops):
+            raise ValueError(f"invalid stop_strings={stop_strings!r}: every stop string must be a non-empty string")
+    return per_row

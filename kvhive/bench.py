@@ -83,9 +83,14 @@ def _timed_run(
     method_parameters: dict,
     memory: PhaseMemory | None = None,
     compile: bool = False,
+    prefill_chunk: int | None = None,
 ):
     """One prefill and ``decode_tokens`` greedy steps; with ``memory``, also each phase's memory at
     its start and its peak (``*_start_bytes``, ``*_peak_bytes``; the decode phase only if it ran).
+
+    ``prefill_chunk``: the prompt is fed in chunks of that many tokens, each compressed as it comes
+    (``make_cache(prefill_chunk=...)``, budgets resolved on the whole prompt by ``plan_prompt``);
+    the full cache then takes the same chunks uncompressed (stock chunked prefill).
 
     ``compile``: the decode step runs through ``torch.compile(fullgraph=True, dynamic=False)``
     (the first step, which compiles, is not timed). The full cache is then transformers'
@@ -96,7 +101,10 @@ def _timed_run(
 
         cache = StaticCache(config=model.config, max_cache_len=input_ids.shape[1] + decode_tokens + 1)
     else:
-        cache = make_cache(model, method, budget, **method_parameters)
+        chunking = {} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}
+        cache = make_cache(model, method, budget, **method_parameters, **chunking)
+        if prefill_chunk is not None:
+            cache.plan_prompt(int(input_ids.shape[1]))
         if compile and not cache.is_compileable:
             raise ValueError(
                 f"--compile: the decode step of method {method!r} cannot compile to one graph (its layers change "
@@ -108,7 +116,14 @@ def _timed_run(
         phases["prefill_start_bytes"] = memory.start()
     _synchronize(device)
     start = time.perf_counter()
-    output = model(input_ids=input_ids, **{cache_key: cache}, use_cache=True, logits_to_keep=1)
+    chunk = input_ids.shape[1] if prefill_chunk is None else prefill_chunk
+    for chunk_start in range(0, input_ids.shape[1], chunk):
+        output = model(
+            input_ids=input_ids[:, chunk_start : chunk_start + chunk],
+            **{cache_key: cache},
+            use_cache=True,
+            logits_to_keep=1,
+        )
     _synchronize(device)
     prefill_seconds = time.perf_counter() - start
     next_token = output.logits[:, -1:].argmax(-1)
@@ -139,6 +154,19 @@ def _timed_run(
     if memory is not None and decode_tokens:
         phases["decode_peak_bytes"] = memory.peak()
     return cache, prefill_seconds, step_seconds, phases
+
+
+def _check_prefill_chunk(prefill_chunk, compile: bool) -> None:
+    if prefill_chunk is None:
+        return
+    if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+        raise ValueError(
+            f"invalid prefill_chunk={prefill_chunk!r}: expected an integer >= 1 (tokens per chunk) or none"
+        )
+    if compile:
+        raise ValueError(
+            "prefill_chunk with compile: a chunked cache has no fixed decode capacity yet; chunk without compile"
+        )
 
 
 def _static_decode_methods() -> list[str]:
@@ -179,9 +207,11 @@ def run_benchmark(
     method_parameters: dict | None = None,
     dtype: torch.dtype = torch.float32,
     compile: bool = False,
+    prefill_chunk: int | None = None,
 ) -> dict[str, Any]:
     """Benchmark ``method`` against an uncompressed cache; returns a dict of numbers. ``compile``:
-    both decode steps compiled (the full cache as transformers' ``StaticCache``)."""
+    both decode steps compiled (the full cache as transformers' ``StaticCache``). ``prefill_chunk``:
+    both prompts fed in chunks of that many tokens (the method's compressed as they come)."""
     if isinstance(context, bool) or not isinstance(context, int) or context < 2:
         raise ValueError(f"invalid context={context!r}: expected an integer >= 2 (prompt tokens)")
     if isinstance(decode_tokens, bool) or not isinstance(decode_tokens, int) or decode_tokens < 0:
@@ -192,6 +222,7 @@ def run_benchmark(
         raise ValueError(f"invalid num_layers={num_layers!r}: expected an integer >= 1 (or none for the shape's own)")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"invalid batch_size={batch_size!r}: expected an integer >= 1")
+    _check_prefill_chunk(prefill_chunk, compile)
     method_parameters = method_parameters or {}
     model = load_shape(shape, num_layers, device, dtype=dtype)
     limit = model.config.get_text_config().max_position_embeddings
@@ -213,7 +244,7 @@ def run_benchmark(
     full_phases, method_phases = [], []
     for _ in range(repeats):
         full_cache, prefill_seconds, steps, phases = _timed_run(
-            model, input_ids, "full", None, decode_tokens, {}, memory, compile=compile
+            model, input_ids, "full", None, decode_tokens, {}, memory, compile=compile, prefill_chunk=prefill_chunk
         )
         full_prefill.append(prefill_seconds)
         full_steps.extend(steps)
@@ -221,7 +252,15 @@ def run_benchmark(
         full_bytes = _cache_bytes(full_cache)
         del full_cache
         cache, prefill_seconds, steps, phases = _timed_run(
-            model, input_ids, method, budget, decode_tokens, method_parameters, memory, compile=compile
+            model,
+            input_ids,
+            method,
+            budget,
+            decode_tokens,
+            method_parameters,
+            memory,
+            compile=compile,
+            prefill_chunk=prefill_chunk,
         )
         method_prefill.append(prefill_seconds)
         method_steps.extend(steps)
@@ -249,6 +288,7 @@ def run_benchmark(
         "reserved_bytes": cache.reserved_nbytes(),
         "metadata_bytes": cache.metadata_nbytes(),
         "compiled_decode": compile,
+        "prefill_chunk": prefill_chunk,
         "full_cache_bytes": full_bytes,
         "cache_fraction": cache.nbytes() / full_bytes if full_bytes else None,
         "kept_tokens": kept,
@@ -327,6 +367,7 @@ def capacity_trial(
     dtype: str,
     method_parameters: dict,
     memory_limit: int,
+    prefill_chunk: int | None = None,
 ) -> TrialOutcome:
     """One trial of ``capacity_search``, meant for a fresh process (``kvhive.memory`` runs it there):
     load the model, prefill ``batch_size`` prompts of ``context`` tokens with ``method``, decode
@@ -354,7 +395,14 @@ def capacity_trial(
         input_ids = torch.randint(3, vocab, (batch_size, context), generator=generator).to(device)
         loaded_peak = memory.peak() if cuda or memory.unavailable is None else None
         _, _, _, phases = _timed_run(
-            model, input_ids, method, budget, decode_tokens, method_parameters, None if memory.unavailable else memory
+            model,
+            input_ids,
+            method,
+            budget,
+            decode_tokens,
+            method_parameters,
+            None if memory.unavailable else memory,
+            prefill_chunk=prefill_chunk,
         )
     except Exception as error:  # noqa: BLE001 - only out-of-memory is an outcome; the rest re-raised
         if not is_out_of_memory(error):
@@ -413,6 +461,7 @@ def capacity_search(
     maximum: int | None = None,
     report=None,
     trial=None,
+    prefill_chunk: int | None = None,
 ) -> dict[str, Any]:
     """The longest prompt (``search="context"``, at ``batch_size``) or the largest batch
     (``search="batch"``, at ``context``) whose prefill + ``decode_tokens`` decode steps with
@@ -422,8 +471,10 @@ def capacity_search(
     multiples of ``step`` (context 256, batch 1), up to ``maximum`` (context: the model's
     positions minus the decode tokens; batch: 4096). Each trial runs in a fresh process
     (``capacity_trial``); ``trial`` replaces that (a function of the value). ``report`` sees each
-    trial's outcome as it comes.
+    trial's outcome as it comes. ``prefill_chunk``: each trial feeds its prompts in chunks of that
+    many tokens (compressed as they come), so the prompt's activations are a chunk's, not its own.
     """
+    _check_prefill_chunk(prefill_chunk, False)
     if search not in SEARCHES:
         raise ValueError(f"invalid --search {search!r}: expected one of {', '.join(SEARCHES)}")
     cuda = torch.device(device).type == "cuda"
@@ -471,6 +522,7 @@ def capacity_search(
         "dtype": dtype,
         "method_parameters": method_parameters or {},
         "memory_limit": memory_limit,
+        "prefill_chunk": prefill_chunk,
     }
     if trial is None:
 
@@ -504,6 +556,7 @@ def capacity_search(
         "dtype": dtype,
         "step": step,
         "maximum": maximum,
+        "prefill_chunk": prefill_chunk,
         **result.as_dict(),
     }
 

@@ -112,8 +112,11 @@ def _positive_int_argument(flag: str):
 def command_generate(args: argparse.Namespace) -> int:
     import kvhive
 
-    if (args.prompt is None) == (args.prompt_file is None):
-        raise SystemExit("kvhive generate: give a PROMPT or --prompt-file (exactly one)")
+    given = sum(source is not None for source in (args.prompt, args.prompt_file, args.prompts_file))
+    if given != 1:
+        raise SystemExit("kvhive generate: give a PROMPT, --prompt-file or --prompts-file (exactly one)")
+    if args.prompts_file is not None:
+        return _generate_batch(args)
     if args.per_layer and not args.json:
         raise SystemExit("kvhive generate: --per-layer adds detail to --json output; give --json too")
     method, parameters = _method_and_parameters(args.method, args.param)
@@ -140,6 +143,50 @@ def command_generate(args: argparse.Namespace) -> int:
     else:
         print(text)
         print(savings_headline(cache, statistics), file=sys.stderr)
+    return 0
+
+
+def _read_prompts_file(path: str) -> list[str]:
+    """One prompt per line (empty lines skipped; ``\\n`` in a line is a newline of its prompt)."""
+    text = _read_prompt_file(path)
+    prompts = [line.replace("\\n", "\n") for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise SystemExit(f"kvhive generate: --prompts-file {path!r} holds no prompt (one prompt per line)")
+    return prompts
+
+
+def _generate_batch(args: argparse.Namespace) -> int:
+    """``--prompts-file``: every prompt prefilled alone, all decoded together (``kvhive.generate_batch``);
+    prints one line per prompt, its text as a JSON string (``--json``: an object with the texts)."""
+    import kvhive
+
+    if args.per_layer or args.compile:
+        raise SystemExit(
+            "kvhive generate: --prompts-file decodes eagerly and prints texts: no --compile or --per-layer"
+        )
+    try:
+        prompts = _read_prompts_file(args.prompts_file)
+    except SystemExit as error:
+        raise SystemExit(str(error).replace("--prompt-file", "--prompts-file")) from None
+    method, parameters = _method_and_parameters(args.method, args.param)
+    budget = _checked_budget("generate", method, args.budget, parameters, default=None)
+    model, tokenizer = kvhive.load_model(args.model)
+    texts = kvhive.generate_batch(
+        model,
+        tokenizer,
+        prompts,
+        method,
+        budget,
+        max_new_tokens=args.max_new_tokens,
+        compress_sliding=args.compress_sliding,
+        prefill_chunk=args.prefill_chunk,
+        **parameters,
+    )
+    if args.json:
+        print(json.dumps({"method": method, "budget": budget, "texts": texts}, indent=2))
+    else:
+        for text in texts:
+            print(json.dumps(text))
     return 0
 
 
@@ -229,6 +276,7 @@ def command_bench(args: argparse.Namespace) -> int:
             method_parameters=parameters,
             dtype=bench.DTYPES[args.dtype],
             compile=args.compile,
+            prefill_chunk=args.prefill_chunk,
         )
     if args.json:
         print(json.dumps(result, indent=2))
@@ -266,6 +314,7 @@ def _capacity_search(args: argparse.Namespace, bench, budget, parameters: dict, 
         step=args.search_step,
         maximum=args.search_max,
         report=report,
+        prefill_chunk=args.prefill_chunk,
     )
 
 
@@ -325,6 +374,11 @@ def build_parser() -> argparse.ArgumentParser:
     generate = subparsers.add_parser("generate", help="greedy generation with a compressed cache")
     generate.add_argument("prompt", nargs="?", help="the prompt text")
     generate.add_argument("--prompt-file", help="read the prompt from this file")
+    generate.add_argument(
+        "--prompts-file",
+        help="several prompts, one per line: each prefilled alone, all decoded together (kvhive.generate_batch); "
+        "prints one JSON string per prompt",
+    )
     generate.add_argument(
         "--model",
         default=DEFAULT_MODEL,
@@ -423,6 +477,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="compile both decode steps (torch.compile, one graph; the full cache as transformers' StaticCache); "
         "refused for a method whose step cannot compile",
+    )
+    bench.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        metavar="N",
+        help="feed the prompt in chunks of N tokens, each compressed as it comes (the full cache takes the same "
+        "chunks); with --search, every trial does",
     )
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(func=command_bench)

@@ -11,14 +11,13 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 import kvhive
 from kvhive.attention.varlen import varlen_attention_torch
 from kvhive.cache.storage import MIN_RESERVE_TOKENS
+from kvhive.diagnostics import HostReadCounter
 from kvhive.methods.base import DECODE
 from kvhive.methods.registry import method_names, policy_class
 from kvhive.methods.tova import TOVA
@@ -82,31 +81,6 @@ def test_small_budget_in_low_precision_holds_exactly_kept_bytes(method, dtype):
 
 # -- host reads in a steady decode step ------------------------------------------------------------
 
-_CONVERSIONS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
-
-
-@contextlib.contextmanager
-def counted_host_reads():
-    """Count Python-level tensor -> host conversions (each one a device sync on a GPU)."""
-    calls: list[str] = []
-    originals = {name: getattr(torch.Tensor, name) for name in _CONVERSIONS}
-
-    def wrap(name, original):
-        def counted(self, *args, **kwargs):
-            calls.append(name)
-            return original(self, *args, **kwargs)
-
-        return counted
-
-    for name, original in originals.items():
-        setattr(torch.Tensor, name, wrap(name, original))
-    try:
-        yield calls
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
-
-
 STEADY_METHODS = {  # method -> budget: prefill-only methods compress; decode-phase methods have room
     "full": None,
     "snapkv": 16,
@@ -139,10 +113,10 @@ def test_steady_decode_step_reads_nothing_back(method):
     cache, token = _steady_decode(model, method, STEADY_METHODS[method], "cpu")
     if method == "ada-snapkv":
         assert any(not cache.layers[i].is_uniform for i in cache.compressed_layers)
-    with torch.no_grad(), counted_host_reads() as calls:
+    with torch.no_grad(), HostReadCounter() as counter:
         model(input_ids=token, past_key_values=cache, use_cache=True)
     model.set_attn_implementation("sdpa")
-    assert calls == [], f"{method}: host reads in a steady decode step: {calls}"
+    assert counter.total == 0, f"{method}: host reads in a steady decode step: {dict(counter.reads)}"
 
 
 def test_host_read_counter_sees_an_eviction_of_undeclared_size():
@@ -157,11 +131,11 @@ def test_host_read_counter_sees_an_eviction_of_undeclared_size():
     cache = kvhive.make_cache(model, UndeclaredTOVA(), budget=16)
     with torch.no_grad():
         token = model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-        with counted_host_reads() as calls:
+        with HostReadCounter() as counter:
             model(input_ids=token, past_key_values=cache, use_cache=True)
     model.set_attn_implementation("sdpa")
     assert DECODE in cache.policy.phases
-    assert calls.count("cpu") >= len(cache.compressed_layers)
+    assert counter.reads["cpu"] >= len(cache.compressed_layers), dict(counter.reads)
 
 
 def test_appends_do_not_reallocate_the_cache_every_step():

@@ -185,3 +185,30 @@ def test_search_in_fresh_processes_finds_the_boundary_and_survives_out_of_memory
     over = result["trials"][-1]
     assert over["peak_bytes"] > limit and "> limit" in over["reason"]
     assert result["trials"][0]["details"]["prefill_peak_bytes"] <= result["trials"][0]["peak_bytes"]
+
+
+def test_a_chunked_prefill_peaks_at_a_chunk_not_at_the_prompt():
+    # H2O at 10% of 2,048 tokens: unchunked, the prefill holds the whole prompt's cache and its
+    # scoring attention; in chunks of 256 each chunk is compressed as it comes (issue 24 item 1).
+    shared = {"shape": "kv-heavy", "num_layers": 2, "decode_tokens": 2, "budget": 0.1, "method": "h2o", "context": 2048}
+    whole, chunked = run_benchmark(**shared), run_benchmark(**shared, prefill_chunk=256)
+    rise = {
+        name: result["prefill_peak_bytes"] - result["memory_baseline_bytes"]
+        for name, result in (("whole", whole), ("chunked", chunked))
+    }
+    assert chunked["prefill_chunk"] == 256 and whole["prefill_chunk"] is None
+    assert rise["chunked"] < 0.5 * rise["whole"], rise
+    assert chunked["kept_tokens"] == whole["kept_tokens"]  # the same budget, resolved on the whole prompt
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--prefill-chunk", "0"], "invalid prefill_chunk=0: expected an integer >= 1"),
+        (["--prefill-chunk", "64", "--compile", "--method", "h2o"], "prefill_chunk with compile"),
+    ],
+)
+def test_bench_refuses_a_bad_prefill_chunk_naming_it(arguments, message, capsys):
+    status = kvhive_main(["bench", "--context", "64", "--num-layers", "1", "--decode-tokens", "1", *arguments])
+    error = capsys.readouterr().err
+    assert status != 0 and message in error and "Traceback" not in error

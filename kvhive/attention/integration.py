@@ -265,7 +265,10 @@ def _stored_decode_mask(store, positions: torch.Tensor, token_scores: dict) -> t
         allowed = padding == 0
     if store.is_sliding:
         # The new token sits at tokens_seen - 1; the window reaches back window - 1 tokens.
-        in_window = positions >= store.tokens_seen_device - store.sliding_window
+        seen = store.tokens_seen_device
+        if store.row_tokens_seen_device is not None:  # stacked rows: each row its own count
+            seen = store.row_tokens_seen_device[:, None, None]
+        in_window = positions >= seen - store.sliding_window
         allowed = in_window if allowed is None else allowed & in_window
     return None if allowed is None else allowed[:, :, None, :]
 
@@ -476,7 +479,8 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
     else:
         stored_mask = _gather_mask(mask, positions, store, num_queries)
     if filled is not None:  # empty slots of a fixed capacity are never attended
-        filled = filled[None, None, None, :]
+        # [C] (one length for every row) or [B, C] (stacked rows of different lengths)
+        filled = filled[None, None, None, :] if filled.dim() == 1 else filled[:, None, None, :]
         stored_mask = filled if stored_mask is None else stored_mask & filled
     heads = keys.shape[1]
     group = query_heads // heads
@@ -494,13 +498,7 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
         if stored_mask is None and num_queries == 1 and cache.dense_decode == "kernel":
             output = _dense_decode_by_kernel(store, query, scaling)
         if output is None:
-            sdpa_mask_ = stored_mask
-            if sdpa_mask_ is not None and sdpa_mask_.shape[1] not in (1, query_heads):
-                sdpa_mask_ = sdpa_mask_.repeat_interleave(group, dim=1)
-            # Stored heads may be query heads (Ada-KV on GQA): sdpa regroups by its own head counts.
-            output = torch.nn.functional.scaled_dot_product_attention(
-                query, keys, values, attn_mask=sdpa_mask_, scale=scaling, enable_gqa=heads != query_heads
-            ).transpose(1, 2)
+            output = _sdpa_in_query_blocks(query, keys, values, stored_mask, scaling, group).transpose(1, 2)
     else:
         # [B, H, G*q, d] @ [B, H, d, L]: one matmul per stored head, keys and values read once.
         grouped = query.reshape(batch, heads, group * num_queries, head_dim)
@@ -558,6 +556,39 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
 
     cache.after_decode(layer_index, make_scoring)
     return output, None
+
+
+QUERY_BLOCK = 256
+
+
+def _sdpa_in_query_blocks(query, keys, values, mask, scaling, group: int) -> torch.Tensor:
+    """sdpa of a prompt chunk's queries over the stored tokens, ``QUERY_BLOCK`` queries at a time.
+
+    With a mask, sdpa's CPU path (and CUDA's math fallback) materialises [B, H, q, L] scores and
+    their softmax: for a chunk of 2,048 queries over ~2,900 kept + new tokens, 16 heads, that was
+    ~750 MB, the whole prefill peak of a chunked prompt. Blocks of queries bound it to a block's
+    share; a decode step (one query) is one block."""
+    heads, query_heads, num_queries = keys.shape[1], query.shape[1], query.shape[2]
+    outputs = []
+    for start in range(0, num_queries, QUERY_BLOCK):
+        block_mask = mask
+        if mask is not None:
+            if mask.shape[2] != 1:
+                block_mask = mask[:, :, start : start + QUERY_BLOCK]
+            if block_mask.shape[1] not in (1, query_heads):
+                block_mask = block_mask.repeat_interleave(group, dim=1)
+        # Stored heads may be query heads (Ada-KV on GQA): sdpa regroups by its own head counts.
+        outputs.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                query[:, :, start : start + QUERY_BLOCK],
+                keys,
+                values,
+                attn_mask=block_mask,
+                scale=scaling,
+                enable_gqa=heads != query_heads,
+            )
+        )
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
 
 def _dense_decode_by_kernel(store, query, scaling):

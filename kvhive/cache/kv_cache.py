@@ -19,7 +19,7 @@ import torch
 from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
 from kvhive.cache.budget import Budget, budget_label, budget_problem, layer_budgets, minimum_budget_problem
-from kvhive.cache.storage import LayerStore
+from kvhive.cache.storage import LayerStore, row_index
 from kvhive.methods.base import AUTO_HEADS, DECODE, PREFILL, QUERY_HEADS, Policy, ScoringInputs, require_choice
 
 Positions = Literal["original", "cache"]
@@ -689,6 +689,11 @@ class KVHiveCache(Cache):
                 "kvhive.make_cache?); make a cache per model with kvhive.make_cache(model, ...)"
             )
         store: LayerStore = self.layers[layer_idx]
+        if key_states.shape[2] > 1 and store.is_initialized and store._row_tokens_seen is not None:
+            raise ValueError(
+                "a stacked cache (KVHiveCache.stack) decodes one token per row per forward: its rows are at different "
+                f"positions; got {key_states.shape[2]} tokens per row"
+            )
         if (
             key_states.shape[2] > 1
             and self.takes_prompt_chunks
@@ -708,6 +713,207 @@ class KVHiveCache(Cache):
         # The attention function runs next; the cache hands itself over through transformers' kwargs.
         mark_update(self, layer_idx, keys, kwargs)
         return keys, values
+
+    # -- batch rows (beam search, contrastive search, batch slicing) -----------------------------
+    def _select_rows(self, index: torch.Tensor) -> None:
+        """Keep batch rows ``index`` (host 1-D long; may repeat or reorder) in every layer: its
+        stored tokens, per-token scores, per-row counters and the method's per-layer state. The
+        method's state is selected first, so a method that cannot leaves the cache unchanged."""
+        initialized = [layer for layer in self.layers if layer.is_initialized]
+        if not initialized:
+            return
+        for layer in initialized:
+            layer.check_rows_selectable(self.policy.name)
+        batch = initialized[0].batch_size
+        rows = index.tolist()
+        if rows and (min(rows) < 0 or max(rows) >= batch):
+            raise IndexError(f"batch row index {rows} out of range for a batch of {batch} row(s)")
+        states = [self.policy.select_state_rows(layer.policy_state, index, layer.num_heads) for layer in initialized]
+        for layer, state in zip(initialized, states, strict=True):
+            layer.select_rows(index)
+            layer.policy_state = state
+        self.row_layer_budgets = {
+            layer: [budgets[row] for row in rows] if len(budgets) == batch else budgets
+            for layer, budgets in self.row_layer_budgets.items()
+        }
+        if self._generated_ids is not None and self._generated_ids.shape[0] == batch:
+            self._generated_ids = self._generated_ids.index_select(0, index.to(self._generated_ids.device))
+
+    def _batch_size(self) -> int:
+        return next((layer.batch_size for layer in self.layers if layer.is_initialized), 0)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row ``i`` becomes row ``beam_idx[i]``."""
+        self._select_rows(row_index(beam_idx, self._batch_size()))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the batch rows ``indices`` (row numbers, or a boolean mask over the rows)."""
+        self._select_rows(row_index(indices, self._batch_size()))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every batch row ``repeats`` times in place (``[a, b] -> [a, a, b, b]``)."""
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"invalid repeats={repeats!r}: expected an integer >= 1")
+        self._select_rows(torch.arange(self._batch_size()).repeat_interleave(repeats))
+
+    # -- caches prefilled separately, decoded together ------------------------------------------
+    @property
+    def is_stacked(self) -> bool:
+        """Whether the rows have seen different numbers of tokens (made by :meth:`stack`)."""
+        return any(layer.is_initialized and layer._row_tokens_seen is not None for layer in self.layers)
+
+    @classmethod
+    def stack(cls, caches: list[KVHiveCache], decode_capacity: int | None = None) -> KVHiveCache:
+        """One batch cache whose row ``i`` is ``caches[i]``: caches of one model and one method
+        (same options and budget), each a batch of one prefilled separately, e.g. from prompts of
+        different lengths. The inputs are left as they were (the rows are copied).
+
+        Each row keeps the tokens it has seen (``row_tokens_seen``; new tokens get each row's own
+        next position, which the caller passes as ``position_ids``: ``kvhive.generate_batch``) and
+        its kept tokens. A layer whose rows keep equal counts is the usual dense layout; rows of
+        different counts (the full cache, prefill-only methods, a prompt shorter than the budget)
+        fill slots of a common capacity (the longest row + ``decode_capacity``, growing past it)
+        with a per-row length, the empty slots masked. A stacked cache decodes one token per row
+        per forward, eagerly.
+
+        Refused with a ValueError naming the reason: caches of different models, methods, options,
+        budgets, dtypes or devices; caches of several rows, empty or not prefilled; re-indexed
+        positions; head-wise counts (Ada-KV's packed layout); a layer that evicts while decoding
+        (or slides) whose rows keep different counts; a method whose per-layer state is not per
+        row (``Policy.stack_states``: BUZZ, BumbleBee, subgen-attention)."""
+        import copy
+
+        if not isinstance(caches, (list, tuple)) or not caches:
+            raise ValueError(f"caches: expected a non-empty list of KVHiveCache, got {caches!r}")
+        if decode_capacity is not None and (
+            isinstance(decode_capacity, bool) or not isinstance(decode_capacity, int) or decode_capacity < 0
+        ):
+            raise ValueError(f"invalid decode_capacity={decode_capacity!r}: expected an integer >= 0 (tokens), or None")
+        first = caches[0]
+        for number, cache in enumerate(caches):
+            if not isinstance(cache, KVHiveCache):
+                raise ValueError(f"caches[{number}]: expected a KVHiveCache, got {type(cache).__name__}")
+            cls._check_stackable(first, cache, number)
+        policy = first.policy
+        stacked = copy.deepcopy(first)
+        tokens_seen = [cache.layers[0].tokens_seen for cache in caches]
+        room = decode_capacity if decode_capacity is not None else 64
+        new_layers = []
+        for index, layer in enumerate(first.layers):
+            rows = [cache.layers[index] for cache in caches]
+            seen = [row.tokens_seen for row in rows]
+            state = policy.stack_states([row.policy_state for row in rows], seen)  # a method may refuse first
+            lengths = [row.dense_length for row in rows]
+            evicts = (index in first.compressed_layers and DECODE in policy.phases) or layer.is_sliding
+            if len(set(lengths)) > 1 and evicts:
+                why = "slides (keeps its window)" if layer.is_sliding else f"evicts while decoding ({policy.name!r})"
+                raise ValueError(
+                    f"cannot stack these caches: layer {index} {why} and its rows keep different numbers of tokens "
+                    f"{lengths} (prompts shorter than the budget or the window); a layer that evicts while decoding "
+                    "keeps one length for every row: give prompts longer than the budget, or decode them alone"
+                )
+            steps = {row.decode_steps_since_compression for row in rows}
+            if len(steps) > 1:
+                raise ValueError(
+                    f"cannot stack these caches: layer {index} compressed {sorted(steps)} steps ago in different rows "
+                    "(decode_every/decode_slack keep one schedule per layer)"
+                )
+            views = [row.dense() for row in rows]
+            store = LayerStore(layer.layer_index, layer.sliding_window)
+            store.set_rows(
+                [view[0] for view in views],
+                [view[1] for view in views],
+                [view[2] for view in views],
+                [view[3] for view in views],
+                seen,
+                room,
+            )
+            store.policy_state = state
+            store.has_padding = any(row.has_padding for row in rows)
+            store.heads_per_kv_head = layer.heads_per_kv_head
+            store.decode_steps_since_compression = layer.decode_steps_since_compression
+            store.last_update_tokens = 1
+            new_layers.append(store)
+        stacked.layers = new_layers
+        stacked.row_layer_budgets = {
+            layer: [cache.layer_budgets.get(layer, budget) for cache in caches]
+            for layer, budget in first.layer_budgets.items()
+        }
+        stacked.layer_budgets = {layer: max(budgets) for layer, budgets in stacked.row_layer_budgets.items()}
+        stacked._cut_at_prefill = set.intersection(*(set(cache._cut_at_prefill) for cache in caches))
+        stacked.prefill_records = {}
+        stacked.record_prefill = False
+        stacked._generated_ids = None
+        stacked._unattended_update = None
+        stacked._prompt_planned = False
+        stacked._budgets_resolved_on = max(tokens_seen)
+        stacked.prefill_chunk = None
+        stacked.decode_capacity = None
+        stacked._compileable = False  # per-row lengths and counts live on the host: eager decode
+        return stacked
+
+    @staticmethod
+    def _check_stackable(first: KVHiveCache, cache: KVHiveCache, number: int) -> None:
+        where = f"caches[{number}]"
+        if cache.positions != ORIGINAL_POSITIONS:
+            raise ValueError(f"{where} uses positions={cache.positions!r}; stacked rows need positions='original'")
+        if not all(layer.is_initialized for layer in cache.layers):
+            raise ValueError(f"{where} holds no prompt: prefill each cache (its prompt through the model) first")
+        if cache.is_stacked:
+            raise ValueError(f"{where} is already a stacked cache: stack the caches it was made from")
+        batches = {layer.batch_size for layer in cache.layers}
+        if batches != {1}:
+            raise ValueError(f"{where} holds a batch of {sorted(batches)} rows; each cache must hold one row")
+        for layer in cache.layers:
+            if not layer.is_uniform:
+                raise ValueError(
+                    f"cannot stack caches of method {cache.policy.name!r}: layer {layer.layer_index} of {where} holds "
+                    "a different number of tokens per head (head-wise budgets, Ada-KV's packed layout), which has no "
+                    "dense row to stack; decode each prompt alone (kvhive.generate)"
+                )
+        if cache is first:
+            return
+        if cache.model_shape != first.model_shape:
+            raise ValueError(f"{where} was made for another model ({cache.model_shape} vs {first.model_shape})")
+        for layer, module in first._attention_modules.items():
+            other = cache._attention_modules.get(layer)
+            if other is not None and module() is not None and other() is not None and other() is not module():
+                raise ValueError(f"{where} was filled by another model object than caches[0] (layer {layer})")
+        if type(cache.policy) is not type(first.policy) or cache.policy.config != first.policy.config:
+            raise ValueError(
+                f"{where} runs method {cache.policy!r}, caches[0] {first.policy!r}: stacked rows run one method"
+            )
+        options = ("budget", "compress_sliding", "decode_every", "decode_slack", "dense_decode")
+        for option in options:
+            if getattr(cache, option) != getattr(first, option):
+                raise ValueError(
+                    f"{where} has {option}={getattr(cache, option)!r}, caches[0] {getattr(first, option)!r}: stacked "
+                    "rows share one cache's options"
+                )
+        if DECODE in first.policy.phases:
+            differing = {
+                layer: (first.layer_budgets.get(layer), cache.layer_budgets.get(layer))
+                for layer in set(first.layer_budgets) | set(cache.layer_budgets)
+                if first.layer_budgets.get(layer) != cache.layer_budgets.get(layer)
+            }
+            if differing:
+                raise ValueError(
+                    f"{where} keeps other layer budgets than caches[0] {differing} (a ratio of prompts of different "
+                    f"lengths): method {first.policy.name!r} keeps one budget per layer while decoding; give a token "
+                    "budget"
+                )
+        for ours, theirs in zip(first.layers, cache.layers, strict=True):
+            if (ours.dtype, ours.device) != (theirs.dtype, theirs.device):
+                raise ValueError(
+                    f"{where} holds {theirs.dtype} on {theirs.device} in layer {theirs.layer_index}, caches[0] "
+                    f"{ours.dtype} on {ours.device}: stacked rows share one dtype and device"
+                )
+            if ours.heads_per_kv_head != theirs.heads_per_kv_head:
+                raise ValueError(f"{where} stores another number of heads per KV head than caches[0]")
+
+    def row_tokens_seen(self, layer_idx: int = 0) -> list[int]:
+        """Tokens seen by each batch row of a layer (they differ in a stacked cache, :meth:`stack`)."""
+        return self.layers[layer_idx].row_tokens_seen
 
     # -- reuse checks ------------------------------------------------------------------------------
     def _check_reuse(self, key_states: torch.Tensor, layer_idx: int) -> None:
@@ -862,11 +1068,11 @@ class KVHiveCache(Cache):
         for layer in self.layers:
             if not layer.is_initialized or layer.nbytes() == 0:
                 continue
-            tokens = layer.tokens_seen
+            # Each row's own count (rows of a stacked cache have seen different numbers of tokens).
+            rows = layer.row_tokens_seen
             if layer.is_sliding:
-                tokens = min(tokens, layer.sliding_window - 1)
-            per_token = layer.bytes_per_token() * self.num_kv_heads * layer.batch_size
-            total += tokens * per_token
+                rows = [min(tokens, layer.sliding_window - 1) for tokens in rows]
+            total += sum(rows) * layer.bytes_per_token() * self.num_kv_heads
         return total
 
     def budget_label(self) -> str:

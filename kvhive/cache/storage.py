@@ -14,6 +14,10 @@ start to end: it is a :class:`DenseLayerStore` until its rows keep different cou
   segment_start[s] + length[s])`` of its reserved range. Nothing is padded to a common length;
   each segment has a small reserve for decode appends, re-laid out when one is full.
 
+Rows prefilled separately and stacked (``KVHiveCache.stack``) keep their own tokens seen (a host
+list and a device ``[B]`` counter); when they hold different numbers of tokens the dense buffers
+are a common capacity whose row ``b`` fills slots ``[0, L_b)``, with a per-row length.
+
 Lengths are mirrored on the host (they only change by appends, whose size the host knows,
 and by evictions, which report their counts once), so a decode step that evicts nothing reads
 nothing back from the device. ``nbytes()`` counts the kept tokens' payload exactly;
@@ -39,6 +43,17 @@ PAGE_TOKENS = 64
 
 def reserve(tokens: int) -> int:
     return max(MIN_RESERVE_TOKENS, tokens // RESERVE_FRACTION)
+
+
+def row_index(indices, batch: int) -> torch.Tensor:
+    """Batch rows as a 1-D long tensor on the host: ``indices`` may be a boolean mask over the
+    batch, a tensor of row numbers, or a list (transformers passes either)."""
+    index = torch.as_tensor(indices).detach().to("cpu")
+    if index.dtype == torch.bool:
+        if index.shape != (batch,):
+            raise IndexError(f"a boolean row mask must have {batch} entries, got shape {tuple(index.shape)}")
+        return index.nonzero().reshape(-1)
+    return index.to(torch.long).reshape(-1)
 
 
 def _static(buffer: torch.Tensor) -> torch.Tensor:
@@ -76,6 +91,17 @@ class LayerStore(CacheLayerMixin):
         self._tokens_seen = 0
         self._tokens_seen_stale = False
         self.tokens_seen_device: torch.Tensor | None = None
+        # Rows that have seen different numbers of tokens (caches prefilled separately and stacked,
+        # KVHiveCache.stack): each row's count on the host and on the device ([B] int64). None for a
+        # cache whose rows advance together; ``tokens_seen`` is then every row's count, otherwise
+        # the most any row has seen.
+        self._row_tokens_seen: list[int] | None = None
+        self.row_tokens_seen_device: torch.Tensor | None = None
+        # Stacked rows holding different numbers of tokens (a layer that does not evict while
+        # decoding): each row fills slots [0, length) of a common capacity, lengths on the host and
+        # on the device ([B] int64); attention reads the whole capacity with the empty slots masked.
+        self._row_lengths: list[int] | None = None
+        self.row_lengths_device: torch.Tensor | None = None
         # A fixed decode capacity (reserve_decode): the dense buffers hold the prompt's kept tokens
         # plus room for every decode step, new tokens are written at a device index, and attention
         # runs over the whole capacity with the empty slots masked, so a layer that grows by a
@@ -144,7 +170,7 @@ class LayerStore(CacheLayerMixin):
         """Append the new tokens; returns the dense view (or the flat buffers when packed)."""
         self.in_prefill = not self.is_initialized
         self.last_update_tokens = key_states.shape[2]
-        if self.fixed_capacity and key_states.shape[2] > 1:
+        if self.fixed_capacity and key_states.shape[2] > 1 and self._row_lengths is None:
             self.fixed_capacity = False  # a prompt chunk: the growing layout (a decode step reserves again)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -154,6 +180,9 @@ class LayerStore(CacheLayerMixin):
         new_tokens = key_states.shape[2]
         self._append(key_states, value_states, new_tokens)
         self.tokens_seen_device.add_(new_tokens)
+        if self._row_tokens_seen is not None:
+            self.row_tokens_seen_device.add_(new_tokens)
+            self._row_tokens_seen = [seen + new_tokens for seen in self._row_tokens_seen]
         if torch.compiler.is_compiling():
             self._tokens_seen_stale = True  # a constant store: no guard on the host count
         else:
@@ -181,6 +210,8 @@ class LayerStore(CacheLayerMixin):
     def reset(self) -> None:
         self._clear()
         self._tokens_seen, self._tokens_seen_stale, self.tokens_seen_device = 0, False, None
+        self._row_tokens_seen, self.row_tokens_seen_device = None, None
+        self._row_lengths, self.row_lengths_device = None, None
         self.length_device, self._length_value, self._length_stale, self.fixed_capacity = None, 0, False, False
         self.in_prefill = False
         self.has_padding = False
@@ -199,14 +230,67 @@ class LayerStore(CacheLayerMixin):
             "transformers' DynamicCache for assisted decoding"
         )
 
+    # Batch rows (beam search, contrastive search, batch slicing). ``KVHiveCache`` overrides the
+    # cache-level methods to select its method's per-layer state too; these move the layer's tokens.
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("beam search over a compressed cache is not supported")
+        self.select_rows(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("expanding the batch of a compressed cache is not supported")
+        self.select_rows(torch.arange(max(self._batch, 0)).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("selecting batch rows of a compressed cache is not supported")
+        self.select_rows(row_index(indices, self._batch))
+
+    def check_rows_selectable(self, method: str) -> None:
+        """Refuse (before anything changes) a layout whose rows cannot be selected yet (packed)."""
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep batch rows ``index`` (1-D; rows may repeat or be reordered) in every buffer with a
+        batch dimension: keys, values, positions, per-token scores and the per-row counters. The
+        buffers keep their capacity (a fresh allocation of the selected rows)."""
+        if not self.is_initialized:
+            return
+        self.check_rows_selectable("(any)")
+        host_index = index.detach().to("cpu", torch.long).reshape(-1)
+        rows = host_index.tolist()
+        if rows and (min(rows) < 0 or max(rows) >= self._batch):
+            raise IndexError(f"batch row index {rows} out of range for a batch of {self._batch} row(s)")
+        device_index = host_index.to(self.device)
+        if self._key_buffer is not None:
+            self._key_buffer = _static(self._key_buffer.index_select(0, device_index))
+            self._value_buffer = _static(self._value_buffer.index_select(0, device_index))
+            self._position_buffer = _static(self._position_buffer.index_select(0, device_index))
+            self._score_buffers = {
+                name: _static(buffer.index_select(0, device_index)) for name, buffer in self._score_buffers.items()
+            }
+        if self._row_tokens_seen is not None:
+            self._row_tokens_seen = [self._row_tokens_seen[row] for row in rows]
+            self.row_tokens_seen_device = self.row_tokens_seen_device.index_select(0, device_index)
+        if self._row_lengths is not None:
+            self._row_lengths = [self._row_lengths[row] for row in rows]
+            self.row_lengths_device = self.row_lengths_device.index_select(0, device_index)
+        self._batch = len(rows)
+
+    # -- rows that have seen different numbers of tokens (stacked caches) ------------------------
+    @property
+    def row_tokens_seen(self) -> list[int]:
+        """Tokens seen by each batch row (host)."""
+        if self._row_tokens_seen is not None:
+            return list(self._row_tokens_seen)
+        return [self.tokens_seen] * max(self._batch, 0)
+
+    @property
+    def has_row_lengths(self) -> bool:
+        """Whether rows hold different numbers of tokens in slots of a common capacity."""
+        return self._row_lengths is not None
+
+    def _new_positions(self, new_tokens: int) -> torch.Tensor:
+        """Original positions of ``new_tokens`` appended tokens: ``[new]``, or ``[B, 1, new]`` when
+        rows have seen different numbers of tokens."""
+        grow = torch.arange(new_tokens, device=self.device)
+        if self.row_tokens_seen_device is not None:
+            return (grow + self.row_tokens_seen_device[:, None]).to(POSITION_DTYPE)[:, None, :]
+        return (grow + self.tokens_seen_device).to(POSITION_DTYPE)
 
     # -- shape (host-side: never reads the device) ---------------------------------------------
     @property
@@ -473,6 +557,8 @@ class DenseLayerStore(LayerStore):
             self.length_device.fill_(value)
 
     def _num_stored(self) -> int:
+        if self._row_lengths is not None:
+            return self._heads * sum(self._row_lengths)
         return self.num_segments * self._length
 
     @property
@@ -481,6 +567,8 @@ class DenseLayerStore(LayerStore):
         return self._length
 
     def _lengths_host(self) -> torch.Tensor:
+        if self._row_lengths is not None:
+            return torch.tensor(self._row_lengths, dtype=torch.long)[:, None].expand(self._batch, self._heads).clone()
         return torch.full((self._batch, self._heads), self._length, dtype=torch.long)
 
     def _capacity(self) -> int:
@@ -587,6 +675,9 @@ class DenseLayerStore(LayerStore):
         if not self.fixed_capacity:
             return (*self.dense(), None)
         capacity = self._key_buffer.shape[2]
+        if self._row_lengths is not None:  # [B, C]: each row its own filled slots
+            filled = torch.arange(capacity, device=self.device)[None, :] < self.row_lengths_device[:, None]
+            return self._key_buffer, self._value_buffer, self._position_buffer, dict(self._score_buffers), filled
         filled = torch.arange(capacity, device=self.device) < self.length_device
         return self._key_buffer, self._value_buffer, self._position_buffer, dict(self._score_buffers), filled
 
@@ -595,7 +686,7 @@ class DenseLayerStore(LayerStore):
         index = torch.arange(new_tokens, device=self.device) + self.length_device
         self._key_buffer.index_copy_(2, index, key_states)
         self._value_buffer.index_copy_(2, index, value_states)
-        positions = (torch.arange(new_tokens, device=self.device) + self.tokens_seen_device).to(POSITION_DTYPE)
+        positions = self._new_positions(new_tokens)
         self._position_buffer.index_copy_(2, index, positions.expand(self._batch, self._heads, new_tokens))
         for buffer in self._score_buffers.values():
             buffer.index_fill_(2, index, 0.0)
@@ -606,6 +697,9 @@ class DenseLayerStore(LayerStore):
             self._length_value += new_tokens
 
     def _append(self, key_states, value_states, new_tokens: int) -> None:
+        if self._row_lengths is not None:
+            self._append_rows(key_states, value_states, new_tokens)
+            return
         if self.fixed_capacity:
             if torch.compiler.is_compiling() or self._length + new_tokens <= self._key_buffer.shape[2]:
                 self._append_at_device_index(key_states, value_states, new_tokens)
@@ -630,12 +724,95 @@ class DenseLayerStore(LayerStore):
         stop = end + new_tokens
         self._key_buffer[:, :, end:stop].copy_(key_states)
         self._value_buffer[:, :, end:stop].copy_(value_states)
-        self._position_buffer[:, :, end:stop].copy_(
-            torch.arange(new_tokens, dtype=POSITION_DTYPE, device=self.device) + self.tokens_seen_device
-        )
+        self._position_buffer[:, :, end:stop].copy_(self._new_positions(new_tokens))
         for buffer in self._score_buffers.values():
             buffer[:, :, end:stop].zero_()
         self._length += new_tokens
+
+    def set_rows(
+        self,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        positions: list[torch.Tensor],
+        scores: list[dict[str, torch.Tensor]],
+        tokens_seen: list[int],
+        decode_room: int,
+    ) -> None:
+        """Fill an empty layer with rows prefilled separately: ``keys[i]`` ``[1, H, L_i, d]`` (and
+        the rest alike) are row ``i``'s stored tokens, ``tokens_seen[i]`` the tokens it has seen.
+        Rows of equal length make the usual dense layout; rows of different lengths fill slots
+        ``[0, L_i)`` of a common capacity (``max L_i + decode_room``, empty slots zero) with a
+        per-row length."""
+        first = keys[0]
+        self.dtype, self.device = first.dtype, first.device
+        self._batch, self._heads = len(keys), first.shape[1]
+        lengths = [int(k.shape[2]) for k in keys]
+        longest = max(lengths)
+        ragged = len(set(lengths)) > 1
+        capacity = longest + (decode_room if ragged else reserve(longest))
+        self._key_buffer, self._value_buffer, self._position_buffer = self._allocate_dense(
+            capacity, first.shape[-1], values[0].shape[-1]
+        )
+        names = sorted({name for row in scores for name in row})
+        self._score_buffers = {
+            name: _static(torch.zeros(self._key_buffer.shape[:3], dtype=torch.float32, device=self.device))
+            for name in names
+        }
+        for buffer in (self._key_buffer, self._value_buffer, self._position_buffer):
+            buffer.zero_()  # empty slots are attended with weight 0: never uninitialised memory
+        for row, length in enumerate(lengths):
+            self._key_buffer[row, :, :length].copy_(keys[row][0])
+            self._value_buffer[row, :, :length].copy_(values[row][0])
+            self._position_buffer[row, :, :length].copy_(positions[row][0])
+            for name, score in scores[row].items():
+                self._score_buffers[name][row, :, :length].copy_(score[0])
+        self._start = 0
+        self.is_initialized = True
+        most = max(tokens_seen)
+        self.tokens_seen_device = torch.full((), most, dtype=torch.int64, device=self.device)
+        torch._dynamo.mark_static_address(self.tokens_seen_device)
+        self.tokens_seen = most
+        self._row_tokens_seen = list(tokens_seen)
+        self.row_tokens_seen_device = torch.tensor(tokens_seen, dtype=torch.int64, device=self.device)
+        self._length = longest
+        if ragged:
+            self._row_lengths = lengths
+            self.row_lengths_device = torch.tensor(lengths, dtype=torch.int64, device=self.device)
+            self.fixed_capacity = True
+
+    def _append_rows(self, key_states, value_states, new_tokens: int) -> None:
+        """Rows of different lengths: row ``b``'s new tokens go to slots ``[L_b, L_b + new)``."""
+        capacity = self._key_buffer.shape[2]
+        longest = max(self._row_lengths) + new_tokens
+        if longest > capacity:  # past the room reserved at stacking: a larger capacity, zeros beyond
+            grown = longest + reserve(longest)
+            old = (self._key_buffer, self._value_buffer, self._position_buffer, self._score_buffers)
+            self._key_buffer, self._value_buffer, self._position_buffer = self._allocate_dense(
+                grown, self._key_buffer.shape[-1], self._value_buffer.shape[-1]
+            )
+            self._score_buffers = {
+                name: _static(torch.zeros(self._key_buffer.shape[:3], dtype=torch.float32, device=self.device))
+                for name in old[3]
+            }
+            for new, previous in zip(
+                (self._key_buffer, self._value_buffer, self._position_buffer), old[:3], strict=True
+            ):
+                new.zero_()
+                new[:, :, :capacity].copy_(previous)
+            for name, previous in old[3].items():
+                self._score_buffers[name][:, :, :capacity].copy_(previous)
+        batch, heads = self._batch, self._heads
+        slots = (self.row_lengths_device[:, None] + torch.arange(new_tokens, device=self.device))[:, None, :]
+        slots = slots.expand(batch, heads, new_tokens)
+        d, dv = key_states.shape[-1], value_states.shape[-1]
+        self._key_buffer.scatter_(2, slots[..., None].expand(batch, heads, new_tokens, d), key_states)
+        self._value_buffer.scatter_(2, slots[..., None].expand(batch, heads, new_tokens, dv), value_states)
+        self._position_buffer.scatter_(2, slots, self._new_positions(new_tokens).expand(batch, heads, new_tokens))
+        for buffer in self._score_buffers.values():
+            buffer.scatter_(2, slots, 0.0)
+        self.row_lengths_device.add_(new_tokens)
+        self._row_lengths = [length + new_tokens for length in self._row_lengths]
+        self._length = max(self._row_lengths)
 
     def drop_oldest(self, count: int) -> None:
         """Forget the ``count`` oldest tokens of every row (dense layout).
@@ -834,6 +1011,15 @@ class PackedLayerStore(LayerStore):
 
     def _attention_view(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self._key_buffer.unsqueeze(0).unsqueeze(0), self._value_buffer.unsqueeze(0).unsqueeze(0)
+
+    def check_rows_selectable(self, method: str) -> None:
+        """Refuse (before anything changes) a layout whose rows cannot be selected yet."""
+        if self.is_initialized:
+            raise NotImplementedError(
+                f"method {method!r} holds a different number of tokens per head in layer {self.layer_index} (the "
+                "packed, head-wise layout of Ada-KV): selecting, reordering or repeating its batch rows (beam search, "
+                "batch_select_indices) is not implemented for that layout"
+            )
 
     def _token_scores(self) -> dict[str, torch.Tensor]:
         index = self._stored_index()

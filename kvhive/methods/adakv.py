@@ -263,6 +263,18 @@ class AdaKV(Policy):
             keep = self._keep_with_protected(scores, protected, budget, scoring.valid)
         return keep  # head budgets: keep.sum(-1), held by the cache as its per-head lengths
 
+    def select_state_rows(self, state: dict, index: torch.Tensor, num_heads: int) -> dict:
+        selected = dict(state)
+        if "scorer" in state:
+            selected["scorer"] = self.scorer.select_state_rows(state["scorer"], index, num_heads)
+        return selected
+
+    def stack_states(self, states: list[dict], tokens_seen: list[int]) -> dict:
+        stacked = dict(states[0])
+        if any("scorer" in state for state in states):
+            stacked["scorer"] = self.scorer.stack_states([state.get("scorer", {}) for state in states], tokens_seen)
+        return stacked
+
     def _keep_with_protected(self, scores, protected, budget, valid) -> torch.Tensor:
         # Protected tokens are the same count in every head of a row (sinks, windows); the row
         # allocates H x (budget - count) over the rest.

@@ -274,6 +274,32 @@ class AhaKV(ScorerPolicy):
         return recent_mask(scoring.num_tokens, self.config.recent, scoring.valid)
 
     # -- decode ----------------------------------------------------------------------------------
+    def select_state_rows(self, state: dict, index: torch.Tensor, num_heads: int) -> dict:
+        selected = dict(state)
+        if "ahakv_row_padding" in state:
+            padding = state["ahakv_row_padding"]
+            selected["ahakv_row_padding"] = [padding[row] for row in index.tolist()]
+        return selected
+
+    def stack_states(self, states: list[dict], tokens_seen: list[int]) -> dict:
+        """``n`` of Eq. 12 is each row's own tokens seen. A stacked layer's ``sequence_length`` is the
+        most any row has seen, so a row that has seen fewer counts the difference as padding (both
+        advance by one token per step: the difference stays)."""
+        scored_with = {state.get("ahakv_scored_with") for state in states}
+        if len(scored_with) > 1:
+            raise ValueError(
+                f"method {self.name!r}: the caches were scored with different budgets {sorted(scored_with)}"
+            )
+        stacked = dict(states[0])
+        if any("ahakv_row_padding" in state for state in states):
+            most = max(tokens_seen)
+            stacked["ahakv_row_padding"] = [
+                most - seen + pad
+                for state, seen in zip(states, tokens_seen, strict=True)
+                for pad in state.get("ahakv_row_padding", [0])
+            ]
+        return stacked
+
     def observe_decode(self, scoring: ScoringInputs, state: dict, budget: int | None = None) -> None:
         """``F_t = SG-softmax(A_t) + F_{t-1}`` over the stored keys (line 27)."""
         budget = self._layer_budget(scoring, budget)

@@ -384,6 +384,34 @@ class Policy:
         """Bytes a method holds per layer beside the cached tokens (e.g. SubGen's clusters)."""
         return 0
 
+    # -- batch rows of the per-layer state ------------------------------------------------------
+    def select_state_rows(self, state: dict, index: torch.Tensor, num_heads: int) -> dict:
+        """The per-layer ``state`` of batch rows ``index`` (1-D, on the host; rows may repeat or be
+        reordered: beam search, ``batch_select_indices``, ``batch_repeat_interleave``). ``num_heads``
+        is the layer's stored heads. A new dict; ``state`` is left as it was.
+
+        The default serves a method that keeps nothing per layer (its per-token scores live in the
+        cache, which selects them itself); a method with per-row state overrides it."""
+        if not state:
+            return {}
+        raise NotImplementedError(
+            f"method {self.name!r} keeps per-layer state ({', '.join(sorted(state))}) that it cannot select by "
+            "batch row: reordering or selecting the rows of its cache (beam search, batch_select_indices) is not "
+            "supported"
+        )
+
+    def stack_states(self, states: list[dict], tokens_seen: list[int]) -> dict:
+        """One layer's state for caches prefilled separately and stacked as the rows of one batch
+        (``KVHiveCache.stack``): ``states[i]`` is cache ``i``'s (a batch of one), ``tokens_seen[i]``
+        the tokens it has seen (they may differ; the stacked layer's ``sequence_length`` is their
+        maximum). Raises ValueError when the method cannot decode such rows together."""
+        if not any(states):
+            return {}
+        raise ValueError(
+            f"method {self.name!r} keeps per-layer state ({', '.join(sorted(states[0]))}) that cannot be stacked "
+            "from caches prefilled separately"
+        )
+
     static_decode: ClassVar[bool] = False
     """A decode decision keeps exactly the layer's budget at every step, computed by tensor work of
     fixed shape without host reads, so a decode step compiles to one graph that serves every later

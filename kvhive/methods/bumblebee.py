@@ -52,6 +52,7 @@ Choices the paper leaves open (docs/METHODS.md style, **(choice)**):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -304,6 +305,30 @@ class BumbleBee(Policy):
         keep = torch.ones(rows, tokens, dtype=torch.bool, device=keys.device)
         keep.scatter_(1, dropped, False)
         return keep.reshape(batch, heads, tokens)
+
+    def select_state_rows(self, state: dict, index: torch.Tensor, num_heads: int) -> dict:
+        # The summary holds one row per (batch row, head), batch-major; the sync marker is per layer.
+        selected = dict(state)
+        summary: StreamingSummary | None = state.get(SUMMARY)
+        if summary is not None:
+            rows = index.to(summary.sim.device)[:, None] * num_heads + torch.arange(
+                num_heads, device=summary.sim.device
+            )
+            rows = rows.reshape(-1)
+            selected[SUMMARY] = dataclasses.replace(
+                summary,
+                **{
+                    field.name: getattr(summary, field.name).index_select(0, rows)
+                    for field in dataclasses.fields(summary)
+                },
+            )
+        return selected
+
+    def stack_states(self, states: list[dict], tokens_seen: list[int]) -> dict:
+        raise ValueError(
+            f"method {self.name!r} cannot stack caches prefilled separately: its summary is re-synchronised by the "
+            "tokens a layer has seen (one count per layer, not per row); decode each prompt alone (kvhive.generate)"
+        )
 
 
 class BumbleBeePower(BumbleBee):

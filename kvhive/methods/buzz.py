@@ -442,6 +442,18 @@ class Buzz(Policy):
         _record_eviction(state, plan.kept)
         return keep
 
+    def select_state_rows(self, state: dict, index: torch.Tensor, num_heads: int) -> dict:
+        # The state is the layer's eviction schedule and size statistics, the same for every row
+        # (BUZZ refuses rows of different real lengths), so any selection of rows keeps it.
+        return dict(state)
+
+    def stack_states(self, states: list[dict], tokens_seen: list[int]) -> dict:
+        raise ValueError(
+            f"method {self.name!r} cannot stack caches prefilled separately: its eviction schedule (sink, window, "
+            "strided old samples) follows the tokens a layer has seen and is one per layer, not per row; decode each "
+            "prompt alone (kvhive.generate)"
+        )
+
 
 @dataclass(frozen=True)
 class EvictionPlan:

@@ -113,3 +113,17 @@ class RandomLocal(ScorerPolicy):
 
     def protected(self, scoring: ScoringInputs, budget: int) -> torch.Tensor:
         return recent_mask(scoring.num_tokens, self.recent_count(budget), scoring.valid)
+
+    def select_state_rows(self, state: dict, index: torch.Tensor, num_heads: int) -> dict:
+        # The first real position is per row; the head hash [1, H, 1] is shared by every row.
+        selected = dict(state)
+        if FIRST_REAL_POSITION in state:
+            first = state[FIRST_REAL_POSITION]
+            selected[FIRST_REAL_POSITION] = first.index_select(0, index.to(first.device))
+        return selected
+
+    def stack_states(self, states: list[dict], tokens_seen: list[int]) -> dict:
+        stacked = dict(states[0])
+        if any(FIRST_REAL_POSITION in state for state in states):
+            stacked[FIRST_REAL_POSITION] = torch.cat([state[FIRST_REAL_POSITION] for state in states])
+        return stacked

@@ -595,6 +595,13 @@ class SubGenAttention(Policy):
         structures = state.get(STATE_KEY)
         return 0 if structures is None else structures.nbytes()
 
+    def stack_states(self, states: list[dict], tokens_seen: list[int]) -> dict:
+        raise ValueError(
+            f"method {self.name!r} cannot stack caches prefilled separately: its estimator of the evicted tokens "
+            "(clusters and samples, with their random draws and capacity) is one structure per layer, not per row; "
+            "decode each prompt alone (kvhive.generate)"
+        )
+
 
 def structures_nbytes(cache) -> int:
     """Bytes of every layer's SubGen structures in a ``KVHiveCache`` (add to ``cache.nbytes()``)."""
