@@ -132,6 +132,38 @@ def test_storage_append_keeps_segments_in_order():
         assert positions.tolist() == kept.tolist() + [12, 13, 14]
 
 
+def test_a_layer_is_dense_then_packed_then_dense_again_as_one_object():
+    # The two layouts are two classes; a layer changes class (not identity) when its rows keep
+    # different counts, so the cache and attention keep their reference, and a reset makes it dense.
+    import copy
+
+    from kvhive.cache.storage import DenseLayerStore, LayerStore, PackedLayerStore
+
+    store = LayerStore(0)
+    assert type(store) is DenseLayerStore and isinstance(store, LayerStore)
+    keys, values = torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4)
+    store.update(keys, values)
+    with pytest.raises(RuntimeError, match="is dense: packed"):
+        store.packed()
+    mask = torch.zeros(1, 2, 10, dtype=torch.bool)
+    mask[0, 0, :3] = True
+    mask[0, 1, 4:9] = True
+    layer = store
+    store.keep(mask)
+    assert store is layer and type(store) is PackedLayerStore and not store.is_uniform
+    assert store.lengths_host.tolist() == [[3, 5]]
+    assert torch.equal(store.stored_keys(), torch.cat([keys[0, 0, :3], keys[0, 1, 4:9]]))
+    with pytest.raises(RuntimeError, match="different number of tokens per head"):
+        store.dense()
+    with pytest.raises(RuntimeError, match="different number of tokens per head"):
+        _ = store.dense_length
+    copied = copy.deepcopy(store)
+    assert type(copied) is PackedLayerStore and torch.equal(copied.stored_values(), store.stored_values())
+    store.reset()
+    assert type(store) is DenseLayerStore and store.num_stored == 0 and not hasattr(store, "_page_segment")
+    assert type(copied) is PackedLayerStore  # the copy is its own object
+
+
 @pytest.mark.parametrize("architecture", TINY_ARCHITECTURES)
 def test_true_sequence_length_after_eviction_and_generate_positions(architecture):
     model = tiny_model(architecture, "gqa")

@@ -76,29 +76,35 @@ def test_one_compiled_decode_step_serves_40_evicting_steps(method):
     assert all(compiled_cache.layer_budgets[i] <= budget for i in range(len(compiled_cache.layers)))
 
 
-@pytest.mark.parametrize("method", ["h2o", "tova"])
+@pytest.mark.parametrize("method", ["h2o", "tova", "ada-snapkv"])
 def test_generate_takes_the_compiled_path_on_a_padded_batch(method):
+    # ada-snapkv: head-wise budgets (packed rows and heads of different counts), with a decode capacity.
+    options = {"budget": BUDGET, "window": 4} if method == "ada-snapkv" else {"budget": BUDGET}
+    capacity = {"decode_capacity": 25} if method == "ada-snapkv" else {}
     model = _model()
     prompt = _prompt(model, batch=2, length=60)
     attention_mask = torch.ones_like(prompt)
     attention_mask[1, :13] = 0  # left padding: the step masks it from the flags recorded at prefill
     config = CompileConfig(fullgraph=True, dynamic=False, backend="aot_eager")
     config._compile_all_devices = True  # transformers compiles only on accelerators otherwise
+    compiled_cache = kvhive.make_cache(model, method, **options, **capacity)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # aot_eager ignores the default mode="reduce-overhead"
         compiled = model.generate(
             prompt,
             attention_mask=attention_mask,
-            past_key_values=kvhive.make_cache(model, method, budget=BUDGET),
+            past_key_values=compiled_cache,
             max_new_tokens=24,
             do_sample=False,
             compile_config=config,
         )
     assert counters["stats"]["unique_graphs"] == 1, "generate did not compile its decode step once"
+    if method == "ada-snapkv":
+        assert any(not layer.is_uniform for layer in compiled_cache.layers)
     eager = model.generate(
         prompt,
         attention_mask=attention_mask,
-        past_key_values=kvhive.make_cache(model, method, budget=BUDGET),
+        past_key_values=kvhive.make_cache(model, method, **options),
         max_new_tokens=24,
         do_sample=False,
         disable_compile=True,
@@ -107,7 +113,7 @@ def test_generate_takes_the_compiled_path_on_a_padded_batch(method):
     # Each row decodes as it would alone (the padding is masked, not attended).
     alone = model.generate(
         prompt[1:, 13:],
-        past_key_values=kvhive.make_cache(model, method, budget=BUDGET),
+        past_key_values=kvhive.make_cache(model, method, **options),
         max_new_tokens=24,
         do_sample=False,
         disable_compile=True,
@@ -116,12 +122,28 @@ def test_generate_takes_the_compiled_path_on_a_padded_batch(method):
 
 
 GROWING_METHODS = ["full", "snapkv", "pyramidkv", "knorm"]
+# Head-wise budgets (prefill only): each (row, KV head) keeps its own count, so the layer is packed.
+ADA_METHODS = ["ada-snapkv", "ada-pyramidkv", "ada-ahakv"]
+DECODE_CAPACITY = 48
 
 
-@pytest.mark.parametrize("method", GROWING_METHODS)
+def _growing_options(method, **extra):
+    if method == "full":
+        return {**extra}
+    options = {"budget": BUDGET, **extra}
+    if method in ADA_METHODS:
+        # A window below the budget leaves room for the heads' budgets to differ (with a window of
+        # the whole budget every head keeps exactly it, and the layer stays dense).
+        options["recent" if method == "ada-ahakv" else "window"] = 4
+    return options
+
+
+@pytest.mark.parametrize("method", GROWING_METHODS + ADA_METHODS)
 def test_a_growing_cache_compiles_with_a_fixed_decode_capacity(method):
     # The full cache and prefill-only methods add a token per step: with decode_capacity the
     # buffers have room for every step and attention runs over the capacity, empty slots masked.
+    # Head-wise budgets (Ada-KV) too: each packed segment gets its room after the prefill and a step
+    # appends at the device lengths, attention over every page with the slots past them masked.
     model = _model()
 
     def step(token, position, cache):
@@ -129,7 +151,7 @@ def test_a_growing_cache_compiles_with_a_fixed_decode_capacity(method):
 
     compiled = torch.compile(step, fullgraph=True, dynamic=False, backend="aot_eager")
     prompt = _prompt(model)
-    options = {"decode_capacity": 48} if method == "full" else {"budget": BUDGET, "decode_capacity": 48}
+    options = _growing_options(method, decode_capacity=DECODE_CAPACITY)
     caches = [kvhive.make_cache(model, method, **options) for _ in range(2)]
     uncompiled_reference = kvhive.make_cache(
         model, method, **{k: v for k, v in options.items() if k != "decode_capacity"}
@@ -139,7 +161,12 @@ def test_a_growing_cache_compiles_with_a_fixed_decode_capacity(method):
         token = model(input_ids=prompt, past_key_values=caches[0]).logits[:, -1:].argmax(-1)
         model(input_ids=prompt, past_key_values=caches[1])
         model(input_ids=prompt, past_key_values=uncompiled_reference)
-        pointers = [layer.buffers()[0].data_ptr() for layer in caches[0].layers]
+        prefill_lengths = [layer.lengths_host for layer in caches[0].layers]
+        if method in ADA_METHODS:
+            # The head-wise layout is what is compiled here (heads keep different counts).
+            assert any(not layer.is_uniform for layer in caches[0].layers)
+            assert all(layer.fixed_capacity for layer in caches[0].layers)
+        pointers = [(layer.buffers()[0].data_ptr(), layer.buffers()[1].data_ptr()) for layer in caches[0].layers]
         position = torch.full((1, 1), prompt.shape[1])
         for index in range(40):
             compiled_logits = compiled(token, position, caches[0])
@@ -149,11 +176,116 @@ def test_a_growing_cache_compiles_with_a_fixed_decode_capacity(method):
             torch.testing.assert_close(compiled_logits, reference_logits, atol=1e-5, rtol=1e-5, msg=f"step {index}")
             token, position = compiled_logits[:, -1:].argmax(-1), position + 1
     assert counters["stats"]["unique_graphs"] == 1
-    assert [layer.buffers()[0].data_ptr() for layer in caches[0].layers] == pointers
+    assert [(layer.buffers()[0].data_ptr(), layer.buffers()[1].data_ptr()) for layer in caches[0].layers] == pointers
     # The host lengths, stale inside compiled steps, are right when read afterwards.
     assert caches[0].get_seq_length() == prompt.shape[1] + 40
+    for layer, before in zip(caches[0].layers, prefill_lengths, strict=True):
+        assert torch.equal(layer.lengths_host, before + 40)
+        assert layer.max_length == int(before.max()) + 40
+        assert layer.num_stored == int(before.sum()) + 40 * before.numel()
     assert caches[0].statistics()["kept_tokens_per_layer"] == uncompiled_reference.statistics()["kept_tokens_per_layer"]
     assert caches[0].nbytes() == uncompiled_reference.nbytes()
+    # An eager step after the compiled ones continues from the device lengths (read back once).
+    with torch.no_grad():
+        torch.testing.assert_close(
+            step(token, position, caches[0]), step(token, position, uncompiled_reference), atol=1e-5, rtol=1e-5
+        )
+    assert caches[0].statistics()["kept_tokens_per_layer"] == uncompiled_reference.statistics()["kept_tokens_per_layer"]
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_ada_storing_a_copy_per_query_head_compiles_too(kv_heads):
+    # head_granularity "query" (the default "auto" on a model with one KV head, as Gemma-3-270M):
+    # each query head stores its own copy, and a decode step repeats the new token's KV heads.
+    torch.manual_seed(0)
+    model = tiny_model("llama", "gqa", num_key_value_heads=kv_heads)
+
+    def step(token, position, cache):
+        return model(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True).logits
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend="aot_eager")
+    prompt = _prompt(model)
+    options = _growing_options("ada-snapkv", **({} if kv_heads == 1 else {"head_granularity": "query"}))
+    caches = [kvhive.make_cache(model, "ada-snapkv", decode_capacity=24, **options) for _ in range(2)]
+    reference = kvhive.make_cache(model, "ada-snapkv", **options)
+    assert caches[0].stores_query_heads and caches[0].is_compileable
+    with torch.no_grad():
+        token = model(input_ids=prompt, past_key_values=caches[0]).logits[:, -1:].argmax(-1)
+        model(input_ids=prompt, past_key_values=caches[1])
+        model(input_ids=prompt, past_key_values=reference)
+        assert all(layer.num_heads == model.config.num_attention_heads for layer in caches[0].layers)
+        assert any(not layer.is_uniform for layer in caches[0].layers)
+        position = torch.full((1, 1), prompt.shape[1])
+        for index in range(20):
+            compiled_logits = compiled(token, position, caches[0])
+            torch.testing.assert_close(
+                compiled_logits, step(token, position, caches[1]), atol=1e-5, rtol=1e-5, msg=f"step {index}"
+            )
+            torch.testing.assert_close(
+                compiled_logits, step(token, position, reference), atol=1e-5, rtol=1e-5, msg=f"step {index}"
+            )
+            token, position = compiled_logits[:, -1:].argmax(-1), position + 1
+    assert counters["stats"]["unique_graphs"] == 1
+    assert caches[0].statistics()["kept_tokens_per_layer"] == reference.statistics()["kept_tokens_per_layer"]
+
+
+@pytest.mark.parametrize("method", ADA_METHODS)
+def test_a_packed_layer_reserves_its_decode_capacity_per_segment(method):
+    # Storage stays proportional to what each head keeps: every segment gets its kept tokens plus
+    # the decode capacity, in whole pages, laid out once at prefill (nothing padded to the longest).
+    from kvhive.cache.storage import PAGE_TOKENS
+
+    model = _model()
+    capacity = 100  # more than a page beyond the usual 32-token append reserve: the layout must differ
+    cache = kvhive.make_cache(model, method, **_growing_options(method, decode_capacity=capacity))
+    with torch.no_grad():
+        model(input_ids=_prompt(model), past_key_values=cache)
+    packed = [layer for layer in cache.layers if not layer.is_uniform]
+    assert packed and all(layer.fixed_capacity for layer in packed)
+    for layer in packed:
+        kept = layer.lengths_host.reshape(-1)
+        expected = (kept + capacity + PAGE_TOKENS - 1) // PAGE_TOKENS * PAGE_TOKENS
+        assert torch.equal(layer.segment_capacity_host, expected)
+        assert layer.capacity == int(expected.sum())
+        assert layer.capacity < kept.numel() * int(expected.max()) or bool((expected == expected[0]).all())
+
+
+@pytest.mark.parametrize("method", ADA_METHODS)
+def test_a_packed_layer_decoded_past_its_capacity(method):
+    # Eagerly, past the reserved capacity the layer re-lays out with a fresh reserve (as before);
+    # a compiled step cannot, and refuses to write past a segment instead of overwriting the next.
+    model = _model()
+    options = _growing_options(method, decode_capacity=4)
+    cache = kvhive.make_cache(model, method, **options)
+    reference = kvhive.make_cache(model, method, **_growing_options(method))
+    assert cache.is_compileable
+    with torch.no_grad():
+        token = model(input_ids=_prompt(model), past_key_values=cache).logits[:, -1:].argmax(-1)
+        model(input_ids=_prompt(model), past_key_values=reference)
+        packed = [layer for layer in cache.layers if not layer.is_uniform]
+        room = min(int((layer.segment_capacity_host - layer.lengths_host.reshape(-1)).min()) for layer in packed)
+        for _ in range(room + 3):
+            logits = model(input_ids=token, past_key_values=cache).logits
+            torch.testing.assert_close(
+                logits, model(input_ids=token, past_key_values=reference).logits, atol=1e-5, rtol=1e-5
+            )
+            token = logits[:, -1:].argmax(-1)
+    assert cache.statistics()["kept_tokens_per_layer"] == reference.statistics()["kept_tokens_per_layer"]
+
+    def step(token, position, cache):
+        return model(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True).logits
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend="aot_eager")
+    cache = kvhive.make_cache(model, method, **options)
+    with torch.no_grad():
+        token = model(input_ids=_prompt(model), past_key_values=cache).logits[:, -1:].argmax(-1)
+        packed = [layer for layer in cache.layers if not layer.is_uniform]
+        room = min(int((layer.segment_capacity_host - layer.lengths_host.reshape(-1)).min()) for layer in packed)
+        position = torch.full((1, 1), _prompt(model).shape[1])
+        for _ in range(room):
+            token, position = compiled(token, position, cache)[:, -1:].argmax(-1), position + 1
+        with pytest.raises(RuntimeError, match="decode_capacity"):
+            compiled(token, position, cache)
 
 
 def test_a_reserved_capacity_holds_zeros_in_its_empty_slots():
@@ -181,18 +313,23 @@ def test_growing_caches_are_not_declared_compileable():
     model = _model()
     assert not kvhive.make_cache(model, "full").is_compileable
     assert not kvhive.make_cache(model, "snapkv", budget=BUDGET).is_compileable
-    # Head-wise budgets keep different counts per head (a packed layout): not one shape yet.
-    assert not kvhive.make_cache(model, "ada-snapkv", budget=BUDGET, decode_capacity=8).is_compileable
+    assert not kvhive.make_cache(model, "ada-snapkv", budget=BUDGET).is_compileable
+    # Head-wise budgets (a packed layout) compile with a decode capacity (each segment gets its room)...
+    assert kvhive.make_cache(model, "ada-snapkv", budget=BUDGET, decode_capacity=8).is_compileable
+    # ... except in compressed sliding-window layers, whose packed heads drop tokens by host lengths.
+    gemma = tiny_model("gemma3", "gqa")
+    assert kvhive.make_cache(gemma, "ada-snapkv", budget=BUDGET, decode_capacity=8).is_compileable
+    assert not kvhive.make_cache(
+        gemma, "ada-snapkv", budget=BUDGET, decode_capacity=8, compress_sliding=True
+    ).is_compileable
     assert not kvhive.make_cache(model, "h2o", budget=BUDGET, decode_slack=4).is_compileable
     assert not kvhive.make_cache(model, "h2o", budget=BUDGET, positions="cache").is_compileable
 
 
 def test_generate_with_compile_refuses_a_step_that_cannot_compile():
     model, tokenizer = _model(), tiny_tokenizer()
-    with pytest.raises(
-        ValueError, match=r"compile=True: the decode step of method 'ada-snapkv'.*methods that can: .*tova"
-    ):
-        kvhive.generate(model, tokenizer, "a prompt", "ada-snapkv", BUDGET, max_new_tokens=2, compile=True)
+    with pytest.raises(ValueError, match=r"compile=True: the decode step of method 'buzz'.*methods that can: .*tova"):
+        kvhive.generate(model, tokenizer, "a prompt", "buzz", BUDGET, max_new_tokens=2, compile=True)
     with pytest.raises(ValueError, match=r"invalid compile='yes'"):
         kvhive.generate(model, tokenizer, "a prompt", "tova", BUDGET, max_new_tokens=2, compile="yes")
 

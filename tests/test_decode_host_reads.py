@@ -66,6 +66,27 @@ def test_steady_decode_step_makes_no_host_read(method):
         assert reads.total > 0, f"{method} is sync-free now: remove it from REMAINING_HOST_READS"
 
 
+@pytest.mark.parametrize("method", ["ada-snapkv", "ada-pyramidkv", "ada-ahakv"])
+def test_steady_packed_decode_step_with_a_decode_capacity_makes_no_host_read(method):
+    # Head-wise budgets with decode_capacity (the compileable layout): each packed segment got its
+    # room once after the prefill; a steady step appends at the device lengths and attends over the
+    # fixed pages, reading nothing back and moving no buffer.
+    model = _model()
+    window = {"recent": 4} if method == "ada-ahakv" else {"window": 4}
+    cache = kvhive.make_cache(model, method, budget=BUDGET, decode_capacity=16, **window)
+    assert cache.is_compileable
+    with torch.no_grad():
+        token = model(input_ids=_prompt(model), past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        token = _decode(model, cache, token, 6)
+        packed = [layer for layer in cache.layers if not layer.is_uniform]
+        assert packed and all(layer.fixed_capacity for layer in packed)
+        pointers = [(layer.buffers()[0].data_ptr(), layer.buffers()[1].data_ptr()) for layer in cache.layers]
+        with HostReadCounter() as reads:
+            model(input_ids=token, past_key_values=cache, use_cache=True)
+    assert reads.total == 0, f"{method}: {reads}"
+    assert [(layer.buffers()[0].data_ptr(), layer.buffers()[1].data_ptr()) for layer in cache.layers] == pointers
+
+
 def test_counter_sees_the_reads_of_a_method_that_reads():
     # The zero above is not blindness: a selection that reads the device is counted.
     model = _model()

@@ -230,3 +230,44 @@ def test_cuda_matches_cpu_fp32(method, dtype):
     )
     assert snapshot(actual_cache) == snapshot(expected_cache), f"{method} in {dtype}: kept positions differ"
     assert _relative(actual.cpu(), expected) <= CROSS_DEVICE_TOLERANCE[dtype]
+
+
+# -- head-wise budgets (packed layers) compiled with a decode capacity ------------------------------
+
+
+@pytest.mark.parametrize("method", ["ada-snapkv", "ada-pyramidkv", "ada-ahakv"])
+def test_cuda_compiled_packed_decode_with_a_decode_capacity(method):
+    # Issue 23 for Ada-KV: a packed layer with decode_capacity compiles to one graph on CUDA (the
+    # split-K kernel traced by torch.compile, its grid sized by the largest segment capacity), its
+    # steady compiled steps never synchronise, and its logits follow the eager steps of a twin cache.
+    torch._dynamo.reset()
+    model = tiny_model("llama", "gqa", dtype=torch.bfloat16).cuda()
+    key = cache_kwarg(model)
+    window = {"recent": 4} if method == "ada-ahakv" else {"window": 4}
+
+    def step(token, position, cache):
+        return model(input_ids=token, position_ids=position, **{key: cache}, use_cache=True).logits
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend="aot_eager")
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, model.config.vocab_size, (2, 96), generator=generator).cuda()
+    caches = [kvhive.make_cache(model, method, budget=32, decode_capacity=32, **window) for _ in range(2)]
+    assert caches[0].is_compileable
+    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+        token = model(input_ids=prompt, **{key: caches[0]}, use_cache=True).logits[:, -1:].argmax(-1)
+        model(input_ids=prompt, **{key: caches[1]}, use_cache=True)
+        assert any(not layer.is_uniform for layer in caches[0].layers)
+        position = torch.full((2, 1), prompt.shape[1], device="cuda")
+        for index in range(24):
+            torch.cuda.synchronize()
+            if index >= 2:  # the first call compiles
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                compiled_logits = compiled(token, position, caches[0])
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            eager_logits = step(token, position, caches[1])
+            torch.testing.assert_close(compiled_logits, eager_logits, atol=1e-2, rtol=1e-2, msg=f"step {index}")
+            token, position = compiled_logits[:, -1:].argmax(-1), position + 1
+    assert caches[0].statistics()["kept_tokens_per_layer"] == caches[1].statistics()["kept_tokens_per_layer"]
+    torch._dynamo.reset()

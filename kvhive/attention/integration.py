@@ -28,7 +28,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvhive.attention.column_sums import column_sums, flash_attention_with_lse
 from kvhive.attention.column_sums import kernel_supports as column_sums_kernel_supports
-from kvhive.attention.varlen import kernel_supports, varlen_attention, varlen_attention_kernel
+from kvhive.attention.varlen import kernel_supports, varlen_attention, varlen_attention_kernel, varlen_attention_paged
 from kvhive.cache.kv_cache import CACHE_POSITIONS, ORIGINAL_POSITIONS, PADDING_SCORE, KVHiveCache, active_update
 from kvhive.cache.rows import CacheRows
 from kvhive.cache.storage import PAGE_TOKENS
@@ -369,7 +369,12 @@ def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dr
             f"method {policy.name!r} adds estimated attention, which the variable-length "
             "path does not support; keep its heads at equal lengths"
         )
-    output = _decode_variable_length(cache, layer_index, query, mask, scaling)
+    if num_queries == 1 and cache.is_compileable:
+        # A static decode step (transformers' mask is a fixed unused column, get_mask_sizes): shapes
+        # fixed by the layout, the layer masks its tokens itself.
+        output = _decode_packed_static(cache, layer_index, query, scaling)
+    else:
+        output = _decode_variable_length(cache, layer_index, query, mask, scaling)
     cache.after_variable_length_decode(layer_index)
     return output, None
 
@@ -670,6 +675,32 @@ def _dense_decode_by_kernel(store, query, scaling):
         rows, keys, values, scaling, length, uniform=(buffer_keys.shape[2], store.slice_start, length)
     )
     return output.view(batch, query_heads, 1, -1).transpose(1, 2)
+
+
+def _decode_packed_static(cache: KVHiveCache, layer_index, query, scaling):
+    """One new query over a packed layer (heads holding different counts) with shapes that do not
+    change from step to step, so a compiled step serves every later one: attention reads every page
+    of the buffers (or, on CUDA, each segment up to the largest capacity) and masks the slots past
+    each segment's device length, and the left padding recorded at prefill. No host value is read."""
+    store = cache.layers[layer_index]
+    batch, query_heads, _, head_dim = query.shape
+    heads = store.num_heads
+    keys, values, _, segment_start, segment_length, slot_scores = store.packed_buffers()
+    page_segment, page_offset, bound = store.packed_pages()
+    padding = slot_scores.get(PADDING_SCORE)  # [C], aligned with the buffers' slots (0 when empty)
+    output = varlen_attention_paged(
+        query.reshape(batch * heads, query_heads // heads, head_dim),
+        keys,
+        values,
+        segment_start,
+        segment_length,
+        page_segment,
+        page_offset,
+        bound,
+        scaling,
+        allowed=None if padding is None else padding == 0,
+    )
+    return output.reshape(batch, query_heads, 1, -1).transpose(1, 2)
 
 
 def _decode_variable_length(cache: KVHiveCache, layer_index, query, mask, scaling):

@@ -104,8 +104,6 @@ def varlen_attention_torch(
         flat_index = token_index.reshape(-1)  # index_select copies whole rows (much faster than keys[index])
         block_keys = keys.index_select(0, flat_index).view(*token_index.shape, keys.shape[-1])  # [NB, block, d]
         block_values = values.index_select(0, flat_index).view(*token_index.shape, values.shape[-1])
-    block_queries = query_rows[segment_of_block]  # [NB, R, d]
-    logits = torch.matmul(block_queries, block_keys.transpose(1, 2)).float() * scaling  # [NB, R, block]
     allowed = in_segment[:, None, :]
     if mask is not None:
         batch_of_block = segment_of_block // heads
@@ -114,6 +112,15 @@ def varlen_attention_torch(
         allowed = (
             allowed & mask[batch_of_block[:, None, None], query_index[None, :, None], stored_positions[:, None, :]]
         )
+    return _block_attention(query_rows, block_keys, block_values, segment_of_block, allowed, scaling)
+
+
+def _block_attention(query_rows, block_keys, block_values, segment_of_block, allowed, scaling):
+    """Each segment's query rows over its blocks (``allowed [NB, R|1, block]``), merged per segment
+    by a segment-wise softmax: ``[S, R, dv]``."""
+    num_segments, rows, _ = query_rows.shape
+    block_queries = query_rows[segment_of_block]  # [NB, R, d]
+    logits = torch.matmul(block_queries, block_keys.transpose(1, 2)).float() * scaling  # [NB, R, block]
     logits = logits.masked_fill(~allowed, float("-inf"))
     block_max = logits.amax(dim=-1)  # [NB, R]
     segment_max = torch.full((num_segments, rows), float("-inf"), device=logits.device)
@@ -122,10 +129,47 @@ def varlen_attention_torch(
     segment_max = torch.where(torch.isfinite(segment_max), segment_max, torch.zeros_like(segment_max))
     weights = torch.exp(logits - segment_max[segment_of_block][:, :, None])
     denominator = torch.zeros(num_segments, rows, device=logits.device).index_add_(0, segment_of_block, weights.sum(-1))
-    partial = torch.matmul(weights.to(values.dtype), block_values).float()  # [NB, R, dv]
-    numerator = torch.zeros(num_segments, rows, values.shape[-1], device=logits.device)
+    partial = torch.matmul(weights.to(block_values.dtype), block_values).float()  # [NB, R, dv]
+    numerator = torch.zeros(num_segments, rows, block_values.shape[-1], device=logits.device)
     numerator.index_add_(0, segment_of_block, partial)
     return (numerator / denominator[:, :, None]).to(query_rows.dtype)
+
+
+def varlen_attention_paged(
+    query_rows,
+    keys,
+    values,
+    segment_start,
+    segment_length,
+    page_segment,
+    page_offset,
+    bound,
+    scaling,
+    allowed=None,
+):
+    """One decode step's attention over a packed layer with shapes that do not change from step to
+    step (a compiled step; see ``LayerStore.packed_pages``): ``[S, R, d]`` -> ``[S, R, dv]``.
+
+    Everything comes from the device: ``segment_length [S]`` (the lengths the step appended at),
+    the fixed page table (``page_segment``, ``page_offset`` ``[P]``) and ``allowed [C]`` (slots that
+    may be attended beside the length, e.g. not left padding; None: all). No host length is read.
+    On CUDA the split-K kernel runs over each segment's stored tokens, its grid sized by ``bound``
+    (the largest segment capacity, fixed by the layout; programs past a segment's length return at
+    once); elsewhere every page is read in place and slots past a segment's length are masked
+    (work proportional to the kept tokens plus the reserved room)."""
+    if allowed is None and query_rows.is_cuda and kernel_supports(query_rows, keys, values):
+        return varlen_attention_kernel(
+            query_rows, keys, values, scaling, bound, segment_start=segment_start, segment_length=segment_length
+        )
+    pages = page_segment.shape[0]
+    block = keys.shape[0] // pages
+    block_keys = keys.view(pages, block, keys.shape[-1])  # no copy: segments tile the buffer by pages
+    block_values = values.view(pages, block, values.shape[-1])
+    offset = page_offset[:, None] + torch.arange(block, device=keys.device)[None, :]
+    in_segment = offset < segment_length.long()[page_segment][:, None]
+    if allowed is not None:
+        in_segment = in_segment & allowed.view(pages, block)
+    return _block_attention(query_rows, block_keys, block_values, page_segment, in_segment[:, None, :], scaling)
 
 
 if triton is not None:

@@ -258,6 +258,12 @@ class KVHiveCache(Cache):
         self._budgets_resolved_on: int | None = None
         self.prefill_chunk = prefill_chunk
         self.decode_capacity = decode_capacity
+        if decode_capacity is not None and DECODE not in policy.phases:
+            for layer in self.layers:
+                if not layer.is_sliding:
+                    # A layer packed at prefill (head-wise budgets) is laid out with the room for the
+                    # decode tokens at once (reserve_decode then finds it there: no second copy).
+                    layer.segment_reserve_tokens = max(layer.segment_reserve_tokens, decode_capacity)
         self._compileable = self._static_decode()
         if budget.tokens is not None:
             problem = minimum_budget_problem(policy, budget.tokens)
@@ -323,21 +329,30 @@ class KVHiveCache(Cache):
         holds a fixed number of tokens from one step to the next, in buffers that keep their
         address, and the step reads nothing back. That holds when the method evicts to its budget
         at every step (``Policy.static_decode``) in every layer, at original positions, with one copy
-        per KV head; sliding-window layers keep their window in place (``LayerStore.drop_oldest``).
+        per KV head (a growing layer may store one per query head); sliding-window layers keep their window in place (``LayerStore.drop_oldest``).
         Layers that grow (the full cache, prefill-only methods) compile with a fixed decode capacity
         (``decode_capacity``: room for that many decode tokens, attention over the whole capacity
-        with the empty slots masked); without one they change shape at every step and decode eagerly."""
+        with the empty slots masked); without one they change shape at every step and decode eagerly.
+        That holds for head-wise budgets too (Ada-KV: a packed layer, each segment with its own room,
+        attention over every page of the buffers with the slots past each segment's length masked),
+        except in compressed sliding-window layers, whose packed heads drop tokens outside the window
+        by their host-side lengths."""
         policy = self.policy
         # A layer that only grows while decoding (no decode phase) has one shape with a fixed capacity.
         # (A method that does not declare its kept counts may keep different counts per head: packed.)
         declares_counts = not policy.phases or type(policy).kept_per_row is not Policy.kept_per_row
-        grows_in_place = DECODE not in policy.phases and self.decode_capacity is not None and declares_counts
+        packed_sliding = not declares_counts and any(
+            layer.is_sliding and self.is_compressed(index) for index, layer in enumerate(self.layers)
+        )
+        grows_in_place = DECODE not in policy.phases and self.decode_capacity is not None and not packed_sliding
         return (
             ((policy.static_decode and DECODE in policy.phases) or grows_in_place)
             and self.positions == ORIGINAL_POSITIONS
             and self.decode_every == 1
             and self.decode_slack == 0
-            and not self.stores_query_heads
+            # One copy per query head (Ada-KV's head_granularity): a decode step repeats the new
+            # token's KV heads by a fixed factor, a fixed shape; held to it only for growing layers.
+            and (grows_in_place or not self.stores_query_heads)
             # Every full-attention layer keeps a budget; a sliding layer keeps its window.
             and all(self.is_compressed(index) or layer.is_sliding for index, layer in enumerate(self.layers))
         )

@@ -1,6 +1,8 @@
 """Per-layer key/value storage with a different number of tokens per head.
 
-Two layouts, chosen by what the layer holds:
+Two layouts, chosen by what the layer holds, each a class of its own (a layer is one object from
+start to end: it is a :class:`DenseLayerStore` until its rows keep different counts, then a
+:class:`PackedLayerStore`; ``LayerStore(...)`` makes a dense one):
 
 * **dense** — every (batch, head) row holds the same number of tokens ``L``. Keys live in a
   buffer ``[B, H, capacity, d]`` and the stored tokens are the slice ``[start, start + L)``,
@@ -64,9 +66,17 @@ def _static(buffer: torch.Tensor) -> torch.Tensor:
 
 
 class LayerStore(CacheLayerMixin):
-    """One layer's cache. Knows nothing about methods; ``policy_state`` is opaque to it."""
+    """One layer's cache. Knows nothing about methods; ``policy_state`` is opaque to it.
+
+    The state and logic both layouts share (tokens seen, phases, transformers' interface, eviction
+    and accounting entry points); :class:`DenseLayerStore` and :class:`PackedLayerStore` hold the
+    tokens. ``LayerStore(...)`` makes a dense layer; it turns packed (the same object) when its rows
+    keep different counts, and dense again when reset."""
 
     is_croppable = False
+
+    def __new__(cls, *args, **kwargs):
+        return super().__new__(DenseLayerStore if cls is LayerStore else cls)
 
     def __init__(self, layer_index: int, sliding_window: int | None = None) -> None:
         super().__init__()
@@ -107,6 +117,9 @@ class LayerStore(CacheLayerMixin):
         self.has_padding = False
         # Replication of each KV head when a policy stores one copy per query head.
         self.heads_per_kv_head = 1
+        # Room each packed segment gets for appends when the layer is packed (a cache with a decode
+        # capacity sets it to that capacity, so the layout made at prefill already has the room).
+        self.segment_reserve_tokens = SEGMENT_RESERVE_TOKENS
         self.policy_state: dict = {}
         self.decode_steps_since_compression = 0
         self.rope_tokens_seen = 0
@@ -115,9 +128,11 @@ class LayerStore(CacheLayerMixin):
         self._clear()
 
     def _clear(self) -> None:
+        """Empty the layer: the dense layout, nothing stored (a packed layer becomes dense again)."""
+        self.__class__ = DenseLayerStore
+        for name in PackedLayerStore.LAYOUT_FIELDS:
+            self.__dict__.pop(name, None)
         self.is_initialized = False
-        self._packed = False
-        # dense layout
         self._key_buffer: torch.Tensor | None = None  # [B, H, C, d] (dense) or [C, d] (packed)
         self._value_buffer: torch.Tensor | None = None
         self._position_buffer: torch.Tensor | None = None  # [B, H, C] or [C]
@@ -126,29 +141,6 @@ class LayerStore(CacheLayerMixin):
         self._length = 0
         self._batch = 0
         self._heads = 0
-        # packed layout (host mirrors + device copies)
-        self._segment_start_host: torch.Tensor | None = None  # int64 [S]
-        self._segment_length_host: torch.Tensor | None = None  # int64 [S]
-        self._segment_capacity_host: torch.Tensor | None = None  # int64 [S]
-        self._segment_start: torch.Tensor | None = None  # device int64 [S]
-        self._segment_length: torch.Tensor | None = None  # device int32 [S]
-        self._lengths_cache: torch.Tensor | None = None
-
-    @property
-    def _length(self) -> int:
-        """Tokens per row in the dense layout (host); read from the device counter, once, after
-        compiled decode steps appended to a layer with a fixed decode capacity."""
-        if self._length_stale:
-            self._length_value = int(self.length_device)
-            self._length_stale = False
-        return self._length_value
-
-    @_length.setter
-    def _length(self, value: int) -> None:
-        self._length_value = value
-        self._length_stale = False
-        if self.length_device is not None:
-            self.length_device.fill_(value)
 
     @property
     def tokens_seen(self) -> int:
@@ -188,10 +180,7 @@ class LayerStore(CacheLayerMixin):
             key_states = key_states.repeat_interleave(self.heads_per_kv_head, dim=1)
             value_states = value_states.repeat_interleave(self.heads_per_kv_head, dim=1)
         new_tokens = key_states.shape[2]
-        if self._packed:
-            self._append_packed(key_states, value_states, new_tokens)
-        else:
-            self._append_dense(key_states, value_states, new_tokens)
+        self._append(key_states, value_states, new_tokens)
         self.tokens_seen_device.add_(new_tokens)
         if self._row_tokens_seen is not None:
             self.row_tokens_seen_device.add_(new_tokens)
@@ -200,10 +189,7 @@ class LayerStore(CacheLayerMixin):
             self._tokens_seen_stale = True  # a constant store: no guard on the host count
         else:
             self._tokens_seen = self.tokens_seen + new_tokens
-        if not self._packed:
-            view = self.decode_view() if self.fixed_capacity else self.dense()
-            return view[0], view[1]
-        return self._key_buffer.unsqueeze(0).unsqueeze(0), self._value_buffer.unsqueeze(0).unsqueeze(0)
+        return self._attention_view()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if query_length == 1 and torch.compiler.is_compiling():
@@ -308,13 +294,7 @@ class LayerStore(CacheLayerMixin):
         self.select_rows(row_index(indices, self._batch))
 
     def check_rows_selectable(self, method: str) -> None:
-        """Refuse (before anything changes) a layout whose rows cannot be selected yet."""
-        if self.is_initialized and self._packed:
-            raise NotImplementedError(
-                f"method {method!r} holds a different number of tokens per head in layer {self.layer_index} (the "
-                "packed, head-wise layout of Ada-KV): selecting, reordering or repeating its batch rows (beam search, "
-                "batch_select_indices) is not implemented for that layout"
-            )
+        """Refuse (before anything changes) a layout whose rows cannot be selected yet (packed)."""
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep batch rows ``index`` (1-D; rows may repeat or be reordered) in every buffer with a
@@ -356,57 +336,6 @@ class LayerStore(CacheLayerMixin):
         """Whether rows hold different numbers of tokens in slots of a common capacity."""
         return self._row_lengths is not None
 
-    def set_rows(
-        self,
-        keys: list[torch.Tensor],
-        values: list[torch.Tensor],
-        positions: list[torch.Tensor],
-        scores: list[dict[str, torch.Tensor]],
-        tokens_seen: list[int],
-        decode_room: int,
-    ) -> None:
-        """Fill an empty layer with rows prefilled separately: ``keys[i]`` ``[1, H, L_i, d]`` (and
-        the rest alike) are row ``i``'s stored tokens, ``tokens_seen[i]`` the tokens it has seen.
-        Rows of equal length make the usual dense layout; rows of different lengths fill slots
-        ``[0, L_i)`` of a common capacity (``max L_i + decode_room``, empty slots zero) with a
-        per-row length."""
-        first = keys[0]
-        self.dtype, self.device = first.dtype, first.device
-        self._batch, self._heads = len(keys), first.shape[1]
-        lengths = [int(k.shape[2]) for k in keys]
-        longest = max(lengths)
-        ragged = len(set(lengths)) > 1
-        capacity = longest + (decode_room if ragged else reserve(longest))
-        self._key_buffer, self._value_buffer, self._position_buffer = self._allocate_dense(
-            capacity, first.shape[-1], values[0].shape[-1]
-        )
-        names = sorted({name for row in scores for name in row})
-        self._score_buffers = {
-            name: _static(torch.zeros(self._key_buffer.shape[:3], dtype=torch.float32, device=self.device))
-            for name in names
-        }
-        for buffer in (self._key_buffer, self._value_buffer, self._position_buffer):
-            buffer.zero_()  # empty slots are attended with weight 0: never uninitialised memory
-        for row, length in enumerate(lengths):
-            self._key_buffer[row, :, :length].copy_(keys[row][0])
-            self._value_buffer[row, :, :length].copy_(values[row][0])
-            self._position_buffer[row, :, :length].copy_(positions[row][0])
-            for name, score in scores[row].items():
-                self._score_buffers[name][row, :, :length].copy_(score[0])
-        self._start = 0
-        self.is_initialized = True
-        most = max(tokens_seen)
-        self.tokens_seen_device = torch.full((), most, dtype=torch.int64, device=self.device)
-        torch._dynamo.mark_static_address(self.tokens_seen_device)
-        self.tokens_seen = most
-        self._row_tokens_seen = list(tokens_seen)
-        self.row_tokens_seen_device = torch.tensor(tokens_seen, dtype=torch.int64, device=self.device)
-        self._length = longest
-        if ragged:
-            self._row_lengths = lengths
-            self.row_lengths_device = torch.tensor(lengths, dtype=torch.int64, device=self.device)
-            self.fixed_capacity = True
-
     def _new_positions(self, new_tokens: int) -> torch.Tensor:
         """Original positions of ``new_tokens`` appended tokens: ``[new]``, or ``[B, 1, new]`` when
         rows have seen different numbers of tokens."""
@@ -414,40 +343,6 @@ class LayerStore(CacheLayerMixin):
         if self.row_tokens_seen_device is not None:
             return (grow + self.row_tokens_seen_device[:, None]).to(POSITION_DTYPE)[:, None, :]
         return (grow + self.tokens_seen_device).to(POSITION_DTYPE)
-
-    def _append_rows(self, key_states, value_states, new_tokens: int) -> None:
-        """Rows of different lengths: row ``b``'s new tokens go to slots ``[L_b, L_b + new)``."""
-        capacity = self._key_buffer.shape[2]
-        longest = max(self._row_lengths) + new_tokens
-        if longest > capacity:  # past the room reserved at stacking: a larger capacity, zeros beyond
-            grown = longest + reserve(longest)
-            old = (self._key_buffer, self._value_buffer, self._position_buffer, self._score_buffers)
-            self._key_buffer, self._value_buffer, self._position_buffer = self._allocate_dense(
-                grown, self._key_buffer.shape[-1], self._value_buffer.shape[-1]
-            )
-            self._score_buffers = {
-                name: _static(torch.zeros(self._key_buffer.shape[:3], dtype=torch.float32, device=self.device))
-                for name in old[3]
-            }
-            for new, previous in zip(
-                (self._key_buffer, self._value_buffer, self._position_buffer), old[:3], strict=True
-            ):
-                new.zero_()
-                new[:, :, :capacity].copy_(previous)
-            for name, previous in old[3].items():
-                self._score_buffers[name][:, :, :capacity].copy_(previous)
-        batch, heads = self._batch, self._heads
-        slots = (self.row_lengths_device[:, None] + torch.arange(new_tokens, device=self.device))[:, None, :]
-        slots = slots.expand(batch, heads, new_tokens)
-        d, dv = key_states.shape[-1], value_states.shape[-1]
-        self._key_buffer.scatter_(2, slots[..., None].expand(batch, heads, new_tokens, d), key_states)
-        self._value_buffer.scatter_(2, slots[..., None].expand(batch, heads, new_tokens, dv), value_states)
-        self._position_buffer.scatter_(2, slots, self._new_positions(new_tokens).expand(batch, heads, new_tokens))
-        for buffer in self._score_buffers.values():
-            buffer.scatter_(2, slots, 0.0)
-        self.row_lengths_device.add_(new_tokens)
-        self._row_lengths = [length + new_tokens for length in self._row_lengths]
-        self._length = max(self._row_lengths)
 
     # -- shape (host-side: never reads the device) ---------------------------------------------
     @property
@@ -463,44 +358,15 @@ class LayerStore(CacheLayerMixin):
         return self._batch * self._heads
 
     @property
-    def is_uniform(self) -> bool:
-        """Every row holds the same number of tokens (the dense layout)."""
-        return not self._packed
-
-    @property
     def num_stored(self) -> int:
-        if not self.is_initialized:
-            return 0
-        if self._packed:
-            return int(self._segment_length_host.sum())
-        if self._row_lengths is not None:
-            return self._heads * sum(self._row_lengths)
-        return self.num_segments * self._length
-
-    @property
-    def dense_length(self) -> int:
-        """Tokens per row in the dense layout."""
-        if self._packed:
-            raise RuntimeError(f"layer {self.layer_index} is packed (rows hold different counts)")
-        return self._length
-
-    @property
-    def max_length(self) -> int:
-        """The longest row (host-side)."""
-        if self._packed:
-            return self._packed_max_length
-        return self._length
+        return self._num_stored() if self.is_initialized else 0
 
     @property
     def lengths_host(self) -> torch.Tensor:
         """Stored tokens per row as a CPU ``[B, H]`` int64 tensor."""
         if not self.is_initialized:
             return torch.zeros(0, 0, dtype=torch.long)
-        if self._packed:
-            return self._segment_length_host.view(self._batch, self._heads).clone()
-        if self._row_lengths is not None:
-            return torch.tensor(self._row_lengths, dtype=torch.long)[:, None].expand(self._batch, self._heads).clone()
-        return torch.full((self._batch, self._heads), self._length, dtype=torch.long)
+        return self._lengths_host()
 
     @property
     def lengths(self) -> torch.Tensor | None:
@@ -512,30 +378,7 @@ class LayerStore(CacheLayerMixin):
     @property
     def capacity(self) -> int:
         """Tokens the allocated buffers can hold (all rows together)."""
-        if self._key_buffer is None:
-            return 0
-        if self._packed:
-            return int(self._key_buffer.shape[0])
-        return self.num_segments * int(self._key_buffer.shape[2])
-
-    # -- dense layout ----------------------------------------------------------------------------
-    def dense(self):
-        """``(keys, values, positions, token_scores)`` viewed as ``[B, H, L, ...]`` (no copy)."""
-        if self._packed:
-            raise RuntimeError(
-                f"layer {self.layer_index} holds a different number of tokens per head; "
-                "no dense view exists (use the variable-length path)"
-            )
-        if self._key_buffer is None:
-            raise RuntimeError(f"layer {self.layer_index} holds no tokens yet")
-        window = slice(self._start, self._start + self._length)
-        scores = {name: buffer[:, :, window] for name, buffer in self._score_buffers.items()}
-        return (
-            self._key_buffer[:, :, window],
-            self._value_buffer[:, :, window],
-            self._position_buffer[:, :, window],
-            scores,
-        )
+        return 0 if self._key_buffer is None else self._capacity()
 
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The allocated key and value buffers (dense: ``[B, H, capacity, d]``)."""
@@ -552,15 +395,264 @@ class LayerStore(CacheLayerMixin):
         dense, flat ``[T]`` in segment order when packed)."""
         if not self.is_initialized or self._key_buffer is None:
             return {}
-        if self._packed:
-            index = self._stored_index()
-            return {name: buffer[index] for name, buffer in self._score_buffers.items()}
-        return self.dense()[3]
+        return self._token_scores()
+
+    def reserve_decode(self, tokens: int) -> None:
+        """Give the buffers room for ``tokens`` more tokens at once and switch the layer to its
+        fixed decode capacity (see ``fixed_capacity``): appends write at a device index. Dense:
+        ``decode_view`` is the whole capacity with a mask of the filled slots; packed: every segment
+        gets the room (``PackedLayerStore._reserve``) and attention reads every page of the buffers, the slots
+        past each segment's device length masked (``packed_pages``)."""
+        if not self.is_initialized or self._key_buffer is None:
+            return
+        self._reserve(tokens)
+
+    # -- eviction ----------------------------------------------------------------------------------
+    def keep(self, keep_mask: torch.Tensor, counts: torch.Tensor | int | None = None) -> None:
+        """Drop every token whose entry in ``keep_mask`` is False and free it.
+
+        ``keep_mask`` is ``[B, H, L]`` over the dense view, or ``[T]`` over the stored tokens in
+        segment order (packed). ``counts`` (``[B, H]`` kept per row, on the host, or one int when
+        every row of a dense mask keeps the same count) saves reading them back when the caller
+        already has them. Rows may keep different counts; the layer is
+        then packed. Buffers are re-allocated when the kept tokens fill less than half of them,
+        so evicted memory is released.
+        """
+        if keep_mask.dtype != torch.bool:
+            raise TypeError(f"a keep mask must be boolean, got {keep_mask.dtype}")
+        self._keep(keep_mask, counts)
+
+    def _flat_counts(self, keep_mask: torch.Tensor, counts) -> torch.Tensor:
+        """Kept tokens per segment ``[S]`` (host) of a flat mask over the stored tokens."""
+        if keep_mask.shape[0] != self.num_stored:
+            raise ValueError("flat keep mask must cover every stored token")
+        if counts is None:
+            segment = torch.repeat_interleave(
+                torch.arange(self.num_segments, device=self.device),
+                self.lengths_host.reshape(-1).to(self.device),
+                output_size=keep_mask.shape[0],
+            )
+            counts = (
+                torch.zeros(self.num_segments, dtype=torch.long, device=self.device)
+                .index_add_(0, segment, keep_mask.long())
+                .cpu()
+            )
+        return counts.reshape(-1).long()
+
+    def stored_flat_positions(self) -> torch.Tensor:
+        """Original positions of the stored tokens, ``[T]`` in segment order."""
+        _, _, positions, _ = self._flat_buffers()
+        return positions[self._stored_index()]
+
+    def stored_keys(self) -> torch.Tensor:
+        """Keys of the stored tokens, ``[T, d]`` in segment order (a copy)."""
+        keys, _, _, _ = self._flat_buffers()
+        return keys[self._stored_index()]
+
+    def stored_values(self) -> torch.Tensor:
+        """Values of the stored tokens, ``[T, dv]`` in segment order (a copy)."""
+        _, values, _, _ = self._flat_buffers()
+        return values[self._stored_index()]
+
+    def segment_offsets(self) -> torch.Tensor:
+        """``[B*H + 1]`` (host) start of each row in the segment order of ``stored_*``."""
+        flat = self.lengths_host.reshape(-1)
+        return torch.cat([flat.new_zeros(1), flat.cumsum(0)])
+
+    def set_keys(self, keys: torch.Tensor) -> None:
+        """Overwrite the stored keys (dense ``[B, H, L, d]``), e.g. after re-rotating them."""
+        self.dense()[0].copy_(keys)
+
+    # -- one layout's views (the other layout refuses them) ---------------------------------------
+    def dense(self):
+        """``(keys, values, positions, token_scores)`` viewed as ``[B, H, L, ...]`` (no copy)."""
+        self._not_dense("a dense view")
+
+    @property
+    def dense_length(self) -> int:
+        """Tokens per row in the dense layout."""
+        self._not_dense("dense_length")
 
     def set_token_scores(self, name: str, scores: torch.Tensor) -> None:
         """Store per-token scores ``[B, H, L]`` (dense) aligned with the stored tokens."""
-        if self._packed:
-            raise RuntimeError(f"layer {self.layer_index} is packed; per-token scores need the dense layout")
+        self._not_dense("per-token scores")
+
+    def decode_view(self):
+        """``(keys, values, positions, token_scores, filled)`` for a dense decode step's attention."""
+        self._not_dense("decode_view")
+
+    def drop_oldest(self, count: int) -> None:
+        """Forget the ``count`` oldest tokens of every row (dense layout)."""
+        if count > 0:
+            self._not_dense("drop_oldest")
+
+    def expand_to_query_heads(self, heads_per_kv_head: int) -> None:
+        """Store one copy of each KV head per query head of its group (Ada-KV on GQA/MQA)."""
+        if heads_per_kv_head == 1 or self.heads_per_kv_head == heads_per_kv_head:
+            return
+        self._not_dense("expand_to_query_heads")
+
+    def packed(self):
+        """The flat layout read by the variable-length attention (packed layer)."""
+        self._not_packed("packed()")
+
+    def packed_buffers(self):
+        """The packed buffers as they are (packed layer)."""
+        self._not_packed("packed_buffers()")
+
+    def packed_pages(self):
+        """The page table of the packed buffers (packed layer)."""
+        self._not_packed("packed_pages()")
+
+    @property
+    def segment_capacity_host(self) -> torch.Tensor | None:
+        """Packed layout: tokens reserved per segment (whole pages), CPU ``[S]``; None when dense."""
+        return None
+
+    # -- what each layout implements ------------------------------------------------------------
+    is_uniform = True
+    """Every row holds the same number of tokens (the dense layout)."""
+
+    def _append(self, key_states, value_states, new_tokens: int) -> None:
+        raise NotImplementedError
+
+    def _attention_view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _num_stored(self) -> int:
+        raise NotImplementedError
+
+    def _lengths_host(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _capacity(self) -> int:
+        raise NotImplementedError
+
+    def _token_scores(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def _reserve(self, tokens: int) -> None:
+        raise NotImplementedError
+
+    def _keep(self, keep_mask: torch.Tensor, counts) -> None:
+        raise NotImplementedError
+
+    def _stored_index(self) -> torch.Tensor:
+        """Buffer index of every stored token, in segment order (``[T]`` on the device)."""
+        raise NotImplementedError
+
+    def _flat_buffers(self):
+        """``(keys [C, d], values [C, dv], positions [C], scores {name: [C]})`` over every slot."""
+        raise NotImplementedError
+
+    def _layout_metadata_nbytes(self) -> int:
+        return 0
+
+    def _not_dense(self, what: str):
+        raise RuntimeError(
+            f"layer {self.layer_index} holds a different number of tokens per head (packed): {what} needs the "
+            "dense layout (use the variable-length path)"
+        )
+
+    def _not_packed(self, what: str):
+        raise RuntimeError(f"layer {self.layer_index} is dense: {what} needs the packed layout")
+
+    # -- accounting ----------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        """Bytes of the kept tokens' key/value payload."""
+        if self._key_buffer is None:
+            return 0
+        return self.num_stored * self.bytes_per_token()
+
+    def reserved_nbytes(self) -> int:
+        """Bytes of the allocated key/value buffers (kept tokens plus the append reserve)."""
+        if self._key_buffer is None:
+            return 0
+        return (
+            self._key_buffer.numel() * self._key_buffer.element_size()
+            + self._value_buffer.numel() * self._value_buffer.element_size()
+        )
+
+    def metadata_nbytes(self) -> int:
+        """Bytes of bookkeeping (positions, lengths, per-token scores) of the kept tokens."""
+        if self._key_buffer is None:
+            return 0
+        per_token = self._position_buffer.element_size() + 4 * len(self._score_buffers)
+        total = self.num_stored * per_token
+        return total + self._layout_metadata_nbytes()
+
+    def bytes_per_token(self) -> int:
+        """Key + value bytes of one token in one stored head."""
+        return (self._key_buffer.shape[-1] + self._value_buffer.shape[-1]) * self._key_buffer.element_size()
+
+
+class DenseLayerStore(LayerStore):
+    """A layer whose rows all hold the same number of tokens: buffers ``[B, H, capacity, d]``, the
+    stored tokens the slice ``[start, start + L)`` (see the module docstring)."""
+
+    is_uniform = True
+
+    @property
+    def _length(self) -> int:
+        """Tokens per row in the dense layout (host); read from the device counter, once, after
+        compiled decode steps appended to a layer with a fixed decode capacity."""
+        if self._length_stale:
+            self._length_value = int(self.length_device)
+            self._length_stale = False
+        return self._length_value
+
+    @_length.setter
+    def _length(self, value: int) -> None:
+        self._length_value = value
+        self._length_stale = False
+        if self.length_device is not None:
+            self.length_device.fill_(value)
+
+    def _num_stored(self) -> int:
+        if self._row_lengths is not None:
+            return self._heads * sum(self._row_lengths)
+        return self.num_segments * self._length
+
+    @property
+    def max_length(self) -> int:
+        """The longest row (host-side)."""
+        return self._length
+
+    def _lengths_host(self) -> torch.Tensor:
+        if self._row_lengths is not None:
+            return torch.tensor(self._row_lengths, dtype=torch.long)[:, None].expand(self._batch, self._heads).clone()
+        return torch.full((self._batch, self._heads), self._length, dtype=torch.long)
+
+    def _capacity(self) -> int:
+        return self.num_segments * int(self._key_buffer.shape[2])
+
+    def _token_scores(self) -> dict[str, torch.Tensor]:
+        return self.dense()[3]
+
+    def _attention_view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        view = self.decode_view() if self.fixed_capacity else self.dense()
+        return view[0], view[1]
+
+    def dense(self):
+        """``(keys, values, positions, token_scores)`` viewed as ``[B, H, L, ...]`` (no copy)."""
+        if self._key_buffer is None:
+            raise RuntimeError(f"layer {self.layer_index} holds no tokens yet")
+        window = slice(self._start, self._start + self._length)
+        scores = {name: buffer[:, :, window] for name, buffer in self._score_buffers.items()}
+        return (
+            self._key_buffer[:, :, window],
+            self._value_buffer[:, :, window],
+            self._position_buffer[:, :, window],
+            scores,
+        )
+
+    @property
+    def dense_length(self) -> int:
+        """Tokens per row in the dense layout."""
+        return self._length
+
+    def set_token_scores(self, name: str, scores: torch.Tensor) -> None:
+        """Store per-token scores ``[B, H, L]`` (dense) aligned with the stored tokens."""
         buffer = self._score_buffers.get(name)
         if buffer is None:
             buffer = _static(torch.zeros(self._key_buffer.shape[:3], dtype=torch.float32, device=self.device))
@@ -614,12 +706,7 @@ class LayerStore(CacheLayerMixin):
         self._score_buffers = new_scores
         self._start = 0
 
-    def reserve_decode(self, tokens: int) -> None:
-        """Give the dense buffers room for ``tokens`` more tokens at once and switch the layer to
-        its fixed decode capacity (see ``fixed_capacity``): appends write at a device index, and
-        ``decode_view`` is the whole capacity with a mask of the filled slots."""
-        if self._packed or not self.is_initialized or self._key_buffer is None:
-            return
+    def _reserve(self, tokens: int) -> None:
         capacity = self._length + tokens
         if self._start != 0 or capacity > self._key_buffer.shape[2]:
             self._move_dense(max(capacity, self._key_buffer.shape[2]))
@@ -661,7 +748,7 @@ class LayerStore(CacheLayerMixin):
         else:
             self._length_value += new_tokens
 
-    def _append_dense(self, key_states, value_states, new_tokens: int) -> None:
+    def _append(self, key_states, value_states, new_tokens: int) -> None:
         if self._row_lengths is not None:
             self._append_rows(key_states, value_states, new_tokens)
             return
@@ -694,6 +781,91 @@ class LayerStore(CacheLayerMixin):
             buffer[:, :, end:stop].zero_()
         self._length += new_tokens
 
+    def set_rows(
+        self,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        positions: list[torch.Tensor],
+        scores: list[dict[str, torch.Tensor]],
+        tokens_seen: list[int],
+        decode_room: int,
+    ) -> None:
+        """Fill an empty layer with rows prefilled separately: ``keys[i]`` ``[1, H, L_i, d]`` (and
+        the rest alike) are row ``i``'s stored tokens, ``tokens_seen[i]`` the tokens it has seen.
+        Rows of equal length make the usual dense layout; rows of different lengths fill slots
+        ``[0, L_i)`` of a common capacity (``max L_i + decode_room``, empty slots zero) with a
+        per-row length."""
+        first = keys[0]
+        self.dtype, self.device = first.dtype, first.device
+        self._batch, self._heads = len(keys), first.shape[1]
+        lengths = [int(k.shape[2]) for k in keys]
+        longest = max(lengths)
+        ragged = len(set(lengths)) > 1
+        capacity = longest + (decode_room if ragged else reserve(longest))
+        self._key_buffer, self._value_buffer, self._position_buffer = self._allocate_dense(
+            capacity, first.shape[-1], values[0].shape[-1]
+        )
+        names = sorted({name for row in scores for name in row})
+        self._score_buffers = {
+            name: _static(torch.zeros(self._key_buffer.shape[:3], dtype=torch.float32, device=self.device))
+            for name in names
+        }
+        for buffer in (self._key_buffer, self._value_buffer, self._position_buffer):
+            buffer.zero_()  # empty slots are attended with weight 0: never uninitialised memory
+        for row, length in enumerate(lengths):
+            self._key_buffer[row, :, :length].copy_(keys[row][0])
+            self._value_buffer[row, :, :length].copy_(values[row][0])
+            self._position_buffer[row, :, :length].copy_(positions[row][0])
+            for name, score in scores[row].items():
+                self._score_buffers[name][row, :, :length].copy_(score[0])
+        self._start = 0
+        self.is_initialized = True
+        most = max(tokens_seen)
+        self.tokens_seen_device = torch.full((), most, dtype=torch.int64, device=self.device)
+        torch._dynamo.mark_static_address(self.tokens_seen_device)
+        self.tokens_seen = most
+        self._row_tokens_seen = list(tokens_seen)
+        self.row_tokens_seen_device = torch.tensor(tokens_seen, dtype=torch.int64, device=self.device)
+        self._length = longest
+        if ragged:
+            self._row_lengths = lengths
+            self.row_lengths_device = torch.tensor(lengths, dtype=torch.int64, device=self.device)
+            self.fixed_capacity = True
+
+    def _append_rows(self, key_states, value_states, new_tokens: int) -> None:
+        """Rows of different lengths: row ``b``'s new tokens go to slots ``[L_b, L_b + new)``."""
+        capacity = self._key_buffer.shape[2]
+        longest = max(self._row_lengths) + new_tokens
+        if longest > capacity:  # past the room reserved at stacking: a larger capacity, zeros beyond
+            grown = longest + reserve(longest)
+            old = (self._key_buffer, self._value_buffer, self._position_buffer, self._score_buffers)
+            self._key_buffer, self._value_buffer, self._position_buffer = self._allocate_dense(
+                grown, self._key_buffer.shape[-1], self._value_buffer.shape[-1]
+            )
+            self._score_buffers = {
+                name: _static(torch.zeros(self._key_buffer.shape[:3], dtype=torch.float32, device=self.device))
+                for name in old[3]
+            }
+            for new, previous in zip(
+                (self._key_buffer, self._value_buffer, self._position_buffer), old[:3], strict=True
+            ):
+                new.zero_()
+                new[:, :, :capacity].copy_(previous)
+            for name, previous in old[3].items():
+                self._score_buffers[name][:, :, :capacity].copy_(previous)
+        batch, heads = self._batch, self._heads
+        slots = (self.row_lengths_device[:, None] + torch.arange(new_tokens, device=self.device))[:, None, :]
+        slots = slots.expand(batch, heads, new_tokens)
+        d, dv = key_states.shape[-1], value_states.shape[-1]
+        self._key_buffer.scatter_(2, slots[..., None].expand(batch, heads, new_tokens, d), key_states)
+        self._value_buffer.scatter_(2, slots[..., None].expand(batch, heads, new_tokens, dv), value_states)
+        self._position_buffer.scatter_(2, slots, self._new_positions(new_tokens).expand(batch, heads, new_tokens))
+        for buffer in self._score_buffers.values():
+            buffer.scatter_(2, slots, 0.0)
+        self.row_lengths_device.add_(new_tokens)
+        self._row_lengths = [length + new_tokens for length in self._row_lengths]
+        self._length = max(self._row_lengths)
+
     def drop_oldest(self, count: int) -> None:
         """Forget the ``count`` oldest tokens of every row (dense layout).
 
@@ -702,8 +874,6 @@ class LayerStore(CacheLayerMixin):
         has the same shapes and offsets and compiles to one graph, and the buffers never move."""
         if count <= 0:
             return
-        if self._packed:
-            raise RuntimeError("drop_oldest needs the dense layout")
         count = min(count, self._length)
         kept = slice(self._start + count, self._start + self._length)
         length = self._length - count
@@ -728,21 +898,9 @@ class LayerStore(CacheLayerMixin):
         self._start = 0
         self.heads_per_kv_head = heads_per_kv_head
 
-    # -- eviction ----------------------------------------------------------------------------------
-    def keep(self, keep_mask: torch.Tensor, counts: torch.Tensor | int | None = None) -> None:
-        """Drop every token whose entry in ``keep_mask`` is False and free it.
-
-        ``keep_mask`` is ``[B, H, L]`` over the dense view, or ``[T]`` over the stored tokens in
-        segment order (packed). ``counts`` (``[B, H]`` kept per row, on the host, or one int when
-        every row of a dense mask keeps the same count) saves reading them back when the caller
-        already has them. Rows may keep different counts; the layer is
-        then packed. Buffers are re-allocated when the kept tokens fill less than half of them,
-        so evicted memory is released.
-        """
-        if keep_mask.dtype != torch.bool:
-            raise TypeError(f"a keep mask must be boolean, got {keep_mask.dtype}")
+    def _keep(self, keep_mask: torch.Tensor, counts) -> None:
         if keep_mask.dim() == 3:
-            if self._packed or tuple(keep_mask.shape) != (self._batch, self._heads, self._length):
+            if tuple(keep_mask.shape) != (self._batch, self._heads, self._length):
                 raise ValueError(f"keep mask shape {tuple(keep_mask.shape)} does not match the stored layout")
             if isinstance(counts, int):
                 # Every row keeps ``counts`` tokens, known on the host: nothing is read back.
@@ -760,27 +918,9 @@ class LayerStore(CacheLayerMixin):
             else:
                 self._pack(keep_mask.reshape(-1), counts.reshape(-1))
             return
-        if keep_mask.shape[0] != self.num_stored:
-            raise ValueError("flat keep mask must cover every stored token")
-        if counts is None:
-            segment = torch.repeat_interleave(
-                torch.arange(self.num_segments, device=self.device),
-                self.lengths_host.reshape(-1).to(self.device),
-                output_size=keep_mask.shape[0],
-            )
-            counts = (
-                torch.zeros(self.num_segments, dtype=torch.long, device=self.device)
-                .index_add_(0, segment, keep_mask.long())
-                .cpu()
-            )
-        counts = counts.reshape(-1).long()
-        if not self._packed:
-            # Stored order is segment order: the dense view's mask is the same bits.
-            self.keep(keep_mask.view(self._batch, self._heads, self._length), counts)
-        else:
-            if torch.equal(counts, self._segment_length_host):
-                return
-            self._pack(keep_mask, counts)
+        # Stored order is segment order: the dense view's mask is the same bits.
+        counts = self._flat_counts(keep_mask, counts)
+        self._keep(keep_mask.view(self._batch, self._heads, self._length), counts)
 
     def _compact_dense(self, keep_mask: torch.Tensor, kept: int) -> None:
         # Kept tokens in their stored (oldest first) order: a stable sort puts True first.
@@ -815,16 +955,11 @@ class LayerStore(CacheLayerMixin):
             self._score_buffers[name][:, :, :kept].copy_(score)
         self._start, self._length = 0, kept
 
-    # -- packed layout -----------------------------------------------------------------------------
     def _stored_index(self) -> torch.Tensor:
-        """Buffer index of every stored token, in segment order (``[T]`` on the device)."""
-        lengths = self._segment_length_host if self._packed else self.lengths_host.reshape(-1)
+        lengths = self.lengths_host.reshape(-1)
         total = int(lengths.sum())
-        if self._packed:
-            starts = self._segment_start_host
-        else:
-            capacity = self._key_buffer.shape[2]
-            starts = torch.arange(self.num_segments, dtype=torch.long) * capacity + self._start
+        capacity = self._key_buffer.shape[2]
+        starts = torch.arange(self.num_segments, dtype=torch.long) * capacity + self._start
         # token j of segment s sits at starts[s] + j = (starts[s] - offset[s]) + global index.
         offsets = torch.cumsum(lengths, 0) - lengths
         shift = (starts - offsets).to(self.device)
@@ -833,8 +968,6 @@ class LayerStore(CacheLayerMixin):
         )
 
     def _flat_buffers(self):
-        if self._packed:
-            return self._key_buffer, self._value_buffer, self._position_buffer, self._score_buffers
         d, dv = self._key_buffer.shape[-1], self._value_buffer.shape[-1]
         return (
             self._key_buffer.view(-1, d),
@@ -845,10 +978,118 @@ class LayerStore(CacheLayerMixin):
 
     def _pack(self, flat_mask: torch.Tensor, counts: torch.Tensor) -> None:
         """Re-lay the kept tokens (``flat_mask`` over stored tokens in segment order) out packed,
-        each segment with its own append reserve."""
+        each segment with its own append reserve: the layer becomes a :class:`PackedLayerStore`."""
         source_index = self._stored_index()[flat_mask]
         keys, values, positions, scores = self._flat_buffers()
-        self._set_packed(counts, keys, values, positions, scores, source_index)
+        self.__class__ = PackedLayerStore
+        self._start, self._length_value, self._length_stale = 0, 0, False
+        self._set_packed(counts, keys, values, positions, scores, source_index, self.segment_reserve_tokens)
+
+
+class PackedLayerStore(LayerStore):
+    """A layer whose rows hold different counts (head-wise budgets): flat buffers ``[capacity, d]``,
+    one segment of whole pages per (row, head) (see the module docstring)."""
+
+    is_uniform = False
+    # Attributes only this layout has (dropped when the layer is reset to the dense layout).
+    LAYOUT_FIELDS = (
+        "_segment_start_host",
+        "_segment_length_host_value",
+        "_segment_capacity_host",
+        "_segment_start",
+        "_segment_length",
+        "_segment_capacity",
+        "_page_segment",
+        "_page_offset",
+        "_packed_bound",
+        "_packed_stale",
+        "_packed_max_length_value",
+        "_packed_headroom_value",
+    )
+
+    # Packed layout, host mirrors: refreshed from the device lengths after compiled decode steps.
+    @property
+    def _segment_length_host(self) -> torch.Tensor | None:
+        if self._packed_stale:
+            self._refresh_packed()
+        return self._segment_length_host_value
+
+    @_segment_length_host.setter
+    def _segment_length_host(self, value: torch.Tensor | None) -> None:
+        self._segment_length_host_value = value
+
+    @property
+    def _packed_max_length(self) -> int:
+        if self._packed_stale:
+            self._refresh_packed()
+        return self._packed_max_length_value
+
+    @_packed_max_length.setter
+    def _packed_max_length(self, value: int) -> None:
+        self._packed_max_length_value = value
+
+    @property
+    def _packed_headroom(self) -> int:
+        if self._packed_stale:
+            self._refresh_packed()
+        return self._packed_headroom_value
+
+    @_packed_headroom.setter
+    def _packed_headroom(self, value: int) -> None:
+        self._packed_headroom_value = value
+
+    def _refresh_packed(self) -> None:
+        """Read the device lengths back (once) after compiled decode steps appended at them."""
+        lengths = self._segment_length.cpu().long()
+        self._packed_stale = False
+        self._segment_length_host_value = lengths
+        self._packed_max_length_value = int(lengths.max()) if lengths.numel() else 0
+        headroom = self._segment_capacity_host - lengths
+        self._packed_headroom_value = int(headroom.min()) if lengths.numel() else SEGMENT_RESERVE_TOKENS
+
+    def _num_stored(self) -> int:
+        return int(self._segment_length_host.sum())
+
+    @property
+    def max_length(self) -> int:
+        """The longest row (host-side)."""
+        return self._packed_max_length
+
+    def _lengths_host(self) -> torch.Tensor:
+        return self._segment_length_host.view(self._batch, self._heads).clone()
+
+    def _capacity(self) -> int:
+        return int(self._key_buffer.shape[0])
+
+    def _attention_view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._key_buffer.unsqueeze(0).unsqueeze(0), self._value_buffer.unsqueeze(0).unsqueeze(0)
+
+    def check_rows_selectable(self, method: str) -> None:
+        """Refuse (before anything changes) a layout whose rows cannot be selected yet."""
+        if self.is_initialized:
+            raise NotImplementedError(
+                f"method {method!r} holds a different number of tokens per head in layer {self.layer_index} (the "
+                "packed, head-wise layout of Ada-KV): selecting, reordering or repeating its batch rows (beam search, "
+                "batch_select_indices) is not implemented for that layout"
+            )
+
+    def _token_scores(self) -> dict[str, torch.Tensor]:
+        index = self._stored_index()
+        return {name: buffer[index] for name, buffer in self._score_buffers.items()}
+
+    def _keep(self, keep_mask: torch.Tensor, counts) -> None:
+        if keep_mask.dim() == 3:
+            raise ValueError(f"keep mask shape {tuple(keep_mask.shape)} does not match the stored layout")
+        counts = self._flat_counts(keep_mask, counts)
+        if torch.equal(counts, self._segment_length_host):
+            return
+        self._pack(keep_mask, counts)
+
+    def _pack(self, flat_mask: torch.Tensor, counts: torch.Tensor) -> None:
+        """Re-lay the kept tokens (``flat_mask`` over stored tokens in segment order) out anew."""
+        source_index = self._stored_index()[flat_mask]
+        keys, values, positions, scores = self._flat_buffers()
+        self._set_packed(counts, keys, values, positions, scores, source_index, self.segment_reserve_tokens)
 
     def _set_packed(
         self, counts, keys, values, positions, scores, source_index, reserve_tokens: int = SEGMENT_RESERVE_TOKENS
@@ -874,18 +1115,47 @@ class LayerStore(CacheLayerMixin):
         for name, score in scores.items():
             new_scores[name] = score.new_zeros(size)
             new_scores[name][destination] = score[source_index]
-        self._key_buffer, self._value_buffer, self._position_buffer = new_keys, new_values, new_positions
-        self._score_buffers = new_scores
-        self._packed = True
+        # Fixed addresses (as the dense buffers): a compiled decode step appends into them in place.
+        self._key_buffer, self._value_buffer, self._position_buffer = (
+            _static(new_keys),
+            _static(new_values),
+            (_static(new_positions)),
+        )
+        self._score_buffers = {name: _static(score) for name, score in new_scores.items()}
+        self._packed_stale = False
         self._segment_start_host, self._segment_length_host, self._segment_capacity_host = starts, counts, capacities
-        self._segment_start = starts.to(self.device)
-        self._segment_length = counts.to(device=self.device, dtype=torch.int32)
-        self._start, self._length = 0, 0
+        self._segment_start = _static(starts.to(self.device))
+        self._segment_length = _static(counts.to(device=self.device, dtype=torch.int32))
+        self._segment_capacity = _static(capacities.to(self.device))
+        pages_per_segment = capacities // PAGE_TOKENS
+        total_pages = size // PAGE_TOKENS
+        page_segment = torch.repeat_interleave(torch.arange(counts.numel()), pages_per_segment, output_size=total_pages)
+        first_page = torch.cumsum(pages_per_segment, 0) - pages_per_segment
+        page_offset = (torch.arange(total_pages) - first_page[page_segment]) * PAGE_TOKENS
+        self._page_segment = _static(page_segment.to(self.device))
+        self._page_offset = _static(page_offset.to(self.device))
         # Host-side ints, so a decode append decides without touching any tensor.
         self._packed_max_length = int(counts.max()) if counts.numel() else 0
+        # The largest capacity is the longest segment's (capacities grow with counts): no other read.
+        self._packed_bound = (self._packed_max_length + reserve_tokens + PAGE_TOKENS - 1) // PAGE_TOKENS * PAGE_TOKENS
         self._packed_headroom = int((capacities - counts).min()) if counts.numel() else SEGMENT_RESERVE_TOKENS
 
-    def _append_packed(self, key_states, value_states, new_tokens: int) -> None:
+    def _append(self, key_states, value_states, new_tokens: int) -> None:
+        if self.fixed_capacity:
+            if torch.compiler.is_compiling():
+                # A compiled step: write at the device lengths, decide nothing on the host (the host
+                # mirrors are refreshed when next read outside). Past a segment's capacity the write
+                # would land in the next segment: the device refuses it instead.
+                torch._assert_async(
+                    (self._segment_length + new_tokens <= self._segment_capacity).all(),
+                    "kvhive: a decode step went past the decode_capacity reserved in a packed layer",
+                )
+                self._write_packed(key_states, value_states, new_tokens)
+                self._packed_stale = True  # a constant store: no guard on the host lengths
+                return
+            if new_tokens > self._packed_headroom:
+                # Past the reserved capacity (more tokens than reserved): back to re-laying out.
+                self.fixed_capacity = False
         if new_tokens > self._packed_headroom:
             # A segment is full: re-lay every segment out with a fresh reserve (host-decided).
             keys, values, positions, scores = self._flat_buffers()
@@ -899,6 +1169,13 @@ class LayerStore(CacheLayerMixin):
                 reserve_tokens=max(SEGMENT_RESERVE_TOKENS, new_tokens),  # a chunk may exceed the usual reserve
             )
         lengths = self._segment_length_host
+        self._write_packed(key_states, value_states, new_tokens)
+        self._segment_length_host = lengths + new_tokens
+        self._packed_headroom -= new_tokens
+        self._packed_max_length += new_tokens
+
+    def _write_packed(self, key_states, value_states, new_tokens: int) -> None:
+        """Write the new tokens at each segment's device length and advance it (no host value read)."""
         grow = torch.arange(new_tokens, device=self.device)
         destination = ((self._segment_start + self._segment_length.long())[:, None] + grow).reshape(-1)
         d, dv = key_states.shape[-1], value_states.shape[-1]
@@ -909,9 +1186,23 @@ class LayerStore(CacheLayerMixin):
         for buffer in self._score_buffers.values():
             buffer.index_fill_(0, destination, 0.0)
         self._segment_length += new_tokens
-        self._segment_length_host = lengths + new_tokens
-        self._packed_headroom -= new_tokens
-        self._packed_max_length += new_tokens
+
+    def _reserve(self, tokens: int) -> None:
+        """Packed layout: room for ``tokens`` more tokens in every segment (re-laid out once, each
+        segment's capacity its kept tokens plus ``tokens``, whole pages; nothing is padded to the
+        largest segment), then appends write at the device lengths until the room is used."""
+        if self._packed_headroom < tokens:
+            keys, values, positions, scores = self._flat_buffers()
+            self._set_packed(
+                self._segment_length_host.clone(), keys, values, positions, scores, self._stored_index(), tokens
+            )
+        self.fixed_capacity = True
+
+    def packed_pages(self):
+        """``(page_segment [P], page_offset [P], bound)``: the segment of each page of the packed
+        buffers, the offset of its first slot in that segment (device), and the largest segment
+        capacity (host int; fixed by the layout, a bound on every segment's length)."""
+        return self._page_segment, self._page_offset, self._packed_bound
 
     @property
     def segment_capacity_host(self) -> torch.Tensor:
@@ -921,8 +1212,6 @@ class LayerStore(CacheLayerMixin):
     def packed(self):
         """``(keys [C, d], values [C, dv], positions [C], segment_start [S] int64, segment_length
         [S] int32, max_length)``: the flat layout read by the variable-length attention."""
-        if not self._packed:
-            raise RuntimeError(f"layer {self.layer_index} is dense")
         return (
             self._key_buffer,
             self._value_buffer,
@@ -932,56 +1221,32 @@ class LayerStore(CacheLayerMixin):
             self.max_length,
         )
 
-    def stored_flat_positions(self) -> torch.Tensor:
-        """Original positions of the stored tokens, ``[T]`` in segment order."""
-        _, _, positions, _ = self._flat_buffers()
-        return positions[self._stored_index()]
-
-    def stored_keys(self) -> torch.Tensor:
-        """Keys of the stored tokens, ``[T, d]`` in segment order (a copy)."""
-        keys, _, _, _ = self._flat_buffers()
-        return keys[self._stored_index()]
-
-    def stored_values(self) -> torch.Tensor:
-        """Values of the stored tokens, ``[T, dv]`` in segment order (a copy)."""
-        _, values, _, _ = self._flat_buffers()
-        return values[self._stored_index()]
-
-    def segment_offsets(self) -> torch.Tensor:
-        """``[B*H + 1]`` (host) start of each row in the segment order of ``stored_*``."""
-        flat = self.lengths_host.reshape(-1)
-        return torch.cat([flat.new_zeros(1), flat.cumsum(0)])
-
-    def set_keys(self, keys: torch.Tensor) -> None:
-        """Overwrite the stored keys (dense ``[B, H, L, d]``), e.g. after re-rotating them."""
-        self.dense()[0].copy_(keys)
-
-    # -- accounting ----------------------------------------------------------------------------
-    def nbytes(self) -> int:
-        """Bytes of the kept tokens' key/value payload."""
-        if self._key_buffer is None:
-            return 0
-        return self.num_stored * self.bytes_per_token()
-
-    def reserved_nbytes(self) -> int:
-        """Bytes of the allocated key/value buffers (kept tokens plus the append reserve)."""
-        if self._key_buffer is None:
-            return 0
+    def packed_buffers(self):
+        """``(keys [C, d], values [C, dv], positions [C], segment_start [S] int64, segment_length
+        [S] int32, scores {name: [C]})``: the packed buffers as they are (the scores aligned with the
+        slots, 0 in empty ones); nothing is read on the host."""
         return (
-            self._key_buffer.numel() * self._key_buffer.element_size()
-            + self._value_buffer.numel() * self._value_buffer.element_size()
+            self._key_buffer,
+            self._value_buffer,
+            self._position_buffer,
+            self._segment_start,
+            self._segment_length,
+            dict(self._score_buffers),
         )
 
-    def metadata_nbytes(self) -> int:
-        """Bytes of bookkeeping (positions, lengths, per-token scores) of the kept tokens."""
-        if self._key_buffer is None:
-            return 0
-        per_token = self._position_buffer.element_size() + 4 * len(self._score_buffers)
-        total = self.num_stored * per_token
-        if self._packed:
-            total += self.num_segments * (8 + 4)
-        return total
+    def _stored_index(self) -> torch.Tensor:
+        lengths = self._segment_length_host
+        total = int(lengths.sum())
+        # token j of segment s sits at starts[s] + j = (starts[s] - offset[s]) + global index.
+        offsets = torch.cumsum(lengths, 0) - lengths
+        shift = (self._segment_start_host - offsets).to(self.device)
+        return torch.repeat_interleave(shift, lengths.to(self.device), output_size=total) + torch.arange(
+            total, device=self.device
+        )
 
-    def bytes_per_token(self) -> int:
-        """Key + value bytes of one token in one stored head."""
-        return (self._key_buffer.shape[-1] + self._value_buffer.shape[-1]) * self._key_buffer.element_size()
+    def _flat_buffers(self):
+        return self._key_buffer, self._value_buffer, self._position_buffer, self._score_buffers
+
+    def _layout_metadata_nbytes(self) -> int:
+        # Per segment: start and capacity (int64), length (int32); per page: its segment and offset.
+        return self.num_segments * (8 + 8 + 4) + self._page_segment.numel() * (8 + 8)
