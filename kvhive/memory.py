@@ -97,16 +97,18 @@ def _process_status() -> dict[str, int]:
 
 def _reset_high_water_mark() -> str | None:
     """Reset this process's ``VmHWM`` to its current RSS; the reason it could not, else None."""
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as clear_refs:
-            clear_refs.write("5")
-    except OSError as error:
-        return f"the kernel refused the reset of the resident high-water mark (/proc/self/clear_refs: {error})"
-    status = _process_status()
-    # The kernel sets VmHWM to the current RSS; more than a page of slack means it did not.
-    if status["VmHWM"] > status["VmRSS"] + 2**16:
-        return "writing 5 to /proc/self/clear_refs did not reset VmHWM on this kernel"
-    return None
+    for _ in range(3):
+        try:
+            with open("/proc/self/clear_refs", "w", encoding="ascii") as clear_refs:
+                clear_refs.write("5")
+        except OSError as error:
+            return f"the kernel refused the reset of the resident high-water mark (/proc/self/clear_refs: {error})"
+        status = _process_status()
+        # The kernel sets VmHWM to the current RSS; more than a page of slack means it did not, or
+        # that another thread freed memory between the reset and the read: tried again.
+        if status["VmHWM"] <= status["VmRSS"] + 2**16:
+            return None
+    return "writing 5 to /proc/self/clear_refs did not reset VmHWM on this kernel (3 tries)"
 
 
 _LIBC = None

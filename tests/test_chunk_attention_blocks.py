@@ -37,9 +37,11 @@ def test_blocks_of_queries_equal_one_sdpa_call(mask_heads, mask_queries):
 def _chunked_prefill_peak(model, prompt, monkeypatch, block: int) -> int:
     monkeypatch.setattr(integration, "QUERY_BLOCK", block)
     memory = PhaseMemory("cpu")
+    assert memory.unavailable is None, memory.unavailable
     cache = kvhive.make_cache(model, "streamingllm", budget=0.1, prefill_chunk=2048)
     cache.plan_prompt(prompt.shape[1])
     start = memory.start()
+    assert start is not None, memory.unavailable
     with torch.no_grad():
         for chunk_start in range(0, prompt.shape[1], 2048):
             chunk = prompt[:, chunk_start : chunk_start + 2048]
