@@ -99,3 +99,16 @@ def test_a_full_sliding_window_is_not_croppable():
         assert cache.is_croppable
         model(input_ids=torch.randint(3, 100, (1, window)), past_key_values=cache)
     assert not cache.is_croppable
+
+
+def test_head_wise_counts_are_refused_by_name():
+    model = _model()
+    cache = kvhive.make_cache(model, "ada-snapkv", budget=32, window=4)
+    with torch.no_grad():
+        model(input_ids=_repetitive_prompt(model), past_key_values=cache)
+        model(input_ids=torch.tensor([[7]]), past_key_values=cache)
+    assert any(not layer.is_uniform for layer in cache.layers)  # heads keep different counts
+    assert not cache.is_croppable
+    with pytest.raises(ValueError, match=r"different number of tokens per head or per row"):
+        cache.crop(-1)
+    assert cache.get_seq_length() == 81

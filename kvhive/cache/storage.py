@@ -230,7 +230,7 @@ class LayerStore(CacheLayerMixin):
             return None
         if remove > self.tokens_seen:
             return f"cannot remove {remove} tokens from layer {self.layer_index}: it has seen {self.tokens_seen}"
-        if self._packed or self._row_tokens_seen is not None:
+        if not self.is_uniform or self._row_tokens_seen is not None:
             return (
                 f"layer {self.layer_index} keeps a different number of tokens per head or per row (head-wise budgets, "
                 "or stacked caches): rolling it back is not supported"
