@@ -382,7 +382,8 @@ class KVHiveCache(Cache):
         if self.stores_query_heads:
             store.expand_to_query_heads(self.num_query_heads // self.num_kv_heads)
         if keep is not None:
-            store.keep(keep, self._kept_counts(keep, store, row_budgets, known_count))
+            limits = [self.policy.prefill_limit(budget) for budget in row_budgets]
+            store.keep(keep, self._kept_counts(keep, store, limits, known_count))
             self._cut_at_prefill.add(layer_index)
         self._reindex(store)
 

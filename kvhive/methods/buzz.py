@@ -137,6 +137,10 @@ UNEQUAL_ROWS = "buzz_unequal_rows"  # per-layer state: real tokens per row when 
 
 BudgetForm = Literal["mean", "peak"]
 BUDGET_FORMS = ("mean", "peak")
+# What Remark 2 thins a long prompt's samples to fit (module docstring, "Prefill"): the budget C
+# (default) or the paper's literal container T + k + w (the layout's peak; equal to C in the peak form).
+PrefillFit = Literal["budget", "peak"]
+PREFILL_FITS = ("budget", "peak")
 PREFILL_ROUNDS = "buzz_prefill_rounds"  # per-layer state: Remark 2 rounds beyond the authors' single pass
 # Per-layer state: sizes held after each decode step (sum, count, largest), for kept_size_statistics.
 SIZE_SUM, SIZE_STEPS, SIZE_PEAK = "buzz_size_sum", "buzz_size_steps", "buzz_size_peak"
@@ -160,6 +164,7 @@ class BuzzConfig(PolicyConfig):
     sink: int = 4
     stride: int = 5
     budget_form: BudgetForm = "mean"
+    prefill_fit: PrefillFit = "budget"
 
     def validate(self) -> None:
         require_int_at_least(self.sink, 0, "sink")
@@ -174,6 +179,13 @@ class BuzzConfig(PolicyConfig):
             self.stride,
         )
         require(self.budget_form in BUDGET_FORMS, "budget_form", "'mean' or 'peak'", self.budget_form)
+        require(
+            self.prefill_fit in PREFILL_FITS,
+            "prefill_fit",
+            "'budget' (Remark 2 thins a long prompt's samples until the layer fits the budget C) or 'peak' "
+            "(until they fit the paper's literal container T + k + w, above C in the mean form)",
+            self.prefill_fit,
+        )
 
 
 def small_stride(stride: int) -> int:
@@ -383,6 +395,16 @@ class Buzz(Policy):
     def layout(self, budget: int) -> BuzzLayout:
         return _cached_layout(budget, self.config.sink, self.config.stride, self.config.budget_form)
 
+    def prefill_limit(self, budget: int) -> int:
+        """The most tokens a layer holds after its prefill eviction: the budget ``C``
+        (``prefill_fit="budget"``), or the layout's peak ``k + w + T`` (``"peak"``, Remark 2's
+        literal container; above ``C`` in the mean form, equal to it in the peak form)."""
+        return self.layout(budget).peak if self.config.prefill_fit == "peak" else budget
+
+    def _limit(self, phase: str, budget: int) -> int:
+        """What an eviction in ``phase`` thins to: decode evictions always keep the budget."""
+        return self.prefill_limit(budget) if phase == PREFILL else budget
+
     # -- scores --------------------------------------------------------------------------------
     def _seed_scores(self, scoring: ScoringInputs) -> None:
         scoring.token_scores[SCORE] = group_sum(scoring.accumulated_attention(), scoring.num_heads)
@@ -401,7 +423,8 @@ class Buzz(Policy):
     def kept_per_row(self, phase: str, num_tokens: int, budget: int, state: dict) -> int | None:
         if PADDING not in state or state.get(UNEQUAL_ROWS) is not None:
             return None  # known once the layer has seen its prompt (and refused for unequal rows)
-        plan = _eviction_plan(self.layout(budget), num_tokens, state[PADDING], state.get(OLD, 0), budget)
+        limit = self._limit(phase, budget)
+        plan = _eviction_plan(self.layout(budget), num_tokens, state[PADDING], state.get(OLD, 0), limit)
         return num_tokens if plan is None else plan.kept
 
     # -- selection -----------------------------------------------------------------------------
@@ -416,7 +439,7 @@ class Buzz(Policy):
         state[LAYOUT] = layout
         n = scoring.num_tokens
         padding = _padding(scoring, state, evicting=True)
-        plan = _eviction_plan(layout, n, padding, state.get(OLD, 0), budget)
+        plan = _eviction_plan(layout, n, padding, state.get(OLD, 0), self._limit(scoring.phase, budget))
         if plan is None:
             return None  # below the threshold: buffer, evict nothing
         if SCORE not in scoring.token_scores:
@@ -459,10 +482,11 @@ class EvictionPlan:
     kept: int
 
 
-def _eviction_plan(layout: BuzzLayout, n: int, padding: int, old: int, budget: int) -> EvictionPlan | None:
+def _eviction_plan(layout: BuzzLayout, n: int, padding: int, old: int, limit: int) -> EvictionPlan | None:
     """The eviction of a layer holding ``n`` tokens (``padding`` of them at the front of every row,
-    ``old`` old samples after the sink); None below the threshold (nothing evicted). Sizes only,
-    from the host's counts: Eq. (10) gives the number of samples whatever the scores."""
+    ``old`` old samples after the sink) that may keep at most ``limit`` tokens (the budget, or the
+    peak for a prefill with ``prefill_fit="peak"``); None below the threshold (nothing evicted).
+    Sizes only, from the host's counts: Eq. (10) gives the number of samples whatever the scores."""
     # Everything below counts real tokens from the first one (a row alone has no padding).
     real = n - padding
     sink_end = padding + min(layout.sink, real)
@@ -475,9 +499,9 @@ def _eviction_plan(layout: BuzzLayout, n: int, padding: int, old: int, budget: i
     hat = small_stride(stride)
     count = -(-old // hat) + -(-(window_start - old_end) // stride)
     # The authors' code samples once; where that exceeds what the cache may hold after an
-    # eviction (the budget), Remark 2: sample the old samples again with ŝ until they fit
+    # eviction (the limit), Remark 2: sample the old samples again with ŝ until they fit
     # (r rounds = stride ŝ**r).
-    room = budget - layout.sink - layout.window
+    room = limit - layout.sink - layout.window
     step, rounds = 1, 0
     while -(-count // step) > room:
         step *= hat
