@@ -30,9 +30,22 @@ Cache layout per head (Sec. 3.3, Fig. 3)::
   are one round of stride ``ŝ**r``). In the peak form the limit is ``k + w + T``, Remark 2's
   "until it fits". The authors' code never thins: on a long prompt it holds
   ``k + w + ceil(m/s)`` tokens after prefill (92 at 400 tokens where ``C = 60``) and shrinks
-  over the next decode steps; a kvhive cache never holds more than its budget after an
-  eviction, so where the single pass exceeds it the rounds are counted in the layer state
+  over the next decode steps; a kvhive cache (by default) never holds more than its budget
+  after an eviction, so where the single pass exceeds it the rounds are counted in the layer state
   (``buzz_prefill_rounds``, 0 = exactly the authors' result).
+  ``prefill_fit`` says what "fits" means in the mean form, where the two readings of Remark 2
+  part (in the peak form both are ``C = k + w + T``):
+
+  - ``"budget"`` (default): thin until the layer holds at most ``C`` (``C − k − w`` samples), so
+    a kvhive cache never holds more than its budget after an eviction;
+  - ``"peak"``: Remark 2's literal words, "until the selected tokens can fit within a container
+    of length T + k + w" (``T`` samples): at ``C = 100`` (layout ``(4, 26, 113)``) a 450-token
+    prompt keeps the single pass's 84 samples, 114 tokens (the default keeps 28, 58 tokens).
+    The layer then holds up to the peak, above ``C``, until its next eviction (decode evictions
+    keep ``C`` under both readings: Remark 2 is about the prefill), so at the same ``C`` it
+    holds more memory. The cache lets it (``Policy.prefill_limit``).
+
+  Measured on Gemma-3-270M (``results/buzz_remark2/``, docs/METHODS.md "Prefill (Remark 2)").
 * **Budget** (Theorem 3.1 / Eq. 6). For a stride ``s`` use ``T / w = r`` with
   ``r = (s² + 1)/(s + 1)`` (s odd) or ``s − 1`` (s even): then the steady-state number of old
   samples is ``w`` (Appendix D.1; the proof's odd/even labels are swapped, the theorem's are
@@ -55,7 +68,8 @@ Cache layout per head (Sec. 3.3, Fig. 3)::
   threshold (old + new ``<= T``) ``select_decode`` returns ``None`` (keep everything), so the
   layer grows to its peak and is cut when old + new reaches ``T + 1``, exactly Algorithm 1's
   schedule in both forms. After any eviction a layer holds at most ``C`` tokens (the cache's
-  hard limit: the prefill below is thinned to it). (This needs the cache's default schedule,
+  hard limit: the prefill below is thinned to it; with ``prefill_fit="peak"`` the prefill may
+  leave up to ``k + w + T``). (This needs the cache's default schedule,
   ``decode_every=1, decode_slack=0``; a slack makes every eviction late by up to the slack, as
   for any method.) :func:`kept_size_statistics` reports the mean and peak sizes a cache's BUZZ
   layers actually held.
@@ -76,7 +90,8 @@ positions against their class on fixed inputs, prefill and 160 decode steps):
   ``k + w + ceil(m/s)`` (92 tokens on a 400-token prompt at ``C = 60``) and kvhive thins the old
   samples with Remark 2's rounds (40 tokens in the peak form, 45 in the mean form;
   ``buzz_prefill_rounds`` counts them): kvhive never holds more than its budget after an
-  eviction;
+  eviction (``prefill_fit="peak"``: its peak after the prefill); mean-form layouts given to
+  their class keep the same positions too (``tests/fixtures/buzz_authors_mean_form.json``);
 - sizes: theirs takes ``w`` and ``T`` as arguments (their script's defaults: ``w = 160``,
   ``T = 400``, ``s = 5``, a ratio 2.5 where Theorem 3.1 gives 4.33); kvhive derives them from the
   budget (mean form by default);
@@ -159,7 +174,8 @@ class BuzzConfig(PolicyConfig):
     ``stride`` = s (the paper's experiments, Fig. 4 and Table A, use 5). Window and threshold are
     derived from the budget: ``budget_form="mean"`` reads the budget as the mean number of tokens
     held (the paper's "average cache size"), ``"peak"`` as the largest, ``k + w + T`` (module
-    docstring)."""
+    docstring). ``prefill_fit``: what Remark 2 thins a long prompt's samples to fit, ``"budget"``
+    (``C``, default) or ``"peak"`` (the paper's literal ``T + k + w``; differs in the mean form)."""
 
     sink: int = 4
     stride: int = 5
