@@ -929,7 +929,9 @@ def test_mean_form_prefill_thins_to_the_budget_not_to_the_peak():
 
 
 def test_prefill_fit_refusal_names_the_parameter_and_both_readings():
-    with pytest.raises(ValueError, match=r"invalid prefill_fit='T\+k\+w': expected 'budget' .* or 'peak' .*T \+ k \+ w"):
+    with pytest.raises(
+        ValueError, match=r"invalid prefill_fit='T\+k\+w': expected 'budget' .* or 'peak' .*T \+ k \+ w"
+    ):
         Buzz(prefill_fit="T+k+w")
 
 

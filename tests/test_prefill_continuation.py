@@ -20,8 +20,16 @@ DATA_DIR = default_data_dir()
 
 def test_prefill_tokens_reach_the_backend_and_only_the_continuation_is_scored(tmp_path):
     backend = FakeBackend()
-    run_eval(backend, ["ppl:num_tokens=96:window=32:prefill_tokens=20"], ["local"], [8], 3, DATA_DIR, tmp_path,
-             progress=False)
+    run_eval(
+        backend,
+        ["ppl:num_tokens=96:window=32:prefill_tokens=20"],
+        ["local"],
+        [8],
+        3,
+        DATA_DIR,
+        tmp_path,
+        progress=False,
+    )
     records = read_results(tmp_path)
     assert {r["item_id"] for r in records} == {"tokens0-32:prefill20", "tokens32-64:prefill20", "tokens64-96:prefill20"}
     # 32 tokens + BOS per window, the first 20 prefilled: 13 predicted.
@@ -39,7 +47,9 @@ def test_without_prefill_tokens_every_window_is_streamed_as_before(tmp_path):
 
 def test_prefill_tokens_leaving_nothing_to_predict_are_refused():
     task = get_task("ppl", num_tokens=64, window=32, prefill_tokens=33)
-    with pytest.raises(ValueError, match=r"prefill_tokens=33 leaves nothing to predict .* expected prefill_tokens < 33"):
+    with pytest.raises(
+        ValueError, match=r"prefill_tokens=33 leaves nothing to predict .* expected prefill_tokens < 33"
+    ):
         task.load(DATA_DIR, 2, 0, FakeTokenizer())
     with pytest.raises(ValueError, match="prefill_tokens"):
         get_task("ppl", prefill_tokens=0)

@@ -79,7 +79,9 @@ class WikiTextPerplexityTask(Task):
             if prefill is not None:
                 metadata["prefill_tokens"] = int(prefill)
                 suffix = f":prefill{prefill}"
-            items.append(Item(id=f"tokens{start}-{start + len(chunk)}{suffix}", token_ids=prefix + chunk, metadata=metadata))
+            items.append(
+                Item(id=f"tokens{start}-{start + len(chunk)}{suffix}", token_ids=prefix + chunk, metadata=metadata)
+            )
         return take(items, limit)
 
     def score(self, item: Item, output: tuple[float, int]) -> dict[str, float]:
