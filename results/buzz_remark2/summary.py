@@ -8,7 +8,7 @@ settings together, 5,000 resamples, seed 0) of the perplexity difference literal
   entries over a window match the literal reading's at C;
 * equal memory (b): the literal reading at C'' against the budget reading at C (matched the other way).
 
-Writes summary.md and summary.json beside it.
+Writes summary.md (with reading.md below the tables) and summary.json beside it.
 
     PYTHONPATH=$PWD .venv/bin/python results/buzz_remark2/summary.py
 """
@@ -114,6 +114,9 @@ def main() -> None:
                 f"{c['candidate_lower_nll_items']}/{result['items']} |"
             )
         lines.append("")
+    reading = HERE / "reading.md"  # the hand-written reading of these numbers, kept below them
+    if reading.exists():
+        lines.append(reading.read_text())
     (HERE / "summary.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
