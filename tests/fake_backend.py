@@ -185,13 +185,15 @@ class FakeBackend:
             out.append([sum(-0.5 if _norm_word(w) in kept else -2.0 for w in cont.split()) for cont in continuations])
         return out
 
-    def streaming_nll(self, token_ids: list[int], settings: list[Setting]) -> list[tuple[float, int]]:
+    def streaming_nll(
+        self, token_ids: list[int], settings: list[Setting], prefill_tokens: int = 1
+    ) -> list[tuple[float, int]]:
         self._record("streaming", settings)
         self._check_feasible(settings, len(token_ids))
         out = []
         for setting in settings:
             nll = 0.0
-            for i in range(1, len(token_ids)):
+            for i in range(prefill_tokens, len(token_ids)):
                 history = token_ids[:i]
                 if setting.method == FULL_METHOD:
                     cache = history
@@ -208,5 +210,5 @@ class FakeBackend:
                         heavy = sorted(freq, key=lambda t: (freq[t], t), reverse=True)[: k // 2]
                         cache = recent + heavy
                 nll += 0.5 if token_ids[i] in set(cache) else 3.0
-            out.append((nll, len(token_ids) - 1))
+            out.append((nll, len(token_ids) - prefill_tokens))
         return out

@@ -15,6 +15,7 @@ from transformers import AttentionInterface, AttentionMaskInterface, DynamicCach
 from transformers.masking_utils import sdpa_mask
 
 from kvhive.api import make_cache
+from kvhive.compat import cache_kwarg as kvhive_cache_kwarg
 from kvhive.methods import buzz as buzz_module
 from kvhive.methods import make_policy
 from kvhive.methods.base import DECODE, PREFILL, ScoringInputs
@@ -561,6 +562,8 @@ def test_logn_padding_is_not_counted_in_n(architecture, attention):
         ({"sink": "4"}, "sink"),
         ({"window": 8}, "window"),
         ({"budget_form": "average"}, "budget_form"),
+        ({"prefill_fit": "literal"}, "prefill_fit"),
+        ({"prefill_fit": None}, "prefill_fit"),
     ],
 )
 @pytest.mark.parametrize("method", ["buzz", "buzz-logn"])
@@ -923,3 +926,72 @@ def test_mean_form_prefill_thins_to_the_budget_not_to_the_peak():
     assert int(keep.sum()) == 4 + 28 + 26
     assert state[PREFILL_ROUNDS] == 1
     assert keep[..., :4].all() and keep[..., -26:].all()
+
+
+def test_prefill_fit_refusal_names_the_parameter_and_both_readings():
+    with pytest.raises(
+        ValueError, match=r"invalid prefill_fit='T\+k\+w': expected 'budget' .* or 'peak' .*T \+ k \+ w"
+    ):
+        Buzz(prefill_fit="T+k+w")
+
+
+@pytest.mark.parametrize("n,kept_budget,kept_peak", [(450, 4 + 28 + 26, 4 + 84 + 26), (900, 4 + 58 + 26, 4 + 58 + 26)])
+def test_mean_form_literal_prefill_fit_thins_to_the_peak_not_to_the_budget(n, kept_budget, kept_peak):
+    # Remark 2's literal reading (issue 26): prefill_fit="peak" thins the single pass only until the
+    # samples fit the container T + k + w (143 at C = 100, layout (4, 26, 113)). A 450-token prompt
+    # keeps the single pass's 84 samples (114 tokens, over C = 100; the default thins them to 28,
+    # 58 tokens). A 900-token prompt's pass (174 samples) exceeds T = 113 too: one round of ŝ = 3
+    # gives 58 samples under both readings (58 <= 70 = C - k - w), so they agree there.
+    scores = torch.rand(1, 1, n, generator=torch.Generator().manual_seed(n))
+    kept = {}
+    for fit in ("budget", "peak"):
+        policy = make_policy("buzz", prefill_fit=fit)
+        assert policy.prefill_limit(100) == (100 if fit == "budget" else 143)
+        state: dict = {}
+        keep = policy.select_prefill(scoring_for(scores, phase=PREFILL), 100, state)
+        kept[fit] = keep
+        assert int(keep.sum()) == (kept_budget if fit == "budget" else kept_peak)
+        assert policy.kept_per_row(PREFILL, n, 100, {PADDING: 0}) == int(keep.sum())
+        assert keep[..., :4].all() and keep[..., -26:].all()
+    # The budget reading's samples are every 3rd of the literal reading's (one more round of ŝ).
+    samples = {fit: keep[0, 0, 4:-26].nonzero().flatten().tolist() for fit, keep in kept.items()}
+    assert samples["budget"] == (samples["peak"][::3] if n == 450 else samples["peak"])
+
+
+@pytest.mark.parametrize("budget", [30, 60])
+def test_peak_form_prefill_fit_changes_nothing(budget):
+    """In the peak form C = k + w + T: the two readings of Remark 2 are the same limit."""
+    scores = torch.rand(1, 2, 400, generator=torch.Generator().manual_seed(budget))
+    keeps = []
+    for fit in ("budget", "peak"):
+        policy = Buzz(budget_form="peak", prefill_fit=fit)
+        assert policy.prefill_limit(budget) == budget
+        keeps.append(policy.select_prefill(scoring_for(scores, phase=PREFILL), budget, {}))
+    assert torch.equal(keeps[0], keeps[1])
+
+
+def test_cache_holds_the_literal_prefill_over_the_budget_then_decodes_within_it():
+    """A cache with prefill_fit="peak" accepts a prefill over its budget (up to k + w + T) and its
+    decode evictions keep the budget again. Mean form, C = 30: layout (4, 6, 31); a 150-token
+    prompt's single pass keeps 28 samples (38 tokens > 30; the default keeps ceil(28/3) = 10, 20
+    tokens); the next eviction comes when old + new reaches T + 1 = 32, four steps later, and keeps
+    ceil(28/3) + ceil(4/5) = 11 samples (21 tokens)."""
+    model = tiny_model("llama", "gqa")
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=150, pad=0)
+    ids, mask = input_ids[:1], attention_mask[:1]
+    held = {}
+    for fit in ("budget", "peak"):
+        cache = make_cache(model, "buzz", budget=30, prefill_fit=fit)
+        sizes = []
+        for steps in range(0, 6):
+            if steps == 0:
+                prefill_and_decode(model, cache, ids, mask, steps=0)
+            else:
+                token = torch.tensor([[7]])
+                mask = torch.ones(1, 150 + steps, dtype=attention_mask.dtype)
+                model(input_ids=token, attention_mask=mask, **{kvhive_cache_kwarg(model): cache}, use_cache=True)
+            sizes.append({int(cache.layers[i].lengths_host.max()) for i in cache.compressed_layers})
+        held[fit] = [next(iter(s)) for s in sizes]
+        assert all(len(s) == 1 for s in sizes)
+    assert held["budget"] == [20, 21, 22, 23, 24, 25]
+    assert held["peak"] == [38, 39, 40, 41, 21, 22]

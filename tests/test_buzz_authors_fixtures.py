@@ -71,6 +71,13 @@ def test_prefill_and_every_decode_step_keep_the_authors_positions(name):
     positions, scores = prefill(policy, budget, case, state)
     assert positions[0].tolist() == case["kept_positions"][0]
     assert state[PREFILL_ROUNDS] == 0  # the single pass fits: exactly the authors' prefill
+    assert decode_and_compare(policy, budget, case, state, positions, scores) >= 5
+
+
+def decode_and_compare(policy: Buzz, budget: int, case: dict, state: dict, positions, scores) -> int:
+    """Feed the case's decode attention rows as the cache does (a decision asked for whenever the
+    layer holds more than ``budget``) and compare the kept positions with the authors' at every
+    step; returns the number of evictions."""
     heads = positions.shape[1]
     evictions = 0
     for step, row in enumerate(case["decode_attention_rows"]):
@@ -87,7 +94,7 @@ def test_prefill_and_every_decode_step_keep_the_authors_positions(name):
                 positions = positions[keep].view(1, heads, -1)
                 scores = inputs.token_scores[SCORE][keep].view(1, heads, -1)
         assert positions[0].tolist() == case["kept_positions"][step + 1], f"decode step {step}"
-    assert evictions >= 5
+    return evictions
 
 
 def test_a_prompt_too_long_for_the_budget_is_the_authors_pass_thinned_by_remark_2():
@@ -110,3 +117,85 @@ def test_a_prompt_too_long_for_the_budget_is_the_authors_pass_thinned_by_remark_
         expected = theirs[head][:sink] + samples[::step] + theirs[head][-window:]
         assert positions[0, head].tolist() == expected
     assert state[OLD] == len(their_samples[0][::step])
+
+
+# ----------------------------------------------------------------------------------------------
+# Mean-form layouts (issue 26). The authors' class takes (k, w, s, T) as arguments and has no
+# budget; tests/fixtures/buzz_authors_mean_form.json gives it the (w, T) kvhive's mean_layout(C)
+# chooses and records what it keeps (crosscheck/buzz_authors_mean_form.py). In the mean form C is
+# below the peak k + w + T, so the cache asks for a decision at every step past C and BUZZ evicts
+# only past T; and Remark 2's two readings (prefill_fit) differ where the single pass falls
+# between C and the peak.
+# ----------------------------------------------------------------------------------------------
+
+MEAN_FIXTURE = Path(__file__).parent / "fixtures" / "buzz_authors_mean_form.json"
+MEAN_CASES = {case["case"]["name"]: case for case in json.loads(MEAN_FIXTURE.read_text())}
+
+
+def mean_policy(case: dict, prefill_fit: str) -> tuple[Buzz, int]:
+    spec = case["case"]
+    policy = Buzz(sink=spec["sink"], stride=spec["stride"], budget_form="mean", prefill_fit=prefill_fit)
+    layout = policy.layout(spec["budget"])
+    assert (layout.window, layout.threshold) == (spec["window"], spec["threshold"])
+    assert layout.peak > spec["budget"]
+    return policy, spec["budget"]
+
+
+def their_samples(case: dict) -> list[list[int]]:
+    spec = case["case"]
+    return [row[spec["sink"] : len(row) - spec["window"]] for row in case["kept_positions"][0]]
+
+
+@pytest.mark.parametrize("prefill_fit", ["budget", "peak"])
+@pytest.mark.parametrize("name", ["mean_fits", "mean_fits_stride3"])
+def test_mean_form_keeps_the_authors_positions_at_every_step(name, prefill_fit):
+    """A prompt whose single pass fits the budget: both readings keep the authors' pass, and the
+    mean-form schedule (asked at every step past C, evicting past T) keeps their positions."""
+    case = MEAN_CASES[name]
+    policy, budget = mean_policy(case, prefill_fit)
+    state: dict = {}
+    positions, scores = prefill(policy, budget, case, state)
+    assert positions[0].tolist() == case["kept_positions"][0]
+    assert state[PREFILL_ROUNDS] == 0 and positions.shape[-1] <= budget
+    assert decode_and_compare(policy, budget, case, state, positions, scores) >= 5
+
+
+def test_mean_form_literal_remark_2_is_the_authors_prefill_and_decode_between_the_budget_and_the_peak():
+    """The single pass (28 samples) lies between C - k - w = 20 and T = 31: prefill_fit="peak"
+    keeps it as the authors do (38 tokens, over C = 30, within the peak 41) and then keeps their
+    positions at every decode step."""
+    case = MEAN_CASES["mean_between"]
+    policy, budget = mean_policy(case, "peak")
+    state: dict = {}
+    positions, scores = prefill(policy, budget, case, state)
+    assert positions[0].tolist() == case["kept_positions"][0]
+    assert state[PREFILL_ROUNDS] == 0 and budget < positions.shape[-1] <= policy.layout(budget).peak
+    assert decode_and_compare(policy, budget, case, state, positions, scores) >= 5
+
+
+@pytest.mark.parametrize(
+    "name,prefill_fit,rounds",
+    # mean_between: 28 samples; C - k - w = 20, T = 31. mean_beyond: 78 samples.
+    [("mean_between", "budget", 1), ("mean_beyond", "budget", 2), ("mean_beyond", "peak", 1)],
+)
+def test_mean_form_prefill_is_the_authors_pass_thinned_by_remark_2(name, prefill_fit, rounds):
+    """Where the authors' single pass does not fit the reading's target (C for "budget", the peak
+    k + w + T for "peak"), kvhive keeps every ŝ**r-th of their samples, with the fewest rounds r
+    that fit."""
+    case = MEAN_CASES[name]
+    spec = case["case"]
+    policy, budget = mean_policy(case, prefill_fit)
+    theirs = case["kept_positions"][0]
+    state: dict = {}
+    positions, _ = prefill(policy, budget, case, state)
+    assert state[PREFILL_ROUNDS] == rounds
+    step = small_stride(spec["stride"]) ** rounds
+    sink, window = spec["sink"], spec["window"]
+    for head, samples in enumerate(their_samples(case)):
+        assert positions[0, head].tolist() == theirs[head][:sink] + samples[::step] + theirs[head][-window:]
+    limit = policy.prefill_limit(budget)
+    assert limit == (budget if prefill_fit == "budget" else policy.layout(budget).peak)
+    assert positions.shape[-1] <= limit
+    # The fewest rounds: one round fewer would not fit.
+    fewer = their_samples(case)[0][:: step // small_stride(spec["stride"])]
+    assert sink + len(fewer) + window > limit

@@ -289,6 +289,13 @@ RANGES = {
             (2, 1, 0, 1025, 2**70, True, 5.0, "5"),
         ),
         "budget_form": _choice("mean", "peak"),
+        # Remark 2's two readings in the mean form (issue 26); the refusal says what each one means.
+        "prefill_fit": Range(
+            "'budget' (Remark 2 thins a long prompt's samples until the layer fits the budget C) or 'peak' "
+            "(until they fit the paper's literal container T + k + w, above C in the mean form)",
+            ("budget", "peak"),
+            ("no_such_choice", "BUDGET", "literal", None),
+        ),
     },
     "buzz-logn": {"log_base": _int_at_least(2, (512,)), "log_count": _choice("key-length", "attended")},
     "bumblebee": {

@@ -397,7 +397,8 @@ class KVHiveCache(Cache):
         if self.stores_query_heads:
             store.expand_to_query_heads(self.num_query_heads // self.num_kv_heads)
         if keep is not None:
-            store.keep(keep, self._kept_counts(keep, store, row_budgets, known_count))
+            limits = [self.policy.prefill_limit(budget) for budget in row_budgets]
+            store.keep(keep, self._kept_counts(keep, store, limits, known_count))
             self._cut_at_prefill.add(layer_index)
             store.settled_tokens = store.tokens_seen  # chosen with every token so far: no crop below this
         self._reindex(store)

@@ -148,7 +148,9 @@ class Backend(Protocol):
         """Feed ``token_ids`` one by one keeping the cache at the setting's budget (an int number
         of tokens; the harness converts ratios before calling); returns per setting
         ``(sum of negative log-likelihoods, number of predicted tokens)`` where the predicted
-        tokens are ``token_ids[1:]``."""
+        tokens are ``token_ids[1:]``. Given ``prefill_tokens=P`` (a keyword only tasks that ask for
+        it pass), the first ``P`` tokens go in one forward (a prompt, compressed by the method's
+        prefill decision) and the rest one by one; the predicted tokens are ``token_ids[P:]``."""
         ...
 
     # Optional: ``infeasible(setting, context_tokens) -> str | None`` says why a setting cannot run

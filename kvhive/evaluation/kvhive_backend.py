@@ -306,9 +306,23 @@ class KVHiveBackend:
         return make_cache(self.model, _policy(setting), budget, compress_sliding=compress_sliding)
 
     @torch.no_grad()
-    def streaming_nll(self, token_ids: list[int], settings: list[Setting]) -> list[tuple[float, int]]:
-        """Each setting's summed NLL of ``token_ids[1:]`` fed one token at a time (and the count);
-        with ``share_decode`` the settings are the rows of one batch, each on its own cache."""
+    def streaming_nll(
+        self, token_ids: list[int], settings: list[Setting], prefill_tokens: int = 1
+    ) -> list[tuple[float, int]]:
+        """Each setting's summed NLL of ``token_ids[prefill_tokens:]`` (and the count): the first
+        ``prefill_tokens`` tokens in one forward (a prompt: the method's prefill decision applies;
+        1, the default, is the plain stream), then one token at a time; with ``share_decode`` the
+        settings are the rows of one batch, each on its own cache. Cache sizes are observed after
+        the prompt and after every later step."""
+        if (
+            isinstance(prefill_tokens, bool)
+            or not isinstance(prefill_tokens, int)
+            or not 1 <= prefill_tokens < len(token_ids)
+        ):
+            raise ValueError(
+                f"invalid prefill_tokens={prefill_tokens!r}: expected an integer in [1, {len(token_ids) - 1}] "
+                f"(at least one of the {len(token_ids)} tokens must be left to predict)"
+            )
         ids = torch.tensor(token_ids, device=self.model.device)
         groups = [list(range(len(settings)))] if self.share_decode else [[index] for index in range(len(settings))]
         results: list = [None] * len(settings)
@@ -318,14 +332,26 @@ class KVHiveBackend:
             totals = dict.fromkeys(group, 0.0)
             counts = dict.fromkeys(group, 0)
             active = list(group)
-            for position in range(len(token_ids) - 1):
+            first = prefill_tokens - 1  # the position whose logits predict the first scored token
+            step_logits = None
+            if prefill_tokens > 1:
+                prompt = ids[:prefill_tokens].reshape(1, -1)
+                if self.share_prefill:
+                    prompt_logits = shared_prefill(self.model, prompt, [caches[index] for index in group])
+                else:
+                    prompt_logits = [self._own_prefill(prompt, caches[index]) for index in group]
+                step_logits = torch.cat([row.reshape(1, -1) for row in prompt_logits], dim=0)
+            for position in range(first, len(token_ids) - 1):
                 if not active:
                     break
-                input_ids = ids[position].reshape(1, 1).expand(len(active), 1)
-                output = self.model(
-                    input_ids=input_ids, **{self.cache_kwarg: self._rows(caches, active)}, use_cache=True
-                )
-                log_probs = torch.log_softmax(output.logits[:, -1].float(), dim=-1)
+                if step_logits is None:
+                    input_ids = ids[position].reshape(1, 1).expand(len(active), 1)
+                    output = self.model(
+                        input_ids=input_ids, **{self.cache_kwarg: self._rows(caches, active)}, use_cache=True
+                    )
+                    step_logits = output.logits[:, -1]
+                log_probs = torch.log_softmax(step_logits.float(), dim=-1)
+                step_logits = None
                 # One host read per step for all rows.
                 nlls = (-log_probs[:, ids[position + 1]]).tolist()
                 still = []

@@ -200,7 +200,11 @@ def _call_backend(backend: Backend, task: Task, item: Item, settings: list[Setti
         outputs = backend.choice_loglikelihoods(item.prompt, list(item.choices), settings)
     elif task.kind == "perplexity":
         token_settings = [_backend_setting(task, item, s) for s in settings]
-        outputs = backend.streaming_nll(list(item.token_ids), token_settings)
+        prefill = item.metadata.get("prefill_tokens")
+        if prefill is None:
+            outputs = backend.streaming_nll(list(item.token_ids), token_settings)
+        else:  # a prompt in one forward, then its continuation token by token
+            outputs = backend.streaming_nll(list(item.token_ids), token_settings, prefill_tokens=int(prefill))
     else:
         raise ValueError(f"task {task.name!r}: unknown kind {task.kind!r}")
     outputs = list(outputs)

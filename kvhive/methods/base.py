@@ -426,6 +426,13 @@ class Policy:
     def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor | None:
         raise NotImplementedError(f"{self.name} has no decode phase")
 
+    def prefill_limit(self, budget: int) -> int:
+        """The most tokens per (row, head) a layer may hold right after its prefill decision at
+        ``budget`` (the cache refuses more): the budget itself, unless a method's option says
+        otherwise (BUZZ's ``prefill_fit="peak"``, Remark 2's literal container ``T + k + w``).
+        Decode decisions always keep the budget."""
+        return budget
+
     def state_nbytes(self, state: dict) -> int:
         """Bytes a method holds per layer beside the cached tokens (e.g. SubGen's clusters)."""
         return 0

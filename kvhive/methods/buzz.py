@@ -30,9 +30,22 @@ Cache layout per head (Sec. 3.3, Fig. 3)::
   are one round of stride ``ŝ**r``). In the peak form the limit is ``k + w + T``, Remark 2's
   "until it fits". The authors' code never thins: on a long prompt it holds
   ``k + w + ceil(m/s)`` tokens after prefill (92 at 400 tokens where ``C = 60``) and shrinks
-  over the next decode steps; a kvhive cache never holds more than its budget after an
-  eviction, so where the single pass exceeds it the rounds are counted in the layer state
+  over the next decode steps; a kvhive cache (by default) never holds more than its budget
+  after an eviction, so where the single pass exceeds it the rounds are counted in the layer state
   (``buzz_prefill_rounds``, 0 = exactly the authors' result).
+  ``prefill_fit`` says what "fits" means in the mean form, where the two readings of Remark 2
+  part (in the peak form both are ``C = k + w + T``):
+
+  - ``"budget"`` (default): thin until the layer holds at most ``C`` (``C − k − w`` samples), so
+    a kvhive cache never holds more than its budget after an eviction;
+  - ``"peak"``: Remark 2's literal words, "until the selected tokens can fit within a container
+    of length T + k + w" (``T`` samples): at ``C = 100`` (layout ``(4, 26, 113)``) a 450-token
+    prompt keeps the single pass's 84 samples, 114 tokens (the default keeps 28, 58 tokens).
+    The layer then holds up to the peak, above ``C``, until its next eviction (decode evictions
+    keep ``C`` under both readings: Remark 2 is about the prefill), so at the same ``C`` it
+    holds more memory. The cache lets it (``Policy.prefill_limit``).
+
+  Measured on Gemma-3-270M (``results/buzz_remark2/``, docs/METHODS.md "Prefill (Remark 2)").
 * **Budget** (Theorem 3.1 / Eq. 6). For a stride ``s`` use ``T / w = r`` with
   ``r = (s² + 1)/(s + 1)`` (s odd) or ``s − 1`` (s even): then the steady-state number of old
   samples is ``w`` (Appendix D.1; the proof's odd/even labels are swapped, the theorem's are
@@ -55,7 +68,8 @@ Cache layout per head (Sec. 3.3, Fig. 3)::
   threshold (old + new ``<= T``) ``select_decode`` returns ``None`` (keep everything), so the
   layer grows to its peak and is cut when old + new reaches ``T + 1``, exactly Algorithm 1's
   schedule in both forms. After any eviction a layer holds at most ``C`` tokens (the cache's
-  hard limit: the prefill below is thinned to it). (This needs the cache's default schedule,
+  hard limit: the prefill below is thinned to it; with ``prefill_fit="peak"`` the prefill may
+  leave up to ``k + w + T``). (This needs the cache's default schedule,
   ``decode_every=1, decode_slack=0``; a slack makes every eviction late by up to the slack, as
   for any method.) :func:`kept_size_statistics` reports the mean and peak sizes a cache's BUZZ
   layers actually held.
@@ -76,7 +90,8 @@ positions against their class on fixed inputs, prefill and 160 decode steps):
   ``k + w + ceil(m/s)`` (92 tokens on a 400-token prompt at ``C = 60``) and kvhive thins the old
   samples with Remark 2's rounds (40 tokens in the peak form, 45 in the mean form;
   ``buzz_prefill_rounds`` counts them): kvhive never holds more than its budget after an
-  eviction;
+  eviction (``prefill_fit="peak"``: its peak after the prefill); mean-form layouts given to
+  their class keep the same positions too (``tests/fixtures/buzz_authors_mean_form.json``);
 - sizes: theirs takes ``w`` and ``T`` as arguments (their script's defaults: ``w = 160``,
   ``T = 400``, ``s = 5``, a ratio 2.5 where Theorem 3.1 gives 4.33); kvhive derives them from the
   budget (mean form by default);
@@ -137,6 +152,10 @@ UNEQUAL_ROWS = "buzz_unequal_rows"  # per-layer state: real tokens per row when 
 
 BudgetForm = Literal["mean", "peak"]
 BUDGET_FORMS = ("mean", "peak")
+# What Remark 2 thins a long prompt's samples to fit (module docstring, "Prefill"): the budget C
+# (default) or the paper's literal container T + k + w (the layout's peak; equal to C in the peak form).
+PrefillFit = Literal["budget", "peak"]
+PREFILL_FITS = ("budget", "peak")
 PREFILL_ROUNDS = "buzz_prefill_rounds"  # per-layer state: Remark 2 rounds beyond the authors' single pass
 # Per-layer state: sizes held after each decode step (sum, count, largest), for kept_size_statistics.
 SIZE_SUM, SIZE_STEPS, SIZE_PEAK = "buzz_size_sum", "buzz_size_steps", "buzz_size_peak"
@@ -155,11 +174,13 @@ class BuzzConfig(PolicyConfig):
     ``stride`` = s (the paper's experiments, Fig. 4 and Table A, use 5). Window and threshold are
     derived from the budget: ``budget_form="mean"`` reads the budget as the mean number of tokens
     held (the paper's "average cache size"), ``"peak"`` as the largest, ``k + w + T`` (module
-    docstring)."""
+    docstring). ``prefill_fit``: what Remark 2 thins a long prompt's samples to fit, ``"budget"``
+    (``C``, default) or ``"peak"`` (the paper's literal ``T + k + w``; differs in the mean form)."""
 
     sink: int = 4
     stride: int = 5
     budget_form: BudgetForm = "mean"
+    prefill_fit: PrefillFit = "budget"
 
     def validate(self) -> None:
         require_int_at_least(self.sink, 0, "sink")
@@ -174,6 +195,13 @@ class BuzzConfig(PolicyConfig):
             self.stride,
         )
         require(self.budget_form in BUDGET_FORMS, "budget_form", "'mean' or 'peak'", self.budget_form)
+        require(
+            self.prefill_fit in PREFILL_FITS,
+            "prefill_fit",
+            "'budget' (Remark 2 thins a long prompt's samples until the layer fits the budget C) or 'peak' "
+            "(until they fit the paper's literal container T + k + w, above C in the mean form)",
+            self.prefill_fit,
+        )
 
 
 def small_stride(stride: int) -> int:
@@ -384,6 +412,16 @@ class Buzz(Policy):
     def layout(self, budget: int) -> BuzzLayout:
         return _cached_layout(budget, self.config.sink, self.config.stride, self.config.budget_form)
 
+    def prefill_limit(self, budget: int) -> int:
+        """The most tokens a layer holds after its prefill eviction: the budget ``C``
+        (``prefill_fit="budget"``), or the layout's peak ``k + w + T`` (``"peak"``, Remark 2's
+        literal container; above ``C`` in the mean form, equal to it in the peak form)."""
+        return self.layout(budget).peak if self.config.prefill_fit == "peak" else budget
+
+    def _limit(self, phase: str, budget: int) -> int:
+        """What an eviction in ``phase`` thins to: decode evictions always keep the budget."""
+        return self.prefill_limit(budget) if phase == PREFILL else budget
+
     # -- scores --------------------------------------------------------------------------------
     def _seed_scores(self, scoring: ScoringInputs) -> None:
         scoring.token_scores[SCORE] = group_sum(scoring.accumulated_attention(), scoring.num_heads)
@@ -402,7 +440,8 @@ class Buzz(Policy):
     def kept_per_row(self, phase: str, num_tokens: int, budget: int, state: dict) -> int | None:
         if PADDING not in state or state.get(UNEQUAL_ROWS) is not None:
             return None  # known once the layer has seen its prompt (and refused for unequal rows)
-        plan = _eviction_plan(self.layout(budget), num_tokens, state[PADDING], state.get(OLD, 0), budget)
+        limit = self._limit(phase, budget)
+        plan = _eviction_plan(self.layout(budget), num_tokens, state[PADDING], state.get(OLD, 0), limit)
         return num_tokens if plan is None else plan.kept
 
     # -- selection -----------------------------------------------------------------------------
@@ -417,7 +456,7 @@ class Buzz(Policy):
         state[LAYOUT] = layout
         n = scoring.num_tokens
         padding = _padding(scoring, state, evicting=True)
-        plan = _eviction_plan(layout, n, padding, state.get(OLD, 0), budget)
+        plan = _eviction_plan(layout, n, padding, state.get(OLD, 0), self._limit(scoring.phase, budget))
         if plan is None:
             return None  # below the threshold: buffer, evict nothing
         if SCORE not in scoring.token_scores:
@@ -472,10 +511,11 @@ class EvictionPlan:
     kept: int
 
 
-def _eviction_plan(layout: BuzzLayout, n: int, padding: int, old: int, budget: int) -> EvictionPlan | None:
+def _eviction_plan(layout: BuzzLayout, n: int, padding: int, old: int, limit: int) -> EvictionPlan | None:
     """The eviction of a layer holding ``n`` tokens (``padding`` of them at the front of every row,
-    ``old`` old samples after the sink); None below the threshold (nothing evicted). Sizes only,
-    from the host's counts: Eq. (10) gives the number of samples whatever the scores."""
+    ``old`` old samples after the sink) that may keep at most ``limit`` tokens (the budget, or the
+    peak for a prefill with ``prefill_fit="peak"``); None below the threshold (nothing evicted).
+    Sizes only, from the host's counts: Eq. (10) gives the number of samples whatever the scores."""
     # Everything below counts real tokens from the first one (a row alone has no padding).
     real = n - padding
     sink_end = padding + min(layout.sink, real)
@@ -488,9 +528,9 @@ def _eviction_plan(layout: BuzzLayout, n: int, padding: int, old: int, budget: i
     hat = small_stride(stride)
     count = -(-old // hat) + -(-(window_start - old_end) // stride)
     # The authors' code samples once; where that exceeds what the cache may hold after an
-    # eviction (the budget), Remark 2: sample the old samples again with ŝ until they fit
+    # eviction (the limit), Remark 2: sample the old samples again with ŝ until they fit
     # (r rounds = stride ŝ**r).
-    room = budget - layout.sink - layout.window
+    room = limit - layout.sink - layout.window
     step, rounds = 1, 0
     while -(-count // step) > room:
         step *= hat
