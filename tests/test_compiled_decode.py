@@ -280,12 +280,13 @@ def test_a_varying_kept_size_compiles_in_a_fixed_capacity_and_keeps_the_eager_po
     prompt = _prompt(model, length=prompt_length)
     budget = max(BUDGET, policy_class(method)().minimum_budget())
     compiled_cache, eager_cache, growing = (kvhive.make_cache(model, method, budget=budget) for _ in range(3))
+    assert compiled_cache.is_compileable
     growing.policy.fixed_decode_capacity = lambda keys, budget, state: None  # the host path of before
     with torch.no_grad():
         token = model(input_ids=prompt, past_key_values=compiled_cache).logits[:, -1:].argmax(-1)
         model(input_ids=prompt, past_key_values=eager_cache)
         model(input_ids=prompt, past_key_values=growing)
-        assert all(layer.bounded_capacity for layer in compiled_cache.layers)
+        assert all(layer.fixed_capacity for layer in compiled_cache.layers)
         assert not any(layer.fixed_capacity for layer in growing.layers)
         pointers = [(layer.buffers()[0].data_ptr(), layer.buffers()[1].data_ptr()) for layer in compiled_cache.layers]
         position = torch.full((1, 1), prompt.shape[1])
