@@ -302,7 +302,9 @@ def test_a_varying_kept_size_compiles_in_a_fixed_capacity_and_keeps_the_eager_po
             assert kept == _kept(eager_cache) == _kept(growing), f"step {index}"
             token, position = compiled_logits[:, -1:].argmax(-1), position + 1
     assert counters["stats"]["unique_graphs"] == 1
-    assert [(layer.buffers()[0].data_ptr(), layer.buffers()[1].data_ptr()) for layer in compiled_cache.layers] == pointers
+    assert [
+        (layer.buffers()[0].data_ptr(), layer.buffers()[1].data_ptr()) for layer in compiled_cache.layers
+    ] == pointers
     assert compiled_cache.get_seq_length() == prompt.shape[1] + 64
     assert compiled_cache.statistics()["kept_tokens_per_layer"] == growing.statistics()["kept_tokens_per_layer"]
     if method.startswith("buzz"):

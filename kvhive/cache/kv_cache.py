@@ -363,6 +363,7 @@ class KVHiveCache(Cache):
         index = store.layer_index
         if (
             not self._compileable
+            or self.takes_prompt_chunks  # later chunks grow the layer: it decodes in the growing layout
             or DECODE not in self.policy.phases
             or index not in self.layer_budgets
             or not store.is_initialized

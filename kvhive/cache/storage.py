@@ -439,7 +439,8 @@ class LayerStore(CacheLayerMixin):
         # Kept tokens first, in their stored (oldest first) order: a stable sort puts True first.
         order = torch.argsort((~keep_mask).to(torch.int8), dim=-1, stable=True)
         rows = (
-            torch.arange(self.num_segments, device=self.device)[:, None] * capacity + order.reshape(self.num_segments, -1)
+            torch.arange(self.num_segments, device=self.device)[:, None] * capacity
+            + order.reshape(self.num_segments, -1)
         ).reshape(-1)
         keys, values, positions, scores = self._flat_buffers()
         gathered = [buffer.index_select(0, rows) for buffer in (keys, values, positions, *scores.values())]
