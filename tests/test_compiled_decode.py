@@ -80,7 +80,9 @@ def test_one_compiled_decode_step_serves_40_evicting_steps(method):
     if type(compiled_cache.policy).fixed_decode_capacity is Policy.fixed_decode_capacity:
         assert lengths == [compiled_cache.layer_budgets[i] for i in range(len(lengths))]
     else:
-        assert all(length < layer.buffers()[0].shape[2] for length, layer in zip(lengths, compiled_cache.layers))
+        assert all(
+            length < layer.buffers()[0].shape[2] for length, layer in zip(lengths, compiled_cache.layers, strict=True)
+        )
     assert all(compiled_cache.layer_budgets[i] <= budget for i in range(len(compiled_cache.layers)))
 
 
