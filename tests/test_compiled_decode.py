@@ -303,11 +303,17 @@ def test_a_varying_kept_size_compiles_in_a_fixed_capacity_and_keeps_the_eager_po
             kept = _kept(compiled_cache)
             assert kept == _kept(eager_cache) == _kept(growing), f"step {index}"
             token, position = compiled_logits[:, -1:].argmax(-1), position + 1
+        # Eager steps after compiled ones continue the same schedule (BUZZ's host mirror of it is
+        # read back from the device counters once).
+        for index in range(64, 64 + 24):
+            logits = [step(token, position, cache)[:, -1:] for cache in (compiled_cache, eager_cache, growing)]
+            assert _kept(compiled_cache) == _kept(eager_cache) == _kept(growing), f"step {index}"
+            token, position = logits[0].argmax(-1), position + 1
     assert counters["stats"]["unique_graphs"] == 1
     assert [
         (layer.buffers()[0].data_ptr(), layer.buffers()[1].data_ptr()) for layer in compiled_cache.layers
     ] == pointers
-    assert compiled_cache.get_seq_length() == prompt.shape[1] + 64
+    assert compiled_cache.get_seq_length() == prompt.shape[1] + 64 + 24
     assert compiled_cache.statistics()["kept_tokens_per_layer"] == growing.statistics()["kept_tokens_per_layer"]
     if method.startswith("buzz"):
         from kvhive.methods.buzz import EVICTIONS, kept_size_statistics

@@ -518,6 +518,9 @@ class KVHiveCache(Cache):
         self._store_token_scores(store, scoring)
         keep = self.policy.select_decode(scoring, budget, store.policy_state)
         self._store_token_scores(store, scoring)
+        if keep is None and not torch.compiler.is_compiling():
+            store.decode_steps_since_compression = 0
+            return  # an eager step the method knows evicts nothing (no compaction)
         if keep is None or keep.dtype != torch.bool or keep.shape != scoring.keys.shape[:3]:
             raise TypeError(
                 f"{self.policy.name}: a decision over a fixed capacity must be a boolean mask of shape "

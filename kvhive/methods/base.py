@@ -409,7 +409,9 @@ class Policy:
         the whole capacity, the keep mask must be False on the empty slots, and nothing the method
         reads from ``state`` on the host may change from step to step (counters live on the device;
         this hook, called once per layer, is where the method moves them there). The cache counts
-        the kept tokens on the device and keeps them compacted, oldest first."""
+        the kept tokens on the device and keeps them compacted, oldest first. An eager step (not
+        compiling) may return None where the method knows on the host that it evicts nothing (the
+        cache then compacts nothing)."""
         return None
 
     def kept_per_row(self, phase: str, num_tokens: int, budget: int, state: dict) -> int | None:

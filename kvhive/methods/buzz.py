@@ -144,6 +144,12 @@ SIZE_LAST = "buzz_size_last"
 # The per-layer counters a layer in a fixed decode capacity keeps on the device (0-d int64 tensors,
 # updated in place: a compiled decode step reads and advances them without the host).
 DEVICE_COUNTERS = (OLD, PADDING, EVICTIONS, SIZE_SUM, SIZE_STEPS, SIZE_PEAK, SIZE_LAST)
+# Per-layer state of a layer in a fixed decode capacity: (tokens seen, tokens kept, old samples,
+# padding) after the last eager decision, host ints that let an eager step that evicts nothing skip
+# the decision (and the cache its compaction). A compiled step never reads or writes them; an eager
+# step after compiled ones sees the tokens seen moved on and reads the device counters once.
+HOST_MIRROR = "buzz_host_mirror"
+PREFILL_SEEN = "buzz_prefill_seen"  # per-layer state: tokens seen at the layer's prefill (host int)
 # Evictions of Eq. (10) iterated to reach the steady state (it contracts by < 1/ŝ - ... per step;
 # 200 is far past convergence for any stride >= 3), and the tail averaged over (covers cycles).
 _STEADY_ITERATIONS, _STEADY_TAIL = 200, 24
@@ -396,6 +402,8 @@ class Buzz(Policy):
 
     def initialize_decode(self, scoring: ScoringInputs, state: dict, budget: int | None = None) -> None:
         self._seed_scores(scoring)
+        if isinstance(scoring.sequence_length, int):
+            state[PREFILL_SEEN] = scoring.sequence_length
         _record_step(state, scoring.num_tokens - _padding(scoring, state))
 
     def observe_decode(self, scoring: ScoringInputs, state: dict, budget: int | None = None) -> None:
@@ -426,12 +434,15 @@ class Buzz(Policy):
         layout = self.layout(budget)
         state[LAYOUT] = layout
         bound = max(budget, layout.peak + _host_int(state[PADDING]))
+        # The mirror as the prefill left the layer (its old samples and padding still host ints).
+        mirror = (state.get(PREFILL_SEEN), keys.shape[2], _host_int(state.get(OLD, 0)), _host_int(state[PADDING]))
         for key in DEVICE_COUNTERS:
             value = state.get(key, 0)
             if not isinstance(value, torch.Tensor):
                 value = torch.tensor(value, dtype=torch.int64, device=keys.device)
                 torch._dynamo.mark_static_address(value)
             state[key] = value
+        state[HOST_MIRROR] = mirror if mirror[0] is not None else None
         return bound
 
     # -- selection -----------------------------------------------------------------------------
@@ -439,9 +450,34 @@ class Buzz(Policy):
         return self._evict(scoring, budget, state)
 
     def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor | None:
-        if scoring.filled is not None:
+        if scoring.filled is None:
+            return self._evict(scoring, budget, state)
+        if torch.compiler.is_compiling():
             return self._evict_in_capacity(scoring, budget, state)
-        return self._evict(scoring, budget, state)
+        # An eager step: the schedule is known on the host (Eq. 10's sizes do not depend on the
+        # scores), so a step below the threshold returns None and costs nothing.
+        seen, kept, old, padding = self._host_mirror(scoring, state)
+        plan = _eviction_plan(state[LAYOUT], kept + 1, padding, old, budget) if kept + 1 > budget else None
+        if plan is None:
+            state[HOST_MIRROR] = (scoring.sequence_length, kept + 1, old, padding)
+            return None
+        state[HOST_MIRROR] = (scoring.sequence_length, plan.kept, plan.samples, 0)
+        return self._evict_in_capacity(scoring, budget, state)
+
+    @staticmethod
+    def _host_mirror(scoring: ScoringInputs, state: dict) -> tuple[int, int, int, int]:
+        """(tokens seen, kept, old samples, padding) before this step's token, on the host: the
+        mirror of the last eager decision, or (after compiled steps, or at the first step) the
+        device counters read once."""
+        mirror = state.get(HOST_MIRROR)
+        if mirror is not None and mirror[0] + 1 == scoring.sequence_length:
+            return mirror
+        return (
+            scoring.sequence_length - 1,
+            int(scoring.filled) - 1,
+            int(state[OLD]),
+            int(state[PADDING]),
+        )
 
     def _evict_in_capacity(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
         """:meth:`_evict` over a fixed capacity: the same plan (:func:`_eviction_plan`) computed from
