@@ -279,9 +279,9 @@ def generate(
         if not cache.is_compileable:
             raise ValueError(
                 f"compile=True: the decode step of method {cache.policy.name!r} with these options cannot compile "
-                "to one graph (its layers change size from step to step: a method whose kept size varies, "
-                "decode_every/decode_slack, positions='cache', per-query-head storage with a decode-phase method, "
-                "or head-wise budgets in compressed sliding-window layers); "
+                "to one graph (its layers change size from step to step: decode_every/decode_slack, positions='cache', "
+                "per-query-head storage with a decode-phase method, or head-wise budgets in compressed "
+                "sliding-window layers); "
                 "methods that can: "
                 + ", ".join(static_decode_methods())
                 + ", and with a decode capacity the full cache and the prefill-only scorers (Ada-KV's included)"

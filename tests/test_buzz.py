@@ -319,8 +319,9 @@ def run_and_watch(model, cache, input_ids, attention_mask, steps):
             {
                 i: (
                     cache.layers[i].lengths.clone(),
-                    cache.layers[i].policy_state.get(OLD, 0),
-                    cache.layers[i].policy_state.get(EVICTIONS, 0),
+                    # Read now: a layer in a fixed decode capacity keeps them as device counters updated in place.
+                    int(cache.layers[i].policy_state.get(OLD, 0)),
+                    int(cache.layers[i].policy_state.get(EVICTIONS, 0)),
                 )
                 for i in compressed_layers(cache)
             }

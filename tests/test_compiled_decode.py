@@ -17,6 +17,7 @@ from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
 import kvhive
+from kvhive.methods.base import Policy
 from kvhive.methods.registry import method_names, policy_class
 from kvhive.models.tiny import tiny_model, tiny_tokenizer
 
@@ -71,8 +72,17 @@ def test_one_compiled_decode_step_serves_40_evicting_steps(method):
             token, position = compiled_logits[:, -1:].argmax(-1), position + 1
     assert counters["stats"]["unique_graphs"] == 1
     assert compiled_cache.get_seq_length() == prompt.shape[1] + 40
-    # The layer's budget (subgen-attention's cache holds its exact window, the structures the rest).
-    assert all(layer.dense_length == compiled_cache.layer_budgets[i] for i, layer in enumerate(compiled_cache.layers))
+    # What the eager cache holds: the layer's budget (subgen-attention's cache holds its exact window,
+    # the structures the rest), or for a method whose kept size varies (BUZZ) the size its schedule
+    # reached, within the fixed capacity it declared.
+    lengths = [layer.dense_length for layer in compiled_cache.layers]
+    assert lengths == [layer.dense_length for layer in eager_cache.layers]
+    if type(compiled_cache.policy).fixed_decode_capacity is Policy.fixed_decode_capacity:
+        assert lengths == [compiled_cache.layer_budgets[i] for i in range(len(lengths))]
+    else:
+        assert all(
+            length < layer.buffers()[0].shape[2] for length, layer in zip(lengths, compiled_cache.layers, strict=True)
+        )
     assert all(compiled_cache.layer_budgets[i] <= budget for i in range(len(compiled_cache.layers)))
 
 
@@ -328,8 +338,11 @@ def test_growing_caches_are_not_declared_compileable():
 
 def test_generate_with_compile_refuses_a_step_that_cannot_compile():
     model, tokenizer = _model(), tiny_tokenizer()
-    with pytest.raises(ValueError, match=r"compile=True: the decode step of method 'buzz'.*methods that can: .*tova"):
-        kvhive.generate(model, tokenizer, "a prompt", "buzz", BUDGET, max_new_tokens=2, compile=True)
+    # Every method compiles now; a decode_slack (evicting every few steps) does not.
+    with pytest.raises(
+        ValueError, match=r"compile=True: the decode step of method 'h2o'.*decode_slack.*methods that can"
+    ):
+        kvhive.generate(model, tokenizer, "a prompt", "h2o", BUDGET, max_new_tokens=2, compile=True, decode_slack=4)
     with pytest.raises(ValueError, match=r"invalid compile='yes'"):
         kvhive.generate(model, tokenizer, "a prompt", "tova", BUDGET, max_new_tokens=2, compile="yes")
 
@@ -379,3 +392,74 @@ def test_sliding_window_layers_compile_too(compress_sliding):
     assert counters["stats"]["unique_graphs"] == 1
     for layer in caches[0].layers:
         assert layer.dense_length == (min(budget, window - 1) if layer.is_sliding else budget)
+
+
+VARYING_METHODS = ["buzz", "buzz-logn", "bumblebee", "bumblebee-power"]
+
+
+def _kept(cache):
+    """Original positions kept in every (row, head) of every layer, sorted (a host read)."""
+    return [layer.dense()[2].sort(dim=-1).values.tolist() for layer in cache.layers]
+
+
+@pytest.mark.parametrize("prompt_length", [96, 10])
+@pytest.mark.parametrize("method", VARYING_METHODS)
+def test_a_varying_kept_size_compiles_in_a_fixed_capacity_and_keeps_the_eager_positions(method, prompt_length):
+    # BUZZ's size follows its schedule (grows to its peak, then an eviction cuts it) and BumbleBee's
+    # fills up to its budget (a prompt of 10 tokens fit it, and its summary is built at the first
+    # eviction): held in a fixed capacity, one compiled step serves 64 steps through several
+    # eviction rounds, keeps at every step exactly the positions the eager step keeps, in the same
+    # layout and in the growing layout the eager path used before (the method's fixed capacity
+    # turned off), in buffers that never move, and an eager step in the capacity reads nothing back.
+    from kvhive.diagnostics import HostReadCounter
+
+    model = _model()
+
+    def step(token, position, cache):
+        return model(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True).logits
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend="aot_eager")
+    prompt = _prompt(model, length=prompt_length)
+    budget = max(BUDGET, policy_class(method)().minimum_budget())
+    compiled_cache, eager_cache, growing = (kvhive.make_cache(model, method, budget=budget) for _ in range(3))
+    assert compiled_cache.is_compileable
+    growing.policy.fixed_decode_capacity = lambda keys, budget, state: None  # the host path of before
+    with torch.no_grad():
+        token = model(input_ids=prompt, past_key_values=compiled_cache).logits[:, -1:].argmax(-1)
+        model(input_ids=prompt, past_key_values=eager_cache)
+        model(input_ids=prompt, past_key_values=growing)
+        assert all(layer.fixed_capacity for layer in compiled_cache.layers)
+        assert not any(layer.fixed_capacity for layer in growing.layers)
+        pointers = [(layer.buffers()[0].data_ptr(), layer.buffers()[1].data_ptr()) for layer in compiled_cache.layers]
+        position = torch.full((1, 1), prompt.shape[1])
+        for index in range(64):
+            compiled_logits = compiled(token, position, compiled_cache)
+            with HostReadCounter() as reads:
+                eager_logits = step(token, position, eager_cache)
+            assert reads.total == 0, f"step {index}: {reads}"
+            growing_logits = step(token, position, growing)
+            torch.testing.assert_close(compiled_logits, eager_logits, atol=1e-5, rtol=1e-5, msg=f"step {index}")
+            torch.testing.assert_close(eager_logits, growing_logits, atol=1e-5, rtol=1e-5, msg=f"step {index}")
+            kept = _kept(compiled_cache)
+            assert kept == _kept(eager_cache) == _kept(growing), f"step {index}"
+            token, position = compiled_logits[:, -1:].argmax(-1), position + 1
+        # Eager steps after compiled ones continue the same schedule (BUZZ's host mirror of it is
+        # read back from the device counters once).
+        for index in range(64, 64 + 24):
+            logits = [step(token, position, cache)[:, -1:] for cache in (compiled_cache, eager_cache, growing)]
+            assert _kept(compiled_cache) == _kept(eager_cache) == _kept(growing), f"step {index}"
+            token, position = logits[0].argmax(-1), position + 1
+    assert counters["stats"]["unique_graphs"] == 1
+    assert [
+        (layer.buffers()[0].data_ptr(), layer.buffers()[1].data_ptr()) for layer in compiled_cache.layers
+    ] == pointers
+    assert compiled_cache.get_seq_length() == prompt.shape[1] + 64 + 24
+    assert compiled_cache.statistics()["kept_tokens_per_layer"] == growing.statistics()["kept_tokens_per_layer"]
+    if method.startswith("buzz"):
+        from kvhive.methods.buzz import EVICTIONS, kept_size_statistics
+
+        # Two decode eviction rounds (besides the prefill's cut of the long prompt), counted on the
+        # device, and the sizes held as the host path counts them.
+        at_prefill = 1 if prompt_length > budget else 0
+        assert all(int(layer.policy_state[EVICTIONS]) - at_prefill >= 2 for layer in compiled_cache.layers)
+        assert kept_size_statistics(compiled_cache) == kept_size_statistics(growing)

@@ -622,6 +622,7 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
             phase=phase,
             token_scores=dict(token_scores),
             last_query_weights=last_weights,
+            filled=store.length_device if store.fixed_capacity else None,
         )
 
     cache.after_decode(layer_index, make_scoring)

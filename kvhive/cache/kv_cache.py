@@ -369,9 +369,27 @@ class KVHiveCache(Cache):
             self._reserve_decode(self.layers[layer_index])
 
     def _reserve_decode(self, store: LayerStore) -> None:
-        """With a decode capacity, a layer that only grows while decoding gets its room now."""
+        """With a decode capacity, a layer that only grows while decoding gets its room now; in a
+        static decode, a layer whose method keeps a varying number of tokens within a bound
+        (``Policy.fixed_decode_capacity``) gets exactly that bound plus the new token."""
         if self.decode_capacity is not None and DECODE not in self.policy.phases and not store.is_sliding:
             store.reserve_decode(self.decode_capacity)
+            return
+        index = store.layer_index
+        if (
+            not self._compileable
+            or self.takes_prompt_chunks  # later chunks grow the layer: it decodes in the growing layout
+            or DECODE not in self.policy.phases
+            or index not in self.layer_budgets
+            or not store.is_initialized
+            or not store.is_uniform
+            or self._window_within_budget(index, store)
+        ):
+            return
+        keys = store.dense()[0]
+        bound = self.policy.fixed_decode_capacity(keys, self.layer_budgets[index], store.policy_state)
+        if bound is not None:
+            store.reserve_decode(max(bound, keys.shape[2]) + 1 - keys.shape[2], exact=True)
 
     def _after_prefill(self, layer_index: int, make_scoring: Callable[[str], ScoringInputs]) -> None:
         store: LayerStore = self.layers[layer_index]
@@ -485,6 +503,9 @@ class KVHiveCache(Cache):
                 f"method {self.policy.name!r} compresses while decoding but layer {layer_index} holds a different "
                 "number of tokens per head; combine decode-phase methods with uniform prefill budgets"
             )
+        if store.bounded_capacity:
+            self._decode_step_in_capacity(layer_index, store, make_scoring)
+            return
         self._resolve_budgets(store.tokens_seen)
         budget = self.layer_budgets[layer_index]
         scoring = make_scoring(DECODE)
@@ -501,6 +522,37 @@ class KVHiveCache(Cache):
         if keep is None:
             return
         store.keep(keep, self._kept_counts(keep, store, [budget + self.decode_slack] * keep.shape[0], known_count))
+        store.decode_steps_since_compression = 0
+
+    def _decode_step_in_capacity(self, layer_index: int, store: LayerStore, make_scoring) -> None:
+        """A decode step of a layer held in the fixed capacity its method declared: the method
+        observes and decides over the whole capacity at every step (it keeps every filled slot
+        when its schedule evicts nothing), and the kept tokens are counted and compacted on the
+        device. Fixed shapes, no host read."""
+        budget = self.layer_budgets[layer_index]
+        scoring = make_scoring(DECODE)
+        self.policy.observe_decode(scoring, store.policy_state, budget=budget)
+        self._store_token_scores(store, scoring)
+        keep = self.policy.select_decode(scoring, budget, store.policy_state)
+        self._store_token_scores(store, scoring)
+        if keep is None and not torch.compiler.is_compiling():
+            store.decode_steps_since_compression = 0
+            return  # an eager step the method knows evicts nothing (no compaction)
+        if keep is None or keep.dtype != torch.bool or keep.shape != scoring.keys.shape[:3]:
+            raise TypeError(
+                f"{self.policy.name}: a decision over a fixed capacity must be a boolean mask of shape "
+                f"{tuple(scoring.keys.shape[:3])}"
+            )
+        counts = keep.sum(dim=-1)
+        kept = counts.reshape(-1)[0]
+        bound = scoring.num_tokens - 1  # the capacity holds the bound plus the new token
+        empty = torch.arange(scoring.num_tokens, device=keep.device) >= scoring.filled
+        torch._assert_async(
+            (counts == kept).all() & (kept <= bound) & ~(keep & empty).any(),
+            f"{self.policy.name}: the keep mask of layer {layer_index} keeps an empty slot, different counts per "
+            f"head, or more than the {bound} tokens its fixed_decode_capacity declared",
+        )
+        store.compact_in_place(keep, kept)
         store.decode_steps_since_compression = 0
 
     def _compress_prompt_chunk(self, layer_index: int, store: LayerStore, make_scoring) -> None:

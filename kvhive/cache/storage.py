@@ -110,6 +110,9 @@ class LayerStore(CacheLayerMixin):
         self._length_value = 0
         self._length_stale = False
         self.fixed_capacity = False
+        # Whether the fixed capacity is a bound its decisions keep (reserve_decode(exact=True)): every
+        # decode append then fits, so an append never asks for the host length.
+        self.bounded_capacity = False
         # Whether the latest update was this layer's first (its prefill), and how many tokens it had.
         self.in_prefill = False
         self.last_update_tokens = 0
@@ -173,7 +176,9 @@ class LayerStore(CacheLayerMixin):
         self.in_prefill = not self.is_initialized
         self.last_update_tokens = key_states.shape[2]
         if self.fixed_capacity and key_states.shape[2] > 1 and self._row_lengths is None:
-            self.fixed_capacity = False  # a prompt chunk: the growing layout (a decode step reserves again)
+            # A prompt chunk (or a multi-token continuation): the growing layout from here on (a
+            # decode step reserves again).
+            self.fixed_capacity = self.bounded_capacity = False
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.heads_per_kv_head > 1:
@@ -215,6 +220,7 @@ class LayerStore(CacheLayerMixin):
         self._row_tokens_seen, self.row_tokens_seen_device = None, None
         self._row_lengths, self.row_lengths_device = None, None
         self.length_device, self._length_value, self._length_stale, self.fixed_capacity = None, 0, False, False
+        self.bounded_capacity = False
         self.in_prefill = False
         self.has_padding = False
         self.policy_state = {}
@@ -397,15 +403,19 @@ class LayerStore(CacheLayerMixin):
             return {}
         return self._token_scores()
 
-    def reserve_decode(self, tokens: int) -> None:
+    def reserve_decode(self, tokens: int, exact: bool = False) -> None:
         """Give the buffers room for ``tokens`` more tokens at once and switch the layer to its
         fixed decode capacity (see ``fixed_capacity``): appends write at a device index. Dense:
         ``decode_view`` is the whole capacity with a mask of the filled slots; packed: every segment
         gets the room (``PackedLayerStore._reserve``) and attention reads every page of the buffers, the slots
-        past each segment's device length masked (``packed_pages``)."""
+        past each segment's device length masked (``packed_pages``).
+
+        ``exact`` (dense): the capacity is exactly the stored tokens plus ``tokens`` (attention runs
+        over all of it) and a bound the layer's decisions keep (``compact_in_place`` after every
+        append), so appends never check it on the host."""
         if not self.is_initialized or self._key_buffer is None:
             return
-        self._reserve(tokens)
+        self._reserve(tokens, exact)
 
     # -- eviction ----------------------------------------------------------------------------------
     def keep(self, keep_mask: torch.Tensor, counts: torch.Tensor | int | None = None) -> None:
@@ -531,7 +541,7 @@ class LayerStore(CacheLayerMixin):
     def _token_scores(self) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
-    def _reserve(self, tokens: int) -> None:
+    def _reserve(self, tokens: int, exact: bool = False) -> None:
         raise NotImplementedError
 
     def _keep(self, keep_mask: torch.Tensor, counts) -> None:
@@ -657,7 +667,10 @@ class DenseLayerStore(LayerStore):
         if buffer is None:
             buffer = _static(torch.zeros(self._key_buffer.shape[:3], dtype=torch.float32, device=self.device))
             self._score_buffers[name] = buffer
-        target = buffer[:, :, self._start : self._start + self._length]
+        if self.fixed_capacity:  # the whole capacity (empty slots included): no host length read
+            target = buffer
+        else:
+            target = buffer[:, :, self._start : self._start + self._length]
         if scores is target:
             return
         if not torch.compiler.is_compiling() and (
@@ -706,9 +719,11 @@ class DenseLayerStore(LayerStore):
         self._score_buffers = new_scores
         self._start = 0
 
-    def _reserve(self, tokens: int) -> None:
+    def _reserve(self, tokens: int, exact: bool = False) -> None:
         capacity = self._length + tokens
-        if self._start != 0 or capacity > self._key_buffer.shape[2]:
+        if exact and capacity != self._key_buffer.shape[2]:
+            self._move_dense(capacity)
+        elif self._start != 0 or capacity > self._key_buffer.shape[2]:
             self._move_dense(max(capacity, self._key_buffer.shape[2]))
         # The empty slots are attended with weight 0, and 0 x uninitialised memory can be NaN:
         # they hold zeros until a token is written there.
@@ -719,6 +734,7 @@ class DenseLayerStore(LayerStore):
             torch._dynamo.mark_static_address(self.length_device)
         self.length_device.fill_(self._length)
         self.fixed_capacity = True
+        self.bounded_capacity = exact
 
     def decode_view(self):
         """``(keys, values, positions, token_scores, filled)`` for a decode step's attention: the
@@ -733,6 +749,28 @@ class DenseLayerStore(LayerStore):
         filled = torch.arange(capacity, device=self.device) < self.length_device
         return self._key_buffer, self._value_buffer, self._position_buffer, dict(self._score_buffers), filled
 
+    def compact_in_place(self, keep_mask: torch.Tensor, kept: torch.Tensor) -> None:
+        """Fixed capacity: keep the tokens where ``keep_mask [B, H, C]`` (over the whole capacity,
+        False on the empty slots) is True, compacted at the front in their stored order; ``kept`` is
+        their number per row (a 0-d device tensor, the same for every row). Fixed shapes and no host
+        read: the host length is refreshed from the device when next asked for. The slots past
+        ``kept`` hold copies of dropped tokens (finite values, masked as empty)."""
+        if not self.fixed_capacity:
+            raise RuntimeError(f"layer {self.layer_index} has no fixed decode capacity")
+        capacity = self._key_buffer.shape[2]
+        # Kept tokens first, in their stored (oldest first) order: a stable sort puts True first.
+        order = torch.argsort((~keep_mask).to(torch.int8), dim=-1, stable=True)
+        rows = (
+            torch.arange(self.num_segments, device=self.device)[:, None] * capacity
+            + order.reshape(self.num_segments, -1)
+        ).reshape(-1)
+        keys, values, positions, scores = self._flat_buffers()
+        gathered = [buffer.index_select(0, rows) for buffer in (keys, values, positions, *scores.values())]
+        for buffer, moved in zip((keys, values, positions, *scores.values()), gathered, strict=True):
+            buffer.copy_(moved)
+        self.length_device.copy_(kept)
+        self._length_stale = True
+
     def _append_at_device_index(self, key_states, value_states, new_tokens: int) -> None:
         """Fixed capacity: write the new tokens at the device length (no host value read)."""
         index = torch.arange(new_tokens, device=self.device) + self.length_device
@@ -743,8 +781,8 @@ class DenseLayerStore(LayerStore):
         for buffer in self._score_buffers.values():
             buffer.index_fill_(2, index, 0.0)
         self.length_device.add_(new_tokens)
-        if torch.compiler.is_compiling():
-            self._length_stale = True  # a constant store: no guard on the host length
+        if torch.compiler.is_compiling() or self._length_stale:
+            self._length_stale = True  # a constant store: no guard on (or read of) the host length
         else:
             self._length_value += new_tokens
 
@@ -753,7 +791,11 @@ class DenseLayerStore(LayerStore):
             self._append_rows(key_states, value_states, new_tokens)
             return
         if self.fixed_capacity:
-            if torch.compiler.is_compiling() or self._length + new_tokens <= self._key_buffer.shape[2]:
+            if (
+                self.bounded_capacity
+                or torch.compiler.is_compiling()
+                or self._length + new_tokens <= self._key_buffer.shape[2]
+            ):
                 self._append_at_device_index(key_states, value_states, new_tokens)
                 return
             # Past the reserved capacity (more tokens than reserved): back to geometric growth.
@@ -1187,10 +1229,12 @@ class PackedLayerStore(LayerStore):
             buffer.index_fill_(0, destination, 0.0)
         self._segment_length += new_tokens
 
-    def _reserve(self, tokens: int) -> None:
+    def _reserve(self, tokens: int, exact: bool = False) -> None:
         """Packed layout: room for ``tokens`` more tokens in every segment (re-laid out once, each
         segment's capacity its kept tokens plus ``tokens``, whole pages; nothing is padded to the
         largest segment), then appends write at the device lengths until the room is used."""
+        if exact:
+            raise RuntimeError(f"layer {self.layer_index} is packed: an exact (bounded) capacity is dense only")
         if self._packed_headroom < tokens:
             keys, values, positions, scores = self._flat_buffers()
             self._set_packed(

@@ -117,6 +117,11 @@ class ScoringInputs:
     # Column sums [B, Hq, N] (float32) of every query's weights, computed by the attention in the
     # pass that produced its output (a policy with ``prefill_column_sums``); None: computed here.
     accumulated_weights: torch.Tensor | None = None
+    # A layer held in a fixed decode capacity (``Policy.fixed_decode_capacity``): the tensors cover
+    # every slot of the capacity, the first ``filled`` (a 0-d int64 device tensor, the same for
+    # every row and head) hold the stored tokens oldest first, the rest are empty (masked out of
+    # ``mask``, so never ``valid``). None: every slot holds a token.
+    filled: torch.Tensor | None = None
     _memo: dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
@@ -466,9 +471,29 @@ class Policy:
         )
 
     static_decode: ClassVar[bool] = False
-    """A decode decision keeps exactly the layer's budget at every step, computed by tensor work of
-    fixed shape without host reads, so a decode step compiles to one graph that serves every later
-    step (``KVHiveCache.is_compileable``; tests/test_compiled_decode.py holds every such method to it)."""
+    """A decode decision keeps exactly the layer's budget at every step (or, with
+    :meth:`fixed_decode_capacity`, a number that varies within a declared bound), computed by tensor
+    work of fixed shape without host reads, so a decode step compiles to one graph that serves every
+    later step (``KVHiveCache.is_compileable``; tests/test_compiled_decode.py holds every such method
+    to it)."""
+
+    def fixed_decode_capacity(self, keys: torch.Tensor, budget: int, state: dict) -> int | None:
+        """For a method whose kept count varies from one decode step to the next (BUZZ's schedule,
+        BumbleBee filling up to its budget): the most tokens per row the layer holds after any later
+        decode decision, given its stored ``keys [B, H, N, d]`` right after the prefill (their shape
+        and device; ``N`` is at most the bound) and ``state`` as the prefill left it. None (the
+        default): every decision keeps ``kept_per_row`` tokens, the budget once the layer is full.
+
+        The cache (when its decode step is static, ``KVHiveCache.is_compileable``) then holds the
+        layer in fixed buffers of that bound plus one new token, and every decode step calls
+        ``observe_decode`` and ``select_decode`` with ``ScoringInputs.filled`` set: the inputs cover
+        the whole capacity, the keep mask must be False on the empty slots, and nothing the method
+        reads from ``state`` on the host may change from step to step (counters live on the device;
+        this hook, called once per layer, is where the method moves them there). The cache counts
+        the kept tokens on the device and keeps them compacted, oldest first. An eager step (not
+        compiling) may return None where the method knows on the host that it evicts nothing (the
+        cache then compacts nothing)."""
+        return None
 
     def kept_per_row(self, phase: str, num_tokens: int, budget: int, state: dict) -> int | None:
         """Tokens every (batch row, head) keeps after ``select_prefill`` (``phase="prefill"``) or

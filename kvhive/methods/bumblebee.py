@@ -89,6 +89,9 @@ SYNCED = "bumblebee_synced"
 # How many times a layer's summary was (re)built from the stored keys in decode: once when the
 # prompt fit in the budget (no prefill selection), never after a prefill selection.
 REBUILDS = "bumblebee_rebuilds"
+# A layer in a fixed decode capacity: a 0-d device bool, whether the summary holds its members (set
+# at the prefill's selection, else at the layer's first eviction, by a build inside the step).
+BUILT = "bumblebee_built"
 GREEDY_METHODS = ("stochastic", "lazy", "plain")
 CONCAVE_FORMS = ("log", "power")
 IMPORTANCE_SCALES = ("raw", "normalised")
@@ -166,6 +169,9 @@ class BumbleBee(Policy):
     paper = "Kumari et al. 2024, Algorithms 1-2 (submodular summary + local context), phi = log(1+x)"
     needs_decode_attention = True
     prefill_column_sums = True  # accumulated attention of the prompt, with the attention's output
+    # Within its budget at every step (a prompt that fit it fills up first): a fixed decode capacity
+    # of the budget (fixed_decode_capacity) gives its decode step one shape (tests/test_compiled_decode.py).
+    static_decode = True
 
     @property
     def concave(self) -> Concave:
@@ -265,7 +271,70 @@ class BumbleBee(Policy):
         return 0 if summary is None else summary.nbytes()
 
     # -- decode: Algorithm 2 -------------------------------------------------------------------
+    def fixed_decode_capacity(self, keys: torch.Tensor, budget: int, state: dict) -> int | None:
+        """A layer holds at most its budget after every decision (fewer only while a prompt that
+        fit the budget fills up): the bound of a fixed decode capacity. The summary's tensors get
+        fixed addresses; a layer whose prompt fit gets an empty summary that its first eviction
+        builds from the oldest ``tau_s`` stored tokens, as :meth:`select_decode` does."""
+        batch, heads, tokens, _ = keys.shape
+        summary_size, _ = self.split(budget)
+        summary: StreamingSummary | None = state.get(SUMMARY)
+        built = summary is not None and summary.size == summary_size
+        if not built:
+            summary = StreamingSummary.empty(batch * heads, summary_size, keys.device)
+            state[SUMMARY] = summary
+            state[REBUILDS] = torch.tensor(state.get(REBUILDS, 0), dtype=torch.int64, device=keys.device)
+            torch._dynamo.mark_static_address(state[REBUILDS])
+        summary.mark_static()
+        state[BUILT] = torch.tensor(built, device=keys.device)
+        torch._dynamo.mark_static_address(state[BUILT])
+        return budget
+
+    def _select_in_capacity(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+        """:meth:`select_decode` over a fixed capacity of ``budget + 1`` slots: at a step where the
+        layer holds more than its budget (then exactly one more), the token after the summary joins
+        it and the element of smallest marginal gain goes (Algorithm 2); at a step within the budget
+        nothing goes. The first eviction of a layer whose prompt fit builds the summary from the
+        oldest ``tau_s`` stored tokens (as the rebuild of :meth:`select_decode`). Fixed shapes, no
+        host read."""
+        batch, heads, capacity, dim = scoring.keys.shape
+        summary_size, _ = self.split(budget)
+        rows = batch * heads
+        keys = scoring.keys.reshape(rows, capacity, dim)
+        valid = scoring.valid.reshape(rows, capacity)
+        positions = scoring.positions.reshape(rows, capacity)
+        weights = self._accumulated(scoring).reshape(rows, capacity)
+        summary: StreamingSummary = state[SUMMARY]
+        built = state[BUILT]
+        evict = scoring.filled > budget
+        if REBUILDS in state:  # the prompt fit the budget: the first eviction builds the summary
+            build = evict & ~built
+            fresh = StreamingSummary.from_keys(
+                keys[:, :summary_size], valid[:, :summary_size], positions[:, :summary_size]
+            )
+            summary.assign_where(build, fresh)
+            state[REBUILDS].add_(build.long())
+            built.copy_(built | evict)
+        torch._assert_async(summary.matches(positions) | ~built, "BumbleBee's summary is not the first stored tokens")
+        dropped = summary.step(
+            keys,
+            valid,
+            weights,
+            positions,
+            summary_size,
+            1,
+            self.config.mixture_weight,
+            self.concave,
+            normalise_mass=self.config.importance_scale == "normalised",
+            active=evict,
+        )
+        slots = torch.arange(capacity, device=keys.device)
+        gone = (slots == torch.where(evict, dropped, capacity)).reshape(batch, heads, capacity)
+        return (slots < scoring.filled) & ~gone
+
     def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor | None:
+        if scoring.filled is not None:
+            return self._select_in_capacity(scoring, budget, state)
         batch, heads, tokens, dim = scoring.keys.shape
         if tokens <= budget:
             return None
@@ -287,7 +356,7 @@ class BumbleBee(Policy):
                 keys[:, :summary_size], valid[:, :summary_size], positions[:, :summary_size]
             )
             state[SUMMARY] = summary
-            state[REBUILDS] = state.get(REBUILDS, 0) + 1
+            state[REBUILDS] = int(state.get(REBUILDS, 0)) + 1
         else:
             torch._assert_async(summary.matches(positions), "BumbleBee's summary is not the first stored tokens")
         state[SYNCED] = (scoring.sequence_length, budget)

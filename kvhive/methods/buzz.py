@@ -159,6 +159,16 @@ PREFILL_FITS = ("budget", "peak")
 PREFILL_ROUNDS = "buzz_prefill_rounds"  # per-layer state: Remark 2 rounds beyond the authors' single pass
 # Per-layer state: sizes held after each decode step (sum, count, largest), for kept_size_statistics.
 SIZE_SUM, SIZE_STEPS, SIZE_PEAK = "buzz_size_sum", "buzz_size_steps", "buzz_size_peak"
+SIZE_LAST = "buzz_size_last"
+# The per-layer counters a layer in a fixed decode capacity keeps on the device (0-d int64 tensors,
+# updated in place: a compiled decode step reads and advances them without the host).
+DEVICE_COUNTERS = (OLD, PADDING, EVICTIONS, SIZE_SUM, SIZE_STEPS, SIZE_PEAK, SIZE_LAST)
+# Per-layer state of a layer in a fixed decode capacity: (tokens seen, tokens kept, old samples,
+# padding) after the last eager decision, host ints that let an eager step that evicts nothing skip
+# the decision (and the cache its compaction). A compiled step never reads or writes them; an eager
+# step after compiled ones sees the tokens seen moved on and reads the device counters once.
+HOST_MIRROR = "buzz_host_mirror"
+PREFILL_SEEN = "buzz_prefill_seen"  # per-layer state: tokens seen at the layer's prefill (host int)
 # Evictions of Eq. (10) iterated to reach the steady state (it contracts by < 1/ŝ - ... per step;
 # 200 is far past convergence for any stride >= 3), and the tail averaged over (covers cycles).
 _STEADY_ITERATIONS, _STEADY_TAIL = 200, 24
@@ -404,6 +414,9 @@ class Buzz(Policy):
     paper = "Zhao et al. 2024 (BUZZ), Algorithms 1-2, Remark 2, Theorem 3.1; budget = mean size held"
     needs_decode_attention = True
     prefill_column_sums = True  # accumulated attention of the prompt, with the attention's output
+    # Its kept size varies with its schedule, within the peak: a fixed decode capacity of that bound
+    # (fixed_decode_capacity) gives its decode step one shape (tests/test_compiled_decode.py).
+    static_decode = True
 
     # -- budget --------------------------------------------------------------------------------
     def minimum_budget(self) -> int:
@@ -428,6 +441,8 @@ class Buzz(Policy):
 
     def initialize_decode(self, scoring: ScoringInputs, state: dict, budget: int | None = None) -> None:
         self._seed_scores(scoring)
+        if isinstance(scoring.sequence_length, int):
+            state[PREFILL_SEEN] = scoring.sequence_length
         _record_step(state, scoring.num_tokens - _padding(scoring, state))
 
     def observe_decode(self, scoring: ScoringInputs, state: dict, budget: int | None = None) -> None:
@@ -435,28 +450,124 @@ class Buzz(Policy):
         scoring.token_scores[SCORE] = scores + group_sum(scoring.last_query_attention(), scoring.num_heads).to(
             scores.dtype
         )
+        if scoring.filled is not None:  # a fixed capacity: the size is a device count
+            _record_step_on_device(state, scoring.filled - state[PADDING])
+            return
         _record_step(state, scoring.num_tokens - _padding(scoring, state))
 
     def kept_per_row(self, phase: str, num_tokens: int, budget: int, state: dict) -> int | None:
         if PADDING not in state or state.get(UNEQUAL_ROWS) is not None:
             return None  # known once the layer has seen its prompt (and refused for unequal rows)
-        limit = self._limit(phase, budget)
-        plan = _eviction_plan(self.layout(budget), num_tokens, state[PADDING], state.get(OLD, 0), limit)
+        plan = _eviction_plan(
+            self.layout(budget),
+            num_tokens,
+            _host_int(state[PADDING]),
+            _host_int(state.get(OLD, 0)),
+            self._limit(phase, budget),
+        )
         return num_tokens if plan is None else plan.kept
+
+    def fixed_decode_capacity(self, keys: torch.Tensor, budget: int, state: dict) -> int | None:
+        """Between evictions a layer grows to ``k + w + T`` (the peak; a common left padding that no
+        eviction dropped yet adds its length), and after one it holds at most the budget: the bound
+        of a fixed decode capacity. The host counters move to the device. A batch of unequal rows
+        keeps the host path (it is refused at its first eviction, as before)."""
+        if PADDING not in state or state.get(UNEQUAL_ROWS) is not None:
+            return None
+        layout = self.layout(budget)
+        state[LAYOUT] = layout
+        bound = max(budget, layout.peak + _host_int(state[PADDING]))
+        # The mirror as the prefill left the layer (its old samples and padding still host ints).
+        mirror = (state.get(PREFILL_SEEN), keys.shape[2], _host_int(state.get(OLD, 0)), _host_int(state[PADDING]))
+        for key in DEVICE_COUNTERS:
+            value = state.get(key, 0)
+            if not isinstance(value, torch.Tensor):
+                value = torch.tensor(value, dtype=torch.int64, device=keys.device)
+                torch._dynamo.mark_static_address(value)
+            state[key] = value
+        state[HOST_MIRROR] = mirror if mirror[0] is not None else None
+        return bound
 
     # -- selection -----------------------------------------------------------------------------
     def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor | None:
         return self._evict(scoring, budget, state)
 
     def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor | None:
-        return self._evict(scoring, budget, state)
+        if scoring.filled is None:
+            return self._evict(scoring, budget, state)
+        if torch.compiler.is_compiling():
+            return self._evict_in_capacity(scoring, budget, state)
+        # An eager step: the schedule is known on the host (Eq. 10's sizes do not depend on the
+        # scores), so a step below the threshold returns None and costs nothing.
+        seen, kept, old, padding = self._host_mirror(scoring, state)
+        plan = _eviction_plan(state[LAYOUT], kept + 1, padding, old, budget) if kept + 1 > budget else None
+        if plan is None:
+            state[HOST_MIRROR] = (scoring.sequence_length, kept + 1, old, padding)
+            return None
+        state[HOST_MIRROR] = (scoring.sequence_length, plan.kept, plan.samples, 0)
+        return self._evict_in_capacity(scoring, budget, state)
+
+    @staticmethod
+    def _host_mirror(scoring: ScoringInputs, state: dict) -> tuple[int, int, int, int]:
+        """(tokens seen, kept, old samples, padding) before this step's token, on the host: the
+        mirror of the last eager decision, or (after compiled steps, or at the first step) the
+        device counters read once."""
+        mirror = state.get(HOST_MIRROR)
+        if mirror is not None and mirror[0] + 1 == scoring.sequence_length:
+            return mirror
+        return (
+            scoring.sequence_length - 1,
+            int(scoring.filled) - 1,
+            int(state[OLD]),
+            int(state[PADDING]),
+        )
+
+    def _evict_in_capacity(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+        """:meth:`_evict` over a fixed capacity: the same plan (:func:`_eviction_plan`) computed from
+        the device counts (``scoring.filled`` tokens stored, the old samples and padding in
+        ``state``), the same masks built over the whole capacity, and every filled slot kept at a
+        step that evicts nothing. Fixed shapes, no host read."""
+        layout = state[LAYOUT]  # set by fixed_decode_capacity (the layout search is host work)
+        n = scoring.filled
+        capacity = scoring.num_tokens
+        padding, old = state[PADDING], state[OLD]
+        stride, hat = layout.stride, small_stride(layout.stride)
+        sink_end = padding + (n - padding).clamp(max=layout.sink)
+        window_start = torch.maximum(sink_end, n - layout.window)
+        old_end = torch.minimum(sink_end + old, window_start)
+        # Algorithm 1's test; below the budget nothing is evicted (the cache asks only above it).
+        evict = (window_start - sink_end > layout.threshold) & (n > budget)
+        count = _ceil_div(old_end - sink_end, hat) + _ceil_div(window_start - old_end, stride)
+        # Remark 2's rounds: enough of them for any count the capacity can hold (ŝ**rounds >= capacity).
+        room = budget - layout.sink - layout.window
+        thinning = torch.ones_like(count)
+        for _ in range(_rounds_for(capacity, hat)):
+            thinning = torch.where(_ceil_div(count, thinning) > room, thinning * hat, thinning)
+        count = _ceil_div(count, thinning)
+        kept = (sink_end - padding) + count + (n - window_start)
+
+        scores = scoring.token_scores[SCORE]
+        index = torch.arange(capacity, device=scores.device)
+        old_picks = (index >= sink_end) & (index < old_end) & ((index - sink_end) % hat == 0)
+        samples = old_picks | _local_max_in_capacity(scores, old_end, window_start, stride)
+        ordinal = samples.long().cumsum(dim=-1) - 1
+        samples = samples & (ordinal % thinning == 0)
+        evicting = samples | ((index >= padding) & (index < sink_end)) | ((index >= window_start) & (index < n))
+        keep = torch.where(evict, evicting, index < n).expand(scores.shape)
+
+        state[OLD].copy_(torch.where(evict, count, old))
+        state[PADDING].copy_(torch.where(evict, 0, padding))  # the eviction dropped the padding
+        state[EVICTIONS].add_(evict.long())
+        state[SIZE_SUM].sub_(torch.where(evict, state[SIZE_LAST] - kept, 0))
+        state[SIZE_LAST].copy_(torch.where(evict, kept, state[SIZE_LAST]))
+        return keep
 
     def _evict(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor | None:
         layout = self.layout(budget)
         state[LAYOUT] = layout
         n = scoring.num_tokens
         padding = _padding(scoring, state, evicting=True)
-        plan = _eviction_plan(layout, n, padding, state.get(OLD, 0), self._limit(scoring.phase, budget))
+        plan = _eviction_plan(layout, n, padding, _host_int(state.get(OLD, 0)), self._limit(scoring.phase, budget))
         if plan is None:
             return None  # below the threshold: buffer, evict nothing
         if SCORE not in scoring.token_scores:
@@ -478,7 +589,7 @@ class Buzz(Policy):
             state[PREFILL_ROUNDS] = plan.rounds
         state[OLD] = plan.samples
         state[PADDING] = 0  # the eviction dropped the padding
-        state[EVICTIONS] = state.get(EVICTIONS, 0) + 1
+        state[EVICTIONS] = _host_int(state.get(EVICTIONS, 0)) + 1
         _record_eviction(state, plan.kept)
         return keep
 
@@ -493,6 +604,45 @@ class Buzz(Policy):
             "strided old samples) follows the tokens a layer has seen and is one per layer, not per row; decode each "
             "prompt alone (kvhive.generate)"
         )
+
+
+def _host_int(value) -> int:
+    """A per-layer count as a host int: a device counter (a layer that left its fixed decode
+    capacity, e.g. for a multi-token continuation) is read back once."""
+    return int(value)
+
+
+def _ceil_div(numerator: torch.Tensor, denominator) -> torch.Tensor:
+    """``ceil(numerator / denominator)`` of non-negative integer tensors (``-(-a // b)``)."""
+    return -((-numerator) // denominator)
+
+
+def _rounds_for(capacity: int, hat: int) -> int:
+    """Rounds of Remark 2 after which ``ŝ**rounds >= capacity``: any count of samples then fits in
+    one token, so the host loop of :func:`_eviction_plan` would have stopped by then."""
+    rounds, step = 0, 1
+    while step < capacity:
+        step *= hat
+        rounds += 1
+    return rounds
+
+
+def _local_max_in_capacity(scores: torch.Tensor, start: torch.Tensor, stop: torch.Tensor, stride: int) -> torch.Tensor:
+    """:func:`local_max_mask` with device bounds ``start``/``stop`` (0-d tensors) over a fixed
+    capacity: the region is gathered to the front, padded with ``-inf`` to whole segments and each
+    segment's first argmax kept, exactly as there; segments past ``stop`` keep nothing."""
+    capacity = scores.shape[-1]
+    segments = -(-capacity // stride)
+    offsets = torch.arange(segments * stride, device=scores.device)
+    source = start + offsets
+    region = scores.float().gather(-1, source.clamp(max=capacity - 1).expand(*scores.shape[:-1], -1))
+    region = region.masked_fill(source >= stop, float("-inf"))
+    best = region.view(*scores.shape[:-1], segments, stride).argmax(dim=-1)
+    first = torch.arange(segments, device=scores.device) * stride
+    index = torch.where(first < stop - start, start + first + best, capacity)
+    mask = torch.zeros(*scores.shape[:-1], capacity + 1, dtype=torch.bool, device=scores.device)
+    mask.scatter_(-1, index, True)
+    return mask[..., :capacity]
 
 
 @dataclass(frozen=True)
@@ -561,7 +711,7 @@ def _padding(scoring: ScoringInputs, state: dict, evicting: bool = False) -> int
             "left padding): each row needs its own eviction schedule, and a kvhive cache keeps every row of a "
             "layer at the same length; run these rows one at a time (batch size 1)"
         )
-    return state[PADDING]
+    return _host_int(state[PADDING])
 
 
 def _record_step(state: dict, size: int) -> None:
@@ -578,16 +728,25 @@ def _record_eviction(state: dict, kept: int) -> None:
         state["buzz_size_last"] = kept
 
 
+def _record_step_on_device(state: dict, size: torch.Tensor) -> None:
+    """:func:`_record_step` on the device counters of a layer in a fixed decode capacity."""
+    state[SIZE_PEAK].copy_(torch.maximum(state[SIZE_PEAK], state[SIZE_LAST]))
+    state[SIZE_SUM].add_(size)
+    state[SIZE_STEPS].add_(1)
+    state[SIZE_LAST].copy_(size)
+
+
 def size_statistics(state: dict) -> dict | None:
     """Sizes one BUZZ layer held (tokens per head, after each forward step, prefill included):
     ``mean_kept``, ``peak_kept``, ``steps``, and the layout with its steady-state mean and peak;
     None before the layer ran."""
     if not state.get(SIZE_STEPS):
         return None
+    steps, total = int(state[SIZE_STEPS]), int(state[SIZE_SUM])  # device counters read once
     result = {
-        "steps": state[SIZE_STEPS],
-        "mean_kept": state[SIZE_SUM] / state[SIZE_STEPS],
-        "peak_kept": max(state[SIZE_PEAK], state["buzz_size_last"]),
+        "steps": steps,
+        "mean_kept": total / steps,
+        "peak_kept": max(int(state[SIZE_PEAK]), int(state[SIZE_LAST])),
         "prefill_rounds": state.get(PREFILL_ROUNDS, 0),
     }
     layout = state.get(LAYOUT)

@@ -588,6 +588,7 @@ class StreamingSummary:
         lam: float,
         phi: Concave,
         normalise_mass: bool = False,
+        active: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Let ``joiners`` stored tokens ``first_joiner, first_joiner + 1, ...`` join one at a time;
         after each, drop the element of ``S' = S + {x}`` with the smallest marginal gain
@@ -598,6 +599,10 @@ class StreamingSummary:
         index = rank), the joiners next. ``normalise_mass``: ``phi`` is applied to the weights
         divided by their sum over ``S'`` (BumbleBee's ``importance_scale="normalised"``). Invalid elements are dropped first. Cost per joiner:
         ``O(T d + T)`` plus a scan of the rows whose nearest member left.
+
+        ``active`` (a device bool broadcast over the rows, for a step of fixed shape): where False,
+        nothing joins (the state is left as it is; the dropped index returned there is meaningless).
+        The state's tensors are updated in place (a compiled step keeps their addresses).
         """
         rows, size = self.slot_of_rank.shape
         device = keys.device
@@ -635,6 +640,8 @@ class StreamingSummary:
             # x takes the slot y of the dropped member (rows where x itself goes keep their state:
             # every update below is a no-op there).
             replace = drop < size
+            if active is not None:
+                replace = replace & active
             y = drop.clamp(max=size - 1)[:, None]
             dropped[:, j] = torch.where(replace, member_index.gather(1, y).squeeze(1), x)
             keep_old = ~replace[:, None]
@@ -649,20 +656,49 @@ class StreamingSummary:
             # members whose nearest one just left, and for x: scan their rows.
             old_slot = self.nearest_slot
             rescan = replace[:, None] & ((old_slot == y) | (slots == y))
-            self.nearest_slot = torch.where(keep_old | (sim_x <= self.nearest), old_slot, y)
-            self.nearest = torch.where(keep_old, self.nearest, nearest_with_x)
+            nearest_slot = torch.where(keep_old | (sim_x <= self.nearest), old_slot, y)
+            nearest = torch.where(keep_old, self.nearest, nearest_with_x)
             # Every row is scanned and the rescanned ones taken (masked work over the fixed
             # T x T bound, Appx. E's O(T^2) per step): selecting the rows would be a host read.
             value, argument = self.sim.masked_fill(diagonal, 0.0).max(dim=-1)
-            self.nearest = torch.where(rescan, value, self.nearest)
-            self.nearest_slot = torch.where(rescan, argument, self.nearest_slot)
+            self.nearest.copy_(torch.where(rescan, value, nearest))
+            self.nearest_slot.copy_(torch.where(rescan, argument, nearest_slot))
             # x is the newest member: its slot moves to the last rank, the later ones move up.
             rank_y = self.rank_of_slot.gather(1, y)
             shifted = (self.rank_of_slot - (self.rank_of_slot > rank_y).long()).scatter_(1, y, size - 1)
-            self.rank_of_slot = torch.where(keep_old, self.rank_of_slot, shifted)
-            self.slot_of_rank = torch.empty_like(shifted).scatter_(1, self.rank_of_slot, slots.expand(rows, size))
-        self.positions = positions.gather(1, member_index.gather(1, self.slot_of_rank))
+            self.rank_of_slot.copy_(torch.where(keep_old, self.rank_of_slot, shifted))
+            self.slot_of_rank.copy_(torch.empty_like(shifted).scatter_(1, self.rank_of_slot, slots.expand(rows, size)))
+        self.positions.copy_(positions.gather(1, member_index.gather(1, self.slot_of_rank)))
         return dropped
+
+    @classmethod
+    def empty(cls, rows: int, size: int, device) -> StreamingSummary:
+        """A summary of ``size`` slots holding no members yet (zeros; unit norms), to be filled in
+        place by :meth:`assign_where` (a layer in a fixed decode capacity whose prompt fit its budget)."""
+        order = torch.arange(size, device=device).expand(rows, size)
+        zeros = torch.zeros(rows, size, device=device)
+        return cls(
+            torch.zeros(rows, size, size, device=device),
+            zeros.clone(),
+            zeros.clone(),
+            torch.zeros(rows, size, dtype=torch.long, device=device),
+            torch.ones(rows, size, device=device),
+            torch.zeros(rows, size, dtype=torch.bool, device=device),
+            order.clone(),
+            order.clone(),
+            torch.zeros(rows, size, dtype=torch.int32, device=device),
+        )
+
+    def assign_where(self, condition: torch.Tensor, other: StreamingSummary) -> None:
+        """Take ``other``'s state where ``condition`` (a device bool) holds, in place."""
+        for field in dataclasses.fields(self):
+            mine = getattr(self, field.name)
+            mine.copy_(torch.where(condition, getattr(other, field.name), mine))
+
+    def mark_static(self) -> None:
+        """Fix the state's addresses for a compiled decode step (updates are in place)."""
+        for field in dataclasses.fields(self):
+            torch._dynamo.mark_static_address(getattr(self, field.name))
 
     def nbytes(self) -> int:
         """Bytes held: the ``T x T`` similarity matrix plus ``O(T)`` per row (at most a ``k x k``
