@@ -124,6 +124,11 @@ def _real_lengths(scoring: ScoringInputs) -> list[int]:
     return scoring.mask[:, 0].any(dim=-2).sum(dim=-1).tolist()
 
 
+# A layer whose budget exceeds twice what it holds after its prompt by more than this decodes in
+# the growing layout rather than in a fixed capacity of the whole budget.
+BOUNDED_CAPACITY_SLACK = 64
+
+
 class KVHiveCache(Cache):
     """A cache that applies ``policy`` to keep ``budget`` tokens per head.
 
@@ -387,6 +392,12 @@ class KVHiveCache(Cache):
         ):
             return
         keys = store.dense()[0]
+        if self.layer_budgets[index] > 2 * keys.shape[2] + BOUNDED_CAPACITY_SLACK:
+            # A budget far above what the layer holds (e.g. a budget meant to keep everything) would
+            # allocate and attend the whole bound at every step: the layer decodes in the growing
+            # layout, and the cache no longer says it compiles to one graph.
+            self._compileable = False
+            return
         bound = self.policy.fixed_decode_capacity(keys, self.layer_budgets[index], store.policy_state)
         if bound is not None:
             store.reserve_decode(max(bound, keys.shape[2]) + 1 - keys.shape[2], exact=True)
