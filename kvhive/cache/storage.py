@@ -965,8 +965,15 @@ class DenseLayerStore(LayerStore):
         self._keep(keep_mask.view(self._batch, self._heads, self._length), counts)
 
     def _compact_dense(self, keep_mask: torch.Tensor, kept: int) -> None:
-        # Kept tokens in their stored (oldest first) order: a stable sort puts True first.
-        order = torch.argsort((~keep_mask).to(torch.int8), dim=-1, stable=True)[..., :kept]
+        if kept == self._length - 1:
+            # One token left each row (a steady decode step): every kept token moves down past
+            # the row's one hole, found by argmin (the first False), with no sort over the row.
+            hole = keep_mask.to(torch.int8).argmin(dim=-1, keepdim=True)
+            slots = torch.arange(kept, device=self.device)
+            order = slots + (slots >= hole).to(slots.dtype)
+        else:
+            # Kept tokens in their stored (oldest first) order: a stable sort puts True first.
+            order = torch.argsort((~keep_mask).to(torch.int8), dim=-1, stable=True)[..., :kept]
         capacity = self._key_buffer.shape[2]
         # Row index of every kept token in the flat buffers: index_select copies whole rows, far
         # faster than a gather with an index expanded over the head dimension.

@@ -346,6 +346,13 @@ def keep_top_scores(
     if valid is not None:
         # Padding below every real score but still ordered, so topk stays deterministic.
         ranking = torch.where(valid, ranking, torch.full_like(ranking, -1e30))
+    if num_tokens - budget == 1:
+        # One token leaves, as at every steady decode step: the lowest-ranked one and, among equal
+        # ranks, the oldest, which is what the stable sort below drops; argmin returns the first
+        # minimum, so no sort over every stored token.
+        keep = torch.ones_like(scores, dtype=torch.bool)
+        keep.scatter_(-1, ranking.argmin(dim=-1, keepdim=True), False)
+        return keep
     kept_indices = top_indices(ranking, budget)
     keep = torch.zeros_like(scores, dtype=torch.bool)
     keep.scatter_(-1, kept_indices, True)
