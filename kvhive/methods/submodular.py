@@ -59,6 +59,47 @@ def relu_cosine_similarity(keys: torch.Tensor, valid: torch.Tensor | None = None
     return sim
 
 
+# Rows per matrix product of the prefill similarity on the CPU (at least half a panel in the last).
+_PANEL_ROWS = 256
+
+
+def relu_cosine_similarity_rows(
+    keys: torch.Tensor, valid: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`relu_cosine_similarity` with its row sums and row maxima: ``(sim, sim.sum(-1), sim.amax(-1))``.
+
+    On the CPU, the same values with half the products: each head's upper block triangle is
+    computed in panels of rows (one matrix product per panel, written in place) and mirrored, and
+    a panel's rows are summed while they are in cache. The product is symmetric to the bit (each
+    entry is the same sequence of multiply-adds over the head dimension either way round, and a
+    panel of 128 rows or more goes through the same kernel as the full product: a one-row product
+    did not), so the mirrored entries are the ones the full product writes. On a kv-heavy layer at
+    4k (8 x 3891 x 3891, d = 128, one thread) the full product took 0.77 s, the panels 0.28 s.
+    """
+    rows, n, _ = keys.shape
+    if keys.device.type != "cpu" or n < 2 * _PANEL_ROWS:
+        sim = relu_cosine_similarity(keys, valid)
+        return sim, sim.sum(dim=-1), sim.amax(dim=-1)
+    units = (keys.float() / key_norms(keys)[..., None]).contiguous()
+    weight = None if valid is None else valid.to(units.dtype)
+    sim = units.new_empty(rows, n, n)
+    row_sums = units.new_empty(rows, n)
+    row_max = units.new_empty(rows, n)
+    starts = list(range(0, n - _PANEL_ROWS // 2, _PANEL_ROWS))
+    for row in range(rows):
+        head, out = units[row], sim[row]
+        for start, end in zip(starts, starts[1:] + [n], strict=True):
+            panel = out[start:end, start:]
+            torch.mm(head[start:end], head[start:].t(), out=panel)
+            panel.clamp_(min=0)
+            if weight is not None:  # as relu_cosine_similarity: rows, then columns
+                panel.mul_(weight[row, start:end, None]).mul_(weight[row, None, start:])
+            out[end:, start:end] = panel[:, end - start :].t()
+            torch.sum(out[start:end], dim=-1, out=row_sums[row, start:end])
+            torch.amax(out[start:end], dim=-1, out=row_max[row, start:end])
+    return sim, row_sums, row_max
+
+
 # ---------------------------------------------------------------------------------------------
 # Concave functions phi of the feature-based term (float64)
 # ---------------------------------------------------------------------------------------------
@@ -141,13 +182,24 @@ class Mixture:
         phi: the concave function.
     """
 
-    def __init__(self, sim: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor, lam: float, phi: Concave):
+    def __init__(
+        self,
+        sim: torch.Tensor,
+        weights: torch.Tensor,
+        valid: torch.Tensor,
+        lam: float,
+        phi: Concave,
+        row_sums: torch.Tensor | None = None,
+        row_max: torch.Tensor | None = None,
+    ):
         self.sim = sim
         self.valid = valid
         self.weights = weights.double().clamp_min(0) * valid
         self.lam = float(lam)
         self.phi = phi
-        self.fl_total = sim.amax(dim=-1).double().sum(dim=-1)  # f_FL(V)
+        # sim.sum(-1) and sim.amax(-1) when the caller has them (relu_cosine_similarity_rows).
+        self.row_sums = sim.sum(dim=-1) if row_sums is None else row_sums
+        self.fl_total = (sim.amax(dim=-1) if row_max is None else row_max).double().sum(dim=-1)  # f_FL(V)
         self.phi_total = phi(self.weights.sum(dim=-1))  # phi(a(V))
         # Unnormalised gains times these give the two terms of g's gain (0 for an empty row).
         self.facility_scale = _safe_divide(torch.full_like(self.fl_total, self.lam), self.fl_total)
@@ -422,7 +474,7 @@ def _lazy_greedy(
     all_rows = state.rows
     valid = objective.valid
     # Stale facility-location gains: upper bounds of the current ones (submodularity).
-    facility_bounds = objective.sim.sum(dim=-1).double() * objective.facility_scale[:, None]
+    facility_bounds = objective.row_sums.double() * objective.facility_scale[:, None]
     everything = torch.arange(n, device=device).expand(rows, n)
     valid_count = valid.sum(dim=-1)
     evaluated_enough = torch.ones((), dtype=torch.bool, device=device)
