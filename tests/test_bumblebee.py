@@ -23,6 +23,7 @@ from kvhive.methods.submodular import (
     greedy_maximize,
     power_concave,
     relu_cosine_similarity,
+    relu_cosine_similarity_rows,
     stochastic_sample_size,
 )
 from kvhive.models import TINY_ARCHITECTURES, TINY_ATTENTION_KINDS, load_model, tiny_model
@@ -321,6 +322,22 @@ def test_plain_greedy_in_column_chunks_equals_one_chunk(monkeypatch):
     for columns in (1, 3):
         monkeypatch.setattr(submodular_module, "_PLAIN_CHUNK", columns * objective.rows * objective.size)
         assert torch.equal(greedy_maximize(objective, 5, "plain"), whole)
+
+
+@pytest.mark.parametrize("dim", [16, 80, 128, 256])
+def test_prefill_similarity_in_panels_equals_the_full_product_to_the_bit(dim):
+    """The prefill's similarity (upper block triangle in panels of rows, mirrored, with row sums and
+    maxima) is the full product's matrix bit for bit: prompts of 2 panels and a half, a last panel
+    of half a panel, odd lengths, a padded row; the kept set depends on exact ties."""
+    generator = torch.Generator().manual_seed(dim)
+    for n in (512, 639, 640, 1537):
+        keys = torch.randn(2, n, dim, generator=generator) + 2 * torch.randn(2, 1, dim, generator=generator)
+        valid = torch.ones(2, n, dtype=torch.bool)
+        valid[1, :37] = False
+        full = relu_cosine_similarity(keys, valid)
+        sim, row_sums, row_max = relu_cosine_similarity_rows(keys, valid)
+        assert torch.equal(sim, full), n
+        assert torch.equal(row_sums, full.sum(dim=-1)) and torch.equal(row_max, full.amax(dim=-1)), n
 
 
 def test_power_concave_inverse_is_accurate():

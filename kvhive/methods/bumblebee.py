@@ -77,7 +77,7 @@ from kvhive.methods.submodular import (
     StreamingSummary,
     greedy_maximize,
     key_norms,
-    relu_cosine_similarity,
+    relu_cosine_similarity_rows,
 )
 
 SCORE = "bumblebee_accumulated"
@@ -236,8 +236,10 @@ class BumbleBee(Policy):
         rows_per_chunk = max(1, MAX_SIMILARITY_ELEMENTS // (candidates * candidates))
         for start in range(0, rows, rows_per_chunk):
             part = slice(start, min(rows, start + rows_per_chunk))
-            sim = relu_cosine_similarity(keys[part], valid[part])
-            objective = Mixture(sim, weights[part], valid[part], self.config.mixture_weight, self.concave)
+            sim, row_sums, row_max = relu_cosine_similarity_rows(keys[part], valid[part])
+            objective = Mixture(
+                sim, weights[part], valid[part], self.config.mixture_weight, self.concave, row_sums, row_max
+            )
             picked = greedy_maximize(objective, summary_size, self.config.greedy, self.config.epsilon, generators[part])
             chosen[part] = picked
             # The members in stored order, with their similarity matrix, seed Algorithm 2.
