@@ -286,6 +286,9 @@ def generate(
                 + ", ".join(static_decode_methods())
                 + ", and with a decode capacity the full cache and the prefill-only scorers (Ada-KV's included)"
             )
+        problem = cache.compile_problem(int(encoded["input_ids"].shape[1]))
+        if problem is not None:
+            raise ValueError(f"compile=True with method {cache.policy.name!r}: {problem}")
         from transformers import CompileConfig
 
         config = CompileConfig(fullgraph=True, dynamic=False)

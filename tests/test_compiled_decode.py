@@ -423,7 +423,7 @@ def test_a_varying_kept_size_compiles_in_a_fixed_capacity_and_keeps_the_eager_po
     budget = max(BUDGET, policy_class(method)().minimum_budget())
     compiled_cache, eager_cache, growing = (kvhive.make_cache(model, method, budget=budget) for _ in range(3))
     assert compiled_cache.is_compileable
-    growing.policy.fixed_decode_capacity = lambda keys, budget, state: None  # the host path of before
+    growing._reserve_decode = lambda store: None  # the host path of before: no fixed capacity
     with torch.no_grad():
         token = model(input_ids=prompt, past_key_values=compiled_cache).logits[:, -1:].argmax(-1)
         model(input_ids=prompt, past_key_values=eager_cache)
@@ -463,3 +463,86 @@ def test_a_varying_kept_size_compiles_in_a_fixed_capacity_and_keeps_the_eager_po
         at_prefill = 1 if prompt_length > budget else 0
         assert all(int(layer.policy_state[EVICTIONS]) - at_prefill >= 2 for layer in compiled_cache.layers)
         assert kept_size_statistics(compiled_cache) == kept_size_statistics(growing)
+
+
+FILLING_METHODS = [m for m in STATIC_METHODS if m not in VARYING_METHODS and policy_class(m).compiles_below_budget]
+
+
+def test_the_methods_that_fill_a_capacity_are_the_scorers():
+    assert {"tova", "h2o", "streamingllm", "local", "random", "ahakv"} <= set(FILLING_METHODS)
+
+
+@pytest.mark.parametrize("method", FILLING_METHODS)
+def test_a_prompt_shorter_than_the_budget_fills_a_fixed_capacity_in_one_graph(method):
+    # A 10-token prompt leaves every layer below its budget: the layer grows token by token up to
+    # it, then evicts one token a step. Held in a capacity of its budget plus the new token, one
+    # compiled step serves both, keeps at every step the positions the growing layout keeps (its
+    # capacity turned off), in buffers that never move, and an eager step reads nothing back.
+    from kvhive.diagnostics import HostReadCounter
+
+    model = _model()
+
+    def step(token, position, cache):
+        return model(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True).logits
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend="aot_eager")
+    prompt = _prompt(model, length=10)
+    budget = max(BUDGET, policy_class(method)().minimum_budget())
+    compiled_cache, eager_cache, growing = (kvhive.make_cache(model, method, budget=budget) for _ in range(3))
+    growing._reserve_decode = lambda store: None  # the growing layout of before
+    with torch.no_grad():
+        token = model(input_ids=prompt, past_key_values=compiled_cache).logits[:, -1:].argmax(-1)
+        model(input_ids=prompt, past_key_values=eager_cache)
+        model(input_ids=prompt, past_key_values=growing)
+        assert compiled_cache.is_compileable
+        assert all(layer.fixed_capacity and layer.fills_to_budget for layer in compiled_cache.layers)
+        assert not any(layer.fixed_capacity for layer in growing.layers)
+        pointers = [(layer.buffers()[0].data_ptr(), layer.buffers()[1].data_ptr()) for layer in compiled_cache.layers]
+        position = torch.full((1, 1), prompt.shape[1])
+        for index in range(budget + 12):  # past the fill, into the evictions
+            compiled_logits = compiled(token, position, compiled_cache)
+            with HostReadCounter() as reads:
+                eager_logits = step(token, position, eager_cache)
+            assert reads.total == 0, f"step {index}: {reads}"
+            growing_logits = step(token, position, growing)
+            torch.testing.assert_close(compiled_logits, eager_logits, atol=1e-5, rtol=1e-5, msg=f"step {index}")
+            torch.testing.assert_close(eager_logits, growing_logits, atol=1e-5, rtol=1e-5, msg=f"step {index}")
+            assert _kept(compiled_cache) == _kept(eager_cache) == _kept(growing), f"step {index}"
+            token, position = compiled_logits[:, -1:].argmax(-1), position + 1
+    assert counters["stats"]["unique_graphs"] == 1
+    assert [
+        (layer.buffers()[0].data_ptr(), layer.buffers()[1].data_ptr()) for layer in compiled_cache.layers
+    ] == pointers
+    assert [layer.dense_length for layer in compiled_cache.layers] == [
+        layer.dense_length for layer in growing.layers
+    ]
+
+
+@pytest.mark.parametrize("method", ["tova", "h2o"])
+def test_generate_compiles_a_budget_far_above_the_prompt(method):
+    # The layer fills a capacity of the prompt plus the decode room kvhive.generate asks for, not of
+    # the whole budget: one graph, the text of the eager decode.
+    model, tokenizer = _model(), tiny_tokenizer()
+    eager_text, _ = kvhive.generate(model, tokenizer, "a prompt", method, 1000, max_new_tokens=12, compile=False)
+    text, cache = kvhive.generate(model, tokenizer, "a prompt", method, 1000, max_new_tokens=12, compile=True)
+    assert text == eager_text
+    assert counters["stats"]["unique_graphs"] == 1
+    assert all(layer.buffers()[0].shape[2] < 64 for layer in cache.layers)
+
+
+def test_generate_with_compile_refuses_a_fixed_capacity_far_above_the_prompt_before_the_prefill():
+    model, tokenizer = _model(), tiny_tokenizer()
+    with pytest.raises(ValueError, match=r"bumblebee.*budget of 10000 tokens is far above.*at most \d+ tokens"):
+        kvhive.generate(model, tokenizer, "a prompt", "bumblebee", 10000, max_new_tokens=4, compile=True)
+    text, _ = kvhive.generate(model, tokenizer, "a prompt", "bumblebee", 10000, max_new_tokens=4, compile=False)
+    assert isinstance(text, str)
+
+
+@pytest.mark.parametrize("method", ["subgen", "subgen-attention"])
+def test_generate_with_compile_refuses_a_short_prompt_for_a_method_whose_state_starts_at_its_first_eviction(method):
+    model, tokenizer = _model(), tiny_tokenizer()
+    with pytest.raises(ValueError, match=rf"{method}.*below its budget of \d+ tokens.*first eviction"):
+        kvhive.generate(model, tokenizer, "a prompt", method, 64, max_new_tokens=4, compile=True)
+    long_prompt = "a prompt " * 12  # above the budget: compiles
+    text, _ = kvhive.generate(model, tokenizer, long_prompt, method, 64, max_new_tokens=4, compile=True)
+    assert text == kvhive.generate(model, tokenizer, long_prompt, method, 64, max_new_tokens=4, compile=False)[0]

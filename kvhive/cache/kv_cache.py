@@ -362,6 +362,52 @@ class KVHiveCache(Cache):
             and all(self.is_compressed(index) or layer.is_sliding for index, layer in enumerate(self.layers))
         )
 
+    def compile_problem(self, prompt_length: int) -> str | None:
+        """Why this cache's decode step would not stay one graph after a prompt of
+        ``prompt_length`` tokens, known before the prefill; None when it would (as far as the
+        prompt's length tells: ``is_compileable`` is the answer before any prompt).
+
+        A method that holds a layer in a fixed capacity of its own bound (``fixed_decode_capacity``:
+        BUZZ, BumbleBee) needs a budget near what the prompt leaves: a budget far above it (more
+        than twice the tokens kept plus 64) would be attended in full at every step, so such a
+        layer keeps the growing layout instead. Methods that keep ``min(budget, N)`` fill a capacity
+        of the budget, capped by ``decode_capacity``, unless they build state at their first
+        eviction (``Policy.compiles_below_budget``: SubGen's clusters), which needs a prompt at
+        least as long as the budget."""
+        if not self._compileable:
+            return "its decode step does not compile to one graph"
+        if self.layer_budgets:
+            budgets = self.layer_budgets
+        elif self.budget_problem(prompt_length) is not None:
+            return None  # the prefill refuses the budget itself, with its own message
+        else:  # what the prefill will resolve, without fixing it now
+            tokens = self.budget.resolve(prompt_length)
+            per_layer = layer_budgets(self.policy, tokens, len(self.compressed_layers), prompt_length)
+            budgets = dict(zip(self.compressed_layers, per_layer, strict=True))
+        declares_capacity = type(self.policy).fixed_decode_capacity is not Policy.fixed_decode_capacity
+        for index, budget in sorted(budgets.items()):
+            kept = min(prompt_length, budget)
+            if DECODE in self.policy.phases and kept < budget and not self.policy.compiles_below_budget:
+                return (
+                    f"a prompt of {prompt_length} tokens leaves layer {index} below its budget of {budget} tokens, "
+                    f"and {self.policy.name} builds its state at its first eviction (a new graph); use a budget of at "
+                    f"most {prompt_length} tokens, or decode without compile"
+                )
+            if not declares_capacity and self.decode_capacity is None and budget > 2 * kept + BOUNDED_CAPACITY_SLACK:
+                return (
+                    f"layer {index}'s budget of {budget} tokens is far above the {kept} a prompt of {prompt_length} "
+                    "tokens leaves it, and no decode_capacity caps the capacity it fills while decoding; pass "
+                    "decode_capacity=N (the most tokens you will decode), or decode without compile"
+                )
+            if declares_capacity and budget > 2 * kept + BOUNDED_CAPACITY_SLACK:
+                return (
+                    f"layer {index}'s budget of {budget} tokens is far above the {kept} a prompt of {prompt_length} "
+                    f"tokens leaves it (more than 2 x {kept} + {BOUNDED_CAPACITY_SLACK}): {self.policy.name}'s fixed "
+                    "capacity would attend the whole budget at every step; use a budget of at most "
+                    f"{2 * kept + BOUNDED_CAPACITY_SLACK} tokens, or decode without compile"
+                )
+        return None
+
     def is_compressed(self, layer_index: int) -> bool:
         return layer_index in self.compressed_layers
 
@@ -392,15 +438,35 @@ class KVHiveCache(Cache):
         ):
             return
         keys = store.dense()[0]
-        if self.layer_budgets[index] > 2 * keys.shape[2] + BOUNDED_CAPACITY_SLACK:
-            # A budget far above what the layer holds (e.g. a budget meant to keep everything) would
-            # allocate and attend the whole bound at every step: the layer decodes in the growing
-            # layout, and the cache no longer says it compiles to one graph.
-            self._compileable = False
+        stored, budget = keys.shape[2], self.layer_budgets[index]
+        if type(self.policy).fixed_decode_capacity is not Policy.fixed_decode_capacity:
+            bound = self.policy.fixed_decode_capacity(keys, budget, store.policy_state)
+        elif stored < budget and not self.policy.compiles_below_budget:
+            self._compileable = False  # the layer decodes in the growing layout (compile_problem says so)
             return
-        bound = self.policy.fixed_decode_capacity(keys, self.layer_budgets[index], store.policy_state)
-        if bound is not None:
-            store.reserve_decode(max(bound, keys.shape[2]) + 1 - keys.shape[2], exact=True)
+        else:
+            bound = None
+            store.fills_to_budget = stored < budget
+        if store.fills_to_budget:
+            # A prompt shorter than the budget: the layer grows token by token up to its budget,
+            # then evicts one token a step. A capacity of the budget plus the new token keeps one
+            # shape through both (the method keeps every filled slot while there is room).
+            bound = budget
+            if self.decode_capacity is not None:
+                # No more decode tokens will come than the room asked for (kvhive.generate asks
+                # for max_new_tokens): the layer never holds more than it holds now plus that.
+                bound = min(bound, stored + self.decode_capacity)
+        if bound is None:
+            return
+        if bound > 2 * stored + BOUNDED_CAPACITY_SLACK and not (store.fills_to_budget and self.decode_capacity):
+            # A bound far above what the layer holds (e.g. a budget meant to keep everything) would
+            # allocate and attend the whole bound at every step: the layer decodes in the growing
+            # layout, and the cache no longer says it compiles (kvhive.generate(compile=True) refuses
+            # this before the prefill: compile_problem).
+            self._compileable = False
+            store.fills_to_budget = False
+            return
+        store.reserve_decode(max(bound, stored) + 1 - stored, exact=True)
 
     def _after_prefill(self, layer_index: int, make_scoring: Callable[[str], ScoringInputs]) -> None:
         store: LayerStore = self.layers[layer_index]
@@ -554,16 +620,22 @@ class KVHiveCache(Cache):
                 f"{self.policy.name}: a decision over a fixed capacity must be a boolean mask of shape "
                 f"{tuple(scoring.keys.shape[:3])}"
             )
-        counts = keep.sum(dim=-1)
-        kept = counts.reshape(-1)[0]
         bound = scoring.num_tokens - 1  # the capacity holds the bound plus the new token
         empty = torch.arange(scoring.num_tokens, device=keep.device) >= scoring.filled
+        if store.fills_to_budget:
+            # A method that keeps min(budget, N) keeps every stored token while they fit the budget
+            # (its decision over the capacity knows nothing of the empty slots, and would drop one);
+            # once they do not, what it keeps of the filled slots.
+            keep = torch.where(scoring.filled <= budget, ~empty, keep & ~empty)
+        counts = keep.sum(dim=-1)
+        kept = counts.reshape(-1)[0]
         torch._assert_async(
             (counts == kept).all() & (kept <= bound) & ~(keep & empty).any(),
             f"{self.policy.name}: the keep mask of layer {layer_index} keeps an empty slot, different counts per "
             f"head, or more than the {bound} tokens its fixed_decode_capacity declared",
         )
-        store.compact_in_place(keep, kept)
+        # Filling to a budget, a step drops at most one token: the compaction needs no sort.
+        store.compact_in_place(keep, kept, at_most_one_dropped=store.fills_to_budget)
         store.decode_steps_since_compression = 0
 
     def _compress_prompt_chunk(self, layer_index: int, store: LayerStore, make_scoring) -> None:

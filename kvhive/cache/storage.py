@@ -113,6 +113,9 @@ class LayerStore(CacheLayerMixin):
         # Whether the fixed capacity is a bound its decisions keep (reserve_decode(exact=True)): every
         # decode append then fits, so an append never asks for the host length.
         self.bounded_capacity = False
+        # Held in a capacity of its budget (plus the new token) by a method that keeps min(budget, N),
+        # because the prompt left fewer tokens than the budget (KVHiveCache._reserve_decode).
+        self.fills_to_budget = False
         # Whether the latest update was this layer's first (its prefill), and how many tokens it had.
         self.in_prefill = False
         self.last_update_tokens = 0
@@ -178,7 +181,7 @@ class LayerStore(CacheLayerMixin):
         if self.fixed_capacity and key_states.shape[2] > 1 and self._row_lengths is None:
             # A prompt chunk (or a multi-token continuation): the growing layout from here on (a
             # decode step reserves again).
-            self.fixed_capacity = self.bounded_capacity = False
+            self.fixed_capacity = self.bounded_capacity = self.fills_to_budget = False
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.heads_per_kv_head > 1:
@@ -220,7 +223,7 @@ class LayerStore(CacheLayerMixin):
         self._row_tokens_seen, self.row_tokens_seen_device = None, None
         self._row_lengths, self.row_lengths_device = None, None
         self.length_device, self._length_value, self._length_stale, self.fixed_capacity = None, 0, False, False
-        self.bounded_capacity = False
+        self.bounded_capacity = self.fills_to_budget = False
         self.in_prefill = False
         self.has_padding = False
         self.policy_state = {}
@@ -749,17 +752,26 @@ class DenseLayerStore(LayerStore):
         filled = torch.arange(capacity, device=self.device) < self.length_device
         return self._key_buffer, self._value_buffer, self._position_buffer, dict(self._score_buffers), filled
 
-    def compact_in_place(self, keep_mask: torch.Tensor, kept: torch.Tensor) -> None:
+    def compact_in_place(self, keep_mask: torch.Tensor, kept: torch.Tensor, at_most_one_dropped: bool = False) -> None:
         """Fixed capacity: keep the tokens where ``keep_mask [B, H, C]`` (over the whole capacity,
         False on the empty slots) is True, compacted at the front in their stored order; ``kept`` is
         their number per row (a 0-d device tensor, the same for every row). Fixed shapes and no host
         read: the host length is refreshed from the device when next asked for. The slots past
-        ``kept`` hold copies of dropped tokens (finite values, masked as empty)."""
+        ``kept`` hold copies of dropped tokens (finite values, masked as empty).
+
+        ``at_most_one_dropped``: the caller knows at most one filled slot per row is dropped (every
+        False past the first is an empty slot at the end), so the kept tokens just move down past the
+        first False, found without a sort."""
         if not self.fixed_capacity:
             raise RuntimeError(f"layer {self.layer_index} has no fixed decode capacity")
         capacity = self._key_buffer.shape[2]
-        # Kept tokens first, in their stored (oldest first) order: a stable sort puts True first.
-        order = torch.argsort((~keep_mask).to(torch.int8), dim=-1, stable=True)
+        if at_most_one_dropped:
+            hole = keep_mask.to(torch.int8).argmin(dim=-1, keepdim=True)
+            slots = torch.arange(capacity, device=self.device)
+            order = (slots + (slots >= hole).to(slots.dtype)).clamp_(max=capacity - 1)
+        else:
+            # Kept tokens first, in their stored (oldest first) order: a stable sort puts True first.
+            order = torch.argsort((~keep_mask).to(torch.int8), dim=-1, stable=True)
         rows = (
             torch.arange(self.num_segments, device=self.device)[:, None] * capacity
             + order.reshape(self.num_segments, -1)

@@ -484,6 +484,11 @@ class Policy:
     later step (``KVHiveCache.is_compileable``; tests/test_compiled_decode.py holds every such method
     to it)."""
 
+    compiles_below_budget: ClassVar[bool] = True
+    """With :attr:`static_decode`: a layer left below its budget by a short prompt also decodes in
+    one graph (the cache holds it in a capacity of the budget while it fills). False for a method
+    that builds state at its first eviction (a new buffer, a new structure), which changes the graph."""
+
     def fixed_decode_capacity(self, keys: torch.Tensor, budget: int, state: dict) -> int | None:
         """For a method whose kept count varies from one decode step to the next (BUZZ's schedule,
         BumbleBee filling up to its budget): the most tokens per row the layer holds after any later

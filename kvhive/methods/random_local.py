@@ -91,6 +91,17 @@ class RandomLocal(ScorerPolicy):
             valid = scoring.valid.expand(scoring.batch_size, scoring.num_heads, scoring.num_tokens)
             priorities = (~valid).to(torch.float32)
             start = 0
+        elif scoring.filled is not None:
+            # A layer filling a fixed capacity: the new token sits at the filled length, not at
+            # the end (the slots past it are empty), a device index.
+            first = self._first_real_position(scoring, state)
+            slot = (scoring.filled - 1).reshape(1, 1, 1).expand(scoring.batch_size, scoring.num_heads, 1)
+            index = scoring.positions.gather(-1, slot).to(torch.int64) - first[..., None]
+            drawn = 1.0 - uniforms_of(fold(self._head_words(scoring, state), index))
+            current = priorities.gather(-1, slot)
+            priorities = priorities.scatter(-1, slot, torch.where(current == 0, drawn, current))
+            scoring.token_scores[PRIORITY] = priorities
+            return priorities
         else:
             start = max(0, scoring.num_tokens - scoring.num_queries)
         first = self._first_real_position(scoring, state)

@@ -247,6 +247,7 @@ class SubGen(Policy):
     config_class = SubGenConfig
     paper = "Zandieh et al. 2024, Sec. 3.2 (recent r + greedy k-center of the rest, budget r + k)"
     static_decode = True  # evicts to exactly the budget each step (tests/test_compiled_decode.py)
+    compiles_below_budget = False  # its clusters (and their buffers) appear at the first eviction
 
     def minimum_budget(self) -> int:
         return self.config.recent + 1

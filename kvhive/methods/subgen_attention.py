@@ -472,6 +472,7 @@ class SubGenAttention(Policy):
     phases = frozenset({PREFILL, DECODE})
     config_class = SubGenAttentionConfig
     static_decode = True  # keeps exactly the window each step (tests/test_compiled_decode.py)
+    compiles_below_budget = False  # its clusters (and their buffers) appear at the first eviction
     paper = (
         "Zandieh et al. 2024, Algorithm 1 (clusters D + l2 samples M; z/tau) + exact recent window; "
         "budget = window + clusters + samples"
