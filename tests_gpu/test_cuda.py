@@ -21,6 +21,7 @@ from test_dtypes_and_decode_path import _per_segment_reference, _relative, _segm
 import kvhive
 from kvhive.attention.varlen import kernel_supports, varlen_attention_kernel
 from kvhive.compat import cache_kwarg
+from kvhive.methods.base import Policy
 from kvhive.methods.registry import method_names, policy_class
 from kvhive.models import tiny_model
 
@@ -118,11 +119,12 @@ def _budget(method: str) -> int | None:
     return None if method == "full" else max(policy_class(method)().minimum_budget(), 16)
 
 
-def _decoding_cache(model, method: str, batch: int = 2):
-    """A cache of ``method`` after a prefill that compresses and WARM_UP_STEPS decode steps, the
-    last greedy token, the next position, and the keyword the model takes the cache by."""
+def _decoding_cache(model, method: str, batch: int = 2, length: int | None = None):
+    """A cache of ``method`` after a prefill (of ``length`` tokens; default 40 past the budget, so
+    it compresses) and WARM_UP_STEPS decode steps, the last greedy token, the next position, and the
+    keyword the model takes the cache by."""
     budget = _budget(method)
-    length = (budget or 16) + 40
+    length = (budget or 16) + 40 if length is None else length
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(3, model.config.vocab_size, (batch, length), generator=generator).cuda()
     cache = kvhive.make_cache(model, method, budget=budget)
@@ -159,8 +161,31 @@ def test_cuda_graph_of_a_decode_step_replays_like_eager_steps(method):
     # (written into the captured input tensors), while the second runs the same steps eagerly.
     # Capture records kernels without running them, so the first replay is the first real step.
     model = tiny_model("llama", "gqa", dtype=torch.bfloat16).cuda()
-    graphed, token, position, key = _decoding_cache(model, method)
-    eager, eager_token, _, _ = _decoding_cache(model, method)
+    _replay_against_eager(model, method, None)
+
+
+FILLING_METHODS = [
+    m
+    for m in method_names()
+    if policy_class(m).static_decode
+    and policy_class(m).compiles_below_budget
+    and type(policy_class(m)()).fixed_decode_capacity is Policy.fixed_decode_capacity
+]
+
+
+@pytest.mark.parametrize("method", FILLING_METHODS)
+def test_cuda_graph_of_a_step_filling_a_short_prompts_capacity_replays_like_eager_steps(method):
+    # A prompt of 8 tokens leaves the layers below their budget: the captured step appends into a
+    # capacity of the budget plus one, then (past the budget, within the 32 replays) evicts a token
+    # a step, the same graph throughout.
+    model = tiny_model("llama", "gqa", dtype=torch.bfloat16).cuda()
+    assert _budget(method) < 8 + WARM_UP_STEPS + REPLAYS
+    _replay_against_eager(model, method, 8)
+
+
+def _replay_against_eager(model, method: str, length: int | None) -> None:
+    graphed, token, position, key = _decoding_cache(model, method, length=length)
+    eager, eager_token, _, _ = _decoding_cache(model, method, length=length)
     assert torch.equal(token, eager_token)
     tokens = torch.randint(
         3, model.config.vocab_size, (REPLAYS, *token.shape), generator=torch.Generator().manual_seed(1)
