@@ -416,6 +416,15 @@ class Policy:
     on CPU, the column-sum kernel after flash attention on CUDA) instead of a second ``QK^T``
     pass for scoring."""
 
+    chunk_column_sums: ClassVar[bool] = False
+    """Several new queries after a layer's prefill (a later chunk of a chunked prefill) are scored by
+    :meth:`ScoringInputs.accumulated_attention` over those queries (H2O's ``observe_decode`` of a
+    chunk; the prefill decision over kept + new tokens of a prefill-only method that reads it): the
+    attention computes the sums with its output (``ScoringInputs.attention_with_column_sums``,
+    causal by the stored positions) instead of sdpa and a second ``QK^T`` pass. A method that reads
+    only the newest query's weights of a chunk (BUZZ, BumbleBee) leaves it False: sdpa is faster
+    than the pass with column sums, and its one row costs what a decode step's does."""
+
     # -- decode ------------------------------------------------------------------------------
     needs_decode_attention: ClassVar[bool] = False
 
