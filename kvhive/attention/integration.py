@@ -32,6 +32,7 @@ from kvhive.attention.varlen import kernel_supports, varlen_attention, varlen_at
 from kvhive.cache.kv_cache import CACHE_POSITIONS, ORIGINAL_POSITIONS, PADDING_SCORE, KVHiveCache, active_update
 from kvhive.cache.rows import CacheRows
 from kvhive.cache.storage import PAGE_TOKENS
+from kvhive.memory import trim_heap
 from kvhive.methods.base import DECODE, PREFILL, ScoringInputs, causal_mask
 
 ATTENTION_NAME = "kvhive"
@@ -361,11 +362,22 @@ def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dr
         mask = None
     compressed = cache.is_compressed(layer_index)
 
+    # A chunk of a chunked prefill on CPU: the heap's free pages go back to the OS before and after
+    # its attention, so the temporaries of the projections before it and of the attention itself do
+    # not stay resident on top of what the next step holds (kvhive.memory.trim_heap).
+    chunk_on_cpu = num_queries > 1 and query.device.type == "cpu" and cache.takes_prompt_chunks
+    if chunk_on_cpu:
+        trim_heap()
+    result = None
     with _backends(query.device):
         if store.in_prefill:
-            return _prefill(module, cache, layer_index, query, key, value, mask, scaling, dropout, compressed, kwargs)
-        if store.is_uniform:
-            return _decode_dense(module, cache, layer_index, query, mask, scaling, dropout, compressed, kwargs)
+            result = _prefill(module, cache, layer_index, query, key, value, mask, scaling, dropout, compressed, kwargs)
+        elif store.is_uniform:
+            result = _decode_dense(module, cache, layer_index, query, mask, scaling, dropout, compressed, kwargs)
+    if result is not None:
+        if chunk_on_cpu:
+            trim_heap()
+        return result
     if policy.changes_attention_logits:
         raise RuntimeError(
             f"method {policy.name!r} scales the attention logits, which the variable-length path "
