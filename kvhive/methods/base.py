@@ -176,7 +176,11 @@ class ScoringInputs:
         return grouped.mean(dim=2)
 
     def attention_weights(
-        self, query_rows: slice, logit_multiplier: float | tuple[float, ...] = 1.0, num_keys: int | None = None
+        self,
+        query_rows: slice,
+        logit_multiplier: float | tuple[float, ...] = 1.0,
+        num_keys: int | None = None,
+        scratch: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Softmax weights ``[B, Hq, rows, K]`` (float32) of the selected query rows over the first
         ``num_keys`` stored tokens (default all), the model's mask applied.
@@ -186,7 +190,9 @@ class ScoringInputs:
         overflow past 65504 where the model's own attention (sdpa, fp32 accumulation inside) stays
         finite (issue 27 item 5): there queries and keys are multiplied in float32. Softmax and
         everything after it run in float32. Keys are read once per stored head (GQA without
-        repeating them)."""
+        repeating them). ``scratch``: a flat tensor of the keys' dtype, at least rows x K per query
+        head, that the product is written into (a caller looping over chunks of rows reuses one
+        allocation; the weights returned may then be a view of it)."""
         num_keys = self.num_tokens if num_keys is None else num_keys
         # The scale goes on the queries (rows x d), not on the logits (rows x K): one pass fewer.
         if isinstance(logit_multiplier, torch.Tensor):  # on the device: one factor, or one per batch row
@@ -204,7 +210,12 @@ class ScoringInputs:
         group = hq // h
         # [B, H, G*rows, d] @ [B, H, d, K]: keys are read once per stored head.
         grouped = queries.reshape(b, h, group, rows, d).reshape(b, h, group * rows, d).to(keys.dtype)
-        logits = torch.matmul(grouped, keys.transpose(-1, -2)).view(b, h, group, rows, num_keys).float()
+        if scratch is not None:
+            product = scratch[: b * h * group * rows * num_keys].view(b, h, group * rows, num_keys)
+            torch.matmul(grouped, keys.transpose(-1, -2), out=product)
+        else:
+            product = torch.matmul(grouped, keys.transpose(-1, -2))
+        logits = product.view(b, h, group, rows, num_keys).float()
         start, stop, _ = query_rows.indices(self.num_queries)
         first_future = self.num_tokens - self.num_queries + start + 1
         if self.mask is None and self.phase == "prefill" and first_future > 0 and num_keys == first_future + rows - 1:
@@ -268,10 +279,14 @@ class ScoringInputs:
         # against the keys it may see. Known from the shapes alone (no host read).
         offset = self.num_tokens - q
         causal = self.phase == "prefill" and offset >= 0
+        # One allocation for every chunk's logits: a fresh one per chunk (16 MB at 71 rows x 3,700
+        # keys x 16 heads) fragmented the CPU heap, which kept ~70 MB more resident than was live.
+        scratch_rows = min(rows_per_chunk, q - first_row)
+        scratch = torch.empty(b * hq * scratch_rows * self.num_tokens, dtype=self._product_keys().dtype, device=self.keys.device)
         for start in range(first_row, q, rows_per_chunk):
             stop = min(q, start + rows_per_chunk)
             visible = offset + stop if causal else self.num_tokens
-            weights = self.attention_weights(slice(start, stop), logit_multiplier, num_keys=visible)
+            weights = self.attention_weights(slice(start, stop), logit_multiplier, num_keys=visible, scratch=scratch)
             total[..., :visible] += weights.sum(dim=2)
             if output is not None:
                 # [B, H, G*rows, K] @ [B, H, K, dv]: values read once per stored head.
