@@ -365,11 +365,10 @@ def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dr
     compressed = cache.is_compressed(layer_index)
 
     # A chunk of a chunked prefill on CPU: the heap's free pages go back to the OS before the
-    # attention module's projections (_trim_before_projections, from the next chunk on), before its
-    # attention, after it, and at the end of the model's forward, so the temporaries of one step (the projections and RoPE, the
-    # attention, the MLP) do not stay resident on top of what the next holds (kvhive.memory.trim_heap).
+    # attention, after it, and at the end of the model's forward, so the temporaries of one step (the
+    # projections and RoPE, the attention, the MLP) do not stay resident on top of what the next
+    # holds (kvhive.memory.trim_heap). (No hook on the model's modules: kvhive leaves them as found.)
     chunk_on_cpu = num_queries > 1 and query.device.type == "cpu" and cache.takes_prompt_chunks
-    _trim_before_projections(module, chunk_on_cpu)
     if chunk_on_cpu:
         _ENTERED.ran_chunk_on_cpu = True  # and once more when the model's forward ends
         trim_heap()
@@ -401,26 +400,6 @@ def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dr
         output = _decode_variable_length(cache, layer_index, query, mask, scaling)
     cache.after_variable_length_decode(layer_index)
     return output, None
-
-
-def _trim_before_projections(module, chunk_on_cpu: bool) -> None:
-    """Remember whether this attention module just ran a chunk of a chunked prefill on CPU; while it
-    does, a forward pre-hook hands the heap's free pages back before its next call's projections
-    (kvhive.memory.trim_heap): the MLP's and the previous layer's temporaries, freed but resident,
-    otherwise sit below the new queries, keys and values (~30 MB more peak at 16k, chunks of 2,048).
-    The hook is registered once per module, the first time it runs such a chunk."""
-    if getattr(module, "_kvhive_chunk_on_cpu", False) == chunk_on_cpu:
-        return
-    if chunk_on_cpu and not getattr(module, "_kvhive_trim_hook", False):
-        module.register_forward_pre_hook(_trim_heap_before_chunk)
-        module._kvhive_trim_hook = True
-    module._kvhive_chunk_on_cpu = chunk_on_cpu
-
-
-def _trim_heap_before_chunk(module, args):
-    # Only inside a forward with a kvhive cache: calls with another cache or none touch nothing.
-    if module._kvhive_chunk_on_cpu and _ENTERED.__dict__.get("models"):
-        trim_heap()
 
 
 def _attention_by_row(
