@@ -58,3 +58,23 @@ def test_a_later_chunk_peaks_at_a_block_of_queries_not_at_the_chunk(monkeypatch)
     blocked = _chunked_prefill_peak(model, prompt, monkeypatch, block=256)
     whole_chunk = _chunked_prefill_peak(model, prompt, monkeypatch, block=2048)
     assert blocked < 0.7 * whole_chunk, (blocked / 2**20, whole_chunk / 2**20)
+
+
+def test_a_mask_built_per_block_equals_the_sliced_mask():
+    """The causal mask of a prompt chunk built for each block of queries (``block_mask``) gives the
+    output of the whole chunk's mask sliced per block."""
+    generator = torch.Generator().manual_seed(0)
+    batch, query_heads, heads, queries, keys_count, dim = 1, 4, 2, 600, 700, 8
+    query = torch.randn(batch, query_heads, queries, dim, generator=generator)
+    keys = torch.randn(batch, heads, keys_count, dim, generator=generator)
+    values = torch.randn(batch, heads, keys_count, dim, generator=generator)
+    positions = torch.arange(keys_count).expand(batch, heads, keys_count)
+    first = keys_count - queries
+    whole = kvhive.methods.base.causal_mask(positions, first, keys_count)
+
+    def block_mask(start, stop):
+        return kvhive.methods.base.causal_mask(positions, first + start, first + stop)
+
+    sliced = integration._sdpa_in_query_blocks(query, keys, values, whole, 0.3, 2)
+    built = integration._sdpa_in_query_blocks(query, keys, values, None, 0.3, 2, block_mask)
+    assert torch.equal(built, sliced)

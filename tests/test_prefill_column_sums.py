@@ -10,6 +10,8 @@ the same chunks of the same ``attention_weights``), to sdpa's output, and to one
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -196,3 +198,67 @@ def test_other_methods_keep_sdpa():
         with torch.no_grad(), counter:
             model(input_ids=input_ids, **{cache_kwarg(model): cache})
         assert counter.sdpa_calls == model.config.num_hidden_layers, method
+
+
+def _chunked_prefill(model, method, input_ids, chunk, counter=None, **parameters):
+    cache = kvhive.make_cache(model, method, budget=12, prefill_chunk=chunk, **parameters)
+    cache.plan_prompt(input_ids.shape[1])
+    with torch.no_grad(), counter if counter is not None else contextlib.nullcontext():
+        for start in range(0, input_ids.shape[1], chunk):
+            model(input_ids=input_ids[:, start : start + chunk], **{cache_kwarg(model): cache})
+    return cache
+
+
+@pytest.mark.parametrize("method", ["h2o", "buzz", "bumblebee"])
+def test_a_chunked_prefill_multiplies_queries_and_keys_once(method, monkeypatch):
+    """60 tokens in chunks of 20 at budget 12 (so every later chunk attends 12 kept + 20 new keys):
+    H2O's later chunks get their output and the column sums it adds to its scores from one pass
+    (``Policy.chunk_column_sums``), so every (query head, query row) meets the keys once, as in a
+    one-shot prefill; sdpa and a second pass over the chunk's queries met them twice. BUZZ and
+    BumbleBee read only the newest query's weights of a later chunk (as a decode step does): sdpa,
+    plus that one row per query head. BumbleBee's key-similarity products are left out."""
+    model = tiny_model("llama", "gqa")
+    tokens, chunk = 60, 20
+    input_ids = torch.randint(3, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(1))
+    if method == "bumblebee":  # its summary's similarity products are not attention
+        policy_class = type(kvhive.make_policy(method))
+        for name in ("select_prefill", "select_decode"):
+            original = getattr(policy_class, name)
+
+            def outside_the_count(self, *args, _original=original, **kwargs):
+                with torch.utils._python_dispatch._disable_current_modes():
+                    return _original(self, *args, **kwargs)
+
+            monkeypatch.setattr(policy_class, name, outside_the_count)
+    counter = _QueryKeyProducts()
+    cache = _chunked_prefill(model, method, input_ids, chunk, counter)
+    layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
+    assert all(cache.is_compressed(index) for index in range(layers))
+    later_chunks = tokens // chunk - 1
+    if method == "h2o":
+        assert counter.rows == layers * heads * tokens
+        assert counter.sdpa_calls == 0
+    else:
+        assert counter.rows == layers * heads * (tokens + later_chunks)
+        assert counter.sdpa_calls == layers * later_chunks
+
+
+def test_a_chunked_prefill_keeps_what_the_two_pass_scoring_keeps(monkeypatch):
+    """H2O over a prompt in chunks (a tiny GQA Llama, 130 tokens in chunks of 32): the same kept
+    positions as sdpa followed by the scoring's own pass over each chunk (the policy made to not
+    declare its chunk sums); layer 0's running scores bit for bit (the same chunks of the same
+    ``attention_weights``), later layers' within 1e-5 (their inputs went through the pass's
+    ``P V`` instead of sdpa: summation order)."""
+    model = tiny_model("llama", "gqa")
+    input_ids = torch.randint(3, model.config.vocab_size, (2, 130), generator=torch.Generator().manual_seed(1))
+    fused = _chunked_prefill(model, "h2o", input_ids, 32)
+    monkeypatch.setattr(type(fused.policy), "chunk_column_sums", False)
+    two_pass = _chunked_prefill(model, "h2o", input_ids, 32)
+    for index, (fused_layer, two_pass_layer) in enumerate(zip(fused.layers, two_pass.layers, strict=True)):
+        _, _, fused_positions, fused_scores = fused_layer.dense()
+        _, _, two_pass_positions, two_pass_scores = two_pass_layer.dense()
+        assert torch.equal(fused_positions, two_pass_positions)
+        for name in two_pass_scores:
+            if index == 0:
+                assert torch.equal(fused_scores[name], two_pass_scores[name])
+            torch.testing.assert_close(fused_scores[name], two_pass_scores[name], atol=1e-5, rtol=0)

@@ -32,6 +32,7 @@ from kvhive.attention.varlen import kernel_supports, varlen_attention, varlen_at
 from kvhive.cache.kv_cache import CACHE_POSITIONS, ORIGINAL_POSITIONS, PADDING_SCORE, KVHiveCache, active_update
 from kvhive.cache.rows import CacheRows
 from kvhive.cache.storage import PAGE_TOKENS
+from kvhive.memory import trim_heap
 from kvhive.methods.base import DECODE, PREFILL, ScoringInputs, causal_mask
 
 ATTENTION_NAME = "kvhive"
@@ -177,6 +178,8 @@ def _leave_forward(model, args, kwargs, output):
     if not entered or entered[-1] is not model:
         return None
     entered.pop()
+    if _ENTERED.__dict__.pop("ran_chunk_on_cpu", False):
+        trim_heap()  # the chunk's last temporaries (the last layers' MLP) before the next chunk
     attachment = _attachment(model)
     with attachment.lock:
         attachment.running -= 1
@@ -243,17 +246,24 @@ def _gather_mask(mask: torch.Tensor | None, positions: torch.Tensor, store, num_
     if mask is None:
         if num_queries == 1:
             return None
-        tokens_seen = store.tokens_seen
-        allowed = causal_mask(positions, tokens_seen - num_queries, tokens_seen)
-        if store.is_sliding:  # positions="cache" gives no model mask: apply the window here
-            query_positions = torch.arange(tokens_seen - num_queries, tokens_seen, device=positions.device)
-            allowed &= (query_positions[None, None, :, None] - positions[:, :, None, :]) < store.sliding_window
-        return allowed
+        return _stored_causal_rows(store, positions, num_queries, 0, num_queries)
     tokens_seen = store.tokens_seen
     if length == tokens_seen:  # nothing was ever evicted: the stored order is the original one
         return mask
     index = positions.long()[:, :, None, :].expand(batch, heads, num_queries, length)
     return mask.expand(batch, heads, num_queries, mask.shape[-1]).gather(3, index)
+
+
+def _stored_causal_rows(store, positions: torch.Tensor, num_queries: int, start: int, stop: int) -> torch.Tensor:
+    """``[B, H, stop - start, L]``: rows ``start..stop-1`` of the mask of ``num_queries`` new queries
+    (the newest tokens seen) over the stored tokens when the model gives none: causal by the
+    stored tokens' positions, and the window of a sliding layer."""
+    first = store.tokens_seen - num_queries
+    allowed = causal_mask(positions, first + start, first + stop)
+    if store.is_sliding:  # positions="cache" gives no model mask: apply the window here
+        query_positions = torch.arange(first + start, first + stop, device=positions.device)
+        allowed &= (query_positions[None, None, :, None] - positions[:, :, None, :]) < store.sliding_window
+    return allowed
 
 
 def _stored_decode_mask(store, positions: torch.Tensor, token_scores: dict) -> torch.Tensor | None:
@@ -354,11 +364,24 @@ def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dr
         mask = None
     compressed = cache.is_compressed(layer_index)
 
+    # A chunk of a chunked prefill on CPU: the heap's free pages go back to the OS before the
+    # attention, after it, and at the end of the model's forward, so the temporaries of one step (the
+    # projections and RoPE, the attention, the MLP) do not stay resident on top of what the next
+    # holds (kvhive.memory.trim_heap). (No hook on the model's modules: kvhive leaves them as found.)
+    chunk_on_cpu = num_queries > 1 and query.device.type == "cpu" and cache.takes_prompt_chunks
+    if chunk_on_cpu:
+        _ENTERED.ran_chunk_on_cpu = True  # and once more when the model's forward ends
+        trim_heap()
+    result = None
     with _backends(query.device):
         if store.in_prefill:
-            return _prefill(module, cache, layer_index, query, key, value, mask, scaling, dropout, compressed, kwargs)
-        if store.is_uniform:
-            return _decode_dense(module, cache, layer_index, query, mask, scaling, dropout, compressed, kwargs)
+            result = _prefill(module, cache, layer_index, query, key, value, mask, scaling, dropout, compressed, kwargs)
+        elif store.is_uniform:
+            result = _decode_dense(module, cache, layer_index, query, mask, scaling, dropout, compressed, kwargs)
+    if result is not None:
+        if chunk_on_cpu:
+            trim_heap()
+        return result
     if policy.changes_attention_logits:
         raise RuntimeError(
             f"method {policy.name!r} scales the attention logits, which the variable-length path "
@@ -542,10 +565,17 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
     # With a fixed decode capacity: the whole buffers and which slots hold a token.
     keys, values, positions, token_scores, filled = store.decode_view()
     batch, query_heads, num_queries, head_dim = query.shape
+    # Several new queries (a prompt chunk) without a model mask over a growing layer: causal by the
+    # stored positions, built for one block of queries at a time where it is needed (sdpa's blocks,
+    # the scoring's rows) instead of for the whole chunk at once (2,048 queries over ~3,700 stored
+    # tokens, 8 heads: 60 MB, the largest tensor of a later chunk).
+    causal_by_position = num_queries > 1 and mask is None and filled is None and not store.is_sliding
     if num_queries == 1 and (cache.is_compileable or mask is None):
         # A static decode step (transformers' mask is a fixed unused column, get_mask_sizes) or no
         # model mask to gather (none needed, or positions="cache"): the layer masks its tokens itself.
         stored_mask = _stored_decode_mask(store, positions, token_scores)
+    elif causal_by_position:
+        stored_mask = None  # ScoringInputs reads None as causal over the stored positions
     else:
         stored_mask = _gather_mask(mask, positions, store, num_queries)
     if filled is not None:  # empty slots of a fixed capacity are never attended
@@ -563,12 +593,27 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
         query = _row_logit_scale(policy, stored_mask, keys.shape[2], query)
 
     last_weights = None
+    accumulated = None
+    # The decision after these queries reads their column sums (H2O's chunk of a chunked prefill):
+    # one pass computes them with the output, as a one-shot prefill does, not sdpa and a second QK^T.
+    sums_phase = cache.chunk_column_sums_phase(layer_index) if compressed and causal_by_position else None
     if not wants_weights and extra is None:
         output = None
-        if stored_mask is None and num_queries == 1 and cache.dense_decode == "kernel":
+        if sums_phase is not None and _plain_softmax_attention(dropout, kwargs):
+            output, accumulated = _chunk_attention_with_column_sums(
+                query, keys, values, positions, store.tokens_seen, scaling, sums_phase
+            )
+        elif stored_mask is None and num_queries == 1 and cache.dense_decode == "kernel":
             output = _dense_decode_by_kernel(store, query, scaling)
         if output is None:
-            output = _sdpa_in_query_blocks(query, keys, values, stored_mask, scaling, group).transpose(1, 2)
+            causal_rows = None
+            if causal_by_position:
+
+                def causal_rows(start: int, stop: int) -> torch.Tensor:
+                    return _stored_causal_rows(store, positions, num_queries, start, stop)
+
+            output = _sdpa_in_query_blocks(query, keys, values, stored_mask, scaling, group, causal_rows)
+            output = output.transpose(1, 2)
     else:
         # [B, H, G*q, d] @ [B, H, d, L]: one matmul per stored head, keys and values read once.
         grouped = query.reshape(batch, heads, group * num_queries, head_dim)
@@ -622,6 +667,7 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
             phase=phase,
             token_scores=dict(token_scores),
             last_query_weights=last_weights,
+            accumulated_weights=accumulated,
             filled=store.length_device if store.fixed_capacity else None,
         )
 
@@ -629,32 +675,65 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
     return output, None
 
 
+def _plain_softmax_attention(dropout, kwargs) -> bool:
+    """Whether transformers asked for plain softmax attention (what kvhive's pass with column sums
+    computes): no dropout, nothing that changes the logits."""
+    return dropout == 0.0 and all(kwargs.get(name) is None for name in _ATTENTION_CHANGES)
+
+
+def _chunk_attention_with_column_sums(query, keys, values, positions, tokens_seen: int, scaling, phase: str):
+    """``(output [B, q, Hq, dv], column sums [B, Hq, L] float32)`` of ``q`` new queries (the newest
+    of the ``L`` stored tokens, stored oldest first) over a dense layer's stored tokens, causal by
+    their positions, from one pass of query chunks (:meth:`ScoringInputs.attention_with_column_sums`).
+
+    ``phase`` is the phase of the scoring that reads the sums (``KVHiveCache.chunk_column_sums_phase``):
+    its chunks and key ranges are the ones that scoring would use for itself, so the sums are its own
+    bit for bit and the kept tokens are those of sdpa followed by a second ``QK^T`` pass."""
+    scoring = ScoringInputs(
+        keys=keys,
+        values=values,
+        queries=query,
+        positions=positions,
+        mask=None,
+        scaling=scaling,
+        layer_index=0,
+        num_layers=1,
+        sequence_length=tokens_seen,
+        phase=phase,
+    )
+    output, sums = scoring.attention_with_column_sums()
+    return output.to(query.dtype).transpose(1, 2), sums
+
+
 QUERY_BLOCK = 256
 
 
-def _sdpa_in_query_blocks(query, keys, values, mask, scaling, group: int) -> torch.Tensor:
+def _sdpa_in_query_blocks(query, keys, values, mask, scaling, group: int, block_mask=None) -> torch.Tensor:
     """sdpa of a prompt chunk's queries over the stored tokens, ``QUERY_BLOCK`` queries at a time.
 
     With a mask, sdpa's CPU path (and CUDA's math fallback) materialises [B, H, q, L] scores and
     their softmax: for a chunk of 2,048 queries over ~2,900 kept + new tokens, 16 heads, that was
     ~750 MB, the whole prefill peak of a chunked prompt. Blocks of queries bound it to a block's
-    share; a decode step (one query) is one block."""
+    share; a decode step (one query) is one block. ``block_mask(start, stop)``: the mask of query
+    rows ``start..stop-1``, built for each block (``mask`` is then None), so no mask of the whole
+    chunk exists at once."""
     heads, query_heads, num_queries = keys.shape[1], query.shape[1], query.shape[2]
     outputs = []
     for start in range(0, num_queries, QUERY_BLOCK):
-        block_mask = mask
-        if mask is not None:
-            if mask.shape[2] != 1:
-                block_mask = mask[:, :, start : start + QUERY_BLOCK]
-            if block_mask.shape[1] not in (1, query_heads):
-                block_mask = block_mask.repeat_interleave(group, dim=1)
+        block_mask_rows = mask
+        if block_mask is not None:
+            block_mask_rows = block_mask(start, min(num_queries, start + QUERY_BLOCK))
+        elif mask is not None and mask.shape[2] != 1:
+            block_mask_rows = mask[:, :, start : start + QUERY_BLOCK]
+        if block_mask_rows is not None and block_mask_rows.shape[1] not in (1, query_heads):
+            block_mask_rows = block_mask_rows.repeat_interleave(group, dim=1)
         # Stored heads may be query heads (Ada-KV on GQA): sdpa regroups by its own head counts.
         outputs.append(
             torch.nn.functional.scaled_dot_product_attention(
                 query[:, :, start : start + QUERY_BLOCK],
                 keys,
                 values,
-                attn_mask=block_mask,
+                attn_mask=block_mask_rows,
                 scale=scaling,
                 enable_gqa=heads != query_heads,
             )

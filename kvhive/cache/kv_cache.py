@@ -533,6 +533,27 @@ class KVHiveCache(Cache):
         finally:
             self._reindex(store)
 
+    def chunk_column_sums_phase(self, layer_index: int) -> str | None:
+        """The phase of the scoring that reads the column sums of several new queries' attention
+        over this layer (a later chunk of a chunked prefill, or any multi-token forward of a
+        decode-phase method) when the method reads them there (``Policy.chunk_column_sums``):
+        ``observe_decode``'s (DECODE) or, for a prefill-only method, the decision over kept + new
+        tokens of a prompt chunk (PREFILL). The attention then computes the sums with its output, in
+        that scoring's order. None: nothing reads them."""
+        policy = self.policy
+        store = self.layers[layer_index]
+        if (
+            not policy.chunk_column_sums
+            or not self.is_compressed(layer_index)
+            or self._window_within_budget(layer_index, store)
+        ):
+            return None
+        if DECODE in policy.phases:
+            return DECODE
+        if PREFILL in policy.phases and self.takes_prompt_chunks:
+            return PREFILL
+        return None
+
     def _warn_budget_not_kept(self, layer_index: int, store: LayerStore) -> None:
         """Warn (once per cache) when a prefill-only method holds more than its budget without
         ever having compressed this layer: a token-by-token stream, or a prompt that fit the

@@ -343,6 +343,8 @@ def _build_ada_class(scorer_class: type[ScorerPolicy]) -> type[AdaKV]:
             "name": f"ada-{scorer_class.name}",
             "scorer_class": scorer_class,
             "prefill_column_sums": scorer_class.prefill_column_sums,
+            # A later prompt chunk is scored by the same prefill decision (over kept + new tokens).
+            "chunk_column_sums": scorer_class.prefill_column_sums,
             "config_class": config_class,
             "paper": paper,
             "__module__": __name__,

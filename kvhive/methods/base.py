@@ -176,7 +176,11 @@ class ScoringInputs:
         return grouped.mean(dim=2)
 
     def attention_weights(
-        self, query_rows: slice, logit_multiplier: float | tuple[float, ...] = 1.0, num_keys: int | None = None
+        self,
+        query_rows: slice,
+        logit_multiplier: float | tuple[float, ...] = 1.0,
+        num_keys: int | None = None,
+        scratch: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Softmax weights ``[B, Hq, rows, K]`` (float32) of the selected query rows over the first
         ``num_keys`` stored tokens (default all), the model's mask applied.
@@ -186,7 +190,9 @@ class ScoringInputs:
         overflow past 65504 where the model's own attention (sdpa, fp32 accumulation inside) stays
         finite (issue 27 item 5): there queries and keys are multiplied in float32. Softmax and
         everything after it run in float32. Keys are read once per stored head (GQA without
-        repeating them)."""
+        repeating them). ``scratch``: a flat tensor of the keys' dtype, at least rows x K per query
+        head, that the product is written into (a caller looping over chunks of rows reuses one
+        allocation; the weights returned may then be a view of it)."""
         num_keys = self.num_tokens if num_keys is None else num_keys
         # The scale goes on the queries (rows x d), not on the logits (rows x K): one pass fewer.
         if isinstance(logit_multiplier, torch.Tensor):  # on the device: one factor, or one per batch row
@@ -204,7 +210,12 @@ class ScoringInputs:
         group = hq // h
         # [B, H, G*rows, d] @ [B, H, d, K]: keys are read once per stored head.
         grouped = queries.reshape(b, h, group, rows, d).reshape(b, h, group * rows, d).to(keys.dtype)
-        logits = torch.matmul(grouped, keys.transpose(-1, -2)).view(b, h, group, rows, num_keys).float()
+        if scratch is not None:
+            product = scratch[: b * h * group * rows * num_keys].view(b, h, group * rows, num_keys)
+            torch.matmul(grouped, keys.transpose(-1, -2), out=product)
+        else:
+            product = torch.matmul(grouped, keys.transpose(-1, -2))
+        logits = product.view(b, h, group, rows, num_keys).float()
         start, stop, _ = query_rows.indices(self.num_queries)
         first_future = self.num_tokens - self.num_queries + start + 1
         if self.mask is None and self.phase == "prefill" and first_future > 0 and num_keys == first_future + rows - 1:
@@ -212,10 +223,10 @@ class ScoringInputs:
             # only the square block of the chunk's own tokens has a future to mask.
             future = torch.ones(rows, rows, dtype=torch.bool, device=logits.device).triu_(1)
             logits[..., first_future - 1 :].masked_fill_(future, float("-inf"))
-            return torch.softmax(logits, dim=-1).reshape(b, hq, rows, num_keys)
+            return _softmax_of_fresh_logits(logits).reshape(b, hq, rows, num_keys)
         mask = self.mask_rows(query_rows, num_keys).unsqueeze(2)
         logits.masked_fill_(~mask, float("-inf"))  # in place: the product is a fresh tensor
-        weights = torch.softmax(logits, dim=-1)
+        weights = _softmax_of_fresh_logits(logits)
         if self.mask is not None:
             # A padding query may see no key at all: its softmax row is NaN and carries no
             # evidence, so it becomes 0 (a NaN from the model itself stays NaN).
@@ -268,10 +279,14 @@ class ScoringInputs:
         # against the keys it may see. Known from the shapes alone (no host read).
         offset = self.num_tokens - q
         causal = self.phase == "prefill" and offset >= 0
+        # One allocation for every chunk's logits: a fresh one per chunk (16 MB at 71 rows x 3,700
+        # keys x 16 heads) fragmented the CPU heap, which kept ~70 MB more resident than was live.
+        scratch_rows = min(rows_per_chunk, q - first_row)
+        scratch = torch.empty(b * hq * scratch_rows * self.num_tokens, dtype=self._product_keys().dtype, device=self.keys.device)
         for start in range(first_row, q, rows_per_chunk):
             stop = min(q, start + rows_per_chunk)
             visible = offset + stop if causal else self.num_tokens
-            weights = self.attention_weights(slice(start, stop), logit_multiplier, num_keys=visible)
+            weights = self.attention_weights(slice(start, stop), logit_multiplier, num_keys=visible, scratch=scratch)
             total[..., :visible] += weights.sum(dim=2)
             if output is not None:
                 # [B, H, G*rows, K] @ [B, H, K, dv]: values read once per stored head.
@@ -310,6 +325,16 @@ class ScoringInputs:
         if key not in self._memo:
             self._memo[key] = self.attention_weights(slice(self.num_queries - 1, self.num_queries))[:, :, 0]
         return self._memo[key]
+
+
+def _softmax_of_fresh_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dimension of logits no one else holds. On CPU it overwrites them (the
+    same kernel, bit for bit torch.softmax): a chunk of scoring rows then holds one rows x keys
+    float32 tensor instead of two (16 MB less at 71 rows x 3,700 keys x 16 heads). Elsewhere, and
+    while compiling, torch.softmax."""
+    if logits.device.type == "cpu" and not torch.compiler.is_compiling() and logits.is_contiguous():
+        return torch.ops.aten._softmax.out(logits, -1, False, out=logits)
+    return torch.softmax(logits, dim=-1)
 
 
 def causal_mask(key_positions: torch.Tensor, first_query: int, stop_query: int) -> torch.Tensor:
@@ -422,6 +447,15 @@ class Policy:
     computes them in the pass that computes its output (``ScoringInputs.attention_with_column_sums``
     on CPU, the column-sum kernel after flash attention on CUDA) instead of a second ``QK^T``
     pass for scoring."""
+
+    chunk_column_sums: ClassVar[bool] = False
+    """Several new queries after a layer's prefill (a later chunk of a chunked prefill) are scored by
+    :meth:`ScoringInputs.accumulated_attention` over those queries (H2O's ``observe_decode`` of a
+    chunk; the prefill decision over kept + new tokens of a prefill-only method that reads it): the
+    attention computes the sums with its output (``ScoringInputs.attention_with_column_sums``,
+    causal by the stored positions) instead of sdpa and a second ``QK^T`` pass. A method that reads
+    only the newest query's weights of a chunk (BUZZ, BumbleBee) leaves it False: sdpa is faster
+    than the pass with column sums, and its one row costs what a decode step's does."""
 
     # -- decode ------------------------------------------------------------------------------
     needs_decode_attention: ClassVar[bool] = False

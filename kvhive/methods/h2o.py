@@ -41,6 +41,7 @@ class H2O(ScorerPolicy):
     paper = "Zhang et al. 2023, Algorithm 1 (heavy hitters + recent)"
     needs_decode_attention = True
     prefill_column_sums = True  # accumulated attention of the prompt, with the attention's output
+    chunk_column_sums = True  # and of each later prompt chunk (observe_decode adds the chunk's sums)
 
     def _recent_count(self, budget: int) -> int:
         return budget - int(budget * self.config.heavy_fraction)
