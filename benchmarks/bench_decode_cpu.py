@@ -73,15 +73,26 @@ def main() -> None:
                 states[method] = [cache, token, position]
                 times[method].append(statistics.median(steps))
     reference = min(times["snapkv"])
-    print(f"kv-heavy, {args.layers} layers, {args.context} tokens, budget {args.budget}, "
-          f"{torch.get_num_threads()} thread(s), best of {args.rounds} rounds' medians ({args.steps} steps)")
+    print(
+        f"kv-heavy, {args.layers} layers, {args.context} tokens, budget {args.budget}, "
+        f"{torch.get_num_threads()} thread(s), best of {args.rounds} rounds' medians ({args.steps} steps)"
+    )
     for method in methods:
         best = min(times[method])
-        line = {"method": method, "ms_per_step": round(best * 1e3, 2), "x_snapkv": round(best / reference, 3),
-                "round_medians_ms": [round(t * 1e3, 2) for t in times[method]], "context": args.context,
-                "budget": args.budget, "layers": args.layers, "threads": torch.get_num_threads(),
-                "kvhive_commit": kvhive.__dict__.get("__commit__")}
-        print(f"{method:18s} {best * 1e3:7.2f} ms/step  {best / reference:5.2f}x snapkv   rounds {line['round_medians_ms']}")
+        line = {
+            "method": method,
+            "ms_per_step": round(best * 1e3, 2),
+            "x_snapkv": round(best / reference, 3),
+            "round_medians_ms": [round(t * 1e3, 2) for t in times[method]],
+            "context": args.context,
+            "budget": args.budget,
+            "layers": args.layers,
+            "threads": torch.get_num_threads(),
+            "kvhive_commit": kvhive.__dict__.get("__commit__"),
+        }
+        print(
+            f"{method:18s} {best * 1e3:7.2f} ms/step  {best / reference:5.2f}x snapkv   rounds {line['round_medians_ms']}"
+        )
         if args.json:
             with open(args.json, "a") as handle:
                 handle.write(json.dumps(line) + "\n")

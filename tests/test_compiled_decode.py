@@ -513,9 +513,7 @@ def test_a_prompt_shorter_than_the_budget_fills_a_fixed_capacity_in_one_graph(me
     assert [
         (layer.buffers()[0].data_ptr(), layer.buffers()[1].data_ptr()) for layer in compiled_cache.layers
     ] == pointers
-    assert [layer.dense_length for layer in compiled_cache.layers] == [
-        layer.dense_length for layer in growing.layers
-    ]
+    assert [layer.dense_length for layer in compiled_cache.layers] == [layer.dense_length for layer in growing.layers]
 
 
 @pytest.mark.parametrize("method", ["tova", "h2o"])

@@ -492,20 +492,8 @@ def _attention_with_column_sums(query, key, value, mask, scaling):
             return output.transpose(1, 2).contiguous(), column_sums(query, key, lse, scaling)
     batch, heads, num_keys, _ = key.shape
     positions = torch.arange(num_keys, device=key.device).expand(batch, heads, num_keys)
-    scoring = ScoringInputs(
-        keys=key,
-        values=value,
-        queries=query,
-        positions=positions,
-        mask=mask,
-        scaling=scaling,
-        layer_index=0,
-        num_layers=1,
-        sequence_length=num_keys,
-        phase=PREFILL,
-    )
-    output, sums = scoring.attention_with_column_sums()
-    return output.to(query.dtype).transpose(1, 2).contiguous(), sums
+    output, sums = _one_pass_attention_with_column_sums(query, key, value, positions, mask, scaling, num_keys, PREFILL)
+    return output.contiguous(), sums
 
 
 def _prefill_scoring(cache: KVHiveCache, layer_index: int, query, mask, scaling, accumulated=None):
@@ -689,16 +677,22 @@ def _chunk_attention_with_column_sums(query, keys, values, positions, tokens_see
     ``phase`` is the phase of the scoring that reads the sums (``KVHiveCache.chunk_column_sums_phase``):
     its chunks and key ranges are the ones that scoring would use for itself, so the sums are its own
     bit for bit and the kept tokens are those of sdpa followed by a second ``QK^T`` pass."""
+    return _one_pass_attention_with_column_sums(query, keys, values, positions, None, scaling, tokens_seen, phase)
+
+
+def _one_pass_attention_with_column_sums(query, keys, values, positions, mask, scaling, sequence_length, phase: str):
+    """``(output [B, q, Hq, dv] in the queries' dtype, column sums [B, Hq, L] float32)`` from the
+    scoring's own one-pass attention (:meth:`ScoringInputs.attention_with_column_sums`)."""
     scoring = ScoringInputs(
         keys=keys,
         values=values,
         queries=query,
         positions=positions,
-        mask=None,
+        mask=mask,
         scaling=scaling,
         layer_index=0,
         num_layers=1,
-        sequence_length=tokens_seen,
+        sequence_length=sequence_length,
         phase=phase,
     )
     output, sums = scoring.attention_with_column_sums()

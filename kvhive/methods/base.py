@@ -282,7 +282,9 @@ class ScoringInputs:
         # One allocation for every chunk's logits: a fresh one per chunk (16 MB at 71 rows x 3,700
         # keys x 16 heads) fragmented the CPU heap, which kept ~70 MB more resident than was live.
         scratch_rows = min(rows_per_chunk, q - first_row)
-        scratch = torch.empty(b * hq * scratch_rows * self.num_tokens, dtype=self._product_keys().dtype, device=self.keys.device)
+        scratch = torch.empty(
+            b * hq * scratch_rows * self.num_tokens, dtype=self._product_keys().dtype, device=self.keys.device
+        )
         for start in range(first_row, q, rows_per_chunk):
             stop = min(q, start + rows_per_chunk)
             visible = offset + stop if causal else self.num_tokens
