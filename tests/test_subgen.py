@@ -1264,3 +1264,46 @@ def test_a_dropped_hub_refreshes_its_stale_neighbours_smallest_first():
     true = torch.cdist(keys[0, survivors], keys[0, survivors]).fill_diagonal_(float("inf")).min(-1).values ** 2
     assert (nearest_sq[0, survivors] <= true + 1e-5).all()
     assert (nearest_sq[0, survivors] < true - 1e-3).any()  # some entries are still stale
+
+
+def test_decode_marks_stale_candidates_and_keeps_their_neighbours_live_over_a_long_stream():
+    # The decode step finds stale candidates (nearest neighbour dropped) by a recorded position of
+    # -1, not by searching every candidate's neighbour: that needs every candidate's recorded
+    # position to be -1 or a candidate's after each step, and the recorded key norms to be the
+    # keys' own. Checked with the general search (_stale) over a high-dimensional stream where
+    # more candidates go stale at once than a removal refreshes (hubs: many share a neighbour).
+    from kvhive.methods.subgen import KEY_NORM, STALE_REFRESH_WIDTH, _stale
+
+    generator = torch.Generator().manual_seed(5)
+    recent, budget, prompt, d = 4, 40, 48, 64
+    policy = SubGen(recent=recent)
+    stream = torch.randn(200, d, generator=generator) * torch.rand(200, 1, generator=generator) * 3
+    keys, positions = stream[:prompt][None, None], torch.arange(prompt, dtype=torch.int32)[None, None]
+    scoring = scoring_for(keys, positions=positions)
+    keep = policy.select_prefill(scoring, budget, {})
+    scores = {name: value[keep].reshape(1, 1, -1) for name, value in scoring.token_scores.items()}
+    keys, positions = keys[keep].reshape(1, 1, -1, d), positions[keep].reshape(1, 1, -1)
+    most_stale = 0
+    for step in range(prompt, stream.shape[0]):
+        keys = torch.cat([keys, stream[step][None, None, None]], dim=2)
+        positions = torch.cat([positions, torch.tensor([[[step]]], dtype=torch.int32)], dim=2)
+        scores = {name: torch.cat([value, value.new_zeros(1, 1, 1)], dim=2) for name, value in scores.items()}
+        scoring = scoring_for(keys, phase=DECODE, positions=positions, token_scores=scores)
+        keep = policy.select_decode(scoring, budget, {})
+        keys, positions = keys[keep].reshape(1, 1, -1, d), positions[keep].reshape(1, 1, -1)
+        scores = {name: value[keep].reshape(1, 1, -1) for name, value in scoring.token_scores.items()}
+        candidates = scores[READY][0] > 0
+        nearest = scores[NEAREST_POSITION][0]
+        stale = _stale(candidates, positions[0].float(), nearest)
+        assert torch.equal(stale, candidates & (nearest < 0)), step
+        norms = (keys[0, 0] * keys[0, 0]).sum(-1)
+        assert torch.equal(scores[KEY_NORM][0, 0][candidates[0]], norms[candidates[0]]), step
+        most_stale = max(most_stale, int(stale.sum()))
+    assert most_stale > STALE_REFRESH_WIDTH  # the lower-bound path was taken
+
+
+def test_subgen_knows_the_caches_rope_position_score_name():
+    from kvhive.cache.kv_cache import ROPE_POSITION
+    from kvhive.methods.subgen import _ROPE_POSITION
+
+    assert _ROPE_POSITION == ROPE_POSITION

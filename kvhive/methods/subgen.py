@@ -47,6 +47,10 @@ from kvhive.methods.base import (
 NEAREST_DISTANCE = "subgen_nn_sqdist"  # squared L2 distance to the nearest other candidate
 NEAREST_POSITION = "subgen_nn_position"  # original position of that candidate (-1: none)
 READY = "subgen_ready"  # 1: the two entries above are current for this candidate
+KEY_NORM = "subgen_key_sqnorm"  # squared L2 norm of the key (current for the ready candidates)
+# The cache's record of the position each kept key is rotated at (kvhive.cache.kv_cache.ROPE_POSITION,
+# only with cache positions): its keys are re-rotated, so recorded key norms are not reused then.
+_ROPE_POSITION = "_rope_position"
 
 # Elements of a distance block computed at once (rows x new tokens x stored tokens).
 _BLOCK_ELEMENTS = 1 << 22
@@ -135,27 +139,53 @@ def _smallest_indices(values: torch.Tensor, mask: torch.Tensor, width: int) -> t
     return index, mask.gather(1, index)
 
 
+def _pair_distances(
+    rows: torch.Tensor, rows_sq: torch.Tensor, keys: torch.Tensor, columns_sq: torch.Tensor
+) -> torch.Tensor:
+    """``[R, c, d] x [R, N, d] -> [R, c, N]``: ``rows_sq - 2 rows·keys + columns_sq`` clamped at 0,
+    the arithmetic of :func:`_squared_distances` in the same order (so the same bits), done in place
+    on the product. An ``inf`` in ``rows_sq`` / ``columns_sq`` makes its row / column ``inf``: the
+    masks are folded into the norms instead of a masked pass over the block."""
+    dots = torch.matmul(rows, keys.transpose(-1, -2))
+    # -2·dot is exact, and x + (-y) is x - y in IEEE arithmetic.
+    return dots.mul_(-2).add_(rows_sq[..., :, None]).add_(columns_sq[..., None, :]).clamp_min_(0)
+
+
 def _nearest_among(
     keys: torch.Tensor, keys_sq: torch.Tensor, members: torch.Tensor, index: torch.Tensor, present: torch.Tensor
 ):
     """Yield ``(columns, distances [R, c, N])``: squared distances of the tokens ``index`` to
-    every token, ``inf`` where the token is not in ``members`` or is the token itself."""
+    every token, ``inf`` where the token is not in ``members`` or is the token itself, and on the
+    rows not ``present``. ``keys_sq`` must be current for the members and the present tokens
+    (other entries are not read)."""
     rows, num_tokens, dim = keys.shape
+    columns_sq = torch.where(members, keys_sq, float("inf"))
     step = max(1, _BLOCK_ELEMENTS // max(1, rows * num_tokens))
     for start in range(0, index.shape[1], step):
         columns = slice(start, start + step)
         chosen = index[:, columns]
         chosen_keys = keys.gather(1, chosen[..., None].expand(-1, -1, dim))
-        distances = _squared_distances(chosen_keys, keys_sq.gather(1, chosen), keys, keys_sq)
-        distances = distances.masked_fill(~members[:, None, :], float("inf"))
+        chosen_sq = torch.where(present[:, columns], keys_sq.gather(1, chosen), float("inf"))
+        distances = _pair_distances(chosen_keys, chosen_sq, keys, columns_sq)
         distances.scatter_(2, chosen[..., None], float("inf"))
-        distances = distances.masked_fill(~present[:, columns, None], float("inf"))
         yield columns, distances
+
+
+def _first_true(mask: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_padded_indices` (the first ``width`` True columns of each row, in order); one
+    column is an ``argmax`` (the first maximum: the first True column, column 0 in a row with
+    none, as the stable sort gives), not a sort of the row."""
+    if min(width, mask.shape[-1]) == 1:
+        index = mask.to(torch.int8).argmax(-1, keepdim=True)
+        return index, mask.gather(1, index)
+    return _padded_indices(mask, width)
 
 
 def _stale(candidates: torch.Tensor, positions: torch.Tensor, nearest_position: torch.Tensor) -> torch.Tensor:
     """``[R, N]`` candidates whose recorded nearest neighbour is no longer a candidate (or none).
-    Stored tokens are oldest first, so ``positions`` ascend in every row: one binary search each."""
+    Stored tokens are oldest first, so ``positions`` ascend in every row: one binary search each.
+    (The general check; a decode step marks the candidates it leaves stale with position ``-1``
+    instead, see :func:`maintain_candidates`.)"""
     slot = torch.searchsorted(positions.contiguous(), nearest_position.contiguous()).clamp_max_(positions.shape[-1] - 1)
     alive = (positions.gather(1, slot) == nearest_position) & candidates.gather(1, slot)
     return candidates & ~alive
@@ -180,6 +210,7 @@ def maintain_candidates(
     newcomer_bound: int,
     removal_bound: int,
     stale_refresh_width: int = STALE_REFRESH_WIDTH,
+    keys_sq: torch.Tensor | None = None,
 ):
     """Shrink each row's candidate set to ``target`` by repeatedly evicting the newer member of
     the closest pair. All ``[R, N]`` (keys ``[R, N, d]``); ``nearest_*`` are updated in place for
@@ -193,11 +224,21 @@ def maintain_candidates(
     recorded distance, a lower bound of the true one, until a later removal refreshes it: the
     closest-pair search is exact whenever no row has more stale candidates than that width at a
     removal (true on the tests' streams and golden cases; in 2 dimensions a token is the unique
-    nearest neighbour of at most 6 others)."""
+    nearest neighbour of at most 6 others).
+
+    Stale candidates are recorded with ``nearest_position = -1`` (the position of no token), so
+    a removal finds them without searching for every candidate's neighbour: this needs every
+    ready candidate's recorded position to be ``-1`` or a candidate's (what the prefill's record
+    and every call here leave; a candidate leaves the set only by a removal here).
+
+    ``keys_sq`` (``[R, N]``, optional): the keys' squared norms, current for the ready
+    candidates; the newcomers' are computed and written into it (in place). Without it every
+    key's norm is computed (a pass over all keys)."""
     keys = keys.float()
-    keys_sq = (keys * keys).sum(-1)
+    if keys_sq is None:
+        keys_sq = (keys * keys).sum(-1)
     positions = positions.to(nearest_position.dtype)
-    rows = keys.shape[0]
+    rows, _, dim = keys.shape
     row_index = torch.arange(rows, device=keys.device)
     candidates = candidates.clone()
 
@@ -206,12 +247,11 @@ def maintain_candidates(
             return
         for columns, distances in _nearest_among(keys, keys_sq, candidates, index, present):
             chosen, here = index[:, columns], present[:, columns]
+            # Rows not present are all inf: no neighbour found there, nothing written below.
             best, where_best = distances.min(-1)
-            found = torch.isfinite(best) & here
-            new_sq = torch.where(found, best, float("inf"))
-            new_pos = torch.where(found, positions.gather(1, where_best), -1.0)
+            new_pos = torch.where(torch.isfinite(best), positions.gather(1, where_best), -1.0)
             # Entries not present scatter their own current value back (indices are distinct).
-            nearest_sq.scatter_(1, chosen, torch.where(here, new_sq, nearest_sq.gather(1, chosen)))
+            nearest_sq.scatter_(1, chosen, torch.where(here, best, nearest_sq.gather(1, chosen)))
             nearest_position.scatter_(1, chosen, torch.where(here, new_pos, nearest_position.gather(1, chosen)))
             if update_others:
                 # The new tokens may be the nearest neighbour of candidates that were already there.
@@ -221,20 +261,35 @@ def maintain_candidates(
                 nearest_sq.copy_(torch.where(closer, column_best, nearest_sq))
                 nearest_position.copy_(torch.where(closer, source, nearest_position))
 
-    recompute(*_padded_indices(candidates & ~ready, newcomer_bound), update_others=True)
+    if keys.device.type == "cpu" and not torch.compiler.is_compiling():
+        # One streaming read of the keys first: the products below then find them in cache. A
+        # cold [R, c, d] x [R, d, N] product reads them several times slower than a sum does (on
+        # the kv-heavy shape at 4k: 46 + 74 us instead of 206 us per layer and step).
+        keys.sum()
+    newcomers, present = _first_true(candidates & ~ready, newcomer_bound)
+    if newcomers.shape[1] > 0:
+        # The newcomers' norms (a row's own norm wherever an index is padding: true all the same).
+        joining = keys.gather(1, newcomers[..., None].expand(-1, -1, dim))
+        keys_sq.scatter_(1, newcomers, (joining * joining).sum(-1))
+    recompute(newcomers, present, update_others=True)
     excess = candidates.sum(-1) - target
     for _ in range(removal_bound):
         active = excess > 0
         value = torch.where(candidates, nearest_sq, float("inf"))
-        first = value.argmin(-1)
-        partner_position = nearest_position[row_index, first]
-        partner_mask = candidates & (positions == partner_position[:, None])
-        partner = partner_mask.to(torch.int8).argmax(-1)
-        has_partner = partner_mask.any(-1)
-        newer_is_partner = has_partner & (positions[row_index, partner] > positions[row_index, first])
-        drop = torch.where(newer_is_partner, partner, first)[:, None]
+        first = value.argmin(-1, keepdim=True)
+        partner_position = nearest_position.gather(1, first)
+        partner_mask = candidates & (positions == partner_position)
+        partner = partner_mask.to(torch.int8).argmax(-1, keepdim=True)
+        # The partner's slot holds it iff there is one (positions are distinct).
+        has_partner = partner_mask.gather(1, partner)
+        newer_is_partner = has_partner & (positions.gather(1, partner) > positions.gather(1, first))
+        drop = torch.where(newer_is_partner, partner, first)
+        dropped = candidates.gather(1, drop) & active[:, None]
         candidates.scatter_(1, drop, candidates.gather(1, drop) & ~active[:, None])
-        stale = _stale(candidates, positions, nearest_position)
+        # Stale now: the candidates recorded stale (-1) and those whose neighbour was just dropped.
+        lost = candidates & (nearest_position == torch.where(dropped, positions.gather(1, drop), -1.0))
+        nearest_position.masked_fill_(lost, -1.0)
+        stale = candidates & (nearest_position < 0)
         recompute(*_smallest_indices(nearest_sq, stale, stale_refresh_width), update_others=False)
         excess = excess - active.long()
     ready.copy_(candidates.to(ready.dtype))
@@ -301,6 +356,7 @@ class SubGen(Policy):
         scores[NEAREST_DISTANCE] = per_token(torch.where(found, best, float("inf")), float("inf"))
         scores[NEAREST_POSITION] = per_token(torch.where(found, neighbour_position, -1.0), -1.0)
         scores[READY] = per_token(present.float(), 0.0)
+        scores[KEY_NORM] = per_token(centers_sq, 0.0)
 
     def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
         valid, forced, candidates = self._split(scoring)
@@ -308,27 +364,31 @@ class SubGen(Policy):
         scores = scoring.token_scores
         shape = (b * h, n)
         device = scoring.keys.device
-        nearest_sq = scores.get(NEAREST_DISTANCE)
-        nearest_sq = (
-            nearest_sq.reshape(shape).clone()
-            if nearest_sq is not None
-            else torch.full(shape, float("inf"), device=device)
-        )
-        nearest_position = scores.get(NEAREST_POSITION)
-        nearest_position = (
-            nearest_position.reshape(shape).clone()
-            if nearest_position is not None
-            else torch.full(shape, -1.0, device=device)
-        )
+
+        def stored(name: str, fill: float) -> torch.Tensor:
+            # A copy to update in place (the stored views may not reshape to [B*H, N] as views).
+            value = scores.get(name)
+            return value.reshape(shape).clone() if value is not None else torch.full(shape, fill, device=device)
+
+        nearest_sq = stored(NEAREST_DISTANCE, float("inf"))
+        nearest_position = stored(NEAREST_POSITION, -1.0)
         ready = scores.get(READY)
         ready = (ready.reshape(shape) > 0) if ready is not None else torch.zeros(shape, dtype=torch.bool, device=device)
         ready = ready & candidates.reshape(shape)
+        # The ready candidates' key norms as recorded when they joined; not when the cache
+        # re-rotates kept keys (cache positions: a rotation moves the norms' last bits), nor
+        # before any decision.
+        keys_sq = scores.get(KEY_NORM) if scores.get(READY) is not None and _ROPE_POSITION not in scores else None
+        keys_sq = keys_sq.reshape(shape).clone() if keys_sq is not None else None
         # After a decision (prefill's included) the kept candidates are ready, so the candidates
         # not ready since are the tokens that left the recent window: at most the n - budget
         # appended since. Without a decision before (select_decode called first), all of them.
         newcomer_bound = n - self.config.recent if scores.get(READY) is None else n - budget
+        keys = scoring.keys.reshape(b * h, n, d)
+        if keys_sq is None:
+            keys_sq = (keys.float() * keys.float()).sum(-1)
         kept = maintain_candidates(
-            scoring.keys.reshape(b * h, n, d),
+            keys,
             scoring.positions.reshape(shape),
             candidates.reshape(shape),
             budget - self.config.recent,
@@ -337,8 +397,10 @@ class SubGen(Policy):
             ready,
             newcomer_bound=max(0, newcomer_bound),
             removal_bound=max(0, n - budget),
+            keys_sq=keys_sq,
         )
         scores[NEAREST_DISTANCE] = nearest_sq.reshape(b, h, n)
         scores[NEAREST_POSITION] = nearest_position.reshape(b, h, n)
+        scores[KEY_NORM] = keys_sq.reshape(b, h, n)
         scores[READY] = ready.reshape(b, h, n).float()
         return keep_top_scores(kept.reshape(b, h, n).float(), budget, valid, forced=forced)
