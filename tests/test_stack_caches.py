@@ -124,7 +124,9 @@ def test_stack_refusals(model):
     mask = torch.ones(2, LENGTHS[1], dtype=torch.long)
     mask[0, :5] = 0  # row 0 left-padded: its tokens seen count the padding
     with torch.no_grad():
-        model(input_ids=torch.cat([prompts[1]] * 2), attention_mask=mask, **{cache_kwarg(model): padded}, use_cache=True)
+        model(
+            input_ids=torch.cat([prompts[1]] * 2), attention_mask=mask, **{cache_kwarg(model): padded}, use_cache=True
+        )
     with pytest.raises(ValueError, match="caches\\[1\\] holds a left-padded batch of 2 rows"):
         KVHiveCache.stack([snapkv[0], padded])
     with pytest.raises(ValueError, match="non-empty list"):

@@ -1105,7 +1105,9 @@ class KVHiveCache(Cache):
             raise ValueError(f"{where} holds no prompt: prefill each cache (its prompt through the model) first")
         batches = {layer.batch_size for layer in cache.layers}
         if len(batches) != 1 or min(batches) < 1:
-            raise ValueError(f"{where} holds batches of {sorted(batches)} rows in its layers; expected one batch size >= 1")
+            raise ValueError(
+                f"{where} holds batches of {sorted(batches)} rows in its layers; expected one batch size >= 1"
+            )
         if min(batches) > 1 and not cache.is_stacked and any(layer.has_padding for layer in cache.layers):
             # Its rows' token counts include the left padding, so each row's next position (its
             # tokens seen, as a stacked row continues) would not be the one it has alone.
