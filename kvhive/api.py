@@ -366,6 +366,7 @@ def generate_batch(
     *,
     stop_strings: list[str] | list[list[str]] | None = None,
     eos_token_id: int | list[int] | None = None,
+    max_batch_size: int | None = None,
     **cache_options: Any,
 ) -> list[str]:
     """Greedy generation for several prompts: each prompt is prefilled alone into its own cache
@@ -377,6 +378,11 @@ def generate_batch(
     string stays in the text), or after ``max_new_tokens``; finished rows leave the batch. Returns
     one text per prompt, each what ``kvhive.generate`` returns for that prompt alone.
 
+    ``max_batch_size`` (an integer >= 1; None: every prompt at once): at most that many rows decode
+    at once. The first ``max_batch_size`` prompts start; the others wait in order, and as soon as a
+    row leaves, the next waiting prompt is prefilled alone and joins the batch that is decoding
+    (:meth:`KVHiveCache.add_rows`; continuous batching), between two decode steps.
+
     A method whose caches cannot be stacked (BUZZ and BumbleBee, whose eviction schedule follows
     each layer's token count; subgen-attention's estimator; Ada-KV when heads keep different counts;
     rows of different lengths in a layer that evicts while decoding) is refused with a ValueError
@@ -387,45 +393,77 @@ def generate_batch(
         raise ValueError(f"invalid prompts={prompts!r}: expected a non-empty list of strings")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"invalid max_new_tokens={max_new_tokens!r}: expected an integer >= 1")
+    if max_batch_size is not None and (
+        isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1
+    ):
+        raise ValueError(f"invalid max_batch_size={max_batch_size!r}: expected an integer >= 1 (rows), or None")
     if "decode_capacity" in cache_options or "compile" in cache_options:
         raise ValueError("generate_batch decodes eagerly: decode_capacity and compile are not accepted")
     row_stops = _row_stop_strings(stop_strings, len(prompts))
     stop_ids = _stop_ids(model, eos_token_id)
     encoded = [encode_prompt(tokenizer, prompt, model, max_new_tokens) for prompt in prompts]
-    caches, first_logits = [], []
-    for row in encoded:
+    limit = len(prompts) if max_batch_size is None else max_batch_size
+    generated: list[list[int]] = [[] for _ in prompts]
+
+    def prefill(prompt_index: int) -> tuple[KVHiveCache, torch.Tensor]:
         cache = make_cache(model, method, budget, **cache_options)
         if cache.positions != "original":
             raise ValueError("generate_batch needs positions='original' (rows sit at different positions)")
-        first_logits.append(_prefill_alone(model, row, cache))
-        caches.append(cache)
-    stacked = KVHiveCache.stack(caches, decode_capacity=max_new_tokens)
+        return cache, _prefill_alone(model, encoded[prompt_index], cache)[0].argmax(dim=-1)
+
+    def finished(prompt_index: int, token: int) -> bool:
+        """Record a row's new token; whether the row ends with it."""
+        tokens = generated[prompt_index]
+        tokens.append(token)
+        return (
+            len(tokens) >= max_new_tokens
+            or token in stop_ids
+            or any(stop in tokenizer.decode(tokens, skip_special_tokens=True) for stop in row_stops[prompt_index])
+        )
+
+    waiting = list(range(len(prompts)))
+    # The first batch: stacked whatever its first tokens (a method that cannot stack is refused
+    # before any decoding, as when every prompt starts at once).
+    starting = [waiting.pop(0) for _ in range(min(limit, len(waiting)))]
+    caches, first_tokens = zip(*(prefill(prompt_index) for prompt_index in starting), strict=True)
+    stacked: KVHiveCache | None = KVHiveCache.stack(list(caches), decode_capacity=max_new_tokens)
     del caches
-    next_tokens = torch.cat(first_logits).argmax(dim=-1)
-    generated: list[list[int]] = [[] for _ in prompts]
-    active = list(range(len(prompts)))  # prompt of each row of the stacked batch
+    active = list(starting)  # prompt of each row of the stacked batch
+    next_tokens = torch.stack(first_tokens)
     kwarg = cache_kwarg(model)
     with torch.no_grad():
-        for step in range(max_new_tokens):
-            still = []
-            for row, prompt_index in enumerate(active):
-                token = int(next_tokens[row])
-                generated[prompt_index].append(token)
-                done = token in stop_ids or (
-                    row_stops[prompt_index]
-                    and any(
-                        stop in tokenizer.decode(generated[prompt_index], skip_special_tokens=True)
-                        for stop in row_stops[prompt_index]
-                    )
-                )
-                if not done:
-                    still.append(row)
-            if step == max_new_tokens - 1 or not still:
-                break
+        while True:
+            still = [
+                row for row, prompt_index in enumerate(active) if not finished(prompt_index, int(next_tokens[row]))
+            ]
             if len(still) < len(active):
-                stacked.batch_select_indices(torch.tensor(still))
-                next_tokens = next_tokens[torch.tensor(still, device=next_tokens.device)]
+                if still:
+                    stacked.batch_select_indices(torch.tensor(still))
+                    next_tokens = next_tokens[torch.tensor(still, device=next_tokens.device)]
+                else:
+                    stacked, next_tokens = None, next_tokens[:0]
                 active = [active[row] for row in still]
+            # Waiting prompts join in the rows that left. A prompt that ends with its first token
+            # never needs the batch; the next one takes its place.
+            joining, joining_tokens = [], []
+            while waiting and len(active) + len(joining) < limit:
+                prompt_index = waiting.pop(0)
+                cache, token = prefill(prompt_index)
+                if not finished(prompt_index, int(token)):
+                    joining.append((prompt_index, cache))
+                    joining_tokens.append(token)
+            if joining:
+                caches = [cache for _, cache in joining]
+                if stacked is None:
+                    stacked = KVHiveCache.stack(caches, decode_capacity=max_new_tokens)
+                else:
+                    stacked.add_rows(caches, decode_capacity=max_new_tokens)
+                del caches
+                active += [prompt_index for prompt_index, _ in joining]
+                next_tokens = torch.cat([next_tokens, torch.stack(joining_tokens).to(next_tokens.device)])
+                joining.clear()
+            if not active:
+                break
             # Each row's next position, from the layer's device counter (no host data sent per step).
             positions = stacked.layers[0].row_tokens_seen_device[:, None].clone()
             output = model(input_ids=next_tokens[:, None], position_ids=positions, **{kwarg: stacked}, use_cache=True)

@@ -117,6 +117,8 @@ def command_generate(args: argparse.Namespace) -> int:
         raise SystemExit("kvhive generate: give a PROMPT, --prompt-file or --prompts-file (exactly one)")
     if args.prompts_file is not None:
         return _generate_batch(args)
+    if args.max_batch_size is not None:
+        raise SystemExit("kvhive generate: --max-batch-size applies to --prompts-file (a batch of prompts)")
     if args.per_layer and not args.json:
         raise SystemExit("kvhive generate: --per-layer adds detail to --json output; give --json too")
     method, parameters = _method_and_parameters(args.method, args.param)
@@ -180,6 +182,7 @@ def _generate_batch(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         compress_sliding=args.compress_sliding,
         prefill_chunk=args.prefill_chunk,
+        max_batch_size=args.max_batch_size,
         **parameters,
     )
     if args.json:
@@ -405,6 +408,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="feed the prompt in chunks of N tokens, compressing as it goes (peak memory: budget + one chunk)",
+    )
+    generate.add_argument(
+        "--max-batch-size",
+        type=_positive_int_argument("--max-batch-size"),
+        default=None,
+        metavar="N",
+        help="with --prompts-file: decode at most N prompts at once; the others wait and each joins the running "
+        "batch as soon as a row finishes (default: all prompts at once)",
     )
     generate.add_argument(
         "--compile",

@@ -120,13 +120,18 @@ def test_stack_refusals(model):
         KVHiveCache.stack([single, _prefilled(other, "snapkv", 32, prompts[1])])
     with pytest.raises(ValueError, match="holds no prompt"):
         KVHiveCache.stack([snapkv[0], kvhive.make_cache(model, "snapkv", 32)])
-    with pytest.raises(ValueError, match="one row"):
-        KVHiveCache.stack([snapkv[0], _prefilled(model, "snapkv", 32, torch.cat([prompts[1]] * 2))])
+    padded = kvhive.make_cache(model, "snapkv", 32)
+    mask = torch.ones(2, LENGTHS[1], dtype=torch.long)
+    mask[0, :5] = 0  # row 0 left-padded: its tokens seen count the padding
+    with torch.no_grad():
+        model(
+            input_ids=torch.cat([prompts[1]] * 2), attention_mask=mask, **{cache_kwarg(model): padded}, use_cache=True
+        )
+    with pytest.raises(ValueError, match="caches\\[1\\] holds a left-padded batch of 2 rows"):
+        KVHiveCache.stack([snapkv[0], padded])
     with pytest.raises(ValueError, match="non-empty list"):
         KVHiveCache.stack([])
     stacked = KVHiveCache.stack(snapkv)
-    with pytest.raises(ValueError, match="already a stacked cache"):
-        KVHiveCache.stack([stacked])
     with pytest.raises(ValueError, match="one token per row"):
         with torch.no_grad():
             model(input_ids=torch.ones(2, 2, dtype=torch.long), **{cache_kwarg(model): stacked}, use_cache=True)

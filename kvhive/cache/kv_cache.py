@@ -124,6 +124,47 @@ def _real_lengths(scoring: ScoringInputs) -> list[int]:
     return scoring.mask[:, 0].any(dim=-2).sum(dim=-1).tolist()
 
 
+def _row_views(layer: LayerStore) -> list[tuple]:
+    """``(keys, values, positions, token_scores)`` of each batch row of a dense layer, ``[1, H, L_b, ...]``
+    views of its own ``L_b`` stored tokens (a layer of rows of different lengths holds row ``b``
+    in slots ``[0, L_b)`` of a common capacity; the slots past it are empty)."""
+    keys, values, positions, scores = layer.dense()
+    lengths = layer._row_lengths or [layer.dense_length] * layer.batch_size
+    return [
+        (
+            keys[row : row + 1, :, :length],
+            values[row : row + 1, :, :length],
+            positions[row : row + 1, :, :length],
+            {name: score[row : row + 1, :, :length] for name, score in scores.items()},
+        )
+        for row, length in enumerate(lengths)
+    ]
+
+
+def _row_states(policy: Policy, layer: LayerStore) -> list[dict]:
+    """The method's per-layer state of each batch row of ``layer`` (a layer of one row: its state as
+    it is, so a method that refuses stacking says why in ``stack_states``)."""
+    if layer.batch_size == 1:
+        return [layer.policy_state]
+    try:
+        return [
+            policy.select_state_rows(layer.policy_state, torch.tensor([row]), layer.num_heads)
+            for row in range(layer.batch_size)
+        ]
+    except NotImplementedError as error:
+        raise ValueError(f"method {policy.name!r} cannot stack caches of several rows: {error}") from None
+
+
+def _copy_without_layers(cache: KVHiveCache) -> KVHiveCache:
+    """A deep copy of ``cache``'s settings and method, sharing none of its stored tokens: the layers
+    and prefill records are replaced by the caller, so copying their buffers would only cost memory
+    (a running batch's whole cache, at every join)."""
+    import copy
+
+    skipped = {id(cache.layers): [], id(cache.prefill_records): {}}
+    return copy.deepcopy(cache, skipped)
+
+
 # A layer whose budget exceeds twice what it holds after its prompt by more than this decodes in
 # the growing layout rather than in a fixed capacity of the whole budget.
 BOUNDED_CAPACITY_SLACK = 64
@@ -959,9 +1000,12 @@ class KVHiveCache(Cache):
 
     @classmethod
     def stack(cls, caches: list[KVHiveCache], decode_capacity: int | None = None) -> KVHiveCache:
-        """One batch cache whose row ``i`` is ``caches[i]``: caches of one model and one method
-        (same options and budget), each a batch of one prefilled separately, e.g. from prompts of
-        different lengths. The inputs are left as they were (the rows are copied).
+        """One batch cache whose rows are the rows of ``caches``, in order (every row of
+        ``caches[0]``, then of ``caches[1]``, ...): caches of one model and one method (same options
+        and budget), prefilled separately, e.g. from prompts of different lengths. A cache may hold
+        one row or several (a batch prefilled together without padding, or a stacked cache that is
+        decoding: a request joining a running batch, :meth:`add_rows`). The inputs are left as they
+        were (the rows are copied into new buffers).
 
         Each row keeps the tokens it has seen (``row_tokens_seen``; new tokens get each row's own
         next position, which the caller passes as ``position_ids``: ``kvhive.generate_batch``) and
@@ -972,12 +1016,11 @@ class KVHiveCache(Cache):
         per forward, eagerly.
 
         Refused with a ValueError naming the reason: caches of different models, methods, options,
-        budgets, dtypes or devices; caches of several rows, empty or not prefilled; re-indexed
-        positions; head-wise counts (Ada-KV's packed layout); a layer that evicts while decoding
-        (or slides) whose rows keep different counts; a method whose per-layer state is not per
-        row (``Policy.stack_states``: BUZZ, BumbleBee, subgen-attention)."""
-        import copy
-
+        budgets, dtypes or devices; empty or unprefilled caches; a batch of several rows with left
+        padding (its rows' positions count the padding); re-indexed positions; head-wise counts
+        (Ada-KV's packed layout); a layer that evicts while decoding (or slides) whose rows keep
+        different counts; a method whose per-layer state is not per row (``Policy.stack_states``:
+        BUZZ, BumbleBee, subgen-attention)."""
         if not isinstance(caches, (list, tuple)) or not caches:
             raise ValueError(f"caches: expected a non-empty list of KVHiveCache, got {caches!r}")
         if decode_capacity is not None and (
@@ -990,15 +1033,22 @@ class KVHiveCache(Cache):
                 raise ValueError(f"caches[{number}]: expected a KVHiveCache, got {type(cache).__name__}")
             cls._check_stackable(first, cache, number)
         policy = first.policy
-        stacked = copy.deepcopy(first)
-        tokens_seen = [cache.layers[0].tokens_seen for cache in caches]
         room = decode_capacity if decode_capacity is not None else 64
         new_layers = []
         for index, layer in enumerate(first.layers):
-            rows = [cache.layers[index] for cache in caches]
-            seen = [row.tokens_seen for row in rows]
-            state = policy.stack_states([row.policy_state for row in rows], seen)  # a method may refuse first
-            lengths = [row.dense_length for row in rows]
+            sources = [cache.layers[index] for cache in caches]
+            # One state per row. The tokens seen passed with each state are those of the layer it
+            # came from (its ``sequence_length``, the most any of its rows has seen): a stacked
+            # row's state may be relative to it (AhaKV's padding), and the method re-bases it on
+            # the most any source has seen, which becomes the new layer's count.
+            states, state_seen = [], []
+            for source in sources:
+                states.extend(_row_states(policy, source))
+                state_seen.extend([source.tokens_seen] * source.batch_size)
+            state = policy.stack_states(states, state_seen)  # a method may refuse first
+            row_seen = [seen for source in sources for seen in source.row_tokens_seen]
+            rows = [view for source in sources for view in _row_views(source)]
+            lengths = [int(view[0].shape[2]) for view in rows]
             evicts = (index in first.compressed_layers and DECODE in policy.phases) or layer.is_sliding
             if len(set(lengths)) > 1 and evicts:
                 why = "slides (keeps its window)" if layer.is_sliding else f"evicts while decoding ({policy.name!r})"
@@ -1007,32 +1057,41 @@ class KVHiveCache(Cache):
                     f"{lengths} (prompts shorter than the budget or the window); a layer that evicts while decoding "
                     "keeps one length for every row: give prompts longer than the budget, or decode them alone"
                 )
-            steps = {row.decode_steps_since_compression for row in rows}
+            steps = {source.decode_steps_since_compression for source in sources}
             if len(steps) > 1:
                 raise ValueError(
                     f"cannot stack these caches: layer {index} compressed {sorted(steps)} steps ago in different rows "
                     "(decode_every/decode_slack keep one schedule per layer)"
                 )
-            views = [row.dense() for row in rows]
             store = LayerStore(layer.layer_index, layer.sliding_window)
             store.set_rows(
-                [view[0] for view in views],
-                [view[1] for view in views],
-                [view[2] for view in views],
-                [view[3] for view in views],
-                seen,
+                [view[0] for view in rows],
+                [view[1] for view in rows],
+                [view[2] for view in rows],
+                [view[3] for view in rows],
+                row_seen,
                 room,
             )
+            store.tokens_seen = max(state_seen)  # the count every row's state is now relative to
             store.policy_state = state
-            store.has_padding = any(row.has_padding for row in rows)
+            store.has_padding = any(source.has_padding for source in sources)
             store.heads_per_kv_head = layer.heads_per_kv_head
             store.decode_steps_since_compression = layer.decode_steps_since_compression
             store.last_update_tokens = 1
             new_layers.append(store)
+        stacked = _copy_without_layers(first)
         stacked.layers = new_layers
         stacked.row_layer_budgets = {
-            layer: [cache.layer_budgets.get(layer, budget) for cache in caches]
-            for layer, budget in first.layer_budgets.items()
+            layer: [
+                budget
+                for cache in caches
+                for budget in (
+                    cache._row_budgets(layer, cache._batch_size())
+                    if layer in cache.row_layer_budgets
+                    else [cache.layer_budgets.get(layer, first_budget)] * cache._batch_size()
+                )
+            ]
+            for layer, first_budget in first.layer_budgets.items()
         }
         stacked.layer_budgets = {layer: max(budgets) for layer, budgets in stacked.row_layer_budgets.items()}
         stacked._cut_at_prefill = set.intersection(*(set(cache._cut_at_prefill) for cache in caches))
@@ -1041,11 +1100,22 @@ class KVHiveCache(Cache):
         stacked._generated_ids = None
         stacked._unattended_update = None
         stacked._prompt_planned = False
-        stacked._budgets_resolved_on = max(tokens_seen)
+        stacked._budgets_resolved_on = max(cache.layers[0].tokens_seen for cache in caches)
         stacked.prefill_chunk = None
         stacked.decode_capacity = None
         stacked._compileable = False  # per-row lengths and counts live on the host: eager decode
         return stacked
+
+    def add_rows(self, caches: list[KVHiveCache], decode_capacity: int | None = None) -> None:
+        """Append the rows of ``caches`` (each prefilled, e.g. a request joining a batch that is
+        decoding) after this cache's rows, in place: ``KVHiveCache.stack([self, *caches])`` with
+        the same checks and refusals, adopted by this object (so a caller holding it, a server's
+        scheduler, keeps its reference). Every layer's buffers are laid out again: their addresses
+        change, as after ``batch_select_indices`` (docs/DESIGN.md, "Joining a running batch")."""
+        if not isinstance(caches, (list, tuple)) or not caches:
+            raise ValueError(f"caches: expected a non-empty list of KVHiveCache, got {caches!r}")
+        joined = type(self).stack([self, *caches], decode_capacity)
+        self.__dict__.update(joined.__dict__)
 
     @staticmethod
     def _check_stackable(first: KVHiveCache, cache: KVHiveCache, number: int) -> None:
@@ -1054,11 +1124,18 @@ class KVHiveCache(Cache):
             raise ValueError(f"{where} uses positions={cache.positions!r}; stacked rows need positions='original'")
         if not all(layer.is_initialized for layer in cache.layers):
             raise ValueError(f"{where} holds no prompt: prefill each cache (its prompt through the model) first")
-        if cache.is_stacked:
-            raise ValueError(f"{where} is already a stacked cache: stack the caches it was made from")
         batches = {layer.batch_size for layer in cache.layers}
-        if batches != {1}:
-            raise ValueError(f"{where} holds a batch of {sorted(batches)} rows; each cache must hold one row")
+        if len(batches) != 1 or min(batches) < 1:
+            raise ValueError(
+                f"{where} holds batches of {sorted(batches)} rows in its layers; expected one batch size >= 1"
+            )
+        if min(batches) > 1 and not cache.is_stacked and any(layer.has_padding for layer in cache.layers):
+            # Its rows' token counts include the left padding, so each row's next position (its
+            # tokens seen, as a stacked row continues) would not be the one it has alone.
+            raise ValueError(
+                f"{where} holds a left-padded batch of {min(batches)} rows: its rows' positions count the padding; "
+                "prefill each prompt alone (a batch of one) and stack those"
+            )
         for layer in cache.layers:
             if not layer.is_uniform:
                 raise ValueError(

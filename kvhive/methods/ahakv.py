@@ -284,7 +284,9 @@ class AhaKV(ScorerPolicy):
     def stack_states(self, states: list[dict], tokens_seen: list[int]) -> dict:
         """``n`` of Eq. 12 is each row's own tokens seen. A stacked layer's ``sequence_length`` is the
         most any row has seen, so a row that has seen fewer counts the difference as padding (both
-        advance by one token per step: the difference stays)."""
+        advance by one token per step: the difference stays). A row of a stacked cache (joining
+        another batch) already counts its difference to that cache's count ``tokens_seen[i]``: it
+        gains the difference between that count and the new maximum."""
         scored_with = {state.get("ahakv_scored_with") for state in states}
         if len(scored_with) > 1:
             raise ValueError(

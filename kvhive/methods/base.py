@@ -503,9 +503,12 @@ class Policy:
 
     def stack_states(self, states: list[dict], tokens_seen: list[int]) -> dict:
         """One layer's state for caches prefilled separately and stacked as the rows of one batch
-        (``KVHiveCache.stack``): ``states[i]`` is cache ``i``'s (a batch of one), ``tokens_seen[i]``
-        the tokens it has seen (they may differ; the stacked layer's ``sequence_length`` is their
-        maximum). Raises ValueError when the method cannot decode such rows together."""
+        (``KVHiveCache.stack``): ``states[i]`` is row ``i``'s (a batch of one: a row of a cache of
+        several rows comes from :meth:`select_state_rows`), ``tokens_seen[i]`` the tokens seen of the
+        layer it came from, its ``sequence_length`` (a row's own count for a cache of one row; for a
+        row of a stacked cache, the most any of its rows has seen, which its state may be relative
+        to). The stacked layer's ``sequence_length`` is their maximum. Raises ValueError when the
+        method cannot decode such rows together."""
         if not any(states):
             return {}
         raise ValueError(
