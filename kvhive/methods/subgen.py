@@ -239,7 +239,6 @@ def maintain_candidates(
         keys_sq = (keys * keys).sum(-1)
     positions = positions.to(nearest_position.dtype)
     rows, _, dim = keys.shape
-    row_index = torch.arange(rows, device=keys.device)
     candidates = candidates.clone()
 
     def recompute(index: torch.Tensor, present: torch.Tensor, update_others: bool) -> None:
