@@ -174,7 +174,8 @@ def test_true_sequence_length_after_eviction_and_generate_positions(architecture
     full_layers = [i for i, layer in enumerate(cache.layers) if not layer.is_sliding]
     for index in full_layers:
         assert cache.layers[index].num_stored == 2 * cache.layers[index].num_heads * 6
-        assert cache.layers[index].dense()[2][0, 0].tolist() == list(range(18, 24))
+        # sorted: a decode eviction writes the newest token into the freed slot (Policy.reads_stored_order)
+        assert sorted(cache.layers[index].dense()[2][0, 0].tolist()) == list(range(18, 24))
 
 
 @pytest.mark.parametrize("architecture", TINY_ARCHITECTURES)

@@ -657,6 +657,7 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
             last_query_weights=last_weights,
             accumulated_weights=accumulated,
             filled=store.length_device if store.fixed_capacity else None,
+            stored_in_order=store.stored_in_order,
         )
 
     cache.after_decode(layer_index, make_scoring)

@@ -538,6 +538,11 @@ class KVHiveCache(Cache):
             self._cut_at_prefill.add(layer_index)
             store.settled_tokens = store.tokens_seen  # chosen with every token so far: no crop below this
         self._reindex(store)
+        if DECODE in self.policy.phases and self._fills_holes(store):
+            # Its decode evictions will write the newest token into the freed slot: the method reads
+            # recency by position from the first decode step on (the same answers while the order
+            # still holds), so the step that first fills a hole is the graph of every step.
+            store.stored_in_order = False
 
     def _select_prefill(self, scoring: ScoringInputs, row_budgets: list[int], state: dict) -> torch.Tensor | None:
         """The policy's prefill decision, once per distinct row budget (one call unless rows of a
@@ -660,7 +665,11 @@ class KVHiveCache(Cache):
         self._store_token_scores(store, scoring)
         if keep is None:
             return
-        store.keep(keep, self._kept_counts(keep, store, [budget + self.decode_slack] * keep.shape[0], known_count))
+        counts = self._kept_counts(keep, store, [budget + self.decode_slack] * keep.shape[0], known_count)
+        if isinstance(counts, int) and counts == store.dense_length - 1 and self._fills_holes(store):
+            store.fill_hole(keep)  # one token per row moved, not the whole kept window
+        else:
+            store.keep(keep, counts)
         store.decode_steps_since_compression = 0
 
     def _decode_step_in_capacity(self, layer_index: int, store: LayerStore, make_scoring) -> None:
@@ -697,8 +706,25 @@ class KVHiveCache(Cache):
             f"head, or more than the {bound} tokens its fixed_decode_capacity declared",
         )
         # Filling to a budget, a step drops at most one token: the compaction needs no sort.
-        store.compact_in_place(keep, kept, at_most_one_dropped=store.fills_to_budget)
+        store.compact_in_place(
+            keep,
+            kept,
+            at_most_one_dropped=store.fills_to_budget,
+            fill_hole=store.fills_to_budget and self._fills_holes(store),
+        )
         store.decode_steps_since_compression = 0
+
+    def _fills_holes(self, store: LayerStore) -> bool:
+        """Whether a decode eviction of one token per row may write the newest token into the freed
+        slot (``DenseLayerStore.fill_hole``): the method reads no stored order, and nothing else
+        does (original positions, not a sliding window, one length for every row)."""
+        return (
+            not self.policy.reads_stored_order
+            and self.positions == ORIGINAL_POSITIONS
+            and not store.is_sliding
+            and store.is_uniform
+            and not store.has_row_lengths
+        )
 
     def _compress_prompt_chunk(self, layer_index: int, store: LayerStore, make_scoring) -> None:
         """A prompt chunk after the first (chunked prefill) for a prefill-only method: the method
@@ -1075,6 +1101,7 @@ class KVHiveCache(Cache):
             store.tokens_seen = max(state_seen)  # the count every row's state is now relative to
             store.policy_state = state
             store.has_padding = any(source.has_padding for source in sources)
+            store.stored_in_order = all(source.stored_in_order for source in sources)
             store.heads_per_kv_head = layer.heads_per_kv_head
             store.decode_steps_since_compression = layer.decode_steps_since_compression
             store.last_update_tokens = 1

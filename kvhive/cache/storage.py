@@ -116,6 +116,9 @@ class LayerStore(CacheLayerMixin):
         # Held in a capacity of its budget (plus the new token) by a method that keeps min(budget, N),
         # because the prompt left fewer tokens than the budget (KVHiveCache._reserve_decode).
         self.fills_to_budget = False
+        # Whether the stored order is the tokens' order (oldest first); False once a decode eviction
+        # wrote the newest token into the freed slot (fill_hole), until the layer is emptied.
+        self.stored_in_order = True
         # Whether the latest update was this layer's first (its prefill), and how many tokens it had.
         self.in_prefill = False
         self.last_update_tokens = 0
@@ -224,6 +227,7 @@ class LayerStore(CacheLayerMixin):
         self._row_lengths, self.row_lengths_device = None, None
         self.length_device, self._length_value, self._length_stale, self.fixed_capacity = None, 0, False, False
         self.bounded_capacity = self.fills_to_budget = False
+        self.stored_in_order = True
         self.in_prefill = False
         self.has_padding = False
         self.policy_state = {}
@@ -752,7 +756,9 @@ class DenseLayerStore(LayerStore):
         filled = torch.arange(capacity, device=self.device) < self.length_device
         return self._key_buffer, self._value_buffer, self._position_buffer, dict(self._score_buffers), filled
 
-    def compact_in_place(self, keep_mask: torch.Tensor, kept: torch.Tensor, at_most_one_dropped: bool = False) -> None:
+    def compact_in_place(
+        self, keep_mask: torch.Tensor, kept: torch.Tensor, at_most_one_dropped: bool = False, fill_hole: bool = False
+    ) -> None:
         """Fixed capacity: keep the tokens where ``keep_mask [B, H, C]`` (over the whole capacity,
         False on the empty slots) is True, compacted at the front in their stored order; ``kept`` is
         their number per row (a 0-d device tensor, the same for every row). Fixed shapes and no host
@@ -761,10 +767,23 @@ class DenseLayerStore(LayerStore):
 
         ``at_most_one_dropped``: the caller knows at most one filled slot per row is dropped (every
         False past the first is an empty slot at the end), so the kept tokens just move down past the
-        first False, found without a sort."""
+        first False, found without a sort. ``fill_hole`` (with it; for a method that reads no stored
+        order, ``Policy.reads_stored_order``): the newest token, at the end of the filled slots, moves
+        into the dropped token's slot instead (one token per row moved; the stored order is then no
+        longer the tokens' order). With nothing dropped, it is copied to the first empty slot, past
+        the kept ones."""
         if not self.fixed_capacity:
             raise RuntimeError(f"layer {self.layer_index} has no fixed decode capacity")
         capacity = self._key_buffer.shape[2]
+        if fill_hole:
+            if not at_most_one_dropped:
+                raise ValueError("fill_hole moves one token per row: it needs at_most_one_dropped")
+            hole = keep_mask.to(torch.int8).argmin(dim=-1).reshape(-1)
+            self._move_token_per_segment(hole, (self.length_device - 1).expand_as(hole))
+            self.length_device.copy_(kept)
+            self._length_stale = True
+            self.stored_in_order = False
+            return
         if at_most_one_dropped:
             hole = keep_mask.to(torch.int8).argmin(dim=-1, keepdim=True)
             slots = torch.arange(capacity, device=self.device)
@@ -782,6 +801,27 @@ class DenseLayerStore(LayerStore):
             buffer.copy_(moved)
         self.length_device.copy_(kept)
         self._length_stale = True
+
+    def fill_hole(self, keep_mask: torch.Tensor) -> None:
+        """Dense layout, every row dropping exactly one stored token (``keep_mask [B, H, L]`` has one
+        False per row): the newest token (the last stored) moves into the dropped token's slot, so a
+        steady decode eviction moves one token per row instead of every token after the dropped one.
+        The stored order is then no longer the tokens' order (``stored_in_order``); only a method that
+        reads none (``Policy.reads_stored_order`` False) is held this way."""
+        hole = keep_mask.to(torch.int8).argmin(dim=-1).reshape(-1)
+        newest = torch.full_like(hole, self._length - 1)
+        self._move_token_per_segment(self._start + hole, self._start + newest)
+        self._length = self._length - 1
+        self.stored_in_order = False
+
+    def _move_token_per_segment(self, destination: torch.Tensor, source: torch.Tensor) -> None:
+        """Copy the token in slot ``source[s]`` of every segment ``s`` (``[S]`` slot indices of the
+        buffers) to slot ``destination[s]``: keys, values, position and per-token scores."""
+        base = torch.arange(self.num_segments, device=self.device) * self._key_buffer.shape[2]
+        destination_rows, source_rows = base + destination, base + source
+        keys, values, positions, scores = self._flat_buffers()
+        for buffer in (keys, values, positions, *scores.values()):
+            buffer.index_copy_(0, destination_rows, buffer.index_select(0, source_rows))
 
     def _append_at_device_index(self, key_states, value_states, new_tokens: int) -> None:
         """Fixed capacity: write the new tokens at the device length (no host value read)."""

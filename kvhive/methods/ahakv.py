@@ -79,7 +79,6 @@ from kvhive.methods.base import (
     PolicyConfig,
     ScorerPolicy,
     ScoringInputs,
-    recent_mask,
     require,
     require_int_at_least,
 )
@@ -229,6 +228,7 @@ class AhaKV(ScorerPolicy):
     name = "ahakv"
     phases = frozenset({PREFILL, DECODE})
     static_decode = True  # evicts to exactly the budget each step (tests/test_compiled_decode.py)
+    reads_stored_order = False  # recency by position (ScoringInputs): evictions fill the freed slot
     config_class = AhaKVConfig
     paper = "Gu et al. 2025, Algorithm 1 (Eq. 5, 12, 13-15)"
     needs_decode_attention = False  # the SG-softmax of the new query is recomputed from q and K
@@ -271,7 +271,7 @@ class AhaKV(ScorerPolicy):
         return scoring.token_scores[SCORE]
 
     def protected(self, scoring: ScoringInputs, budget: int) -> torch.Tensor:
-        return recent_mask(scoring.num_tokens, self.config.recent, scoring.valid)
+        return scoring.recent_tokens(self.config.recent)
 
     # -- decode ----------------------------------------------------------------------------------
     def select_state_rows(self, state: dict, index: torch.Tensor, num_heads: int) -> dict:

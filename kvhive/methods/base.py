@@ -122,6 +122,11 @@ class ScoringInputs:
     # every row and head) hold the stored tokens oldest first, the rest are empty (masked out of
     # ``mask``, so never ``valid``). None: every slot holds a token.
     filled: torch.Tensor | None = None
+    # Whether the stored order is the order of original positions (oldest first). A decode step
+    # that evicts one token may write the newest into the freed slot instead of moving every later
+    # token down (``Policy.reads_stored_order`` False): from then on, recency is read from
+    # ``positions`` (:meth:`recent_tokens`, :meth:`recency_scores`, :meth:`first_real`).
+    stored_in_order: bool = True
     _memo: dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
@@ -168,6 +173,33 @@ class ScoringInputs:
         first = self.sequence_length - self.num_queries + start
         query_positions = torch.arange(stop - start, device=self.positions.device) + first
         return self.positions[..., :num_keys][:, :, None, :] <= query_positions[None, None, :, None]
+
+    def recent_tokens(self, window: int) -> torch.Tensor:
+        """``[B, H, N]`` True on the ``window`` most recent stored tokens (:func:`recent_mask`), by
+        original position when the stored order is not theirs: the tokens within ``window`` of the
+        newest position. The same tokens as long as the method keeps its ``window`` newest tokens
+        (a protected recent window), which is what the methods that read it do."""
+        if self.stored_in_order:
+            return recent_mask(self.num_tokens, window, self.valid)
+        newest = self.positions.masked_fill(~self.valid, -1).amax(dim=-1, keepdim=True)
+        return self.positions > newest - window
+
+    def recency_scores(self) -> torch.Tensor:
+        """Scores ``[B, H, N]`` that rank newer tokens higher (:func:`recency`; the positions when the
+        stored order is not theirs: the same ranking)."""
+        if self.stored_in_order:
+            return recency(self.valid)
+        return self.positions.float().expand(self.batch_size, self.num_heads, self.num_tokens)
+
+    def first_real(self, count: int) -> torch.Tensor:
+        """``[B, H, N]`` True on the first ``count`` real tokens of each row (:func:`first_real_tokens`),
+        by position when the stored order is not theirs (a method keeping them as sinks keeps the
+        first real position, so the sinks are the ``count`` positions from it)."""
+        valid = self.valid
+        if self.stored_in_order:
+            return first_real_tokens(valid, count)
+        first = self.positions.masked_fill(~valid, torch.iinfo(self.positions.dtype).max).amin(dim=-1, keepdim=True)
+        return valid & (self.positions < first + count)
 
     def to_kv_heads(self, per_query_head: torch.Tensor) -> torch.Tensor:
         """Mean over the query heads of each group: ``[B, Hq, ...] -> [B, H, ...]`` (docs/METHODS.md)."""
@@ -281,9 +313,16 @@ class ScoringInputs:
         causal = self.phase == "prefill" and offset >= 0
         # One allocation for every chunk's logits: a fresh one per chunk (16 MB at 71 rows x 3,700
         # keys x 16 heads) fragmented the CPU heap, which kept ~70 MB more resident than was live.
+        # (Not under autograd: a product written into a buffer cannot be differentiated, and a
+        # model run with gradients on, e.g. a training loop's forward, would fail.)
         scratch_rows = min(rows_per_chunk, q - first_row)
-        scratch = torch.empty(
-            b * hq * scratch_rows * self.num_tokens, dtype=self._product_keys().dtype, device=self.keys.device
+        tracked = torch.is_grad_enabled() and (self.queries.requires_grad or self.keys.requires_grad)
+        scratch = (
+            None
+            if tracked
+            else torch.empty(
+                b * hq * scratch_rows * self.num_tokens, dtype=self._product_keys().dtype, device=self.keys.device
+            )
         )
         for start in range(first_row, q, rows_per_chunk):
             stop = min(q, start + rows_per_chunk)
@@ -332,9 +371,10 @@ class ScoringInputs:
 def _softmax_of_fresh_logits(logits: torch.Tensor) -> torch.Tensor:
     """Softmax over the last dimension of logits no one else holds. On CPU it overwrites them (the
     same kernel, bit for bit torch.softmax): a chunk of scoring rows then holds one rows x keys
-    float32 tensor instead of two (16 MB less at 71 rows x 3,700 keys x 16 heads). Elsewhere, and
-    while compiling, torch.softmax."""
-    if logits.device.type == "cpu" and not torch.compiler.is_compiling() and logits.is_contiguous():
+    float32 tensor instead of two (16 MB less at 71 rows x 3,700 keys x 16 heads). Elsewhere, while
+    compiling and under autograd, torch.softmax."""
+    in_place = logits.device.type == "cpu" and logits.is_contiguous() and not logits.requires_grad
+    if in_place and not torch.compiler.is_compiling():
         return torch.ops.aten._softmax.out(logits, -1, False, out=logits)
     return torch.softmax(logits, dim=-1)
 
@@ -356,13 +396,19 @@ def top_indices(ranking: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def keep_top_scores(
-    scores: torch.Tensor, budget: int, valid: torch.Tensor | None = None, forced: torch.Tensor | None = None
+    scores: torch.Tensor,
+    budget: int,
+    valid: torch.Tensor | None = None,
+    forced: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Boolean keep mask ``[..., N]`` with exactly ``min(budget, N)`` True per row.
 
     ``forced`` entries are kept first (e.g. the recent window), then the highest ``scores``;
     padding (``valid`` False) ranks below every real token, so it is kept only when a row has
-    fewer real tokens than the budget (as the uncompressed cache would hold it too).
+    fewer real tokens than the budget (as the uncompressed cache would hold it too). ``positions``
+    (when the stored order is not the tokens' order): among equal ranks the older position leaves
+    when one token does.
     """
     num_tokens = scores.shape[-1]
     if budget >= num_tokens:
@@ -377,8 +423,14 @@ def keep_top_scores(
         # One token leaves, as at every steady decode step: the lowest-ranked one and, among equal
         # ranks, the oldest, which is what the stable sort below drops; argmin returns the first
         # minimum, so no sort over every stored token.
+        if positions is None:
+            leaving = ranking.argmin(dim=-1, keepdim=True)
+        else:
+            lowest = ranking == ranking.amin(dim=-1, keepdim=True)
+            oldest = positions.to(torch.int64).expand(ranking.shape).masked_fill(~lowest, torch.iinfo(torch.int64).max)
+            leaving = oldest.argmin(dim=-1, keepdim=True)
         keep = torch.ones_like(scores, dtype=torch.bool)
-        keep.scatter_(-1, ranking.argmin(dim=-1, keepdim=True), False)
+        keep.scatter_(-1, leaving, False)
         return keep
     kept_indices = top_indices(ranking, budget)
     keep = torch.zeros_like(scores, dtype=torch.bool)
@@ -516,6 +568,13 @@ class Policy:
             "from caches prefilled separately"
         )
 
+    reads_stored_order: ClassVar[bool] = True
+    """Whether the method's decisions read the order tokens are stored in (recent windows, sinks
+    and ties by stored index). False for a method that reads recency from ``ScoringInputs`` only
+    (:meth:`ScoringInputs.recent_tokens`, ``recency_scores``, ``first_real``, ties by position in
+    :meth:`ScorerPolicy.keep`): a decode step that evicts one of its tokens writes the newest token
+    into the freed slot (one token per head moved) instead of moving every later token down."""
+
     static_decode: ClassVar[bool] = False
     """A decode decision keeps exactly the layer's budget at every step (or, with
     :meth:`fixed_decode_capacity`, a number that varies within a declared bound), computed by tensor
@@ -607,7 +666,10 @@ class ScorerPolicy(Policy):
 
     def keep(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
         scores = self.score(scoring, budget, state)
-        return keep_top_scores(scores, budget, scoring.valid, forced=self.protected(scoring, budget))
+        positions = None if scoring.stored_in_order else scoring.positions
+        return keep_top_scores(
+            scores, budget, scoring.valid, forced=self.protected(scoring, budget), positions=positions
+        )
 
     def kept_per_row(self, phase: str, num_tokens: int, budget: int, state: dict) -> int | None:
         # keep_top_scores keeps exactly min(budget, N) per row, padding included when it must.

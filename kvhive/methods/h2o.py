@@ -18,7 +18,6 @@ from kvhive.methods.base import (
     PolicyConfig,
     ScorerPolicy,
     ScoringInputs,
-    recent_mask,
     require_probability,
 )
 
@@ -37,6 +36,7 @@ class H2O(ScorerPolicy):
     name = "h2o"
     phases = frozenset({PREFILL, DECODE})
     static_decode = True  # evicts to exactly the budget each step (tests/test_compiled_decode.py)
+    reads_stored_order = False  # recency by position (ScoringInputs): evictions fill the freed slot
     config_class = H2OConfig
     paper = "Zhang et al. 2023, Algorithm 1 (heavy hitters + recent)"
     needs_decode_attention = True
@@ -61,4 +61,4 @@ class H2O(ScorerPolicy):
         return scoring.token_scores[SCORE]
 
     def protected(self, scoring: ScoringInputs, budget: int) -> torch.Tensor:
-        return recent_mask(scoring.num_tokens, self._recent_count(budget), scoring.valid)
+        return scoring.recent_tokens(self._recent_count(budget))

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvhive.methods.base import DECODE, PREFILL, PolicyConfig, ScorerPolicy, ScoringInputs, recency
+from kvhive.methods.base import DECODE, PREFILL, PolicyConfig, ScorerPolicy, ScoringInputs
 
 
 @dataclass(frozen=True)
@@ -18,8 +18,9 @@ class Local(ScorerPolicy):
     name = "local"
     phases = frozenset({PREFILL, DECODE})
     static_decode = True  # evicts to exactly the budget each step (tests/test_compiled_decode.py)
+    reads_stored_order = False  # recency by position (ScoringInputs): evictions fill the freed slot
     config_class = LocalConfig
     paper = "baseline: window attention (StreamingLLM, Xiao et al. 2023, Fig. 1b)"
 
     def score(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
-        return recency(scoring.valid)
+        return scoring.recency_scores()

@@ -28,7 +28,6 @@ from kvhive.methods.base import (
     ScorerPolicy,
     ScoringInputs,
     derived_seed,
-    recent_mask,
     require_probability,
     require_seed,
 )
@@ -56,6 +55,7 @@ class RandomLocal(ScorerPolicy):
     phases = frozenset({PREFILL, DECODE})
     config_class = RandomLocalConfig
     static_decode = True  # evicts to exactly the budget each step (tests/test_compiled_decode.py)
+    reads_stored_order = False  # recency by position (ScoringInputs): evictions fill the freed slot
     paper = "baseline: random eviction + recent window (Random+Local)"
 
     def recent_count(self, budget: int) -> int:
@@ -123,7 +123,7 @@ class RandomLocal(ScorerPolicy):
         return self._priorities(scoring, state)
 
     def protected(self, scoring: ScoringInputs, budget: int) -> torch.Tensor:
-        return recent_mask(scoring.num_tokens, self.recent_count(budget), scoring.valid)
+        return scoring.recent_tokens(self.recent_count(budget))
 
     def select_state_rows(self, state: dict, index: torch.Tensor, num_heads: int) -> dict:
         # The first real position is per row; the head hash [1, H, 1] is shared by every row.

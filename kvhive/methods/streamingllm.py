@@ -13,8 +13,6 @@ from kvhive.methods.base import (
     PolicyConfig,
     ScorerPolicy,
     ScoringInputs,
-    first_real_tokens,
-    recency,
     require_int_at_least,
 )
 
@@ -31,6 +29,7 @@ class StreamingLLM(ScorerPolicy):
     name = "streamingllm"
     phases = frozenset({PREFILL, DECODE})
     static_decode = True  # evicts to exactly the budget each step (tests/test_compiled_decode.py)
+    reads_stored_order = False  # recency by position (ScoringInputs): evictions fill the freed slot
     config_class = StreamingLLMConfig
     paper = "Xiao et al. 2023, Sec. 3.2 (rolling KV cache with attention sinks)"
 
@@ -38,7 +37,7 @@ class StreamingLLM(ScorerPolicy):
         return self.config.sink + 1
 
     def score(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
-        return recency(scoring.valid)
+        return scoring.recency_scores()
 
     def protected(self, scoring: ScoringInputs, budget: int) -> torch.Tensor:
-        return first_real_tokens(scoring.valid, self.config.sink)
+        return scoring.first_real(self.config.sink)

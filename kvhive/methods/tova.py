@@ -35,6 +35,7 @@ class TOVA(ScorerPolicy):
     name = "tova"
     phases = frozenset({PREFILL, DECODE})
     static_decode = True  # evicts to exactly the budget each step (tests/test_compiled_decode.py)
+    reads_stored_order = False  # recency by position (ScoringInputs): evictions fill the freed slot
     config_class = TOVAConfig
     paper = "Oren et al. 2024, Sec. 3.3 (TOVA: drop the lowest current-query attention, averaged over heads)"
     needs_decode_attention = True
