@@ -9,11 +9,12 @@ import warnings
 
 import pytest
 import torch
+from test_generate_batch import REFUSED, _budget  # one list of the methods generate_batch refuses
 
 import kvhive
 from kvhive.cache import KVHiveCache
 from kvhive.compat import cache_kwarg
-from kvhive.methods.registry import method_names, policy_class
+from kvhive.methods.registry import method_names
 from kvhive.models import tiny_model, tiny_tokenizer
 
 # Cache level -----------------------------------------------------------------------------------
@@ -177,24 +178,11 @@ TEXT = (
 )
 PROMPT_LENGTHS = (40, 66, 53, 92, 79)  # tokens (byte-level tokenizer), >= 13 apart: > NEW_TOKENS
 NEW_TOKENS = 12
-# Methods whose caches cannot be stacked, and what the ValueError says.
-REFUSED = {
-    "buzz": "eviction schedule",
-    "buzz-logn": "eviction schedule",
-    "bumblebee": "summary is re-synchronised",
-    "bumblebee-power": "summary is re-synchronised",
-    "subgen-attention": "estimator",
-}
 
 
 @pytest.fixture(scope="module")
 def model_and_tokenizer():
     return tiny_model("llama", "gqa"), tiny_tokenizer()
-
-
-def _budget(name: str) -> int | None:
-    policy = policy_class(name)()
-    return max(32, policy.minimum_budget()) if policy.phases else None
 
 
 def _text_prompts(tokenizer) -> list[str]:
