@@ -185,3 +185,22 @@ def test_protected_sinks_path_serves_each_row_of_a_padded_batch_as_alone(allocat
     assert not bool((keep & ~valid).any())
     only_sinks = policy._keep_with_protected(scores, protected, 1, valid)
     assert torch.equal(only_sinks, protected)
+
+
+def test_authors_head_budgets_settle_a_missed_total_without_reading_the_device():
+    # The settlement runs as tensor passes: no host read, even where the rounding missed the total
+    # (it read every head's remainder on the host before, so a prefill's reads grew with the data).
+    from kvhive.diagnostics import HostReadCounter
+
+    stats = dict.fromkeys(["above", "below", "exact", "a head at 0 raised", "tie at the cut"], 0)
+    missed = 0
+    for scores, budget, alpha in _instances(300):
+        expected = reference_head_budgets(scores, budget, alpha, stats)
+        before = stats["exact"]
+        row = torch.tensor([scores], dtype=torch.float64)
+        with HostReadCounter() as reads:
+            got = authors_head_budgets(row, budget, alpha)
+        assert reads.total == 0, reads.reads
+        assert got[0].tolist() == expected
+        missed += stats["exact"] == before
+    assert missed > 0  # the settlement ran

@@ -129,16 +129,21 @@ def authors_head_budgets(
     targets = owned.double() * (1 - alpha) + safeguard_count(budget, alpha)
     budgets = torch.round(targets).long()
     total = heads * budget
-    for row in range(batch):  # rare and host-side: only when the rounding missed the total
-        missing = total - int(budgets[row].sum())
-        while missing != 0:
-            step = 1 if missing > 0 else -1
-            room = budgets[row] < candidates if step > 0 else budgets[row] > 0
-            remainder = (targets[row] - budgets[row].double()) * step
-            order = sorted((i for i in range(heads) if room[i]), key=lambda i: (-float(remainder[i]), i))
-            for head in order[: abs(missing)]:
-                budgets[row, head] += step
-            missing = total - int(budgets[row].sum())
+    # Where the rounding missed the total, the heads with room and the largest remainders (in the
+    # direction of the miss; ties to the lower index) take one entry each, on the device: a miss
+    # is at most H / 2 (each head rounds by at most 1/2) and every pass settles at least one entry
+    # while one is missing (some head has room), so H passes settle every row; a settled row's
+    # pass changes nothing. (It ran on the host before, reading every head's remainder whenever
+    # the rounding missed: host reads that grew with the data.)
+    head_index = torch.arange(heads, device=scores.device).expand(batch, heads)
+    for _ in range(heads):
+        missing = total - budgets.sum(dim=-1, keepdim=True)
+        step = missing.sign()
+        room = torch.where(step > 0, budgets < candidates, budgets > 0)
+        remainder = (targets - budgets.double()) * step
+        order = torch.sort(torch.where(room, -remainder, float("inf")), dim=-1, stable=True).indices
+        rank = torch.empty_like(order).scatter_(-1, order, head_index)
+        budgets = budgets + (room & (rank < missing.abs())).long() * step
     return budgets
 
 
