@@ -130,13 +130,15 @@ def authors_head_budgets(
     budgets = torch.round(targets).long()
     total = heads * budget
     # Where the rounding missed the total, the heads with room and the largest remainders (in the
-    # direction of the miss; ties to the lower index) take one entry each, on the device: a miss
-    # is at most H / 2 (each head rounds by at most 1/2) and every pass settles at least one entry
-    # while one is missing (some head has room), so H passes settle every row; a settled row's
-    # pass changes nothing. (It ran on the host before, reading every head's remainder whenever
-    # the rounding missed: host reads that grew with the data.)
+    # direction of the miss; ties to the lower index) take one entry each, on the device. The
+    # targets sum to H x budget less H x frac(alpha x budget), and each rounds by at most 1/2, so
+    # a miss is at most 3H/2 + 1 entries; every pass settles at least one while one is missing
+    # (some head has room: H x budget fits the candidates), so 2H + 1 passes settle every row, a
+    # settled row's pass changing nothing, and the total is checked on the device. (It ran on the
+    # host before, reading every head's remainder whenever the rounding missed: host reads that
+    # grew with the data.)
     head_index = torch.arange(heads, device=scores.device).expand(batch, heads)
-    for _ in range(heads):
+    for _ in range(2 * heads + 1):
         missing = total - budgets.sum(dim=-1, keepdim=True)
         step = missing.sign()
         room = torch.where(step > 0, budgets < candidates, budgets > 0)
@@ -144,6 +146,7 @@ def authors_head_budgets(
         order = torch.sort(torch.where(room, -remainder, float("inf")), dim=-1, stable=True).indices
         rank = torch.empty_like(order).scatter_(-1, order, head_index)
         budgets = budgets + (room & (rank < missing.abs())).long() * step
+    torch._assert_async((budgets.sum(dim=-1) == total).all(), "Ada-KV's head budgets do not add up to the layer's")
     return budgets
 
 

@@ -90,26 +90,21 @@ class RandomLocal(ScorerPolicy):
         if priorities is None:
             valid = scoring.valid.expand(scoring.batch_size, scoring.num_heads, scoring.num_tokens)
             priorities = (~valid).to(torch.float32)
-            start = 0
+            new_slots = torch.arange(scoring.num_tokens, device=priorities.device)
         elif scoring.filled is not None:
             # A layer filling a fixed capacity: the new token sits at the filled length, not at
             # the end (the slots past it are empty), a device index.
-            first = self._first_real_position(scoring, state)
-            slot = (scoring.filled - 1).reshape(1, 1, 1).expand(scoring.batch_size, scoring.num_heads, 1)
-            index = scoring.positions.gather(-1, slot).to(torch.int64) - first[..., None]
-            drawn = 1.0 - uniforms_of(fold(self._head_words(scoring, state), index))
-            current = priorities.gather(-1, slot)
-            priorities = priorities.scatter(-1, slot, torch.where(current == 0, drawn, current))
-            scoring.token_scores[PRIORITY] = priorities
-            return priorities
+            new_slots = (scoring.filled - 1).reshape(1)
         else:
-            start = max(0, scoring.num_tokens - scoring.num_queries)
+            new_slots = torch.arange(max(0, scoring.num_tokens - scoring.num_queries), scoring.num_tokens)
+            new_slots = new_slots.to(priorities.device)
+        slots = new_slots.expand(scoring.batch_size, scoring.num_heads, -1)
         first = self._first_real_position(scoring, state)
-        index = scoring.positions[..., start:].to(torch.int64) - first[..., None]
+        index = scoring.positions.gather(-1, slots).to(torch.int64) - first[..., None]
         # in (0, 1]: 0 marks "not drawn yet"
         drawn = 1.0 - uniforms_of(fold(self._head_words(scoring, state), index))
-        tail = priorities[..., start:]
-        priorities = torch.cat([priorities[..., :start], torch.where(tail == 0, drawn, tail)], dim=-1)
+        current = priorities.gather(-1, slots)
+        priorities = priorities.scatter(-1, slots, torch.where(current == 0, drawn, current))
         scoring.token_scores[PRIORITY] = priorities
         return priorities
 
