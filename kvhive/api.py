@@ -124,7 +124,8 @@ def make_cache(
     flash-attention) and ``prepare_inputs_for_generation`` behave as before in every other call.
     ``dense_decode`` picks the attention of a decode step over equal-length heads on CUDA:
     ``"sdpa"`` (flash / memory-efficient) or ``"kernel"`` (kvhive's split-K Triton kernel over the
-    buffer in place). ``prefill_chunk``: the prompt is fed in chunks of that many tokens by
+    buffer in place); a method that scores by the new query's attention gets its weights from that
+    kernel's own pass on CUDA either way (sdpa does not return them). ``prefill_chunk``: the prompt is fed in chunks of that many tokens by
     ``kvhive.generate`` (pass ``prefill_chunk_size=`` to ``model.generate`` yourself), compressed
     as it goes (``KVHiveCache``). ``bucket_budget``: a ratio budget resolves up to one of a few
     sizes (:func:`kvhive.cache.budget.bucket_up`: at most 25% more tokens), so prompts of many

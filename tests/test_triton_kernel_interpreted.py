@@ -30,7 +30,22 @@ def test_kernel_matches_float64_reference_in_the_interpreter(seed):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     errors = json.loads(result.stdout.strip().splitlines()[-1])
-    assert set(errors) == {"segments-torch.float32", "segments-torch.float16", "uniform-float32", "dense-layer-float32"}
+    assert set(errors) == {
+        "segments-torch.float32",
+        "segments-torch.float16",
+        "uniform-float32",
+        "dense-layer-float32",
+        "weights-output-float32",
+        "weights-float32",
+        "decode-tova-float32",
+        "decode-h2o-float32",
+    }
+    # The new query's weights from the kernel's own pass (issue 23 item 2), and TOVA/H2O deciding
+    # on them in a fixed decode capacity: the kept positions of the torch pass, the same logits.
+    assert errors["weights-output-float32"] <= 1e-5
+    assert errors["weights-float32"] <= 1e-5
+    assert errors["decode-tova-float32"] <= 1e-4
+    assert errors["decode-h2o-float32"] <= 1e-4
     assert errors["dense-layer-float32"] <= 1e-5
     assert errors["segments-torch.float32"] <= 1e-5
     assert errors["uniform-float32"] <= 1e-5

@@ -40,6 +40,89 @@ def dense_layer_error(generator):
     return relative(output.transpose(1, 2), expected)
 
 
+def weights_errors(generator):
+    """``return_weights``: output and softmax weights of segments of different lengths (0 past a
+    segment's end) against float64."""
+    lengths = [1, 64, 65, 130, 7]
+    dim, rows, scaling = 32, 3, 0.2
+    capacity = 140
+    keys = torch.randn(len(lengths) * capacity, dim, generator=generator)
+    values = torch.randn(len(lengths) * capacity, dim, generator=generator)
+    queries = torch.randn(len(lengths), rows, dim, generator=generator)
+    starts = torch.arange(len(lengths)) * capacity
+    output, weights = varlen_attention_kernel(
+        queries,
+        keys,
+        values,
+        scaling,
+        max(lengths),
+        segment_start=starts,
+        segment_length=torch.tensor(lengths),
+        return_weights=True,
+    )
+    expected_weights = torch.zeros(len(lengths), rows, max(lengths), dtype=torch.float64)
+    expected_output = []
+    for s, length in enumerate(lengths):
+        k = keys[starts[s] : starts[s] + length].double()
+        w = torch.softmax(queries[s].double() @ k.T * scaling, -1)
+        expected_weights[s, :, :length] = w
+        expected_output.append(w @ values[starts[s] : starts[s] + length].double())
+    return {
+        "weights-output-float32": relative(output, torch.stack(expected_output)),
+        "weights-float32": relative(weights, expected_weights),
+    }
+
+
+def decode_weights_errors():
+    """TOVA and H2O decode on the tiny GQA model (float32) with their new query's weights from the
+    kernel against the torch pass, 12 steps: the kept positions are the same and the logits agree
+    (the relative difference of the logits; ``inf`` when a kept set differs). TOVA: a prompt past
+    its budget (the stored slice, evicting at every step); H2O: a prompt below its budget in a
+    fixed decode capacity (the filled slots by the device length; full after 8 steps, then evicting)."""
+    import kvhive
+    import kvhive.attention.integration as integration
+    from kvhive.models import tiny_model
+
+    model = tiny_model("llama", "gqa")
+    errors = {}
+    for method, length, options in (("tova", 40, {}), ("h2o", 16, {"decode_capacity": 12})):
+        prompt = torch.randint(3, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(3))
+        runs = []
+        for use_kernel in (True, False):
+            calls = []
+            original = integration.varlen_attention_kernel
+
+            def counting(*args, _calls=calls, _original=original, **kwargs):
+                _calls.append(kwargs.get("return_weights", False))
+                return _original(*args, **kwargs)
+
+            integration.varlen_attention_kernel = counting
+            supported = integration.kernel_supports
+            if not use_kernel:
+                integration.kernel_supports = lambda *args: False
+            try:
+                cache = kvhive.make_cache(model, method, budget=24, **options)
+                logits = []
+                with torch.no_grad():
+                    out = model(input_ids=prompt, past_key_values=cache, use_cache=True)
+                    for _ in range(12):
+                        token = out.logits[:, -1:].argmax(-1)
+                        out = model(input_ids=token, past_key_values=cache, use_cache=True)
+                        logits.append(out.logits[:, -1])
+            finally:
+                integration.varlen_attention_kernel = original
+                integration.kernel_supports = supported
+            kept = [layer.dense()[2].sort(dim=-1).values for layer in cache.layers]
+            runs.append((torch.stack(logits), kept, calls, [layer.fixed_capacity for layer in cache.layers]))
+        (with_kernel, kept_kernel, calls, fixed), (reference, kept_reference, _, _) = runs
+        # Every decode step of every layer took the kernel with weights, in the fixed capacity.
+        assert calls and all(calls) and len(calls) == 12 * len(cache.layers), (method, calls)
+        assert all(fixed) == bool(options), (method, fixed)
+        same = all(torch.equal(a, b) for a, b in zip(kept_kernel, kept_reference, strict=True))
+        errors[f"decode-{method}-float32"] = relative(with_kernel, reference.double()) if same else float("inf")
+    return errors
+
+
 def main():
     generator = torch.Generator().manual_seed(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
     errors = {}
@@ -78,6 +161,8 @@ def main():
     v = values[:, :, start : start + length].reshape(batch * heads, length, dim).double()
     errors["uniform-float32"] = relative(output, torch.softmax(rows.double() @ k.transpose(1, 2) * 0.3, -1) @ v)
     errors["dense-layer-float32"] = dense_layer_error(generator)
+    errors.update(weights_errors(generator))
+    errors.update(decode_weights_errors())
     print(json.dumps(errors))
 
 

@@ -566,6 +566,9 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
         stored_mask = None  # ScoringInputs reads None as causal over the stored positions
     else:
         stored_mask = _gather_mask(mask, positions, store, num_queries)
+    # kvhive's split-K kernel reads the layer's buffers in place and masks only past each row's
+    # length: one new query, nothing else masked, eager (a compiled step stays torch, for inductor).
+    kernel_eligible = stored_mask is None and num_queries == 1 and not torch.compiler.is_compiling()
     if filled is not None:  # empty slots of a fixed capacity are never attended
         # [C] (one length for every row) or [B, C] (stacked rows of different lengths)
         filled = filled[None, None, None, :] if filled.dim() == 1 else filled[:, None, None, :]
@@ -591,7 +594,7 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
             output, accumulated = _chunk_attention_with_column_sums(
                 query, keys, values, positions, store.tokens_seen, scaling, sums_phase
             )
-        elif stored_mask is None and num_queries == 1 and cache.dense_decode == "kernel":
+        elif kernel_eligible and cache.dense_decode == "kernel":
             output = _dense_decode_by_kernel(store, query, scaling)
         if output is None:
             causal_rows = None
@@ -602,6 +605,11 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
 
             output = _sdpa_in_query_blocks(query, keys, values, stored_mask, scaling, group, causal_rows)
             output = output.transpose(1, 2)
+    elif kernel_eligible and extra is None and (by_kernel := _dense_decode_by_kernel(store, query, scaling, True)):
+        # The new query's weights from the attention's own pass (issue 23 item 2): on CUDA, where
+        # the alternative is the torch pass below (about ten kernels a layer).
+        output, weights = by_kernel
+        last_weights = weights.view(batch, query_heads, -1)
     else:
         # [B, H, G*q, d] @ [B, H, d, L]: one matmul per stored head, keys and values read once.
         grouped = query.reshape(batch, heads, group * num_queries, head_dim)
@@ -736,20 +744,36 @@ def _sdpa_in_query_blocks(query, keys, values, mask, scaling, group: int, block_
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
 
-def _dense_decode_by_kernel(store, query, scaling):
+def _dense_decode_by_kernel(store, query, scaling, weights: bool = False):
     """One new query over a dense layer through kvhive's split-K kernel, reading the buffer's
-    stored slice in place; None when the kernel does not handle these shapes/dtypes."""
+    stored slice in place (a fixed capacity: its filled slots, by the device lengths, no host
+    read); None when the kernel does not handle these shapes/dtypes. ``weights``: ``(output,
+    weights [B * H, G, L])`` with the new query's softmax weights over the slots the attention
+    reads (the stored tokens; a fixed capacity's every slot, 0 on the empty ones)."""
     batch, query_heads, _, head_dim = query.shape
-    rows = query.reshape(batch * store.num_heads, query_heads // store.num_heads, head_dim)
+    segments = batch * store.num_heads
+    rows = query.reshape(segments, query_heads // store.num_heads, head_dim)
     buffer_keys, buffer_values = store.buffers()
     keys, values = buffer_keys.view(-1, head_dim), buffer_values.view(-1, buffer_values.shape[-1])
     if not kernel_supports(rows, keys, values):
         return None
-    length = store.dense_length
-    output = varlen_attention_kernel(
-        rows, keys, values, scaling, length, uniform=(buffer_keys.shape[2], store.slice_start, length)
-    )
-    return output.view(batch, query_heads, 1, -1).transpose(1, 2)
+    capacity = buffer_keys.shape[2]
+    if store.fixed_capacity:
+        if store.row_lengths_device is not None:  # stacked rows: each row its own length, all its heads
+            lengths = store.row_lengths_device.repeat_interleave(store.num_heads, output_size=segments)
+        else:
+            lengths = store.length_device.expand(segments).contiguous()  # the kernel reads one per segment
+        starts = torch.arange(segments, device=query.device) * capacity
+        result = varlen_attention_kernel(
+            rows, keys, values, scaling, capacity, segment_start=starts, segment_length=lengths, return_weights=weights
+        )
+    else:
+        length = store.dense_length
+        result = varlen_attention_kernel(
+            rows, keys, values, scaling, length, uniform=(capacity, store.slice_start, length), return_weights=weights
+        )
+    output = (result[0] if weights else result).view(batch, query_heads, 1, -1).transpose(1, 2)
+    return (output, result[1]) if weights else output
 
 
 def _decode_packed_static(cache: KVHiveCache, layer_index, query, scaling):

@@ -184,6 +184,7 @@ if triton is not None:
         part_out_ptr,
         part_max_ptr,
         part_sum_ptr,
+        logits_ptr,
         scaling,
         rows,
         chunk,
@@ -195,7 +196,10 @@ if triton is not None:
         stride_qr,
         stride_k,
         stride_v,
+        stride_ls,
+        stride_lr,
         UNIFORM: tl.constexpr,
+        STORE_LOGITS: tl.constexpr,
         BLOCK_R: tl.constexpr,
         BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -231,6 +235,12 @@ if triton is not None:
             key = tl.load(key_ptr + address[:, None] * stride_k + dim[None, :], mask=valid[:, None], other=0.0)
             logits = tl.dot(query, tl.trans(key)) * scaling
             logits = tl.where(valid[None, :], logits, float("-inf"))
+            if STORE_LOGITS:  # the scaled logits of every key, for the weights (exp(logit - lse))
+                tl.store(
+                    logits_ptr + segment.to(tl.int64) * stride_ls + row[:, None] * stride_lr + index[None, :],
+                    logits,
+                    mask=row_ok[:, None] & valid[None, :],
+                )
             new_max = tl.maximum(running_max, tl.max(logits, 1))
             correction = tl.exp(running_max - new_max)
             weights = tl.exp(logits - new_max[:, None])
@@ -249,12 +259,14 @@ if triton is not None:
         part_max_ptr,
         part_sum_ptr,
         out_ptr,
+        lse_ptr,
         rows,
         num_splits,
         stride_os,
         stride_or,
         BLOCK_R: tl.constexpr,
         VALUE_DIM: tl.constexpr,
+        STORE_LSE: tl.constexpr,
     ):
         segment = tl.program_id(0)
         row = tl.arange(0, BLOCK_R)
@@ -279,6 +291,8 @@ if triton is not None:
             result.to(out_ptr.dtype.element_ty),
             mask=(row < rows)[:, None],
         )
+        if STORE_LSE:  # log-sum-exp of the row's logits over the whole segment
+            tl.store(lse_ptr + segment.to(tl.int64) * BLOCK_R + row, overall + tl.log(total), mask=row < rows)
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -316,11 +330,26 @@ def kernel_supports(query_rows: torch.Tensor, keys: torch.Tensor, values: torch.
 
 
 def varlen_attention_kernel(
-    query_rows, keys, values, scaling, max_length, *, segment_start=None, segment_length=None, uniform=None
+    query_rows,
+    keys,
+    values,
+    scaling,
+    max_length,
+    *,
+    segment_start=None,
+    segment_length=None,
+    uniform=None,
+    return_weights=False,
 ):
     """Triton path (CUDA). ``uniform = (stride, start, length)`` reads segment ``s`` at
     ``s * stride + start`` with ``length`` tokens each (a dense buffer's slice) instead of the
-    per-segment tensors. ``keys``/``values`` are 2-D ``[C, d]`` row views."""
+    per-segment tensors. ``keys``/``values`` are 2-D ``[C, d]`` row views.
+
+    ``return_weights``: also the softmax weights ``[S, R, max_length]`` (float32; 0 past a
+    segment's length) from the same pass, for the methods that score by the new query's attention
+    (TOVA, H2O, AhaKV, BumbleBee): the split kernel stores each key's scaled logit as it goes and
+    the merge the row's log-sum-exp, so the weights are ``exp(logit - lse)``, one elementwise pass
+    instead of a second ``QK^T``."""
     num_segments, rows, _ = query_rows.shape
     device = query_rows.device
     block_r = max(16, triton.next_power_of_2(rows))
@@ -334,6 +363,12 @@ def varlen_attention_kernel(
     part_max = torch.empty(num_segments * num_splits * block_r, device=device, dtype=torch.float32)
     part_sum = torch.empty_like(part_max)
     output = torch.empty(num_segments, rows, value_dim, device=device, dtype=query_rows.dtype)
+    if return_weights:
+        # Keys past a segment's length are never written: -inf there is a weight of 0.
+        logits = torch.full((num_segments, rows, max_length), float("-inf"), device=device, dtype=torch.float32)
+        lse = torch.empty(num_segments, block_r, device=device, dtype=torch.float32)
+    else:
+        logits = lse = part_max  # unused
     if uniform is not None:
         stride, start, length = uniform
         start_tensor = length_tensor = part_max  # unused
@@ -349,6 +384,7 @@ def varlen_attention_kernel(
         part_out,
         part_max,
         part_sum,
+        logits,
         scaling,
         rows,
         chunk,
@@ -360,7 +396,10 @@ def varlen_attention_kernel(
         query_rows.stride(1),
         keys.stride(0),
         values.stride(0),
+        rows * max_length if return_weights else 0,
+        max_length if return_weights else 0,
         UNIFORM=uniform is not None,
+        STORE_LOGITS=return_weights,
         BLOCK_R=block_r,
         BLOCK_N=KERNEL_BLOCK,
         HEAD_DIM=keys.shape[-1],
@@ -373,14 +412,18 @@ def varlen_attention_kernel(
         part_max,
         part_sum,
         output,
+        lse,
         rows,
         num_splits,
         output.stride(0),
         output.stride(1),
         BLOCK_R=block_r,
         VALUE_DIM=value_dim,
+        STORE_LSE=return_weights,
         num_warps=4,
     )
+    if return_weights:
+        return output, logits.sub_(lse[:, :rows, None]).exp_()
     return output
 
 
