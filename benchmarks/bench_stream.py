@@ -69,6 +69,7 @@ def stream(model, method: str, args, device: torch.device, write) -> None:
             cache = kvhive.make_cache(model, method, budget=args.budget)
     generator = torch.Generator().manual_seed(0)
     seen, stretch_start, chunks = 0, time.perf_counter(), 0
+    stretch_cpu = time.process_time()
     _reset_peak(device)
     with torch.no_grad():
         while seen < args.tokens:
@@ -81,11 +82,16 @@ def stream(model, method: str, args, device: torch.device, write) -> None:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 elapsed = time.perf_counter() - stretch_start
+                elapsed_cpu = time.process_time() - stretch_cpu
                 write(
                     {
                         "method": method,
                         "tokens_seen": seen,
                         "ms_per_chunk": 1000 * elapsed / chunks,
+                        # This process's CPU time: with one thread, what other processes on the
+                        # cores take is left out (wall time on a shared machine is not).
+                        "cpu_ms_per_chunk": 1000 * elapsed_cpu / chunks,
+                        "threads": torch.get_num_threads(),
                         "chunk": args.chunk,
                         "peak_bytes": _peak_bytes(device),
                         "kept_tokens_max": max(layer.max_length for layer in cache.layers),
@@ -96,7 +102,7 @@ def stream(model, method: str, args, device: torch.device, write) -> None:
                     }
                 )
                 _reset_peak(device)
-                stretch_start, chunks = time.perf_counter(), 0
+                stretch_start, chunks, stretch_cpu = time.perf_counter(), 0, time.process_time()
 
 
 def main() -> None:
