@@ -20,7 +20,7 @@ from kvhive.methods.ahakv import (
     sg_logit_multiplier,
     value_prior,
 )
-from kvhive.methods.base import keep_top_scores
+from kvhive.methods.base import ScoringInputs, keep_top_scores
 from kvhive.models import TINY_ARCHITECTURES, TINY_ATTENTION_KINDS, tiny_model
 
 from helpers import left_padded_batch, prefill_and_decode, reference_logits
@@ -326,6 +326,55 @@ def test_initialize_decode_scores_the_prompt_with_the_configured_reading_and_kee
     logits = logits * lam / (4.0 if reading == "scaled_qk" else 1.0)
     weights = torch.softmax(logits, dim=-1)[:, :, 0]
     torch.testing.assert_close(decode.token_scores[SCORE], weights.reshape(2, 2, 2, stored).mean(dim=2))
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "padding-mask"])
+@pytest.mark.parametrize(
+    "multiplier",
+    [2.3, 0.0, (2.0, 0.7), torch.tensor(1.9, dtype=torch.float64), torch.tensor([0.0, 1.4], dtype=torch.float64)],
+    ids=["float", "zero", "per-row", "device", "device-per-row"],
+)
+def test_decode_weights_from_the_attentions_logits_equal_the_recomputed_ones(masked, multiplier):
+    # A decode step rescales the logits its attention computed (last_query_logits) instead of a
+    # second q.K^T: the same SG-softmax weights, a zero gain included (uniform over the real keys).
+    generator = torch.Generator().manual_seed(5)
+    stored = 13
+    keys = torch.randn(2, 2, stored, 16, generator=generator)
+    queries = torch.randn(2, 4, 1, 16, generator=generator)
+    mask = None
+    if masked:
+        mask = torch.ones(2, 1, 1, stored, dtype=torch.bool)
+        mask[1, 0, 0, :3] = False
+    scoring = _scoring(queries, keys, keys, sequence_length=100, mask=mask, phase="decode")
+    scoring.mask = mask  # None: every stored key precedes the new query, as in the attention
+    expected = scoring.attention_weights(slice(0, 1), multiplier)[:, :, 0]
+    grouped = queries.reshape(2, 2, 2, 16) @ keys.transpose(-1, -2)  # the attention's product
+    scoring.last_query_logits = (grouped * scoring.scaling).view(2, 2, 2, 1, stored)
+    given = scoring.last_query_logits.clone()
+    got = scoring.last_query_attention(multiplier)
+    torch.testing.assert_close(got, expected)
+    assert torch.equal(scoring.last_query_logits, given)  # the attention's logits are left as they were
+    if isinstance(multiplier, float) and multiplier == 0.0:
+        real = stored - 3 if masked else stored
+        torch.testing.assert_close(got[1, :, -real:], torch.full((4, real), 1 / real))
+
+
+def test_a_decode_step_reads_the_keys_once(monkeypatch):
+    # The new query's SG-softmax comes from the attention's logits: no scoring product in a decode step.
+    model = tiny_model("llama", "gqa")
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size)
+    cache = kvhive.make_cache(model, "ahakv", budget=12, recent=4)
+    prefill_and_decode(model, cache, input_ids, attention_mask, steps=0)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a decode step recomputed q.K^T for its scores")
+
+    monkeypatch.setattr(ScoringInputs, "attention_weights", refuse)
+    token = input_ids[:, -1:]
+    mask = torch.cat([attention_mask, torch.ones_like(token)], dim=1)
+    with torch.no_grad():
+        model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
+    assert all((cache.layers[i].lengths == 12).all() for i in cache.compressed_layers)
 
 
 # -- runs on the tiny models --------------------------------------------------------------------------

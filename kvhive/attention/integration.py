@@ -584,6 +584,7 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
         query = _row_logit_scale(policy, stored_mask, keys.shape[2], query)
 
     last_weights = None
+    last_logits = None
     accumulated = None
     # The decision after these queries reads their column sums (H2O's chunk of a chunked prefill):
     # one pass computes them with the output, as a one-shot prefill does, not sdpa and a second QK^T.
@@ -621,6 +622,9 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
         else:
             logits = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scaling
         logits = logits.view(batch, heads, group, num_queries, -1)
+        # The one new query's logits before the mask (masked_fill below is out of place, so they
+        # stay as they are), for a method that scores with other logits (AhaKV's multiplied ones).
+        last_logits = logits
         if stored_mask is not None:
             logits = logits.masked_fill(~stored_mask.unsqueeze(2), float("-inf"))
         row_max = logits.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(logits.dtype).min)
@@ -663,6 +667,7 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
             phase=phase,
             token_scores=dict(token_scores),
             last_query_weights=last_weights,
+            last_query_logits=last_logits,
             accumulated_weights=accumulated,
             filled=store.length_device if store.fixed_capacity else None,
             stored_in_order=store.stored_in_order,

@@ -231,7 +231,9 @@ class AhaKV(ScorerPolicy):
     reads_stored_order = False  # recency by position (ScoringInputs): evictions fill the freed slot
     config_class = AhaKVConfig
     paper = "Gu et al. 2025, Algorithm 1 (Eq. 5, 12, 13-15)"
-    needs_decode_attention = False  # the SG-softmax of the new query is recomputed from q and K
+    # The decode attention hands over the new query's logits, which SG-softmax rescales (Eq. 9, 12):
+    # sdpa followed by a second q.K^T over every stored key read the keys twice per step.
+    needs_decode_attention = True
 
     def minimum_budget(self) -> int:
         return self.config.recent
@@ -315,7 +317,11 @@ class AhaKV(ScorerPolicy):
         else:
             # Each row's n excludes its prompt padding (recorded at prefill: padding may be evicted since).
             gain = _scoring_multiplier(scoring, budget, self.config.gain_input, state.get("ahakv_row_padding"))
-        # Every query of this forward pass (one while generating token by token).
-        new_rows = scoring.recent_accumulated_attention(scoring.num_queries, logit_multiplier=gain)
+        # Every query of this forward pass: one while generating (its weights from the attention's
+        # own logits), a whole chunk in a chunked prefill.
+        if scoring.num_queries == 1:
+            new_rows = scoring.last_query_attention(gain)
+        else:
+            new_rows = scoring.recent_accumulated_attention(scoring.num_queries, logit_multiplier=gain)
         running = scoring.token_scores[SCORE]
         running += scoring.to_kv_heads(new_rows).to(running.dtype)

@@ -114,6 +114,12 @@ class ScoringInputs:
     phase: Phase
     token_scores: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     last_query_weights: torch.Tensor | None = None
+    # The one new query's logits [B, H, G, 1, N] (float32, the model's ``scaling`` applied, no
+    # mask; query head ``h * G + g`` at ``[:, h, g]``, the layout of the grouped product), from the
+    # attention that computed ``last_query_weights`` with them: a method that scores the new query
+    # with other logits (AhaKV's multiplied ones) rescales these instead of reading every stored
+    # key a second time. None: computed here from the queries and keys.
+    last_query_logits: torch.Tensor | None = None
     # Column sums [B, Hq, N] (float32) of every query's weights, computed by the attention in the
     # pass that produced its output (a policy with ``prefill_column_sums``); None: computed here.
     accumulated_weights: torch.Tensor | None = None
@@ -256,6 +262,12 @@ class ScoringInputs:
             future = torch.ones(rows, rows, dtype=torch.bool, device=logits.device).triu_(1)
             logits[..., first_future - 1 :].masked_fill_(future, float("-inf"))
             return _softmax_of_fresh_logits(logits).reshape(b, hq, rows, num_keys)
+        return self._masked_softmax(logits, query_rows, num_keys)
+
+    def _masked_softmax(self, logits: torch.Tensor, query_rows: slice, num_keys: int) -> torch.Tensor:
+        """Softmax ``[B, Hq, rows, K]`` of fresh float32 logits ``[B, H, G, rows, K]`` (overwritten)
+        of the selected query rows, the model's mask applied."""
+        b, h, group, rows, _ = logits.shape
         mask = self.mask_rows(query_rows, num_keys).unsqueeze(2)
         logits.masked_fill_(~mask, float("-inf"))  # in place: the product is a fresh tensor
         weights = _softmax_of_fresh_logits(logits)
@@ -263,7 +275,7 @@ class ScoringInputs:
             # A padding query may see no key at all: its softmax row is NaN and carries no
             # evidence, so it becomes 0 (a NaN from the model itself stays NaN).
             weights = torch.where(mask.any(dim=-1, keepdim=True), weights, 0.0)
-        return weights.reshape(b, hq, rows, num_keys)
+        return weights.reshape(b, h * group, rows, num_keys)
 
     def _product_keys(self) -> torch.Tensor:
         """The keys the scoring product reads: float32 copies for a float16 model (made once)."""
@@ -358,14 +370,37 @@ class ScoringInputs:
         one factor or one per batch row."""
         return self.summed_attention(max(0, self.num_queries - rows), logit_multiplier)
 
-    def last_query_attention(self) -> torch.Tensor:
-        """Weights ``[B, Hq, N]`` of the newest query (TOVA; decode-phase accumulation)."""
-        if self.last_query_weights is not None:
-            return self.last_query_weights
-        key = "last"
-        if key not in self._memo:
-            self._memo[key] = self.attention_weights(slice(self.num_queries - 1, self.num_queries))[:, :, 0]
-        return self._memo[key]
+    def last_query_attention(self, logit_multiplier: float | tuple[float, ...] | torch.Tensor = 1.0) -> torch.Tensor:
+        """Weights ``[B, Hq, N]`` of the newest query (TOVA; decode-phase accumulation), its logits
+        multiplied by ``logit_multiplier`` (AhaKV, Eq. 12: one factor, or one per batch row).
+
+        With a multiplier and the attention's own logits (``last_query_logits``) the weights are
+        the softmax of those logits times the factor: the keys are not read again (the step's
+        largest cost after the model's own matmuls: one more pass over every stored key)."""
+        last_row = slice(self.num_queries - 1, self.num_queries)
+        if isinstance(logit_multiplier, (int, float)) and logit_multiplier == 1.0:
+            if self.last_query_weights is not None:
+                return self.last_query_weights
+            key = "last"
+            if key not in self._memo:
+                self._memo[key] = self.attention_weights(last_row)[:, :, 0]
+            return self._memo[key]
+        if self.last_query_logits is None:
+            return self.attention_weights(last_row, logit_multiplier)[:, :, 0]
+        if isinstance(logit_multiplier, torch.Tensor):  # on the device: one factor, or one per batch row
+            factor = logit_multiplier.to(torch.float32)
+            factor = factor.view(-1, 1, 1, 1, 1) if factor.dim() else factor
+        elif isinstance(logit_multiplier, tuple):
+            factor = torch.tensor(logit_multiplier, dtype=torch.float32, device=self.queries.device)
+            factor = factor.view(-1, 1, 1, 1, 1)
+        else:
+            factor = logit_multiplier
+        logits = self.last_query_logits * factor  # fresh: the softmax may overwrite it
+        b, h, group, _, n = logits.shape
+        if self.mask is None:
+            # The attention masked nothing (every stored key precedes the new query): neither does its softmax.
+            return _softmax_of_fresh_logits(logits).view(b, h * group, n)
+        return self._masked_softmax(logits, last_row, n)[:, :, 0]
 
 
 def _softmax_of_fresh_logits(logits: torch.Tensor) -> torch.Tensor:
