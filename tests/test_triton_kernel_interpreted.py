@@ -39,6 +39,8 @@ def test_kernel_matches_float64_reference_in_the_interpreter(seed):
         "weights-float32",
         "decode-tova-float32",
         "decode-h2o-float32",
+        "decode-ahakv-float32",
+        "logits-float32",
     }
     # The new query's weights from the kernel's own pass (issue 23 item 2), and TOVA/H2O deciding
     # on them in a fixed decode capacity: the kept positions of the torch pass, the same logits.
@@ -46,6 +48,8 @@ def test_kernel_matches_float64_reference_in_the_interpreter(seed):
     assert errors["weights-float32"] <= 1e-5
     assert errors["decode-tova-float32"] <= 1e-4
     assert errors["decode-h2o-float32"] <= 1e-4
+    assert errors["decode-ahakv-float32"] <= 1e-4
+    assert errors["logits-float32"] <= 1e-5
     assert errors["dense-layer-float32"] <= 1e-5
     assert errors["segments-torch.float32"] <= 1e-5
     assert errors["uniform-float32"] <= 1e-5

@@ -50,7 +50,7 @@ def weights_errors(generator):
     values = torch.randn(len(lengths) * capacity, dim, generator=generator)
     queries = torch.randn(len(lengths), rows, dim, generator=generator)
     starts = torch.arange(len(lengths)) * capacity
-    output, weights = varlen_attention_kernel(
+    output, weights, logits = varlen_attention_kernel(
         queries,
         keys,
         values,
@@ -61,31 +61,36 @@ def weights_errors(generator):
         return_weights=True,
     )
     expected_weights = torch.zeros(len(lengths), rows, max(lengths), dtype=torch.float64)
+    expected_logits = torch.zeros_like(expected_weights)  # 0 past a segment's end (an unmasked logit)
     expected_output = []
     for s, length in enumerate(lengths):
         k = keys[starts[s] : starts[s] + length].double()
-        w = torch.softmax(queries[s].double() @ k.T * scaling, -1)
+        expected_logits[s, :, :length] = queries[s].double() @ k.T * scaling
+        w = torch.softmax(expected_logits[s, :, :length], -1)
         expected_weights[s, :, :length] = w
         expected_output.append(w @ values[starts[s] : starts[s] + length].double())
     return {
         "weights-output-float32": relative(output, torch.stack(expected_output)),
         "weights-float32": relative(weights, expected_weights),
+        "logits-float32": relative(logits, expected_logits),
     }
 
 
 def decode_weights_errors():
-    """TOVA and H2O decode on the tiny GQA model (float32) with their new query's weights from the
-    kernel against the torch pass, 12 steps: the kept positions are the same and the logits agree
-    (the relative difference of the logits; ``inf`` when a kept set differs). TOVA: a prompt past
-    its budget (the stored slice, evicting at every step); H2O: a prompt below its budget in a
-    fixed decode capacity (the filled slots by the device length; full after 8 steps, then evicting)."""
+    """TOVA, H2O and AhaKV decode on the tiny GQA model (float32) with their new query's weights
+    (AhaKV: logits) from the kernel against the torch pass, 12 steps: the kept positions are the
+    same and the model's logits agree (their relative difference; ``inf`` when a kept set differs).
+    TOVA: a prompt past its budget (the stored slice, evicting at every step); H2O and AhaKV: a
+    prompt below the budget in a fixed decode capacity (the filled slots by the device length, the
+    empty ones masked; full after 8 steps, then evicting)."""
     import kvhive
     import kvhive.attention.integration as integration
     from kvhive.models import tiny_model
 
     model = tiny_model("llama", "gqa")
     errors = {}
-    for method, length, options in (("tova", 40, {}), ("h2o", 16, {"decode_capacity": 12})):
+    cases = (("tova", 40, 24, {}), ("h2o", 16, 24, {"decode_capacity": 12}), ("ahakv", 30, 38, {"decode_capacity": 12}))
+    for method, length, budget, options in cases:
         prompt = torch.randint(3, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(3))
         runs = []
         for use_kernel in (True, False):
@@ -101,7 +106,7 @@ def decode_weights_errors():
             if not use_kernel:
                 integration.kernel_supports = lambda *args: False
             try:
-                cache = kvhive.make_cache(model, method, budget=24, **options)
+                cache = kvhive.make_cache(model, method, budget=budget, **options)
                 logits = []
                 with torch.no_grad():
                     out = model(input_ids=prompt, past_key_values=cache, use_cache=True)

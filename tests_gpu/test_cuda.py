@@ -42,7 +42,7 @@ def test_triton_varlen_kernel_matches_reference(dtype):
     rows = torch.randn(len(lengths), 4, 128, generator=generator).to("cuda", dtype)
     assert kernel_supports(rows, keys, values)
     expected = _per_segment_reference(rows.cpu(), keys.cpu(), values.cpu(), starts, lengths, 0.088)
-    output, weights = varlen_attention_kernel(
+    output, weights, logits = varlen_attention_kernel(
         rows,
         keys,
         values,

@@ -609,8 +609,9 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
     elif kernel_eligible and extra is None and (by_kernel := _dense_decode_by_kernel(store, query, scaling, True)):
         # The new query's weights from the attention's own pass (issue 23 item 2): on CUDA, where
         # the alternative is the torch pass below (about ten kernels a layer).
-        output, weights = by_kernel
+        output, weights, logits = by_kernel
         last_weights = weights.view(batch, query_heads, -1)
+        last_logits = logits.view(batch, heads, group, 1, -1)  # before any mask, as below
     else:
         # [B, H, G*q, d] @ [B, H, d, L]: one matmul per stored head, keys and values read once.
         grouped = query.reshape(batch, heads, group * num_queries, head_dim)
@@ -754,7 +755,8 @@ def _dense_decode_by_kernel(store, query, scaling, weights: bool = False):
     stored slice in place (a fixed capacity: its filled slots, by the device lengths, no host
     read); None when the kernel does not handle these shapes/dtypes. ``weights``: ``(output,
     weights [B * H, G, L])`` with the new query's softmax weights over the slots the attention
-    reads (the stored tokens; a fixed capacity's every slot, 0 on the empty ones)."""
+    reads (the stored tokens; a fixed capacity's every slot, 0 on the empty ones), and their logits
+    before any mask (0 on the empty slots)."""
     batch, query_heads, _, head_dim = query.shape
     segments = batch * store.num_heads
     rows = query.reshape(segments, query_heads // store.num_heads, head_dim)
@@ -778,7 +780,7 @@ def _dense_decode_by_kernel(store, query, scaling, weights: bool = False):
             rows, keys, values, scaling, length, uniform=(capacity, store.slice_start, length), return_weights=weights
         )
     output = (result[0] if weights else result).view(batch, query_heads, 1, -1).transpose(1, 2)
-    return (output, result[1]) if weights else output
+    return (output, *result[1:]) if weights else output
 
 
 def _decode_packed_static(cache: KVHiveCache, layer_index, query, scaling):

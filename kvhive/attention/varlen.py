@@ -345,11 +345,12 @@ def varlen_attention_kernel(
     ``s * stride + start`` with ``length`` tokens each (a dense buffer's slice) instead of the
     per-segment tensors. ``keys``/``values`` are 2-D ``[C, d]`` row views.
 
-    ``return_weights``: also the softmax weights ``[S, R, max_length]`` (float32; 0 past a
-    segment's length) from the same pass, for the methods that score by the new query's attention
-    (TOVA, H2O, AhaKV, BumbleBee): the split kernel stores each key's scaled logit as it goes and
-    the merge the row's log-sum-exp, so the weights are ``exp(logit - lse)``, one elementwise pass
-    instead of a second ``QK^T``."""
+    ``return_weights``: ``(output, weights, logits)`` with the softmax weights and the scaled
+    logits ``[S, R, max_length]`` (float32; past a segment's length, weight 0 and logit 0) from the
+    same pass, for the methods that score by the new query's attention (TOVA, H2O, AhaKV,
+    BumbleBee): the split kernel stores each key's scaled logit as it goes and the merge the row's
+    log-sum-exp, so the weights are ``exp(logit - lse)``, one elementwise pass instead of a second
+    ``QK^T`` (AhaKV takes the softmax of the logits times its gain)."""
     num_segments, rows, _ = query_rows.shape
     device = query_rows.device
     block_r = max(16, triton.next_power_of_2(rows))
@@ -364,8 +365,9 @@ def varlen_attention_kernel(
     part_sum = torch.empty_like(part_max)
     output = torch.empty(num_segments, rows, value_dim, device=device, dtype=query_rows.dtype)
     if return_weights:
-        # Keys past a segment's length are never written: -inf there is a weight of 0.
-        logits = torch.full((num_segments, rows, max_length), float("-inf"), device=device, dtype=torch.float32)
+        # Keys past a segment's length are never written: a finite 0 there, as an unmasked logit
+        # is (a caller may multiply the logits before masking them), and a weight of 0 below.
+        logits = torch.zeros(num_segments, rows, max_length, device=device, dtype=torch.float32)
         lse = torch.empty(num_segments, block_r, device=device, dtype=torch.float32)
     else:
         logits = lse = part_max  # unused
@@ -422,9 +424,13 @@ def varlen_attention_kernel(
         STORE_LSE=return_weights,
         num_warps=4,
     )
-    if return_weights:
-        return output, logits.sub_(lse[:, :rows, None]).exp_()
-    return output
+    if not return_weights:
+        return output
+    weights = torch.exp(logits - lse[:, :rows, None])
+    if uniform is None:  # segments of different lengths: nothing past each one's end
+        past_end = torch.arange(max_length, device=device) >= segment_length.to(device)[:, None, None]
+        weights = weights.masked_fill_(past_end, 0.0)
+    return output, weights, logits
 
 
 def varlen_attention(
