@@ -555,10 +555,13 @@ def simulate_stream(
         fresh = relu_cosine_similarity(
             keys.reshape(4, budget, dim)[:, :summary_size], valid.reshape(4, budget)[:, :summary_size]
         )
+        # The matrix holds the off-diagonal similarities, self_sim the diagonal.
+        self_by_rank = summary.self_sim.gather(1, summary.slot_of_rank)
+        assert torch.allclose(self_by_rank, fresh.diagonal(dim1=1, dim2=2), atol=1e-5)
+        fresh.diagonal(dim1=1, dim2=2).zero_()
         assert torch.allclose(by_rank, fresh, atol=1e-5)
-        others = summary.sim.clone()
-        others.diagonal(dim1=1, dim2=2).zero_()
-        assert torch.allclose(summary.nearest, others.amax(-1), atol=1e-6)
+        assert (summary.sim.diagonal(dim1=1, dim2=2) == 0).all()
+        assert torch.allclose(summary.nearest, summary.sim.amax(-1), atol=1e-6)
     assert not valid[1, :, :].logical_not().any()  # the padding was dropped first
     return state
 
@@ -650,7 +653,11 @@ def assert_summary_matches_store(layer, summary_size: int) -> None:
     by_rank = by_rank.gather(2, slot_of_rank[:, None, :].expand(-1, summary_size, -1))
     stored = keys.reshape(rows, -1, keys.shape[-1])[:, :summary_size]
     valid = summary.valid.gather(1, slot_of_rank)
-    assert torch.allclose(by_rank, relu_cosine_similarity(stored, valid), atol=1e-5)
+    fresh = relu_cosine_similarity(stored, valid)
+    # The matrix holds the off-diagonal similarities, self_sim the diagonal.
+    assert torch.allclose(summary.self_sim.gather(1, slot_of_rank), fresh.diagonal(dim1=1, dim2=2), atol=1e-5)
+    fresh.diagonal(dim1=1, dim2=2).zero_()
+    assert torch.allclose(by_rank, fresh, atol=1e-5)
 
 
 @torch.no_grad()
@@ -941,7 +948,6 @@ def test_policy_state_bytes_count_the_summary_and_stay_within_a_summary_matrix()
                 "sim",
                 "self_sim",
                 "nearest",
-                "nearest_slot",
                 "norms",
                 "valid",
                 "slot_of_rank",
