@@ -711,30 +711,31 @@ class StreamingSummary:
             if active is not None:
                 replace = replace & active
             y = drop.clamp(max=size - 1)[:, None]
+            # The slot x takes, as a mask that is all False where nothing changes: each O(T) field is
+            # then written by one select (no gather of the old value, no scatter, no row mask).
+            taken = replace[:, None] & (slots == y)
             dropped[:, j] = torch.where(replace, member_index.gather(1, y).squeeze(1), x)
-            keep_old = ~replace[:, None]
             # The members whose nearest one may have left: y attains their maximum (a tie rescans to
             # the same value), and x itself. Read before x's column overwrites y's.
             column = self.sim.gather(2, y[:, None, :].expand(rows, size, 1)).squeeze(2)
-            rescan = replace[:, None] & ((column >= self.nearest) | (slots == y))
+            rescan = (replace[:, None] & (column >= self.nearest)) | taken
             # Write x's row and column of the cached matrix (O(T)); its diagonal entry is zero.
             old_row = self.sim.gather(1, y[:, :, None].expand(rows, 1, size)).squeeze(1)
-            row = torch.where(keep_old, old_row, sim_x.scatter(1, y, 0.0))
+            row = torch.where(replace[:, None], sim_x.masked_fill_(slots == y, 0.0), old_row)
             self.sim.scatter_(1, y[:, :, None].expand(rows, 1, size), row[:, None, :])
             self.sim.scatter_(2, y[:, None, :].expand(rows, size, 1), row[:, :, None])
             for field, value in ((self.self_sim, self_x), (self.norms, norm_x), (self.valid, valid_x)):
-                field.scatter_(1, y, torch.where(keep_old, field.gather(1, y), value[:, None]))
-            member_index.scatter_(1, y, torch.where(keep_old, member_index.gather(1, y), x))
+                field.copy_(torch.where(taken, value[:, None], field))
+            member_index.masked_fill_(taken, x)
             # Nearest other member: x beats the old one, or the old one stays, except for the rows
             # rescanned. Every row is scanned and the rescanned ones taken (masked work over the
             # fixed T x T bound, Appx. E's O(T^2) per step): selecting the rows would be a host read.
             # Only the value is kept: which member attains it is read off the matrix when one leaves.
-            nearest = torch.where(keep_old, self.nearest, nearest_with_x)
+            nearest = torch.where(replace[:, None], nearest_with_x, self.nearest)
             self.nearest.copy_(torch.where(rescan, self.sim.amax(dim=-1), nearest))
             # x is the newest member: its slot moves to the last rank, the later ones move up.
-            rank_y = self.rank_of_slot.gather(1, y)
-            shifted = (self.rank_of_slot - (self.rank_of_slot > rank_y).long()).scatter_(1, y, size - 1)
-            self.rank_of_slot.copy_(torch.where(keep_old, self.rank_of_slot, shifted))
+            later = (self.rank_of_slot > self.rank_of_slot.gather(1, y)) & replace[:, None]
+            self.rank_of_slot.sub_(later.long()).masked_fill_(taken, size - 1)
         self.slot_of_rank.copy_(
             torch.empty_like(self.rank_of_slot).scatter_(1, self.rank_of_slot, slots.expand(rows, size))
         )
