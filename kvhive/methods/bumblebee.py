@@ -317,7 +317,10 @@ class BumbleBee(Policy):
             summary.assign_where(build, fresh)
             state[REBUILDS].add_(build.long())
             built.copy_(built | evict)
-        torch._assert_async(summary.matches(positions) | ~built, "BumbleBee's summary is not the first stored tokens")
+            aligned = summary.matches(positions) | ~built
+        else:  # built at the prefill's selection: the summary holds its members at every step
+            aligned = summary.matches(positions)
+        torch._assert_async(aligned, "BumbleBee's summary is not the first stored tokens")
         dropped = summary.step(
             keys,
             valid,
@@ -331,8 +334,8 @@ class BumbleBee(Policy):
             active=evict,
         )
         slots = torch.arange(capacity, device=keys.device)
-        gone = (slots == torch.where(evict, dropped, capacity)).reshape(batch, heads, capacity)
-        return (slots < scoring.filled) & ~gone
+        stays = (slots != torch.where(evict, dropped, capacity)).reshape(batch, heads, capacity)
+        return (slots < scoring.filled) & stays
 
     def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor | None:
         if scoring.filled is not None:

@@ -678,7 +678,7 @@ class StreamingSummary:
         device = keys.device
         slots = torch.arange(size, device=device)
         member_index = self.rank_of_slot.clone()  # stored index of each slot's member
-        dropped = torch.empty(rows, joiners, dtype=torch.long, device=device)
+        dropped = []
         for j in range(joiners):
             x = first_joiner + j
             key_x = keys[:, x].float()
@@ -701,8 +701,13 @@ class StreamingSummary:
                 mass = _safe_divide(mass, total)
                 total = (total > 0).double()
             phi_total = phi(total)
-            feature = _safe_divide(phi.loss(total, mass, phi_total), phi_total)
-            gains = lam * _safe_divide(facility, facility_total[:, None]) + (1.0 - lam) * feature
+            # _safe_divide's values with fewer ops (a decode step is a few hundred small ops):
+            # phi_total is 0 or more, and the feature term 0 where it is 0; f_FL(S') is 0 only where
+            # every facility gain is 0 too (each is at most its element's sim(v, v)), so its plain
+            # quotient by the clamped total is already 0 there.
+            feature = (phi.loss(total, mass, phi_total) / phi_total.clamp_min(1e-300)).masked_fill_(phi_total <= 0, 0.0)
+            facility = facility / facility_total[:, None].clamp_min(1e-300)
+            gains = lam * facility + (1.0 - lam) * feature
             drop = gains.masked_fill_(~valid_all, float("-inf")).argmin(dim=-1)  # == size: x itself goes
 
             # x takes the slot y of the dropped member (rows where x itself goes keep their state:
@@ -713,26 +718,27 @@ class StreamingSummary:
             y = drop.clamp(max=size - 1)[:, None]
             # The slot x takes, as a mask that is all False where nothing changes: each O(T) field is
             # then written by one select (no gather of the old value, no scatter, no row mask).
-            taken = replace[:, None] & (slots == y)
-            dropped[:, j] = torch.where(replace, member_index.gather(1, y).squeeze(1), x)
+            at_y = slots == y
+            taken = replace[:, None] & at_y
+            dropped.append(torch.where(replace, member_index.gather(1, y).squeeze(1), x))
             # The members whose nearest one may have left: y attains their maximum (a tie rescans to
             # the same value), and x itself. Read before x's column overwrites y's.
             column = self.sim.gather(2, y[:, None, :].expand(rows, size, 1)).squeeze(2)
             rescan = (replace[:, None] & (column >= self.nearest)) | taken
             # Write x's row and column of the cached matrix (O(T)); its diagonal entry is zero.
             old_row = self.sim.gather(1, y[:, :, None].expand(rows, 1, size)).squeeze(1)
-            row = torch.where(replace[:, None], sim_x.masked_fill_(slots == y, 0.0), old_row)
+            row = torch.where(replace[:, None], sim_x.masked_fill_(at_y, 0.0), old_row)
             self.sim.scatter_(1, y[:, :, None].expand(rows, 1, size), row[:, None, :])
             self.sim.scatter_(2, y[:, None, :].expand(rows, size, 1), row[:, :, None])
             for field, value in ((self.self_sim, self_x), (self.norms, norm_x), (self.valid, valid_x)):
-                field.copy_(torch.where(taken, value[:, None], field))
+                torch.where(taken, value[:, None], field, out=field)  # in place: no copy back
             member_index.masked_fill_(taken, x)
             # Nearest other member: x beats the old one, or the old one stays, except for the rows
             # rescanned. Every row is scanned and the rescanned ones taken (masked work over the
             # fixed T x T bound, Appx. E's O(T^2) per step): selecting the rows would be a host read.
             # Only the value is kept: which member attains it is read off the matrix when one leaves.
             nearest = torch.where(replace[:, None], nearest_with_x, self.nearest)
-            self.nearest.copy_(torch.where(rescan, self.sim.amax(dim=-1), nearest))
+            torch.where(rescan, self.sim.amax(dim=-1), nearest, out=self.nearest)
             # x is the newest member: its slot moves to the last rank, the later ones move up.
             later = (self.rank_of_slot > self.rank_of_slot.gather(1, y)) & replace[:, None]
             self.rank_of_slot.sub_(later.long()).masked_fill_(taken, size - 1)
@@ -740,7 +746,7 @@ class StreamingSummary:
             torch.empty_like(self.rank_of_slot).scatter_(1, self.rank_of_slot, slots.expand(rows, size))
         )
         self.positions.copy_(positions.gather(1, member_index.gather(1, self.slot_of_rank)))
-        return dropped
+        return dropped[0][:, None] if joiners == 1 else torch.stack(dropped, dim=1)
 
     @classmethod
     def empty(cls, rows: int, size: int, device) -> StreamingSummary:
