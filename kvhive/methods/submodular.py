@@ -725,11 +725,16 @@ class StreamingSummary:
             # the same value), and x itself. Read before x's column overwrites y's.
             column = self.sim.gather(2, y[:, None, :].expand(rows, size, 1)).squeeze(2)
             rescan = (replace[:, None] & (column >= self.nearest)) | taken
-            # Write x's row and column of the cached matrix (O(T)); its diagonal entry is zero.
+            # Write x's row and column of the cached matrix (O(T)); its diagonal entry is zero. Rows
+            # where nothing joins write back their own row and column: a matrix that one product's
+            # rounding left not exactly symmetric keeps its values, so the nearest values (read off
+            # its rows) stay its row maxima.
             old_row = self.sim.gather(1, y[:, :, None].expand(rows, 1, size)).squeeze(1)
-            row = torch.where(replace[:, None], sim_x.masked_fill_(at_y, 0.0), old_row)
+            new_row = sim_x.masked_fill_(at_y, 0.0)
+            row = torch.where(replace[:, None], new_row, old_row)
             self.sim.scatter_(1, y[:, :, None].expand(rows, 1, size), row[:, None, :])
-            self.sim.scatter_(2, y[:, None, :].expand(rows, size, 1), row[:, :, None])
+            column = torch.where(replace[:, None], new_row, column)
+            self.sim.scatter_(2, y[:, None, :].expand(rows, size, 1), column[:, :, None])
             for field, value in ((self.self_sim, self_x), (self.norms, norm_x), (self.valid, valid_x)):
                 torch.where(taken, value[:, None], field, out=field)  # in place: no copy back
             member_index.masked_fill_(taken, x)
