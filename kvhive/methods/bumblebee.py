@@ -18,7 +18,8 @@ or ``g^{-1}`` with ``g(y) = 0.04 y^25 + y`` (♦, :class:`BumbleBeePower`).
   joins ``S' = S + {x}``, the accumulated scores include every new query's attention, and the
   element of ``S'`` with the smallest ``g_lam(x | S' - x)`` is dropped. The similarity matrix of
   the summary is cached in the layer's policy state, so a step costs ``O(tau_s d + tau_s)``
-  plus a row scan for the members whose nearest member left (Appx. E: ``O(tau_s d + tau_s^2)``).
+  plus one pass over that matrix for the members whose nearest member may have left (Appx. E:
+  ``O(tau_s d + tau_s^2)``).
   The state also records the members' positions; a step checks them against the stored
   tokens (``scoring.positions``) and rebuilds the matrix from the keys if they ever differ.
 
