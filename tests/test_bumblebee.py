@@ -555,10 +555,13 @@ def simulate_stream(
         fresh = relu_cosine_similarity(
             keys.reshape(4, budget, dim)[:, :summary_size], valid.reshape(4, budget)[:, :summary_size]
         )
+        # The matrix holds the off-diagonal similarities, self_sim the diagonal.
+        self_by_rank = summary.self_sim.gather(1, summary.slot_of_rank)
+        assert torch.allclose(self_by_rank, fresh.diagonal(dim1=1, dim2=2), atol=1e-5)
+        fresh.diagonal(dim1=1, dim2=2).zero_()
         assert torch.allclose(by_rank, fresh, atol=1e-5)
-        others = summary.sim.clone()
-        others.diagonal(dim1=1, dim2=2).zero_()
-        assert torch.allclose(summary.nearest, others.amax(-1), atol=1e-6)
+        assert (summary.sim.diagonal(dim1=1, dim2=2) == 0).all()
+        assert torch.allclose(summary.nearest, summary.sim.amax(-1), atol=1e-6)
     assert not valid[1, :, :].logical_not().any()  # the padding was dropped first
     return state
 
@@ -598,6 +601,47 @@ def test_streaming_step_applies_phi_to_the_raw_mass_by_default():
     default = dropped()
     assert torch.equal(default, dropped(normalise_mass=False))
     assert not torch.equal(default, dropped(normalise_mass=True))
+
+
+def test_streaming_nearest_values_are_the_row_maxima_of_the_cached_matrix():
+    """StreamingSummary.step rescans a member when the leaving one attains its maximum (no argmax is
+    kept): after every step, each nearest value is its row's maximum of the cached matrix (zero
+    diagonal), also for a matrix that a product's rounding left not exactly symmetric; a step where
+    nothing joins (``active`` False, or x itself leaves) leaves the matrix as it was."""
+    generator = torch.Generator().manual_seed(5)
+    rows, size, local, dim = 6, 7, 2, 5
+    tokens = size + local
+    keys = torch.randn(rows, tokens, dim, generator=generator).round()  # ties between members
+    valid = torch.ones(rows, tokens, dtype=torch.bool)
+    positions = torch.arange(tokens).expand(rows, tokens).contiguous()
+    sim = relu_cosine_similarity(keys[:, :size])
+    sim = sim + 1e-6 * torch.rand(sim.shape, generator=generator) * (sim > 0)  # not symmetric
+    summary = StreamingSummary.from_similarity(sim, keys[:, :size].norm(dim=-1), valid[:, :size], positions[:, :size])
+    phi, seen = Concave("log"), tokens
+    for step in range(40):
+        new = keys[:, :1] + 0.1 * torch.randn(rows, 1, dim, generator=generator) if step % 2 else None
+        keys = torch.cat([keys, torch.randn(rows, 1, dim, generator=generator) if new is None else new], dim=1)
+        valid = torch.cat([valid, valid[:, :1]], dim=1)
+        positions = torch.cat([positions, torch.full((rows, 1), seen)], dim=1)
+        weights = torch.rand(rows, tokens + 1, generator=generator)
+        seen += 1
+        active = torch.tensor(step % 5 != 4)
+        before = summary.sim.clone(), summary.nearest.clone()
+        dropped = summary.step(keys, valid, weights, positions, size, 1, 0.5, phi, active=active)
+        assert (summary.sim.diagonal(dim1=1, dim2=2) == 0).all()
+        assert torch.equal(summary.nearest, summary.sim.amax(dim=-1)), step
+        # Rows where nothing joined keep their matrix and nearest values exactly.
+        unchanged = (dropped[:, 0] == size) | ~active
+        assert torch.equal(summary.sim[unchanged], before[0][unchanged]), step
+        assert torch.equal(summary.nearest[unchanged], before[1][unchanged]), step
+        keep = torch.ones(rows, tokens + 1, dtype=torch.bool)
+        if bool(active):
+            keep.scatter_(1, dropped, False)
+        else:
+            keep[:, -1] = False  # nothing joined: the test forgets the newest token
+        keys = keys[keep].reshape(rows, tokens, dim)
+        valid = valid[keep].reshape(rows, tokens)
+        positions = positions[keep].reshape(rows, tokens)
 
 
 def test_decode_rebuilds_the_summary_when_the_stored_tokens_changed():
@@ -650,7 +694,11 @@ def assert_summary_matches_store(layer, summary_size: int) -> None:
     by_rank = by_rank.gather(2, slot_of_rank[:, None, :].expand(-1, summary_size, -1))
     stored = keys.reshape(rows, -1, keys.shape[-1])[:, :summary_size]
     valid = summary.valid.gather(1, slot_of_rank)
-    assert torch.allclose(by_rank, relu_cosine_similarity(stored, valid), atol=1e-5)
+    fresh = relu_cosine_similarity(stored, valid)
+    # The matrix holds the off-diagonal similarities, self_sim the diagonal.
+    assert torch.allclose(summary.self_sim.gather(1, slot_of_rank), fresh.diagonal(dim1=1, dim2=2), atol=1e-5)
+    fresh.diagonal(dim1=1, dim2=2).zero_()
+    assert torch.allclose(by_rank, fresh, atol=1e-5)
 
 
 @torch.no_grad()
@@ -941,7 +989,6 @@ def test_policy_state_bytes_count_the_summary_and_stay_within_a_summary_matrix()
                 "sim",
                 "self_sim",
                 "nearest",
-                "nearest_slot",
                 "norms",
                 "valid",
                 "slot_of_rank",

@@ -18,7 +18,8 @@ or ``g^{-1}`` with ``g(y) = 0.04 y^25 + y`` (♦, :class:`BumbleBeePower`).
   joins ``S' = S + {x}``, the accumulated scores include every new query's attention, and the
   element of ``S'`` with the smallest ``g_lam(x | S' - x)`` is dropped. The similarity matrix of
   the summary is cached in the layer's policy state, so a step costs ``O(tau_s d + tau_s)``
-  plus a row scan for the members whose nearest member left (Appx. E: ``O(tau_s d + tau_s^2)``).
+  plus one pass over that matrix for the members whose nearest member may have left (Appx. E:
+  ``O(tau_s d + tau_s^2)``).
   The state also records the members' positions; a step checks them against the stored
   tokens (``scoring.positions``) and rebuilds the matrix from the keys if they ever differ.
 
@@ -317,7 +318,10 @@ class BumbleBee(Policy):
             summary.assign_where(build, fresh)
             state[REBUILDS].add_(build.long())
             built.copy_(built | evict)
-        torch._assert_async(summary.matches(positions) | ~built, "BumbleBee's summary is not the first stored tokens")
+            aligned = summary.matches(positions) | ~built
+        else:  # built at the prefill's selection: the summary holds its members at every step
+            aligned = summary.matches(positions)
+        torch._assert_async(aligned, "BumbleBee's summary is not the first stored tokens")
         dropped = summary.step(
             keys,
             valid,
@@ -331,8 +335,8 @@ class BumbleBee(Policy):
             active=evict,
         )
         slots = torch.arange(capacity, device=keys.device)
-        gone = (slots == torch.where(evict, dropped, capacity)).reshape(batch, heads, capacity)
-        return (slots < scoring.filled) & ~gone
+        stays = (slots != torch.where(evict, dropped, capacity)).reshape(batch, heads, capacity)
+        return (slots < scoring.filled) & stays
 
     def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor | None:
         if scoring.filled is not None:

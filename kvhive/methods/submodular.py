@@ -601,14 +601,16 @@ class StreamingSummary:
     Because every member covers itself (``sim(v, v) = 1``) and the ground set of the
     streaming objective is ``S' = S + {x}`` (Alg. 2 instantiates ``f_FL`` and ``c`` on the
     summary), ``f_FL(S') - f_FL(S' - x) = sim(x, x) - max_{u in S' - x} sim(x, u)``: a step
-    only needs each member's nearest other member (``nearest``, ``nearest_slot``), kept up to
-    date in ``O(T)`` per step plus a scan of the rows whose nearest member left.
+    only needs each member's nearest other member (``nearest``), kept up to date in ``O(T)``
+    per step plus a scan of the rows whose nearest member may have left.
+
+    ``sim`` holds zeros on its diagonal (``self_sim`` holds ``sim(v, v)``): a row's maximum is
+    then its nearest other member, with no masked copy of the matrix at each step.
     """
 
-    sim: torch.Tensor  # [R, T, T] float32, by slot
+    sim: torch.Tensor  # [R, T, T] float32, by slot; zero diagonal
     self_sim: torch.Tensor  # [R, T] sim(v, v): 1, or 0 for padding / zero keys
     nearest: torch.Tensor  # [R, T] max_{u in S, u != v} sim(v, u)
-    nearest_slot: torch.Tensor  # [R, T] long
     norms: torch.Tensor  # [R, T] key norms by slot
     valid: torch.Tensor  # [R, T] bool by slot
     slot_of_rank: torch.Tensor  # [R, T] long
@@ -625,17 +627,14 @@ class StreamingSummary:
     ) -> StreamingSummary:
         """Summary whose members (in stored order) have the similarity matrix ``sim[R, T, T]``."""
         rows, size, _ = sim.shape
-        sim = sim.contiguous().clone()
         self_sim = sim.diagonal(dim1=1, dim2=2).clone()
-        others = sim.clone()
+        others = sim.contiguous().clone()
         others.diagonal(dim1=1, dim2=2).zero_()
-        nearest, nearest_slot = others.max(dim=-1)
         order = torch.arange(size, device=sim.device).expand(rows, size)
         return cls(
-            sim,
+            others,
             self_sim,
-            nearest,
-            nearest_slot,
+            others.amax(dim=-1),
             norms.float().clone(),
             valid.clone(),
             order.clone(),
@@ -678,10 +677,8 @@ class StreamingSummary:
         rows, size = self.slot_of_rank.shape
         device = keys.device
         slots = torch.arange(size, device=device)
-        all_rows = torch.arange(rows, device=device)
         member_index = self.rank_of_slot.clone()  # stored index of each slot's member
-        diagonal = torch.eye(size, dtype=torch.bool, device=device)
-        dropped = torch.empty(rows, joiners, dtype=torch.long, device=device)
+        dropped = []
         for j in range(joiners):
             x = first_joiner + j
             key_x = keys[:, x].float()
@@ -704,8 +701,13 @@ class StreamingSummary:
                 mass = _safe_divide(mass, total)
                 total = (total > 0).double()
             phi_total = phi(total)
-            feature = _safe_divide(phi.loss(total, mass, phi_total), phi_total)
-            gains = lam * _safe_divide(facility, facility_total[:, None]) + (1.0 - lam) * feature
+            # _safe_divide's values with fewer ops (a decode step is a few hundred small ops):
+            # phi_total is 0 or more, and the feature term 0 where it is 0; f_FL(S') is 0 only where
+            # every facility gain is 0 too (each is at most its element's sim(v, v)), so its plain
+            # quotient by the clamped total is already 0 there.
+            feature = (phi.loss(total, mass, phi_total) / phi_total.clamp_min(1e-300)).masked_fill_(phi_total <= 0, 0.0)
+            facility = facility / facility_total[:, None].clamp_min(1e-300)
+            gains = lam * facility + (1.0 - lam) * feature
             drop = gains.masked_fill_(~valid_all, float("-inf")).argmin(dim=-1)  # == size: x itself goes
 
             # x takes the slot y of the dropped member (rows where x itself goes keep their state:
@@ -714,33 +716,42 @@ class StreamingSummary:
             if active is not None:
                 replace = replace & active
             y = drop.clamp(max=size - 1)[:, None]
-            dropped[:, j] = torch.where(replace, member_index.gather(1, y).squeeze(1), x)
-            keep_old = ~replace[:, None]
-            # Write x's row and column of the cached matrix (O(T)).
-            row = torch.where(keep_old, self.sim[all_rows, y[:, 0]], sim_x.scatter(1, y, self_x[:, None]))
-            self.sim[all_rows, y[:, 0]] = row
-            self.sim[all_rows, :, y[:, 0]] = row
+            # The slot x takes, as a mask that is all False where nothing changes: each O(T) field is
+            # then written by one select (no gather of the old value, no scatter, no row mask).
+            at_y = slots == y
+            taken = replace[:, None] & at_y
+            dropped.append(torch.where(replace, member_index.gather(1, y).squeeze(1), x))
+            # The members whose nearest one may have left: y attains their maximum (a tie rescans to
+            # the same value), and x itself. Read before x's column overwrites y's.
+            column = self.sim.gather(2, y[:, None, :].expand(rows, size, 1)).squeeze(2)
+            rescan = (replace[:, None] & (column >= self.nearest)) | taken
+            # Write x's row and column of the cached matrix (O(T)); its diagonal entry is zero. Rows
+            # where nothing joins write back their own row and column: a matrix that one product's
+            # rounding left not exactly symmetric keeps its values, so the nearest values (read off
+            # its rows) stay its row maxima.
+            old_row = self.sim.gather(1, y[:, :, None].expand(rows, 1, size)).squeeze(1)
+            new_row = sim_x.masked_fill_(at_y, 0.0)
+            row = torch.where(replace[:, None], new_row, old_row)
+            self.sim.scatter_(1, y[:, :, None].expand(rows, 1, size), row[:, None, :])
+            column = torch.where(replace[:, None], new_row, column)
+            self.sim.scatter_(2, y[:, None, :].expand(rows, size, 1), column[:, :, None])
             for field, value in ((self.self_sim, self_x), (self.norms, norm_x), (self.valid, valid_x)):
-                field.scatter_(1, y, torch.where(keep_old, field.gather(1, y), value[:, None]))
-            member_index.scatter_(1, y, torch.where(keep_old, member_index.gather(1, y), x))
-            # Nearest other member: x beats the old one, or the old one stays, except for the
-            # members whose nearest one just left, and for x: scan their rows.
-            old_slot = self.nearest_slot
-            rescan = replace[:, None] & ((old_slot == y) | (slots == y))
-            nearest_slot = torch.where(keep_old | (sim_x <= self.nearest), old_slot, y)
-            nearest = torch.where(keep_old, self.nearest, nearest_with_x)
-            # Every row is scanned and the rescanned ones taken (masked work over the fixed
-            # T x T bound, Appx. E's O(T^2) per step): selecting the rows would be a host read.
-            value, argument = self.sim.masked_fill(diagonal, 0.0).max(dim=-1)
-            self.nearest.copy_(torch.where(rescan, value, nearest))
-            self.nearest_slot.copy_(torch.where(rescan, argument, nearest_slot))
+                torch.where(taken, value[:, None], field, out=field)  # in place: no copy back
+            member_index.masked_fill_(taken, x)
+            # Nearest other member: x beats the old one, or the old one stays, except for the rows
+            # rescanned. Every row is scanned and the rescanned ones taken (masked work over the
+            # fixed T x T bound, Appx. E's O(T^2) per step): selecting the rows would be a host read.
+            # Only the value is kept: which member attains it is read off the matrix when one leaves.
+            nearest = torch.where(replace[:, None], nearest_with_x, self.nearest)
+            torch.where(rescan, self.sim.amax(dim=-1), nearest, out=self.nearest)
             # x is the newest member: its slot moves to the last rank, the later ones move up.
-            rank_y = self.rank_of_slot.gather(1, y)
-            shifted = (self.rank_of_slot - (self.rank_of_slot > rank_y).long()).scatter_(1, y, size - 1)
-            self.rank_of_slot.copy_(torch.where(keep_old, self.rank_of_slot, shifted))
-            self.slot_of_rank.copy_(torch.empty_like(shifted).scatter_(1, self.rank_of_slot, slots.expand(rows, size)))
+            later = (self.rank_of_slot > self.rank_of_slot.gather(1, y)) & replace[:, None]
+            self.rank_of_slot.sub_(later.long()).masked_fill_(taken, size - 1)
+        self.slot_of_rank.copy_(
+            torch.empty_like(self.rank_of_slot).scatter_(1, self.rank_of_slot, slots.expand(rows, size))
+        )
         self.positions.copy_(positions.gather(1, member_index.gather(1, self.slot_of_rank)))
-        return dropped
+        return dropped[0][:, None] if joiners == 1 else torch.stack(dropped, dim=1)
 
     @classmethod
     def empty(cls, rows: int, size: int, device) -> StreamingSummary:
@@ -752,7 +763,6 @@ class StreamingSummary:
             torch.zeros(rows, size, size, device=device),
             zeros.clone(),
             zeros.clone(),
-            torch.zeros(rows, size, dtype=torch.long, device=device),
             torch.ones(rows, size, device=device),
             torch.zeros(rows, size, dtype=torch.bool, device=device),
             order.clone(),
