@@ -39,7 +39,6 @@ from kvhive.methods.base import (
     PolicyConfig,
     ScoringInputs,
     keep_top_scores,
-    recent_mask,
     require_int_at_least,
 )
 
@@ -69,6 +68,12 @@ class SubGenConfig(PolicyConfig):
 # ---------------------------------------------------------------------------------------------
 
 
+def _after_every(positions: torch.Tensor) -> float | int:
+    """A value above every position of ``positions``' dtype (the positions are float copies of the
+    per-token scores' dtype in the decode bookkeeping)."""
+    return float("inf") if positions.is_floating_point() else torch.iinfo(positions.dtype).max
+
+
 def _squared_distances(
     points: torch.Tensor, points_sq: torch.Tensor, centers: torch.Tensor, centers_sq: torch.Tensor
 ) -> torch.Tensor:
@@ -77,11 +82,14 @@ def _squared_distances(
     return (points_sq[..., :, None] - 2 * dots + centers_sq[..., None, :]).clamp_min_(0)
 
 
-def farthest_point_order(keys: torch.Tensor, candidates: torch.Tensor, count: int) -> torch.Tensor:
+def farthest_point_order(
+    keys: torch.Tensor, candidates: torch.Tensor, count: int, positions: torch.Tensor | None = None
+) -> torch.Tensor:
     """Greedy k-center on each row: ``[R, count]`` indices of the chosen centers in pick order.
 
     ``keys [R, N, d]``, ``candidates [R, N]`` bool. The first center is each row's first
-    candidate; every next one is the candidate with the largest distance to its nearest chosen
+    candidate (the one of oldest ``positions [R, N]`` when given: tokens stored out of their
+    order); every next one is the candidate with the largest distance to its nearest chosen
     center (ties: the first maximiser). A row with fewer candidates than ``count`` gets ``-1``
     after its candidates run out.
 
@@ -100,7 +108,10 @@ def farthest_point_order(keys: torch.Tensor, candidates: torch.Tensor, count: in
     keys_sq = (keys * keys).sum(-1)
     row_index = torch.arange(rows, device=keys.device)
     nearest = torch.where(candidates, float("inf"), float("-inf"))  # -inf: not eligible
-    chosen = candidates.to(torch.int8).argmax(-1)
+    if positions is None:
+        chosen = candidates.to(torch.int8).argmax(-1)
+    else:
+        chosen = positions.masked_fill(~candidates, _after_every(positions)).argmin(-1)
     for step in range(steps):
         order[:, step] = chosen
         # [R, 1, d] viewed as [R, d, 1]: this layout takes the fast batched matrix-vector kernel
@@ -122,12 +133,17 @@ def farthest_point_order(keys: torch.Tensor, candidates: torch.Tensor, count: in
 # ---------------------------------------------------------------------------------------------
 
 
-def _padded_indices(mask: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _padded_indices(
+    mask: torch.Tensor, width: int, positions: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``mask [R, N]`` -> ``(index [R, width], present [R, width])``: the first ``width`` True
-    columns of each row, in order (``width`` is a bound known on the host: no read of the counts)."""
+    columns of each row, in order (``width`` is a bound known on the host: no read of the counts).
+    With ``positions [R, N]``: the ``width`` True columns of oldest positions, oldest first (the
+    stored order need not be the tokens')."""
     width = min(width, mask.shape[-1])
-    # Stable sort puts the True columns first, in order.
-    index = torch.sort((~mask).to(torch.int8), dim=-1, stable=True).indices[:, :width]
+    # A stable sort puts the True columns first, in order (of column, or of position).
+    order = (~mask).to(torch.int8) if positions is None else positions.masked_fill(~mask, _after_every(positions))
+    index = torch.sort(order, dim=-1, stable=True).indices[:, :width]
     return index, mask.gather(1, index)
 
 
@@ -171,24 +187,23 @@ def _nearest_among(
         yield columns, distances
 
 
-def _first_true(mask: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_padded_indices` (the first ``width`` True columns of each row, in order); one
-    column is an ``argmax`` (the first maximum: the first True column, column 0 in a row with
-    none, as the stable sort gives), not a sort of the row."""
+def _first_true(mask: torch.Tensor, width: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_padded_indices` (the ``width`` oldest True columns of each row); one column is an
+    ``argmax`` (a row's only True column when the bound is 1, column 0 in a row with none; its
+    ``present`` is False then), not a sort of the row."""
     if min(width, mask.shape[-1]) == 1:
         index = mask.to(torch.int8).argmax(-1, keepdim=True)
         return index, mask.gather(1, index)
-    return _padded_indices(mask, width)
+    return _padded_indices(mask, width, positions)
 
 
-def _stale(candidates: torch.Tensor, positions: torch.Tensor, nearest_position: torch.Tensor) -> torch.Tensor:
-    """``[R, N]`` candidates whose recorded nearest neighbour is no longer a candidate (or none).
-    Stored tokens are oldest first, so ``positions`` ascend in every row: one binary search each.
-    (The general check; a decode step marks the candidates it leaves stale with position ``-1``
-    instead, see :func:`maintain_candidates`.)"""
-    slot = torch.searchsorted(positions.contiguous(), nearest_position.contiguous()).clamp_max_(positions.shape[-1] - 1)
-    alive = (positions.gather(1, slot) == nearest_position) & candidates.gather(1, slot)
-    return candidates & ~alive
+def _oldest_minimum(values: torch.Tensor, positions: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(minimum, index)`` of ``values`` along ``dim`` (kept), the index of the oldest position
+    among equal minima: what ``min`` (the first minimum) gives when tokens are stored oldest first,
+    whatever order they are stored in. ``positions`` broadcasts against ``values``."""
+    low = values.amin(dim, keepdim=True)
+    at_low = positions.expand(values.shape).masked_fill(values != low, _after_every(positions))
+    return low, at_low.argmin(dim, keepdim=True)
 
 
 # Candidates whose nearest neighbour was dropped that get a new one right away, per removal and
@@ -215,6 +230,11 @@ def maintain_candidates(
     """Shrink each row's candidate set to ``target`` by repeatedly evicting the newer member of
     the closest pair. All ``[R, N]`` (keys ``[R, N, d]``); ``nearest_*`` are updated in place for
     the candidates; returns the surviving candidates ``[R, N]`` bool.
+
+    The tokens may be stored in any order (``positions``, distinct per row, say which is which):
+    newcomers are taken oldest first, and among equal distances the oldest token is the closest
+    pair's first member and a newcomer's nearest neighbour, which is what the first minimum gives
+    when tokens are stored oldest first; so the kept sets do not depend on the stored order.
 
     Fixed work, no host read: ``newcomer_bound`` (a host-known bound on the candidates not yet
     ``ready`` in any row) and ``removal_bound`` (on the excess over ``target``) set the number of
@@ -247,7 +267,7 @@ def maintain_candidates(
         for columns, distances in _nearest_among(keys, keys_sq, candidates, index, present):
             chosen, here = index[:, columns], present[:, columns]
             # Rows not present are all inf: no neighbour found there, nothing written below.
-            best, where_best = distances.min(-1)
+            best, where_best = (found.squeeze(-1) for found in _oldest_minimum(distances, positions[:, None, :]))
             new_pos = torch.where(torch.isfinite(best), positions.gather(1, where_best), -1.0)
             # Entries not present scatter their own current value back (indices are distinct).
             nearest_sq.scatter_(1, chosen, torch.where(here, best, nearest_sq.gather(1, chosen)))
@@ -265,7 +285,7 @@ def maintain_candidates(
         # cold [R, c, d] x [R, d, N] product reads them several times slower than a sum does (on
         # the kv-heavy shape at 4k: 46 + 74 us instead of 206 us per layer and step).
         keys.sum()
-    newcomers, present = _first_true(candidates & ~ready, newcomer_bound)
+    newcomers, present = _first_true(candidates & ~ready, newcomer_bound, positions)
     if newcomers.shape[1] > 0:
         # The newcomers' norms (a row's own norm wherever an index is padding: true all the same).
         joining = keys.gather(1, newcomers[..., None].expand(-1, -1, dim))
@@ -275,7 +295,7 @@ def maintain_candidates(
     for _ in range(removal_bound):
         active = excess > 0
         value = torch.where(candidates, nearest_sq, float("inf"))
-        first = value.argmin(-1, keepdim=True)
+        first = _oldest_minimum(value, positions)[1]
         partner_position = nearest_position.gather(1, first)
         partner_mask = candidates & (positions == partner_position)
         partner = partner_mask.to(torch.int8).argmax(-1, keepdim=True)
@@ -302,6 +322,9 @@ class SubGen(Policy):
     paper = "Zandieh et al. 2024, Sec. 3.2 (recent r + greedy k-center of the rest, budget r + k)"
     static_decode = True  # evicts to exactly the budget each step (tests/test_compiled_decode.py)
     compiles_below_budget = False  # its clusters (and their buffers) appear at the first eviction
+    # Recent window, candidate order and ties by original position, per-token state kept as
+    # per-token scores (they move with their token): an eviction fills the freed slot.
+    reads_stored_order = False
 
     def minimum_budget(self) -> int:
         return self.config.recent + 1
@@ -312,14 +335,29 @@ class SubGen(Policy):
 
     def _split(self, scoring: ScoringInputs):
         valid = scoring.valid
-        forced = recent_mask(scoring.num_tokens, self.config.recent, valid) & valid
+        # The recent window by position (the stored order is not the tokens' once a decode step
+        # wrote the newest token into a freed slot): the same tokens as the last r stored, since
+        # the window is always kept.
+        forced = scoring.recent_tokens(self.config.recent) & valid
         return valid, forced, valid & ~forced
+
+    @staticmethod
+    def _positions(scoring: ScoringInputs) -> torch.Tensor | None:
+        """The positions that break ties and order the tokens, where the stored order is not theirs
+        (None: the stored order, the same answers)."""
+        return None if scoring.stored_in_order else scoring.positions
 
     def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
         valid, forced, candidates = self._split(scoring)
         b, h, n, d = scoring.keys.shape
         count = budget - self.config.recent
-        order = farthest_point_order(scoring.keys.reshape(b * h, n, d), candidates.reshape(b * h, n), min(count, n))
+        positions = self._positions(scoring)
+        order = farthest_point_order(
+            scoring.keys.reshape(b * h, n, d),
+            candidates.reshape(b * h, n),
+            min(count, n),
+            positions=None if positions is None else positions.expand(b, h, n).reshape(b * h, n),
+        )
         rank = torch.zeros(b * h, n, dtype=torch.float32, device=scoring.keys.device)
         # Earlier picks rank higher; -1 entries (no candidate left) go to a scratch column.
         scores = torch.arange(order.shape[1], 0, -1, dtype=torch.float32, device=rank.device).expand_as(order)
@@ -327,7 +365,7 @@ class SubGen(Policy):
         scratch.scatter_(1, torch.where(order >= 0, order, n), scores)
         rank = scratch[:, :n].reshape(b, h, n)
         self._record_center_neighbours(scoring, order)
-        return keep_top_scores(rank, budget, valid, forced=forced)
+        return keep_top_scores(rank, budget, valid, forced=forced, positions=positions)
 
     def _record_center_neighbours(self, scoring: ScoringInputs, order: torch.Tensor) -> None:
         """Each kept center's nearest other center (distance, position) and READY, as per-token
@@ -402,4 +440,4 @@ class SubGen(Policy):
         scores[NEAREST_POSITION] = nearest_position.reshape(b, h, n)
         scores[KEY_NORM] = keys_sq.reshape(b, h, n)
         scores[READY] = ready.reshape(b, h, n).float()
-        return keep_top_scores(kept.reshape(b, h, n).float(), budget, valid, forced=forced)
+        return keep_top_scores(kept.reshape(b, h, n).float(), budget, valid, forced=forced, positions=self._positions(scoring))
