@@ -168,20 +168,29 @@ def _pair_distances(
 
 
 def _nearest_among(
-    keys: torch.Tensor, keys_sq: torch.Tensor, members: torch.Tensor, index: torch.Tensor, present: torch.Tensor
+    keys: torch.Tensor,
+    keys_sq: torch.Tensor,
+    members: torch.Tensor,
+    index: torch.Tensor,
+    present: torch.Tensor,
+    gathered: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """Yield ``(columns, distances [R, c, N])``: squared distances of the tokens ``index`` to
     every token, ``inf`` where the token is not in ``members`` or is the token itself, and on the
     rows not ``present``. ``keys_sq`` must be current for the members and the present tokens
-    (other entries are not read)."""
+    (other entries are not read). ``gathered``: the keys and squared norms of the tokens
+    ``index`` when the caller has them (not gathered again)."""
     rows, num_tokens, dim = keys.shape
     columns_sq = torch.where(members, keys_sq, float("inf"))
     step = max(1, _BLOCK_ELEMENTS // max(1, rows * num_tokens))
     for start in range(0, index.shape[1], step):
         columns = slice(start, start + step)
         chosen = index[:, columns]
-        chosen_keys = keys.gather(1, chosen[..., None].expand(-1, -1, dim))
-        chosen_sq = torch.where(present[:, columns], keys_sq.gather(1, chosen), float("inf"))
+        if gathered is not None:
+            chosen_keys, chosen_sq = (part[:, columns] for part in gathered)
+        else:
+            chosen_keys, chosen_sq = keys.gather(1, chosen[..., None].expand(-1, -1, dim)), keys_sq.gather(1, chosen)
+        chosen_sq = torch.where(present[:, columns], chosen_sq, float("inf"))
         distances = _pair_distances(chosen_keys, chosen_sq, keys, columns_sq)
         distances.scatter_(2, chosen[..., None], float("inf"))
         yield columns, distances
@@ -197,12 +206,17 @@ def _first_true(mask: torch.Tensor, width: int, positions: torch.Tensor) -> tupl
     return _padded_indices(mask, width, positions)
 
 
-def _oldest_minimum(values: torch.Tensor, positions: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+def _oldest_minimum(
+    values: torch.Tensor, positions: torch.Tensor, dim: int = -1, with_position: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(minimum, index)`` of ``values`` along ``dim`` (kept), the index of the oldest position
     among equal minima: what ``min`` (the first minimum) gives when tokens are stored oldest first,
-    whatever order they are stored in. ``positions`` broadcasts against ``values``."""
+    whatever order they are stored in. ``positions`` broadcasts against ``values``.
+    ``with_position``: ``(that oldest position, index)`` instead."""
     low = values.amin(dim, keepdim=True)
     at_low = positions.expand(values.shape).masked_fill(values != low, _after_every(positions))
+    if with_position:
+        return at_low.min(dim, keepdim=True)
     return low, at_low.argmin(dim, keepdim=True)
 
 
@@ -261,10 +275,10 @@ def maintain_candidates(
     rows, _, dim = keys.shape
     candidates = candidates.clone()
 
-    def recompute(index: torch.Tensor, present: torch.Tensor, update_others: bool) -> None:
+    def recompute(index: torch.Tensor, present: torch.Tensor, update_others: bool, gathered=None) -> None:
         if index.shape[1] == 0:
             return
-        for columns, distances in _nearest_among(keys, keys_sq, candidates, index, present):
+        for columns, distances in _nearest_among(keys, keys_sq, candidates, index, present, gathered):
             chosen, here = index[:, columns], present[:, columns]
             # Rows not present are all inf: no neighbour found there, nothing written below.
             best, where_best = (found.squeeze(-1) for found in _oldest_minimum(distances, positions[:, None, :]))
@@ -274,8 +288,11 @@ def maintain_candidates(
             nearest_position.scatter_(1, chosen, torch.where(here, new_pos, nearest_position.gather(1, chosen)))
             if update_others:
                 # The new tokens may be the nearest neighbour of candidates that were already there.
-                column_best, column_arg = distances.min(1)
-                source = positions.gather(1, chosen.gather(1, column_arg))
+                if chosen.shape[1] == 1:  # one new token (a steady step): its own row, no reduction
+                    column_best, source = distances[:, 0], positions.gather(1, chosen)
+                else:
+                    column_best, column_arg = distances.min(1)
+                    source = positions.gather(1, chosen.gather(1, column_arg))
                 closer = ready & (column_best < nearest_sq)
                 nearest_sq.copy_(torch.where(closer, column_best, nearest_sq))
                 nearest_position.copy_(torch.where(closer, source, nearest_position))
@@ -286,31 +303,35 @@ def maintain_candidates(
         # the kv-heavy shape at 4k: 46 + 74 us instead of 206 us per layer and step).
         keys.sum()
     newcomers, present = _first_true(candidates & ~ready, newcomer_bound, positions)
+    gathered = None
     if newcomers.shape[1] > 0:
         # The newcomers' norms (a row's own norm wherever an index is padding: true all the same).
         joining = keys.gather(1, newcomers[..., None].expand(-1, -1, dim))
-        keys_sq.scatter_(1, newcomers, (joining * joining).sum(-1))
-    recompute(newcomers, present, update_others=True)
-    excess = candidates.sum(-1) - target
-    for _ in range(removal_bound):
+        gathered = (joining, (joining * joining).sum(-1))
+        keys_sq.scatter_(1, newcomers, gathered[1])
+    recompute(newcomers, present, update_others=True, gathered=gathered)
+    excess = candidates.sum(-1, keepdim=True) - target
+    for removal in range(removal_bound):
         active = excess > 0
         value = torch.where(candidates, nearest_sq, float("inf"))
-        first = _oldest_minimum(value, positions)[1]
+        first_position, first = _oldest_minimum(value, positions, with_position=True)
         partner_position = nearest_position.gather(1, first)
         partner_mask = candidates & (positions == partner_position)
         partner = partner_mask.to(torch.int8).argmax(-1, keepdim=True)
-        # The partner's slot holds it iff there is one (positions are distinct).
-        has_partner = partner_mask.gather(1, partner)
-        newer_is_partner = has_partner & (positions.gather(1, partner) > positions.gather(1, first))
+        # The partner's slot holds it iff there is one (positions are distinct), at partner_position.
+        newer_is_partner = partner_mask.gather(1, partner) & (partner_position > first_position)
         drop = torch.where(newer_is_partner, partner, first)
-        dropped = candidates.gather(1, drop) & active[:, None]
-        candidates.scatter_(1, drop, candidates.gather(1, drop) & ~active[:, None])
+        held = candidates.gather(1, drop)
+        dropped = held & active
+        candidates.scatter_(1, drop, held ^ dropped)
         # Stale now: the candidates recorded stale (-1) and those whose neighbour was just dropped.
-        lost = candidates & (nearest_position == torch.where(dropped, positions.gather(1, drop), -1.0))
+        dropped_position = torch.where(newer_is_partner, partner_position, first_position)
+        lost = candidates & (nearest_position == torch.where(dropped, dropped_position, -1.0))
         nearest_position.masked_fill_(lost, -1.0)
         stale = candidates & (nearest_position < 0)
         recompute(*_smallest_indices(nearest_sq, stale, stale_refresh_width), update_others=False)
-        excess = excess - active.long()
+        if removal + 1 < removal_bound:
+            excess = excess - active.long()
     ready.copy_(candidates.to(ready.dtype))
     return candidates
 
@@ -338,7 +359,10 @@ class SubGen(Policy):
         # The recent window by position (the stored order is not the tokens' once a decode step
         # wrote the newest token into a freed slot): the same tokens as the last r stored, since
         # the window is always kept.
-        forced = scoring.recent_tokens(self.config.recent) & valid
+        forced = scoring.recent_tokens(self.config.recent)
+        if scoring.mask is None:  # every stored token is real
+            return valid, forced, ~forced
+        forced = forced & valid
         return valid, forced, valid & ~forced
 
     @staticmethod
@@ -402,10 +426,21 @@ class SubGen(Policy):
         shape = (b * h, n)
         device = scoring.keys.device
 
-        def stored(name: str, fill: float) -> torch.Tensor:
-            # A copy to update in place (the stored views may not reshape to [B*H, N] as views).
+        def stored(name: str, fill: float | None) -> torch.Tensor | None:
+            # A [B*H, N] view of the per-token score, updated in place: the cache gets its own
+            # view back (no copy) and no step copies every token's entry first. A score that does
+            # not view as [B*H, N] is copied once and handed back as the copy.
             value = scores.get(name)
-            return value.reshape(shape).clone() if value is not None else torch.full(shape, fill, device=device)
+            if value is None:
+                if fill is None:
+                    return None
+                value = scores[name] = torch.full((b, h, n), fill, device=device)
+            try:
+                return value.view(shape)
+            except RuntimeError:
+                rows = value.reshape(shape).clone()
+                scores[name] = rows.view(b, h, n)
+                return rows
 
         nearest_sq = stored(NEAREST_DISTANCE, float("inf"))
         nearest_position = stored(NEAREST_POSITION, -1.0)
@@ -415,8 +450,7 @@ class SubGen(Policy):
         # The ready candidates' key norms as recorded when they joined; not when the cache
         # re-rotates kept keys (cache positions: a rotation moves the norms' last bits), nor
         # before any decision.
-        keys_sq = scores.get(KEY_NORM) if scores.get(READY) is not None and _ROPE_POSITION not in scores else None
-        keys_sq = keys_sq.reshape(shape).clone() if keys_sq is not None else None
+        keys_sq = stored(KEY_NORM, None) if scores.get(READY) is not None and _ROPE_POSITION not in scores else None
         # After a decision (prefill's included) the kept candidates are ready, so the candidates
         # not ready since are the tokens that left the recent window: at most the n - budget
         # appended since. Without a decision before (select_decode called first), all of them.
@@ -424,6 +458,7 @@ class SubGen(Policy):
         keys = scoring.keys.reshape(b * h, n, d)
         if keys_sq is None:
             keys_sq = (keys.float() * keys.float()).sum(-1)
+            scores[KEY_NORM] = keys_sq.view(b, h, n)
         kept = maintain_candidates(
             keys,
             scoring.positions.reshape(shape),
@@ -436,8 +471,11 @@ class SubGen(Policy):
             removal_bound=max(0, n - budget),
             keys_sq=keys_sq,
         )
-        scores[NEAREST_DISTANCE] = nearest_sq.reshape(b, h, n)
-        scores[NEAREST_POSITION] = nearest_position.reshape(b, h, n)
-        scores[KEY_NORM] = keys_sq.reshape(b, h, n)
+        # NEAREST_DISTANCE, NEAREST_POSITION and KEY_NORM were updated in place (stored()).
         scores[READY] = ready.reshape(b, h, n).float()
-        return keep_top_scores(kept.reshape(b, h, n).float(), budget, valid, forced=forced, positions=self._positions(scoring))
+        kept = kept.reshape(b, h, n)
+        if scoring.mask is None:
+            # Every token is real: the candidates were cut to exactly budget - recent (all kept when
+            # fewer), beside the recent window: what keep_top_scores keeps below, without its ranks.
+            return kept | forced
+        return keep_top_scores(kept.float(), budget, valid, forced=forced, positions=self._positions(scoring))
