@@ -828,6 +828,11 @@ def test_padded_indices_lists_each_rows_true_columns_in_order():
     index, present = _padded_indices(long, 3000)
     for row in range(4):
         assert index[row][present[row]].tolist() == long[row].nonzero().flatten().tolist()
+    # by position (tokens stored out of their order): the oldest True columns, oldest first
+    positions = torch.tensor([[9, 4, 7, 0, 2], [0, 1, 2, 3, 4], [5, 3, 1, 4, 2]]).float()
+    index, present = _padded_indices(mask, 3, positions)
+    assert present.tolist() == [[True] * 3, [False] * 3, [True, False, False]]
+    assert index[0].tolist() == [4, 1, 2] and index[2, 0].item() == 0
     # no rows: an empty listing, not an error
     index, present = _padded_indices(torch.zeros(0, 7, dtype=torch.bool), 0)
     assert index.shape == present.shape == (0, 0)
@@ -1270,9 +1275,14 @@ def test_decode_marks_stale_candidates_and_keeps_their_neighbours_live_over_a_lo
     # The decode step finds stale candidates (nearest neighbour dropped) by a recorded position of
     # -1, not by searching every candidate's neighbour: that needs every candidate's recorded
     # position to be -1 or a candidate's after each step, and the recorded key norms to be the
-    # keys' own. Checked with the general search (_stale) over a high-dimensional stream where
-    # more candidates go stale at once than a removal refreshes (hubs: many share a neighbour).
-    from kvhive.methods.subgen import KEY_NORM, STALE_REFRESH_WIDTH, _stale
+    # keys' own. Checked with the general search (every candidate's neighbour looked up among the
+    # candidates) over a high-dimensional stream where more candidates go stale at once than a
+    # removal refreshes (hubs: many share a neighbour).
+    from kvhive.methods.subgen import KEY_NORM, STALE_REFRESH_WIDTH
+
+    def stale_by_search(candidates, positions, nearest_position):
+        alive = ((positions[:, None, :] == nearest_position[:, :, None]) & candidates[:, None, :]).any(-1)
+        return candidates & ~alive
 
     generator = torch.Generator().manual_seed(5)
     recent, budget, prompt, d = 4, 40, 48, 64
@@ -1294,7 +1304,7 @@ def test_decode_marks_stale_candidates_and_keeps_their_neighbours_live_over_a_lo
         scores = {name: value[keep].reshape(1, 1, -1) for name, value in scoring.token_scores.items()}
         candidates = scores[READY][0] > 0
         nearest = scores[NEAREST_POSITION][0]
-        stale = _stale(candidates, positions[0].float(), nearest)
+        stale = stale_by_search(candidates, positions[0].float(), nearest)
         assert torch.equal(stale, candidates & (nearest < 0)), step
         norms = (keys[0, 0] * keys[0, 0]).sum(-1)
         assert torch.equal(scores[KEY_NORM][0, 0][candidates[0]], norms[candidates[0]]), step

@@ -187,7 +187,8 @@ class ScoringInputs:
         (a protected recent window), which is what the methods that read it do."""
         if self.stored_in_order:
             return recent_mask(self.num_tokens, window, self.valid)
-        newest = self.positions.masked_fill(~self.valid, -1).amax(dim=-1, keepdim=True)
+        real = self.positions if self.mask is None else self.positions.masked_fill(~self.valid, -1)
+        newest = real.amax(dim=-1, keepdim=True)
         return self.positions > newest - window
 
     def recency_scores(self) -> torch.Tensor:

@@ -39,7 +39,6 @@ from kvhive.methods.base import (
     PolicyConfig,
     ScoringInputs,
     keep_top_scores,
-    recent_mask,
     require_int_at_least,
 )
 
@@ -69,6 +68,12 @@ class SubGenConfig(PolicyConfig):
 # ---------------------------------------------------------------------------------------------
 
 
+def _after_every(positions: torch.Tensor) -> float | int:
+    """A value above every position of ``positions``' dtype (the positions are float copies of the
+    per-token scores' dtype in the decode bookkeeping)."""
+    return float("inf") if positions.is_floating_point() else torch.iinfo(positions.dtype).max
+
+
 def _squared_distances(
     points: torch.Tensor, points_sq: torch.Tensor, centers: torch.Tensor, centers_sq: torch.Tensor
 ) -> torch.Tensor:
@@ -77,11 +82,14 @@ def _squared_distances(
     return (points_sq[..., :, None] - 2 * dots + centers_sq[..., None, :]).clamp_min_(0)
 
 
-def farthest_point_order(keys: torch.Tensor, candidates: torch.Tensor, count: int) -> torch.Tensor:
+def farthest_point_order(
+    keys: torch.Tensor, candidates: torch.Tensor, count: int, positions: torch.Tensor | None = None
+) -> torch.Tensor:
     """Greedy k-center on each row: ``[R, count]`` indices of the chosen centers in pick order.
 
     ``keys [R, N, d]``, ``candidates [R, N]`` bool. The first center is each row's first
-    candidate; every next one is the candidate with the largest distance to its nearest chosen
+    candidate (the one of oldest ``positions [R, N]`` when given: tokens stored out of their
+    order); every next one is the candidate with the largest distance to its nearest chosen
     center (ties: the first maximiser). A row with fewer candidates than ``count`` gets ``-1``
     after its candidates run out.
 
@@ -100,7 +108,10 @@ def farthest_point_order(keys: torch.Tensor, candidates: torch.Tensor, count: in
     keys_sq = (keys * keys).sum(-1)
     row_index = torch.arange(rows, device=keys.device)
     nearest = torch.where(candidates, float("inf"), float("-inf"))  # -inf: not eligible
-    chosen = candidates.to(torch.int8).argmax(-1)
+    if positions is None:
+        chosen = candidates.to(torch.int8).argmax(-1)
+    else:
+        chosen = positions.masked_fill(~candidates, _after_every(positions)).argmin(-1)
     for step in range(steps):
         order[:, step] = chosen
         # [R, 1, d] viewed as [R, d, 1]: this layout takes the fast batched matrix-vector kernel
@@ -122,12 +133,17 @@ def farthest_point_order(keys: torch.Tensor, candidates: torch.Tensor, count: in
 # ---------------------------------------------------------------------------------------------
 
 
-def _padded_indices(mask: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _padded_indices(
+    mask: torch.Tensor, width: int, positions: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``mask [R, N]`` -> ``(index [R, width], present [R, width])``: the first ``width`` True
-    columns of each row, in order (``width`` is a bound known on the host: no read of the counts)."""
+    columns of each row, in order (``width`` is a bound known on the host: no read of the counts).
+    With ``positions [R, N]``: the ``width`` True columns of oldest positions, oldest first (the
+    stored order need not be the tokens')."""
     width = min(width, mask.shape[-1])
-    # Stable sort puts the True columns first, in order.
-    index = torch.sort((~mask).to(torch.int8), dim=-1, stable=True).indices[:, :width]
+    # A stable sort puts the True columns first, in order (of column, or of position).
+    order = (~mask).to(torch.int8) if positions is None else positions.masked_fill(~mask, _after_every(positions))
+    index = torch.sort(order, dim=-1, stable=True).indices[:, :width]
     return index, mask.gather(1, index)
 
 
@@ -152,43 +168,56 @@ def _pair_distances(
 
 
 def _nearest_among(
-    keys: torch.Tensor, keys_sq: torch.Tensor, members: torch.Tensor, index: torch.Tensor, present: torch.Tensor
+    keys: torch.Tensor,
+    keys_sq: torch.Tensor,
+    members: torch.Tensor,
+    index: torch.Tensor,
+    present: torch.Tensor,
+    gathered: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """Yield ``(columns, distances [R, c, N])``: squared distances of the tokens ``index`` to
     every token, ``inf`` where the token is not in ``members`` or is the token itself, and on the
     rows not ``present``. ``keys_sq`` must be current for the members and the present tokens
-    (other entries are not read)."""
+    (other entries are not read). ``gathered``: the keys and squared norms of the tokens
+    ``index`` when the caller has them (not gathered again)."""
     rows, num_tokens, dim = keys.shape
     columns_sq = torch.where(members, keys_sq, float("inf"))
     step = max(1, _BLOCK_ELEMENTS // max(1, rows * num_tokens))
     for start in range(0, index.shape[1], step):
         columns = slice(start, start + step)
         chosen = index[:, columns]
-        chosen_keys = keys.gather(1, chosen[..., None].expand(-1, -1, dim))
-        chosen_sq = torch.where(present[:, columns], keys_sq.gather(1, chosen), float("inf"))
+        if gathered is not None:
+            chosen_keys, chosen_sq = (part[:, columns] for part in gathered)
+        else:
+            chosen_keys, chosen_sq = keys.gather(1, chosen[..., None].expand(-1, -1, dim)), keys_sq.gather(1, chosen)
+        chosen_sq = torch.where(present[:, columns], chosen_sq, float("inf"))
         distances = _pair_distances(chosen_keys, chosen_sq, keys, columns_sq)
         distances.scatter_(2, chosen[..., None], float("inf"))
         yield columns, distances
 
 
-def _first_true(mask: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_padded_indices` (the first ``width`` True columns of each row, in order); one
-    column is an ``argmax`` (the first maximum: the first True column, column 0 in a row with
-    none, as the stable sort gives), not a sort of the row."""
+def _first_true(mask: torch.Tensor, width: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_padded_indices` (the ``width`` oldest True columns of each row); one column is an
+    ``argmax`` (a row's only True column when the bound is 1, column 0 in a row with none; its
+    ``present`` is False then), not a sort of the row."""
     if min(width, mask.shape[-1]) == 1:
         index = mask.to(torch.int8).argmax(-1, keepdim=True)
         return index, mask.gather(1, index)
-    return _padded_indices(mask, width)
+    return _padded_indices(mask, width, positions)
 
 
-def _stale(candidates: torch.Tensor, positions: torch.Tensor, nearest_position: torch.Tensor) -> torch.Tensor:
-    """``[R, N]`` candidates whose recorded nearest neighbour is no longer a candidate (or none).
-    Stored tokens are oldest first, so ``positions`` ascend in every row: one binary search each.
-    (The general check; a decode step marks the candidates it leaves stale with position ``-1``
-    instead, see :func:`maintain_candidates`.)"""
-    slot = torch.searchsorted(positions.contiguous(), nearest_position.contiguous()).clamp_max_(positions.shape[-1] - 1)
-    alive = (positions.gather(1, slot) == nearest_position) & candidates.gather(1, slot)
-    return candidates & ~alive
+def _oldest_minimum(
+    values: torch.Tensor, positions: torch.Tensor, dim: int = -1, with_position: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(oldest position, index)`` along ``dim`` (kept) of the minimum of ``values``: among equal
+    minima the oldest position, what ``min`` (the first minimum) gives when tokens are stored
+    oldest first, whatever order they are stored in. ``positions`` broadcasts against ``values``.
+    Without ``with_position``: ``(minimum, oldest position)`` (no index)."""
+    low = values.amin(dim, keepdim=True)
+    at_low = positions.expand(values.shape).masked_fill(values != low, _after_every(positions))
+    if with_position:
+        return at_low.min(dim, keepdim=True)
+    return low, at_low.amin(dim, keepdim=True)
 
 
 # Candidates whose nearest neighbour was dropped that get a new one right away, per removal and
@@ -216,6 +245,11 @@ def maintain_candidates(
     the closest pair. All ``[R, N]`` (keys ``[R, N, d]``); ``nearest_*`` are updated in place for
     the candidates; returns the surviving candidates ``[R, N]`` bool.
 
+    The tokens may be stored in any order (``positions``, distinct per row, say which is which):
+    newcomers are taken oldest first, and among equal distances the oldest token is the closest
+    pair's first member and a newcomer's nearest neighbour, which is what the first minimum gives
+    when tokens are stored oldest first; so the kept sets do not depend on the stored order.
+
     Fixed work, no host read: ``newcomer_bound`` (a host-known bound on the candidates not yet
     ``ready`` in any row) and ``removal_bound`` (on the excess over ``target``) set the number of
     tensor steps; a row with less to do is masked. After each removal the
@@ -241,56 +275,62 @@ def maintain_candidates(
     rows, _, dim = keys.shape
     candidates = candidates.clone()
 
-    def recompute(index: torch.Tensor, present: torch.Tensor, update_others: bool) -> None:
+    def recompute(index: torch.Tensor, present: torch.Tensor, update_others: bool, gathered=None) -> None:
         if index.shape[1] == 0:
             return
-        for columns, distances in _nearest_among(keys, keys_sq, candidates, index, present):
+        for columns, distances in _nearest_among(keys, keys_sq, candidates, index, present, gathered):
             chosen, here = index[:, columns], present[:, columns]
             # Rows not present are all inf: no neighbour found there, nothing written below.
-            best, where_best = distances.min(-1)
-            new_pos = torch.where(torch.isfinite(best), positions.gather(1, where_best), -1.0)
+            best, best_position = (found.squeeze(-1) for found in _oldest_minimum(distances, positions[:, None, :]))
+            new_pos = torch.where(torch.isfinite(best), best_position, -1.0)
             # Entries not present scatter their own current value back (indices are distinct).
             nearest_sq.scatter_(1, chosen, torch.where(here, best, nearest_sq.gather(1, chosen)))
             nearest_position.scatter_(1, chosen, torch.where(here, new_pos, nearest_position.gather(1, chosen)))
             if update_others:
                 # The new tokens may be the nearest neighbour of candidates that were already there.
-                column_best, column_arg = distances.min(1)
-                source = positions.gather(1, chosen.gather(1, column_arg))
+                if chosen.shape[1] == 1:  # one new token (a steady step): its own row, no reduction
+                    column_best, source = distances[:, 0], positions.gather(1, chosen)
+                else:
+                    column_best, column_arg = distances.min(1)
+                    source = positions.gather(1, chosen.gather(1, column_arg))
                 closer = ready & (column_best < nearest_sq)
                 nearest_sq.copy_(torch.where(closer, column_best, nearest_sq))
                 nearest_position.copy_(torch.where(closer, source, nearest_position))
 
-    if keys.device.type == "cpu" and not torch.compiler.is_compiling():
-        # One streaming read of the keys first: the products below then find them in cache. A
-        # cold [R, c, d] x [R, d, N] product reads them several times slower than a sum does (on
-        # the kv-heavy shape at 4k: 46 + 74 us instead of 206 us per layer and step).
-        keys.sum()
-    newcomers, present = _first_true(candidates & ~ready, newcomer_bound)
+    # (No streaming read of the keys first any more: it paid while every step compacted the kept
+    # window into place before the next one; with the freed slot filled the products find the
+    # keys warm from the step's attention: kv-heavy 4k, 2 layers, seven runs each on a shared
+    # machine, 1.34-1.43x SnapKV with it, 1.32-1.45x without, no difference to measure.)
+    newcomers, present = _first_true(candidates & ~ready, newcomer_bound, positions)
+    gathered = None
     if newcomers.shape[1] > 0:
         # The newcomers' norms (a row's own norm wherever an index is padding: true all the same).
         joining = keys.gather(1, newcomers[..., None].expand(-1, -1, dim))
-        keys_sq.scatter_(1, newcomers, (joining * joining).sum(-1))
-    recompute(newcomers, present, update_others=True)
-    excess = candidates.sum(-1) - target
-    for _ in range(removal_bound):
+        gathered = (joining, (joining * joining).sum(-1))
+        keys_sq.scatter_(1, newcomers, gathered[1])
+    recompute(newcomers, present, update_others=True, gathered=gathered)
+    excess = candidates.sum(-1, keepdim=True) - target
+    for removal in range(removal_bound):
         active = excess > 0
         value = torch.where(candidates, nearest_sq, float("inf"))
-        first = value.argmin(-1, keepdim=True)
+        first_position, first = _oldest_minimum(value, positions, with_position=True)
         partner_position = nearest_position.gather(1, first)
         partner_mask = candidates & (positions == partner_position)
         partner = partner_mask.to(torch.int8).argmax(-1, keepdim=True)
-        # The partner's slot holds it iff there is one (positions are distinct).
-        has_partner = partner_mask.gather(1, partner)
-        newer_is_partner = has_partner & (positions.gather(1, partner) > positions.gather(1, first))
+        # The partner's slot holds it iff there is one (positions are distinct), at partner_position.
+        newer_is_partner = partner_mask.gather(1, partner) & (partner_position > first_position)
         drop = torch.where(newer_is_partner, partner, first)
-        dropped = candidates.gather(1, drop) & active[:, None]
-        candidates.scatter_(1, drop, candidates.gather(1, drop) & ~active[:, None])
+        held = candidates.gather(1, drop)
+        dropped = held & active
+        candidates.scatter_(1, drop, held ^ dropped)
         # Stale now: the candidates recorded stale (-1) and those whose neighbour was just dropped.
-        lost = candidates & (nearest_position == torch.where(dropped, positions.gather(1, drop), -1.0))
+        dropped_position = torch.where(newer_is_partner, partner_position, first_position)
+        lost = candidates & (nearest_position == torch.where(dropped, dropped_position, -1.0))
         nearest_position.masked_fill_(lost, -1.0)
         stale = candidates & (nearest_position < 0)
         recompute(*_smallest_indices(nearest_sq, stale, stale_refresh_width), update_others=False)
-        excess = excess - active.long()
+        if removal + 1 < removal_bound:
+            excess = excess - active.long()
     ready.copy_(candidates.to(ready.dtype))
     return candidates
 
@@ -302,6 +342,9 @@ class SubGen(Policy):
     paper = "Zandieh et al. 2024, Sec. 3.2 (recent r + greedy k-center of the rest, budget r + k)"
     static_decode = True  # evicts to exactly the budget each step (tests/test_compiled_decode.py)
     compiles_below_budget = False  # its clusters (and their buffers) appear at the first eviction
+    # Recent window, candidate order and ties by original position, per-token state kept as
+    # per-token scores (they move with their token): an eviction fills the freed slot.
+    reads_stored_order = False
 
     def minimum_budget(self) -> int:
         return self.config.recent + 1
@@ -312,14 +355,32 @@ class SubGen(Policy):
 
     def _split(self, scoring: ScoringInputs):
         valid = scoring.valid
-        forced = recent_mask(scoring.num_tokens, self.config.recent, valid) & valid
+        # The recent window by position (the stored order is not the tokens' once a decode step
+        # wrote the newest token into a freed slot): the same tokens as the last r stored, since
+        # the window is always kept.
+        forced = scoring.recent_tokens(self.config.recent)
+        if scoring.mask is None:  # every stored token is real
+            return valid, forced, ~forced
+        forced = forced & valid
         return valid, forced, valid & ~forced
+
+    @staticmethod
+    def _positions(scoring: ScoringInputs) -> torch.Tensor | None:
+        """The positions that break ties and order the tokens, where the stored order is not theirs
+        (None: the stored order, the same answers)."""
+        return None if scoring.stored_in_order else scoring.positions
 
     def select_prefill(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
         valid, forced, candidates = self._split(scoring)
         b, h, n, d = scoring.keys.shape
         count = budget - self.config.recent
-        order = farthest_point_order(scoring.keys.reshape(b * h, n, d), candidates.reshape(b * h, n), min(count, n))
+        positions = self._positions(scoring)
+        order = farthest_point_order(
+            scoring.keys.reshape(b * h, n, d),
+            candidates.reshape(b * h, n),
+            min(count, n),
+            positions=None if positions is None else positions.expand(b, h, n).reshape(b * h, n),
+        )
         rank = torch.zeros(b * h, n, dtype=torch.float32, device=scoring.keys.device)
         # Earlier picks rank higher; -1 entries (no candidate left) go to a scratch column.
         scores = torch.arange(order.shape[1], 0, -1, dtype=torch.float32, device=rank.device).expand_as(order)
@@ -327,7 +388,7 @@ class SubGen(Policy):
         scratch.scatter_(1, torch.where(order >= 0, order, n), scores)
         rank = scratch[:, :n].reshape(b, h, n)
         self._record_center_neighbours(scoring, order)
-        return keep_top_scores(rank, budget, valid, forced=forced)
+        return keep_top_scores(rank, budget, valid, forced=forced, positions=positions)
 
     def _record_center_neighbours(self, scoring: ScoringInputs, order: torch.Tensor) -> None:
         """Each kept center's nearest other center (distance, position) and READY, as per-token
@@ -364,10 +425,21 @@ class SubGen(Policy):
         shape = (b * h, n)
         device = scoring.keys.device
 
-        def stored(name: str, fill: float) -> torch.Tensor:
-            # A copy to update in place (the stored views may not reshape to [B*H, N] as views).
+        def stored(name: str, fill: float | None) -> torch.Tensor | None:
+            # A [B*H, N] view of the per-token score, updated in place: the cache gets its own
+            # view back (no copy) and no step copies every token's entry first. A score that does
+            # not view as [B*H, N] is copied once and handed back as the copy.
             value = scores.get(name)
-            return value.reshape(shape).clone() if value is not None else torch.full(shape, fill, device=device)
+            if value is None:
+                if fill is None:
+                    return None
+                value = scores[name] = torch.full((b, h, n), fill, device=device)
+            try:
+                return value.view(shape)
+            except RuntimeError:
+                rows = value.reshape(shape).clone()
+                scores[name] = rows.view(b, h, n)
+                return rows
 
         nearest_sq = stored(NEAREST_DISTANCE, float("inf"))
         nearest_position = stored(NEAREST_POSITION, -1.0)
@@ -377,8 +449,7 @@ class SubGen(Policy):
         # The ready candidates' key norms as recorded when they joined; not when the cache
         # re-rotates kept keys (cache positions: a rotation moves the norms' last bits), nor
         # before any decision.
-        keys_sq = scores.get(KEY_NORM) if scores.get(READY) is not None and _ROPE_POSITION not in scores else None
-        keys_sq = keys_sq.reshape(shape).clone() if keys_sq is not None else None
+        keys_sq = stored(KEY_NORM, None) if scores.get(READY) is not None and _ROPE_POSITION not in scores else None
         # After a decision (prefill's included) the kept candidates are ready, so the candidates
         # not ready since are the tokens that left the recent window: at most the n - budget
         # appended since. Without a decision before (select_decode called first), all of them.
@@ -386,6 +457,7 @@ class SubGen(Policy):
         keys = scoring.keys.reshape(b * h, n, d)
         if keys_sq is None:
             keys_sq = (keys.float() * keys.float()).sum(-1)
+            scores[KEY_NORM] = keys_sq.view(b, h, n)
         kept = maintain_candidates(
             keys,
             scoring.positions.reshape(shape),
@@ -398,8 +470,11 @@ class SubGen(Policy):
             removal_bound=max(0, n - budget),
             keys_sq=keys_sq,
         )
-        scores[NEAREST_DISTANCE] = nearest_sq.reshape(b, h, n)
-        scores[NEAREST_POSITION] = nearest_position.reshape(b, h, n)
-        scores[KEY_NORM] = keys_sq.reshape(b, h, n)
-        scores[READY] = ready.reshape(b, h, n).float()
-        return keep_top_scores(kept.reshape(b, h, n).float(), budget, valid, forced=forced)
+        # NEAREST_DISTANCE, NEAREST_POSITION and KEY_NORM were updated in place (stored()).
+        stored(READY, 0.0).copy_(ready)
+        kept = kept.reshape(b, h, n)
+        if scoring.mask is None:
+            # Every token is real: the candidates were cut to exactly budget - recent (all kept when
+            # fewer), beside the recent window: what keep_top_scores keeps below, without its ranks.
+            return kept | forced
+        return keep_top_scores(kept.float(), budget, valid, forced=forced, positions=self._positions(scoring))

@@ -78,7 +78,6 @@ from kvhive.methods.base import (
     ScoringInputs,
     derived_seed,
     keep_top_scores,
-    recency,
     require,
     require_int_at_least,
     require_seed,
@@ -473,6 +472,9 @@ class SubGenAttention(Policy):
     config_class = SubGenAttentionConfig
     static_decode = True  # keeps exactly the window each step (tests/test_compiled_decode.py)
     compiles_below_budget = False  # its clusters (and their buffers) appear at the first eviction
+    # The window by position and the leaving tokens inserted in position order: an eviction fills
+    # the freed slot.
+    reads_stored_order = False
     paper = (
         "Zandieh et al. 2024, Algorithm 1 (clusters D + l2 samples M; z/tau) + exact recent window; "
         "budget = window + clusters + samples"
@@ -538,20 +540,38 @@ class SubGenAttention(Policy):
         return structures
 
     def _window(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
-        """Keep the last ``window`` real tokens; insert every real token that leaves."""
+        """Keep the last ``window`` real tokens; insert every real token that leaves, in stream
+        order."""
         plan = self._plan_for(budget)
         valid = scoring.valid
-        keep = keep_top_scores(recency(valid), plan.window, valid)
+        positions = None if scoring.stored_in_order else scoring.positions
+        keep = keep_top_scores(scoring.recency_scores(), plan.window, valid, positions=positions)
         b, h, n, d = scoring.keys.shape
-        # Tokens are stored oldest first and the kept ones are the newest real tokens, so the
-        # leaving ones lie in the first n - window columns: a bound known on the host.
+        # The kept ones are the newest real tokens, so at most n - window leave: a bound known on
+        # the host.
         upto = n - plan.window
         if upto > 0:
             leaving = valid & ~keep
+            keys, values = scoring.keys, scoring.values
+            if positions is None:
+                # Stored oldest first: the leaving ones lie in the first n - window columns.
+                keys, values, leaving = keys[:, :, :upto], values[:, :, :upto], leaving[:, :, :upto]
+            else:
+                # Stored in any order (the newest token written into a freed slot): the leaving
+                # tokens gathered oldest first, the stream order the structures insert in.
+                if upto == 1:  # a steady step: one token leaves, no sort
+                    order = positions.masked_fill(~leaving, torch.iinfo(positions.dtype).max).argmin(-1, keepdim=True)
+                else:
+                    ranked = positions.masked_fill(~leaving, torch.iinfo(positions.dtype).max)
+                    order = torch.sort(ranked, dim=-1, stable=True).indices[..., :upto]
+                order = order.expand(b, h, upto)
+                keys = keys.gather(2, order[..., None].expand(-1, -1, -1, d))
+                values = values.gather(2, order[..., None].expand(-1, -1, -1, values.shape[-1]))
+                leaving = leaving.gather(2, order)
             self._structures(scoring, plan, state).insert(
-                scoring.keys[:, :, :upto].reshape(b * h, upto, d),
-                scoring.values[:, :, :upto].reshape(b * h, upto, scoring.values.shape[-1]),
-                leaving[:, :, :upto].reshape(b * h, upto),
+                keys.reshape(b * h, upto, d),
+                values.reshape(b * h, upto, values.shape[-1]),
+                leaving.reshape(b * h, upto),
             )
         return keep
 
