@@ -21,7 +21,7 @@ from test_dtypes_and_decode_path import _per_segment_reference, _relative, _segm
 import kvhive
 from kvhive.attention.varlen import kernel_supports, varlen_attention_kernel
 from kvhive.compat import cache_kwarg
-from kvhive.methods.base import Policy
+from kvhive.methods.base import DECODE, Policy
 from kvhive.methods.registry import method_names, policy_class
 from kvhive.models import tiny_model
 
@@ -129,15 +129,15 @@ def _budget(method: str) -> int | None:
     return None if method == "full" else max(policy_class(method)().minimum_budget(), 16)
 
 
-def _decoding_cache(model, method: str, batch: int = 2, length: int | None = None):
-    """A cache of ``method`` after a prefill (of ``length`` tokens; default 40 past the budget, so
-    it compresses) and WARM_UP_STEPS decode steps, the last greedy token, the next position, and the
-    keyword the model takes the cache by."""
+def _decoding_cache(model, method: str, batch: int = 2, length: int | None = None, **options):
+    """A cache of ``method`` (``options`` to ``make_cache``) after a prefill (of ``length`` tokens;
+    default 40 past the budget, so it compresses) and WARM_UP_STEPS decode steps, the last greedy
+    token, the next position, and the keyword the model takes the cache by."""
     budget = _budget(method)
     length = (budget or 16) + 40 if length is None else length
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(3, model.config.vocab_size, (batch, length), generator=generator).cuda()
-    cache = kvhive.make_cache(model, method, budget=budget)
+    cache = kvhive.make_cache(model, method, budget=budget, **options)
     key = cache_kwarg(model)
     # On a side stream, as torch.cuda.graph's documentation asks of the work before a capture.
     side = torch.cuda.Stream()
@@ -194,8 +194,13 @@ def test_cuda_graph_of_a_step_filling_a_short_prompts_capacity_replays_like_eage
 
 
 def _replay_against_eager(model, method: str, length: int | None) -> None:
-    graphed, token, position, key = _decoding_cache(model, method, length=length)
-    eager, eager_token, _, _ = _decoding_cache(model, method, length=length)
+    # A layer that only grows while decoding (the full cache, prefill-only methods) has one shape
+    # from step to step in a fixed decode capacity, the room of every step the test takes: without
+    # one its buffers grow, and a captured step would write every replay at the capture's slot.
+    options = {} if DECODE in policy_class(method).phases else {"decode_capacity": WARM_UP_STEPS + REPLAYS + 1}
+    graphed, token, position, key = _decoding_cache(model, method, length=length, **options)
+    eager, eager_token, _, _ = _decoding_cache(model, method, length=length, **options)
+    assert graphed.is_compileable, f"{method}: the cache does not declare a static decode step"
     assert torch.equal(token, eager_token)
     tokens = torch.randint(
         3, model.config.vocab_size, (REPLAYS, *token.shape), generator=torch.Generator().manual_seed(1)
@@ -231,9 +236,26 @@ def _replay_against_eager(model, method: str, length: int | None) -> None:
 CROSS_DEVICE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1.5e-2, torch.float16: 2e-3}
 # The tiny random model's attention is nearly uniform, so two keys' scores often differ by less than
 # bf16's resolution and TOVA's choice among them flips with the rounding (0.07 apart after the flip,
-# on CUDA as on the CPU). Queries scaled by this factor make the attention peaked enough that every
-# method's choices rest on score gaps above the rounding: the kept positions must then be equal.
+# on CUDA as on the CPU). Queries scaled by this factor make the attention peaked. In fp32 the kept
+# positions must then be equal. In bf16/fp16 they need not be: the GPU run of 71b99e7 (H200) kept
+# other positions for TOVA in bf16 than fp32 on the CPU, since peaked attention leaves most keys with
+# weights near 0 and close together, and TOVA drops the smallest (the rounding decides among them).
+# There each head's kept set must share at least this fraction with fp32's.
 QUERY_SCALE = 4.0
+LOW_PRECISION_KEPT_OVERLAP = 0.9
+
+
+def _kept_overlap(actual: dict, expected: dict) -> float:
+    """The smallest fraction, over layers, rows and heads, of fp32's kept positions also kept."""
+    fractions = [
+        len(set(kept) & set(reference)) / len(reference)
+        for layer, rows in expected["kept"].items()
+        for row, reference_row in enumerate(rows)
+        for head, reference in enumerate(reference_row)
+        for kept in [actual["kept"][layer][row][head]]
+        if reference
+    ]
+    return min(fractions)
 
 
 def _peaked_tiny_model(dtype, device):
@@ -263,7 +285,12 @@ def test_cuda_matches_cpu_fp32(method, dtype):
         steps=6,
         forced_tokens=[f.cuda() for f in forced],
     )
-    assert snapshot(actual_cache) == snapshot(expected_cache), f"{method} in {dtype}: kept positions differ"
+    if dtype == torch.float32:
+        assert snapshot(actual_cache) == snapshot(expected_cache), f"{method} in {dtype}: kept positions differ"
+    else:
+        assert snapshot(actual_cache)["layer_budgets"] == snapshot(expected_cache)["layer_budgets"]
+        overlap = _kept_overlap(snapshot(actual_cache), snapshot(expected_cache))
+        assert overlap >= LOW_PRECISION_KEPT_OVERLAP, f"{method} in {dtype}: kept positions overlap {overlap:.2f}"
     assert _relative(actual.cpu(), expected) <= CROSS_DEVICE_TOLERANCE[dtype]
 
 

@@ -34,6 +34,7 @@ from kvhive.cache.rows import CacheRows
 from kvhive.cache.storage import PAGE_TOKENS
 from kvhive.memory import trim_heap
 from kvhive.methods.base import DECODE, PREFILL, ScoringInputs, causal_mask
+from kvhive.static_step import in_static_step
 
 ATTENTION_NAME = "kvhive"
 
@@ -56,7 +57,7 @@ def kvhive_mask(*args, **kwargs):
     stored tokens of a static decode step itself (padding recorded at prefill, the window by
     position)."""
     q_length = kwargs.get("q_length", args[1] if len(args) > 1 else None)
-    if q_length == 1 and torch.compiler.is_compiling():
+    if q_length == 1 and in_static_step():
         return None  # no mask is built inside a compiled step (kvhive's attention masks it)
     kwargs["allow_is_bidirectional_skip"] = False
     return sdpa_mask(*args, **kwargs)
@@ -664,7 +665,7 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
             scaling=scaling,
             layer_index=layer_index,
             num_layers=len(cache.layers),
-            sequence_length=store.tokens_seen_device if torch.compiler.is_compiling() else store.tokens_seen,
+            sequence_length=store.tokens_seen_device if in_static_step() else store.tokens_seen,
             phase=phase,
             token_scores=dict(token_scores),
             last_query_weights=last_weights,

@@ -21,6 +21,7 @@ from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 from kvhive.cache.budget import Budget, budget_label, budget_problem, layer_budgets, minimum_budget_problem
 from kvhive.cache.storage import LayerStore, row_index
 from kvhive.methods.base import AUTO_HEADS, DECODE, PREFILL, QUERY_HEADS, Policy, ScoringInputs, require_choice
+from kvhive.static_step import in_static_step
 
 Positions = Literal["original", "cache"]
 """Keys keep their true positions (``"original"``) or are re-indexed to contiguous ones (``"cache"``)."""
@@ -683,7 +684,7 @@ class KVHiveCache(Cache):
         self._store_token_scores(store, scoring)
         keep = self.policy.select_decode(scoring, budget, store.policy_state)
         self._store_token_scores(store, scoring)
-        if keep is None and not torch.compiler.is_compiling():
+        if keep is None and not in_static_step():
             store.decode_steps_since_compression = 0
             return  # an eager step the method knows evicts nothing (no compaction)
         if keep is None or keep.dtype != torch.bool or keep.shape != scoring.keys.shape[:3]:
@@ -1323,7 +1324,7 @@ class KVHiveCache(Cache):
         a device tensor inside a compiled step."""
         if layer_idx >= len(self.layers):
             return 0
-        if torch.compiler.is_compiling() and self.positions == ORIGINAL_POSITIONS:
+        if in_static_step() and self.positions == ORIGINAL_POSITIONS:
             # A compiled step reads the device counter (see LayerStore.tokens_seen).
             return self.layers[layer_idx].get_seq_length() if self.layers[layer_idx].is_initialized else 0
         tokens_seen = self.layers[layer_idx].tokens_seen

@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from kvhive.static_step import in_static_step
+
 POSITION_DTYPE = torch.int32
 # Append reserve: a buffer re-allocated for ``n`` tokens gets room for ``reserve(n)`` more, so
 # appends are amortised O(new tokens) while the over-allocation stays a small fraction.
@@ -196,14 +198,14 @@ class LayerStore(CacheLayerMixin):
         if self._row_tokens_seen is not None:
             self.row_tokens_seen_device.add_(new_tokens)
             self._row_tokens_seen = [seen + new_tokens for seen in self._row_tokens_seen]
-        if torch.compiler.is_compiling():
+        if in_static_step():
             self._tokens_seen_stale = True  # a constant store: no guard on the host count
         else:
             self._tokens_seen = self.tokens_seen + new_tokens
         return self._attention_view()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        if query_length == 1 and torch.compiler.is_compiling():
+        if query_length == 1 and in_static_step():
             # kvhive's mask function builds no mask for one new query (kvhive's attention masks a
             # decode step itself), so the size is unused; a constant keeps the step static.
             return 1, 0
@@ -213,7 +215,7 @@ class LayerStore(CacheLayerMixin):
     def get_seq_length(self) -> int | torch.Tensor:
         # In a compiled step, the device counter (as transformers' StaticLayer): model positions
         # then come from a tensor instead of a Python int the graph would specialise on.
-        if torch.compiler.is_compiling():
+        if in_static_step():
             return self.tokens_seen_device
         return self.tokens_seen
 
@@ -833,7 +835,7 @@ class DenseLayerStore(LayerStore):
         for buffer in self._score_buffers.values():
             buffer.index_fill_(2, index, 0.0)
         self.length_device.add_(new_tokens)
-        if torch.compiler.is_compiling() or self._length_stale:
+        if in_static_step() or self._length_stale:
             self._length_stale = True  # a constant store: no guard on (or read of) the host length
         else:
             self._length_value += new_tokens
@@ -843,11 +845,7 @@ class DenseLayerStore(LayerStore):
             self._append_rows(key_states, value_states, new_tokens)
             return
         if self.fixed_capacity:
-            if (
-                self.bounded_capacity
-                or torch.compiler.is_compiling()
-                or self._length + new_tokens <= self._key_buffer.shape[2]
-            ):
+            if self.bounded_capacity or in_static_step() or self._length + new_tokens <= self._key_buffer.shape[2]:
                 self._append_at_device_index(key_states, value_states, new_tokens)
                 return
             # Past the reserved capacity (more tokens than reserved): back to geometric growth.
@@ -1243,7 +1241,7 @@ class PackedLayerStore(LayerStore):
 
     def _append(self, key_states, value_states, new_tokens: int) -> None:
         if self.fixed_capacity:
-            if torch.compiler.is_compiling():
+            if in_static_step():
                 # A compiled step: write at the device lengths, decide nothing on the host (the host
                 # mirrors are refreshed when next read outside). Past a segment's capacity the write
                 # would land in the next segment: the device refuses it instead.

@@ -139,6 +139,7 @@ from typing import Literal
 import torch
 
 from kvhive.methods.base import DECODE, PREFILL, Policy, PolicyConfig, ScoringInputs, require, require_int_at_least
+from kvhive.static_step import in_static_step
 
 SCORE = "buzz_accumulated"
 OLD = "buzz_old_samples"  # per-layer state: number of old samples (same for every head and row)
@@ -495,7 +496,7 @@ class Buzz(Policy):
     def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor | None:
         if scoring.filled is None:
             return self._evict(scoring, budget, state)
-        if torch.compiler.is_compiling():
+        if in_static_step():  # traced or captured once: the device path (kvhive.static_step)
             return self._evict_in_capacity(scoring, budget, state)
         # An eager step: the schedule is known on the host (Eq. 10's sizes do not depend on the
         # scores), so a step below the threshold returns None and costs nothing.

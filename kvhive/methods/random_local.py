@@ -96,8 +96,10 @@ class RandomLocal(ScorerPolicy):
             # the end (the slots past it are empty), a device index.
             new_slots = (scoring.filled - 1).reshape(1)
         else:
-            new_slots = torch.arange(max(0, scoring.num_tokens - scoring.num_queries), scoring.num_tokens)
-            new_slots = new_slots.to(priorities.device)
+            # Made on the device: a host arange copied over is a copy a CUDA graph cannot capture
+            # (and a synchronisation in an eager step), as the GPU run of 71b99e7 found.
+            first_new = max(0, scoring.num_tokens - scoring.num_queries)
+            new_slots = torch.arange(first_new, scoring.num_tokens, device=priorities.device)
         slots = new_slots.expand(scoring.batch_size, scoring.num_heads, -1)
         first = self._first_real_position(scoring, state)
         index = scoring.positions.gather(-1, slots).to(torch.int64) - first[..., None]
