@@ -245,6 +245,9 @@ def measure(settings: dict) -> dict:
     cache = make_cache(model, parts, settings["budget"], context + WARM_UP_STEPS + decode_tokens + PROFILE_STEPS)
     step = model
     if parts["compiled"]:
+        problem = getattr(cache, "compile_problem", lambda _: None)(context)
+        if problem is not None:  # e.g. a torch whose dynamo does not trace kvhive's attention: refused
+            raise RuntimeError(f"{settings['config']}: {problem}")
         backend = settings["compile_backend"]
         options = {"mode": "reduce-overhead"} if backend == "inductor" and cuda else {}
         step = torch.compile(model, backend=backend, dynamic=False, **options)
@@ -326,12 +329,15 @@ def profile(decode_step, steps: int) -> dict:
     syncs = sum(e.count for e in events if "Synchronize" in e.key or "synchronize" in e.key)
     device_to_host = sum(e.count for e in events if "DtoH" in e.key or "Memcpy DtoH" in e.key)
     kernel_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    # Kernel launches from the host (an eager step's cost when the GPU waits on the host).
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
     return {
         "steps": steps,
         "host_ms_per_step": 1e3 * host / steps,
         "gpu_kernel_ms_per_step": kernel_us / 1e3 / steps,
         "synchronize_calls_per_step": syncs / steps,
+        "kernel_launches_per_step": launches / steps,
         "device_to_host_copies_per_step": device_to_host / steps,
         "top_host_ops": [(e.key, round(e.self_cpu_time_total / 1e3 / steps, 3)) for e in top],
     }

@@ -277,6 +277,8 @@ def generate(
         cache.plan_prompt(int(encoded["input_ids"].shape[1]), row_lengths)
         compile_options["prefill_chunk_size"] = cache.prefill_chunk
     if compile is True:
+        if cache.static_decode and not cache.is_compileable:  # the installed torch (kvhive.static_step)
+            raise ValueError(f"compile=True: {cache.compile_problem(int(encoded['input_ids'].shape[1]))}")
         if not cache.is_compileable:
             raise ValueError(
                 f"compile=True: the decode step of method {cache.policy.name!r} with these options cannot compile "

@@ -105,6 +105,8 @@ def _timed_run(
         cache = make_cache(model, method, budget, **method_parameters, **chunking)
         if prefill_chunk is not None:
             cache.plan_prompt(int(input_ids.shape[1]))
+        if compile and cache.static_decode and not cache.is_compileable:  # the installed torch
+            raise ValueError(f"--compile: {cache.compile_problem(int(input_ids.shape[1]))}")
         if compile and not cache.is_compileable:
             raise ValueError(
                 f"--compile: the decode step of method {method!r} cannot compile to one graph (its layers change "

@@ -12,6 +12,17 @@ at capture would silently replay (the GPU run of 71b99e7 found it: BUZZ overran 
 from __future__ import annotations
 
 import torch
+from torch.torch_version import TorchVersion
+
+# torch.compile of a kvhive decode step needs torch >= 2.13: older dynamo does not trace the forward
+# pre-hook's switch of the model's attention to kvhive's (config._attn_implementation), so a compiled
+# step ran transformers' sdpa over kvhive's buffers, the empty slots of a fixed capacity included
+# (44 of 59 tests/test_compiled_decode.py cases fail on torch 2.11; a bf16 bench on torch 2.11 on a
+# GPU returned timings of that wrong step). Below it a cache says it does not compile
+# (KVHiveCache.is_compileable), so transformers' generate decodes it eagerly; CUDA graphs of an
+# eager step (no dynamo) still work.
+COMPILE_MIN_TORCH = "2.13"
+TORCH_COMPILES_KVHIVE = TorchVersion(torch.__version__) >= COMPILE_MIN_TORCH
 
 
 def in_static_step() -> bool:

@@ -544,3 +544,21 @@ def test_generate_with_compile_refuses_a_short_prompt_for_a_method_whose_state_s
     long_prompt = "a prompt " * 12  # above the budget: compiles
     text, _ = kvhive.generate(model, tokenizer, long_prompt, method, 64, max_new_tokens=4, compile=True)
     assert text == kvhive.generate(model, tokenizer, long_prompt, method, 64, max_new_tokens=4, compile=False)[0]
+
+
+def test_a_torch_that_does_not_trace_the_attention_switch_refuses_to_compile(monkeypatch):
+    # Below torch 2.13 dynamo does not trace kvhive's switch of the model's attention: a compiled
+    # step would run transformers' sdpa over kvhive's buffers (kvhive.static_step). The cache then
+    # keeps its static layout (a CUDA graph of an eager step works) but says it does not compile, so
+    # transformers' generate decodes it eagerly, and asking to compile is refused by name.
+    from kvhive import static_step
+
+    monkeypatch.setattr(static_step, "TORCH_COMPILES_KVHIVE", False)
+    model, tokenizer = _model(), tiny_tokenizer()
+    cache = kvhive.make_cache(model, "tova", budget=BUDGET)
+    assert cache.static_decode and not cache.is_compileable
+    assert "torch >= 2.13" in cache.compile_problem(96)
+    with pytest.raises(ValueError, match=r"compile=True: torch .* does not trace kvhive's attention"):
+        kvhive.generate(model, tokenizer, "a prompt " * 20, "tova", BUDGET, max_new_tokens=2, compile=True)
+    text, _ = kvhive.generate(model, tokenizer, "a prompt " * 20, "tova", BUDGET, max_new_tokens=4)
+    assert isinstance(text, str)

@@ -393,7 +393,7 @@ def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dr
             f"method {policy.name!r} adds estimated attention, which the variable-length "
             "path does not support; keep its heads at equal lengths"
         )
-    if num_queries == 1 and cache.is_compileable:
+    if num_queries == 1 and cache.static_decode:
         # A static decode step (transformers' mask is a fixed unused column, get_mask_sizes): shapes
         # fixed by the layout, the layer masks its tokens itself.
         output = _decode_packed_static(cache, layer_index, query, scaling)
@@ -559,7 +559,7 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
     # the scoring's rows) instead of for the whole chunk at once (2,048 queries over ~3,700 stored
     # tokens, 8 heads: 60 MB, the largest tensor of a later chunk).
     causal_by_position = num_queries > 1 and mask is None and filled is None and not store.is_sliding
-    if num_queries == 1 and (cache.is_compileable or mask is None):
+    if num_queries == 1 and (cache.static_decode or mask is None):
         # A static decode step (transformers' mask is a fixed unused column, get_mask_sizes) or no
         # model mask to gather (none needed, or positions="cache"): the layer masks its tokens itself.
         stored_mask = _stored_decode_mask(store, positions, token_scores)

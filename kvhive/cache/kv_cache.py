@@ -18,6 +18,7 @@ from typing import Final, Literal
 import torch
 from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
+from kvhive import static_step
 from kvhive.cache.budget import Budget, budget_label, budget_problem, layer_budgets, minimum_budget_problem
 from kvhive.cache.storage import LayerStore, row_index
 from kvhive.methods.base import AUTO_HEADS, DECODE, PREFILL, QUERY_HEADS, Policy, ScoringInputs, require_choice
@@ -368,6 +369,15 @@ class KVHiveCache(Cache):
 
     @property
     def is_compileable(self) -> bool:
+        """Whether ``torch.compile`` may take this cache's decode step (transformers' ``generate``
+        then compiles it, on CUDA by default): a static decode layout (:attr:`static_decode`) on a
+        torch whose dynamo traces kvhive's attention switch (``kvhive.static_step``)."""
+        return self._compileable and static_step.TORCH_COMPILES_KVHIVE
+
+    @property
+    def static_decode(self) -> bool:
+        """Whether the decode step keeps one shape and reads nothing back (the layout a compiled or
+        CUDA-graph-captured step needs), whatever the installed torch compiles."""
         return self._compileable
 
     def _static_decode(self) -> bool:
@@ -416,6 +426,11 @@ class KVHiveCache(Cache):
         of the budget, capped by ``decode_capacity``, unless they build state at their first
         eviction (``Policy.compiles_below_budget``: SubGen's clusters), which needs a prompt at
         least as long as the budget."""
+        if not static_step.TORCH_COMPILES_KVHIVE:
+            return (
+                f"torch {torch.__version__} does not trace kvhive's attention in a compiled step; compiling needs "
+                f"torch >= {static_step.COMPILE_MIN_TORCH} (pyproject's floor), or decode without compile"
+            )
         if not self._compileable:
             return "its decode step does not compile to one graph"
         if self.layer_budgets:
