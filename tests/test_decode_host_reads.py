@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from golden_kept import snapshot
 
 import kvhive
 from kvhive.diagnostics import HostReadCounter
@@ -155,3 +156,50 @@ def test_caches_of_different_threads_do_not_mix():
     assert not errors, errors
     for outputs in results.values():  # each thread's ten runs agree with each other
         assert all(torch.equal(outputs[0], other) for other in outputs)
+
+
+# The modules that ask whether a step is recorded once and replayed (kvhive.static_step).
+STATIC_STEP_USERS = (
+    "kvhive.attention.integration",
+    "kvhive.cache.kv_cache",
+    "kvhive.cache.storage",
+    "kvhive.methods.buzz",
+)
+
+
+@pytest.mark.parametrize("method", method_names())
+def test_a_captured_decode_step_reads_nothing_and_decodes_like_eager(method, monkeypatch):
+    # A CUDA graph captures an eager step (no dynamo): the step takes the device path because
+    # in_static_step() says so, and any host read there is fatal (reading a device value while the
+    # stream captures is refused), any host decision is replayed as it was. The CPU proxy: steps run
+    # with in_static_step() forced True read nothing and give the logits and kept tokens of eager
+    # steps. (The GPU run of 6be3f33 found TOVA's step reading the stale host token count there.)
+    import importlib
+
+    model = _model()
+    options = {} if DECODE in policy_class(method).phases else {"decode_capacity": 16}
+    caches = []
+    for _ in range(2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            budget = None if method == "full" else BUDGET
+            caches.append(kvhive.make_cache(model, method, budget=budget, **options))
+    assert caches[0].static_decode
+    with torch.no_grad():
+        tokens = []
+        for cache in caches:
+            token = model(input_ids=_prompt(model), past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            tokens.append(_decode(model, cache, token, 2))
+        assert torch.equal(tokens[0], tokens[1])
+        token = tokens[0]
+        for step in range(8):
+            with monkeypatch.context() as patch:
+                for name in STATIC_STEP_USERS:
+                    patch.setattr(importlib.import_module(name), "in_static_step", lambda: True)
+                with HostReadCounter() as reads:
+                    captured = model(input_ids=token, past_key_values=caches[0], use_cache=True).logits
+            eager = model(input_ids=token, past_key_values=caches[1], use_cache=True).logits
+            assert reads.total == 0, f"{method}, step {step}: {reads}"
+            torch.testing.assert_close(captured, eager, rtol=1e-5, atol=1e-5, msg=f"{method}, step {step}")
+            token = eager[:, -1:].argmax(-1)
+    assert snapshot(caches[0]) == snapshot(caches[1])

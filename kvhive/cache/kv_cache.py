@@ -666,7 +666,8 @@ class KVHiveCache(Cache):
         if store.bounded_capacity:
             self._decode_step_in_capacity(layer_index, store, make_scoring)
             return
-        self._resolve_budgets(store.tokens_seen)
+        if not self.layer_budgets:  # (resolved at the prefill: a static step reads no host count)
+            self._resolve_budgets(store.tokens_seen)
         budget = self.layer_budgets[layer_index]
         scoring = make_scoring(DECODE)
         # initialize_decode ran in after_prefill (every layer's first forward is its prefill).
