@@ -57,6 +57,9 @@ STOCK_DYNAMIC = ("stock-cudnn-on", "stock-cudnn-off")
 STOCK_STATIC = "stock-static"
 STOCK = (*STOCK_DYNAMIC, STOCK_STATIC)
 COMPILE_SUFFIX = "+compile"
+# One eager decode step captured as a CUDA graph (torch.cuda.graph, no dynamo) and replayed: what a
+# server that captures its decode step gets; works on any torch, kvhive's static layout only.
+GRAPH_SUFFIX = "+graph"
 DENSE_DECODE_CHOICES = ("kernel", "sdpa")
 WARM_UP_STEPS = 3
 PROFILE_STEPS = 5
@@ -87,11 +90,23 @@ def parse_config(config: str) -> dict:
     from kvhive.methods.registry import method_names
 
     name, compiled = (config[: -len(COMPILE_SUFFIX)], True) if config.endswith(COMPILE_SUFFIX) else (config, False)
+    name, graphed = (name[: -len(GRAPH_SUFFIX)], True) if name.endswith(GRAPH_SUFFIX) else (name, False)
+    if compiled and graphed:
+        raise ValueError(f"invalid config {config!r}: {GRAPH_SUFFIX} or {COMPILE_SUFFIX}, not both")
     base, _, dense_decode = name.partition("@")
     if base in STOCK:
-        if dense_decode:
-            raise ValueError(f"invalid config {config!r}: '@{dense_decode}' applies to kvhive methods only")
-        return {"config": config, "stock": True, "method": None, "dense_decode": None, "compiled": compiled}
+        if dense_decode or graphed:
+            raise ValueError(
+                f"invalid config {config!r}: '@{dense_decode}'/{GRAPH_SUFFIX} apply to kvhive methods only"
+            )
+        return {
+            "config": config,
+            "stock": True,
+            "method": None,
+            "dense_decode": None,
+            "compiled": compiled,
+            "graph": False,
+        }
     if base not in method_names():
         raise ValueError(
             f"invalid config {config!r}: expected one of {', '.join(STOCK)} or a kvhive method "
@@ -105,6 +120,7 @@ def parse_config(config: str) -> dict:
         "method": base,
         "dense_decode": dense_decode or None,
         "compiled": compiled,
+        "graph": graphed,
     }
 
 
@@ -211,9 +227,11 @@ def make_cache(model, parts: dict, budget: float, max_length: int):
 
     # The dense decode attention is a per-cache option (sdpa unless "@kernel" is named).
     dense_decode = parts["dense_decode"] or "sdpa"
+    # A captured step needs one shape from step to step: growing layers get a decode capacity.
+    room = {"decode_capacity": max_length} if parts.get("graph") else {}
     if parts["method"] == "full":
-        return kvhive.make_cache(model, "full", dense_decode=dense_decode)
-    return kvhive.make_cache(model, parts["method"], ratio=budget, dense_decode=dense_decode)
+        return kvhive.make_cache(model, "full", dense_decode=dense_decode, **room)
+    return kvhive.make_cache(model, parts["method"], ratio=budget, dense_decode=dense_decode, **room)
 
 
 def dynamo_counts() -> dict:
@@ -276,6 +294,8 @@ def measure(settings: dict) -> dict:
             token = decode(token)
         synchronize(device)
         warm_up = time.perf_counter() - start
+        if parts.get("graph"):
+            decode = capture_decode_step(model, cache, key, token, position, settings["config"])
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         compiled_before = dynamo_counts() if parts["compiled"] else None
@@ -311,6 +331,35 @@ def measure(settings: dict) -> dict:
     if settings.get("profile"):
         result["profile"] = profile(lambda: decode(token), PROFILE_STEPS)
     return result
+
+
+def capture_decode_step(model, cache, key: str, token, position: int, config: str):
+    """``decode(token)`` replaying one decode step captured as a CUDA graph: the new token and its
+    position are written into the captured inputs (the cache's buffers keep their addresses)."""
+    import torch
+
+    if not torch.cuda.is_available() or not token.is_cuda:
+        raise RuntimeError(f"{config}: {GRAPH_SUFFIX} captures a CUDA graph: it needs --device cuda")
+    if not getattr(cache, "static_decode", False):
+        raise RuntimeError(f"{config}: this cache's decode step changes shape from step to step: nothing to capture")
+    static_token = token.clone()
+    static_position = torch.full_like(token, position)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        logits = model(input_ids=static_token, position_ids=static_position, **{key: cache}, use_cache=True).logits
+        static_next = logits[:, -1:].argmax(-1)
+    next_position = position
+
+    def decode(token):
+        nonlocal next_position
+        static_token.copy_(token)
+        static_position.fill_(next_position)
+        next_position += 1
+        graph.replay()
+        return static_next
+
+    return decode
 
 
 def profile(decode_step, steps: int) -> dict:
