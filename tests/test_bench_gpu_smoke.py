@@ -114,11 +114,15 @@ def test_configuration_names_are_checked_and_compile_rows_added(capsys):
         "method": "snapkv",
         "dense_decode": "kernel",
         "compiled": True,
+        "graph": False,
     }
+    assert bench_gpu.parse_config("tova+graph")["graph"] is True
     for bad, message in [
         ("nosuch", "expected one of stock-cudnn-on"),
         ("snapkv@fast", "expected @kernel or @sdpa"),
-        ("stock-static@kernel", "applies to kvhive methods only"),
+        ("stock-static@kernel", "apply to kvhive methods only"),
+        ("stock-static+graph", "apply to kvhive methods only"),
+        ("tova+graph+compile", "not both"),
     ]:
         with pytest.raises(ValueError, match=message):
             bench_gpu.parse_config(bad)
