@@ -209,7 +209,7 @@ def kv_bytes(cache) -> int:
     return sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers)
 
 
-def make_cache(model, parts: dict, budget: float, max_length: int):
+def make_cache(model, parts: dict, budget: float, max_length: int, decode_tokens: int = 0):
     import torch
     from transformers import DynamicCache, StaticCache
 
@@ -227,8 +227,9 @@ def make_cache(model, parts: dict, budget: float, max_length: int):
 
     # The dense decode attention is a per-cache option (sdpa unless "@kernel" is named).
     dense_decode = parts["dense_decode"] or "sdpa"
-    # A captured step needs one shape from step to step: growing layers get a decode capacity.
-    room = {"decode_capacity": max_length} if parts.get("graph") else {}
+    # A captured step needs one shape from step to step: growing layers get room for the decode
+    # steps (attention then reads the kept tokens plus that room, empty slots masked).
+    room = {"decode_capacity": decode_tokens} if parts.get("graph") else {}
     if parts["method"] == "full":
         return kvhive.make_cache(model, "full", dense_decode=dense_decode, **room)
     return kvhive.make_cache(model, parts["method"], ratio=budget, dense_decode=dense_decode, **room)
@@ -260,7 +261,8 @@ def measure(settings: dict) -> dict:
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    cache = make_cache(model, parts, settings["budget"], context + WARM_UP_STEPS + decode_tokens + PROFILE_STEPS)
+    steps = WARM_UP_STEPS + decode_tokens + PROFILE_STEPS
+    cache = make_cache(model, parts, settings["budget"], context + steps, steps)
     step = model
     if parts["compiled"]:
         problem = getattr(cache, "compile_problem", lambda _: None)(context)
