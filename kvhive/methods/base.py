@@ -234,14 +234,11 @@ class ScoringInputs:
         allocation; the weights returned may then be a view of it)."""
         num_keys = self.num_tokens if num_keys is None else num_keys
         # The scale goes on the queries (rows x d), not on the logits (rows x K): one pass fewer.
-        if isinstance(logit_multiplier, torch.Tensor):  # on the device: one factor, or one per batch row
-            factor = (logit_multiplier.to(torch.float32) * self.scaling).to(self.queries.dtype)
-            factor = factor.view(-1, 1, 1, 1) if factor.dim() else factor
-        elif isinstance(logit_multiplier, tuple):  # one factor per batch row (AhaKV's n is per row)
-            factor = torch.tensor(logit_multiplier, dtype=torch.float32, device=self.queries.device)
-            factor = (factor * self.scaling).to(self.queries.dtype).view(-1, 1, 1, 1)
+        factor = _row_factor(logit_multiplier, self.queries.device, 3)
+        if isinstance(factor, torch.Tensor):
+            factor = (factor * self.scaling).to(self.queries.dtype)
         else:
-            factor = self.scaling * logit_multiplier
+            factor = self.scaling * factor
         queries = self.queries[:, :, query_rows] * factor
         keys = self._product_keys()[:, :, :num_keys]
         b, hq, rows, d = queries.shape
@@ -388,20 +385,26 @@ class ScoringInputs:
             return self._memo[key]
         if self.last_query_logits is None:
             return self.attention_weights(last_row, logit_multiplier)[:, :, 0]
-        if isinstance(logit_multiplier, torch.Tensor):  # on the device: one factor, or one per batch row
-            factor = logit_multiplier.to(torch.float32)
-            factor = factor.view(-1, 1, 1, 1, 1) if factor.dim() else factor
-        elif isinstance(logit_multiplier, tuple):
-            factor = torch.tensor(logit_multiplier, dtype=torch.float32, device=self.queries.device)
-            factor = factor.view(-1, 1, 1, 1, 1)
-        else:
-            factor = logit_multiplier
+        factor = _row_factor(logit_multiplier, self.queries.device, 4)
         logits = self.last_query_logits * factor  # fresh: the softmax may overwrite it
         b, h, group, _, n = logits.shape
         if self.mask is None:
             # The attention masked nothing (every stored key precedes the new query): neither does its softmax.
             return _softmax_of_fresh_logits(logits).view(b, h * group, n)
         return self._masked_softmax(logits, last_row, n)[:, :, 0]
+
+
+def _row_factor(
+    logit_multiplier: float | tuple[float, ...] | torch.Tensor, device: torch.device, trailing_dims: int
+) -> float | torch.Tensor:
+    """A logit multiplier as a float, or as float32 factors (one, or one per batch row: AhaKV's n
+    is per row) shaped to broadcast over ``trailing_dims`` dimensions after the batch."""
+    if isinstance(logit_multiplier, tuple):
+        logit_multiplier = torch.tensor(logit_multiplier, dtype=torch.float32, device=device)
+    if not isinstance(logit_multiplier, torch.Tensor):
+        return logit_multiplier
+    factor = logit_multiplier.to(torch.float32)
+    return factor.view(-1, *([1] * trailing_dims)) if factor.dim() else factor
 
 
 def _softmax_of_fresh_logits(logits: torch.Tensor) -> torch.Tensor:
