@@ -28,7 +28,13 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvhive.attention.column_sums import column_sums, flash_attention_with_lse
 from kvhive.attention.column_sums import kernel_supports as column_sums_kernel_supports
-from kvhive.attention.varlen import kernel_supports, varlen_attention, varlen_attention_kernel, varlen_attention_paged
+from kvhive.attention.varlen import (
+    kernel_runs_on,
+    kernel_supports,
+    varlen_attention,
+    varlen_attention_kernel,
+    varlen_attention_paged,
+)
 from kvhive.cache.kv_cache import CACHE_POSITIONS, ORIGINAL_POSITIONS, PADDING_SCORE, KVHiveCache, active_update
 from kvhive.cache.rows import CacheRows
 from kvhive.cache.storage import PAGE_TOKENS
@@ -758,6 +764,8 @@ def _dense_decode_by_kernel(store, query, scaling, weights: bool = False):
     weights [B * H, G, L])`` with the new query's softmax weights over the slots the attention
     reads (the stored tokens; a fixed capacity's every slot, 0 on the empty ones), and their logits
     before any mask (0 on the empty slots)."""
+    if not kernel_runs_on(query):  # (the CPU: no views made for nothing at every step)
+        return None
     batch, query_heads, _, head_dim = query.shape
     segments = batch * store.num_heads
     rows = query.reshape(segments, query_heads // store.num_heads, head_dim)

@@ -309,10 +309,15 @@ def _target_programs(device: torch.device) -> int:
     return 4 * _SM_COUNT[index]
 
 
+def kernel_runs_on(tensor: torch.Tensor) -> bool:
+    """Whether the Triton kernel can run on ``tensor``'s device at all (before any shape check)."""
+    # Triton's interpreter (TRITON_INTERPRET=1) runs the kernel on CPU tensors: that is how CI tests it.
+    return triton is not None and (tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
 def kernel_supports(query_rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
     """Whether the Triton kernel handles these shapes and dtypes."""
-    # Triton's interpreter (TRITON_INTERPRET=1) runs the kernel on CPU tensors: that is how CI tests it.
-    if triton is None or not (query_rows.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    if not kernel_runs_on(query_rows):
         return False
     d, dv = keys.shape[-1], values.shape[-1]
     power_of_two = lambda n: n >= 16 and n & (n - 1) == 0  # noqa: E731
