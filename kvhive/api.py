@@ -370,21 +370,32 @@ def generate_batch(
     stop_strings: list[str] | list[list[str]] | None = None,
     eos_token_id: int | list[int] | None = None,
     max_batch_size: int | None = None,
+    compile: bool | str = False,
     **cache_options: Any,
 ) -> list[str]:
     """Greedy generation for several prompts: each prompt is prefilled alone into its own cache
     (``make_cache(model, method, budget, **cache_options)``; ``prefill_chunk`` feeds it in chunks),
-    the caches are stacked into one batch (:meth:`KVHiveCache.stack`), and all rows decode together,
-    one token per row per step with each row's own positions. A row ends at an end-of-sequence token
-    (``eos_token_id``, default the model's generation config, as ``model.generate``) or once its
-    text contains one of its ``stop_strings`` (a list for every row, or one list per row; the stop
-    string stays in the text), or after ``max_new_tokens``; finished rows leave the batch. Returns
-    one text per prompt, each what ``kvhive.generate`` returns for that prompt alone.
+    the caches are stacked into one batch of fixed slots (:meth:`KVHiveCache.stack` with
+    ``batch_slots``), and all rows decode together, one token per row per step with each row's own
+    positions. A row ends at an end-of-sequence token (``eos_token_id``, default the model's
+    generation config, as ``model.generate``) or once its text contains one of its
+    ``stop_strings`` (a list for every row, or one list per row; the stop string stays in the text),
+    or after ``max_new_tokens``; a finished row frees its slot. Returns one text per prompt, each
+    what ``kvhive.generate`` returns for that prompt alone.
 
     ``max_batch_size`` (an integer >= 1; None: every prompt at once): at most that many rows decode
     at once. The first ``max_batch_size`` prompts start; the others wait in order, and as soon as a
-    row leaves, the next waiting prompt is prefilled alone and joins the batch that is decoding
-    (:meth:`KVHiveCache.add_rows`; continuous batching), between two decode steps.
+    row leaves, the next waiting prompt is prefilled alone and takes its slot
+    (:meth:`KVHiveCache.fill_slots`; continuous batching), between two decode steps. Slots are
+    fixed: rows leaving and joining move no buffer (a free slot decodes a placeholder until a
+    prompt takes it), so the decode step keeps one shape.
+
+    ``compile=True`` (or the name of a ``torch.compile`` backend, e.g. ``"aot_eager"``) compiles
+    that decode step once (``torch.compile(fullgraph=True, dynamic=False)``; on CUDA with the
+    default backend, CUDA graphs: ``mode="reduce-overhead"``) and every step, across
+    joins and leaves, replays it; the slots round up to a power of two and a growing layer's slot
+    capacity to a bucket (``bucket_up``), so other batches of similar size reuse the graph. Refused,
+    naming why, where the cache's step cannot compile (``KVHiveCache.compile_problem``).
 
     A method whose caches cannot be stacked (BUZZ and BumbleBee, whose eviction schedule follows
     each layer's token count; subgen-attention's estimator; Ada-KV when heads keep different counts;
@@ -400,12 +411,25 @@ def generate_batch(
         isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1
     ):
         raise ValueError(f"invalid max_batch_size={max_batch_size!r}: expected an integer >= 1 (rows), or None")
-    if "decode_capacity" in cache_options or "compile" in cache_options:
-        raise ValueError("generate_batch decodes eagerly: decode_capacity and compile are not accepted")
+    if not (isinstance(compile, bool) or (isinstance(compile, str) and compile)):
+        raise ValueError(f"invalid compile={compile!r}: expected True, False or a torch.compile backend name")
+    if "decode_capacity" in cache_options:
+        raise ValueError(
+            "generate_batch sizes the decode capacity itself (max_new_tokens): decode_capacity is not accepted"
+        )
+    if compile and cache_options.get("prefill_chunk"):
+        raise ValueError("compile=True with prefill_chunk: compile the decode without chunks, or chunk without compile")
+    if compile:
+        cache_options.setdefault("bucket_budget", True)  # one shape for prompts of nearby lengths
+        cache_options["decode_capacity"] = bucket_up(max_new_tokens + 1)
     row_stops = _row_stop_strings(stop_strings, len(prompts))
     stop_ids = _stop_ids(model, eos_token_id)
     encoded = [encode_prompt(tokenizer, prompt, model, max_new_tokens) for prompt in prompts]
-    limit = len(prompts) if max_batch_size is None else max_batch_size
+    limit = len(prompts) if max_batch_size is None else min(max_batch_size, len(prompts))
+    slots = 1 << (limit - 1).bit_length() if compile else limit
+    # A growing layer's row holds at most its prompt and every decode token.
+    longest = max(int(item["input_ids"].shape[1]) for item in encoded) + max_new_tokens + 1
+    slot_capacity = bucket_up(longest) if compile else longest
     generated: list[list[int]] = [[] for _ in prompts]
 
     def prefill(prompt_index: int) -> tuple[KVHiveCache, torch.Tensor]:
@@ -427,50 +451,61 @@ def generate_batch(
     waiting = list(range(len(prompts)))
     # The first batch: stacked whatever its first tokens (a method that cannot stack is refused
     # before any decoding, as when every prompt starts at once).
-    starting = [waiting.pop(0) for _ in range(min(limit, len(waiting)))]
+    starting = [waiting.pop(0) for _ in range(limit)]
     caches, first_tokens = zip(*(prefill(prompt_index) for prompt_index in starting), strict=True)
-    stacked: KVHiveCache | None = KVHiveCache.stack(list(caches), decode_capacity=max_new_tokens)
+    stacked = KVHiveCache.stack(
+        list(caches), decode_capacity=max_new_tokens + 1, batch_slots=slots, slot_capacity=slot_capacity
+    )
+    if compile and not stacked.is_compileable:
+        problem = caches[0].compile_problem(int(encoded[starting[0]]["input_ids"].shape[1]))
+        raise ValueError(
+            f"compile=True with method {stacked.policy.name!r}: "
+            + (problem or "its decode step over these rows does not compile to one graph")
+        )
     del caches
-    active = list(starting)  # prompt of each row of the stacked batch
-    next_tokens = torch.stack(first_tokens)
+    # The prompt in each slot (None: free).
+    running: list[int | None] = list(starting) + [None] * (slots - limit)
+    next_tokens = torch.zeros(slots, dtype=torch.long, device=first_tokens[0].device)
+    next_tokens[:limit] = torch.stack(first_tokens)
     kwarg = cache_kwarg(model)
+
+    def step(tokens, positions, cache):
+        return model(input_ids=tokens, position_ids=positions, **{kwarg: cache}, use_cache=True).logits[:, -1]
+
+    if compile:
+        if isinstance(compile, str):
+            options = {"backend": compile}
+        else:
+            options = {"mode": "reduce-overhead"} if next_tokens.device.type == "cuda" else {}
+        step = torch.compile(step, fullgraph=True, dynamic=False, **options)
     with torch.no_grad():
         while True:
-            still = [
-                row for row, prompt_index in enumerate(active) if not finished(prompt_index, int(next_tokens[row]))
+            tokens = next_tokens.tolist()  # one read per step: the stop checks
+            leaving = [
+                slot
+                for slot, prompt_index in enumerate(running)
+                if prompt_index is not None and finished(prompt_index, tokens[slot])
             ]
-            if len(still) < len(active):
-                if still:
-                    stacked.batch_select_indices(torch.tensor(still))
-                    next_tokens = next_tokens[torch.tensor(still, device=next_tokens.device)]
-                else:
-                    stacked, next_tokens = None, next_tokens[:0]
-                active = [active[row] for row in still]
-            # Waiting prompts join in the rows that left. A prompt that ends with its first token
-            # never needs the batch; the next one takes its place.
-            joining, joining_tokens = [], []
-            while waiting and len(active) + len(joining) < limit:
-                prompt_index = waiting.pop(0)
-                cache, token = prefill(prompt_index)
-                if not finished(prompt_index, int(token)):
-                    joining.append((prompt_index, cache))
-                    joining_tokens.append(token)
-            if joining:
-                caches = [cache for _, cache in joining]
-                if stacked is None:
-                    stacked = KVHiveCache.stack(caches, decode_capacity=max_new_tokens)
-                else:
-                    stacked.add_rows(caches, decode_capacity=max_new_tokens)
-                del caches
-                active += [prompt_index for prompt_index, _ in joining]
-                next_tokens = torch.cat([next_tokens, torch.stack(joining_tokens).to(next_tokens.device)])
-                joining.clear()
-            if not active:
+            if leaving:
+                stacked.free_slots(leaving)
+                for slot in leaving:
+                    running[slot] = None
+            # Waiting prompts take the free slots. A prompt that ends with its first token never
+            # needs the batch; the next one takes its place.
+            for slot in [slot for slot, prompt_index in enumerate(running) if prompt_index is None]:
+                while waiting:
+                    prompt_index = waiting.pop(0)
+                    cache, token = prefill(prompt_index)
+                    if not finished(prompt_index, int(token)):
+                        stacked.fill_slots([slot], [cache])
+                        running[slot] = prompt_index
+                        next_tokens[slot] = token
+                        break
+            if all(prompt_index is None for prompt_index in running):
                 break
             # Each row's next position, from the layer's device counter (no host data sent per step).
             positions = stacked.layers[0].row_tokens_seen_device[:, None].clone()
-            output = model(input_ids=next_tokens[:, None], position_ids=positions, **{kwarg: stacked}, use_cache=True)
-            next_tokens = output.logits[:, -1].argmax(dim=-1)
+            next_tokens = step(next_tokens[:, None], positions, stacked).argmax(dim=-1)
     return [tokenizer.decode(tokens, skip_special_tokens=True) for tokens in generated]
 
 

@@ -162,10 +162,8 @@ def _generate_batch(args: argparse.Namespace) -> int:
     prints one line per prompt, its text as a JSON string (``--json``: an object with the texts)."""
     import kvhive
 
-    if args.per_layer or args.compile:
-        raise SystemExit(
-            "kvhive generate: --prompts-file decodes eagerly and prints texts: no --compile or --per-layer"
-        )
+    if args.per_layer:
+        raise SystemExit("kvhive generate: --prompts-file prints texts: no --per-layer")
     try:
         prompts = _read_prompts_file(args.prompts_file)
     except SystemExit as error:
@@ -183,6 +181,7 @@ def _generate_batch(args: argparse.Namespace) -> int:
         compress_sliding=args.compress_sliding,
         prefill_chunk=args.prefill_chunk,
         max_batch_size=args.max_batch_size,
+        compile=bool(args.compile),  # --compile: one graph for every step of the fixed batch slots
         **parameters,
     )
     if args.json:

@@ -104,6 +104,12 @@ def test_invalid_arguments(model_and_tokenizer):
         kvhive.generate_batch(model, tokenizer, ["a b c", "d e f"], "h2o", 32, stop_strings=[["x"]])
     with pytest.raises(ValueError, match="prompt"):
         kvhive.generate_batch(model, tokenizer, ["a b c", "  "], "h2o", 32)
+    with pytest.raises(ValueError, match="invalid compile=1: expected True, False or a torch.compile backend"):
+        kvhive.generate_batch(model, tokenizer, ["a b c"], "h2o", 32, compile=1)
+    with pytest.raises(ValueError, match="decode_capacity is not accepted"):
+        kvhive.generate_batch(model, tokenizer, ["a b c"], "h2o", 32, decode_capacity=8)
+    with pytest.raises(ValueError, match="compile=True with prefill_chunk"):
+        kvhive.generate_batch(model, tokenizer, ["a b c"], "h2o", 32, compile=True, prefill_chunk=16)
 
 
 def test_one_prompt_equals_generate(model_and_tokenizer):

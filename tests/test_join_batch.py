@@ -240,7 +240,11 @@ def _record_decode_steps(model) -> tuple[list[list[int]], object]:
     def hook(module, args, kwargs):
         input_ids = kwargs.get("input_ids")
         if input_ids is not None and input_ids.shape[1] == 1 and kwargs.get("position_ids") is not None:
-            steps.append(kwargs["position_ids"][:, 0].tolist())
+            # The batch has fixed slots: a free slot decodes a placeholder; only running rows count.
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            running = cache.active_slots
+            positions = kwargs["position_ids"][:, 0].tolist()
+            steps.append([position for position, active in zip(positions, running, strict=True) if active])
 
     return steps, model.register_forward_pre_hook(hook, with_kwargs=True)
 

@@ -344,3 +344,89 @@ def test_cuda_compiled_packed_decode_with_a_decode_capacity(method):
             token, position = compiled_logits[:, -1:].argmax(-1), position + 1
     assert caches[0].statistics()["kept_tokens_per_layer"] == caches[1].statistics()["kept_tokens_per_layer"]
     torch._dynamo.reset()
+
+
+# -- fixed batch slots: one captured step across rows leaving and joining ---------------------------
+
+SLOT_LENGTHS = (57, 40, 73, 45)  # prompts 0 and 1 start in 3 slots; 2 and 3 join during the replays
+# Methods whose caches stack (tests/test_generate_batch.py REFUSED lists the others) with one count
+# per head (Ada-KV's head-wise counts have no dense row to put in a slot).
+SLOT_REFUSED = {"buzz", "buzz-logn", "bumblebee", "bumblebee-power", "subgen-attention"}
+SLOTTED_METHODS = [m for m in method_names() if m not in SLOT_REFUSED and not m.startswith("ada-")]
+
+
+@pytest.mark.parametrize("method", SLOTTED_METHODS)
+def test_cuda_graph_of_a_slotted_step_replays_across_joins_and_leaves(method):
+    # Two identical slotted batches (KVHiveCache.stack(batch_slots=3)); one decode step of the first
+    # is captured, then replayed REPLAYS times while a row leaves (free_slots) and two prompts join
+    # (fill_slots) between replays, the second batch taking the same steps eagerly. A join copies
+    # into the captured buffers in place, so the graph keeps serving: every running row's logits
+    # equal the eager step's.
+    from kvhive.cache import KVHiveCache
+
+    model = tiny_model("llama", "gqa", dtype=torch.bfloat16).cuda()
+    key = cache_kwarg(model)
+    budget = _budget(method)
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, model.config.vocab_size, (1, n), generator=generator).cuda() for n in SLOT_LENGTHS]
+
+    def prefilled(index):
+        cache = kvhive.make_cache(model, method, budget=budget)
+        with torch.no_grad():
+            token = model(input_ids=prompts[index], **{key: cache}, use_cache=True).logits[:, -1].argmax(-1)
+        return cache, token
+
+    def slotted():
+        started = [prefilled(0), prefilled(1)]
+        cache = KVHiveCache.stack(
+            [c for c, _ in started],
+            decode_capacity=REPLAYS + 8,
+            batch_slots=3,
+            slot_capacity=max(SLOT_LENGTHS) + REPLAYS + 8,
+        )
+        tokens = torch.zeros(3, 1, dtype=torch.long, device="cuda")
+        tokens[:2, 0] = torch.cat([t for _, t in started])
+        return cache, tokens
+
+    def step(cache, tokens):
+        positions = cache.layers[0].row_tokens_seen_device[:, None].clone()
+        return model(input_ids=tokens, position_ids=positions, **{key: cache}, use_cache=True).logits
+
+    graphed, tokens = slotted()
+    eager, eager_tokens = slotted()
+    assert graphed.static_decode, f"{method}: a slotted cache does not declare a static decode step"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        for _ in range(WARM_UP_STEPS):
+            tokens = step(graphed, tokens)[:, -1:].argmax(-1)
+            eager_tokens = step(eager, eager_tokens)[:, -1:].argmax(-1)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(tokens, eager_tokens)
+    static_tokens = tokens.clone()
+    static_positions = graphed.layers[0].row_tokens_seen_device[:, None].clone()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        static_logits = model(
+            input_ids=static_tokens, position_ids=static_positions, **{key: graphed}, use_cache=True
+        ).logits
+    joiners = {10: (0, prefilled(2)), 14: (2, prefilled(3))}
+    with torch.no_grad():
+        for replay in range(REPLAYS):
+            if replay == 8:
+                graphed.free_slots([0])
+                eager.free_slots([0])
+            if replay in joiners:
+                slot, (joiner, token) = joiners[replay]
+                graphed.fill_slots([slot], [joiner])
+                eager.fill_slots([slot], [joiner])
+                tokens[slot] = token
+            static_tokens.copy_(tokens)
+            static_positions.copy_(graphed.layers[0].row_tokens_seen_device[:, None])
+            graph.replay()
+            expected = step(eager, tokens.clone())
+            running = torch.tensor(graphed.active_slots, device="cuda")
+            assert torch.equal(static_logits[running], expected[running]), f"{method}: replay {replay} differs"
+            tokens = expected[:, -1:].argmax(-1)
+    assert graphed.active_slots == [True, True, True]

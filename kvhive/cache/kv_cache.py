@@ -157,6 +157,36 @@ def _row_states(policy: Policy, layer: LayerStore) -> list[dict]:
         raise ValueError(f"method {policy.name!r} cannot stack caches of several rows: {error}") from None
 
 
+def _adopt_in_place(old: dict, new: dict) -> None:
+    """Make the state dict ``old`` equal ``new`` keeping ``old``'s objects where they fit: a tensor
+    of the same shape, dtype and device is overwritten in place (its address stays, as a captured
+    decode step needs); anything else is replaced."""
+
+    def adopt(previous, value):
+        if isinstance(value, torch.Tensor):
+            if (
+                isinstance(previous, torch.Tensor)
+                and previous.shape == value.shape
+                and previous.dtype == value.dtype
+                and previous.device == value.device
+            ):
+                previous.copy_(value)
+                return previous
+            return value
+        if isinstance(value, dict) and isinstance(previous, dict):
+            _adopt_in_place(previous, value)
+            return previous
+        if isinstance(value, list) and isinstance(previous, list) and len(value) == len(previous):
+            previous[:] = [adopt(p, v) for p, v in zip(previous, value, strict=True)]
+            return previous
+        return value
+
+    for key in [key for key in old if key not in new]:
+        del old[key]
+    for key, value in new.items():
+        old[key] = adopt(old.get(key), value)
+
+
 def _copy_without_layers(cache: KVHiveCache) -> KVHiveCache:
     """A deep copy of ``cache``'s settings and method, sharing none of its stored tokens: the layers
     and prefill records are replaced by the caller, so copying their buffers would only cost memory
@@ -932,7 +962,7 @@ class KVHiveCache(Cache):
                 "kvhive.make_cache?); make a cache per model with kvhive.make_cache(model, ...)"
             )
         store: LayerStore = self.layers[layer_idx]
-        if key_states.shape[2] > 1 and store.is_initialized and store._row_tokens_seen is not None:
+        if key_states.shape[2] > 1 and store.is_initialized and store.row_tokens_seen_device is not None:
             raise ValueError(
                 "a stacked cache (KVHiveCache.stack) decodes one token per row per forward: its rows are at different "
                 f"positions; got {key_states.shape[2]} tokens per row"
@@ -1039,10 +1069,16 @@ class KVHiveCache(Cache):
     @property
     def is_stacked(self) -> bool:
         """Whether the rows have seen different numbers of tokens (made by :meth:`stack`)."""
-        return any(layer.is_initialized and layer._row_tokens_seen is not None for layer in self.layers)
+        return any(layer.is_initialized and layer.row_tokens_seen_device is not None for layer in self.layers)
 
     @classmethod
-    def stack(cls, caches: list[KVHiveCache], decode_capacity: int | None = None) -> KVHiveCache:
+    def stack(
+        cls,
+        caches: list[KVHiveCache],
+        decode_capacity: int | None = None,
+        batch_slots: int | None = None,
+        slot_capacity: int | None = None,
+    ) -> KVHiveCache:
         """One batch cache whose rows are the rows of ``caches``, in order (every row of
         ``caches[0]``, then of ``caches[1]``, ...): caches of one model and one method (same options
         and budget), prefilled separately, e.g. from prompts of different lengths. A cache may hold
@@ -1063,7 +1099,17 @@ class KVHiveCache(Cache):
         padding (its rows' positions count the padding); re-indexed positions; head-wise counts
         (Ada-KV's packed layout); a layer that evicts while decoding (or slides) whose rows keep
         different counts; a method whose per-layer state is not per row (``Policy.stack_states``:
-        BUZZ, BumbleBee, subgen-attention)."""
+        BUZZ, BumbleBee, subgen-attention).
+
+        **Fixed batch slots** (``batch_slots=S``, at least the rows given): the buffers hold ``S``
+        rows from the start; the rows past those given are free slots. Rows then leave
+        (:meth:`free_slots`) and join (:meth:`fill_slots`) in place: no buffer is reallocated, every
+        address stays, and the decode step keeps one shape (a free slot keeps decoding a
+        placeholder; its outputs mean nothing). Every layer takes the static decode layout: an
+        evicting layer its fixed capacity, a growing layer (the full cache, prefill-only methods)
+        ``slot_capacity`` tokens per row (default: the longest row + ``decode_capacity``), which a
+        row joining later must fit with all its decode steps. The decode step of such a cache
+        reads nothing back and compiles to one graph (``is_compileable``) where the method's does."""
         if not isinstance(caches, (list, tuple)) or not caches:
             raise ValueError(f"caches: expected a non-empty list of KVHiveCache, got {caches!r}")
         if decode_capacity is not None and (
@@ -1075,6 +1121,24 @@ class KVHiveCache(Cache):
             if not isinstance(cache, KVHiveCache):
                 raise ValueError(f"caches[{number}]: expected a KVHiveCache, got {type(cache).__name__}")
             cls._check_stackable(first, cache, number)
+        rows_given = sum(cache._batch_size() for cache in caches)
+        if batch_slots is not None and (
+            isinstance(batch_slots, bool) or not isinstance(batch_slots, int) or batch_slots < rows_given
+        ):
+            raise ValueError(
+                f"invalid batch_slots={batch_slots!r}: expected an integer >= {rows_given} (the rows given), or None"
+            )
+        if slot_capacity is not None and (
+            batch_slots is None
+            or isinstance(slot_capacity, bool)
+            or not isinstance(slot_capacity, int)
+            or slot_capacity < 1
+        ):
+            raise ValueError(
+                f"invalid slot_capacity={slot_capacity!r}: expected an integer >= 1 (tokens per row) with batch_slots, "
+                "or None"
+            )
+        free = 0 if batch_slots is None else batch_slots - rows_given
         policy = first.policy
         room = decode_capacity if decode_capacity is not None else 64
         new_layers = []
@@ -1088,9 +1152,13 @@ class KVHiveCache(Cache):
             for source in sources:
                 states.extend(_row_states(policy, source))
                 state_seen.extend([source.tokens_seen] * source.batch_size)
+            # Free slots start as copies of the first row: real tokens, so a free slot's placeholder
+            # decode computes finite values.
+            states, state_seen = states + [states[0]] * free, state_seen + [state_seen[0]] * free
             state = policy.stack_states(states, state_seen)  # a method may refuse first
             row_seen = [seen for source in sources for seen in source.row_tokens_seen]
             rows = [view for source in sources for view in _row_views(source)]
+            row_seen, rows = row_seen + [row_seen[0]] * free, rows + [rows[0]] * free
             lengths = [int(view[0].shape[2]) for view in rows]
             evicts = (index in first.compressed_layers and DECODE in policy.phases) or layer.is_sliding
             if len(set(lengths)) > 1 and evicts:
@@ -1106,6 +1174,9 @@ class KVHiveCache(Cache):
                     f"cannot stack these caches: layer {index} compressed {sorted(steps)} steps ago in different rows "
                     "(decode_every/decode_slack keep one schedule per layer)"
                 )
+            row_capacity = None
+            if batch_slots is not None and not evicts:
+                row_capacity = slot_capacity if slot_capacity is not None else max(lengths) + room
             store = LayerStore(layer.layer_index, layer.sliding_window)
             store.set_rows(
                 [view[0] for view in rows],
@@ -1114,6 +1185,7 @@ class KVHiveCache(Cache):
                 [view[3] for view in rows],
                 row_seen,
                 room,
+                row_capacity,
             )
             store.tokens_seen = max(state_seen)  # the count every row's state is now relative to
             store.policy_state = state
@@ -1137,6 +1209,9 @@ class KVHiveCache(Cache):
             ]
             for layer, first_budget in first.layer_budgets.items()
         }
+        stacked.row_layer_budgets = {
+            layer: budgets + [budgets[0]] * free for layer, budgets in stacked.row_layer_budgets.items()
+        }
         stacked.layer_budgets = {layer: max(budgets) for layer, budgets in stacked.row_layer_budgets.items()}
         stacked._cut_at_prefill = set.intersection(*(set(cache._cut_at_prefill) for cache in caches))
         stacked.prefill_records = {}
@@ -1148,7 +1223,143 @@ class KVHiveCache(Cache):
         stacked.prefill_chunk = None
         stacked.decode_capacity = None
         stacked._compileable = False  # per-row lengths and counts live on the host: eager decode
+        if batch_slots is not None:
+            stacked._make_slots(caches, rows_given, decode_capacity)
         return stacked
+
+    # -- fixed batch slots ---------------------------------------------------------------------------
+    def _make_slots(self, caches: list[KVHiveCache], rows_given: int, decode_capacity: int | None) -> None:
+        """Lay a freshly stacked cache out in fixed batch slots: the first ``rows_given`` rows run,
+        the others are free; every layer in its static decode layout."""
+        self.decode_capacity = decode_capacity
+        if DECODE in self.policy.phases:
+            # What the prefill of each cache found (a layer below its budget, a bound far above it).
+            self._compileable = all(cache._compileable for cache in caches) and self._static_decode()
+        else:
+            self._compileable = decode_capacity is not None and self._static_decode()
+        active = [row < rows_given for row in range(self._batch_size())]
+        for store in self.layers:
+            if self._compileable and DECODE in self.policy.phases:
+                self._reserve_decode(store)
+            store.set_active_rows(active)
+        self._slots = True
+
+    @property
+    def is_slotted(self) -> bool:
+        """Whether the rows are fixed batch slots (``KVHiveCache.stack(batch_slots=...)``)."""
+        return getattr(self, "_slots", False)
+
+    @property
+    def active_slots(self) -> list[bool]:
+        """Fixed batch slots: whether each slot holds a running row (host)."""
+        if not self.is_slotted:
+            raise ValueError("this cache has no fixed batch slots: stack(..., batch_slots=N) makes them")
+        return list(self.layers[0].row_active)
+
+    def _check_slots(self, slots, want_active: bool) -> list[int]:
+        if not self.is_slotted:
+            raise ValueError("this cache has no fixed batch slots: stack(..., batch_slots=N) makes them")
+        count = self._batch_size()
+        if not isinstance(slots, (list, tuple)) or not all(
+            isinstance(slot, int) and not isinstance(slot, bool) for slot in slots
+        ):
+            raise ValueError(f"invalid slots={slots!r}: expected a list of slot numbers in [0, {count})")
+        if len(set(slots)) != len(slots) or any(not 0 <= slot < count for slot in slots):
+            raise ValueError(f"invalid slots={slots!r}: expected distinct slot numbers in [0, {count})")
+        active = self.active_slots
+        wrong = [slot for slot in slots if active[slot] != want_active]
+        if wrong:
+            state = "free" if want_active else "running"
+            raise ValueError(f"slot(s) {wrong} are not {'running' if want_active else 'free'} (they are {state})")
+        return list(slots)
+
+    def free_slots(self, slots: list[int]) -> None:
+        """Fixed batch slots: the rows in ``slots`` leave (finished requests). Nothing moves; the
+        slots decode a placeholder until :meth:`fill_slots` gives them a new row."""
+        slots = self._check_slots(slots, want_active=True)
+        active = self.active_slots
+        for slot in slots:
+            active[slot] = False
+        for store in self.layers:
+            store.set_active_rows(active)
+
+    def fill_slots(self, slots: list[int], caches: list[KVHiveCache]) -> None:
+        """Fixed batch slots: the rows of ``caches`` (each prefilled alone, e.g. requests joining a
+        running batch; their rows in order) take the free ``slots``, copied into the buffers in
+        place: no buffer is reallocated and the decode step keeps its shape and graph. The checks
+        and refusals are :meth:`stack`'s; a row must also fit its slot (a growing layer's
+        ``slot_capacity``; an evicting layer's one length). Everything is checked before anything
+        changes."""
+        if not isinstance(caches, (list, tuple)) or not caches:
+            raise ValueError(f"caches: expected a non-empty list of KVHiveCache, got {caches!r}")
+        slots = self._check_slots(slots, want_active=False)
+        for number, cache in enumerate(caches):
+            if not isinstance(cache, KVHiveCache):
+                raise ValueError(f"caches[{number}]: expected a KVHiveCache, got {type(cache).__name__}")
+            self._check_stackable(self, cache, number)
+        rows = sum(cache._batch_size() for cache in caches)
+        if rows != len(slots):
+            raise ValueError(f"{len(slots)} slot(s) {slots} for {rows} joining row(s): give one slot per row")
+        policy = self.policy
+        plans = []
+        for index, layer in enumerate(self.layers):
+            sources = [cache.layers[index] for cache in caches]
+            views = [view for source in sources for view in _row_views(source)]
+            seen = [count for source in sources for count in source.row_tokens_seen]
+            steps = {source.decode_steps_since_compression for source in sources}
+            if steps != {layer.decode_steps_since_compression}:
+                raise ValueError(
+                    f"cannot join these caches: layer {index} compressed {sorted(steps)} steps ago, the running "
+                    f"rows {layer.decode_steps_since_compression} (decode_every/decode_slack keep one schedule per layer)"
+                )
+            for view in views:
+                length = int(view[0].shape[2])
+                if layer.has_row_lengths:
+                    if length > layer.buffers()[0].shape[2]:
+                        raise ValueError(
+                            f"cannot join: a row holds {length} tokens in layer {index}, more than its slot capacity "
+                            f"of {layer.buffers()[0].shape[2]}; give a larger slot_capacity"
+                        )
+                elif length != layer.dense_length:
+                    raise ValueError(
+                        f"cannot join: a row holds {length} tokens in layer {index}, where every running row holds "
+                        f"{layer.dense_length}; a layer that evicts while decoding keeps one length for every row "
+                        "(give prompts longer than the budget, or decode them alone)"
+                    )
+            states = _row_states(policy, layer)
+            state_seen = [layer.tokens_seen] * len(states)
+            joining = [(state, source.tokens_seen) for source in sources for state in _row_states(policy, source)]
+            for slot, (state, count) in zip(slots, joining, strict=True):
+                states[slot], state_seen[slot] = state, count
+            plans.append((layer, views, seen, policy.stack_states(states, state_seen), max(state_seen), sources))
+        for layer, views, seen, state, most_seen, sources in plans:
+            for slot, view, count in zip(slots, views, seen, strict=True):
+                layer.write_row(slot, *view, count)
+            _adopt_in_place(layer.policy_state, state)
+            layer.tokens_seen = most_seen
+            layer.has_padding = layer.has_padding or any(source.has_padding for source in sources)
+            layer.stored_in_order = layer.stored_in_order and all(source.stored_in_order for source in sources)
+        joining_budgets = {
+            layer: [
+                budget
+                for cache in caches
+                for budget in (
+                    cache._row_budgets(layer, cache._batch_size())
+                    if layer in cache.row_layer_budgets
+                    else [cache.layer_budgets.get(layer)] * cache._batch_size()
+                )
+            ]
+            for layer in self.row_layer_budgets
+        }
+        for layer, budgets in self.row_layer_budgets.items():
+            for slot, budget in zip(slots, joining_budgets[layer], strict=True):
+                budgets[slot] = budget
+        self.layer_budgets = {layer: max(budgets) for layer, budgets in self.row_layer_budgets.items()}
+        active = self.active_slots
+        for slot in slots:
+            active[slot] = True
+        for store in self.layers:
+            store.set_active_rows(active)
 
     def add_rows(self, caches: list[KVHiveCache], decode_capacity: int | None = None) -> None:
         """Append the rows of ``caches`` (each prefilled, e.g. a request joining a batch that is

@@ -16,7 +16,9 @@ start to end: it is a :class:`DenseLayerStore` until its rows keep different cou
 
 Rows prefilled separately and stacked (``KVHiveCache.stack``) keep their own tokens seen (a host
 list and a device ``[B]`` counter); when they hold different numbers of tokens the dense buffers
-are a common capacity whose row ``b`` fills slots ``[0, L_b)``, with a per-row length.
+are a common capacity whose row ``b`` fills slots ``[0, L_b)``, with a per-row length. In fixed
+batch slots (``KVHiveCache.stack(batch_slots=...)``) a row is replaced in place
+(:meth:`DenseLayerStore.write_row`) and a free row stops growing (``row_active_device``).
 
 Lengths are mirrored on the host (they only change by appends, whose size the host knows,
 and by evictions, which report their counts once), so a decode step that evicts nothing reads
@@ -97,8 +99,16 @@ class LayerStore(CacheLayerMixin):
         # KVHiveCache.stack): each row's count on the host and on the device ([B] int64). None for a
         # cache whose rows advance together; ``tokens_seen`` is then every row's count, otherwise
         # the most any row has seen.
+        # The host lists are refreshed from the device counters, once, when asked for after
+        # decode steps that advanced only the device (a captured step, or rows in fixed slots).
+        self._rows_stale = False
         self._row_tokens_seen: list[int] | None = None
         self.row_tokens_seen_device: torch.Tensor | None = None
+        # Fixed batch slots (KVHiveCache.stack(batch_slots=...)): which slots hold a running row
+        # (host list and device [B] bool). A free slot keeps decoding (one shape for every step)
+        # but its row of a layer with per-row lengths does not grow.
+        self.row_active: list[bool] | None = None
+        self.row_active_device: torch.Tensor | None = None
         # Stacked rows holding different numbers of tokens (a layer that does not evict while
         # decoding): each row fills slots [0, length) of a common capacity, lengths on the host and
         # on the device ([B] int64); attention reads the whole capacity with the empty slots masked.
@@ -154,6 +164,35 @@ class LayerStore(CacheLayerMixin):
         self._heads = 0
 
     @property
+    def _row_tokens_seen(self) -> list[int] | None:
+        if self._rows_stale:
+            self._refresh_rows()
+        return self._row_tokens_seen_value
+
+    @_row_tokens_seen.setter
+    def _row_tokens_seen(self, value: list[int] | None) -> None:
+        self._row_tokens_seen_value = value
+
+    @property
+    def _row_lengths(self) -> list[int] | None:
+        if self._rows_stale:
+            self._refresh_rows()
+        return self._row_lengths_value
+
+    @_row_lengths.setter
+    def _row_lengths(self, value: list[int] | None) -> None:
+        self._row_lengths_value = value
+
+    def _refresh_rows(self) -> None:
+        """Read the per-row counters back (once) after steps that advanced only the device."""
+        self._rows_stale = False
+        if self.row_tokens_seen_device is not None:
+            self._row_tokens_seen_value = self.row_tokens_seen_device.tolist()
+        if self.row_lengths_device is not None:
+            self._row_lengths_value = self.row_lengths_device.tolist()
+            self._length = max(self._row_lengths_value)
+
+    @property
     def tokens_seen(self) -> int:
         """Tokens this layer has seen (a host int; read from the device counter, once, after
         compiled decode steps advanced it)."""
@@ -183,7 +222,7 @@ class LayerStore(CacheLayerMixin):
         """Append the new tokens; returns the dense view (or the flat buffers when packed)."""
         self.in_prefill = not self.is_initialized
         self.last_update_tokens = key_states.shape[2]
-        if self.fixed_capacity and key_states.shape[2] > 1 and self._row_lengths is None:
+        if self.fixed_capacity and key_states.shape[2] > 1 and self.row_lengths_device is None:
             # A prompt chunk (or a multi-token continuation): the growing layout from here on (a
             # decode step reserves again).
             self.fixed_capacity = self.bounded_capacity = self.fills_to_budget = False
@@ -195,9 +234,12 @@ class LayerStore(CacheLayerMixin):
         new_tokens = key_states.shape[2]
         self._append(key_states, value_states, new_tokens)
         self.tokens_seen_device.add_(new_tokens)
-        if self._row_tokens_seen is not None:
+        if self.row_tokens_seen_device is not None:
             self.row_tokens_seen_device.add_(new_tokens)
-            self._row_tokens_seen = [seen + new_tokens for seen in self._row_tokens_seen]
+            if in_static_step() or self._rows_stale:
+                self._rows_stale = True  # no guard on (or read of) the host lists
+            else:
+                self._row_tokens_seen = [seen + new_tokens for seen in self._row_tokens_seen]
         if in_static_step():
             self._tokens_seen_stale = True  # a constant store: no guard on the host count
         else:
@@ -225,8 +267,10 @@ class LayerStore(CacheLayerMixin):
     def reset(self) -> None:
         self._clear()
         self._tokens_seen, self._tokens_seen_stale, self.tokens_seen_device = 0, False, None
+        self._rows_stale = False
         self._row_tokens_seen, self.row_tokens_seen_device = None, None
         self._row_lengths, self.row_lengths_device = None, None
+        self.row_active, self.row_active_device = None, None
         self.length_device, self._length_value, self._length_stale, self.fixed_capacity = None, 0, False, False
         self.bounded_capacity = self.fills_to_budget = False
         self.stored_in_order = True
@@ -336,6 +380,9 @@ class LayerStore(CacheLayerMixin):
         if self._row_lengths is not None:
             self._row_lengths = [self._row_lengths[row] for row in rows]
             self.row_lengths_device = self.row_lengths_device.index_select(0, device_index)
+        if self.row_active is not None:
+            self.row_active = [self.row_active[row] for row in rows]
+            self.row_active_device = self.row_active_device.index_select(0, device_index)
         self._batch = len(rows)
 
     # -- rows that have seen different numbers of tokens (stacked caches) ------------------------
@@ -349,7 +396,7 @@ class LayerStore(CacheLayerMixin):
     @property
     def has_row_lengths(self) -> bool:
         """Whether rows hold different numbers of tokens in slots of a common capacity."""
-        return self._row_lengths is not None
+        return self.row_lengths_device is not None
 
     def _new_positions(self, new_tokens: int) -> torch.Tensor:
         """Original positions of ``new_tokens`` appended tokens: ``[new]``, or ``[B, 1, new]`` when
@@ -615,6 +662,8 @@ class DenseLayerStore(LayerStore):
     def _length(self) -> int:
         """Tokens per row in the dense layout (host); read from the device counter, once, after
         compiled decode steps appended to a layer with a fixed decode capacity."""
+        if self._rows_stale:
+            self._refresh_rows()
         if self._length_stale:
             self._length_value = int(self.length_device)
             self._length_stale = False
@@ -752,7 +801,7 @@ class DenseLayerStore(LayerStore):
         if not self.fixed_capacity:
             return (*self.dense(), None)
         capacity = self._key_buffer.shape[2]
-        if self._row_lengths is not None:  # [B, C]: each row its own filled slots
+        if self.row_lengths_device is not None:  # [B, C]: each row its own filled slots
             filled = torch.arange(capacity, device=self.device)[None, :] < self.row_lengths_device[:, None]
             return self._key_buffer, self._value_buffer, self._position_buffer, dict(self._score_buffers), filled
         filled = torch.arange(capacity, device=self.device) < self.length_device
@@ -841,7 +890,7 @@ class DenseLayerStore(LayerStore):
             self._length_value += new_tokens
 
     def _append(self, key_states, value_states, new_tokens: int) -> None:
-        if self._row_lengths is not None:
+        if self.row_lengths_device is not None:
             self._append_rows(key_states, value_states, new_tokens)
             return
         if self.fixed_capacity:
@@ -881,19 +930,28 @@ class DenseLayerStore(LayerStore):
         scores: list[dict[str, torch.Tensor]],
         tokens_seen: list[int],
         decode_room: int,
+        row_capacity: int | None = None,
     ) -> None:
         """Fill an empty layer with rows prefilled separately: ``keys[i]`` ``[1, H, L_i, d]`` (and
         the rest alike) are row ``i``'s stored tokens, ``tokens_seen[i]`` the tokens it has seen.
         Rows of equal length make the usual dense layout; rows of different lengths fill slots
         ``[0, L_i)`` of a common capacity (``max L_i + decode_room``, empty slots zero) with a
-        per-row length."""
+        per-row length. ``row_capacity`` (fixed batch slots of a layer that grows): that capacity
+        per row whatever the lengths, in the per-row layout, held fixed (an append past it is
+        refused, so rows joining later fit in place)."""
         first = keys[0]
         self.dtype, self.device = first.dtype, first.device
         self._batch, self._heads = len(keys), first.shape[1]
         lengths = [int(k.shape[2]) for k in keys]
         longest = max(lengths)
-        ragged = len(set(lengths)) > 1
+        ragged = len(set(lengths)) > 1 or row_capacity is not None
         capacity = longest + (decode_room if ragged else reserve(longest))
+        if row_capacity is not None:
+            if row_capacity < longest:
+                raise ValueError(
+                    f"invalid row capacity {row_capacity}: a row holds {longest} tokens in layer {self.layer_index}"
+                )
+            capacity = row_capacity
         self._key_buffer, self._value_buffer, self._position_buffer = self._allocate_dense(
             capacity, first.shape[-1], values[0].shape[-1]
         )
@@ -922,12 +980,100 @@ class DenseLayerStore(LayerStore):
         if ragged:
             self._row_lengths = lengths
             self.row_lengths_device = torch.tensor(lengths, dtype=torch.int64, device=self.device)
+            torch._dynamo.mark_static_address(self.row_lengths_device)
             self.fixed_capacity = True
+            self.bounded_capacity = row_capacity is not None
+        torch._dynamo.mark_static_address(self.row_tokens_seen_device)
+
+    def set_active_rows(self, active: list[bool]) -> None:
+        """Fixed batch slots: which rows run (True) and which are free. A free row of a layer with
+        per-row lengths keeps one token (its first) and stops growing, so it never outgrows its
+        slot however long it stays free; a free row of a uniform layer keeps what it holds (its
+        eviction keeps it within the capacity)."""
+        if len(active) != self._batch:
+            raise ValueError(f"expected {self._batch} active flags, got {len(active)}")
+        if self.row_active_device is None:
+            self.row_active_device = torch.ones(self._batch, dtype=torch.bool, device=self.device)
+            torch._dynamo.mark_static_address(self.row_active_device)
+        self.row_active = list(active)
+        self.row_active_device.copy_(torch.tensor(active, dtype=torch.bool), non_blocking=False)
+        if self.row_lengths_device is not None:
+            lengths = [
+                length if running else min(length, 1) for length, running in zip(self._row_lengths, active, strict=True)
+            ]
+            self._row_lengths = lengths
+            self.row_lengths_device.copy_(torch.tensor(lengths, dtype=torch.int64))
+            self._length = max(lengths)
+
+    def write_row(
+        self,
+        row: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        scores: dict[str, torch.Tensor],
+        tokens_seen: int,
+    ) -> None:
+        """Fixed batch slots: replace row ``row`` in place with another request's stored tokens
+        (``keys [1, H, L, d]`` and the rest as ``set_rows`` takes them) and tokens seen; no buffer
+        is reallocated. A layer with per-row lengths takes any ``L`` up to its capacity; a uniform
+        layer (every row one length) only its current length."""
+        if not 0 <= row < self._batch:
+            raise IndexError(f"batch row {row} out of range for a batch of {self._batch} row(s)")
+        length = int(keys.shape[2])
+        capacity = self._key_buffer.shape[2]
+        if self.row_lengths_device is not None:
+            if length > capacity:
+                raise ValueError(
+                    f"the joining row holds {length} tokens in layer {self.layer_index}, more than its slot's "
+                    f"capacity of {capacity}: give a larger slot_capacity"
+                )
+            window = slice(0, length)
+        else:
+            if length != self._length:
+                raise ValueError(
+                    f"the joining row holds {length} tokens in layer {self.layer_index}, where every row holds "
+                    f"{self._length} (a layer that evicts while decoding keeps one length for every row)"
+                )
+            window = slice(self._start, self._start + length)
+        for buffer, source in (
+            (self._key_buffer, keys),
+            (self._value_buffer, values),
+            (self._position_buffer, positions),
+        ):
+            buffer[row, :, window].copy_(source[0])
+            if self.row_lengths_device is not None:
+                buffer[row, :, length:].zero_()  # empty slots are attended with weight 0
+        for name in scores.keys() - self._score_buffers.keys():
+            self._score_buffers[name] = _static(
+                torch.zeros(self._key_buffer.shape[:3], dtype=torch.float32, device=self.device)
+            )
+        for name, buffer in self._score_buffers.items():
+            buffer[row].zero_()
+            if name in scores:
+                buffer[row, :, window].copy_(scores[name][0])
+        seen = self._row_tokens_seen
+        seen[row] = tokens_seen
+        self._row_tokens_seen = seen
+        self.row_tokens_seen_device[row].fill_(tokens_seen)
+        if self.row_lengths_device is not None:
+            lengths = self._row_lengths
+            lengths[row] = length
+            self._row_lengths = lengths
+            self.row_lengths_device[row].fill_(length)
+            self._length = max(lengths)
 
     def _append_rows(self, key_states, value_states, new_tokens: int) -> None:
-        """Rows of different lengths: row ``b``'s new tokens go to slots ``[L_b, L_b + new)``."""
+        """Rows of different lengths: row ``b``'s new tokens go to slots ``[L_b, L_b + new)`` (a free
+        row of fixed batch slots overwrites its slots past ``L_b`` and does not grow)."""
         capacity = self._key_buffer.shape[2]
-        longest = max(self._row_lengths) + new_tokens
+        static = in_static_step()
+        longest = 0 if static else max(self._row_lengths) + new_tokens
+        if longest > capacity and self.bounded_capacity:
+            raise ValueError(
+                f"a row of layer {self.layer_index} would hold {longest} tokens, past its fixed slot capacity of "
+                f"{capacity} (fixed batch slots): give a larger slot_capacity"
+            )
         if longest > capacity:  # past the room reserved at stacking: a larger capacity, zeros beyond
             grown = longest + reserve(longest)
             old = (self._key_buffer, self._value_buffer, self._position_buffer, self._score_buffers)
@@ -954,8 +1100,23 @@ class DenseLayerStore(LayerStore):
         self._position_buffer.scatter_(2, slots, self._new_positions(new_tokens).expand(batch, heads, new_tokens))
         for buffer in self._score_buffers.values():
             buffer.scatter_(2, slots, 0.0)
-        self.row_lengths_device.add_(new_tokens)
-        self._row_lengths = [length + new_tokens for length in self._row_lengths]
+        if self.row_active_device is None:
+            self.row_lengths_device.add_(new_tokens)
+        else:
+            self.row_lengths_device.add_(self.row_active_device.to(torch.int64) * new_tokens)
+        if static and self.bounded_capacity:
+            torch._assert_async(
+                (self.row_lengths_device <= capacity).all(),
+                f"a row of layer {self.layer_index} outgrew its fixed slot capacity of {capacity}",
+            )
+        if static or self._rows_stale:
+            self._rows_stale = True  # no guard on (or read of) the host lists
+            return
+        active = self.row_active or [True] * self._batch
+        self._row_lengths = [
+            length + new_tokens if running else length
+            for length, running in zip(self._row_lengths, active, strict=True)
+        ]
         self._length = max(self._row_lengths)
 
     def drop_oldest(self, count: int) -> None:

@@ -190,6 +190,18 @@ def _scoring_multiplier(
     return factors[0] if len(set(factors)) == 1 else factors
 
 
+def _set_row_padding(state: dict, padding: list[int], device) -> None:
+    """Each row's left padding, on the host and (for the decode step's per-row factors) on the device."""
+    state["ahakv_row_padding"] = list(padding)
+    if device is not None:
+        state["ahakv_row_padding_device"] = torch.tensor(padding, dtype=torch.int64, device=device)
+
+
+def _padding_device(state: dict):
+    tensor = state.get("ahakv_row_padding_device")
+    return None if tensor is None else tensor.device
+
+
 def row_padding(scoring: ScoringInputs) -> list[int]:
     """Left-padding tokens of each row in a prefill: tokens no query of the prompt may attend."""
     if scoring.mask is None:
@@ -259,7 +271,8 @@ class AhaKV(ScorerPolicy):
             scoring, budget, self.config.recent, self.config.kernel, self.config.gain_input
         )
         state["ahakv_scored_with"] = budget
-        state["ahakv_row_padding"] = row_padding(scoring)  # n of Eq. 12 per row while decoding
+        padding = row_padding(scoring)  # n of Eq. 12 per row while decoding
+        _set_row_padding(state, padding, scoring.keys.device)
 
     def score(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
         """``S_hat`` in prefill (line 12), the running ``F_t`` in decode (line 28)."""
@@ -280,7 +293,7 @@ class AhaKV(ScorerPolicy):
         selected = dict(state)
         if "ahakv_row_padding" in state:
             padding = state["ahakv_row_padding"]
-            selected["ahakv_row_padding"] = [padding[row] for row in index.tolist()]
+            _set_row_padding(selected, [padding[row] for row in index.tolist()], _padding_device(state))
         return selected
 
     def stack_states(self, states: list[dict], tokens_seen: list[int]) -> dict:
@@ -297,11 +310,13 @@ class AhaKV(ScorerPolicy):
         stacked = dict(states[0])
         if any("ahakv_row_padding" in state for state in states):
             most = max(tokens_seen)
-            stacked["ahakv_row_padding"] = [
+            padding = [
                 most - seen + pad
                 for state, seen in zip(states, tokens_seen, strict=True)
                 for pad in state.get("ahakv_row_padding", [0])
             ]
+            device = next((_padding_device(state) for state in states if "ahakv_row_padding" in state), None)
+            _set_row_padding(stacked, padding, device)
         return stacked
 
     def observe_decode(self, scoring: ScoringInputs, state: dict, budget: int | None = None) -> None:
@@ -316,7 +331,17 @@ class AhaKV(ScorerPolicy):
             gain = factors[0] if len(set(factors)) == 1 else factors
         else:
             # Each row's n excludes its prompt padding (recorded at prefill: padding may be evicted since).
-            gain = _scoring_multiplier(scoring, budget, self.config.gain_input, state.get("ahakv_row_padding"))
+            padding = state.get("ahakv_row_padding")
+            if padding is not None and len(padding) > 1 and "ahakv_row_padding_device" in state:
+                # Several rows (whose n may differ: a padded batch, stacked rows): each row's factor
+                # computed on the device from its padding there, with no per-step host-to-device copy
+                # of factors, and no guard on the padding's values (rows joining fixed slots change them).
+                seen = scoring.sequence_length - state["ahakv_row_padding_device"]
+                gain = sg_logit_multiplier(
+                    seen, budget, scoring.keys.shape[-1], scoring.scaling, self.config.gain_input
+                )
+            else:
+                gain = _scoring_multiplier(scoring, budget, self.config.gain_input, padding)
         # Every query of this forward pass: one while generating (its weights from the attention's
         # own logits), a whole chunk in a chunked prefill.
         if scoring.num_queries == 1:
