@@ -663,6 +663,9 @@ class KVHiveCache(Cache):
                 f"method {self.policy.name!r} compresses while decoding but layer {layer_index} holds a different "
                 "number of tokens per head; combine decode-phase methods with uniform prefill budgets"
             )
+        if store.has_row_lengths:  # stacked rows of different lengths (decodes_rows_of_different_lengths)
+            self._decode_step_in_rows(layer_index, store, make_scoring)
+            return
         if store.bounded_capacity:
             self._decode_step_in_capacity(layer_index, store, make_scoring)
             return
@@ -729,6 +732,35 @@ class KVHiveCache(Cache):
             at_most_one_dropped=store.fills_to_budget,
             fill_hole=store.fills_to_budget and self._fills_holes(store),
         )
+        store.decode_steps_since_compression = 0
+
+    def _decode_step_in_rows(self, layer_index: int, store: LayerStore, make_scoring) -> None:
+        """A decode step of stacked rows holding different numbers of tokens in a layer that evicts
+        (``Policy.decodes_rows_of_different_lengths``): the method observes and decides over the
+        whole capacity with each row's length (``ScoringInputs.filled`` ``[B, 1, 1]``), and every
+        row's kept tokens are counted and compacted on the device, each row its own count. No host
+        read: the host lengths are read back when next asked for (a join, accounting)."""
+        budget = self.layer_budgets[layer_index]
+        scoring = make_scoring(DECODE)
+        self.policy.observe_decode(scoring, store.policy_state, budget=budget)
+        self._store_token_scores(store, scoring)
+        keep = self.policy.select_decode(scoring, budget, store.policy_state)
+        self._store_token_scores(store, scoring)
+        if keep is None or keep.dtype != torch.bool or keep.shape != scoring.keys.shape[:3]:
+            raise TypeError(
+                f"{self.policy.name}: a decision over rows of different lengths must be a boolean mask of shape "
+                f"{tuple(scoring.keys.shape[:3])}"
+            )
+        capacity = scoring.num_tokens
+        empty = torch.arange(capacity, device=keep.device) >= scoring.filled
+        counts = keep.sum(dim=-1)
+        kept = counts[:, 0]
+        torch._assert_async(
+            (counts == kept[:, None]).all() & (kept < capacity).all() & ~(keep & empty).any(),
+            f"{self.policy.name}: the keep mask of layer {layer_index} keeps an empty slot, different counts for the "
+            f"heads of a row, or more than the {capacity - 1} tokens its fixed_decode_capacity declared",
+        )
+        store.compact_in_place(keep, kept)
         store.decode_steps_since_compression = 0
 
     def _fills_holes(self, store: LayerStore) -> bool:
@@ -1093,7 +1125,10 @@ class KVHiveCache(Cache):
             rows = [view for source in sources for view in _row_views(source)]
             lengths = [int(view[0].shape[2]) for view in rows]
             evicts = (index in first.compressed_layers and DECODE in policy.phases) or layer.is_sliding
-            if len(set(lengths)) > 1 and evicts:
+            # A method whose rows may hold different lengths while it evicts (BUZZ's per-row
+            # schedule): every such layer keeps a length per row, equal or not, in a bounded capacity.
+            per_row = evicts and not layer.is_sliding and policy.decodes_rows_of_different_lengths
+            if len(set(lengths)) > 1 and evicts and not per_row:
                 why = "slides (keeps its window)" if layer.is_sliding else f"evicts while decoding ({policy.name!r})"
                 raise ValueError(
                     f"cannot stack these caches: layer {index} {why} and its rows keep different numbers of tokens "
@@ -1114,9 +1149,18 @@ class KVHiveCache(Cache):
                 [view[3] for view in rows],
                 row_seen,
                 room,
+                per_row_lengths=per_row,
             )
             store.tokens_seen = max(state_seen)  # the count every row's state is now relative to
             store.policy_state = state
+            if per_row:
+                budget = first.layer_budgets[index]
+                bound = policy.fixed_decode_capacity(store.dense()[0], budget, state)
+                if bound is None:
+                    raise ValueError(
+                        f"cannot stack these caches: method {policy.name!r} declares no bound for layer {index}'s rows"
+                    )
+                store.reserve_rows(max(bound, max(lengths)) + 1)  # the bound plus the new token
             store.has_padding = any(source.has_padding for source in sources)
             store.stored_in_order = all(source.stored_in_order for source in sources)
             store.heads_per_kv_head = layer.heads_per_kv_head

@@ -102,7 +102,11 @@ class LayerStore(CacheLayerMixin):
         # Stacked rows holding different numbers of tokens (a layer that does not evict while
         # decoding): each row fills slots [0, length) of a common capacity, lengths on the host and
         # on the device ([B] int64); attention reads the whole capacity with the empty slots masked.
-        self._row_lengths: list[int] | None = None
+        # A layer whose decisions change its rows' lengths on the device (a method that evicts in
+        # rows of different lengths, ``Policy.decodes_rows_of_different_lengths``) marks the host
+        # list stale; it is read back, once, the next time it is asked for outside a decode step.
+        self._row_lengths_value: list[int] | None = None
+        self._row_lengths_stale = False
         self.row_lengths_device: torch.Tensor | None = None
         # A fixed decode capacity (reserve_decode): the dense buffers hold the prompt's kept tokens
         # plus room for every decode step, new tokens are written at a device index, and attention
@@ -183,7 +187,7 @@ class LayerStore(CacheLayerMixin):
         """Append the new tokens; returns the dense view (or the flat buffers when packed)."""
         self.in_prefill = not self.is_initialized
         self.last_update_tokens = key_states.shape[2]
-        if self.fixed_capacity and key_states.shape[2] > 1 and self._row_lengths is None:
+        if self.fixed_capacity and key_states.shape[2] > 1 and self.row_lengths_device is None:
             # A prompt chunk (or a multi-token continuation): the growing layout from here on (a
             # decode step reserves again).
             self.fixed_capacity = self.bounded_capacity = self.fills_to_budget = False
@@ -333,7 +337,7 @@ class LayerStore(CacheLayerMixin):
         if self._row_tokens_seen is not None:
             self._row_tokens_seen = [self._row_tokens_seen[row] for row in rows]
             self.row_tokens_seen_device = self.row_tokens_seen_device.index_select(0, device_index)
-        if self._row_lengths is not None:
+        if self.row_lengths_device is not None:
             self._row_lengths = [self._row_lengths[row] for row in rows]
             self.row_lengths_device = self.row_lengths_device.index_select(0, device_index)
         self._batch = len(rows)
@@ -349,7 +353,21 @@ class LayerStore(CacheLayerMixin):
     @property
     def has_row_lengths(self) -> bool:
         """Whether rows hold different numbers of tokens in slots of a common capacity."""
-        return self._row_lengths is not None
+        return self.row_lengths_device is not None
+
+    @property
+    def _row_lengths(self) -> list[int] | None:
+        """Stored tokens of each row (host) of a layer with per-row lengths; None otherwise. Read from
+        the device counter, once, after decode steps whose evictions changed it there."""
+        if self._row_lengths_stale:
+            self._row_lengths_value = self.row_lengths_device.tolist()
+            self._row_lengths_stale = False
+        return self._row_lengths_value
+
+    @_row_lengths.setter
+    def _row_lengths(self, value: list[int] | None) -> None:
+        self._row_lengths_value = value
+        self._row_lengths_stale = False
 
     def _new_positions(self, new_tokens: int) -> torch.Tensor:
         """Original positions of ``new_tokens`` appended tokens: ``[new]``, or ``[B, 1, new]`` when
@@ -616,7 +634,10 @@ class DenseLayerStore(LayerStore):
         """Tokens per row in the dense layout (host); read from the device counter, once, after
         compiled decode steps appended to a layer with a fixed decode capacity."""
         if self._length_stale:
-            self._length_value = int(self.length_device)
+            if self.row_lengths_device is not None:  # rows of different lengths: the longest
+                self._length_value = max(self._row_lengths)
+            else:
+                self._length_value = int(self.length_device)
             self._length_stale = False
         return self._length_value
 
@@ -628,7 +649,7 @@ class DenseLayerStore(LayerStore):
             self.length_device.fill_(value)
 
     def _num_stored(self) -> int:
-        if self._row_lengths is not None:
+        if self.row_lengths_device is not None:
             return self._heads * sum(self._row_lengths)
         return self.num_segments * self._length
 
@@ -638,7 +659,7 @@ class DenseLayerStore(LayerStore):
         return self._length
 
     def _lengths_host(self) -> torch.Tensor:
-        if self._row_lengths is not None:
+        if self.row_lengths_device is not None:
             return torch.tensor(self._row_lengths, dtype=torch.long)[:, None].expand(self._batch, self._heads).clone()
         return torch.full((self._batch, self._heads), self._length, dtype=torch.long)
 
@@ -752,7 +773,7 @@ class DenseLayerStore(LayerStore):
         if not self.fixed_capacity:
             return (*self.dense(), None)
         capacity = self._key_buffer.shape[2]
-        if self._row_lengths is not None:  # [B, C]: each row its own filled slots
+        if self.row_lengths_device is not None:  # [B, C]: each row its own filled slots
             filled = torch.arange(capacity, device=self.device)[None, :] < self.row_lengths_device[:, None]
             return self._key_buffer, self._value_buffer, self._position_buffer, dict(self._score_buffers), filled
         filled = torch.arange(capacity, device=self.device) < self.length_device
@@ -777,6 +798,8 @@ class DenseLayerStore(LayerStore):
         if not self.fixed_capacity:
             raise RuntimeError(f"layer {self.layer_index} has no fixed decode capacity")
         capacity = self._key_buffer.shape[2]
+        if self.row_lengths_device is not None and (fill_hole or at_most_one_dropped):
+            raise ValueError("a layer of rows of different lengths compacts by a sort (kept per row)")
         if fill_hole:
             if not at_most_one_dropped:
                 raise ValueError("fill_hole moves one token per row: it needs at_most_one_dropped")
@@ -801,7 +824,13 @@ class DenseLayerStore(LayerStore):
         gathered = [buffer.index_select(0, rows) for buffer in (keys, values, positions, *scores.values())]
         for buffer, moved in zip((keys, values, positions, *scores.values()), gathered, strict=True):
             buffer.copy_(moved)
-        self.length_device.copy_(kept)
+        if self.row_lengths_device is not None:
+            # Rows of different lengths: ``kept`` [B] is each row's count (every head of a row keeps
+            # the same count); the host lengths are read back when next asked for.
+            self.row_lengths_device.copy_(kept)
+            self._row_lengths_stale = True
+        else:
+            self.length_device.copy_(kept)
         self._length_stale = True
 
     def fill_hole(self, keep_mask: torch.Tensor) -> None:
@@ -841,7 +870,7 @@ class DenseLayerStore(LayerStore):
             self._length_value += new_tokens
 
     def _append(self, key_states, value_states, new_tokens: int) -> None:
-        if self._row_lengths is not None:
+        if self.row_lengths_device is not None:
             self._append_rows(key_states, value_states, new_tokens)
             return
         if self.fixed_capacity:
@@ -881,18 +910,20 @@ class DenseLayerStore(LayerStore):
         scores: list[dict[str, torch.Tensor]],
         tokens_seen: list[int],
         decode_room: int,
+        per_row_lengths: bool = False,
     ) -> None:
         """Fill an empty layer with rows prefilled separately: ``keys[i]`` ``[1, H, L_i, d]`` (and
         the rest alike) are row ``i``'s stored tokens, ``tokens_seen[i]`` the tokens it has seen.
         Rows of equal length make the usual dense layout; rows of different lengths fill slots
         ``[0, L_i)`` of a common capacity (``max L_i + decode_room``, empty slots zero) with a
-        per-row length."""
+        per-row length (``per_row_lengths``: that layout whatever the lengths, for a layer whose
+        rows' lengths will part while decoding)."""
         first = keys[0]
         self.dtype, self.device = first.dtype, first.device
         self._batch, self._heads = len(keys), first.shape[1]
         lengths = [int(k.shape[2]) for k in keys]
         longest = max(lengths)
-        ragged = len(set(lengths)) > 1
+        ragged = len(set(lengths)) > 1 or per_row_lengths
         capacity = longest + (decode_room if ragged else reserve(longest))
         self._key_buffer, self._value_buffer, self._position_buffer = self._allocate_dense(
             capacity, first.shape[-1], values[0].shape[-1]
@@ -924,10 +955,39 @@ class DenseLayerStore(LayerStore):
             self.row_lengths_device = torch.tensor(lengths, dtype=torch.int64, device=self.device)
             self.fixed_capacity = True
 
+    def reserve_rows(self, capacity: int) -> None:
+        """Rows of different lengths held in exactly ``capacity`` slots, a bound the layer's
+        decisions keep (``bounded_capacity``: a method that evicts in such rows compacts them after
+        every append), so an append never asks for the host lengths. Slots past each row's length
+        are zero."""
+        if self.row_lengths_device is None:
+            raise RuntimeError(f"layer {self.layer_index} holds one length for every row")
+        longest = max(self._row_lengths)
+        if capacity < longest:
+            raise ValueError(f"capacity {capacity} is below the longest row ({longest} tokens)")
+        if capacity != self._key_buffer.shape[2]:
+            old = (self._key_buffer, self._value_buffer, self._position_buffer, self._score_buffers)
+            self._key_buffer, self._value_buffer, self._position_buffer = self._allocate_dense(
+                capacity, self._key_buffer.shape[-1], self._value_buffer.shape[-1]
+            )
+            self._score_buffers = {
+                name: _static(torch.zeros(self._key_buffer.shape[:3], dtype=torch.float32, device=self.device))
+                for name in old[3]
+            }
+            for new, previous in zip(
+                (self._key_buffer, self._value_buffer, self._position_buffer), old[:3], strict=True
+            ):
+                new.zero_()
+                new[:, :, :longest].copy_(previous[:, :, :longest])
+            for name, previous in old[3].items():
+                self._score_buffers[name][:, :, :longest].copy_(previous[:, :, :longest])
+        self.fixed_capacity = True
+        self.bounded_capacity = True
+
     def _append_rows(self, key_states, value_states, new_tokens: int) -> None:
         """Rows of different lengths: row ``b``'s new tokens go to slots ``[L_b, L_b + new)``."""
         capacity = self._key_buffer.shape[2]
-        longest = max(self._row_lengths) + new_tokens
+        longest = capacity if self.bounded_capacity else max(self._row_lengths) + new_tokens
         if longest > capacity:  # past the room reserved at stacking: a larger capacity, zeros beyond
             grown = longest + reserve(longest)
             old = (self._key_buffer, self._value_buffer, self._position_buffer, self._score_buffers)
@@ -955,6 +1015,9 @@ class DenseLayerStore(LayerStore):
         for buffer in self._score_buffers.values():
             buffer.scatter_(2, slots, 0.0)
         self.row_lengths_device.add_(new_tokens)
+        if self._row_lengths_stale:
+            self._length_stale = True  # both read back together when next asked for
+            return
         self._row_lengths = [length + new_tokens for length in self._row_lengths]
         self._length = max(self._row_lengths)
 
