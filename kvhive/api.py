@@ -386,10 +386,11 @@ def generate_batch(
     row leaves, the next waiting prompt is prefilled alone and joins the batch that is decoding
     (:meth:`KVHiveCache.add_rows`; continuous batching), between two decode steps.
 
-    A method whose caches cannot be stacked (BUZZ and BumbleBee, whose eviction schedule follows
-    each layer's token count; subgen-attention's estimator; Ada-KV when heads keep different counts;
-    rows of different lengths in a layer that evicts while decoding) is refused with a ValueError
-    naming it: decode those prompts one at a time with ``kvhive.generate``."""
+    Every method decodes stacked rows (BUZZ with each row's own eviction schedule, BumbleBee's
+    summaries and subgen-attention's estimators per row). Caches that cannot be stacked (Ada-KV when
+    heads keep different counts; rows of different lengths in a layer that evicts while decoding,
+    e.g. H2O with a prompt shorter than the budget; BUZZ keeps a length per row there) are refused
+    with a ValueError naming the reason: decode those prompts one at a time with ``kvhive.generate``."""
     import torch
 
     if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or not prompts:

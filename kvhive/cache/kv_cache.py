@@ -1094,8 +1094,9 @@ class KVHiveCache(Cache):
         budgets, dtypes or devices; empty or unprefilled caches; a batch of several rows with left
         padding (its rows' positions count the padding); re-indexed positions; head-wise counts
         (Ada-KV's packed layout); a layer that evicts while decoding (or slides) whose rows keep
-        different counts; a method whose per-layer state is not per row (``Policy.stack_states``:
-        BUZZ, BumbleBee, subgen-attention)."""
+        different counts, unless its method ``decodes_rows_of_different_lengths`` (BUZZ: such a layer
+        keeps a length per row in a capacity bounded by ``fixed_decode_capacity``); a method whose
+        per-layer state cannot be stacked (``Policy.stack_states``; every registered method can)."""
         if not isinstance(caches, (list, tuple)) or not caches:
             raise ValueError(f"caches: expected a non-empty list of KVHiveCache, got {caches!r}")
         if decode_capacity is not None and (

@@ -79,7 +79,12 @@ Cache layout per head (Sec. 3.3, Fig. 3)::
   its threshold at other steps, so alone it keeps other tokens: 21 instead of 29 on a 2-row
   test batch), and a kvhive cache keeps every row of a decode-phase layer at the same length.
   Run such rows one at a time (the evaluation runs batches of one). Rows of equal length are
-  independent: each gets exactly what it gets alone.
+  independent: each gets exactly what it gets alone. Rows prefilled separately and stacked
+  (``KVHiveCache.stack``, ``kvhive.generate_batch``) are the other way round: each keeps its own
+  schedule (``stack_states``: every counter per row, ``[B, 1, 1]`` on the device), the cache holds
+  them with a length per row (``decodes_rows_of_different_lengths``), and every decode step runs
+  the fixed-capacity decision with each row's own counts, so a row evicts at its own steps and
+  keeps exactly what it keeps alone.
 
 **Against the authors' code** (danielfang001/buzz-llm, ``BuzzKVCacheWithAccumulation`` and
 ``modify_llama_forward.py``; ``tests/test_buzz_authors_fixtures.py`` checks kvhive's kept
