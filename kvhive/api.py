@@ -397,10 +397,11 @@ def generate_batch(
     capacity to a bucket (``bucket_up``), so other batches of similar size reuse the graph. Refused,
     naming why, where the cache's step cannot compile (``KVHiveCache.compile_problem``).
 
-    A method whose caches cannot be stacked (BUZZ and BumbleBee, whose eviction schedule follows
-    each layer's token count; subgen-attention's estimator; Ada-KV when heads keep different counts;
-    rows of different lengths in a layer that evicts while decoding) is refused with a ValueError
-    naming it: decode those prompts one at a time with ``kvhive.generate``."""
+    Every method decodes stacked rows (BUZZ with each row's own eviction schedule, BumbleBee's
+    summaries and subgen-attention's estimators per row). Caches that cannot be stacked (Ada-KV when
+    heads keep different counts; rows of different lengths in a layer that evicts while decoding,
+    e.g. H2O with a prompt shorter than the budget; BUZZ keeps a length per row there) are refused
+    with a ValueError naming the reason: decode those prompts one at a time with ``kvhive.generate``."""
     import torch
 
     if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or not prompts:

@@ -18,14 +18,9 @@ TEXT = (
 )
 LENGTHS = (40, 57, 73)  # tokens (the tiny tokenizer is byte-level)
 NEW_TOKENS = 12
-# Methods whose caches cannot be stacked, and why (the ValueError says it).
-REFUSED = {
-    "buzz": "eviction schedule",
-    "buzz-logn": "eviction schedule",
-    "bumblebee": "summary is re-synchronised",
-    "bumblebee-power": "summary is re-synchronised",
-    "subgen-attention": "estimator",
-}
+# Methods whose caches cannot be stacked, and why (the ValueError says it): none since BUZZ,
+# BumbleBee and subgen-attention keep their state per row (issue 24).
+REFUSED: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")
@@ -147,8 +142,9 @@ def test_cli_prompts_file(tmp_path, capsys):
     assert [json.loads(line) for line in lines] == expected
     assert main([*base, "--json", "--prompts-file", str(path)]) == 0
     assert json.loads(capsys.readouterr().out)["texts"] == expected
-    assert main([*base, "--method", "buzz", "--prompts-file", str(path)]) == 2
-    assert "method 'buzz' cannot stack caches" in capsys.readouterr().err
+    # h2o at 48 tokens: the 40-token prompt keeps fewer tokens than the others in a layer that evicts
+    assert main([*base, "--method", "h2o", "--budget", "48", "--prompts-file", str(path)]) == 2
+    assert "cannot stack these caches" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="exactly one"):
         main([*base, "--prompts-file", str(path), "a prompt"])
     (tmp_path / "empty.txt").write_text("\n \n", encoding="utf-8")

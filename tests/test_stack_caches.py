@@ -59,6 +59,15 @@ def _decode(model, cache, tokens: torch.Tensor, stacked: bool) -> torch.Tensor:
         ("subgen", 33),
         ("random", 32),
         ("ahakv", 32),
+        ("buzz", 32),
+        ("buzz-logn", 32),
+        # 40 is below the peak (84): one row has not evicted yet, the others have, at other steps
+        ("buzz", 60),
+        ("bumblebee", 32),
+        ("bumblebee-power", 32),
+        ("bumblebee", 40),  # the 40-token prompt fits exactly: no summary yet beside summarised rows
+        ("subgen-attention", 40),
+        ("subgen-attention", 78),  # window 40: the 40-token prompt inserted nothing yet
     ],
 )
 def test_stacked_rows_decode_as_each_cache_alone(model, method, budget):
@@ -84,6 +93,56 @@ def test_stacked_rows_decode_as_each_cache_alone(model, method, budget):
     if method == "full":  # rows of different lengths in slots of a common capacity
         assert all(layer.has_row_lengths for layer in stacked.layers)
         assert stacked.kept_tokens()[0][:, 0].tolist() == [n + STEPS for n in LENGTHS]
+    if method.startswith("buzz"):  # each row its own schedule: a length per row, in a bounded capacity
+        assert all(layer.has_row_lengths and layer.bounded_capacity for layer in stacked.layers)
+
+
+def test_buzz_rows_evict_at_their_own_steps(model):
+    """BUZZ's schedule follows each row's own stored tokens: rows of different lengths evict at
+    different steps and keep what each keeps alone (kept positions, step by step)."""
+    prompts = _prompts()
+    caches = [_prefilled(model, "buzz", 60, prompt) for prompt in prompts]
+    stacked = KVHiveCache.stack(caches)
+    alone = [_prefilled(model, "buzz", 60, prompt) for prompt in prompts]
+    steps = torch.randint(3, 250, (len(prompts), 50), generator=torch.Generator().manual_seed(3))
+    lengths_seen = set()
+    for step in range(steps.shape[1]):
+        _decode(model, stacked, steps[:, step : step + 1], stacked=True)
+        for row, cache in enumerate(alone):
+            _decode(model, cache, steps[row : row + 1, step : step + 1], stacked=False)
+        for index, layer in enumerate(stacked.layers):
+            keys, _, positions, _ = layer.dense()
+            lengths = layer._row_lengths
+            lengths_seen.add(tuple(lengths))
+            for row, cache in enumerate(alone):
+                expected = cache.layers[index].dense()[2][0]
+                if cache.layers[index].fixed_capacity:
+                    expected = cache.layers[index].decode_view()[2][0][:, : cache.layers[index].dense_length]
+                assert positions[row, :, : lengths[row]].tolist() == expected.tolist()
+    assert any(len(set(lengths)) > 1 for lengths in lengths_seen)
+    stats = kvhive.methods.buzz.kept_size_statistics(stacked)
+    assert stats["peak_kept"] <= 84 + 1
+
+
+@pytest.mark.parametrize("method,budget", [("buzz", 32), ("bumblebee", 40), ("subgen-attention", 40)])
+def test_stacked_rows_reordered_like_beams_decode_as_alone(model, method, budget):
+    """reorder_cache / batch_select_indices (beam search) select the method's per-row state
+    (select_state_rows): a row copied twice goes on in both copies independently, each exactly as
+    its prompt decodes alone with the same tokens."""
+    prompts = _prompts()
+    steps = torch.randint(3, 250, (3, 12), generator=torch.Generator().manual_seed(5))
+    stacked = KVHiveCache.stack([_prefilled(model, method, budget, prompt) for prompt in prompts])
+    _decode(model, stacked, steps[:, :4], stacked=True)
+    beams = [2, 0, 0]  # new row i continues old row beams[i]; row 0 twice, row 1 dropped
+    stacked.reorder_cache(torch.tensor(beams))
+    assert stacked.row_tokens_seen() == [LENGTHS[2] + 4, LENGTHS[0] + 4, LENGTHS[0] + 4]
+    later = torch.randint(3, 250, (3, 12), generator=torch.Generator().manual_seed(6))
+    got = _decode(model, stacked, later, stacked=True)
+    for row, prompt_index in enumerate(beams):
+        alone = _prefilled(model, method, budget, prompts[prompt_index])
+        _decode(model, alone, steps[prompt_index : prompt_index + 1, :4], stacked=False)
+        expected = _decode(model, alone, later[row : row + 1], stacked=False)
+        torch.testing.assert_close(got[row : row + 1], expected, rtol=1e-4, atol=1e-5)
 
 
 def test_stacked_rows_can_be_selected(model):
@@ -137,14 +196,6 @@ def test_stack_refusals(model):
             model(input_ids=torch.ones(2, 2, dtype=torch.long), **{cache_kwarg(model): stacked}, use_cache=True)
 
 
-@pytest.mark.parametrize("method", ["buzz", "bumblebee", "subgen-attention"])
-def test_methods_without_per_row_state_are_refused(model, method):
-    budget = max(32, kvhive.make_policy(method).minimum_budget())
-    caches = [_prefilled(model, method, budget, prompt) for prompt in _prompts()]
-    with pytest.raises(ValueError, match=f"method '{method}' cannot stack caches prefilled separately"):
-        KVHiveCache.stack(caches)
-
-
 def test_evicting_layer_of_different_lengths_is_refused(model):
     """A prompt shorter than the budget keeps fewer tokens than the others: a method that evicts
     while decoding holds one length per layer, so the rows cannot share it."""
@@ -179,3 +230,25 @@ def test_stacked_decode_step_makes_no_host_read(model, method, budget):
                 model(input_ids=token + step, position_ids=positions, **{cache_kwarg(model): stacked}, use_cache=True)
             if step:
                 assert reads.total == 0, f"{method}: {reads}"
+
+
+@pytest.mark.parametrize("method,budget", [("buzz", 32), ("buzz", 60), ("bumblebee", 32), ("subgen-attention", 40)])
+def test_stacked_decode_step_of_per_row_state_makes_no_host_read(model, method, budget):
+    """A stacked decode step of the methods with per-row state reads nothing back: BUZZ's per-row
+    schedule and each row's length after an eviction stay on the device (the host lengths are read
+    when next asked for, outside the step)."""
+    from kvhive.diagnostics import HostReadCounter
+
+    stacked = KVHiveCache.stack([_prefilled(model, method, budget, prompt) for prompt in _prompts()])
+    _decode(model, stacked, torch.ones(3, 3, dtype=torch.long), stacked=True)
+    positions = stacked.layers[0].row_tokens_seen_device[:, None].clone()
+    with torch.no_grad(), HostReadCounter() as reads:
+        for _ in range(3):
+            model(
+                input_ids=torch.ones(3, 1, dtype=torch.long),
+                position_ids=positions,
+                **{cache_kwarg(model): stacked},
+                use_cache=True,
+            )
+            positions = positions + 1
+    assert reads.total == 0, f"{method}: {reads}"

@@ -349,10 +349,9 @@ def test_cuda_compiled_packed_decode_with_a_decode_capacity(method):
 # -- fixed batch slots: one captured step across rows leaving and joining ---------------------------
 
 SLOT_LENGTHS = (57, 40, 73, 45)  # prompts 0 and 1 start in 3 slots; 2 and 3 join during the replays
-# Methods whose caches stack (tests/test_generate_batch.py REFUSED lists the others) with one count
-# per head (Ada-KV's head-wise counts have no dense row to put in a slot).
-SLOT_REFUSED = {"buzz", "buzz-logn", "bumblebee", "bumblebee-power", "subgen-attention"}
-SLOTTED_METHODS = [m for m in method_names() if m not in SLOT_REFUSED and not m.startswith("ada-")]
+# Every method whose caches stack with one count per head (Ada-KV's head-wise counts have no dense
+# row to put in a slot).
+SLOTTED_METHODS = [m for m in method_names() if not m.startswith("ada-")]
 
 
 @pytest.mark.parametrize("method", SLOTTED_METHODS)

@@ -677,12 +677,22 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
             last_query_weights=last_weights,
             last_query_logits=last_logits,
             accumulated_weights=accumulated,
-            filled=store.length_device if store.fixed_capacity else None,
+            filled=_filled_count(store),
             stored_in_order=store.stored_in_order,
         )
 
     cache.after_decode(layer_index, make_scoring)
     return output, None
+
+
+def _filled_count(store) -> torch.Tensor | None:
+    """``ScoringInputs.filled`` of a decode step: the tokens a fixed capacity holds (0-d), each
+    row's (``[B, 1, 1]``) when stacked rows hold different numbers; None for a growing layer."""
+    if not store.fixed_capacity:
+        return None
+    if store.row_lengths_device is not None:
+        return store.row_lengths_device.view(-1, 1, 1)
+    return store.length_device
 
 
 def _plain_softmax_attention(dropout, kwargs) -> bool:

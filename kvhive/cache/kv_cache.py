@@ -157,20 +157,26 @@ def _row_states(policy: Policy, layer: LayerStore) -> list[dict]:
         raise ValueError(f"method {policy.name!r} cannot stack caches of several rows: {error}") from None
 
 
+def _without_unit_dims(shape: torch.Size) -> tuple[int, ...]:
+    return tuple(size for size in shape if size != 1)
+
+
 def _adopt_in_place(old: dict, new: dict) -> None:
     """Make the state dict ``old`` equal ``new`` keeping ``old``'s objects where they fit: a tensor
-    of the same shape, dtype and device is overwritten in place (its address stays, as a captured
+    of the same shape (up to unit dimensions), dtype and device is overwritten in place (its address stays, as a captured
     decode step needs); anything else is replaced."""
 
     def adopt(previous, value):
         if isinstance(value, torch.Tensor):
             if (
                 isinstance(previous, torch.Tensor)
-                and previous.shape == value.shape
+                and _without_unit_dims(previous.shape) == _without_unit_dims(value.shape)
                 and previous.dtype == value.dtype
                 and previous.device == value.device
             ):
-                previous.copy_(value)
+                # (A method may lay a per-row counter out as [B] when stacking and [B, 1, 1] once
+                # decoding, BUZZ's: the same values.)
+                previous.copy_(value.reshape(previous.shape))
                 return previous
             return value
         if isinstance(value, dict) and isinstance(previous, dict):
@@ -178,6 +184,12 @@ def _adopt_in_place(old: dict, new: dict) -> None:
             return previous
         if isinstance(value, list) and isinstance(previous, list) and len(value) == len(previous):
             previous[:] = [adopt(p, v) for p, v in zip(previous, value, strict=True)]
+            return previous
+        params = getattr(type(value), "__dataclass_params__", None)
+        if type(previous) is type(value) and params is not None and not params.frozen:
+            # A method's own record of tensors (BumbleBee's StreamingSummary): field by field.
+            for name, field in vars(value).items():
+                setattr(previous, name, adopt(getattr(previous, name, None), field))
             return previous
         return value
 
@@ -693,6 +705,9 @@ class KVHiveCache(Cache):
                 f"method {self.policy.name!r} compresses while decoding but layer {layer_index} holds a different "
                 "number of tokens per head; combine decode-phase methods with uniform prefill budgets"
             )
+        if store.has_row_lengths:  # stacked rows of different lengths (decodes_rows_of_different_lengths)
+            self._decode_step_in_rows(layer_index, store, make_scoring)
+            return
         if store.bounded_capacity:
             self._decode_step_in_capacity(layer_index, store, make_scoring)
             return
@@ -759,6 +774,35 @@ class KVHiveCache(Cache):
             at_most_one_dropped=store.fills_to_budget,
             fill_hole=store.fills_to_budget and self._fills_holes(store),
         )
+        store.decode_steps_since_compression = 0
+
+    def _decode_step_in_rows(self, layer_index: int, store: LayerStore, make_scoring) -> None:
+        """A decode step of stacked rows holding different numbers of tokens in a layer that evicts
+        (``Policy.decodes_rows_of_different_lengths``): the method observes and decides over the
+        whole capacity with each row's length (``ScoringInputs.filled`` ``[B, 1, 1]``), and every
+        row's kept tokens are counted and compacted on the device, each row its own count. No host
+        read: the host lengths are read back when next asked for (a join, accounting)."""
+        budget = self.layer_budgets[layer_index]
+        scoring = make_scoring(DECODE)
+        self.policy.observe_decode(scoring, store.policy_state, budget=budget)
+        self._store_token_scores(store, scoring)
+        keep = self.policy.select_decode(scoring, budget, store.policy_state)
+        self._store_token_scores(store, scoring)
+        if keep is None or keep.dtype != torch.bool or keep.shape != scoring.keys.shape[:3]:
+            raise TypeError(
+                f"{self.policy.name}: a decision over rows of different lengths must be a boolean mask of shape "
+                f"{tuple(scoring.keys.shape[:3])}"
+            )
+        capacity = scoring.num_tokens
+        empty = torch.arange(capacity, device=keep.device) >= scoring.filled
+        counts = keep.sum(dim=-1)
+        kept = counts[:, 0]
+        torch._assert_async(
+            (counts == kept[:, None]).all() & (kept < capacity).all() & ~(keep & empty).any(),
+            f"{self.policy.name}: the keep mask of layer {layer_index} keeps an empty slot, different counts for the "
+            f"heads of a row, or more than the {capacity - 1} tokens its fixed_decode_capacity declared",
+        )
+        store.compact_in_place(keep, kept)
         store.decode_steps_since_compression = 0
 
     def _fills_holes(self, store: LayerStore) -> bool:
@@ -1011,6 +1055,10 @@ class KVHiveCache(Cache):
         }
         if self._generated_ids is not None and self._generated_ids.shape[0] == batch:
             self._generated_ids = self._generated_ids.index_select(0, index.to(self._generated_ids.device))
+        if self.is_slotted:  # rows were selected: no longer the fixed slots
+            self._slots = False
+            for layer in initialized:
+                layer.row_active, layer.row_active_device, layer.grows_in_slots = None, None, False
 
     def _batch_size(self) -> int:
         return next((layer.batch_size for layer in self.layers if layer.is_initialized), 0)
@@ -1098,8 +1146,9 @@ class KVHiveCache(Cache):
         budgets, dtypes or devices; empty or unprefilled caches; a batch of several rows with left
         padding (its rows' positions count the padding); re-indexed positions; head-wise counts
         (Ada-KV's packed layout); a layer that evicts while decoding (or slides) whose rows keep
-        different counts; a method whose per-layer state is not per row (``Policy.stack_states``:
-        BUZZ, BumbleBee, subgen-attention).
+        different counts, unless its method ``decodes_rows_of_different_lengths`` (BUZZ: such a layer
+        keeps a length per row in a capacity bounded by ``fixed_decode_capacity``); a method whose
+        per-layer state cannot be stacked (``Policy.stack_states``; every registered method can).
 
         **Fixed batch slots** (``batch_slots=S``, at least the rows given): the buffers hold ``S``
         rows from the start; the rows past those given are free slots. Rows then leave
@@ -1161,7 +1210,10 @@ class KVHiveCache(Cache):
             row_seen, rows = row_seen + [row_seen[0]] * free, rows + [rows[0]] * free
             lengths = [int(view[0].shape[2]) for view in rows]
             evicts = (index in first.compressed_layers and DECODE in policy.phases) or layer.is_sliding
-            if len(set(lengths)) > 1 and evicts:
+            # A method whose rows may hold different lengths while it evicts (BUZZ's per-row
+            # schedule): every such layer keeps a length per row, equal or not, in a bounded capacity.
+            per_row = evicts and not layer.is_sliding and policy.decodes_rows_of_different_lengths
+            if len(set(lengths)) > 1 and evicts and not per_row:
                 why = "slides (keeps its window)" if layer.is_sliding else f"evicts while decoding ({policy.name!r})"
                 raise ValueError(
                     f"cannot stack these caches: layer {index} {why} and its rows keep different numbers of tokens "
@@ -1185,10 +1237,19 @@ class KVHiveCache(Cache):
                 [view[3] for view in rows],
                 row_seen,
                 room,
-                row_capacity,
+                per_row_lengths=per_row,
+                row_capacity=row_capacity,
             )
             store.tokens_seen = max(state_seen)  # the count every row's state is now relative to
             store.policy_state = state
+            if per_row:
+                budget = first.layer_budgets[index]
+                bound = policy.fixed_decode_capacity(store.dense()[0], budget, state)
+                if bound is None:
+                    raise ValueError(
+                        f"cannot stack these caches: method {policy.name!r} declares no bound for layer {index}'s rows"
+                    )
+                store.reserve_rows(max(bound, max(lengths)) + 1)  # the bound plus the new token
             store.has_padding = any(source.has_padding for source in sources)
             store.stored_in_order = all(source.stored_in_order for source in sources)
             store.heads_per_kv_head = layer.heads_per_kv_head
@@ -1223,6 +1284,7 @@ class KVHiveCache(Cache):
         stacked.prefill_chunk = None
         stacked.decode_capacity = None
         stacked._compileable = False  # per-row lengths and counts live on the host: eager decode
+        stacked._slots = False
         if batch_slots is not None:
             stacked._make_slots(caches, rows_given, decode_capacity)
         return stacked
@@ -1237,11 +1299,11 @@ class KVHiveCache(Cache):
             self._compileable = all(cache._compileable for cache in caches) and self._static_decode()
         else:
             self._compileable = decode_capacity is not None and self._static_decode()
-        active = [row < rows_given for row in range(self._batch_size())]
+        self._active_slots = [row < rows_given for row in range(self._batch_size())]
         for store in self.layers:
-            if self._compileable and DECODE in self.policy.phases:
-                self._reserve_decode(store)
-            store.set_active_rows(active)
+            if self._compileable and DECODE in self.policy.phases and not store.has_row_lengths:
+                self._reserve_decode(store)  # (a layer of per-row lengths has its bound already)
+            store.set_active_rows(self._active_slots)
         self._slots = True
 
     @property
@@ -1254,7 +1316,7 @@ class KVHiveCache(Cache):
         """Fixed batch slots: whether each slot holds a running row (host)."""
         if not self.is_slotted:
             raise ValueError("this cache has no fixed batch slots: stack(..., batch_slots=N) makes them")
-        return list(self.layers[0].row_active)
+        return list(self._active_slots)
 
     def _check_slots(self, slots, want_active: bool) -> list[int]:
         if not self.is_slotted:
@@ -1277,11 +1339,10 @@ class KVHiveCache(Cache):
         """Fixed batch slots: the rows in ``slots`` leave (finished requests). Nothing moves; the
         slots decode a placeholder until :meth:`fill_slots` gives them a new row."""
         slots = self._check_slots(slots, want_active=True)
-        active = self.active_slots
         for slot in slots:
-            active[slot] = False
+            self._active_slots[slot] = False
         for store in self.layers:
-            store.set_active_rows(active)
+            store.set_active_rows(self._active_slots)
 
     def fill_slots(self, slots: list[int], caches: list[KVHiveCache]) -> None:
         """Fixed batch slots: the rows of ``caches`` (each prefilled alone, e.g. requests joining a
@@ -1331,7 +1392,16 @@ class KVHiveCache(Cache):
             joining = [(state, source.tokens_seen) for source in sources for state in _row_states(policy, source)]
             for slot, (state, count) in zip(slots, joining, strict=True):
                 states[slot], state_seen[slot] = state, count
-            plans.append((layer, views, seen, policy.stack_states(states, state_seen), max(state_seen), sources))
+            state = policy.stack_states(states, state_seen)
+            if (
+                layer.bounded_capacity
+                and not layer.has_row_lengths
+                and type(policy).fixed_decode_capacity is not Policy.fixed_decode_capacity
+            ):
+                # The layer decodes in the fixed capacity its method declared: the stacked state
+                # gets the device counters that declaration set up (as at stacking, _reserve_decode).
+                policy.fixed_decode_capacity(layer.buffers()[0], self.layer_budgets[index], state)
+            plans.append((layer, views, seen, state, max(state_seen), sources))
         for layer, views, seen, state, most_seen, sources in plans:
             for slot, view, count in zip(slots, views, seen, strict=True):
                 layer.write_row(slot, *view, count)
@@ -1355,11 +1425,10 @@ class KVHiveCache(Cache):
             for slot, budget in zip(slots, joining_budgets[layer], strict=True):
                 budgets[slot] = budget
         self.layer_budgets = {layer: max(budgets) for layer, budgets in self.row_layer_budgets.items()}
-        active = self.active_slots
         for slot in slots:
-            active[slot] = True
+            self._active_slots[slot] = True
         for store in self.layers:
-            store.set_active_rows(active)
+            store.set_active_rows(self._active_slots)
 
     def add_rows(self, caches: list[KVHiveCache], decode_capacity: int | None = None) -> None:
         """Append the rows of ``caches`` (each prefilled, e.g. a request joining a batch that is

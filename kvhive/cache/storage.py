@@ -109,10 +109,14 @@ class LayerStore(CacheLayerMixin):
         # but its row of a layer with per-row lengths does not grow.
         self.row_active: list[bool] | None = None
         self.row_active_device: torch.Tensor | None = None
+        self.grows_in_slots = False
         # Stacked rows holding different numbers of tokens (a layer that does not evict while
         # decoding): each row fills slots [0, length) of a common capacity, lengths on the host and
         # on the device ([B] int64); attention reads the whole capacity with the empty slots masked.
-        self._row_lengths: list[int] | None = None
+        # A layer whose decisions change its rows' lengths on the device (a method that evicts in
+        # rows of different lengths, ``Policy.decodes_rows_of_different_lengths``) marks the host
+        # list stale; it is read back, once, the next time it is asked for outside a decode step.
+        self._row_lengths = None
         self.row_lengths_device: torch.Tensor | None = None
         # A fixed decode capacity (reserve_decode): the dense buffers hold the prompt's kept tokens
         # plus room for every decode step, new tokens are written at a device index, and attention
@@ -270,7 +274,7 @@ class LayerStore(CacheLayerMixin):
         self._rows_stale = False
         self._row_tokens_seen, self.row_tokens_seen_device = None, None
         self._row_lengths, self.row_lengths_device = None, None
-        self.row_active, self.row_active_device = None, None
+        self.row_active, self.row_active_device, self.grows_in_slots = None, None, False
         self.length_device, self._length_value, self._length_stale, self.fixed_capacity = None, 0, False, False
         self.bounded_capacity = self.fills_to_budget = False
         self.stored_in_order = True
@@ -377,7 +381,7 @@ class LayerStore(CacheLayerMixin):
         if self._row_tokens_seen is not None:
             self._row_tokens_seen = [self._row_tokens_seen[row] for row in rows]
             self.row_tokens_seen_device = self.row_tokens_seen_device.index_select(0, device_index)
-        if self._row_lengths is not None:
+        if self.row_lengths_device is not None:
             self._row_lengths = [self._row_lengths[row] for row in rows]
             self.row_lengths_device = self.row_lengths_device.index_select(0, device_index)
         if self.row_active is not None:
@@ -665,7 +669,10 @@ class DenseLayerStore(LayerStore):
         if self._rows_stale:
             self._refresh_rows()
         if self._length_stale:
-            self._length_value = int(self.length_device)
+            if self.row_lengths_device is not None:  # rows of different lengths: the longest
+                self._length_value = max(self._row_lengths)
+            else:
+                self._length_value = int(self.length_device)
             self._length_stale = False
         return self._length_value
 
@@ -677,7 +684,7 @@ class DenseLayerStore(LayerStore):
             self.length_device.fill_(value)
 
     def _num_stored(self) -> int:
-        if self._row_lengths is not None:
+        if self.row_lengths_device is not None:
             return self._heads * sum(self._row_lengths)
         return self.num_segments * self._length
 
@@ -687,7 +694,7 @@ class DenseLayerStore(LayerStore):
         return self._length
 
     def _lengths_host(self) -> torch.Tensor:
-        if self._row_lengths is not None:
+        if self.row_lengths_device is not None:
             return torch.tensor(self._row_lengths, dtype=torch.long)[:, None].expand(self._batch, self._heads).clone()
         return torch.full((self._batch, self._heads), self._length, dtype=torch.long)
 
@@ -826,6 +833,8 @@ class DenseLayerStore(LayerStore):
         if not self.fixed_capacity:
             raise RuntimeError(f"layer {self.layer_index} has no fixed decode capacity")
         capacity = self._key_buffer.shape[2]
+        if self.row_lengths_device is not None and (fill_hole or at_most_one_dropped):
+            raise ValueError("a layer of rows of different lengths compacts by a sort (kept per row)")
         if fill_hole:
             if not at_most_one_dropped:
                 raise ValueError("fill_hole moves one token per row: it needs at_most_one_dropped")
@@ -850,7 +859,13 @@ class DenseLayerStore(LayerStore):
         gathered = [buffer.index_select(0, rows) for buffer in (keys, values, positions, *scores.values())]
         for buffer, moved in zip((keys, values, positions, *scores.values()), gathered, strict=True):
             buffer.copy_(moved)
-        self.length_device.copy_(kept)
+        if self.row_lengths_device is not None:
+            # Rows of different lengths: ``kept`` [B] is each row's count (every head of a row keeps
+            # the same count); the host lengths are read back when next asked for.
+            self.row_lengths_device.copy_(kept)
+            self._rows_stale = True
+        else:
+            self.length_device.copy_(kept)
         self._length_stale = True
 
     def fill_hole(self, keep_mask: torch.Tensor) -> None:
@@ -930,21 +945,23 @@ class DenseLayerStore(LayerStore):
         scores: list[dict[str, torch.Tensor]],
         tokens_seen: list[int],
         decode_room: int,
+        per_row_lengths: bool = False,
         row_capacity: int | None = None,
     ) -> None:
         """Fill an empty layer with rows prefilled separately: ``keys[i]`` ``[1, H, L_i, d]`` (and
         the rest alike) are row ``i``'s stored tokens, ``tokens_seen[i]`` the tokens it has seen.
         Rows of equal length make the usual dense layout; rows of different lengths fill slots
         ``[0, L_i)`` of a common capacity (``max L_i + decode_room``, empty slots zero) with a
-        per-row length. ``row_capacity`` (fixed batch slots of a layer that grows): that capacity
-        per row whatever the lengths, in the per-row layout, held fixed (an append past it is
-        refused, so rows joining later fit in place)."""
+        per-row length (``per_row_lengths``: that layout whatever the lengths, for a layer whose
+        rows' lengths will part while decoding). ``row_capacity`` (fixed batch slots of a layer that
+        grows): that capacity per row whatever the lengths, in the per-row layout, held fixed (an
+        append past it is refused, so rows joining later fit in place)."""
         first = keys[0]
         self.dtype, self.device = first.dtype, first.device
         self._batch, self._heads = len(keys), first.shape[1]
         lengths = [int(k.shape[2]) for k in keys]
         longest = max(lengths)
-        ragged = len(set(lengths)) > 1 or row_capacity is not None
+        ragged = len(set(lengths)) > 1 or per_row_lengths or row_capacity is not None
         capacity = longest + (decode_room if ragged else reserve(longest))
         if row_capacity is not None:
             if row_capacity < longest:
@@ -983,15 +1000,18 @@ class DenseLayerStore(LayerStore):
             torch._dynamo.mark_static_address(self.row_lengths_device)
             self.fixed_capacity = True
             self.bounded_capacity = row_capacity is not None
+        self.grows_in_slots = row_capacity is not None
         torch._dynamo.mark_static_address(self.row_tokens_seen_device)
 
     def set_active_rows(self, active: list[bool]) -> None:
-        """Fixed batch slots: which rows run (True) and which are free. A free row of a layer with
-        per-row lengths keeps one token (its first) and stops growing, so it never outgrows its
-        slot however long it stays free; a free row of a uniform layer keeps what it holds (its
-        eviction keeps it within the capacity)."""
+        """Fixed batch slots of a layer that grows (``set_rows(row_capacity=...)``): which rows run
+        (True) and which are free. A free row keeps one token (its first) and stops growing, so it
+        never outgrows its slot however long it stays free. (A free row of a layer that evicts
+        keeps decoding as it was: its method keeps it within the capacity.)"""
         if len(active) != self._batch:
             raise ValueError(f"expected {self._batch} active flags, got {len(active)}")
+        if not self.grows_in_slots:
+            return
         if self.row_active_device is None:
             self.row_active_device = torch.ones(self._batch, dtype=torch.bool, device=self.device)
             torch._dynamo.mark_static_address(self.row_active_device)
@@ -1063,16 +1083,47 @@ class DenseLayerStore(LayerStore):
             self.row_lengths_device[row].fill_(length)
             self._length = max(lengths)
 
+    def reserve_rows(self, capacity: int) -> None:
+        """Rows of different lengths held in exactly ``capacity`` slots, a bound the layer's
+        decisions keep (``bounded_capacity``: a method that evicts in such rows compacts them after
+        every append), so an append never asks for the host lengths. Slots past each row's length
+        are zero."""
+        if self.row_lengths_device is None:
+            raise RuntimeError(f"layer {self.layer_index} holds one length for every row")
+        longest = max(self._row_lengths)
+        if capacity < longest:
+            raise ValueError(f"capacity {capacity} is below the longest row ({longest} tokens)")
+        if capacity != self._key_buffer.shape[2]:
+            old = (self._key_buffer, self._value_buffer, self._position_buffer, self._score_buffers)
+            self._key_buffer, self._value_buffer, self._position_buffer = self._allocate_dense(
+                capacity, self._key_buffer.shape[-1], self._value_buffer.shape[-1]
+            )
+            self._score_buffers = {
+                name: _static(torch.zeros(self._key_buffer.shape[:3], dtype=torch.float32, device=self.device))
+                for name in old[3]
+            }
+            for new, previous in zip(
+                (self._key_buffer, self._value_buffer, self._position_buffer), old[:3], strict=True
+            ):
+                new.zero_()
+                new[:, :, :longest].copy_(previous[:, :, :longest])
+            for name, previous in old[3].items():
+                self._score_buffers[name][:, :, :longest].copy_(previous[:, :, :longest])
+        self.fixed_capacity = True
+        self.bounded_capacity = True
+
     def _append_rows(self, key_states, value_states, new_tokens: int) -> None:
         """Rows of different lengths: row ``b``'s new tokens go to slots ``[L_b, L_b + new)`` (a free
         row of fixed batch slots overwrites its slots past ``L_b`` and does not grow)."""
         capacity = self._key_buffer.shape[2]
-        static = in_static_step()
-        longest = 0 if static else max(self._row_lengths) + new_tokens
+        # A captured step, or lengths its evictions changed on the device, read no host length: a
+        # bounded capacity is then checked on the device.
+        device_only = in_static_step() or self._rows_stale
+        longest = 0 if device_only else max(self._row_lengths) + new_tokens
         if longest > capacity and self.bounded_capacity:
             raise ValueError(
-                f"a row of layer {self.layer_index} would hold {longest} tokens, past its fixed slot capacity of "
-                f"{capacity} (fixed batch slots): give a larger slot_capacity"
+                f"a row of layer {self.layer_index} would hold {longest} tokens, past its fixed capacity of "
+                f"{capacity} (fixed batch slots: give a larger slot_capacity)"
             )
         if longest > capacity:  # past the room reserved at stacking: a larger capacity, zeros beyond
             grown = longest + reserve(longest)
@@ -1104,12 +1155,12 @@ class DenseLayerStore(LayerStore):
             self.row_lengths_device.add_(new_tokens)
         else:
             self.row_lengths_device.add_(self.row_active_device.to(torch.int64) * new_tokens)
-        if static and self.bounded_capacity:
+        if device_only and self.bounded_capacity:
             torch._assert_async(
                 (self.row_lengths_device <= capacity).all(),
-                f"a row of layer {self.layer_index} outgrew its fixed slot capacity of {capacity}",
+                f"a row of layer {self.layer_index} outgrew its fixed capacity of {capacity}",
             )
-        if static or self._rows_stale:
+        if device_only:
             self._rows_stale = True  # no guard on (or read of) the host lists
             return
         active = self.row_active or [True] * self._batch

@@ -125,8 +125,9 @@ class ScoringInputs:
     accumulated_weights: torch.Tensor | None = None
     # A layer held in a fixed decode capacity (``Policy.fixed_decode_capacity``): the tensors cover
     # every slot of the capacity, the first ``filled`` (a 0-d int64 device tensor, the same for
-    # every row and head) hold the stored tokens oldest first, the rest are empty (masked out of
-    # ``mask``, so never ``valid``). None: every slot holds a token.
+    # every row and head; ``[B, 1, 1]``, each row's own count, for stacked rows of different lengths
+    # in a method that ``decodes_rows_of_different_lengths``) hold the stored tokens oldest first,
+    # the rest are empty (masked out of ``mask``, so never ``valid``). None: every slot holds a token.
     filled: torch.Tensor | None = None
     # Whether the stored order is the order of original positions (oldest first). A decode step
     # that evicts one token may write the newest into the freed slot instead of moving every later
@@ -606,6 +607,16 @@ class Policy:
             f"method {self.name!r} keeps per-layer state ({', '.join(sorted(states[0]))}) that cannot be stacked "
             "from caches prefilled separately"
         )
+
+    decodes_rows_of_different_lengths: ClassVar[bool] = False
+    """Rows that hold different numbers of tokens (caches prefilled separately and stacked,
+    ``KVHiveCache.stack``) may decode together in a layer that evicts: the cache holds them in slots
+    of a common capacity (``fixed_decode_capacity`` of the stacked state, plus the new token), each
+    row its own length, and every decode step calls ``observe_decode`` and ``select_decode`` with
+    ``ScoringInputs.filled`` the ``[B, 1, 1]`` lengths (the keep mask must be False on each row's
+    empty slots and keep one count for every head of a row). Each row's decision must depend only
+    on that row's tokens and state (BUZZ: per-row schedule counters on the device). False: the
+    stacked rows of such a layer must keep one length (the cache refuses others)."""
 
     reads_stored_order: ClassVar[bool] = True
     """Whether the method's decisions read the order tokens are stored in (recent windows, sinks

@@ -93,6 +93,10 @@ REBUILDS = "bumblebee_rebuilds"
 # A layer in a fixed decode capacity: a 0-d device bool, whether the summary holds its members (set
 # at the prefill's selection, else at the layer's first eviction, by a build inside the step).
 BUILT = "bumblebee_built"
+# Stacked rows (KVHiveCache.stack): a [B * H] device bool, the rows whose prompt fit the budget (no
+# summary yet, empty slots in SUMMARY) beside rows summarised at their prefill. At the layer's next
+# eviction those rows build theirs from their oldest tau_s stored tokens, as alone.
+PENDING = "bumblebee_pending"
 GREEDY_METHODS = ("stochastic", "lazy", "plain")
 CONCAVE_FORMS = ("log", "power")
 IMPORTANCE_SCALES = ("raw", "normalised")
@@ -355,6 +359,7 @@ class BumbleBee(Policy):
         # Only appends since the last decision (counted on the host): the members are still the
         # first tau_s stored tokens. The device checks it without the host waiting.
         appended_only = seen is not None and tokens == kept + scoring.sequence_length - seen
+        pending = state.pop(PENDING, None)
         if summary is None or summary.size != summary_size or not appended_only:
             # The prompt fit in the budget (Alg. 2 lines 6-8 kept every token so far), or the
             # stored tokens changed otherwise: the oldest tau_s stored tokens are the summary.
@@ -364,6 +369,12 @@ class BumbleBee(Policy):
             state[SUMMARY] = summary
             state[REBUILDS] = int(state.get(REBUILDS, 0)) + 1
         else:
+            if pending is not None:  # stacked rows whose prompt fit: their summary, as alone
+                fresh = StreamingSummary.from_keys(
+                    keys[:, :summary_size], valid[:, :summary_size], positions[:, :summary_size]
+                )
+                summary.assign_rows(pending, fresh)
+                state[REBUILDS] = int(state.get(REBUILDS, 0)) + 1
             torch._assert_async(summary.matches(positions), "BumbleBee's summary is not the first stored tokens")
         state[SYNCED] = (scoring.sequence_length, budget)
         # The tokens between the summary and the local window leave the window, oldest first.
@@ -398,13 +409,54 @@ class BumbleBee(Policy):
                     for field in dataclasses.fields(summary)
                 },
             )
+            if PENDING in state:
+                selected[PENDING] = state[PENDING].index_select(0, rows)
         return selected
 
     def stack_states(self, states: list[dict], tokens_seen: list[int]) -> dict:
-        raise ValueError(
-            f"method {self.name!r} cannot stack caches prefilled separately: its summary is re-synchronised by the "
-            "tokens a layer has seen (one count per layer, not per row); decode each prompt alone (kvhive.generate)"
+        """The rows' summaries stacked in order. A layer that evicts while decoding keeps one length
+        for every row (``KVHiveCache.stack`` refuses others), so every row holds the same number of
+        tokens: the budget once summarised. The sync marker is re-based on the most tokens any row
+        has seen (the stacked layer's ``sequence_length``): the next step then sees that only a token
+        was appended since. Rows whose prompt fit the budget exactly (no summary yet) beside
+        summarised ones get empty slots and build their summary at the next eviction (``PENDING``),
+        from their oldest ``tau_s`` stored tokens, as alone."""
+        if not any(states):
+            return {}
+        summarised = [self._summarised(state) for state in states]
+        if not any(summarised):
+            return {}  # every row's prompt fit: the first eviction builds every summary, as alone
+        model = next(state[SUMMARY] for state, done in zip(states, summarised, strict=True) if done)
+        kept = next(state[SYNCED][1] for state, done in zip(states, summarised, strict=True) if done)
+        heads, size, device = model.sim.shape[0], model.size, model.sim.device
+        parts = [
+            state[SUMMARY] if done else StreamingSummary.empty(heads, size, device)
+            for state, done in zip(states, summarised, strict=True)
+        ]
+        fields = [field.name for field in dataclasses.fields(StreamingSummary)]
+        summary = StreamingSummary(  # a new summary: the sources' are left as they were
+            **{name: torch.cat([getattr(part, name).to(device) for part in parts], dim=0) for name in fields}
         )
+        stacked = {SUMMARY: summary, SYNCED: (max(tokens_seen), kept)}
+        if not all(summarised):
+            stacked[PENDING] = torch.tensor(
+                [not done for done in summarised for _ in range(heads)], dtype=torch.bool, device=device
+            )
+        return stacked
+
+    @staticmethod
+    def _summarised(state: dict) -> bool:
+        """Whether a row's summary holds its members (chosen at its prefill, or built at an eviction);
+        a row whose prompt fit the budget has none yet (or, in a fixed decode capacity, empty slots
+        its first eviction fills: ``BUILT`` read once)."""
+        summary = state.get(SUMMARY)
+        if summary is None or SYNCED not in state:
+            return False
+        if BUILT in state and not bool(state[BUILT]):
+            return False
+        if PENDING in state and bool(state[PENDING].any()):
+            return False
+        return True
 
 
 class BumbleBeePower(BumbleBee):

@@ -79,7 +79,12 @@ Cache layout per head (Sec. 3.3, Fig. 3)::
   its threshold at other steps, so alone it keeps other tokens: 21 instead of 29 on a 2-row
   test batch), and a kvhive cache keeps every row of a decode-phase layer at the same length.
   Run such rows one at a time (the evaluation runs batches of one). Rows of equal length are
-  independent: each gets exactly what it gets alone.
+  independent: each gets exactly what it gets alone. Rows prefilled separately and stacked
+  (``KVHiveCache.stack``, ``kvhive.generate_batch``) are the other way round: each keeps its own
+  schedule (``stack_states``: every counter per row, ``[B, 1, 1]`` on the device), the cache holds
+  them with a length per row (``decodes_rows_of_different_lengths``), and every decode step runs
+  the fixed-capacity decision with each row's own counts, so a row evicts at its own steps and
+  keeps exactly what it keeps alone.
 
 **Against the authors' code** (danielfang001/buzz-llm, ``BuzzKVCacheWithAccumulation`` and
 ``modify_llama_forward.py``; ``tests/test_buzz_authors_fixtures.py`` checks kvhive's kept
@@ -170,6 +175,9 @@ DEVICE_COUNTERS = (OLD, PADDING, EVICTIONS, SIZE_SUM, SIZE_STEPS, SIZE_PEAK, SIZ
 # step after compiled ones sees the tokens seen moved on and reads the device counters once.
 HOST_MIRROR = "buzz_host_mirror"
 PREFILL_SEEN = "buzz_prefill_seen"  # per-layer state: tokens seen at the layer's prefill (host int)
+# Per-layer state of stacked rows (KVHiveCache.stack): True when every DEVICE_COUNTERS entry is a
+# [B, 1, 1] device tensor, each row's own schedule (its old samples, padding, evictions, sizes).
+ROWS = "buzz_rows"
 # Evictions of Eq. (10) iterated to reach the steady state (it contracts by < 1/ŝ - ... per step;
 # 200 is far past convergence for any stride >= 3), and the tail averaged over (covers cycles).
 _STEADY_ITERATIONS, _STEADY_TAIL = 200, 24
@@ -418,6 +426,8 @@ class Buzz(Policy):
     # Its kept size varies with its schedule, within the peak: a fixed decode capacity of that bound
     # (fixed_decode_capacity) gives its decode step one shape (tests/test_compiled_decode.py).
     static_decode = True
+    # Stacked rows keep their own schedule (per-row counters, ROWS), so their lengths part.
+    decodes_rows_of_different_lengths = True
 
     # -- budget --------------------------------------------------------------------------------
     def minimum_budget(self) -> int:
@@ -457,7 +467,7 @@ class Buzz(Policy):
         _record_step(state, scoring.num_tokens - _padding(scoring, state))
 
     def kept_per_row(self, phase: str, num_tokens: int, budget: int, state: dict) -> int | None:
-        if PADDING not in state or state.get(UNEQUAL_ROWS) is not None:
+        if PADDING not in state or state.get(UNEQUAL_ROWS) is not None or state.get(ROWS):
             return None  # known once the layer has seen its prompt (and refused for unequal rows)
         plan = _eviction_plan(
             self.layout(budget),
@@ -472,7 +482,17 @@ class Buzz(Policy):
         """Between evictions a layer grows to ``k + w + T`` (the peak; a common left padding that no
         eviction dropped yet adds its length), and after one it holds at most the budget: the bound
         of a fixed decode capacity. The host counters move to the device. A batch of unequal rows
-        keeps the host path (it is refused at its first eviction, as before)."""
+        keeps the host path (it is refused at its first eviction, as before).
+
+        Stacked rows (``ROWS``): each row's counters become ``[B, 1, 1]`` on the keys' device and the
+        bound covers the row with the most padding (read once, at stacking)."""
+        if state.get(ROWS):
+            layout = self.layout(budget)
+            state[LAYOUT] = layout
+            batch = keys.shape[0]
+            for key in DEVICE_COUNTERS:
+                state[key] = state[key].to(keys.device).reshape(batch, 1, 1)
+            return max(budget, layout.peak + int(state[PADDING].max()))
         if PADDING not in state or state.get(UNEQUAL_ROWS) is not None:
             return None
         layout = self.layout(budget)
@@ -496,7 +516,9 @@ class Buzz(Policy):
     def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor | None:
         if scoring.filled is None:
             return self._evict(scoring, budget, state)
-        if in_static_step():  # traced or captured once: the device path (kvhive.static_step)
+        if (
+            in_static_step() or state.get(ROWS)
+        ):  # stacked rows: every row's own schedule, on the device  # traced or captured once: the device path (kvhive.static_step)
             return self._evict_in_capacity(scoring, budget, state)
         # An eager step: the schedule is known on the host (Eq. 10's sizes do not depend on the
         # scores), so a step below the threshold returns None and costs nothing.
@@ -527,7 +549,9 @@ class Buzz(Policy):
         """:meth:`_evict` over a fixed capacity: the same plan (:func:`_eviction_plan`) computed from
         the device counts (``scoring.filled`` tokens stored, the old samples and padding in
         ``state``), the same masks built over the whole capacity, and every filled slot kept at a
-        step that evicts nothing. Fixed shapes, no host read."""
+        step that evicts nothing. Fixed shapes, no host read. Stacked rows (``ROWS``): the counts
+        are ``[B, 1, 1]`` and every quantity below is each row's own (broadcast over heads and
+        slots), so a row evicts at its own steps and keeps what it keeps alone."""
         layout = state[LAYOUT]  # set by fixed_decode_capacity (the layout search is host work)
         n = scoring.filled
         capacity = scoring.num_tokens
@@ -595,16 +619,43 @@ class Buzz(Policy):
         return keep
 
     def select_state_rows(self, state: dict, index: torch.Tensor, num_heads: int) -> dict:
-        # The state is the layer's eviction schedule and size statistics, the same for every row
-        # (BUZZ refuses rows of different real lengths), so any selection of rows keeps it.
-        return dict(state)
+        selected = dict(state)
+        if state.get(ROWS):  # stacked rows: each row's schedule counters
+            for key in DEVICE_COUNTERS:
+                selected[key] = state[key].index_select(0, index.to(state[key].device))
+        # Otherwise the state is the layer's eviction schedule and size statistics, the same for
+        # every row (BUZZ refuses rows of different real lengths), so any selection keeps it.
+        return selected
 
     def stack_states(self, states: list[dict], tokens_seen: list[int]) -> dict:
-        raise ValueError(
-            f"method {self.name!r} cannot stack caches prefilled separately: its eviction schedule (sink, window, "
-            "strided old samples) follows the tokens a layer has seen and is one per layer, not per row; decode each "
-            "prompt alone (kvhive.generate)"
-        )
+        """Each row keeps its own schedule: the counters (old samples, padding, evictions, sizes),
+        host ints or device counts in a row's state, become per-row device tensors (``ROWS``; laid
+        out as ``[B, 1, 1]`` by :meth:`fixed_decode_capacity`, which the stacking cache calls with
+        the layer's budget). The schedule depends on a row's stored tokens and these counts only,
+        never on the tokens seen, so no row is re-based."""
+        if not any(states):
+            return {}
+        if any(state.get(UNEQUAL_ROWS) is not None for state in states):
+            raise ValueError(
+                f"method {self.name!r} cannot stack caches of a batch whose rows hold different numbers of real "
+                "tokens (left padding): prefill each prompt alone"
+            )
+        stacked = {ROWS: True}
+        layouts = [state[LAYOUT] for state in states if LAYOUT in state]
+        if layouts:
+            stacked[LAYOUT] = layouts[0]
+        stacked[PREFILL_ROUNDS] = max(_host_int(state.get(PREFILL_ROUNDS, 0)) for state in states)
+        for key in DEVICE_COUNTERS:
+            stacked[key] = _per_row_counter([state.get(key, 0) for state in states])
+        return stacked
+
+
+def _per_row_counter(values: list) -> torch.Tensor:
+    """One int64 tensor ``[B]`` of per-row counts, each a host int, a 0-d device counter (a layer
+    in a fixed decode capacity) or a ``[1, 1, 1]`` row of stacked rows; a new tensor (the sources'
+    counters are never advanced by the stacked layer), on the device of the first device counter."""
+    device = next((value.device for value in values if isinstance(value, torch.Tensor)), torch.device("cpu"))
+    return torch.cat([torch.as_tensor(value, dtype=torch.int64).reshape(-1).to(device) for value in values])
 
 
 def _host_int(value) -> int:
@@ -741,13 +792,26 @@ def size_statistics(state: dict) -> dict | None:
     """Sizes one BUZZ layer held (tokens per head, after each forward step, prefill included):
     ``mean_kept``, ``peak_kept``, ``steps``, and the layout with its steady-state mean and peak;
     None before the layer ran."""
-    if not state.get(SIZE_STEPS):
-        return None
-    steps, total = int(state[SIZE_STEPS]), int(state[SIZE_SUM])  # device counters read once
+    steps = state.get(SIZE_STEPS)
+    if isinstance(steps, torch.Tensor) and steps.numel() > 1:
+        # Stacked rows (ROWS): each row's own sizes; the mean of the rows' means, the largest peak.
+        steps = steps.reshape(-1).tolist()
+        totals = state[SIZE_SUM].reshape(-1).tolist()
+        rows = [(total / count) for total, count in zip(totals, steps, strict=True) if count]
+        if not rows:
+            return None
+        peak = int(torch.maximum(state[SIZE_PEAK], state[SIZE_LAST]).max())
+        steps_taken, mean_kept = max(steps), sum(rows) / len(rows)
+    else:
+        if not steps:
+            return None
+        steps_taken, total = int(steps), int(state[SIZE_SUM])  # device counters read once
+        mean_kept = total / steps_taken
+        peak = max(int(state[SIZE_PEAK]), int(state[SIZE_LAST]))
     result = {
-        "steps": steps,
-        "mean_kept": total / steps,
-        "peak_kept": max(int(state[SIZE_PEAK]), int(state[SIZE_LAST])),
+        "steps": steps_taken,
+        "mean_kept": mean_kept,
+        "peak_kept": peak,
         "prefill_rounds": state.get(PREFILL_ROUNDS, 0),
     }
     layout = state.get(LAYOUT)

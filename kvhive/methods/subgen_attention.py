@@ -65,6 +65,7 @@ estimator keeps tokens that the model's window would already have dropped.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -245,6 +246,58 @@ class StreamingStructures:
     @property
     def capacity(self) -> int:
         return self.counts.shape[1]
+
+    # -- batch rows ------------------------------------------------------------------------------
+    def select_rows(self, rows: torch.Tensor) -> StreamingStructures:
+        """The structures of rows ``rows`` (``[R']`` indices; may repeat or reorder), a new object.
+        Every row keeps its stream and its own draws (they depend on the row's stream and tokens
+        only), so a selected row goes on exactly as before."""
+        selected = copy.copy(self)
+        rows = rows.to(self.counts.device)
+        selected.rows = int(rows.numel())
+        for name, tensor in self.tensors().items():
+            setattr(selected, name, tensor.index_select(0, rows))
+        selected._purpose_words = {
+            purpose: words.index_select(0, rows) for purpose, words in self._purpose_words.items()
+        }
+        return selected
+
+    def empty_like(self, rows: int, streams_per_seed: int) -> StreamingStructures:
+        """Structures of ``rows`` rows that inserted nothing yet, with these ones' parameters (what a
+        layer creates at its first insertion)."""
+        return StreamingStructures(
+            rows,
+            self.dim,
+            self.t,
+            self.s,
+            dtype=self.samples.dtype,
+            device=self.counts.device,
+            seed=self.seed,
+            delta=self.delta,
+            relative_delta=self.relative_delta,
+            max_clusters=self.max_clusters,
+            streams_per_seed=streams_per_seed,
+        )
+
+    @classmethod
+    def concatenate(cls, parts: list[StreamingStructures]) -> StreamingStructures:
+        """The rows of ``parts`` (same parameters) stacked in order, a new object (the parts are left
+        as they were); unbounded parts are grown to the largest capacity first."""
+        capacity = max(part.capacity for part in parts)
+        grown = []
+        for part in parts:
+            part = copy.copy(part)  # _grow rebinds the tensors: the original keeps its own
+            part._grow(capacity)
+            grown.append(part)
+        stacked = copy.copy(grown[0])
+        stacked.rows = sum(part.rows for part in grown)
+        for name in grown[0].tensors():
+            setattr(stacked, name, torch.cat([getattr(part, name) for part in grown], dim=0))
+        stacked._purpose_words = {
+            purpose: torch.cat([part._purpose_words[purpose] for part in grown], dim=0)
+            for purpose in grown[0]._purpose_words
+        }
+        return stacked
 
     def _grow(self, needed: int) -> None:
         if needed <= self.capacity:
@@ -616,12 +669,33 @@ class SubGenAttention(Policy):
         structures = state.get(STATE_KEY)
         return 0 if structures is None else structures.nbytes()
 
+    # -- batch rows ------------------------------------------------------------------------------
+    # The structures hold one row per (batch row, KV head), batch-major, each drawing from its KV
+    # head's stream and its own count of inserted tokens: a row's estimate and its later insertions
+    # depend on nothing else in the batch, so rows may be selected and stacked.
+    def select_state_rows(self, state: dict, index: torch.Tensor, num_heads: int) -> dict:
+        selected = dict(state)
+        structures: StreamingStructures | None = state.get(STATE_KEY)
+        if structures is not None:
+            device = structures.counts.device
+            rows = index.to(device)[:, None] * num_heads + torch.arange(num_heads, device=device)
+            selected[STATE_KEY] = structures.select_rows(rows.reshape(-1))
+        return selected
+
     def stack_states(self, states: list[dict], tokens_seen: list[int]) -> dict:
-        raise ValueError(
-            f"method {self.name!r} cannot stack caches prefilled separately: its estimator of the evicted tokens "
-            "(clusters and samples, with their random draws and capacity) is one structure per layer, not per row; "
-            "decode each prompt alone (kvhive.generate)"
-        )
+        """The rows' structures stacked in order; a row that inserted nothing yet (its prompt fit the
+        window) gets empty structures, what it creates alone at its first insertion. Nothing in them
+        follows the tokens seen."""
+        present = [state.get(STATE_KEY) for state in states]
+        if all(structures is None for structures in present):
+            return {}
+        model = next(structures for structures in present if structures is not None)
+        # Each state is one batch row (a cache of one row, or a row selected from a batch): its
+        # structures hold one row per KV head.
+        heads = model.rows
+        parts = [structures if structures is not None else model.empty_like(heads, heads) for structures in present]
+        plan = next(state[PLAN_KEY] for state in states if PLAN_KEY in state)
+        return {STATE_KEY: StreamingStructures.concatenate(parts), PLAN_KEY: plan}
 
 
 def structures_nbytes(cache) -> int:

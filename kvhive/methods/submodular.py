@@ -776,6 +776,13 @@ class StreamingSummary:
             mine = getattr(self, field.name)
             mine.copy_(torch.where(condition, getattr(other, field.name), mine))
 
+    def assign_rows(self, rows: torch.Tensor, other: StreamingSummary) -> None:
+        """Take ``other``'s state in the rows where ``rows`` (``[R]`` device bool) holds, in place."""
+        for field in dataclasses.fields(self):
+            mine = getattr(self, field.name)
+            condition = rows.view(-1, *([1] * (mine.dim() - 1)))
+            mine.copy_(torch.where(condition, getattr(other, field.name), mine))
+
     def mark_static(self) -> None:
         """Fix the state's addresses for a compiled decode step (updates are in place)."""
         for field in dataclasses.fields(self):
