@@ -251,3 +251,62 @@ def test_invalid_question_inputs_are_refused():
         )
     with pytest.raises(ValueError, match="expected at least one token and some context before it"):
         question_token_count(tokenizer, prompt, prompt)
+
+
+# -- the evaluation harness ----------------------------------------------------------------------
+
+
+def test_the_prefill_question_cache_option():
+    from kvhive.evaluation.backend import Setting, split_cache_options, with_cache_options
+
+    spec = "snapkv:window=4:prefill_chunk=64:prefill_question=true"
+    assert split_cache_options(spec) == ("snapkv:window=4", {"prefill_chunk": 64, "prefill_question": True})
+    assert split_cache_options("snapkv:prefill_chunk=64:prefill_question=false") == ("snapkv", {"prefill_chunk": 64})
+    assert with_cache_options("snapkv:window=4", {"prefill_question": True, "prefill_chunk": 64}) == spec
+    assert Setting(spec, 0.2).prefill_question and not Setting("snapkv:prefill_chunk=64", 0.2).prefill_question
+    with pytest.raises(ValueError, match="prefill_question must be true or false, got '1'"):
+        split_cache_options("snapkv:prefill_chunk=64:prefill_question=1")
+    with pytest.raises(
+        ValueError, match="prefill_question=true makes a chunked prefill question-aware; give prefill_chunk"
+    ):
+        split_cache_options("snapkv:prefill_question=true")
+
+
+def test_tasks_separate_their_question():
+    from kvhive.evaluation.cli import default_data_dir
+    from kvhive.evaluation.tasks import get_task, parse_task_spec
+
+    tokenizer = tiny_tokenizer()
+    for spec in ("needle:lengths=300:depths=50", "needle_multikey:lengths=300:depths=50", "mdqa", "kv_retrieval"):
+        name, params = parse_task_spec(spec)
+        task = get_task(name, **params)
+        item = task.load(default_data_dir(), 1, 0, tokenizer)[0]
+        assert item.question and item.prompt.endswith(item.question) and item.question.startswith("\n\n")
+
+
+def test_a_question_aware_setting_runs_in_the_harness(tmp_path):
+    from kvhive.cli import main as kvhive_main
+    from kvhive.evaluation import read_results
+    from kvhive.evaluation.cli import default_data_dir
+
+    out = tmp_path / "question"
+    methods = (
+        "snapkv:window=4,snapkv:window=4:prefill_chunk=100000:prefill_question=true,"
+        "snapkv:window=4:prefill_chunk=64:prefill_question=true,h2o:prefill_chunk=64:prefill_question=true"
+    )
+    tasks = "needle:lengths=300:depths=50:max_new_tokens=6,synthetic_recall:num_pairs=6"
+    arguments = ["eval", "--model", "tiny-llama-gqa", "--tasks", tasks, "--methods", methods, "--budgets", "0.3"]
+    arguments += ["--limit", "1", "--data-dir", str(default_data_dir()), "--out", str(out), "--no-progress"]
+    assert kvhive_main(arguments) == 0
+    by_key = {(r["task"], r["setting"]): r for r in read_results(out)}
+    one_shot = by_key[("needle", "snapkv:window=4@0.3")]
+    whole = by_key[("needle", "snapkv:window=4:prefill_chunk=100000:prefill_question=true@0.3")]
+    chunked = by_key[("needle", "snapkv:window=4:prefill_chunk=64:prefill_question=true@0.3")]
+    assert whole["output"] == one_shot["output"] and whole["cache"] == one_shot["cache"]
+    assert chunked["status"] == "ok" and chunked["prefill_question"] is True and chunked["prefill_chunk"] == 64
+    assert "prefill_question" not in one_shot
+    # A method that evicts while decoding takes no question; a task without one has none to give.
+    h2o = by_key[("needle", "h2o:prefill_chunk=64:prefill_question=true@0.3")]
+    assert h2o["status"] == "not_applicable" and "evicts by its decode rule" in h2o["reason"]
+    recall = by_key[("synthetic_recall", "snapkv:window=4:prefill_chunk=64:prefill_question=true@0.3")]
+    assert recall["status"] == "not_applicable" and "separates no question" in recall["reason"]
