@@ -310,3 +310,10 @@ def test_a_question_aware_setting_runs_in_the_harness(tmp_path):
     assert h2o["status"] == "not_applicable" and "evicts by its decode rule" in h2o["reason"]
     recall = by_key[("synthetic_recall", "snapkv:window=4:prefill_chunk=64:prefill_question=true@0.3")]
     assert recall["status"] == "not_applicable" and "separates no question" in recall["reason"]
+
+
+def test_the_cli_flag_needs_a_chunked_prefill():
+    from kvhive.cli import main as kvhive_main
+
+    with pytest.raises(SystemExit, match="--prefill-question applies to a chunked prefill; give --prefill-chunk N"):
+        kvhive_main(["generate", "--model", "tiny-llama-gqa", "--prefill-question", " which?", "some text which?"])
