@@ -114,6 +114,7 @@ def make_cache(
     prefill_chunk: int | None = None,
     decode_capacity: int | None = None,
     bucket_budget: bool = False,
+    question_tokens: int | None = None,
     **method_parameters: Any,
 ) -> KVHiveCache:
     """A :class:`KVHiveCache` for ``model`` running ``method`` at ``budget`` tokens per head
@@ -129,7 +130,11 @@ def make_cache(
     ``kvhive.generate`` (pass ``prefill_chunk_size=`` to ``model.generate`` yourself), compressed
     as it goes (``KVHiveCache``). ``bucket_budget``: a ratio budget resolves up to one of a few
     sizes (:func:`kvhive.cache.budget.bucket_up`: at most 25% more tokens), so prompts of many
-    lengths share one compiled decode graph; ``kvhive.generate(compile=True)`` turns it on."""
+    lengths share one compiled decode graph; ``kvhive.generate(compile=True)`` turns it on.
+    ``question_tokens``: with ``prefill_chunk`` and a prefill-only method (SnapKV, PyramidKV, KNorm),
+    the prompt's last that many tokens are its question: every chunk is scored with the question's
+    queries (a copy of the question fed after the chunk, then dropped) instead of the chunk's own
+    (:func:`prefill_prompt`; docs/METHODS.md, "Question-aware chunked prefill")."""
     refuse_encoder_decoder(model.config)
     if not isinstance(bucket_budget, bool):
         raise ValueError(f"invalid bucket_budget={bucket_budget!r}: expected True or False")
@@ -176,6 +181,7 @@ def make_cache(
         dense_decode=dense_decode,
         prefill_chunk=prefill_chunk,
         decode_capacity=decode_capacity,
+        question_tokens=question_tokens,
     )
 
 
@@ -232,6 +238,31 @@ def encode_prompt(tokenizer, prompt: str, model, max_new_tokens: int = 0):
     return encoded
 
 
+def question_token_count(tokenizer, prompt: str, question: str) -> int:
+    """How many of ``prompt``'s tokens are its question: ``question`` is the prompt's final part
+    (the prompt must end with it); the count is of the prompt's tokens from where the tokens of the
+    text before the question stop matching (a token spanning the boundary counts as the question's)."""
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError(f"invalid question={question!r}: expected a non-empty string, the prompt's final part")
+    if not prompt.endswith(question):
+        raise ValueError(
+            "invalid question: the prompt does not end with it (the question is the prompt's final part, after "
+            "the context; give the question's text exactly as the prompt ends)"
+        )
+    ids = list(tokenizer(prompt)["input_ids"])
+    before = list(tokenizer(prompt[: len(prompt) - len(question)])["input_ids"])
+    common = 0
+    while common < min(len(ids), len(before)) and ids[common] == before[common]:
+        common += 1
+    count = len(ids) - common
+    if count < 1 or count >= len(ids):
+        raise ValueError(
+            f"invalid question: it is {count} of the prompt's {len(ids)} tokens; expected at least one token and some "
+            "context before it"
+        )
+    return count
+
+
 def generate(
     model,
     tokenizer,
@@ -240,6 +271,7 @@ def generate(
     budget: int | float | str | None = None,
     max_new_tokens: int = 32,
     compile: bool | None = None,
+    question: str | None = None,
     **cache_options: Any,
 ) -> tuple[str, KVHiveCache]:
     """Greedy generation with a compressed cache; returns the generated text and the cache.
@@ -248,12 +280,25 @@ def generate(
     compileable, ``KVHiveCache.is_compileable``); True compiles the decode step on any device and
     refuses a cache whose step cannot compile to one graph, and resolves a ratio budget up to one of a
     few sizes (``bucket_budget``, at most 25% more tokens; pass ``bucket_budget=False`` for the
-    exact ratio, one graph per prompt length); False decodes eagerly."""
+    exact ratio, one graph per prompt length); False decodes eagerly.
+
+    ``question`` (with ``prefill_chunk``): the prompt's final part, its question (the prompt must
+    end with it): a question-aware chunked prefill (``question_tokens``, :func:`make_cache`), each
+    chunk scored with the question's queries instead of the chunk's own."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"invalid max_new_tokens={max_new_tokens!r}: expected an integer >= 1")
     if compile not in (None, True, False):
         raise ValueError(f"invalid compile={compile!r}: expected True, False or None")
     encoded = encode_prompt(tokenizer, prompt, model, max_new_tokens)
+    if question is not None:
+        if cache_options.get("question_tokens") is not None:
+            raise ValueError("give either question (its text) or question_tokens (its token count), not both")
+        if not cache_options.get("prefill_chunk"):
+            raise ValueError(
+                "question needs prefill_chunk: it makes a chunked prefill question-aware (without chunks the prompt's "
+                "own last queries are the question already)"
+            )
+        cache_options["question_tokens"] = question_token_count(tokenizer, prompt, question)
     if compile is True and "decode_capacity" not in cache_options and not cache_options.get("prefill_chunk"):
         # Layers that grow while decoding (the full cache, prefill-only methods) get room for every
         # new token, so the compiled step keeps one shape (used only by such layers); bucketed, so
@@ -273,9 +318,15 @@ def generate(
                 "is not one static graph; compile the decode without chunks, or chunk without compile"
             )
         compile = False if compile is None else compile
-        row_lengths = encoded["attention_mask"].sum(dim=-1).tolist() if "attention_mask" in encoded else None
-        cache.plan_prompt(int(encoded["input_ids"].shape[1]), row_lengths)
-        compile_options["prefill_chunk_size"] = cache.prefill_chunk
+        if cache.question_tokens is not None:
+            # Question-aware: kvhive feeds every chunk but the last, each followed by a copy of the
+            # question (plans the prompt too); model.generate feeds the last chunk, which ends with
+            # the real question, in one forward (it is at most prefill_chunk tokens).
+            prefill_prompt(model, encoded["input_ids"], cache, encoded.get("attention_mask"), last_chunk=False)
+        else:
+            row_lengths = encoded["attention_mask"].sum(dim=-1).tolist() if "attention_mask" in encoded else None
+            cache.plan_prompt(int(encoded["input_ids"].shape[1]), row_lengths)
+            compile_options["prefill_chunk_size"] = cache.prefill_chunk
     if compile is True:
         if cache.static_decode and not cache.is_compileable:  # the installed torch (kvhive.static_step)
             raise ValueError(f"compile=True: {cache.compile_problem(int(encoded['input_ids'].shape[1]))}")
@@ -319,31 +370,62 @@ def static_decode_methods() -> list[str]:
     return [name for name in method_names() if policy_class(name).static_decode]
 
 
-def _prefill_alone(model, encoded, cache: KVHiveCache):
-    """Run one prompt (a batch of one) through ``cache``, in chunks when the cache was made with
-    ``prefill_chunk`` (as ``kvhive.generate`` feeds it); returns the last position's logits."""
+def prompt_chunks(
+    length: int, prefill_chunk: int | None, question_tokens: int | None = None
+) -> list[tuple[int, int, int]]:
+    """How a prompt of ``length`` tokens is fed: ``(start, stop, copy)`` per forward, ``copy`` the
+    number of question tokens appended to the chunk ``[start, stop)`` (question-aware chunked
+    prefill: every chunk that holds only context, before the last, gets the prompt's last
+    ``question_tokens`` tokens; 0 for the others). One forward without ``prefill_chunk``."""
+    chunk = prefill_chunk or length
+    context_end = length - question_tokens if question_tokens else 0
+    return [
+        (start, min(length, start + chunk), question_tokens if question_tokens and start + chunk <= context_end else 0)
+        for start in range(0, length, chunk)
+    ]
+
+
+def prefill_prompt(model, input_ids, cache: KVHiveCache, attention_mask=None, *, last_chunk: bool = True):
+    """Run a prompt ``input_ids [B, P]`` through ``cache`` and return the last position's logits
+    ``[B, V]``: in one forward, or in chunks of ``cache.prefill_chunk`` tokens (the budgets planned
+    on the whole prompt first, ``cache.plan_prompt``). With ``cache.question_tokens`` (a
+    question-aware chunked prefill) each chunk that holds only context, before the last, is fed
+    followed by a copy of the prompt's last ``question_tokens`` tokens (its question) at the
+    positions right after the chunk; the cache drops the copy's entries once each layer has scored
+    with its queries (docs/METHODS.md, "Question-aware chunked prefill"). ``last_chunk=False``
+    leaves the last chunk unfed (``kvhive.generate`` lets ``model.generate`` feed it) and returns
+    None."""
     import torch
 
-    input_ids, attention_mask = encoded["input_ids"], encoded.get("attention_mask")
     length = int(input_ids.shape[1])
-    chunk = cache.prefill_chunk or length
     if cache.prefill_chunk is not None:
         cache.plan_prompt(length, attention_mask.sum(dim=-1).tolist() if attention_mask is not None else None)
+    chunks = prompt_chunks(length, cache.prefill_chunk, cache.question_tokens)
+    if not last_chunk:
+        chunks = chunks[:-1]
     kwarg = cache_kwarg(model)
     logits = None
     with torch.no_grad():
-        for start in range(0, length, chunk):
-            stop = min(length, start + chunk)
+        for start, stop, copy in chunks:
+            ids = input_ids[:, start:stop]
             mask = attention_mask[:, :stop] if attention_mask is not None else None
-            output = model(
-                input_ids=input_ids[:, start:stop],
-                attention_mask=mask,
-                **{kwarg: cache},
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            logits = output.logits[:, -1]
+            if copy:
+                ids = torch.cat([ids, input_ids[:, length - copy :]], dim=1)
+                if mask is not None:
+                    mask = torch.cat([mask, attention_mask[:, length - copy :]], dim=1)
+            cache.question_copy_tokens = copy
+            try:
+                output = model(input_ids=ids, attention_mask=mask, **{kwarg: cache}, use_cache=True, logits_to_keep=1)
+            finally:
+                cache.question_copy_tokens = 0
+            logits = None if copy else output.logits[:, -1]
     return logits
+
+
+def _prefill_alone(model, encoded, cache: KVHiveCache):
+    """Run one prompt (a batch of one) through ``cache``, in chunks when the cache was made with
+    ``prefill_chunk`` (as ``kvhive.generate`` feeds it); returns the last position's logits."""
+    return prefill_prompt(model, encoded["input_ids"], cache, encoded.get("attention_mask"))
 
 
 def _stop_ids(model, eos_token_id) -> set[int]:

@@ -115,10 +115,14 @@ def command_generate(args: argparse.Namespace) -> int:
     given = sum(source is not None for source in (args.prompt, args.prompt_file, args.prompts_file))
     if given != 1:
         raise SystemExit("kvhive generate: give a PROMPT, --prompt-file or --prompts-file (exactly one)")
+    if args.prompts_file is not None and args.prefill_question is not None:
+        raise SystemExit("kvhive generate: --prefill-question is one prompt's question; not with --prompts-file")
     if args.prompts_file is not None:
         return _generate_batch(args)
     if args.max_batch_size is not None:
         raise SystemExit("kvhive generate: --max-batch-size applies to --prompts-file (a batch of prompts)")
+    if args.prefill_question is not None and args.prefill_chunk is None:
+        raise SystemExit("kvhive generate: --prefill-question applies to a chunked prefill; give --prefill-chunk N too")
     if args.per_layer and not args.json:
         raise SystemExit("kvhive generate: --per-layer adds detail to --json output; give --json too")
     method, parameters = _method_and_parameters(args.method, args.param)
@@ -135,6 +139,7 @@ def command_generate(args: argparse.Namespace) -> int:
         compress_sliding=args.compress_sliding,
         compile=args.compile,
         prefill_chunk=args.prefill_chunk,
+        question=args.prefill_question,
         **parameters,
     )
     statistics = cache.statistics()
@@ -407,6 +412,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="feed the prompt in chunks of N tokens, compressing as it goes (peak memory: budget + one chunk)",
+    )
+    generate.add_argument(
+        "--prefill-question",
+        default=None,
+        metavar="TEXT",
+        help="with --prefill-chunk and a prefill-only method (snapkv, pyramidkv, knorm): the prompt's final part, its "
+        "question (the prompt must end with it); every chunk is scored with the question's queries (a copy of the "
+        "question fed after the chunk, then dropped) instead of the chunk's own",
     )
     generate.add_argument(
         "--max-batch-size",

@@ -1,5 +1,6 @@
 """Chunked against one-shot prefill, paired per item: for every setting ``METHOD:prefill_chunk=N@B``
-of an eval folder and its one-shot ``METHOD@B``, the mean over the items both scored of
+of an eval folder (and ``METHOD:prefill_chunk=N:prefill_question=true@B``, question-aware, a
+setting of its own: method ``METHOD +question``) and its one-shot ``METHOD@B``, the mean over the items both scored of
 (chunked - one-shot) on each of the task's metrics, with its standard error (and the full
 cache's score on those items), per task and prompt
 length (needle's ``length``, mdqa's ``num_documents``) and pooled over the lengths (``all``).
@@ -43,6 +44,8 @@ def paired_rows(records: list[dict]) -> list[list[str]]:
         one_shot = scored.get((task, item, base, budget))
         if chunk is None or one_shot is None:
             continue
+        if options.get("prefill_question"):
+            base = f"{base} +question"  # its own column, never pooled with the plain chunked prefill
         full = scored.get((task, item, FULL_METHOD, budget_key(FULL_BUDGET)))
         for metric in record["metrics"]:
             pair = (

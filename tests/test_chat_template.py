@@ -155,3 +155,16 @@ def test_the_model_sees_the_rendered_prompt_and_results_record_its_hash(tmp_path
     assert record["item_hash"] == expected.fingerprint()
     assert record["metadata"].get("chat_template") == expected.metadata.get("chat_template")
     assert (template is None) == ("<|im_start|>" not in seen[0])
+
+
+def test_a_rendered_prompt_keeps_its_question_as_its_final_part():
+    # The question (Item.question) runs from its first line to the rendered prompt's end: the
+    # template closes the user's turn after it and opens the assistant's with the answer prefix.
+    task = get_task("needle", lengths=[200], depths=[50], max_new_tokens=4)
+    from kvhive.evaluation.cli import default_data_dir
+
+    plain = task.load(default_data_dir(), 1, 0, tiny_tokenizer())[0]
+    chat = task.load(default_data_dir(), 1, 0, templated_tokenizer())[0]
+    assert plain.prompt.endswith(plain.question) and plain.question.startswith("\n\nQuestion:")
+    assert chat.prompt.endswith(chat.question) and chat.question.startswith("\n\nQuestion:")
+    assert chat.question.endswith("<|im_start|>assistant\nThe best thing to do in San Francisco is")

@@ -454,7 +454,10 @@ def _prefill(module, cache: KVHiveCache, layer_index, query, key, value, mask, s
     if cache.record_prefill:
         cache.prefill_records[layer_index] = (attended_queries, mask, scaling)
     # Policies score with the queries the model attended with (as in decode).
-    cache.after_prefill(layer_index, _prefill_scoring(cache, layer_index, attended_queries, mask, scaling, accumulated))
+    make_scoring = _prefill_scoring(cache, layer_index, attended_queries, mask, scaling, accumulated)
+    cache.after_prefill(
+        layer_index, _question_scoring(cache, layer_index, attended_queries, mask, scaling, make_scoring)
+    )
     return output, None
 
 
@@ -681,7 +684,7 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
             stored_in_order=store.stored_in_order,
         )
 
-    cache.after_decode(layer_index, make_scoring)
+    cache.after_decode(layer_index, _question_scoring(cache, layer_index, query, stored_mask, scaling, make_scoring))
     return output, None
 
 
@@ -693,6 +696,59 @@ def _filled_count(store) -> torch.Tensor | None:
     if store.row_lengths_device is not None:
         return store.row_lengths_device.view(-1, 1, 1)
     return store.length_device
+
+
+def _question_scoring(cache: KVHiveCache, layer_index: int, query, mask, scaling, make_scoring):
+    """The scoring factory of a layer after its attention ran. Question-aware chunked prefill
+    (``cache.question_copy_tokens`` > 0: the forward is a prompt chunk followed by a copy of the
+    prompt's question at the positions right after it): the copy's entries are dropped from the
+    layer first (``KVHiveCache.drop_question_copy``), then the method scores what the layer keeps
+    (the kept tokens and the chunk) with the copy's queries, which attended them and the copy itself
+    as the prompt's question will: SnapKV's observation window is then the question's last queries
+    (all of them when the question is shorter than the window), not the chunk's own. The softmax
+    of those queries runs over the kept tokens and the chunk only (the question's own entries are
+    neither candidates nor in its denominator). Otherwise ``make_scoring`` unchanged.
+
+    ``mask``: the attention's mask over the stored tokens ``[B, 1|H, q, N]`` (its last rows are the
+    copy's queries, its first columns the tokens that stay), or None (causal, no padding: the copy
+    sees every token before it)."""
+    count = cache.question_copy_tokens
+    if not count:
+        return make_scoring
+    store = cache.layers[layer_index]
+    sequence_length = store.tokens_seen  # the copy's last position + 1
+    cache.drop_question_copy(layer_index)
+    questions = query[:, :, -count:]
+
+    def make_question_scoring(phase: str) -> ScoringInputs:
+        keys, values, positions, token_scores = store.dense()
+        if cache.stores_query_heads and cache.num_query_heads != keys.shape[1]:
+            factor = cache.num_query_heads // keys.shape[1]
+            keys = keys.repeat_interleave(factor, dim=1)
+            values = values.repeat_interleave(factor, dim=1)
+            positions = positions.repeat_interleave(factor, dim=1)
+        num_keys = keys.shape[2]
+        if mask is None:
+            # An explicit mask: the copy's queries follow every key (a causal mask read from the
+            # shapes would take the last keys for the queries' own tokens).
+            rows = torch.ones(1, 1, count, num_keys, dtype=torch.bool, device=keys.device)
+        else:
+            rows = mask[:, :, -count:, :num_keys]
+        return ScoringInputs(
+            keys=keys,
+            values=values,
+            queries=questions,
+            positions=positions,
+            mask=rows,
+            scaling=scaling,
+            layer_index=layer_index,
+            num_layers=len(cache.layers),
+            sequence_length=sequence_length,
+            phase=phase,
+            token_scores=dict(token_scores),
+        )
+
+    return make_question_scoring
 
 
 def _plain_softmax_attention(dropout, kwargs) -> bool:

@@ -199,6 +199,29 @@ def _adopt_in_place(old: dict, new: dict) -> None:
         old[key] = adopt(old.get(key), value)
 
 
+def check_question_tokens(question_tokens, prefill_chunk, policy: Policy) -> None:
+    """Refuse a question-aware chunked prefill that cannot run, naming the parameter."""
+    if question_tokens is None:
+        return
+    if isinstance(question_tokens, bool) or not isinstance(question_tokens, int) or question_tokens < 1:
+        raise ValueError(
+            f"invalid question_tokens={question_tokens!r}: expected an integer >= 1 (the prompt's last tokens that are "
+            "its question), or None"
+        )
+    if prefill_chunk is None:
+        raise ValueError(
+            f"question_tokens={question_tokens} needs prefill_chunk (the question is appended to each chunk of a "
+            "chunked prefill); without chunks the prompt's own last queries are the question already"
+        )
+    if DECODE in policy.phases or PREFILL not in policy.phases:
+        raise ValueError(
+            f"question_tokens is for methods that compress only the prompt (e.g. snapkv, pyramidkv): method "
+            f"{policy.name!r} "
+            + ("evicts by its decode rule after each chunk" if DECODE in policy.phases else "never evicts")
+            + "; give question_tokens=None for it"
+        )
+
+
 def _copy_without_layers(cache: KVHiveCache) -> KVHiveCache:
     """A deep copy of ``cache``'s settings and method, sharing none of its stored tokens: the layers
     and prefill records are replaced by the caller, so copying their buffers would only cost memory
@@ -244,6 +267,13 @@ class KVHiveCache(Cache):
             every compressed layer holds at most its budget plus one chunk: streaming methods evict
             by their decode rule once per chunk, prefill-only methods score kept + new tokens with
             the chunk's queries (docs/METHODS.md, "Chunked prefill").
+        question_tokens: the last this many tokens of the prompt are its question (a question-aware
+            chunked prefill, FINCH-style; needs ``prefill_chunk`` and a prefill-only method). The
+            prompt's feeder (``kvhive.api.prefill_prompt``, which ``kvhive.generate`` and the
+            evaluation backend use) appends a copy of the question to every chunk that holds only
+            context, at the positions right after the chunk; the method scores kept + chunk with the
+            question's queries and the copy's entries are dropped (docs/METHODS.md, "Question-aware
+            chunked prefill").
     """
 
     def __init__(
@@ -261,6 +291,7 @@ class KVHiveCache(Cache):
         dense_decode: DenseDecode = "sdpa",
         prefill_chunk: int | None = None,
         decode_capacity: int | None = None,
+        question_tokens: int | None = None,
     ) -> None:
         if not isinstance(budget, (Budget, bool, str)):
             budget = Budget.parse(budget)  # ints and floats, numpy's included
@@ -288,6 +319,7 @@ class KVHiveCache(Cache):
             raise ValueError("decode_capacity (a compiled decode) and prefill_chunk cannot be combined yet")
         if prefill_chunk is not None and positions == CACHE_POSITIONS:
             raise ValueError("prefill_chunk is not supported with positions='cache' (stream token by token instead)")
+        check_question_tokens(question_tokens, prefill_chunk, policy)
         if positions == CACHE_POSITIONS and key_rotator is None:
             raise ValueError("positions='cache' needs a key_rotator (use kvhive.make_cache)")
         if positions == CACHE_POSITIONS and type(policy).extra_attention is not Policy.extra_attention:
@@ -348,6 +380,11 @@ class KVHiveCache(Cache):
         self._budgets_resolved_on: int | None = None
         self.prefill_chunk = prefill_chunk
         self.decode_capacity = decode_capacity
+        # Question-aware chunked prefill: how many of the prompt's last tokens are its question, and
+        # how many tokens of the forward now running are a copy of it (set by the prompt's feeder
+        # around that forward, 0 otherwise): each layer drops them once its attention ran.
+        self.question_tokens = question_tokens
+        self.question_copy_tokens = 0
         if decode_capacity is not None and DECODE not in policy.phases:
             for layer in self.layers:
                 if not layer.is_sliding:
@@ -857,9 +894,27 @@ class KVHiveCache(Cache):
             raise ValueError(f"invalid prompt_length={prompt_length!r}: expected an integer >= 1")
         if self.layer_budgets or any(layer.is_initialized for layer in self.layers):
             raise ValueError("plan_prompt must be called on an empty cache, before the prompt's first chunk")
+        if self.question_tokens is not None and self.question_tokens >= prompt_length:
+            raise ValueError(
+                f"invalid question_tokens={self.question_tokens}: expected fewer than the prompt's {prompt_length} "
+                "tokens (the question is the prompt's last part; the context before it is what the chunks compress)"
+            )
         if self.policy.phases:
             self._resolve_budgets(prompt_length, row_lengths)
         self._prompt_planned = True
+
+    def drop_question_copy(self, layer_index: int) -> int:
+        """Question-aware chunked prefill: forget the copy of the question the forward now running
+        appended to this layer after its chunk (its last ``question_copy_tokens`` entries), once the
+        layer's attention ran; the layer has then seen only the prompt up to the chunk's end, and the
+        next chunk continues at the position right after it. Returns how many were dropped (0 when
+        this forward carries no copy). Called by the attention before the layer's decision, which
+        then scores with the copy's queries (``kvhive.attention.integration``)."""
+        count = self.question_copy_tokens
+        if count:
+            # Nothing of this forward was evicted yet: the newest entries are the copy's.
+            self.layers[layer_index].drop_newest(count)
+        return count
 
     # -- re-indexed positions ------------------------------------------------------------------
     def _position_cap(self) -> float:
@@ -1282,6 +1337,7 @@ class KVHiveCache(Cache):
         stacked._prompt_planned = False
         stacked._budgets_resolved_on = max(cache.layers[0].tokens_seen for cache in caches)
         stacked.prefill_chunk = None
+        stacked.question_tokens = None
         stacked.decode_capacity = None
         stacked._compileable = False  # per-row lengths and counts live on the host: eager decode
         stacked._slots = False

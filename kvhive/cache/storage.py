@@ -338,6 +338,20 @@ class LayerStore(CacheLayerMixin):
         remove = self._tokens_to_crop(tokens_to_remove)
         if remove == 0:
             return
+        self._drop_newest(remove)
+
+    def drop_newest(self, count: int) -> None:
+        """Forget the ``count`` newest stored tokens, appended by the forward now running and not yet
+        evicted from (a question-aware chunked prefill's copy of the question, once the layer's
+        attention ran): the layer has then seen ``count`` tokens fewer."""
+        if not self.is_uniform or self._row_tokens_seen is not None or count > self._length:
+            raise RuntimeError(
+                f"layer {self.layer_index}: cannot drop its {count} newest tokens (a copy of the question): the layer "
+                "holds a different number of tokens per head or per row, or fewer tokens"
+            )
+        self._drop_newest(count)
+
+    def _drop_newest(self, remove: int) -> None:
         length = self._length
         freed = slice(self._start + length - remove, self._start + length)
         for buffer in (self._key_buffer, self._value_buffer, self._position_buffer, *self._score_buffers.values()):

@@ -51,14 +51,17 @@ def validate_dtype(dtype: str) -> str:
 
 
 # Options of a setting's method spec that configure the cache, not the method: ``snapkv:prefill_chunk=512``
-# feeds the prompt in chunks of 512 tokens (chunked prefill). Kept in the method spec, so a chunked
+# feeds the prompt in chunks of 512 tokens (chunked prefill); ``:prefill_question=true`` with it scores
+# every chunk with the item's question (question-aware chunked prefill: the item's ``question``, the
+# prompt's final part, is appended to each chunk and dropped after). Kept in the method spec, so such a
 # setting has its own name (label, results key, report row) and is never mixed with the one-shot one.
-CACHE_OPTIONS = ("prefill_chunk",)
+CACHE_OPTIONS = ("prefill_chunk", "prefill_question")
 
 
-def split_cache_options(method: str) -> tuple[str, dict[str, int]]:
+def split_cache_options(method: str) -> tuple[str, dict[str, int | bool]]:
     """``"snapkv:window=8:prefill_chunk=512"`` -> ``("snapkv:window=8", {"prefill_chunk": 512})``:
-    the method's own spec (for the method registry) and the cache options, validated."""
+    the method's own spec (for the method registry) and the cache options, validated
+    (``prefill_question=true`` -> ``{"prefill_question": True}``, only beside ``prefill_chunk``)."""
     name, *parts = method.split(":")
     kept, options = [name], {}
     for part in parts:
@@ -69,16 +72,32 @@ def split_cache_options(method: str) -> tuple[str, dict[str, int]]:
         option = option.strip()
         if option in options:
             raise ValueError(f"invalid method={method!r}: option {option!r} given twice")
+        if option == "prefill_question":
+            if not equals or text.strip().lower() not in ("true", "false"):
+                raise ValueError(f"invalid method={method!r}: prefill_question must be true or false, got {text!r}")
+            if text.strip().lower() == "true":
+                options[option] = True
+            continue
         if not equals or not re.fullmatch(r"\s*\d+\s*", text) or int(text) < 1:
             raise ValueError(f"invalid method={method!r}: {option} must be an integer >= 1 (tokens), got {text!r}")
         options[option] = int(text)
+    if options.get("prefill_question") and "prefill_chunk" not in options:
+        raise ValueError(
+            f"invalid method={method!r}: prefill_question=true makes a chunked prefill question-aware; give "
+            "prefill_chunk=N too"
+        )
     return ":".join(kept), options
 
 
-def with_cache_options(method: str, options: dict[str, int]) -> str:
+def with_cache_options(method: str, options: dict[str, int | bool]) -> str:
     """The method spec with the cache options appended (in :data:`CACHE_OPTIONS` order): the
     canonical spelling of a setting whose method spec is already canonical."""
-    return ":".join([method, *(f"{option}={options[option]}" for option in CACHE_OPTIONS if option in options)])
+    spelled = [
+        f"{option}={'true' if options[option] is True else options[option]}"
+        for option in CACHE_OPTIONS
+        if options.get(option)
+    ]
+    return ":".join([method, *spelled])
 
 
 ACCEPTED_BUDGETS = "a ratio of the context (float in (0, 1]) or a number of tokens per head (int >= 1)"
@@ -104,6 +123,12 @@ class Setting:
     def prefill_chunk(self) -> int | None:
         """The chunk size of a chunked prefill (``snapkv:prefill_chunk=512``), or None: one prefill."""
         return split_cache_options(self.method)[1].get("prefill_chunk")
+
+    @property
+    def prefill_question(self) -> bool:
+        """Whether the chunked prefill is question-aware (``snapkv:prefill_chunk=512:prefill_question=true``):
+        every chunk scored with the item's question (``Item.question``) instead of its own last queries."""
+        return bool(split_cache_options(self.method)[1].get("prefill_question"))
 
 
 @dataclass(frozen=True)
@@ -132,7 +157,11 @@ class Backend(Protocol):
         """Greedy continuation of ``prompt`` (at most ``max_new_tokens`` tokens, stopping at EOS) for
         each setting, in the order of ``settings``; the prompt's cache is compressed to the
         setting's budget (ratio budgets are of the prompt length). One prefill may serve all
-        settings (implementation detail). Returns only the generated text, not the prompt."""
+        settings (implementation detail). Returns only the generated text, not the prompt.
+
+        A setting with ``prefill_question`` (question-aware chunked prefill) is given only when the
+        item separates its question: the harness then passes ``question=`` (the prompt's final part,
+        ``Item.question``) as a keyword, which a backend without such settings never receives."""
         ...
 
     def choice_loglikelihoods(

@@ -14,7 +14,8 @@ import math
 
 import torch
 
-from kvhive.api import context_length, make_cache, shared_prefill
+from kvhive.api import context_length, make_cache, prefill_prompt, question_token_count, shared_prefill
+from kvhive.cache.kv_cache import check_question_tokens
 from kvhive.cache.rows import CacheRows
 from kvhive.compat import cache_kwarg
 from kvhive.evaluation.backend import (
@@ -109,7 +110,7 @@ class KVHiveBackend:
             raise ValueError(f"prompt of {ids.shape[1]} tokens exceeds the model's context of {self.max_context}")
         return ids.to(self.model.device)
 
-    def _caches(self, settings: list[Setting]):
+    def _caches(self, settings: list[Setting], question_tokens: int | None = None):
         # The full cache keeps everything: it takes no budget (one given would be ignored).
         return [
             make_cache(
@@ -117,6 +118,7 @@ class KVHiveBackend:
                 _policy(setting),
                 None if setting.method == FULL_METHOD else setting.budget,
                 prefill_chunk=setting.prefill_chunk,
+                question_tokens=question_tokens if setting.prefill_question else None,
             )
             for setting in settings
         ]
@@ -124,27 +126,18 @@ class KVHiveBackend:
     @torch.no_grad()
     def _own_prefill(self, input_ids: torch.Tensor, cache) -> torch.Tensor:
         """The prompt through ``cache`` alone: in one forward, or in chunks of ``cache.prefill_chunk``
-        tokens (budgets planned on the whole prompt first, as ``kvhive.generate`` does). Returns the
-        last position's logits."""
-        chunk = cache.prefill_chunk
-        if chunk is None:
-            output = self.model(input_ids=input_ids, **{self.cache_kwarg: cache}, use_cache=True, logits_to_keep=1)
-            return output.logits[:, -1]
-        cache.plan_prompt(int(input_ids.shape[1]))  # a ratio budget is of the whole prompt
-        for start in range(0, input_ids.shape[1], chunk):
-            output = self.model(
-                input_ids=input_ids[:, start : start + chunk],
-                **{self.cache_kwarg: cache},
-                use_cache=True,
-                logits_to_keep=1,
-            )
-        return output.logits[:, -1]
+        tokens (budgets planned on the whole prompt first, as ``kvhive.generate`` does; each chunk
+        followed by a copy of the question when the cache has ``question_tokens``,
+        :func:`kvhive.api.prefill_prompt`). Returns the last position's logits."""
+        return prefill_prompt(self.model, input_ids, cache)
 
-    def _prefilled(self, input_ids: torch.Tensor, settings: list[Setting]):
+    def _prefilled(self, input_ids: torch.Tensor, settings: list[Setting], question_tokens: int | None = None):
         """Each setting's cache filled with the prompt, and the logits of its last position. The
         one-shot settings share one prefill (``share_prefill``); a chunked prefill is a setting's
-        own (its chunks are compressed as they come, so no other setting's forward is the same)."""
-        caches = self._caches(settings)
+        own (its chunks are compressed as they come, so no other setting's forward is the same).
+        ``question_tokens``: how many of the prompt's last tokens are its question (the settings
+        with ``prefill_question`` score every chunk with it)."""
+        caches = self._caches(settings, question_tokens)
         shared = [index for index, cache in enumerate(caches) if self.share_prefill and cache.prefill_chunk is None]
         logits: list = [None] * len(caches)
         if shared:
@@ -239,6 +232,11 @@ class KVHiveBackend:
                 f"prefill_chunk={setting.prefill_chunk}: the text is fed one token at a time, there is no prompt "
                 "to feed in chunks"
             )
+        if setting.prefill_question and not streaming:
+            try:  # a method that evicts while decoding, or never, takes no question (make_cache would refuse it)
+                check_question_tokens(1, setting.prefill_chunk, _policy(setting))
+            except ValueError as error:
+                return f"prefill_question: {error}"
         if not streaming or setting.method == FULL_METHOD:
             return None
         policy = _policy(setting)
@@ -251,9 +249,19 @@ class KVHiveBackend:
             f"one, its cache would grow past budget={setting.budget} uncompressed"
         )
 
-    def generate(self, prompt: str, max_new_tokens: int, settings: list[Setting]) -> list[str]:
+    def generate(
+        self, prompt: str, max_new_tokens: int, settings: list[Setting], question: str | None = None
+    ) -> list[str]:
         input_ids = self._encode(prompt)
-        caches, logits = self._prefilled(input_ids, settings)
+        question_tokens = None
+        if any(setting.prefill_question for setting in settings):
+            if not question:
+                raise ValueError(
+                    "a setting with prefill_question=true needs the prompt's question: pass question= (the prompt's "
+                    "final part)"
+                )
+            question_tokens = question_token_count(self.tokenizer, prompt, question)
+        caches, logits = self._prefilled(input_ids, settings, question_tokens)
         sizes = [_SizeTracker() for _ in caches]
         if self.share_decode:
             generated = self._greedy(caches, logits, max_new_tokens, sizes) if caches else []

@@ -195,7 +195,10 @@ def _backend_setting(task: Task, item: Item, setting: Setting) -> Setting:
 
 def _call_backend(backend: Backend, task: Task, item: Item, settings: list[Setting]) -> list[Any]:
     if task.kind == "generate":
-        outputs = backend.generate(item.prompt, item.max_new_tokens, settings)
+        if any(setting.prefill_question for setting in settings):
+            outputs = backend.generate(item.prompt, item.max_new_tokens, settings, question=item.question)
+        else:
+            outputs = backend.generate(item.prompt, item.max_new_tokens, settings)
     elif task.kind == "choice":
         outputs = backend.choice_loglikelihoods(item.prompt, list(item.choices), settings)
     elif task.kind == "perplexity":
@@ -476,6 +479,13 @@ def _run_item(
                 f"budget ratio={setting.budget:g} of a {len(item.token_ids)}-token text is 0 tokens",
             )
             continue
+        if setting.prefill_question and (task.kind != "generate" or not item.question):
+            reasons[setting] = (
+                "not_applicable",
+                f"prefill_question: task {task.name!r} separates no question from its prompts (a question-aware "
+                "chunked prefill needs the prompt's final part that is its question)",
+            )
+            continue
         backend_setting = _backend_setting(task, item, setting)
         reason = infeasible(backend_setting, context_tokens) if infeasible is not None else None
         if reason:
@@ -550,6 +560,8 @@ def _run_item(
         }
         if setting.prefill_chunk is not None:  # also in the method's name: never mixed with a one-shot prefill
             record["prefill_chunk"] = setting.prefill_chunk
+        if setting.prefill_question:
+            record["prefill_question"] = True
         if cache_sizes.get(setting):
             record["cache"] = cache_sizes[setting]
         if status != "ok":

@@ -112,6 +112,10 @@ class Item:
     # What the task needs to rebuild a shorter prompt (Task.shorten); not part of the item's
     # identity (the fingerprint) and never recorded.
     source: Any = field(default=None, repr=False, compare=False)
+    # The prompt's final part that is its question (a suffix of ``prompt``; empty when the task
+    # separates none): a question-aware chunked prefill scores every chunk with it. Not part of
+    # the fingerprint (the prompt is: the split adds nothing the model sees).
+    question: str = field(default="", compare=False)
 
     @property
     def context(self) -> str:
@@ -295,14 +299,32 @@ def apply_chat_template(items: list[Item], kind: str, tokenizer: Any) -> list[It
     if template is None or kind not in CHAT_TEMPLATE_KINDS:
         return items
     template_hash = hashlib.sha1(template.encode("utf-8")).hexdigest()[:12]
-    return [
-        replace(
-            item,
-            prompt=render_chat_prompt(tokenizer, item.prompt),
-            metadata={**item.metadata, "chat_template": template_hash},
+    rendered = []
+    for item in items:
+        prompt = render_chat_prompt(tokenizer, item.prompt)
+        rendered.append(
+            replace(
+                item,
+                prompt=prompt,
+                question=_rendered_question(prompt, item.question),
+                metadata={**item.metadata, "chat_template": template_hash},
+            )
         )
-        for item in items
-    ]
+    return rendered
+
+
+def _rendered_question(prompt: str, question: str) -> str:
+    """The question of a rendered prompt: from the question's first line (and the blank lines
+    before it) to the prompt's end, since the template closes the user's turn after the question
+    and may open the assistant's with the answer prefix; empty when the line is not found."""
+    first_line = question.strip().split("\n", 1)[0] if question.strip() else ""
+    start = prompt.rfind(first_line) if first_line else -1
+    if start <= 0:
+        return ""
+    lead = question[: len(question) - len(question.lstrip())]
+    if lead and prompt[:start].endswith(lead) and start > len(lead):
+        start -= len(lead)
+    return prompt[start:]
 
 
 def _rendering_chat_template(load: Callable[..., list[Item]]) -> Callable[..., list[Item]]:

@@ -125,6 +125,7 @@ class MultiDocQATask(Task):
                         Item(
                             id=f"q{line_number}{documents_tag}-gold{position}",
                             prompt=qa_prompt(record["question"], documents),
+                            question=f"\n\nQuestion: {record['question']}\nAnswer:",  # QA_TEMPLATE's end
                             references=list(record["answers"]),
                             max_new_tokens=int(self.params["max_new_tokens"]),
                             metadata={"gold_position": position, "num_documents": count, "line": line_number},
@@ -235,6 +236,7 @@ class KVRetrievalTask(Task):
                     Item(
                         id=f"kv{line_number}-pos{at_index}",
                         prompt=kv_prompt(ordered, record["key"]),
+                        question=f'\n\nKey: "{record["key"]}"\nCorresponding value:',
                         references=[record["value"]],
                         max_new_tokens=int(self.params["max_new_tokens"]),
                         metadata={"gold_position": at_index, "num_pairs": len(ordered), "line": line_number},

@@ -179,7 +179,12 @@ class NeedleTask(Task):
         }
 
     def _prompt(self, context: str, question: str, answer_prefix: str) -> str:
-        return f"{context}\n\nQuestion: {question} Answer using the text above.\nAnswer: {answer_prefix}"
+        return context + self._question(question, answer_prefix)
+
+    @staticmethod
+    def _question(question: str, answer_prefix: str) -> str:
+        """The prompt's final part after the haystack (``Item.question``)."""
+        return f"\n\nQuestion: {question} Answer using the text above.\nAnswer: {answer_prefix}"
 
     def load(self, data_dir, limit, seed, tokenizer) -> list[Item]:
         root = self.check_files(data_dir)
@@ -233,6 +238,7 @@ class NeedleTask(Task):
         return Item(
             id=f"len{length}-depth{depth:g}-rep{repetition}",
             prompt=self._prompt(context, QUESTION, ANSWER_PREFIX),
+            question=self._question(QUESTION, ANSWER_PREFIX),
             references=[ANSWER],
             max_new_tokens=int(self.params["max_new_tokens"]),
             metadata={
@@ -291,6 +297,7 @@ class NeedleMultiKeyTask(NeedleTask):
         return Item(
             id=f"len{length}-depth{depth:g}-rep{repetition}",
             prompt=f"{context}\n\nQuestion: {question}\nAnswer: {prefix}",
+            question=f"\n\nQuestion: {question}\nAnswer: {prefix}",
             references=[numbers[0]],
             max_new_tokens=int(self.params["max_new_tokens"]),
             metadata={
