@@ -84,9 +84,15 @@ def _timed_run(
     memory: PhaseMemory | None = None,
     compile: bool = False,
     prefill_chunk: int | None = None,
+    rows_alone: bool = False,
 ):
     """One prefill and ``decode_tokens`` greedy steps; with ``memory``, also each phase's memory at
     its start and its peak (``*_start_bytes``, ``*_peak_bytes``; the decode phase only if it ran).
+
+    ``rows_alone``: each row of ``input_ids`` is prefilled alone (a batch of one, chunked with
+    ``prefill_chunk``) and placed into fixed batch slots as it comes, then the rows decode together
+    (what ``kvhive.generate_batch`` serves): the prefill holds one row's activations beside the
+    compressed rows, not the whole batch's.
 
     ``prefill_chunk``: the prompt is fed in chunks of that many tokens, each compressed as it comes
     (``make_cache(prefill_chunk=...)``, budgets resolved on the whole prompt by ``plan_prompt``);
@@ -95,6 +101,10 @@ def _timed_run(
     ``compile``: the decode step runs through ``torch.compile(fullgraph=True, dynamic=False)``
     (the first step, which compiles, is not timed). The full cache is then transformers'
     ``StaticCache`` (the best stock compiled decode); a kvhive method must be compileable."""
+    if rows_alone:
+        return _timed_rows_alone(
+            model, input_ids, method, budget, decode_tokens, method_parameters, memory, compile, prefill_chunk
+        )
     cache_key = cache_kwarg(model)
     if compile and method == "full":
         from transformers import StaticCache
@@ -158,6 +168,82 @@ def _timed_run(
     return cache, prefill_seconds, step_seconds, phases
 
 
+def _timed_rows_alone(
+    model, input_ids, method, budget, decode_tokens, method_parameters, memory, compile, prefill_chunk
+):
+    """:func:`_timed_run` with ``rows_alone``: the first row's cache becomes a cache of ``B`` fixed
+    batch slots (``KVHiveCache.stack(batch_slots=B)``), every later row joins its slot
+    (``fill_slots``) right after its own prefill, and its single-row cache is dropped then."""
+    from kvhive.cache import KVHiveCache
+
+    cache_key = cache_kwarg(model)
+    batch, context = input_ids.shape
+    chunk = context if prefill_chunk is None else prefill_chunk
+    chunking = {} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}
+    device = input_ids.device
+    phases: dict[str, int | None] = {}
+    if memory is not None:
+        phases["prefill_start_bytes"] = memory.start()
+    _synchronize(device)
+    start = time.perf_counter()
+    slotted, first_tokens = None, []
+    for row in range(batch):
+        cache = make_cache(model, method, budget, **method_parameters, **chunking)
+        if prefill_chunk is not None:
+            cache.plan_prompt(context)
+        for chunk_start in range(0, context, chunk):
+            output = model(
+                input_ids=input_ids[row : row + 1, chunk_start : chunk_start + chunk],
+                **{cache_key: cache},
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        first_tokens.append(output.logits[:, -1:].argmax(-1))
+        del output
+        if slotted is None:
+            slotted = KVHiveCache.stack(
+                [cache],
+                decode_capacity=decode_tokens + 1,
+                batch_slots=batch,
+                slot_capacity=context + decode_tokens + 1,
+            )
+        else:
+            slotted.fill_slots([row], [cache])
+        del cache
+    _synchronize(device)
+    prefill_seconds = time.perf_counter() - start
+    if compile and not slotted.is_compileable:
+        raise ValueError(
+            f"--compile: the decode step of method {method!r} over fixed batch slots cannot compile to one graph"
+        )
+    if memory is not None:
+        phases["prefill_peak_bytes"] = memory.peak()
+        if decode_tokens:
+            phases["decode_start_bytes"] = memory.start()
+
+    def step(token, position):
+        return model(input_ids=token, position_ids=position, **{cache_key: slotted}, use_cache=True).logits
+
+    if compile:
+        torch._dynamo.reset()
+        step = torch.compile(
+            step, fullgraph=True, dynamic=False, backend="inductor" if device.type == "cuda" else "aot_eager"
+        )
+    next_token = torch.cat(first_tokens)
+    step_seconds = []
+    for index in range(decode_tokens + (1 if compile else 0)):
+        position = slotted.layers[0].row_tokens_seen_device[:, None].clone()
+        start = time.perf_counter()
+        logits = step(next_token, position)
+        _synchronize(device)
+        if not (compile and index == 0):
+            step_seconds.append(time.perf_counter() - start)
+        next_token = logits[:, -1:].argmax(-1)
+    if memory is not None and decode_tokens:
+        phases["decode_peak_bytes"] = memory.peak()
+    return slotted, prefill_seconds, step_seconds, phases
+
+
 def _check_prefill_chunk(prefill_chunk, compile: bool) -> None:
     if prefill_chunk is None:
         return
@@ -210,10 +296,16 @@ def run_benchmark(
     dtype: torch.dtype = torch.float32,
     compile: bool = False,
     prefill_chunk: int | None = None,
+    rows_alone: bool = False,
+    baseline: bool = True,
 ) -> dict[str, Any]:
-    """Benchmark ``method`` against an uncompressed cache; returns a dict of numbers. ``compile``:
+    """Benchmark ``method`` against an uncompressed cache (``baseline=False``: the method alone, for
+    a batch whose full cache would not fit; the full-cache fields are then None and
+    ``full_cache_bytes`` is what it would hold); returns a dict of numbers. ``compile``:
     both decode steps compiled (the full cache as transformers' ``StaticCache``). ``prefill_chunk``:
-    both prompts fed in chunks of that many tokens (the method's compressed as they come)."""
+    both prompts fed in chunks of that many tokens (the method's compressed as they come).
+    ``rows_alone``: both prefill each row alone into fixed batch slots and decode the rows together
+    (``kvhive.generate_batch``'s serving path; the full cache as kvhive's ``full`` in slots)."""
     if isinstance(context, bool) or not isinstance(context, int) or context < 2:
         raise ValueError(f"invalid context={context!r}: expected an integer >= 2 (prompt tokens)")
     if isinstance(decode_tokens, bool) or not isinstance(decode_tokens, int) or decode_tokens < 0:
@@ -224,7 +316,8 @@ def run_benchmark(
         raise ValueError(f"invalid num_layers={num_layers!r}: expected an integer >= 1 (or none for the shape's own)")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"invalid batch_size={batch_size!r}: expected an integer >= 1")
-    _check_prefill_chunk(prefill_chunk, compile)
+    # (Rows prefilled alone decode in fixed slots whatever the chunking: a compiled step serves them.)
+    _check_prefill_chunk(prefill_chunk, compile and not rows_alone)
     method_parameters = method_parameters or {}
     model = load_shape(shape, num_layers, device, dtype=dtype)
     limit = model.config.get_text_config().max_position_embeddings
@@ -244,15 +337,26 @@ def run_benchmark(
     memory_baseline = memory.start()  # model and prompt held, nothing else
     full_prefill, full_steps, method_prefill, method_steps = [], [], [], []
     full_phases, method_phases = [], []
+    full_bytes = None
     for _ in range(repeats):
-        full_cache, prefill_seconds, steps, phases = _timed_run(
-            model, input_ids, "full", None, decode_tokens, {}, memory, compile=compile, prefill_chunk=prefill_chunk
-        )
-        full_prefill.append(prefill_seconds)
-        full_steps.extend(steps)
-        full_phases.append(phases)
-        full_bytes = _cache_bytes(full_cache)
-        del full_cache
+        if baseline:
+            full_cache, prefill_seconds, steps, phases = _timed_run(
+                model,
+                input_ids,
+                "full",
+                None,
+                decode_tokens,
+                {},
+                memory,
+                compile=compile,
+                prefill_chunk=prefill_chunk,
+                rows_alone=rows_alone,
+            )
+            full_prefill.append(prefill_seconds)
+            full_steps.extend(steps)
+            full_phases.append(phases)
+            full_bytes = _cache_bytes(full_cache)
+            del full_cache
         cache, prefill_seconds, steps, phases = _timed_run(
             model,
             input_ids,
@@ -263,14 +367,17 @@ def run_benchmark(
             memory,
             compile=compile,
             prefill_chunk=prefill_chunk,
+            rows_alone=rows_alone,
         )
         method_prefill.append(prefill_seconds)
         method_steps.extend(steps)
         method_phases.append(phases)
     kept = sum(int(v.sum()) for v in cache.kept_tokens().values())
     bytes_per_token = cache.layers[0].bytes_per_token()
-    prefill = statistics.median(full_prefill)
+    prefill = statistics.median(full_prefill) if full_prefill else None
     compressed_prefill = statistics.median(method_prefill)
+    if full_bytes is None:
+        full_bytes = cache.full_cache_nbytes()  # what the full cache would hold (not run)
     result = {
         "shape": shape,
         "device": device,
@@ -281,8 +388,9 @@ def run_benchmark(
         "decode_tokens": decode_tokens,
         "prefill_seconds": prefill,
         "prefill_and_compress_seconds": compressed_prefill,
-        "compression_seconds": compressed_prefill - prefill,
-        "prefill_ratio": compressed_prefill / prefill,
+        "compression_seconds": compressed_prefill - prefill if prefill is not None else None,
+        "prefill_ratio": compressed_prefill / prefill if prefill is not None else None,
+        "baseline_run": baseline,
         "decode_ms_per_token_full": 1e3 * statistics.median(full_steps) if full_steps else None,
         "decode_ms_per_token": 1e3 * statistics.median(method_steps) if method_steps else None,
         "dtype": str(dtype).removeprefix("torch."),
@@ -291,6 +399,9 @@ def run_benchmark(
         "metadata_bytes": cache.metadata_nbytes(),
         "compiled_decode": compile,
         "prefill_chunk": prefill_chunk,
+        "rows_alone": rows_alone,
+        "decode_tokens_per_second": (batch_size / statistics.median(method_steps) if method_steps else None),
+        "decode_tokens_per_second_full": batch_size / statistics.median(full_steps) if full_steps else None,
         "full_cache_bytes": full_bytes,
         "cache_fraction": cache.nbytes() / full_bytes if full_bytes else None,
         "kept_tokens": kept,
@@ -370,6 +481,7 @@ def capacity_trial(
     method_parameters: dict,
     memory_limit: int,
     prefill_chunk: int | None = None,
+    rows_alone: bool = False,
 ) -> TrialOutcome:
     """One trial of ``capacity_search``, meant for a fresh process (``kvhive.memory`` runs it there):
     load the model, prefill ``batch_size`` prompts of ``context`` tokens with ``method``, decode
@@ -405,6 +517,7 @@ def capacity_trial(
             method_parameters,
             None if memory.unavailable else memory,
             prefill_chunk=prefill_chunk,
+            rows_alone=rows_alone,
         )
     except Exception as error:  # noqa: BLE001 - only out-of-memory is an outcome; the rest re-raised
         if not is_out_of_memory(error):
@@ -464,6 +577,7 @@ def capacity_search(
     report=None,
     trial=None,
     prefill_chunk: int | None = None,
+    rows_alone: bool = False,
 ) -> dict[str, Any]:
     """The longest prompt (``search="context"``, at ``batch_size``) or the largest batch
     (``search="batch"``, at ``context``) whose prefill + ``decode_tokens`` decode steps with
@@ -475,6 +589,8 @@ def capacity_search(
     (``capacity_trial``); ``trial`` replaces that (a function of the value). ``report`` sees each
     trial's outcome as it comes. ``prefill_chunk``: each trial feeds its prompts in chunks of that
     many tokens (compressed as they come), so the prompt's activations are a chunk's, not its own.
+    ``rows_alone``: each trial prefills its rows one at a time into fixed batch slots (the serving
+    path of ``kvhive.generate_batch``), so a batch's prefill holds one row's activations.
     """
     _check_prefill_chunk(prefill_chunk, False)
     if search not in SEARCHES:
@@ -525,6 +641,7 @@ def capacity_search(
         "method_parameters": method_parameters or {},
         "memory_limit": memory_limit,
         "prefill_chunk": prefill_chunk,
+        "rows_alone": rows_alone,
     }
     if trial is None:
 
@@ -559,6 +676,7 @@ def capacity_search(
         "step": step,
         "maximum": maximum,
         "prefill_chunk": prefill_chunk,
+        "rows_alone": rows_alone,
         **result.as_dict(),
     }
 

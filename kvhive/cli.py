@@ -284,6 +284,8 @@ def command_bench(args: argparse.Namespace) -> int:
             dtype=bench.DTYPES[args.dtype],
             compile=args.compile,
             prefill_chunk=args.prefill_chunk,
+            rows_alone=args.rows_alone,
+            baseline=args.baseline,
         )
     if args.json:
         print(json.dumps(result, indent=2))
@@ -322,6 +324,7 @@ def _capacity_search(args: argparse.Namespace, bench, budget, parameters: dict, 
         maximum=args.search_max,
         report=report,
         prefill_chunk=args.prefill_chunk,
+        rows_alone=args.rows_alone,
     )
 
 
@@ -508,6 +511,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="feed the prompt in chunks of N tokens, each compressed as it comes (the full cache takes the same "
         "chunks); with --search, every trial does",
+    )
+    bench.add_argument(
+        "--rows-alone",
+        action="store_true",
+        help="prefill each row of the batch alone into fixed batch slots and decode the rows together "
+        "(kvhive.generate_batch's serving path): the prefill holds one row's activations, not the batch's; "
+        "with --search, every trial does",
+    )
+    bench.add_argument(
+        "--baseline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run the full cache on the same prompts (default); --no-baseline: the method alone, for a "
+        "batch whose full cache would not fit",
     )
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(func=command_bench)

@@ -13,7 +13,9 @@
 #            methods <= 1.2x snapkv)
 #   prefill  prefill + compression / prefill at 8k and 32k (issue 25 targets)
 #   capacity the largest batch at 32k that fits the GPU, full cache vs compressed, prompts fed
-#            whole and in chunks (issue 24: >= 48 requests at 10%)
+#            whole, in chunks, and one row at a time into fixed batch slots (--rows-alone, the
+#            serving path of generate_batch); then decode tokens/s at batch 48 in slots, compiled
+#            (issue 24: >= 48 requests at 10%, >= 4x the best stock batch's tokens/s)
 #   stream   a 1M-token prompt at a 32k budget, chunked, peak memory every 50k tokens (issue 24)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -51,6 +53,15 @@ for step in $STEPS; do
             --context 32768 --search batch --decode-tokens 32 ${chunk:+--prefill-chunk "$chunk"} --json \
             > "$OUT/capacity_${method}_${chunk:-whole}_$COMMIT.json"
         done
+        kvhive bench --device cuda --shape llama3-8b --dtype bfloat16 --method "$method" --budget 0.1 \
+          --context 32768 --search batch --decode-tokens 32 --rows-alone --prefill-chunk 4096 --json \
+          > "$OUT/capacity_${method}_rows_alone_$COMMIT.json"
+      done
+      for method in h2o snapkv; do
+        kvhive bench --device cuda --shape llama3-8b --dtype bfloat16 --method "$method" --budget 0.1 \
+          --context 32768 --batch-size 48 --decode-tokens 32 --rows-alone --prefill-chunk 4096 --compile \
+          --no-baseline --json \
+          > "$OUT/throughput_${method}_b48_rows_alone_$COMMIT.json"
       done
       ;;
     stream)

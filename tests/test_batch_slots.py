@@ -237,3 +237,22 @@ def test_slot_refusals(model):
     long_joiner, _ = _prefilled(model, "full", prompts[2])
     with pytest.raises(ValueError, match="more than its slot capacity of 50"):
         growing.fill_slots([1], [long_joiner])
+
+
+@pytest.mark.parametrize("method", ["h2o", "snapkv", "full"])
+def test_bench_rows_alone_keeps_what_the_batch_keeps(model, method):
+    # The serving path of the capacity benchmark (kvhive bench --rows-alone): each row prefilled
+    # alone into fixed slots, then decoded together, keeps per row what one batched prefill keeps.
+    from golden_kept import snapshot
+
+    from kvhive.bench import _timed_run
+
+    input_ids = torch.randint(3, model.config.vocab_size, (3, 70), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        batched, _, batched_steps, _ = _timed_run(model, input_ids, method, _budget(method), 4, {})
+        alone, _, alone_steps, _ = _timed_run(model, input_ids, method, _budget(method), 4, {}, rows_alone=True)
+    assert alone.is_slotted and alone.active_slots == [True, True, True]
+    assert alone.row_tokens_seen() == [70 + 4] * 3
+    assert len(alone_steps) == len(batched_steps) == 4
+    assert snapshot(alone) == snapshot(batched)

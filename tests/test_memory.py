@@ -171,6 +171,19 @@ def test_prefill_peak_grows_with_the_prompt(benchmarks):
     assert long["prefill_peak_bytes"] > short["prefill_peak_bytes"]
 
 
+def test_rows_prefilled_alone_into_slots_peak_at_one_rows_activations():
+    # A batch prefilled at once peaks at the whole batch's activations; rows prefilled one at a time
+    # into fixed batch slots (kvhive bench --rows-alone) at one row's beside the compressed rows.
+    shared = {"shape": "kv-heavy", "num_layers": 2, "decode_tokens": 2, "budget": 0.1, "method": "h2o"}
+    shared |= {"context": 1024, "batch_size": 6, "baseline": False}
+    rise = {}
+    for rows_alone in (False, True):
+        result = run_benchmark(rows_alone=rows_alone, **shared)
+        assert result["rows_alone"] is rows_alone and result["prefill_peak_bytes_full"] is None
+        rise[rows_alone] = result["prefill_peak_bytes"] - result["memory_baseline_bytes"]
+    assert rise[True] < 0.6 * rise[False], rise
+
+
 def test_search_in_fresh_processes_finds_the_boundary_and_survives_out_of_memory():
     shared = {"shape": "kv-heavy", "method": "full", "budget": None, "num_layers": 1, "decode_tokens": 1}
     # A trial whose allocations fail (1 MB: the address-space guard stops the model's first tensors).
