@@ -453,9 +453,14 @@ def generate_batch(
     eos_token_id: int | list[int] | None = None,
     max_batch_size: int | None = None,
     compile: bool | str = False,
+    do_sample: bool | list[bool] = False,
+    temperature: float | list[float] = 1.0,
+    top_k: int | list[int | None] | None = None,
+    top_p: float | list[float | None] | None = None,
+    seed: int | list[int] | None = None,
     **cache_options: Any,
 ) -> list[str]:
-    """Greedy generation for several prompts: each prompt is prefilled alone into its own cache
+    """Generation for several prompts (greedy, or sampled per row): each prompt is prefilled alone into its own cache
     (``make_cache(model, method, budget, **cache_options)``; ``prefill_chunk`` feeds it in chunks),
     the caches are stacked into one batch of fixed slots (:meth:`KVHiveCache.stack` with
     ``batch_slots``), and all rows decode together, one token per row per step with each row's own
@@ -471,6 +476,13 @@ def generate_batch(
     (:meth:`KVHiveCache.fill_slots`; continuous batching), between two decode steps. Slots are
     fixed: rows leaving and joining move no buffer (a free slot decodes a placeholder until a
     prompt takes it), so the decode step keeps one shape.
+
+    **Sampling, per row.** ``do_sample``, ``temperature``, ``top_k``, ``top_p`` and ``seed`` are each
+    one value for every prompt or a list with one per prompt: a row with ``do_sample`` draws each
+    token from its softmax at ``temperature``, restricted to its ``top_k`` tokens and its ``top_p``
+    nucleus (transformers' logits warpers), with its own generator seeded by ``seed`` (None: drawn
+    from torch's global generator), so a row gives the same tokens in any batch as alone with the
+    same seed; a row without ``do_sample`` is greedy.
 
     ``compile=True`` (or the name of a ``torch.compile`` backend, e.g. ``"aot_eager"``) compiles
     that decode step once (``torch.compile(fullgraph=True, dynamic=False)``; on CUDA with the
@@ -506,6 +518,7 @@ def generate_batch(
         cache_options.setdefault("bucket_budget", True)  # one shape for prompts of nearby lengths
         cache_options["decode_capacity"] = bucket_up(max_new_tokens + 1)
     row_stops = _row_stop_strings(stop_strings, len(prompts))
+    samplings = _row_samplings(len(prompts), do_sample, temperature, top_k, top_p, seed, model.device)
     stop_ids = _stop_ids(model, eos_token_id)
     encoded = [encode_prompt(tokenizer, prompt, model, max_new_tokens) for prompt in prompts]
     limit = len(prompts) if max_batch_size is None else min(max_batch_size, len(prompts))
@@ -519,7 +532,7 @@ def generate_batch(
         cache = make_cache(model, method, budget, **cache_options)
         if cache.positions != "original":
             raise ValueError("generate_batch needs positions='original' (rows sit at different positions)")
-        return cache, _prefill_alone(model, encoded[prompt_index], cache)[0].argmax(dim=-1)
+        return cache, samplings[prompt_index].next_token(_prefill_alone(model, encoded[prompt_index], cache)[0])
 
     def finished(prompt_index: int, token: int) -> bool:
         """Record a row's new token; whether the row ends with it."""
@@ -588,8 +601,102 @@ def generate_batch(
                 break
             # Each row's next position, from the layer's device counter (no host data sent per step).
             positions = stacked.layers[0].row_tokens_seen_device[:, None].clone()
-            next_tokens = step(next_tokens[:, None], positions, stacked).argmax(dim=-1)
+            logits = step(next_tokens[:, None], positions, stacked)
+            next_tokens = logits.argmax(dim=-1)
+            for slot, prompt_index in enumerate(running):
+                if prompt_index is not None and samplings[prompt_index].do_sample:
+                    next_tokens[slot] = samplings[prompt_index].next_token(logits[slot])
     return [tokenizer.decode(tokens, skip_special_tokens=True) for tokens in generated]
+
+
+class _RowSampling:
+    """One row's choice of its next token: greedy, or a draw (temperature, top-k, top-p) from its
+    own generator."""
+
+    def __init__(self, do_sample: bool, temperature: float, top_k, top_p, seed, device) -> None:
+        import torch
+
+        self.do_sample = do_sample
+        self.warpers = []
+        self.generator = None
+        if not do_sample:
+            return
+        from transformers.generation.logits_process import (
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
+
+        if temperature != 1.0:
+            self.warpers.append(TemperatureLogitsWarper(temperature))
+        if top_k is not None:
+            self.warpers.append(TopKLogitsWarper(top_k))
+        if top_p is not None and top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(top_p))
+        if seed is None:
+            seed = int(torch.randint(2**62, (), dtype=torch.int64))
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def next_token(self, logits):
+        """``logits [V]`` of the row's last position: its next token (a 0-d long tensor)."""
+        import torch
+
+        if not self.do_sample:
+            return logits.argmax(dim=-1)
+        scores = logits[None].float()
+        for warper in self.warpers:
+            scores = warper(None, scores)
+        probabilities = torch.softmax(scores, dim=-1)
+        return torch.multinomial(probabilities, 1, generator=self.generator)[0, 0]
+
+
+def _row_samplings(rows: int, do_sample, temperature, top_k, top_p, seed, device) -> list[_RowSampling]:
+    """One sampling per prompt, from values given once or as one per prompt; refuses bad values
+    naming the parameter and its range."""
+
+    def per_row(name, value):
+        if isinstance(value, (list, tuple)):
+            if len(value) != rows:
+                raise ValueError(f"invalid {name}={value!r}: a list needs one value per prompt ({rows})")
+            return list(value)
+        return [value] * rows
+
+    checks = {
+        "do_sample": (lambda v: isinstance(v, bool), "True or False"),
+        "temperature": (
+            lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
+            "a number > 0",
+        ),
+        "top_k": (
+            lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+            "an integer >= 1",
+        ),
+        "top_p": (
+            lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1),
+            "a number in (0, 1]",
+        ),
+        "seed": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0), "an integer >= 0"),
+    }
+    given = {"do_sample": do_sample, "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
+    values = {}
+    for name, value in given.items():
+        values[name] = per_row(name, value)
+        accepted, accepted_range = checks[name]
+        for row, item in enumerate(values[name]):
+            if not accepted(item):
+                where = f"[{row}]" if isinstance(value, (list, tuple)) else ""
+                raise ValueError(f"invalid {name}{where}={item!r}: expected {accepted_range}")
+    return [
+        _RowSampling(
+            values["do_sample"][row],
+            float(values["temperature"][row]),
+            values["top_k"][row],
+            values["top_p"][row],
+            values["seed"][row],
+            device,
+        )
+        for row in range(rows)
+    ]
 
 
 def _row_stop_strings(stop_strings, rows: int) -> list[list[str]]:

@@ -121,6 +121,11 @@ def command_generate(args: argparse.Namespace) -> int:
         return _generate_batch(args)
     if args.max_batch_size is not None:
         raise SystemExit("kvhive generate: --max-batch-size applies to --prompts-file (a batch of prompts)")
+    if args.sample or any(value is not None for value in (args.temperature, args.top_k, args.top_p, args.seed)):
+        raise SystemExit(
+            "kvhive generate: --sample, --temperature, --top-k, --top-p and --seed apply to --prompts-file "
+            "(a single prompt decodes greedily)"
+        )
     if args.prefill_question is not None and args.prefill_chunk is None:
         raise SystemExit("kvhive generate: --prefill-question applies to a chunked prefill; give --prefill-chunk N too")
     if args.per_layer and not args.json:
@@ -187,6 +192,11 @@ def _generate_batch(args: argparse.Namespace) -> int:
         prefill_chunk=args.prefill_chunk,
         max_batch_size=args.max_batch_size,
         compile=bool(args.compile),  # --compile: one graph for every step of the fixed batch slots
+        do_sample=args.sample,
+        temperature=1.0 if args.temperature is None else args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
         **parameters,
     )
     if args.json:
@@ -438,6 +448,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="compile the decode step (torch.compile, one graph; refused for a method whose step cannot) or, "
         "with --no-compile, decode eagerly; default: transformers' choice (compiled on a GPU when possible)",
+    )
+    generate.add_argument(
+        "--sample",
+        action="store_true",
+        help="with --prompts-file: sample each row's tokens (else greedy), with its own generator",
+    )
+    generate.add_argument("--temperature", type=float, default=None, help="with --sample: softmax temperature (> 0)")
+    generate.add_argument("--top-k", type=int, default=None, help="with --sample: draw among the k likeliest tokens")
+    generate.add_argument("--top-p", type=float, default=None, help="with --sample: draw within the top-p nucleus")
+    generate.add_argument(
+        "--seed", type=int, default=None, help="with --sample: every row's generator seed (default: random)"
     )
     generate.add_argument("--json", action="store_true", help="print the text with cache statistics (a summary)")
     generate.add_argument(

@@ -142,6 +142,16 @@ def test_cli_prompts_file(tmp_path, capsys):
     assert [json.loads(line) for line in lines] == expected
     assert main([*base, "--json", "--prompts-file", str(path)]) == 0
     assert json.loads(capsys.readouterr().out)["texts"] == expected
+    sampling = ["--sample", "--temperature", "0.8", "--top-k", "10", "--seed", "5"]
+    assert main([*base, "--json", "--prompts-file", str(path), *sampling]) == 0
+    sampled = kvhive.generate_batch(
+        model, tokenizer, prompts, "snapkv", 32, 5, do_sample=True, temperature=0.8, top_k=10, seed=5
+    )
+    assert json.loads(capsys.readouterr().out)["texts"] == sampled
+    with pytest.raises(SystemExit, match="apply to --prompts-file"):
+        main([*base, "--sample", "a prompt"])
+    assert main([*base, "--prompts-file", str(path), "--sample", "--temperature", "-1"]) == 2
+    assert "invalid temperature=-1.0: expected a number > 0" in capsys.readouterr().err
     # h2o at 48 tokens: the 40-token prompt keeps fewer tokens than the others in a layer that evicts
     assert main([*base, "--method", "h2o", "--budget", "48", "--prompts-file", str(path)]) == 2
     assert "cannot stack these caches" in capsys.readouterr().err
@@ -150,3 +160,51 @@ def test_cli_prompts_file(tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("\n \n", encoding="utf-8")
     with pytest.raises(SystemExit, match="holds no prompt"):
         main([*base, "--prompts-file", str(tmp_path / "empty.txt")])
+
+
+def test_rows_sample_with_their_own_settings_as_alone(model_and_tokenizer):
+    """Per-row sampling: each row draws from its own generator with its own settings, so it gives in
+    the batch (joining a running one too) what its prompt gives alone with the same seed; a greedy
+    row beside them equals kvhive.generate."""
+    model, tokenizer = model_and_tokenizer
+    prompts = _prompts(tokenizer)
+    prompts = (prompts * 2)[:4]
+    settings = {
+        "do_sample": [True, True, False, True],
+        "temperature": [0.7, 1.3, 1.0, 1.0],
+        "top_k": [20, None, None, 5],
+        "top_p": [None, 0.9, None, None],
+        "seed": [1, 2, 3, 4],
+    }
+    batch = kvhive.generate_batch(model, tokenizer, prompts, "h2o", 32, 10, max_batch_size=3, **settings)
+    for row, prompt in enumerate(prompts):
+        alone = kvhive.generate_batch(
+            model, tokenizer, [prompt], "h2o", 32, 10, **{name: values[row] for name, values in settings.items()}
+        )
+        assert batch[row] == alone[0], f"row {row}"
+    assert batch[2] == kvhive.generate(model, tokenizer, prompts[2], "h2o", 32, max_new_tokens=10)[0]
+    # The draws depend on the seed (the test above would pass for a sampler that ignored it otherwise).
+    reseeded = kvhive.generate_batch(model, tokenizer, [prompts[1]], "h2o", 32, 10, do_sample=True, seed=99)
+    assert (
+        reseeded[0] != batch[1]
+        or kvhive.generate_batch(model, tokenizer, [prompts[1]], "h2o", 32, 10, do_sample=True, seed=98)[0] != batch[1]
+    )
+    greedy = kvhive.generate(model, tokenizer, prompts[1], "h2o", 32, max_new_tokens=10)[0]
+    assert batch[1] != greedy
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"do_sample": 1}, "invalid do_sample=1: expected True or False"),
+        ({"temperature": 0}, "invalid temperature=0: expected a number > 0"),
+        ({"top_k": [5, 0]}, r"invalid top_k\[1\]=0: expected an integer >= 1"),
+        ({"top_p": 1.5}, r"invalid top_p=1.5: expected a number in \(0, 1\]"),
+        ({"seed": -1}, "invalid seed=-1: expected an integer >= 0"),
+        ({"seed": [1]}, r"invalid seed=\[1\]: a list needs one value per prompt \(2\)"),
+    ],
+)
+def test_invalid_sampling_arguments(model_and_tokenizer, arguments, message):
+    model, tokenizer = model_and_tokenizer
+    with pytest.raises(ValueError, match=message):
+        kvhive.generate_batch(model, tokenizer, ["a b c", "d e f"], "h2o", 32, **arguments)
