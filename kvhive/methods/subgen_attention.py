@@ -634,10 +634,12 @@ class SubGenAttention(Policy):
         """Keep the last ``window`` real tokens; insert every real token that leaves, in stream
         order."""
         plan = self._plan_for(budget)
-        valid = scoring.valid
         positions = None if scoring.stored_in_order else scoring.positions
-        keep = keep_top_scores(scoring.recency_scores(), plan.window, valid, positions=positions)
         b, h, n, d = scoring.keys.shape
+        if n - plan.window == 1 and scoring.mask is None:
+            return self._steady_window(scoring, positions, plan, state)
+        valid = scoring.valid
+        keep = keep_top_scores(scoring.recency_scores(), plan.window, valid, positions=positions)
         # The kept ones are the newest real tokens, so at most n - window leave: a bound known on
         # the host.
         upto = n - plan.window
@@ -664,6 +666,28 @@ class SubGenAttention(Policy):
                 values.reshape(b * h, upto, values.shape[-1]),
                 leaving.reshape(b * h, upto),
             )
+        return keep
+
+    def _steady_window(self, scoring: ScoringInputs, positions: torch.Tensor | None, plan: MemoryPlan, state: dict):
+        """:meth:`_window` of a steady step: every stored token real and one more than the window,
+        so the oldest leaves (what keep_top_scores over the recency drops: the oldest position, or
+        the first stored token in stored order), found by one argmin instead of a ranking."""
+        b, h, n, d = scoring.keys.shape
+        keys, values = scoring.keys, scoring.values
+        if positions is None:
+            keys, values = keys[:, :, :1], values[:, :, :1]
+            keep = torch.ones(b, h, n, dtype=torch.bool, device=keys.device)
+            keep[:, :, 0] = False
+        else:
+            oldest = positions.argmin(dim=-1, keepdim=True).expand(b, h, 1)  # positions are distinct
+            keys = keys.gather(2, oldest[..., None].expand(-1, -1, -1, d))
+            values = values.gather(2, oldest[..., None].expand(-1, -1, -1, values.shape[-1]))
+            keep = torch.ones(b, h, n, dtype=torch.bool, device=keys.device).scatter_(-1, oldest, False)
+        self._structures(scoring, plan, state).insert(
+            keys.reshape(b * h, 1, d),
+            values.reshape(b * h, 1, values.shape[-1]),
+            torch.ones(b * h, 1, dtype=torch.bool, device=keys.device),
+        )
         return keep
 
     def kept_per_row(self, phase: str, num_tokens: int, budget: int, state: dict) -> int | None:
