@@ -300,9 +300,9 @@ class StreamingStructures:
         values = values.to(self.m_values.dtype)
         # No early exit on an empty mask (that would be a host read): every step below leaves a
         # row that inserts nothing unchanged.
-        self._set_radius(keys, mask)
         if keys.shape[1] == 1 and self.max_clusters is not None:
             return self._insert_one(keys, values, mask)
+        self._set_radius(keys, mask)
         self._update_matrix_product(keys, values, mask)
         assignment = self._assign(keys, mask)
         self._update_cluster_samples(keys, assignment)
@@ -319,6 +319,13 @@ class StreamingStructures:
         cluster are hashed together (one fold of ``[R, s + t]`` indices)."""
         rows, _, dim = keys.shape
         s, t = self.s, self.t
+        if self.relative_delta:
+            # _set_radius of one token: its norm is the mean (a row inserting nothing sets nothing).
+            norm = keys[:, 0].float().norm(dim=-1)
+            value = self.delta * torch.where(norm > 0, norm, 1.0)
+            self.radius.copy_(torch.where(torch.isnan(self.radius) & mask[:, 0], value, self.radius))
+        else:
+            self._set_radius(keys, mask)
         assignment = self._assign_one(keys, mask)
         inserted = assignment >= 0
         cluster = assignment.clamp_min(0)  # [R, 1]
