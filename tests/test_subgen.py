@@ -1076,6 +1076,39 @@ def test_insert_marks_tokens_not_inserted_with_minus_one_and_a_lone_token_founds
     assert int(target.tokens[0]) == 2
 
 
+@pytest.mark.parametrize("relative_delta", [True, False])
+def test_one_token_insertion_is_the_batch_path_bit_for_bit(relative_delta):
+    """A decode step inserts one token per row into bounded structures through a path of its own
+    (only the joined cluster's coins hashed, M blended on its bits, one founding round); it must
+    leave exactly the state the general batch path leaves for that one token: the same draws,
+    clusters, samples, counts, M and radius, whether the row's radius is set yet or not."""
+    generator = torch.Generator().manual_seed(11)
+    rows, dim, t, s, capacity = 6, 16, 3, 7, 5
+
+    def make():
+        return structures(rows, dim, t, s, 0.9, seed=3, relative_delta=relative_delta, max_clusters=capacity)
+
+    fast, general = make(), make()
+
+    def general_insert(target, keys, values, mask):  # the batch path of StreamingStructures.insert
+        target._set_radius(keys, mask)
+        target._update_matrix_product(keys, values, mask)
+        assignment = target._assign(keys, mask)
+        target._update_cluster_samples(keys, assignment)
+        target.tokens += mask.sum(-1)
+        return assignment
+
+    for step in range(200):
+        keys = torch.randn(rows, 1, dim, generator=generator) * 1.5
+        values = torch.randn(rows, 1, dim, generator=generator) * torch.rand(rows, 1, 1, generator=generator)
+        mask = torch.rand(rows, 1, generator=generator) > (0.6 if step < 10 else 0.15)
+        assert torch.equal(fast.insert(keys, values, mask), general_insert(general, keys, values, mask)), step
+        for name, value in fast.tensors().items():
+            expected = general.tensors()[name]
+            assert torch.equal(value.nan_to_num(7.0), expected.nan_to_num(7.0)), (step, name)
+    assert int(fast.num_clusters.min()) == capacity and int(fast.beyond_radius.sum()) > 0  # both cases ran
+
+
 def test_a_key_at_exactly_delta_joins_and_ties_go_to_the_older_cluster():
     """Algorithm 1, lines 12-13: i* = argmin_i ‖x_i − k‖ and the key joins when ‖k − x_i*‖ ≤ δ
     (inclusive), both when the representative was founded in an earlier insertion and in the same

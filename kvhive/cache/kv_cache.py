@@ -983,7 +983,8 @@ class KVHiveCache(Cache):
     def _store_token_scores(store: LayerStore, scoring: ScoringInputs) -> None:
         """Write back the per-token scores a policy set, so eviction keeps them aligned."""
         for name, score in scoring.token_scores.items():
-            store.set_token_scores(name, score.to(torch.float32))
+            # (No .to for a float32 score: a call per score and step that changes nothing.)
+            store.set_token_scores(name, score if score.dtype == torch.float32 else score.to(torch.float32))
 
     def _trim_sliding(self, store: LayerStore) -> None:
         """A sliding layer keeps the last ``window - 1`` tokens, as transformers' own cache does."""

@@ -889,8 +889,13 @@ class DenseLayerStore(LayerStore):
         The stored order is then no longer the tokens' order (``stored_in_order``); only a method that
         reads none (``Policy.reads_stored_order`` False) is held this way."""
         hole = keep_mask.to(torch.int8).argmin(dim=-1).reshape(-1)
-        newest = torch.full_like(hole, self._length - 1)
-        self._move_token_per_segment(self._start + hole, self._start + newest)
+        # Slot j of segment s is row s * capacity + j of the flat buffers (one arange each, not a
+        # base computed and added to each slot index).
+        capacity, newest = self._key_buffer.shape[2], self._start + self._length - 1
+        rows = self.num_segments * capacity
+        first_slots = torch.arange(self._start, self._start + rows, capacity, device=self.device)
+        newest_rows = torch.arange(newest, newest + rows, capacity, device=self.device)
+        self._move_rows(first_slots + hole, newest_rows)
         self._length = self._length - 1
         self.stored_in_order = False
 
@@ -898,7 +903,11 @@ class DenseLayerStore(LayerStore):
         """Copy the token in slot ``source[s]`` of every segment ``s`` (``[S]`` slot indices of the
         buffers) to slot ``destination[s]``: keys, values, position and per-token scores."""
         base = torch.arange(self.num_segments, device=self.device) * self._key_buffer.shape[2]
-        destination_rows, source_rows = base + destination, base + source
+        self._move_rows(base + destination, base + source)
+
+    def _move_rows(self, destination_rows: torch.Tensor, source_rows: torch.Tensor) -> None:
+        """Copy row ``source_rows[s]`` of the flat buffers to row ``destination_rows[s]``: keys,
+        values, position and per-token scores."""
         keys, values, positions, scores = self._flat_buffers()
         for buffer in (keys, values, positions, *scores.values()):
             buffer.index_copy_(0, destination_rows, buffer.index_select(0, source_rows))

@@ -214,7 +214,8 @@ def _oldest_minimum(
     oldest first, whatever order they are stored in. ``positions`` broadcasts against ``values``.
     Without ``with_position``: ``(minimum, oldest position)`` (no index)."""
     low = values.amin(dim, keepdim=True)
-    at_low = positions.expand(values.shape).masked_fill(values != low, _after_every(positions))
+    # One broadcasting where (a masked_fill of the expanded positions copies them first).
+    at_low = torch.where(values == low, positions, _after_every(positions))
     if with_position:
         return at_low.min(dim, keepdim=True)
     return low, at_low.amin(dim, keepdim=True)
@@ -274,6 +275,11 @@ def maintain_candidates(
     positions = positions.to(nearest_position.dtype)
     rows, _, dim = keys.shape
     candidates = candidates.clone()
+    # A steady step (one token joins, one leaves) whose refresh is one block of _nearest_among.
+    one_block = stale_refresh_width <= max(1, _BLOCK_ELEMENTS // max(1, rows * keys.shape[1]))
+    if newcomer_bound == 1 and removal_bound == 1 and 0 < stale_refresh_width and one_block:
+        _steady_step(keys, keys_sq, positions, candidates, target, nearest_sq, nearest_position, ready, stale_refresh_width)
+        return candidates
 
     def recompute(index: torch.Tensor, present: torch.Tensor, update_others: bool, gathered=None) -> None:
         if index.shape[1] == 0:
@@ -333,6 +339,76 @@ def maintain_candidates(
             excess = excess - active.long()
     ready.copy_(candidates.to(ready.dtype))
     return candidates
+
+
+def _steady_step(
+    keys: torch.Tensor,
+    keys_sq: torch.Tensor,
+    positions: torch.Tensor,
+    candidates: torch.Tensor,
+    target: int,
+    nearest_sq: torch.Tensor,
+    nearest_position: torch.Tensor,
+    ready: torch.Tensor,
+    stale_refresh_width: int,
+) -> None:
+    """:func:`maintain_candidates` for a steady decode step (at most one newcomer and one removal
+    per row), with the same arithmetic and so the same bits, in about half the tensor ops: the
+    newcomer and the removed token are handled as masks (no scatter of one entry and gather of its
+    neighbours), every update of the per-token state is one ``where`` over the row, a token's own
+    distance and a row's missing newcomer are folded into the squared norms, and a removal finds
+    the dropped token's position as the larger of the closest pair's two (the pair's members are
+    candidates: every ready candidate's recorded position is ``-1`` or a candidate's). Updates
+    ``candidates`` (the survivors), ``nearest_*``, ``keys_sq`` and ``ready`` in place."""
+    dim = keys.shape[-1]
+    inf = float("inf")
+    keys_t = keys.transpose(-1, -2)
+    # The newcomer (at most one per row) and the candidates that were there before it.
+    joining = candidates & ~ready
+    newcomer = joining.to(torch.int8).argmax(-1, keepdim=True)
+    present = joining.any(-1, keepdim=True)
+    joining_key = keys.gather(1, newcomer[..., None].expand(-1, -1, dim))
+    joining_sq = (joining_key * joining_key).sum(-1)
+    keys_sq.scatter_(1, newcomer, joining_sq)
+    others = candidates & ready & present  # a row without a newcomer changes nothing
+    # Its distances to the others ([R, 1, N]): -2·dot + |x|² + |y|² as _pair_distances (the same
+    # bits: a + (-2)·b is a - 2b in one rounding, -2b being exact), itself and non-candidates inf.
+    distances = torch.add(joining_sq[..., None], torch.matmul(joining_key, keys_t), alpha=-2)
+    distances = distances.add_(torch.where(others, keys_sq, inf)[:, None, :]).clamp_min_(0)[:, 0]
+    best, best_position = _oldest_minimum(distances, positions)
+    own_position = torch.where(torch.isfinite(best), best_position, -1.0)
+    # The newcomer may be the nearest neighbour of candidates that were already there.
+    closer = others & (distances < nearest_sq)
+    source = positions.gather(1, newcomer)
+    nearest_sq.copy_(torch.where(joining, best, torch.where(closer, distances, nearest_sq)))
+    nearest_position.copy_(torch.where(joining, own_position, torch.where(closer, source, nearest_position)))
+    # One removal: the newer member of the closest pair (first member: oldest among the minima).
+    active = candidates.sum(-1, keepdim=True) > target
+    value = torch.where(candidates, nearest_sq, inf)
+    low = value.amin(-1, keepdim=True)
+    first_position, first = torch.where(value == low, positions, _after_every(positions)).min(-1, keepdim=True)
+    dropped_position = torch.maximum(nearest_position.gather(1, first), first_position)
+    drop = candidates & (positions == dropped_position) & active
+    candidates.logical_xor_(drop)
+    dropped = drop.any(-1, keepdim=True)
+    # Stale: the candidates recorded stale (-1) and those whose neighbour was just dropped.
+    lost = candidates & (nearest_position == torch.where(dropped, dropped_position, -1.0))
+    nearest_position.masked_fill_(lost, -1.0)
+    stale = candidates & (nearest_position < 0)
+    # The stale_refresh_width stale candidates of smallest recorded distance get a neighbour again.
+    width = min(stale_refresh_width, stale.shape[-1])
+    index = torch.where(stale, nearest_sq, inf).topk(width, dim=-1, largest=False).indices
+    here = stale.gather(1, index)
+    rows_key = keys.gather(1, index[..., None].expand(-1, -1, dim))
+    rows_sq = torch.where(here, keys_sq.gather(1, index), inf)
+    distances = torch.add(rows_sq[..., None], torch.matmul(rows_key, keys_t), alpha=-2)
+    distances = distances.add_(torch.where(candidates, keys_sq, inf)[:, None, :]).clamp_min_(0)
+    distances.scatter_(2, index[..., None], inf)
+    best, best_position = (found.squeeze(-1) for found in _oldest_minimum(distances, positions[:, None, :]))
+    new_position = torch.where(torch.isfinite(best), best_position, -1.0)
+    nearest_sq.scatter_(1, index, torch.where(here, best, nearest_sq.gather(1, index)))
+    nearest_position.scatter_(1, index, torch.where(here, new_position, nearest_position.gather(1, index)))
+    ready.copy_(candidates)
 
 
 class SubGen(Policy):

@@ -155,6 +155,21 @@ def memory_plan(budget: int, config: SubGenAttentionConfig) -> MemoryPlan | None
     return MemoryPlan(window, samples, max_clusters, config.samples_per_cluster)
 
 
+_SAME_SIZE_INTEGER = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _blend_(target: torch.Tensor, replace: torch.Tensor, source: torch.Tensor) -> None:
+    """``target.copy_(torch.where(replace, source, target))`` (``replace`` and ``source`` broadcast
+    to ``target``), bit for bit, as integer operations in place: ``t ^= (t ^ s) & -replace`` on
+    the values' bits. On CPU ``where`` over a ``[R, s, d]`` block is about 6x slower than an
+    elementwise integer op (kv-heavy, ``s = 102``: ~65 µs against ~10 µs), and this writes the
+    block once instead of twice."""
+    integer = _SAME_SIZE_INTEGER[target.element_size()]
+    bits = target.view(integer)
+    select = -replace.to(integer)  # all ones where replaced
+    bits.bitwise_xor_(bits.bitwise_xor(source.to(target.dtype).view(integer)).bitwise_and_(select))
+
+
 class StreamingStructures:
     """``D`` and ``M`` of Algorithm 1 for ``rows`` independent streams (one per batch × KV head).
 
@@ -190,6 +205,8 @@ class StreamingStructures:
         self._purpose_words = {
             purpose: hashed_words(seed, stream, purpose) for purpose in (_VALUE_SAMPLES, _CLUSTER_SAMPLES)
         }
+        # Both as [R, 2] (value samples, cluster samples): a one-token insertion hashes both at once.
+        self._purpose_pair = torch.stack([self._purpose_words[_VALUE_SAMPLES], self._purpose_words[_CLUSTER_SAMPLES]], 1)
         # None: unbounded (capacity doubles as clusters are founded); else allocated once.
         self.max_clusters = max_clusters
         self.beyond_radius = torch.zeros(rows, dtype=torch.long, device=device)
@@ -336,12 +353,93 @@ class StreamingStructures:
         values = values.to(self.m_values.dtype)
         # No early exit on an empty mask (that would be a host read): every step below leaves a
         # row that inserts nothing unchanged.
+        if keys.shape[1] == 1 and self.max_clusters is not None:
+            return self._insert_one(keys, values, mask)
         self._set_radius(keys, mask)
         self._update_matrix_product(keys, values, mask)
         assignment = self._assign(keys, mask)
         self._update_cluster_samples(keys, assignment)
         self.tokens += mask.sum(-1)
         return assignment
+
+    def _insert_one(self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """:meth:`insert` of one token per row (a decode step) into bounded structures: the same
+        draws and the same updates, without the batch machinery. Only the joined cluster's ``t``
+        reservoir slots can change (the other clusters got nothing: their coins never replace),
+        so only its coins are hashed and only its samples rewritten; with one token the draws
+        of which added token replaces a slot always pick it (``M``'s inverse CDF and the
+        reservoir's rank), so those uniforms are not computed; and the coins of ``M`` and of the
+        cluster are hashed together (one fold of ``[R, s + t]`` indices)."""
+        rows, _, dim = keys.shape
+        s, t = self.s, self.t
+        if self.relative_delta:
+            # _set_radius of one token: its norm is the mean (a row inserting nothing sets nothing).
+            norm = keys[:, 0].float().norm(dim=-1)
+            value = self.delta * torch.where(norm > 0, norm, 1.0)
+            self.radius.copy_(torch.where(torch.isnan(self.radius) & mask[:, 0], value, self.radius))
+        else:
+            self._set_radius(keys, mask)
+        assignment = self._assign_one(keys, mask)
+        inserted = assignment >= 0
+        cluster = assignment.clamp_min(0)  # [R, 1]
+        # The words _draws hashes: fold(fold(purpose word, tokens inserted so far), index), with
+        # index the slot of M and cluster * t + slot for the reservoir.
+        words = fold(self._purpose_pair, self.tokens[:, None])
+        device = keys.device
+        index = torch.cat(
+            [torch.arange(s, device=device).expand(rows, s), cluster * t + torch.arange(t, device=device)], dim=1
+        )
+        coins = uniforms_of(
+            fold(torch.cat([words[:, :1].expand(rows, s), words[:, 1:].expand(rows, t)], dim=1), index), torch.float64
+        )
+        # UPDATEMATRIXPRODUCT: each slot replaced by the token with probability ‖v‖² / (μ + ‖v‖²).
+        weight = (values.double() ** 2).sum(-1) * mask  # [R, 1]
+        added = weight[:, 0]
+        probability = torch.where(added > 0, added / (self.mu + added), torch.zeros_like(added))
+        replace = coins[:, :s] < probability[:, None]
+        self.mu.add_(added)
+        _blend_(self.m_keys, replace[..., None], keys)
+        _blend_(self.m_values, replace[..., None], values)
+        self.m_sqnorm.copy_(torch.where(replace, (values.float() ** 2).sum(-1), self.m_sqnorm))
+        # UPDATESOFTMAXNORMALIZER's reservoir: slot j of the joined cluster replaced with
+        # probability 1 / (count + 1).
+        old = self.counts.gather(1, cluster)
+        replace = (coins[:, s:] * (old + 1) < 1) & inserted
+        self.counts.scatter_add_(1, cluster, inserted.long())
+        slots = cluster[:, :, None, None].expand(rows, 1, t, dim)
+        current = self.samples.gather(1, slots)
+        self.samples.scatter_(1, slots, torch.where(replace[:, None, :, None], keys[:, :, None, :], current))
+        self.tokens += mask.sum(-1)
+        return assignment
+
+    def _assign_one(self, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """:meth:`_assign` of one token per row into bounded structures (one founding round, the
+        same arithmetic): ``[R, 1]`` cluster indices, -1 where not inserted."""
+        rows = keys.shape[0]
+        device = keys.device
+        threshold = (self.radius.float() ** 2)[:, None]
+        work = keys.float()  # [R, 1, d]
+        dots = torch.matmul(work, self.representatives.float().transpose(-1, -2))
+        distances = ((work * work).sum(-1)[..., None] - 2 * dots + self.representative_sq[:, None, :]).clamp_min_(0)
+        unused = torch.arange(self.capacity, device=device) >= self.num_clusters[:, None]
+        best, best_index = distances.masked_fill(unused[:, None, :], float("inf")).min(-1)  # [R, 1]
+        # A key farther than the radius from every representative founds a cluster where there is
+        # room (its distance to its own representative is exactly 0).
+        founding = mask & (best > threshold) & self._room()[:, None]
+        slot = self.num_clusters.clamp_max(self.capacity - 1)
+        row_index = torch.arange(rows, device=device)
+        representative = torch.where(founding, work[:, 0].to(self.representatives.dtype), self.representatives[row_index, slot])
+        self.representatives[row_index, slot] = representative
+        self.representative_sq[row_index, slot] = torch.where(
+            founding[:, 0], (representative.float() ** 2).sum(-1), self.representative_sq[row_index, slot]
+        )
+        self.num_clusters.add_(founding[:, 0].long())
+        closer = founding & (best > 0)
+        best = torch.where(closer, 0.0, best)
+        # A row at max_clusters: a key beyond the radius joins its nearest cluster anyway and is
+        # counted (the stream is not clusterable at this radius and budget).
+        self.beyond_radius += (mask & (best > threshold)).sum(-1)
+        return torch.where(mask, torch.where(closer, slot[:, None], best_index), -1)
 
     def _set_radius(self, keys: torch.Tensor, mask: torch.Tensor) -> None:
         unset = torch.isnan(self.radius) & mask.any(-1)
@@ -596,10 +694,12 @@ class SubGenAttention(Policy):
         """Keep the last ``window`` real tokens; insert every real token that leaves, in stream
         order."""
         plan = self._plan_for(budget)
-        valid = scoring.valid
         positions = None if scoring.stored_in_order else scoring.positions
-        keep = keep_top_scores(scoring.recency_scores(), plan.window, valid, positions=positions)
         b, h, n, d = scoring.keys.shape
+        if n - plan.window == 1 and scoring.mask is None:
+            return self._steady_window(scoring, positions, plan, state)
+        valid = scoring.valid
+        keep = keep_top_scores(scoring.recency_scores(), plan.window, valid, positions=positions)
         # The kept ones are the newest real tokens, so at most n - window leave: a bound known on
         # the host.
         upto = n - plan.window
@@ -626,6 +726,28 @@ class SubGenAttention(Policy):
                 values.reshape(b * h, upto, values.shape[-1]),
                 leaving.reshape(b * h, upto),
             )
+        return keep
+
+    def _steady_window(self, scoring: ScoringInputs, positions: torch.Tensor | None, plan: MemoryPlan, state: dict):
+        """:meth:`_window` of a steady step: every stored token real and one more than the window,
+        so the oldest leaves (what keep_top_scores over the recency drops: the oldest position, or
+        the first stored token in stored order), found by one argmin instead of a ranking."""
+        b, h, n, d = scoring.keys.shape
+        keys, values = scoring.keys, scoring.values
+        if positions is None:
+            keys, values = keys[:, :, :1], values[:, :, :1]
+            keep = torch.ones(b, h, n, dtype=torch.bool, device=keys.device)
+            keep[:, :, 0] = False
+        else:
+            oldest = positions.argmin(dim=-1, keepdim=True).expand(b, h, 1)  # positions are distinct
+            keys = keys.gather(2, oldest[..., None].expand(-1, -1, -1, d))
+            values = values.gather(2, oldest[..., None].expand(-1, -1, -1, values.shape[-1]))
+            keep = torch.ones(b, h, n, dtype=torch.bool, device=keys.device).scatter_(-1, oldest, False)
+        self._structures(scoring, plan, state).insert(
+            keys.reshape(b * h, 1, d),
+            values.reshape(b * h, 1, values.shape[-1]),
+            torch.ones(b * h, 1, dtype=torch.bool, device=keys.device),
+        )
         return keep
 
     def kept_per_row(self, phase: str, num_tokens: int, budget: int, state: dict) -> int | None:
