@@ -28,6 +28,7 @@ other methods here, SnapKV's observation window and AhaKV's ``B_r``)**; ``budget
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 
 import torch
@@ -129,8 +130,9 @@ def farthest_point_order(
     if fast is None:
         fast = cuda
     if fast is not False:
-        backend = fast if isinstance(fast, str) else (_fast_backend() if cuda else None)
-        capture = cuda and not isinstance(fast, str)
+        named = fast is not True  # a backend (a name or a dynamo backend callable)
+        backend = fast if named else (_fast_backend() if cuda else None)
+        capture = cuda and not named
         order = _farthest_loop(keys, keys_sq, order, nearest, chosen, steps, backend, capture)
         exhausted = torch.arange(count, device=keys.device)[None, :] >= candidates.sum(-1)[:, None]
         return order.masked_fill_(exhausted, -1)
@@ -193,17 +195,22 @@ def _farthest_step(
     partial = torch.baddbmm(keys_sq[:, :, None], keys, center, alpha=-2).squeeze(-1)
     distance = (partial + keys_sq[row_index, chosen][:, None]).clamp_min(0)
     nearest = torch.minimum(nearest, distance)
-    nearest = nearest.index_put((row_index, chosen), torch.tensor(float("-inf"), device=keys.device))
+    nearest = nearest.scatter(1, chosen[:, None], float("-inf"))  # (no host scalar: capturable eagerly)
     return order, nearest, nearest.argmax(-1)
 
 
-def _farthest_function(backend: str | None):
-    function = _STEP_FUNCTIONS.get(backend)
+def _farthest_function(backend, shape: tuple):
+    """The step compiled with ``backend`` (None: eager) for one shape, each shape on a code object
+    of its own: a second shape (another prompt length) is a first compile, not a recompile of the
+    first (dynamo caches per code object; with ``dynamic=False`` every shape compiles anyway)."""
+    if backend is None:
+        return _farthest_step
+    key = (backend, shape)
+    function = _STEP_FUNCTIONS.get(key)
     if function is None:
-        function = _farthest_step if backend is None else torch.compile(
-            _farthest_step, backend=backend, fullgraph=True, dynamic=False
-        )
-        _STEP_FUNCTIONS[backend] = function
+        code = _farthest_step.__code__.replace(co_name=f"_farthest_step_{len(_STEP_FUNCTIONS)}")
+        body = types.FunctionType(code, _farthest_step.__globals__, code.co_name)
+        function = _STEP_FUNCTIONS[key] = torch.compile(body, backend=backend, fullgraph=True, dynamic=False)
     return function
 
 
@@ -219,6 +226,7 @@ class _FarthestGraph:
 
     def __init__(self, function, inputs: tuple[torch.Tensor, ...], steps: list[torch.Tensor]):
         self.inputs = tuple(value.clone() for value in inputs)
+        self.steps = steps  # the captured graph reads them
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up on a side stream, as torch.cuda.graph asks
@@ -238,11 +246,12 @@ class _FarthestGraph:
 def _farthest_loop(keys, keys_sq, order, nearest, chosen, steps: int, backend: str | None, capture: bool):
     """The ``steps`` fixed-shape steps from the initial state; the order ``[R, count]``."""
     global last_farthest_path
-    function = _farthest_function(backend)
+    function = _farthest_function(backend, (steps, *(tuple(value.shape) for value in (keys, order))))
     step_tensors = list(torch.arange(steps, device=keys.device).unbind())
     inputs = (keys, keys_sq, order, nearest, chosen)
+    label = backend if backend is None or isinstance(backend, str) else getattr(backend, "__name__", "backend")
     if not capture:
-        last_farthest_path = f"fixed-shape step ({backend or 'eager'})"
+        last_farthest_path = f"fixed-shape step ({label or 'eager'})"
         return _run_farthest(function, *inputs, step_tensors)
     key = (keys.device, backend, steps, *(tuple(value.shape) for value in inputs))
     graph = _LOOP_GRAPHS.pop(key, None)
@@ -251,7 +260,7 @@ def _farthest_loop(keys, keys_sq, order, nearest, chosen, steps: int, backend: s
             _LOOP_GRAPHS.pop(next(iter(_LOOP_GRAPHS)))
         graph = _FarthestGraph(function, inputs, step_tensors)
     _LOOP_GRAPHS[key] = graph  # most recent last
-    last_farthest_path = f"fixed-shape step ({backend or 'eager'}), whole loop as one CUDA graph"
+    last_farthest_path = f"fixed-shape step ({label or 'eager'}), whole loop as one CUDA graph"
     return graph(inputs)
 
 

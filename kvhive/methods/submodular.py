@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from dataclasses import dataclass
 
 import torch
@@ -380,8 +381,9 @@ def greedy_maximize(
         if fast is False:
             chosen, enough, needed = _lazy_greedy(objective, k, evaluations, sampler, attempts)
         else:
-            backend = _fast_backend(fast) if cuda or isinstance(fast, str) else None
-            capture = cuda and not isinstance(fast, str)
+            named = fast is not True  # a backend (a name or a dynamo backend callable)
+            backend = _fast_backend(fast) if cuda or named else None
+            capture = cuda and not named
             chosen, enough, needed = _fast_lazy_greedy(objective, k, evaluations, sampler, attempts, backend, capture)
         report = torch.cat([enough.long(), needed]).tolist()  # the run's one host read
         evaluated_enough, drew_enough = report[0], report[1]
@@ -964,10 +966,12 @@ def _greedy_step(
     return chosen, coverage, mass, phi_mass, facility_bounds, consumed, evaluated_enough, drew_enough, needed
 
 
-def _step_function(backend: str | None, **static):
+def _step_function(backend, shape: tuple, **static):
     """The step with its static arguments bound, compiled with ``backend`` (None: eager); cached
-    per (backend, static arguments), each compiled entry on a code object of its own."""
-    key = (backend, tuple(sorted(static.items())))
+    per (backend, input shapes, static arguments), each compiled entry on a code object of its
+    own: a new bucket or shape (another prompt length) is a first compile of its own, not a
+    recompile of another (dynamo caches per code object; ``dynamic=False`` compiles every shape)."""
+    key = (backend, shape, tuple(sorted(static.items())))
     function = _STEP_FUNCTIONS.get(key)
     if function is None:
         if backend is None:
@@ -976,8 +980,6 @@ def _step_function(backend: str | None, **static):
                 return _greedy_step(inputs, state, step, **static)
 
         else:
-            import types
-
             code = _greedy_step.__code__.replace(co_name=f"_greedy_step_{len(_STEP_FUNCTIONS)}")
             body = types.FunctionType(code, _greedy_step.__globals__, code.co_name, None, None)
             body.__kwdefaults__ = dict(static)
@@ -1064,7 +1066,7 @@ class _LoopGraph:
 def _fast_backend(fast) -> str | None:
     """The backend compiling the step: ``fast`` when it names one; on CUDA inductor when torch
     compiles kvhive; else None (the step runs eagerly, still captured on CUDA)."""
-    if isinstance(fast, str):
+    if fast is not True:
         return fast
     from kvhive.static_step import TORCH_COMPILES_KVHIVE
 
@@ -1077,12 +1079,13 @@ def _fast_lazy_greedy(
     evaluations: list[int],
     sampler: _StochasticSampler | None,
     attempts: int,
-    backend: str | None,
+    backend,
     capture: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_lazy_greedy`'s run on the fixed-shape step (same return values; ``needed`` counts
     what the bucketed run needed)."""
     global last_greedy_path
+    label = backend if backend is None or isinstance(backend, str) else getattr(backend, "__name__", "backend")
     rows, n = objective.rows, objective.size
     sampled = sampler is not None and not all(sampler.all_full)
     if sampled:
@@ -1092,23 +1095,34 @@ def _fast_lazy_greedy(
         width, any_full = n, False
     counts = [_bucket(count, width) for count in evaluations]
     static = dict(width=width, sampled=sampled, any_full=any_full, lam=objective.lam, phi=objective.phi)
-    functions = [_step_function(backend, count=count, **static) for count in counts]
     inputs = _static_inputs(objective, sampler if sampled else None, attempts)
+    shape = tuple((name, tuple(value.shape), value.dtype) for name, value in inputs.items())
     device = objective.sim.device
-    steps = list(torch.arange(k, device=device).unbind())
     if capture:
-        key = (device, backend, rows, n, tuple(counts), tuple(sorted((n, v) for n, v in static.items() if n != "phi")),
-               objective.phi, tuple((name, tuple(value.shape), value.dtype) for name, value in inputs.items()))
-        graph = _LOOP_GRAPHS.pop(key, None)
+        # A layer replays a captured loop whose buckets are all at least its own (evaluating more
+        # changes no kept set); a new capture takes the larger bucket of each step of it and of the
+        # latest capture of these shapes, so the captures of a model's layers settle in a few.
+        base = (device, backend, k, shape, tuple(sorted(static.items())))
+        graph = None
+        for key in reversed(list(_LOOP_GRAPHS)):
+            if key[0] == base and all(mine >= need for mine, need in zip(key[1], counts, strict=True)):
+                graph = _LOOP_GRAPHS.pop(key)
+                counts = list(key[1])
+                break
         if graph is None:
+            latest = [key for key in _LOOP_GRAPHS if key[0] == base]
+            if latest:
+                counts = [max(mine, need) for mine, need in zip(latest[-1][1], counts, strict=True)]
             while len(_LOOP_GRAPHS) >= _LOOP_GRAPHS_HELD:
                 _LOOP_GRAPHS.pop(next(iter(_LOOP_GRAPHS)))
-            graph = _LoopGraph(inputs, steps, functions)
-        _LOOP_GRAPHS[key] = graph  # most recent last
+            functions = [_step_function(backend, shape, count=count, **static) for count in counts]
+            graph = _LoopGraph(inputs, list(torch.arange(k, device=device).unbind()), functions)
+        _LOOP_GRAPHS[(base, tuple(counts))] = graph  # most recent last
         state = graph(inputs)
-        last_greedy_path = f"fixed-shape step ({backend or 'eager'}), whole loop as one CUDA graph"
+        last_greedy_path = f"fixed-shape step ({label or 'eager'}), whole loop as one CUDA graph"
     else:
-        state = _run_loop(inputs, steps, functions)
-        last_greedy_path = f"fixed-shape step ({backend or 'eager'})"
+        functions = [_step_function(backend, shape, count=count, **static) for count in counts]
+        state = _run_loop(inputs, list(torch.arange(k, device=device).unbind()), functions)
+        last_greedy_path = f"fixed-shape step ({label or 'eager'})"
     chosen, *_, evaluated_enough, drew_enough, needed = state
     return chosen, torch.stack([evaluated_enough, drew_enough]), needed
