@@ -42,6 +42,7 @@ from kvhive.methods.base import (
     keep_top_scores,
     require_int_at_least,
 )
+from kvhive.static_step import prefill_fast_path
 
 # Per-token scores (kept aligned with the stored tokens by the cache).
 NEAREST_DISTANCE = "subgen_nn_sqdist"  # squared L2 distance to the nearest other candidate
@@ -105,12 +106,12 @@ def farthest_point_order(
     often on high-dimensional keys, so the exact algorithm needs the pass per pick anyway.)
 
     ``fast`` (the GPU fast path, issue 25): run each step as one pure function of fixed-shape
-    tensors (:func:`_farthest_step`). None (the default): on CUDA only, the step compiled with
-    inductor where torch compiles kvhive and the whole loop captured as one CUDA graph per shape
-    (rows, points, head dimension, count), replayed for every later layer of those shapes; the
-    CPU runs the eager loop below, the reference. True: the fixed-shape step (as on CUDA; eager on
-    the CPU); a backend name (e.g. ``"aot_eager"``, the tests' CPU proxy): compiled with it, not
-    captured; False: the eager loop.
+    tensors (:func:`_farthest_step`). None (the default): ``kvhive.static_step.prefill_fast_path``
+    decides, i.e. on CUDA only: the step compiled with inductor where torch compiles kvhive, the
+    whole loop captured as one CUDA graph per shape (rows, points, head dimension, count) and
+    replayed for every later layer of those shapes; the CPU runs the eager loop below, the
+    reference. True: the fixed-shape step (as on CUDA; eager on the CPU); a dynamo backend (e.g.
+    ``"aot_eager"``, the tests' CPU proxy): compiled with it, not captured; False: the eager loop.
     """
     global last_farthest_path
     rows, num_points, _ = keys.shape
@@ -128,7 +129,7 @@ def farthest_point_order(
         chosen = positions.masked_fill(~candidates, _after_every(positions)).argmin(-1)
     cuda = keys.device.type == "cuda"
     if fast is None:
-        fast = cuda
+        fast = prefill_fast_path(keys.device)
     if fast is not False:
         named = fast is not True  # a backend (a name or a dynamo backend callable)
         backend = fast if named else (_fast_backend() if cuda else None)

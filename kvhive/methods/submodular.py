@@ -349,11 +349,11 @@ def greedy_maximize(
 
     ``fast`` (lazy and stochastic greedy): run each step as one fixed-shape pure function (the
     GPU fast path, module section "The GPU fast path"; same kept sets, same host reads). None
-    (the default): on CUDA only, the step compiled with inductor where torch compiles kvhive and
-    the whole loop captured as one CUDA graph per shape bucket; the CPU runs the eager loop, the
-    reference. True: the fixed-shape step (compiled and captured as on CUDA, eager on the CPU);
-    a backend name (e.g. ``"aot_eager"``, the tests' CPU proxy): the step compiled with it, not
-    captured; False: the eager loop.
+    (the default): ``kvhive.static_step.prefill_fast_path`` decides, i.e. on CUDA only: the step
+    compiled with inductor where torch compiles kvhive, the whole loop captured as one CUDA graph
+    per shape bucket; the CPU runs the eager loop, the reference. True: the fixed-shape step
+    (compiled and captured as on CUDA; eager on the CPU); a dynamo backend (e.g. ``"aot_eager"``,
+    the tests' CPU proxy): the step compiled with it, not captured; False: the eager loop.
     """
     global last_greedy_path
     n = objective.size
@@ -373,7 +373,9 @@ def greedy_maximize(
         evaluations = sampler.first_evaluations(_LAZY_EVALUATIONS)
     cuda = objective.sim.device.type == "cuda"
     if fast is None:
-        fast = cuda
+        from kvhive.static_step import prefill_fast_path
+
+        fast = prefill_fast_path(objective.sim.device)
     if fast is False:
         last_greedy_path = "eager loop"
     attempts, runs = 1, 1
