@@ -42,7 +42,7 @@ from kvhive.methods.base import (
     keep_top_scores,
     require_int_at_least,
 )
-from kvhive.static_step import prefill_fast_path
+from kvhive.static_step import in_static_step, prefill_fast_path
 
 # Per-token scores (kept aligned with the stored tokens by the cache).
 NEAREST_DISTANCE = "subgen_nn_sqdist"  # squared L2 distance to the nearest other candidate
@@ -133,7 +133,11 @@ def farthest_point_order(
     if fast is not False:
         named = fast is not True  # a backend (a name or a dynamo backend callable)
         backend = fast if named else (_fast_backend() if cuda else None)
-        capture = cuda and not named
+        # Inside a capture or a trace of the caller's (in_static_step), the steps are recorded into
+        # the caller's graph: no capture (nor compile) of our own.
+        capture = cuda and not named and not in_static_step()
+        if in_static_step():
+            backend = None
         order = _farthest_loop(keys, keys_sq, order, nearest, chosen, steps, backend, capture)
         exhausted = torch.arange(count, device=keys.device)[None, :] >= candidates.sum(-1)[:, None]
         return order.masked_fill_(exhausted, -1)

@@ -356,6 +356,8 @@ def greedy_maximize(
     the tests' CPU proxy): the step compiled with it, not captured; False: the eager loop.
     """
     global last_greedy_path
+    from kvhive.static_step import in_static_step
+
     n = objective.size
     k = min(k, n)
     if k <= 0:
@@ -385,7 +387,11 @@ def greedy_maximize(
         else:
             named = fast is not True  # a backend (a name or a dynamo backend callable)
             backend = _fast_backend(fast) if cuda or named else None
-            capture = cuda and not named
+            # Inside a capture or a trace of the caller's (in_static_step), the steps are recorded
+            # into the caller's graph: no capture (nor compile) of our own.
+            capture = cuda and not named and not in_static_step()
+            if in_static_step():
+                backend = None
             chosen, enough, needed = _fast_lazy_greedy(objective, k, evaluations, sampler, attempts, backend, capture)
         report = torch.cat([enough.long(), needed]).tolist()  # the run's one host read
         evaluated_enough, drew_enough = report[0], report[1]
