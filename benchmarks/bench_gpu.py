@@ -611,7 +611,13 @@ def main(argv=None) -> int:
         row = json.loads(args.out.read_text().splitlines()[-1])
         shown = {
             k: row[k]
-            for k in ("prefill_s", "prefill_selection_path", "decode_ms_per_token", "peak_decode_above_weights_bytes", "error")
+            for k in (
+                "prefill_s",
+                "prefill_selection_path",
+                "decode_ms_per_token",
+                "peak_decode_above_weights_bytes",
+                "error",
+            )
             if k in row
         }
         print(f"{config}: {json.dumps(shown)} ({time.perf_counter() - start:.0f} s)", flush=True)

@@ -24,6 +24,7 @@ import re
 
 import pytest
 import torch
+from test_bumblebee import random_objective
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -31,11 +32,10 @@ import kvhive.methods.bumblebee as bumblebee_module
 import kvhive.methods.subgen as subgen_module
 import kvhive.methods.submodular as submodular
 from kvhive.methods import make_policy
-from kvhive.methods.submodular import Concave, greedy_maximize
 from kvhive.methods.subgen import farthest_point_order
+from kvhive.methods.submodular import Concave, greedy_maximize
 
 from helpers import scoring_inputs
-from test_bumblebee import random_objective
 
 
 def _generators(rows: int, seed: int = 100) -> list[torch.Generator]:

@@ -457,7 +457,9 @@ def test_cuda_prefill_fast_path_keeps_the_eager_loops_positions(method, dtype):
                 model(input_ids=input_ids.cuda(), attention_mask=attention_mask.cuda(), **{key: cache}, use_cache=True)
             caches.setdefault(fast, []).append(snapshot(cache))
             paths.setdefault(fast, []).append(
-                submodular_module.last_greedy_path if method.startswith("bumblebee") else subgen_module.last_farthest_path
+                submodular_module.last_greedy_path
+                if method.startswith("bumblebee")
+                else subgen_module.last_farthest_path
             )
     finally:
         kvhive.static_step.PREFILL_FAST_PATH = None
@@ -485,11 +487,11 @@ def test_cuda_greedy_fast_path_matches_the_eager_loop_over_layers(greedy, dtype)
         sim, row_sums, row_max = relu_cosine_similarity_rows(keys, valid)
         objective = Mixture(sim, weights, valid, 0.3, Concave("log"), row_sums, row_max)
 
-        def run(fast):
+        chosen = {}
+        for fast in (True, False):
             generators = [torch.Generator(device="cuda").manual_seed(1000 * layer + row) for row in range(8)]
-            return greedy_maximize(objective, 256, greedy, 1e-5, generators, fast=fast)
-
-        assert torch.equal(run(True), run(False)), f"layer {layer}"
+            chosen[fast] = greedy_maximize(objective, 256, greedy, 1e-5, generators, fast=fast)
+        assert torch.equal(chosen[True], chosen[False]), f"layer {layer}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -1094,7 +1094,7 @@ def _fast_lazy_greedy(
     what the bucketed run needed)."""
     global last_greedy_path
     label = backend if backend is None or isinstance(backend, str) else getattr(backend, "__name__", "backend")
-    rows, n = objective.rows, objective.size
+    n = objective.size
     sampled = sampler is not None and not all(sampler.all_full)
     if sampled:
         width = max(sampler.width)
