@@ -38,11 +38,11 @@ Configurations (``--configs``, comma-separated):
 Prefill rows: ``prefill_s`` is one prefill over the prompt with its compression. BumbleBee's greedy
 and SubGen's farthest-point order take their fast path (issue 25: a fixed-shape step compiled with
 inductor, the whole selection loop captured as one CUDA graph per shape and replayed for the later
-layers; ``--prefill-path fast``, the default, which on CUDA is kvhive's default too) or the eager
-loops (``--prefill-path eager``). The fast path compiles and captures at its first layer of a new
-shape, so a kvhive row first runs one untimed prefill of the same prompt (``--prefill-warmup``, on
-by default; its time is ``prefill_first_s``): ``prefill_s`` is then what every later prompt of that
-length costs. ``prefill_selection_path`` records the path each selection took (BumbleBee's greedy,
+layers; ``--prefill-path auto``, the default, takes it on CUDA, as kvhive does; ``fast`` forces it,
+``eager`` takes the eager loops). The fast path compiles and captures at its first layer of a new
+shape, so every row first runs one untimed prefill of the same prompt (on by default,
+``--no-prefill-warmup`` to skip it; its time is ``prefill_first_s``): ``prefill_s`` is then what
+every later prompt of that length costs, for the stock rows as for kvhive's. ``prefill_selection_path`` records the path each selection took (BumbleBee's greedy,
 SubGen's order; absent for the methods that have neither).
 
 ``--profile CONFIG`` adds a ``torch.profiler`` trace of 5 decode steps to that configuration's line
@@ -269,17 +269,18 @@ def measure(settings: dict) -> dict:
     input_ids = torch.randint(3, model.config.vocab_size, (batch, context), generator=generator).to(device)
     key = cache_kwarg(model)
     cuda = device == "cuda"
-    path = settings.get("prefill_path", "fast")
+    path = settings.get("prefill_path", "auto")
     import kvhive.methods.subgen as subgen_module
     import kvhive.methods.submodular as submodular_module
     import kvhive.static_step
 
-    kvhive.static_step.PREFILL_FAST_PATH = {"fast": True, "eager": False}[path]
+    kvhive.static_step.PREFILL_FAST_PATH = {"auto": None, "fast": True, "eager": False}[path]
     steps = WARM_UP_STEPS + decode_tokens + PROFILE_STEPS
     prefill_first = None
-    if settings.get("prefill_warmup", True) and not parts["stock"] and parts["method"] != "full":
+    if settings.get("prefill_warmup", True):
         # The fast path compiles and captures at its first layer of a new shape: one untimed prefill
-        # of the same prompt first (its cache dropped), so prefill_s is the steady-state cost.
+        # of the same prompt first (its cache dropped), so prefill_s is the steady-state cost; every
+        # row, the stock ones included, so that their prefills compare warm against warm.
         held_before = torch.cuda.memory_allocated() if cuda else None
         warm_cache = make_cache(model, parts, settings["budget"], context + steps, steps)
         with torch.no_grad():
@@ -551,10 +552,11 @@ def main(argv=None) -> int:
     parser.add_argument("--varlen", action="store_true", help="also time variable-length vs dense attention")
     parser.add_argument(
         "--prefill-path",
-        choices=("fast", "eager"),
-        default="fast",
-        help="BumbleBee's greedy and SubGen's farthest-point order: the fast path (fixed-shape step, compiled, "
-        "captured as one CUDA graph per shape) or the eager loops",
+        choices=("auto", "fast", "eager"),
+        default="auto",
+        help="BumbleBee's greedy and SubGen's farthest-point order: kvhive's default (auto: the fast path on CUDA, "
+        "the eager loops on the CPU), the fast path (fixed-shape step, compiled, captured as one CUDA graph per "
+        "shape on CUDA) or the eager loops",
     )
     parser.add_argument(
         "--no-prefill-warmup",

@@ -168,6 +168,7 @@ def farthest_point_order(
 
 # Compiled steps by backend; captured loops by shape (a model's layers share their shapes).
 _STEP_FUNCTIONS: dict = {}
+_STEP_FUNCTIONS_HELD = 16
 _LOOP_GRAPHS: dict = {}
 _LOOP_GRAPHS_HELD = 2
 # Which path the last farthest_point_order call took (benchmarks/bench_gpu.py records it).
@@ -215,6 +216,8 @@ def _farthest_function(backend, shape: tuple):
     if function is None:
         code = _farthest_step.__code__.replace(co_name=f"_farthest_step_{len(_STEP_FUNCTIONS)}")
         body = types.FunctionType(code, _farthest_step.__globals__, code.co_name)
+        while len(_STEP_FUNCTIONS) >= _STEP_FUNCTIONS_HELD:  # prompt lengths come and go: the oldest go
+            _STEP_FUNCTIONS.pop(next(iter(_STEP_FUNCTIONS)))
         function = _STEP_FUNCTIONS[key] = torch.compile(body, backend=backend, fullgraph=True, dynamic=False)
     return function
 

@@ -866,10 +866,12 @@ class StreamingSummary:
 
 # Smallest bucket of exact gains per step (the eager loop's margin).
 _BUCKET_FLOOR = _LAZY_EVALUATIONS
-# Compiled step functions: one per (backend, bucket of exact gains per step, static flags); each has
-# its own code object, so a second bucket is a first compile of its own, not a recompile of the
-# first (dynamo caches per code object; tests/test_greedy_graph.py runs under error_on_recompile).
+# Compiled step functions: one per (backend, input shapes, bucket of exact gains per step, static
+# flags), the oldest dropped past 64; each has its own code object, so a second bucket or shape is a
+# first compile of its own, not a recompile of another (dynamo caches per code object;
+# tests/test_greedy_graph.py runs under error_on_recompile).
 _STEP_FUNCTIONS: dict = {}
+_STEP_FUNCTIONS_HELD = 64
 # Captured whole loops on CUDA, by shape bucket (few entries: a model's layers share their shapes).
 _LOOP_GRAPHS: dict = {}
 _LOOP_GRAPHS_HELD = 2
@@ -992,6 +994,8 @@ def _step_function(backend, shape: tuple, **static):
             body = types.FunctionType(code, _greedy_step.__globals__, code.co_name, None, None)
             body.__kwdefaults__ = dict(static)
             function = torch.compile(body, backend=backend, fullgraph=True, dynamic=False)
+        while len(_STEP_FUNCTIONS) >= _STEP_FUNCTIONS_HELD:  # prompt lengths come and go: the oldest go
+            _STEP_FUNCTIONS.pop(next(iter(_STEP_FUNCTIONS)))
         _STEP_FUNCTIONS[key] = function
     return function
 
