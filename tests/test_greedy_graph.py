@@ -262,3 +262,63 @@ def test_inductor_fuses_each_step_into_a_few_kernels(fresh_compiles):
     kernels, others = _launches(codes[0])
     print(f"subgen step under inductor: {kernels} kernels + {others}")
     assert kernels + len(others) <= 6
+
+
+# -- the captured loops' bookkeeping (CUDA only), with the capture emulated on the CPU -------------
+
+
+class _EmulatedCapture:
+    """What ``_LoopGraph`` does, without CUDA: inputs cloned once, copied in at each call (unless
+    they live there already), the loop run on them."""
+
+    made = 0
+
+    def __init__(self, inputs, steps, functions):
+        type(self).made += 1
+        self.inputs = {name: value.clone() for name, value in inputs.items()}
+        self.steps, self.functions = steps, functions
+
+    def __call__(self, inputs):
+        for name, value in inputs.items():
+            if self.inputs[name].data_ptr() != value.data_ptr():
+                self.inputs[name].copy_(value)
+        return submodular._run_loop(self.inputs, self.steps, self.functions)
+
+
+def test_layers_replay_a_capture_whose_buckets_cover_theirs(monkeypatch, fresh_compiles):
+    """Layers of one shape replay a captured loop whose gain buckets are all at least their own; a
+    layer needing more captures the larger bucket of each step of its own and the latest capture's,
+    so the captures settle; every layer keeps the eager loop's set; similarity_buffer hands out the
+    latest capture's matrix, and a layer computed into it is not copied."""
+    monkeypatch.setattr(submodular, "_captures", lambda device: True)
+    monkeypatch.setattr(submodular, "_LoopGraph", _EmulatedCapture)
+    monkeypatch.setattr(submodular, "_LOOP_GRAPHS", {})
+    _EmulatedCapture.made = 0
+    assert submodular.similarity_buffer(4, 300, "cpu") is None
+    for layer in range(6):
+        objective = random_objective(rows=4, n=300, dim=12, seed=20 + layer, padding=False)
+        reference = greedy_maximize(objective, 60, "stochastic", 1e-5, _generators(4, 11 * layer), fast=False)
+        chosen = greedy_maximize(objective, 60, "stochastic", 1e-5, _generators(4, 11 * layer), fast=True)
+        assert torch.equal(chosen, reference), layer
+        assert submodular.last_greedy_path == "fixed-shape step (eager), whole loop as one CUDA graph"
+    assert 1 <= _EmulatedCapture.made <= 3 < 6
+    assert len(submodular._LOOP_GRAPHS) <= submodular._LOOP_GRAPHS_HELD
+    buffer = submodular.similarity_buffer(4, 300, "cpu")
+    latest = list(submodular._LOOP_GRAPHS.values())[-1]
+    assert buffer is not None and buffer.data_ptr() == latest.inputs["sim"].data_ptr()
+    # A layer whose matrix was computed into the buffer: the same set, and the buffer is its matrix.
+    objective = random_objective(rows=4, n=300, dim=12, seed=40, padding=False)
+    buffer.copy_(objective.sim)
+    in_buffer = submodular.Mixture(buffer, objective.weights, objective.valid, objective.lam, objective.phi)
+    reference = greedy_maximize(objective, 60, "stochastic", 1e-5, _generators(4, 99), fast=False)
+    assert torch.equal(greedy_maximize(in_buffer, 60, "stochastic", 1e-5, _generators(4, 99), fast=True), reference)
+
+
+def test_similarity_written_into_a_buffer_is_the_same_matrix():
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randn(3, 100, 16, generator=generator)
+    valid = torch.rand(3, 100, generator=generator) > 0.1
+    out = torch.empty(3, 100, 100)
+    sim = submodular.relu_cosine_similarity(keys, valid, out=out)
+    assert sim.data_ptr() == out.data_ptr()
+    assert torch.equal(out, submodular.relu_cosine_similarity(keys, valid))

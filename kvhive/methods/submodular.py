@@ -16,6 +16,7 @@ pick one while a valid element is still available, and the streaming step drops 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import types
 from dataclasses import dataclass
@@ -49,15 +50,18 @@ def key_norms(keys: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
     return keys.float().norm(dim=-1).clamp_min(eps)
 
 
-def relu_cosine_similarity(keys: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+def relu_cosine_similarity(
+    keys: torch.Tensor, valid: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[R, n, n]`` ReLU of the pairwise cosine similarity of ``keys[R, n, d]`` (float32).
 
     Rows and columns of invalid elements are zero. One batched matrix product: computing only
     the upper block triangle and mirroring it halves the flops but was slower on CPU because of
-    the transposed copy (1.17 s vs 0.76 s for 8 x 4096 x 4096, d = 128, one thread).
+    the transposed copy (1.17 s vs 0.76 s for 8 x 4096 x 4096, d = 128, one thread). ``out``: a
+    contiguous ``[R, n, n]`` float32 tensor to write it into (the same product, the same values).
     """
     units = keys.float() / key_norms(keys)[..., None]
-    sim = torch.bmm(units, units.transpose(1, 2))
+    sim = torch.bmm(units, units.transpose(1, 2), out=out)
     sim.clamp_(min=0)
     if valid is not None:  # multiplying by 1 changes nothing, and asking whether all are valid is a host read
         weight = valid.to(sim.dtype)
@@ -70,7 +74,7 @@ _PANEL_ROWS = 256
 
 
 def relu_cosine_similarity_rows(
-    keys: torch.Tensor, valid: torch.Tensor | None = None
+    keys: torch.Tensor, valid: torch.Tensor | None = None, out: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`relu_cosine_similarity` with its row sums and row maxima: ``(sim, sim.sum(-1), sim.amax(-1))``.
 
@@ -81,10 +85,11 @@ def relu_cosine_similarity_rows(
     panel of 128 rows or more goes through the same kernel as the full product: a one-row product
     did not), so the mirrored entries are the ones the full product writes. On a kv-heavy layer at
     4k (8 x 3891 x 3891, d = 128, one thread) the full product took 0.77 s, the panels 0.28 s.
+    ``out`` (off the CPU; see :func:`similarity_buffer`): the tensor the matrix is written into.
     """
     rows, n, _ = keys.shape
     if keys.device.type != "cpu" or n < 2 * _PANEL_ROWS:
-        sim = relu_cosine_similarity(keys, valid)
+        sim = relu_cosine_similarity(keys, valid, out if keys.device.type != "cpu" else None)
         return sim, sim.sum(dim=-1), sim.amax(dim=-1)
     units = (keys.float() / key_norms(keys)[..., None]).contiguous()
     weight = None if valid is None else valid.to(units.dtype)
@@ -389,7 +394,7 @@ def greedy_maximize(
             backend = _fast_backend(fast) if cuda or named else None
             # Inside a capture or a trace of the caller's (in_static_step), the steps are recorded
             # into the caller's graph: no capture (nor compile) of our own.
-            capture = cuda and not named and not in_static_step()
+            capture = _captures(objective.sim.device) and not named and not in_static_step()
             if in_static_step():
                 backend = None
             chosen, enough, needed = _fast_lazy_greedy(objective, k, evaluations, sampler, attempts, backend, capture)
@@ -1075,6 +1080,25 @@ class _LoopGraph:
         return tuple(value.clone() for value in self.state)
 
 
+def _captures(device: torch.device) -> bool:
+    """Whether the fast path captures its loop as a CUDA graph on ``device`` (on CUDA)."""
+    return device.type == "cuda"
+
+
+def similarity_buffer(rows: int, n: int, device) -> torch.Tensor | None:
+    """The ``[rows, n, n]`` similarity matrix a captured greedy loop of these shapes reads (the
+    latest such capture; None when there is none): a caller that computes the next layer's matrix
+    into it (:func:`relu_cosine_similarity_rows`'s ``out``) saves the replay its copy of the
+    matrix (``R n^2`` float32: 2 GiB at 8 KV heads and 8k) and holds one matrix, not two. The
+    matrix is overwritten by the next layer that does so: use it before computing the next."""
+    device = torch.device(device)
+    for key in reversed(list(_LOOP_GRAPHS)):
+        sim = _LOOP_GRAPHS[key].inputs["sim"]
+        if sim.device == device and tuple(sim.shape) == (rows * n, n):
+            return sim.view(rows, n, n)
+    return None
+
+
 def _fast_backend(fast) -> str | None:
     """The backend compiling the step: ``fast`` when it names one; on CUDA inductor when torch
     compiles kvhive; else None (the step runs eagerly, still captured on CUDA)."""
@@ -1112,8 +1136,13 @@ def _fast_lazy_greedy(
     device = objective.sim.device
     if capture:
         # A layer replays a captured loop whose buckets are all at least its own (evaluating more
-        # changes no kept set); a new capture takes the larger bucket of each step of it and of the
-        # latest capture of these shapes, so the captures of a model's layers settle in a few.
+        # changes no kept set). Its buckets are first made non-increasing over the steps (each
+        # step's is the largest of the steps from it on: fresh draws, hence the evaluations needed,
+        # fall over the steps, so this costs little), so that which steps need the next bucket up
+        # is a prefix, not a scatter that differs from layer to layer; a new capture takes the
+        # larger bucket of each step of its own and of the latest capture of these shapes, so the
+        # captures of a model's layers settle in a few.
+        counts = list(itertools.accumulate(reversed(counts), max))[::-1]
         base = (device, backend, k, shape, tuple(sorted(static.items())))
         graph = None
         for key in reversed(list(_LOOP_GRAPHS)):
