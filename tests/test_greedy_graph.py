@@ -273,9 +273,12 @@ class _EmulatedCapture:
 
     made = 0
 
-    def __init__(self, inputs, steps, functions):
+    def __init__(self, inputs, steps, functions, buffers=None):
         type(self).made += 1
-        self.inputs = {name: value.clone() for name, value in inputs.items()}
+        if buffers is None:
+            self.inputs = {name: value.clone() for name, value in inputs.items()}
+        else:  # shared with an earlier capture of these shapes
+            self.inputs = buffers
         self.steps, self.functions = steps, functions
 
     def __call__(self, inputs):
@@ -303,6 +306,8 @@ def test_layers_replay_a_capture_whose_buckets_cover_theirs(monkeypatch, fresh_c
         assert submodular.last_greedy_path == "fixed-shape step (eager), whole loop as one CUDA graph"
     assert 1 <= _EmulatedCapture.made <= 3 < 6
     assert len(submodular._LOOP_GRAPHS) <= submodular._LOOP_GRAPHS_HELD
+    # The captures of one shape share their input buffers: one similarity matrix between them.
+    assert len({graph.inputs["sim"].data_ptr() for graph in submodular._LOOP_GRAPHS.values()}) == 1
     buffer = submodular.similarity_buffer(4, 300, "cpu")
     latest = list(submodular._LOOP_GRAPHS.values())[-1]
     assert buffer is not None and buffer.data_ptr() == latest.inputs["sim"].data_ptr()
