@@ -38,11 +38,13 @@ Configurations (``--configs``, comma-separated):
 Prefill rows: ``prefill_s`` is one prefill over the prompt with its compression. BumbleBee's greedy
 and SubGen's farthest-point order take their fast path (issue 25: a fixed-shape step compiled with
 inductor, the whole selection loop captured as one CUDA graph per shape and replayed for the later
-layers; ``--prefill-path auto``, the default, takes it on CUDA, as kvhive does; ``fast`` forces it,
-``eager`` takes the eager loops). The fast path compiles and captures at its first layer of a new
-shape, so every row first runs one untimed prefill of the same prompt (on by default,
-``--no-prefill-warmup`` to skip it; its time is ``prefill_first_s``): ``prefill_s`` is then what
-every later prompt of that length costs, for the stock rows as for kvhive's. ``prefill_selection_path`` records the path each selection took (BumbleBee's greedy,
+layers) or the eager loops: ``--prefill-path auto`` (the default) takes the fast path on CUDA, as
+kvhive does; ``fast`` forces it; ``graph`` takes it without compiling the step (captured as it is:
+no compile per shape, more kernels per step); ``eager`` takes the eager loops. The fast path
+compiles and captures at its first layer of a new shape, so every row first runs one untimed
+prefill of the same prompt (``--no-prefill-warmup`` skips it; its time is ``prefill_first_s``):
+``prefill_s`` is then what every later prompt of that length costs, for the stock rows as for
+kvhive's. ``prefill_selection_path`` records the path each selection took (BumbleBee's greedy,
 SubGen's order; absent for the methods that have neither).
 
 ``--profile CONFIG`` adds a ``torch.profiler`` trace of 5 decode steps to that configuration's line
@@ -274,7 +276,8 @@ def measure(settings: dict) -> dict:
     import kvhive.methods.submodular as submodular_module
     import kvhive.static_step
 
-    kvhive.static_step.PREFILL_FAST_PATH = {"auto": None, "fast": True, "eager": False}[path]
+    kvhive.static_step.PREFILL_FAST_PATH = {"auto": None, "fast": True, "graph": True, "eager": False}[path]
+    kvhive.static_step.PREFILL_COMPILE = path != "graph"
     steps = WARM_UP_STEPS + decode_tokens + PROFILE_STEPS
     prefill_first = None
     if settings.get("prefill_warmup", True):
@@ -552,11 +555,11 @@ def main(argv=None) -> int:
     parser.add_argument("--varlen", action="store_true", help="also time variable-length vs dense attention")
     parser.add_argument(
         "--prefill-path",
-        choices=("auto", "fast", "eager"),
+        choices=("auto", "fast", "graph", "eager"),
         default="auto",
         help="BumbleBee's greedy and SubGen's farthest-point order: kvhive's default (auto: the fast path on CUDA, "
         "the eager loops on the CPU), the fast path (fixed-shape step, compiled, captured as one CUDA graph per "
-        "shape on CUDA) or the eager loops",
+        "shape on CUDA), graph (the fast path with its step not compiled: captured as it is) or the eager loops",
     )
     parser.add_argument(
         "--no-prefill-warmup",

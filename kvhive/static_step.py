@@ -39,6 +39,11 @@ def in_static_step() -> bool:
 # loops, the reference); True / False: on every device / nowhere (benchmarks/bench_gpu.py
 # --prefill-path sets it).
 PREFILL_FAST_PATH: bool | None = None
+# Whether the fast path compiles its step (inductor, where torch compiles kvhive). Compiling fuses a
+# greedy step's ~170 kernels into a few, but costs a compile per new shape (prompt length, budget) and
+# gain bucket, tens of seconds each; False captures the eager step as it is (no compile: more kernels
+# per step, still one launch per layer).
+PREFILL_COMPILE: bool = True
 
 
 def prefill_fast_path(device: torch.device) -> bool:

@@ -437,9 +437,10 @@ def test_cuda_graph_of_a_slotted_step_replays_across_joins_and_leaves(method):
 FAST_PREFILL_LENGTH = 1024  # a moderate prompt: ~200 greedy steps / ~250 centers per layer
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled-step", "captured-eager-step"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("method", ["bumblebee", "bumblebee-power", "subgen"])
-def test_cuda_prefill_fast_path_keeps_the_eager_loops_positions(method, dtype):
+def test_cuda_prefill_fast_path_keeps_the_eager_loops_positions(method, dtype, compiled):
     import kvhive.methods.subgen as subgen_module
     import kvhive.methods.submodular as submodular_module
     import kvhive.static_step
@@ -449,6 +450,7 @@ def test_cuda_prefill_fast_path_keeps_the_eager_loops_positions(method, dtype):
     key = cache_kwarg(model)
     caches, paths = {}, {}
     try:
+        kvhive.static_step.PREFILL_COMPILE = compiled
         for fast in (False, True, True):  # eager; fast (compiles and captures); fast again (replays only)
             kvhive.static_step.PREFILL_FAST_PATH = fast
             submodular_module.last_greedy_path = subgen_module.last_farthest_path = None
@@ -463,8 +465,9 @@ def test_cuda_prefill_fast_path_keeps_the_eager_loops_positions(method, dtype):
             )
     finally:
         kvhive.static_step.PREFILL_FAST_PATH = None
+        kvhive.static_step.PREFILL_COMPILE = True
     assert paths[False] == ["eager loop"]
-    backend = "inductor" if TORCH_COMPILES_KVHIVE else "eager"
+    backend = "inductor" if TORCH_COMPILES_KVHIVE and compiled else "eager"
     assert paths[True] == [f"fixed-shape step ({backend}), whole loop as one CUDA graph"] * 2
     assert caches[True][0] == caches[False][0], f"{method} in {dtype}: the fast path kept other positions"
     assert caches[True][1] == caches[False][0], f"{method} in {dtype}: a replayed capture kept other positions"

@@ -176,11 +176,11 @@ last_farthest_path: str | None = None
 
 
 def _fast_backend() -> str | None:
-    """Inductor where torch compiles kvhive (kvhive.static_step), else None (an eager step, still
-    captured on CUDA)."""
-    from kvhive.static_step import TORCH_COMPILES_KVHIVE
+    """Inductor where torch compiles kvhive and ``PREFILL_COMPILE`` (kvhive.static_step), else None
+    (an eager step, still captured on CUDA)."""
+    from kvhive import static_step
 
-    return "inductor" if TORCH_COMPILES_KVHIVE else None
+    return "inductor" if static_step.TORCH_COMPILES_KVHIVE and static_step.PREFILL_COMPILE else None
 
 
 def _farthest_step(

@@ -1109,12 +1109,13 @@ def similarity_buffer(rows: int, n: int, device) -> torch.Tensor | None:
 
 def _fast_backend(fast) -> str | None:
     """The backend compiling the step: ``fast`` when it names one; on CUDA inductor when torch
-    compiles kvhive; else None (the step runs eagerly, still captured on CUDA)."""
+    compiles kvhive (and ``kvhive.static_step.PREFILL_COMPILE``); else None (the step runs
+    eagerly, still captured on CUDA)."""
     if fast is not True:
         return fast
-    from kvhive.static_step import TORCH_COMPILES_KVHIVE
+    from kvhive import static_step
 
-    return "inductor" if TORCH_COMPILES_KVHIVE else None
+    return "inductor" if static_step.TORCH_COMPILES_KVHIVE and static_step.PREFILL_COMPILE else None
 
 
 def _fast_lazy_greedy(
