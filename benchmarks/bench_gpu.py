@@ -35,6 +35,18 @@ Configurations (``--configs``, comma-separated):
   row also records how many graphs dynamo compiled during the timed decode steps (0 when the step
   neither recompiles nor breaks) and its graph breaks.
 
+Prefill rows: ``prefill_s`` is one prefill over the prompt with its compression. BumbleBee's greedy
+and SubGen's farthest-point order take their fast path (issue 25: a fixed-shape step compiled with
+inductor, the whole selection loop captured as one CUDA graph per shape and replayed for the later
+layers) or the eager loops: ``--prefill-path auto`` (the default) takes the fast path on CUDA, as
+kvhive does; ``fast`` forces it; ``graph`` takes it without compiling the step (captured as it is:
+no compile per shape, more kernels per step); ``eager`` takes the eager loops. The fast path
+compiles and captures at its first layer of a new shape, so every row first runs one untimed
+prefill of the same prompt (``--no-prefill-warmup`` skips it; its time is ``prefill_first_s``):
+``prefill_s`` is then what every later prompt of that length costs, for the stock rows as for
+kvhive's. ``prefill_selection_path`` records the path each selection took (BumbleBee's greedy,
+SubGen's order; absent for the methods that have neither).
+
 ``--profile CONFIG`` adds a ``torch.profiler`` trace of 5 decode steps to that configuration's line
 (host time, GPU kernel time, device->host synchronisations per step); ``--varlen`` adds the
 variable-length decode attention kernel against dense sdpa.
@@ -79,6 +91,8 @@ SETTINGS = (
     "layers",
     "decode_tokens",
     "compile_backend",
+    "prefill_path",
+    "prefill_warmup",
 )
 
 
@@ -257,11 +271,37 @@ def measure(settings: dict) -> dict:
     input_ids = torch.randint(3, model.config.vocab_size, (batch, context), generator=generator).to(device)
     key = cache_kwarg(model)
     cuda = device == "cuda"
+    path = settings.get("prefill_path", "auto")
+    import kvhive.methods.subgen as subgen_module
+    import kvhive.methods.submodular as submodular_module
+    import kvhive.static_step
+
+    kvhive.static_step.PREFILL_FAST_PATH = {"auto": None, "fast": True, "graph": True, "eager": False}[path]
+    kvhive.static_step.PREFILL_COMPILE = path != "graph"
+    steps = WARM_UP_STEPS + decode_tokens + PROFILE_STEPS
+    prefill_first = None
+    if settings.get("prefill_warmup", True):
+        # The fast path compiles and captures at its first layer of a new shape: one untimed prefill
+        # of the same prompt first (its cache dropped), so prefill_s is the steady-state cost; every
+        # row, the stock ones included, so that their prefills compare warm against warm.
+        held_before = torch.cuda.memory_allocated() if cuda else None
+        warm_cache = make_cache(model, parts, settings["budget"], context + steps, steps)
+        with torch.no_grad():
+            synchronize(device)
+            start = time.perf_counter()
+            model(input_ids=input_ids, **{key: warm_cache}, use_cache=True, logits_to_keep=1)
+            synchronize(device)
+            prefill_first = time.perf_counter() - start
+        del warm_cache
+    held_by_fast_path = None
+    if cuda and prefill_first is not None:
+        torch.cuda.empty_cache()  # what stays: compiled steps' constants, captured graphs and their buffers
+        held_by_fast_path = torch.cuda.memory_allocated() - held_before
+    submodular_module.last_greedy_path = subgen_module.last_farthest_path = None
     if cuda:
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    steps = WARM_UP_STEPS + decode_tokens + PROFILE_STEPS
     cache = make_cache(model, parts, settings["budget"], context + steps, steps)
     step = model
     if parts["compiled"]:
@@ -319,6 +359,21 @@ def measure(settings: dict) -> dict:
         "bandwidth_bound_ms": 1e3 * (weights_bytes + held) / bandwidth,
     }
     result["bound_over_measured"] = result["bandwidth_bound_ms"] / decode_ms
+    result["prefill_path"] = path
+    if prefill_first is not None:
+        result["prefill_first_s"] = prefill_first
+    selection = {
+        name: value
+        for name, value in (
+            ("bumblebee_greedy", submodular_module.last_greedy_path),
+            ("subgen_farthest_point", subgen_module.last_farthest_path),
+        )
+        if value is not None
+    }
+    if selection:
+        result["prefill_selection_path"] = selection
+    if held_by_fast_path is not None:
+        result["held_after_warmup_prefill_bytes"] = held_by_fast_path
     if cuda:
         result["peak_prefill_above_weights_bytes"] = peak_prefill
         result["peak_decode_above_weights_bytes"] = torch.cuda.max_memory_allocated() - base
@@ -498,6 +553,20 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="kvhive's tiny Llama instead of the Llama-3-8B shape")
     parser.add_argument("--profile", default="", help="comma-separated configs to profile (CUDA)")
     parser.add_argument("--varlen", action="store_true", help="also time variable-length vs dense attention")
+    parser.add_argument(
+        "--prefill-path",
+        choices=("auto", "fast", "graph", "eager"),
+        default="auto",
+        help="BumbleBee's greedy and SubGen's farthest-point order: kvhive's default (auto: the fast path on CUDA, "
+        "the eager loops on the CPU), the fast path (fixed-shape step, compiled, captured as one CUDA graph per "
+        "shape on CUDA), graph (the fast path with its step not compiled: captured as it is) or the eager loops",
+    )
+    parser.add_argument(
+        "--no-prefill-warmup",
+        dest="prefill_warmup",
+        action="store_false",
+        help="time the first prefill (compiles and captures included) instead of one after an untimed warm-up",
+    )
     parser.add_argument("--label", default="kvhive")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds one configuration may take")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -533,6 +602,8 @@ def main(argv=None) -> int:
         "layers": tiny_model_config("llama", "gqa").num_hidden_layers if args.tiny else args.layers or 32,
         "decode_tokens": args.decode_tokens or (8 if args.tiny else 32),
         "compile_backend": args.compile_backend or ("inductor" if args.device == "cuda" else "aot_eager"),
+        "prefill_path": args.prefill_path,
+        "prefill_warmup": args.prefill_warmup,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for config in (["varlen"] if args.varlen else []) + configs:
@@ -545,7 +616,13 @@ def main(argv=None) -> int:
         row = json.loads(args.out.read_text().splitlines()[-1])
         shown = {
             k: row[k]
-            for k in ("prefill_s", "decode_ms_per_token", "peak_decode_above_weights_bytes", "error")
+            for k in (
+                "prefill_s",
+                "prefill_selection_path",
+                "decode_ms_per_token",
+                "peak_decode_above_weights_bytes",
+                "error",
+            )
             if k in row
         }
         print(f"{config}: {json.dumps(shown)} ({time.perf_counter() - start:.0f} s)", flush=True)

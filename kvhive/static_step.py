@@ -30,3 +30,24 @@ def in_static_step() -> bool:
     if torch.compiler.is_compiling():
         return True
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+# The prefill selections' fast path (issue 25): BumbleBee's greedy and SubGen's farthest-point order
+# run each step as one fixed-shape function, compiled with inductor where torch compiles kvhive, the
+# whole loop captured as one CUDA graph per shape and replayed for later layers of that shape (the
+# same kept sets as the eager loops; docs/METHODS.md). None: on CUDA only (the CPU runs the eager
+# loops, the reference); True / False: on every device / nowhere (benchmarks/bench_gpu.py
+# --prefill-path sets it).
+PREFILL_FAST_PATH: bool | None = None
+# Whether the fast path compiles its step (inductor, where torch compiles kvhive). Compiling fuses a
+# greedy step's ~170 kernels into a few, but costs a compile per new shape (prompt length, budget) and
+# gain bucket, tens of seconds each; False captures the eager step as it is (no compile: more kernels
+# per step, still one launch per layer).
+PREFILL_COMPILE: bool = True
+
+
+def prefill_fast_path(device: torch.device) -> bool:
+    """Whether a prefill selection on ``device`` takes the fast path by default."""
+    if PREFILL_FAST_PATH is not None:
+        return PREFILL_FAST_PATH
+    return torch.device(device).type == "cuda"

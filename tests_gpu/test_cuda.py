@@ -429,3 +429,83 @@ def test_cuda_graph_of_a_slotted_step_replays_across_joins_and_leaves(method):
             assert torch.equal(static_logits[running], expected[running]), f"{method}: replay {replay} differs"
             tokens = expected[:, -1:].argmax(-1)
     assert graphed.active_slots == [True, True, True]
+
+
+# -- issue 25: the prefill selections' fast path (a compiled fixed-shape step, the whole loop as one
+# CUDA graph per shape, replayed for the later layers) keeps what the eager loops keep ---------------
+
+FAST_PREFILL_LENGTH = 1024  # a moderate prompt: ~200 greedy steps / ~250 centers per layer
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled-step", "captured-eager-step"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("method", ["bumblebee", "bumblebee-power", "subgen"])
+def test_cuda_prefill_fast_path_keeps_the_eager_loops_positions(method, dtype, compiled):
+    import kvhive.methods.subgen as subgen_module
+    import kvhive.methods.submodular as submodular_module
+    import kvhive.static_step
+
+    model = tiny_model("llama", "gqa", dtype=dtype).cuda()
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=FAST_PREFILL_LENGTH, pad=37)
+    key = cache_kwarg(model)
+    caches, paths = {}, {}
+    try:
+        kvhive.static_step.PREFILL_COMPILE = compiled
+        for fast in (False, True, True):  # eager; fast (compiles and captures); fast again (replays only)
+            kvhive.static_step.PREFILL_FAST_PATH = fast
+            submodular_module.last_greedy_path = subgen_module.last_farthest_path = None
+            cache = kvhive.make_cache(model, method, budget=FAST_PREFILL_LENGTH // 5)  # tokens: rows differ in length
+            with torch.no_grad():
+                model(input_ids=input_ids.cuda(), attention_mask=attention_mask.cuda(), **{key: cache}, use_cache=True)
+            caches.setdefault(fast, []).append(snapshot(cache))
+            paths.setdefault(fast, []).append(
+                submodular_module.last_greedy_path
+                if method.startswith("bumblebee")
+                else subgen_module.last_farthest_path
+            )
+    finally:
+        kvhive.static_step.PREFILL_FAST_PATH = None
+        kvhive.static_step.PREFILL_COMPILE = True
+    assert paths[False] == ["eager loop"]
+    backend = "inductor" if TORCH_COMPILES_KVHIVE and compiled else "eager"
+    assert paths[True] == [f"fixed-shape step ({backend}), whole loop as one CUDA graph"] * 2
+    assert caches[True][0] == caches[False][0], f"{method} in {dtype}: the fast path kept other positions"
+    assert caches[True][1] == caches[False][0], f"{method} in {dtype}: a replayed capture kept other positions"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("greedy", ["stochastic", "lazy"])
+def test_cuda_greedy_fast_path_matches_the_eager_loop_over_layers(greedy, dtype):
+    # Llama-3-8B's head dimension and 8 KV heads, 2,048 candidates, a summary of 256: three layers
+    # of the same shapes (the first compiles and captures, the later ones replay), each its own keys.
+    from kvhive.methods.submodular import Concave, Mixture, greedy_maximize, relu_cosine_similarity_rows
+
+    for layer in range(3):
+        generator = torch.Generator(device="cuda").manual_seed(layer)
+        keys = torch.randn(8, 2048, 128, device="cuda", generator=generator).to(dtype)
+        keys[:, 1::4] = keys[:, 0::4] + 0.2 * keys[:, 1::4]  # near-duplicates: facility location matters
+        weights = torch.rand(8, 2048, device="cuda", generator=generator) ** 3
+        valid = torch.ones(8, 2048, dtype=torch.bool, device="cuda")
+        valid[3, :100] = False  # a padded row
+        sim, row_sums, row_max = relu_cosine_similarity_rows(keys, valid)
+        objective = Mixture(sim, weights, valid, 0.3, Concave("log"), row_sums, row_max)
+
+        chosen = {}
+        for fast in (True, False):
+            generators = [torch.Generator(device="cuda").manual_seed(1000 * layer + row) for row in range(8)]
+            chosen[fast] = greedy_maximize(objective, 256, greedy, 1e-5, generators, fast=fast)
+        assert torch.equal(chosen[True], chosen[False]), f"layer {layer}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cuda_farthest_point_fast_path_matches_the_eager_loop_over_layers(dtype):
+    from kvhive.methods.subgen import farthest_point_order
+
+    for layer in range(3):
+        generator = torch.Generator(device="cuda").manual_seed(layer)
+        keys = torch.randn(8, 2048, 128, device="cuda", generator=generator).to(dtype)
+        candidates = torch.rand(8, 2048, device="cuda", generator=generator) > 0.1
+        positions = torch.randperm(2048, device="cuda", generator=generator).expand(8, 2048).contiguous()
+        for order in (None, positions):
+            fast = farthest_point_order(keys, candidates, 400, order, fast=True)
+            assert torch.equal(fast, farthest_point_order(keys, candidates, 400, order, fast=False)), f"layer {layer}"

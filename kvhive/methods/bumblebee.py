@@ -79,7 +79,9 @@ from kvhive.methods.submodular import (
     greedy_maximize,
     key_norms,
     relu_cosine_similarity_rows,
+    similarity_buffer,
 )
+from kvhive.static_step import prefill_fast_path
 
 SCORE = "bumblebee_accumulated"
 SUMMARY = "bumblebee_summary"
@@ -238,10 +240,14 @@ class BumbleBee(Policy):
         chosen = torch.zeros(rows, candidates, dtype=torch.bool, device=keys.device)
         order = torch.arange(candidates, device=keys.device)
         summaries = []
+        fast = prefill_fast_path(keys.device) and keys.device.type == "cuda"
         rows_per_chunk = max(1, MAX_SIMILARITY_ELEMENTS // (candidates * candidates))
         for start in range(0, rows, rows_per_chunk):
             part = slice(start, min(rows, start + rows_per_chunk))
-            sim, row_sums, row_max = relu_cosine_similarity_rows(keys[part], valid[part])
+            # On the fast path (CUDA), into the matrix a captured greedy loop of these shapes reads:
+            # its replay then copies no matrix (None: a new one).
+            out = similarity_buffer(part.stop - part.start, candidates, keys.device) if fast else None
+            sim, row_sums, row_max = relu_cosine_similarity_rows(keys[part], valid[part], out)
             objective = Mixture(
                 sim, weights[part], valid[part], self.config.mixture_weight, self.concave, row_sums, row_max
             )

@@ -28,6 +28,7 @@ other methods here, SnapKV's observation window and AhaKV's ``B_r``)**; ``budget
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,7 @@ from kvhive.methods.base import (
     keep_top_scores,
     require_int_at_least,
 )
+from kvhive.static_step import in_static_step, prefill_fast_path
 
 # Per-token scores (kept aligned with the stored tokens by the cache).
 NEAREST_DISTANCE = "subgen_nn_sqdist"  # squared L2 distance to the nearest other candidate
@@ -83,7 +85,11 @@ def _squared_distances(
 
 
 def farthest_point_order(
-    keys: torch.Tensor, candidates: torch.Tensor, count: int, positions: torch.Tensor | None = None
+    keys: torch.Tensor,
+    candidates: torch.Tensor,
+    count: int,
+    positions: torch.Tensor | None = None,
+    fast: bool | str | None = None,
 ) -> torch.Tensor:
     """Greedy k-center on each row: ``[R, count]`` indices of the chosen centers in pick order.
 
@@ -98,7 +104,16 @@ def farthest_point_order(
     argmax of each step stays on the device. (An earlier blocked version read the keys once per
     32 centers but read a bool on the host at every pick to certify it; sound certificates fail
     often on high-dimensional keys, so the exact algorithm needs the pass per pick anyway.)
+
+    ``fast`` (the GPU fast path, issue 25): run each step as one pure function of fixed-shape
+    tensors (:func:`_farthest_step`). None (the default): ``kvhive.static_step.prefill_fast_path``
+    decides, i.e. on CUDA only: the step compiled with inductor where torch compiles kvhive, the
+    whole loop captured as one CUDA graph per shape (rows, points, head dimension, count) and
+    replayed for every later layer of those shapes; the CPU runs the eager loop below, the
+    reference. True: the fixed-shape step (as on CUDA; eager on the CPU); a dynamo backend (e.g.
+    ``"aot_eager"``, the tests' CPU proxy): compiled with it, not captured; False: the eager loop.
     """
+    global last_farthest_path
     rows, num_points, _ = keys.shape
     steps = min(count, num_points)
     order = torch.full((rows, count), -1, dtype=torch.long, device=keys.device)
@@ -112,6 +127,21 @@ def farthest_point_order(
         chosen = candidates.to(torch.int8).argmax(-1)
     else:
         chosen = positions.masked_fill(~candidates, _after_every(positions)).argmin(-1)
+    cuda = keys.device.type == "cuda"
+    if fast is None:
+        fast = prefill_fast_path(keys.device)
+    if fast is not False:
+        named = fast is not True  # a backend (a name or a dynamo backend callable)
+        backend = fast if named else (_fast_backend() if cuda else None)
+        # Inside a capture or a trace of the caller's (in_static_step), the steps are recorded into
+        # the caller's graph: no capture (nor compile) of our own.
+        capture = cuda and not named and not in_static_step()
+        if in_static_step():
+            backend = None
+        order = _farthest_loop(keys, keys_sq, order, nearest, chosen, steps, backend, capture)
+        exhausted = torch.arange(count, device=keys.device)[None, :] >= candidates.sum(-1)[:, None]
+        return order.masked_fill_(exhausted, -1)
+    last_farthest_path = "eager loop"
     for step in range(steps):
         order[:, step] = chosen
         # [R, 1, d] viewed as [R, d, 1]: this layout takes the fast batched matrix-vector kernel
@@ -126,6 +156,120 @@ def farthest_point_order(
     # A row that ran out of candidates kept "picking" ineligible points: those become -1.
     exhausted = torch.arange(count, device=keys.device)[None, :] >= candidates.sum(-1)[:, None]
     return order.masked_fill_(exhausted, -1)
+
+
+# The GPU fast path: the same loop as one fixed-shape step, compiled and captured (issue 25). The
+# eager loop above is launch-bound on a GPU (~16 aten dispatches per center, budget - recent centers
+# per layer: ~800 at an 8k prompt with ratio 0.1): the step below is a pure function of fixed-shape tensors (state
+# in, state out; the step a 0-d tensor), so it compiles with ``fullgraph=True, dynamic=False`` and
+# the whole loop of ``steps`` calls is captured once as a CUDA graph per shape and replayed for
+# every later layer of that shape. It is the eager step's arithmetic in the same order (the same
+# product, then the same additions), so on the CPU it gives the eager loop's order exactly.
+
+# Compiled steps by backend; captured loops by shape (a model's layers share their shapes).
+_STEP_FUNCTIONS: dict = {}
+_STEP_FUNCTIONS_HELD = 16
+_LOOP_GRAPHS: dict = {}
+_LOOP_GRAPHS_HELD = 2
+# Which path the last farthest_point_order call took (benchmarks/bench_gpu.py records it).
+last_farthest_path: str | None = None
+
+
+def _fast_backend() -> str | None:
+    """Inductor where torch compiles kvhive and ``PREFILL_COMPILE`` (kvhive.static_step), else None
+    (an eager step, still captured on CUDA)."""
+    from kvhive import static_step
+
+    return "inductor" if static_step.TORCH_COMPILES_KVHIVE and static_step.PREFILL_COMPILE else None
+
+
+def _farthest_step(
+    keys: torch.Tensor,
+    keys_sq: torch.Tensor,
+    order: torch.Tensor,
+    nearest: torch.Tensor,
+    chosen: torch.Tensor,
+    step: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step of :func:`farthest_point_order`'s loop: record ``chosen`` at column ``step`` (a
+    0-d long tensor) of ``order``, update every point's distance to its nearest center, pick the
+    next center. ``(order, nearest, chosen)`` in, the same out; fixed shapes, no host read."""
+    rows = keys.shape[0]
+    row_index = torch.arange(rows, device=keys.device)
+    order = order.index_copy(1, step.view(1), chosen[:, None])
+    center = keys[row_index, chosen][:, None, :].transpose(1, 2)
+    partial = torch.baddbmm(keys_sq[:, :, None], keys, center, alpha=-2).squeeze(-1)
+    distance = (partial + keys_sq[row_index, chosen][:, None]).clamp_min(0)
+    nearest = torch.minimum(nearest, distance)
+    nearest = nearest.scatter(1, chosen[:, None], float("-inf"))  # (no host scalar: capturable eagerly)
+    return order, nearest, nearest.argmax(-1)
+
+
+def _farthest_function(backend, shape: tuple):
+    """The step compiled with ``backend`` (None: eager) for one shape, each shape on a code object
+    of its own: a second shape (another prompt length) is a first compile, not a recompile of the
+    first (dynamo caches per code object; with ``dynamic=False`` every shape compiles anyway)."""
+    if backend is None:
+        return _farthest_step
+    key = (backend, shape)
+    function = _STEP_FUNCTIONS.get(key)
+    if function is None:
+        code = _farthest_step.__code__.replace(co_name=f"_farthest_step_{len(_STEP_FUNCTIONS)}")
+        body = types.FunctionType(code, _farthest_step.__globals__, code.co_name)
+        while len(_STEP_FUNCTIONS) >= _STEP_FUNCTIONS_HELD:  # prompt lengths come and go: the oldest go
+            _STEP_FUNCTIONS.pop(next(iter(_STEP_FUNCTIONS)))
+        function = _STEP_FUNCTIONS[key] = torch.compile(body, backend=backend, fullgraph=True, dynamic=False)
+    return function
+
+
+def _run_farthest(function, keys, keys_sq, order, nearest, chosen, steps):
+    for step in steps:
+        order, nearest, chosen = function(keys, keys_sq, order, nearest, chosen, step)
+    return order
+
+
+class _FarthestGraph:
+    """The whole loop of one shape captured as one CUDA graph: fixed input buffers (each call
+    copies the layer's inputs in) and the final order."""
+
+    def __init__(self, function, inputs: tuple[torch.Tensor, ...], steps: list[torch.Tensor]):
+        self.inputs = tuple(value.clone() for value in inputs)
+        self.steps = steps  # the captured graph reads them
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up on a side stream, as torch.cuda.graph asks
+            _run_farthest(function, *self.inputs, steps)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.order = _run_farthest(function, *self.inputs, steps)
+
+    def __call__(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        for mine, value in zip(self.inputs, inputs, strict=True):
+            mine.copy_(value)
+        self.graph.replay()
+        return self.order.clone()
+
+
+def _farthest_loop(keys, keys_sq, order, nearest, chosen, steps: int, backend: str | None, capture: bool):
+    """The ``steps`` fixed-shape steps from the initial state; the order ``[R, count]``."""
+    global last_farthest_path
+    function = _farthest_function(backend, (steps, *(tuple(value.shape) for value in (keys, order))))
+    step_tensors = list(torch.arange(steps, device=keys.device).unbind())
+    inputs = (keys, keys_sq, order, nearest, chosen)
+    label = backend if backend is None or isinstance(backend, str) else getattr(backend, "__name__", "backend")
+    if not capture:
+        last_farthest_path = f"fixed-shape step ({label or 'eager'})"
+        return _run_farthest(function, *inputs, step_tensors)
+    key = (keys.device, backend, steps, *(tuple(value.shape) for value in inputs))
+    graph = _LOOP_GRAPHS.pop(key, None)
+    if graph is None:
+        while len(_LOOP_GRAPHS) >= _LOOP_GRAPHS_HELD:
+            _LOOP_GRAPHS.pop(next(iter(_LOOP_GRAPHS)))
+        graph = _FarthestGraph(function, inputs, step_tensors)
+    _LOOP_GRAPHS[key] = graph  # most recent last
+    last_farthest_path = f"fixed-shape step ({label or 'eager'}), whole loop as one CUDA graph"
+    return graph(inputs)
 
 
 # ---------------------------------------------------------------------------------------------

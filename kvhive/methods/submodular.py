@@ -16,7 +16,9 @@ pick one while a valid element is still available, and the streaming step drops 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+import types
 from dataclasses import dataclass
 
 import torch
@@ -48,15 +50,18 @@ def key_norms(keys: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
     return keys.float().norm(dim=-1).clamp_min(eps)
 
 
-def relu_cosine_similarity(keys: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+def relu_cosine_similarity(
+    keys: torch.Tensor, valid: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[R, n, n]`` ReLU of the pairwise cosine similarity of ``keys[R, n, d]`` (float32).
 
     Rows and columns of invalid elements are zero. One batched matrix product: computing only
     the upper block triangle and mirroring it halves the flops but was slower on CPU because of
-    the transposed copy (1.17 s vs 0.76 s for 8 x 4096 x 4096, d = 128, one thread).
+    the transposed copy (1.17 s vs 0.76 s for 8 x 4096 x 4096, d = 128, one thread). ``out``: a
+    contiguous ``[R, n, n]`` float32 tensor to write it into (the same product, the same values).
     """
     units = keys.float() / key_norms(keys)[..., None]
-    sim = torch.bmm(units, units.transpose(1, 2))
+    sim = torch.bmm(units, units.transpose(1, 2), out=out)
     sim.clamp_(min=0)
     if valid is not None:  # multiplying by 1 changes nothing, and asking whether all are valid is a host read
         weight = valid.to(sim.dtype)
@@ -69,7 +74,7 @@ _PANEL_ROWS = 256
 
 
 def relu_cosine_similarity_rows(
-    keys: torch.Tensor, valid: torch.Tensor | None = None
+    keys: torch.Tensor, valid: torch.Tensor | None = None, out: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`relu_cosine_similarity` with its row sums and row maxima: ``(sim, sim.sum(-1), sim.amax(-1))``.
 
@@ -80,10 +85,11 @@ def relu_cosine_similarity_rows(
     panel of 128 rows or more goes through the same kernel as the full product: a one-row product
     did not), so the mirrored entries are the ones the full product writes. On a kv-heavy layer at
     4k (8 x 3891 x 3891, d = 128, one thread) the full product took 0.77 s, the panels 0.28 s.
+    ``out`` (off the CPU; see :func:`similarity_buffer`): the tensor the matrix is written into.
     """
     rows, n, _ = keys.shape
     if keys.device.type != "cpu" or n < 2 * _PANEL_ROWS:
-        sim = relu_cosine_similarity(keys, valid)
+        sim = relu_cosine_similarity(keys, valid, out if keys.device.type != "cpu" else None)
         return sim, sim.sum(dim=-1), sim.amax(dim=-1)
     units = (keys.float() / key_norms(keys)[..., None]).contiguous()
     weight = None if valid is None else valid.to(units.dtype)
@@ -308,6 +314,7 @@ def greedy_maximize(
     method: str = "stochastic",
     epsilon: float = 1e-5,
     generator: torch.Generator | list[torch.Generator] | None = None,
+    fast: bool | str | None = None,
 ) -> torch.Tensor:
     """``chosen[R, n]`` with exactly ``min(k, n)`` elements per row maximising ``g`` greedily.
 
@@ -344,7 +351,18 @@ def greedy_maximize(
     feature part ``c(e | S)`` costs ``O(1)`` per element and is recomputed exactly at every
     step, which keeps the bounds tight. Padding is picked only once a row has no valid element
     left (then its lowest-index remaining padding element, or the lowest-index one drawn).
+
+    ``fast`` (lazy and stochastic greedy): run each step as one fixed-shape pure function (the
+    GPU fast path, module section "The GPU fast path"; same kept sets, same host reads). None
+    (the default): ``kvhive.static_step.prefill_fast_path`` decides, i.e. on CUDA only: the step
+    compiled with inductor where torch compiles kvhive, the whole loop captured as one CUDA graph
+    per shape bucket; the CPU runs the eager loop, the reference. True: the fixed-shape step
+    (compiled and captured as on CUDA; eager on the CPU); a dynamo backend (e.g. ``"aot_eager"``,
+    the tests' CPU proxy): the step compiled with it, not captured; False: the eager loop.
     """
+    global last_greedy_path
+    from kvhive.static_step import in_static_step
+
     n = objective.size
     k = min(k, n)
     if k <= 0:
@@ -360,9 +378,26 @@ def greedy_maximize(
     else:
         widths = sampler.width
         evaluations = sampler.first_evaluations(_LAZY_EVALUATIONS)
+    cuda = objective.sim.device.type == "cuda"
+    if fast is None:
+        from kvhive.static_step import prefill_fast_path
+
+        fast = prefill_fast_path(objective.sim.device)
+    if fast is False:
+        last_greedy_path = "eager loop"
     attempts, runs = 1, 1
     while True:
-        chosen, enough, needed = _lazy_greedy(objective, k, evaluations, sampler, attempts)
+        if fast is False:
+            chosen, enough, needed = _lazy_greedy(objective, k, evaluations, sampler, attempts)
+        else:
+            named = fast is not True  # a backend (a name or a dynamo backend callable)
+            backend = _fast_backend(fast) if cuda or named else None
+            # Inside a capture or a trace of the caller's (in_static_step), the steps are recorded
+            # into the caller's graph: no capture (nor compile) of our own.
+            capture = _captures(objective.sim.device) and not named and not in_static_step()
+            if in_static_step():
+                backend = None
+            chosen, enough, needed = _fast_lazy_greedy(objective, k, evaluations, sampler, attempts, backend, capture)
         report = torch.cat([enough.long(), needed]).tolist()  # the run's one host read
         evaluated_enough, drew_enough = report[0], report[1]
         if evaluated_enough and drew_enough:
@@ -812,3 +847,334 @@ class StreamingSummary:
             return parts[0]
         fields = [field.name for field in dataclasses.fields(cls)]
         return cls(**{name: torch.cat([getattr(part, name) for part in parts], dim=0) for name in fields})
+
+
+# ---------------------------------------------------------------------------------------------
+# The GPU fast path of lazy / stochastic greedy: one fixed-shape step, compiled and captured
+# ---------------------------------------------------------------------------------------------
+#
+# The eager loop above (``_lazy_greedy``) is the reference: on the CPU it runs as it is. On a GPU
+# it is launch-bound (issue 25: ~185 dispatches per greedy step, ~410 steps per layer at 8k, each
+# dispatch ~5-10 us of host time). The fast path runs the same greedy as ``k`` calls of one pure
+# step function of fixed-shape tensors (state in, state out): no host read, no Python branch on a
+# value, no shape that depends on the step. The step's varying inputs (the step's draws, their
+# population and offset, whether a row evaluates everything) are rows of ``[k, R]`` tables picked
+# by a 0-d step tensor, and every step's pool has the run's widest width ``W`` (draws beyond a
+# row's own ``d`` are ineligible, as the columns beyond a row's draws already are in the eager
+# loop). The exact gains a step evaluates are bucketed to a power of two (at least the eager
+# loop's count, at most ``W``): evaluating more than needed changes only the stale bounds left
+# behind, which stay upper bounds, and a settled step picks the exact argmax (lowest index among
+# ties) whatever was evaluated, so the kept sets are the eager loop's (tests/test_greedy_graph.py).
+# On CUDA the step is compiled with inductor (``fullgraph=True, dynamic=False``: its ~90 kernels
+# fuse into a few) when torch compiles kvhive, and the whole loop of ``k`` steps is captured once
+# as a CUDA graph per shape bucket and replayed for every later layer of the same shapes.
+
+# Smallest bucket of exact gains per step (the eager loop's margin).
+_BUCKET_FLOOR = _LAZY_EVALUATIONS
+# Compiled step functions: one per (backend, input shapes, bucket of exact gains per step, static
+# flags), the oldest dropped past 64; each has its own code object, so a second bucket or shape is a
+# first compile of its own, not a recompile of another (dynamo caches per code object;
+# tests/test_greedy_graph.py runs under error_on_recompile).
+_STEP_FUNCTIONS: dict = {}
+_STEP_FUNCTIONS_HELD = 64
+# Captured whole loops on CUDA, by shape bucket (few entries: a model's layers share their shapes).
+_LOOP_GRAPHS: dict = {}
+_LOOP_GRAPHS_HELD = 2
+# Which path the last greedy_maximize call took (benchmarks/bench_gpu.py records it).
+last_greedy_path: str | None = None
+
+
+def _bucket(count: int, width: int) -> int:
+    """Exact gains a fast step evaluates: the power of two at or above ``count`` (at least
+    ``_BUCKET_FLOOR``), at most the pool's width."""
+    return min(width, max(_BUCKET_FLOOR, 1 << max(0, int(count) - 1).bit_length()))
+
+
+def _greedy_step(
+    inputs: dict[str, torch.Tensor],
+    state: tuple[torch.Tensor, ...],
+    step: torch.Tensor,
+    *,
+    width: int,
+    count: int,
+    sampled: bool,
+    any_full: bool,
+    lam: float,
+    phi: Concave,
+) -> tuple[torch.Tensor, ...]:
+    """One greedy step of :func:`_lazy_greedy` as a pure function of fixed-shape tensors.
+
+    ``state`` = ``(chosen, coverage, mass, phi_mass, facility_bounds, consumed, evaluated_enough,
+    drew_enough, needed)``; ``step`` a 0-d long tensor; ``width`` the pool's width (``n`` where a
+    row may evaluate everything), ``count`` the exact gains evaluated (``<= width``). Every
+    branch is on these static values only."""
+    del lam  # the two terms' weights are in facility_scale / feature_scale
+    chosen, coverage, mass, phi_mass, facility_bounds, consumed, evaluated_enough, drew_enough, needed = state
+    sim_flat, weights, valid = inputs["sim"], inputs["weights"], inputs["valid"]
+    rows, n = valid.shape
+    device = valid.device
+    row_index = torch.arange(rows, device=device)
+    everything = torch.arange(n, device=device).expand(rows, n)
+    from_valid = inputs["valid_count"] > step  # padding only once no valid element is left
+    if sampled:
+        pick_step = step.view(1)
+        draws = inputs["draws"].index_select(0, pick_step).squeeze(0)
+        population = inputs["population"].index_select(0, pick_step).squeeze(0)
+        offset = inputs["offset"].index_select(0, pick_step).squeeze(0)
+        full = inputs["full"].index_select(0, pick_step).squeeze(0)
+        stream, tries = inputs["stream"], inputs["tries"]
+        column = torch.arange(width, device=device)
+        index = consumed[:, None, None] + tries[None, :, None] * draws[:, None, None] + column
+        values = stream.gather(1, index.clamp(max=stream.shape[1] - 1).view(rows, -1)).view(rows, -1, width)
+        drawn = (values * population[:, None, None]).long().clamp(max=n - 1) + offset[:, None, None]
+        pool = inputs["valid_first"].gather(1, drawn.view(rows, -1)).view(rows, -1, width)
+        eligible = ~chosen.gather(1, pool.view(rows, -1)).view(rows, -1, width) & (column < draws[:, None])[:, None]
+        attempt = eligible.any(dim=-1).int().argmax(dim=-1)  # the first attempt holding an eligible element
+        pick = attempt[:, None, None].expand(rows, 1, width)
+        consumed = consumed + torch.where(full, 0, (attempt + 1) * draws)
+        pool, eligible = pool.gather(1, pick).squeeze(1), eligible.gather(1, pick).squeeze(1)
+        if any_full:  # width == n: the rows that evaluate everything take every element
+            everyone = ~chosen & (valid == from_valid[:, None])
+            pool = torch.where(full[:, None], everything, pool)
+            eligible = torch.where(full[:, None], everyone, eligible)
+        drew_enough = drew_enough & eligible.any(dim=-1).all()
+        # Each element once (a repeat's bound would tie with its own exact gain).
+        first = torch.full((rows, n), width, dtype=torch.long, device=device)
+        first = first.scatter_reduce(1, pool, torch.where(eligible, column, width), "amin")
+        eligible = eligible & (first.gather(1, pool) == column)
+    else:
+        pool = everything
+        eligible = ~chosen & (valid == from_valid[:, None])
+    facility_scale, feature_scale = inputs["facility_scale"], inputs["feature_scale"]
+    phi_mass_now = phi_mass[:, None]
+
+    def feature_gains(elements: torch.Tensor) -> torch.Tensor:
+        added = weights.gather(1, elements)
+        return phi.gain(mass[:, None], added, phi_mass_now) * feature_scale[:, None]
+
+    pool_feature = feature_gains(pool)
+    bounds = (facility_bounds.gather(1, pool) + pool_feature).masked_fill(~valid.gather(1, pool), PADDING_GAIN)
+    bounds = bounds.masked_fill(~eligible, float("-inf"))
+    top = bounds.topk(min(count + 1, width), dim=-1)
+    candidates = top.indices[:, :count]
+    elements = pool.gather(1, candidates)
+    similarity = sim_flat.index_select(0, (row_index[:, None] * n + elements).reshape(-1)).view(rows, count, n)
+    facility = (similarity - coverage[:, None, :]).clamp(min=0).sum(dim=-1).double() * facility_scale[:, None]
+    facility_bounds = facility_bounds.scatter(1, elements, facility)
+    exact = (facility + pool_feature.gather(1, candidates)).masked_fill(~valid.gather(1, elements), PADDING_GAIN)
+    exact = exact.masked_fill(top.values[:, :count] == float("-inf"), float("-inf"))
+    best = exact.amax(dim=-1)
+    picks = torch.where(exact == best[:, None], elements, n).amin(dim=-1)
+    if width > count:
+        following = top.values[:, count]
+        settled = (best > following) | (following == float("-inf")) | ~from_valid
+        evaluated_enough = evaluated_enough & settled.all()
+        need = ((bounds >= best[:, None]) & from_valid[:, None]).sum(dim=-1).amax()
+        needed = needed.index_copy(0, step.view(1), need.view(1))
+    padding_pick = torch.where(eligible, pool, n).amin(dim=-1)
+    picks = torch.where(from_valid, picks, padding_pick).clamp(max=n - 1)
+    # Add the picks to S.
+    chosen = chosen.scatter(1, picks[:, None], True)
+    coverage = torch.maximum(coverage, sim_flat.index_select(0, row_index * n + picks))
+    mass = mass + weights.gather(1, picks[:, None]).squeeze(1)
+    phi_mass = phi(mass)
+    return chosen, coverage, mass, phi_mass, facility_bounds, consumed, evaluated_enough, drew_enough, needed
+
+
+def _step_function(backend, shape: tuple, **static):
+    """The step with its static arguments bound, compiled with ``backend`` (None: eager); cached
+    per (backend, input shapes, static arguments), each compiled entry on a code object of its
+    own: a new bucket or shape (another prompt length) is a first compile of its own, not a
+    recompile of another (dynamo caches per code object; ``dynamic=False`` compiles every shape)."""
+    key = (backend, shape, tuple(sorted(static.items())))
+    function = _STEP_FUNCTIONS.get(key)
+    if function is None:
+        if backend is None:
+
+            def function(inputs, state, step):
+                return _greedy_step(inputs, state, step, **static)
+
+        else:
+            code = _greedy_step.__code__.replace(co_name=f"_greedy_step_{len(_STEP_FUNCTIONS)}")
+            body = types.FunctionType(code, _greedy_step.__globals__, code.co_name, None, None)
+            body.__kwdefaults__ = dict(static)
+            function = torch.compile(body, backend=backend, fullgraph=True, dynamic=False)
+        while len(_STEP_FUNCTIONS) >= _STEP_FUNCTIONS_HELD:  # prompt lengths come and go: the oldest go
+            _STEP_FUNCTIONS.pop(next(iter(_STEP_FUNCTIONS)))
+        _STEP_FUNCTIONS[key] = function
+    return function
+
+
+def _static_inputs(objective: Mixture, sampler: _StochasticSampler | None, attempts: int) -> dict[str, torch.Tensor]:
+    """The loop's fixed inputs (the objective, the sampler's tables and stream), by name."""
+    valid = objective.valid
+    inputs = {
+        "sim": objective.sim.view(-1, objective.size),
+        "weights": objective.weights,
+        "valid": valid,
+        "valid_count": valid.sum(dim=-1),
+        "facility_scale": objective.facility_scale,
+        "feature_scale": objective.feature_scale,
+        "facility_bounds": objective.row_sums.double() * objective.facility_scale[:, None],
+    }
+    if sampler is not None:
+        inputs.update(
+            draws=sampler.draws,
+            population=sampler.population,
+            offset=sampler.offset,
+            full=sampler.full,
+            valid_first=sampler.valid_first,
+            stream=sampler.streams(attempts),
+            tries=torch.arange(attempts, device=valid.device),
+        )
+    return inputs
+
+
+def _initial_state(inputs: dict[str, torch.Tensor], k: int) -> tuple[torch.Tensor, ...]:
+    valid = inputs["valid"]
+    rows, n = valid.shape
+    device = valid.device
+    true = torch.ones((), dtype=torch.bool, device=device)
+    return (
+        torch.zeros(rows, n, dtype=torch.bool, device=device),  # chosen
+        inputs["sim"].new_zeros(rows, n),  # coverage
+        inputs["weights"].new_zeros(rows),  # mass
+        inputs["weights"].new_zeros(rows),  # phi_mass
+        inputs["facility_bounds"].clone(),  # stale facility gains
+        torch.zeros(rows, dtype=torch.long, device=device),  # stream values consumed
+        true.clone(),  # evaluated enough
+        true.clone(),  # drew enough
+        torch.zeros(k, dtype=torch.long, device=device),  # needed
+    )
+
+
+def _run_loop(inputs, steps: list[torch.Tensor], functions: list) -> tuple[torch.Tensor, ...]:
+    state = _initial_state(inputs, len(functions))
+    for function, step in zip(functions, steps, strict=True):
+        state = function(inputs, state, step)
+    return state
+
+
+class _LoopGraph:
+    """The whole loop of one shape bucket captured as one CUDA graph: fixed input buffers (each
+    call copies the layer's inputs in, unless they already live there) and the final state.
+    ``buffers``: the input buffers of an earlier capture of the same shapes, shared (replays run
+    one at a time), so that the captures of one shape hold one similarity matrix between them."""
+
+    def __init__(self, inputs, steps, functions, buffers=None):
+        if buffers is None:
+            self.inputs = {name: value.clone() for name, value in inputs.items()}
+        else:
+            self.inputs = buffers
+            for name, value in inputs.items():  # the warm-up below runs on this layer's inputs
+                if buffers[name].data_ptr() != value.data_ptr():
+                    buffers[name].copy_(value)
+        self.steps = steps
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up on a side stream, as torch.cuda.graph asks
+            _run_loop(self.inputs, steps, functions)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.state = _run_loop(self.inputs, steps, functions)
+
+    def __call__(self, inputs) -> tuple[torch.Tensor, ...]:
+        for name, value in inputs.items():
+            mine = self.inputs[name]
+            if mine.data_ptr() != value.data_ptr():
+                mine.copy_(value)
+        self.graph.replay()
+        return tuple(value.clone() for value in self.state)
+
+
+def _captures(device: torch.device) -> bool:
+    """Whether the fast path captures its loop as a CUDA graph on ``device`` (on CUDA)."""
+    return device.type == "cuda"
+
+
+def similarity_buffer(rows: int, n: int, device) -> torch.Tensor | None:
+    """The ``[rows, n, n]`` similarity matrix a captured greedy loop of these shapes reads (the
+    latest such capture; None when there is none): a caller that computes the next layer's matrix
+    into it (:func:`relu_cosine_similarity_rows`'s ``out``) saves the replay its copy of the
+    matrix (``R n^2`` float32: 2 GiB at 8 KV heads and 8k) and holds one matrix, not two. The
+    matrix is overwritten by the next layer that does so: use it before computing the next."""
+    device = torch.device(device)
+    for key in reversed(list(_LOOP_GRAPHS)):
+        sim = _LOOP_GRAPHS[key].inputs["sim"]
+        if sim.device == device and tuple(sim.shape) == (rows * n, n):
+            return sim.view(rows, n, n)
+    return None
+
+
+def _fast_backend(fast) -> str | None:
+    """The backend compiling the step: ``fast`` when it names one; on CUDA inductor when torch
+    compiles kvhive (and ``kvhive.static_step.PREFILL_COMPILE``); else None (the step runs
+    eagerly, still captured on CUDA)."""
+    if fast is not True:
+        return fast
+    from kvhive import static_step
+
+    return "inductor" if static_step.TORCH_COMPILES_KVHIVE and static_step.PREFILL_COMPILE else None
+
+
+def _fast_lazy_greedy(
+    objective: Mixture,
+    k: int,
+    evaluations: list[int],
+    sampler: _StochasticSampler | None,
+    attempts: int,
+    backend,
+    capture: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_lazy_greedy`'s run on the fixed-shape step (same return values; ``needed`` counts
+    what the bucketed run needed)."""
+    global last_greedy_path
+    label = backend if backend is None or isinstance(backend, str) else getattr(backend, "__name__", "backend")
+    n = objective.size
+    sampled = sampler is not None and not all(sampler.all_full)
+    if sampled:
+        width = max(sampler.width)
+        any_full = width == n
+    else:
+        width, any_full = n, False
+    counts = [_bucket(count, width) for count in evaluations]
+    static = dict(width=width, sampled=sampled, any_full=any_full, lam=objective.lam, phi=objective.phi)
+    inputs = _static_inputs(objective, sampler if sampled else None, attempts)
+    shape = tuple((name, tuple(value.shape), value.dtype) for name, value in inputs.items())
+    device = objective.sim.device
+    if capture:
+        # A layer replays a captured loop whose buckets are all at least its own (evaluating more
+        # changes no kept set). Its buckets are first made non-increasing over the steps (each
+        # step's is the largest of the steps from it on: fresh draws, hence the evaluations needed,
+        # fall over the steps, so this costs little), so that which steps need the next bucket up
+        # is a prefix, not a scatter that differs from layer to layer; a new capture takes the
+        # larger bucket of each step of its own and of the latest capture of these shapes, so the
+        # captures of a model's layers settle in a few.
+        counts = list(itertools.accumulate(reversed(counts), max))[::-1]
+        base = (device, backend, k, shape, tuple(sorted(static.items())))
+        graph = None
+        for key in reversed(list(_LOOP_GRAPHS)):
+            if key[0] == base and all(mine >= need for mine, need in zip(key[1], counts, strict=True)):
+                graph = _LOOP_GRAPHS.pop(key)
+                counts = list(key[1])
+                break
+        if graph is None:
+            latest = [key for key in _LOOP_GRAPHS if key[0] == base]
+            buffers = None
+            if latest:
+                counts = [max(mine, need) for mine, need in zip(latest[-1][1], counts, strict=True)]
+                buffers = _LOOP_GRAPHS[latest[-1]].inputs
+            while len(_LOOP_GRAPHS) >= _LOOP_GRAPHS_HELD:
+                _LOOP_GRAPHS.pop(next(iter(_LOOP_GRAPHS)))
+            functions = [_step_function(backend, shape, count=count, **static) for count in counts]
+            graph = _LoopGraph(inputs, list(torch.arange(k, device=device).unbind()), functions, buffers)
+        _LOOP_GRAPHS[(base, tuple(counts))] = graph  # most recent last
+        state = graph(inputs)
+        last_greedy_path = f"fixed-shape step ({label or 'eager'}), whole loop as one CUDA graph"
+    else:
+        functions = [_step_function(backend, shape, count=count, **static) for count in counts]
+        state = _run_loop(inputs, list(torch.arange(k, device=device).unbind()), functions)
+        last_greedy_path = f"fixed-shape step ({label or 'eager'})"
+    chosen, *_, evaluated_enough, drew_enough, needed = state
+    return chosen, torch.stack([evaluated_enough, drew_enough]), needed

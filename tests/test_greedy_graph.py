@@ -1,0 +1,329 @@
+"""Issue 25: the GPU fast path of the prefill selections, proxied on the CPU.
+
+BumbleBee's greedy (``greedy_maximize(fast=...)``) and SubGen's farthest-point order
+(``farthest_point_order(fast=...)``) run each step as one pure function of fixed-shape tensors,
+so that on CUDA the step compiles (inductor fuses it) and the whole loop is captured once as a
+CUDA graph per shape bucket. Here, on the CPU:
+
+(a) the step traces with ``torch.compile(fullgraph=True, dynamic=False, backend="aot_eager")``
+    (no graph break: ``fullgraph`` raises on one) and the loop gives exactly the eager loop's
+    result (the same kept positions), for both greedy variants, both concave functions, padded
+    rows, and through the policies' ``select_prefill``;
+(b) no recompilation across the steps of a run or across layers of the same shapes
+    (``torch._dynamo.config.error_on_recompile``);
+(c) the work per step: aten operations dispatched per step by the eager loop vs the operations
+    of the traced step and the kernels inductor generates for it (numbers in docs/METHODS.md).
+
+tests_gpu/test_cuda.py checks the CUDA path itself (compiled with inductor, captured).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import pytest
+import torch
+from test_bumblebee import random_objective
+from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import kvhive.methods.bumblebee as bumblebee_module
+import kvhive.methods.subgen as subgen_module
+import kvhive.methods.submodular as submodular
+from kvhive.methods import make_policy
+from kvhive.methods.subgen import farthest_point_order
+from kvhive.methods.submodular import Concave, greedy_maximize
+
+from helpers import scoring_inputs
+
+
+def _generators(rows: int, seed: int = 100) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(seed + row) for row in range(rows)]
+
+
+@pytest.fixture
+def fresh_compiles():
+    """Compiled steps cleared before and after (each test counts its own compiles)."""
+    for cache in (submodular._STEP_FUNCTIONS, subgen_module._STEP_FUNCTIONS):
+        cache.clear()
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    for cache in (submodular._STEP_FUNCTIONS, subgen_module._STEP_FUNCTIONS):
+        cache.clear()
+    torch._dynamo.reset()
+
+
+# -- (a) the fixed-shape step, eager and traced, gives the eager loop's sets ----------------------
+
+
+@pytest.mark.parametrize("method", ["stochastic", "lazy"])
+@pytest.mark.parametrize("phi", [Concave("log"), Concave("power")], ids=["log", "power"])
+def test_fixed_shape_greedy_step_gives_the_eager_sets(method, phi, fresh_compiles):
+    for seed in range(2):
+        objective = random_objective(rows=4, n=160, dim=12, phi=phi, seed=seed)  # row 1 padded
+        for k in (3, 30, 157, 160):  # 157 and 160 pick padding in row 1; late steps evaluate everything
+            reference = greedy_maximize(objective, k, method, 1e-5, _generators(4), fast=False)
+            assert submodular.last_greedy_path == "eager loop"
+            for fast in (True, "aot_eager"):
+                chosen = greedy_maximize(objective, k, method, 1e-5, _generators(4), fast=fast)
+                assert torch.equal(chosen, reference), (seed, k, fast)
+            assert submodular.last_greedy_path == "fixed-shape step (aot_eager)"
+    assert counters["graph_break"] == {}
+
+
+def test_fixed_shape_greedy_step_reruns_like_the_eager_loop(monkeypatch, fresh_compiles):
+    """A first run that evaluates too few gains (and a row that rejects every draw of a step)
+    runs again on the fixed-shape path as on the eager one: the same sets."""
+    monkeypatch.setattr(submodular, "_LAZY_EVALUATIONS", 1)
+    monkeypatch.setattr(submodular, "_BUCKET_FLOOR", 1)
+    objective = random_objective(rows=3, n=120, dim=6, seed=3)
+    runs = []
+    original = submodular._fast_lazy_greedy
+
+    def counted(*args, **kwargs):
+        runs.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(submodular, "_fast_lazy_greedy", counted)
+    for k, epsilon in ((40, 1e-5), (100, 0.5)):
+        reference = greedy_maximize(objective, k, "stochastic", epsilon, _generators(3), fast=False)
+        runs.clear()
+        chosen = greedy_maximize(objective, k, "stochastic", epsilon, _generators(3), fast="aot_eager")
+        assert torch.equal(chosen, reference), k
+        assert len(runs) > 1, "the case meant to rerun settled in one run"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("ordered", [True, False], ids=["stored-order", "positions"])
+def test_fixed_shape_farthest_point_step_gives_the_eager_order(dtype, ordered, fresh_compiles):
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randn(6, 150, 16, generator=generator).to(dtype)
+    candidates = torch.rand(6, 150, generator=generator) > 0.2
+    candidates[2] = False
+    candidates[2, :5] = True  # runs out of candidates: -1 after its 5th center
+    positions = None if ordered else torch.randperm(150, generator=generator).expand(6, 150).contiguous()
+    for count in (1, 40, 150):
+        reference = farthest_point_order(keys, candidates, count, positions, fast=False)
+        assert subgen_module.last_farthest_path == "eager loop"
+        for fast in (True, "aot_eager"):
+            assert torch.equal(farthest_point_order(keys, candidates, count, positions, fast=fast), reference)
+        assert subgen_module.last_farthest_path == "fixed-shape step (aot_eager)"
+    assert counters["graph_break"] == {}
+
+
+def _layer(method: str, tokens: int, seed: int, **config):
+    generator = torch.Generator().manual_seed(seed)
+    keys = torch.randn(2, 2, tokens, 16, generator=generator)
+    queries = torch.randn(2, 4, 8, 16, generator=generator)
+    scoring = scoring_inputs(queries, keys, torch.randn_like(keys))
+    return make_policy(method, **config), scoring
+
+
+@pytest.mark.parametrize(
+    "method, config",
+    [
+        ("bumblebee", {}),
+        ("bumblebee", {"greedy": "lazy"}),
+        ("bumblebee-power", {}),
+        ("subgen", {}),
+    ],
+)
+def test_policies_keep_the_same_positions_on_the_fast_path(monkeypatch, method, config, fresh_compiles):
+    """select_prefill with the fast path forced (traced with aot_eager) keeps what it keeps today."""
+    kept = {}
+    for fast in (False, "aot_eager"):
+        monkeypatch.setattr(bumblebee_module, "greedy_maximize", functools.partial(greedy_maximize, fast=fast))
+        monkeypatch.setattr(subgen_module, "farthest_point_order", functools.partial(farthest_point_order, fast=fast))
+        kept[fast] = []
+        for layer in range(2):
+            policy, scoring = _layer(method, 200, seed=layer, **config)
+            kept[fast].append(policy.select_prefill(scoring, 60, {}))
+    for eager, fast in zip(kept[False], kept["aot_eager"], strict=True):
+        assert torch.equal(eager, fast)
+
+
+# -- (b) one compile per shape bucket: no recompilation across steps or layers ----------------------
+
+
+def test_greedy_step_compiles_once_per_bucket_and_never_recompiles(fresh_compiles):
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for layer in range(3):  # three layers of the same shapes, different keys and draws
+            objective = random_objective(rows=4, n=200, dim=12, seed=10 + layer, padding=False)
+            reference = greedy_maximize(objective, 40, "stochastic", 1e-5, _generators(4, 7 * layer), fast=False)
+            chosen = greedy_maximize(objective, 40, "stochastic", 1e-5, _generators(4, 7 * layer), fast="aot_eager")
+            assert torch.equal(chosen, reference)
+    buckets = len(submodular._STEP_FUNCTIONS)
+    assert 1 <= buckets <= 4  # 64, 128, ... up to the pool's width
+    assert counters["stats"]["unique_graphs"] == buckets  # one graph per bucket, over 3 x 40 steps
+    assert counters["graph_break"] == {}
+
+
+def test_farthest_step_compiles_once_and_never_recompiles(fresh_compiles):
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for layer in range(3):
+            generator = torch.Generator().manual_seed(layer)
+            keys = torch.randn(4, 120, 16, generator=generator)
+            candidates = torch.ones(4, 120, dtype=torch.bool)
+            reference = farthest_point_order(keys, candidates, 50, fast=False)
+            assert torch.equal(farthest_point_order(keys, candidates, 50, fast="aot_eager"), reference)
+    assert counters["stats"]["unique_graphs"] == 1  # one graph for 3 layers x 50 steps
+    assert counters["graph_break"] == {}
+
+
+# -- (c) the work per step: eager dispatches vs the traced step vs inductor's kernels --------------
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _graphs_of(run) -> list[torch.fx.GraphModule]:
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module
+
+    run(backend)
+    return graphs
+
+
+def _calls(graph_module) -> int:
+    return sum(node.op == "call_function" for node in graph_module.graph.nodes)
+
+
+def test_operations_per_step(fresh_compiles):
+    """Aten operations per greedy step: the eager loop dispatches ~170 (8 rows x 1,024 elements,
+    100 steps); the traced step is one graph of ~75 operations (what inductor fuses); SubGen's
+    farthest-point step: ~16 dispatches eager, one graph of ~11 operations."""
+    objective = random_objective(rows=8, n=1024, dim=32, seed=0, padding=False)
+    k = 100
+    counted = _CountOps()
+    with counted:
+        greedy_maximize(objective, k, "stochastic", 1e-5, _generators(8), fast=False)
+    eager_per_step = counted.count / k
+    graphs = _graphs_of(lambda backend: greedy_maximize(objective, k, "stochastic", 1e-5, _generators(8), fast=backend))
+    traced = [_calls(graph) for graph in graphs]
+    print(f"bumblebee: eager {eager_per_step:.1f} aten ops per step; traced step {traced} ops per graph")
+    assert 100 < eager_per_step < 400
+    assert len(graphs) == len(submodular._STEP_FUNCTIONS) and max(traced) < eager_per_step
+
+    keys = torch.randn(8, 1024, 32)
+    candidates = torch.ones(8, 1024, dtype=torch.bool)
+    counted = _CountOps()
+    with counted:
+        farthest_point_order(keys, candidates, 200, fast=False)
+    eager_per_step = counted.count / 200
+    graphs = _graphs_of(lambda backend: farthest_point_order(keys, candidates, 200, fast=backend))
+    print(f"subgen: eager {eager_per_step:.1f} aten ops per step; traced step {_calls(graphs[0])} ops")
+    assert len(graphs) == 1 and 5 < _calls(graphs[0]) <= eager_per_step < 40
+
+
+def _launches(code: str) -> tuple[int, list[str]]:
+    """Generated kernel calls and other operator calls (allocations aside) in inductor's code."""
+    body = code[code.index("def call(") :]
+    kernels = re.findall(r"^\s+(cpp_fused_\w+|triton_\w+)[\(\.]", body, re.M)
+    others = re.findall(r"(extern_kernels\.\w+|(?:torch\.ops\.)?aten\.[\w.]+)\(", body)
+    return len(kernels), [call for call in others if not re.search(r"empty|as_strided|reinterpret", call)]
+
+
+def test_inductor_fuses_each_step_into_a_few_kernels(fresh_compiles):
+    """Inductor (the CUDA path's compiler; C++ kernels here) makes each greedy step 3 generated
+    kernels plus topk and scatter_reduce (5 calls, vs ~170 eager dispatches), and each
+    farthest-point step 2 kernels plus the batched product (3 calls, vs ~16). On CUDA the
+    split differs (triton fuses at fewer boundaries); tests_gpu/test_cuda.py runs the real one."""
+    pytest.importorskip("torch._inductor")
+    from torch._inductor.utils import run_and_get_code
+
+    objective = random_objective(rows=4, n=256, dim=16, seed=0, padding=False)
+    reference = greedy_maximize(objective, 30, "stochastic", 1e-5, _generators(4), fast=False)
+    chosen, codes = run_and_get_code(
+        lambda: greedy_maximize(objective, 30, "stochastic", 1e-5, _generators(4), fast="inductor")
+    )
+    assert torch.equal(chosen, reference)
+    for code in codes:
+        kernels, others = _launches(code)
+        print(f"bumblebee step under inductor: {kernels} kernels + {others}")
+        assert kernels + len(others) <= 12
+
+    keys = torch.randn(4, 256, 16)
+    candidates = torch.ones(4, 256, dtype=torch.bool)
+    reference = farthest_point_order(keys, candidates, 40, fast=False)
+    order, codes = run_and_get_code(lambda: farthest_point_order(keys, candidates, 40, fast="inductor"))
+    assert torch.equal(order, reference)
+    kernels, others = _launches(codes[0])
+    print(f"subgen step under inductor: {kernels} kernels + {others}")
+    assert kernels + len(others) <= 6
+
+
+# -- the captured loops' bookkeeping (CUDA only), with the capture emulated on the CPU -------------
+
+
+class _EmulatedCapture:
+    """What ``_LoopGraph`` does, without CUDA: inputs cloned once, copied in at each call (unless
+    they live there already), the loop run on them."""
+
+    made = 0
+
+    def __init__(self, inputs, steps, functions, buffers=None):
+        type(self).made += 1
+        if buffers is None:
+            self.inputs = {name: value.clone() for name, value in inputs.items()}
+        else:  # shared with an earlier capture of these shapes
+            self.inputs = buffers
+        self.steps, self.functions = steps, functions
+
+    def __call__(self, inputs):
+        for name, value in inputs.items():
+            if self.inputs[name].data_ptr() != value.data_ptr():
+                self.inputs[name].copy_(value)
+        return submodular._run_loop(self.inputs, self.steps, self.functions)
+
+
+def test_layers_replay_a_capture_whose_buckets_cover_theirs(monkeypatch, fresh_compiles):
+    """Layers of one shape replay a captured loop whose gain buckets are all at least their own; a
+    layer needing more captures the larger bucket of each step of its own and the latest capture's,
+    so the captures settle; every layer keeps the eager loop's set; similarity_buffer hands out the
+    latest capture's matrix, and a layer computed into it is not copied."""
+    monkeypatch.setattr(submodular, "_captures", lambda device: True)
+    monkeypatch.setattr(submodular, "_LoopGraph", _EmulatedCapture)
+    monkeypatch.setattr(submodular, "_LOOP_GRAPHS", {})
+    _EmulatedCapture.made = 0
+    assert submodular.similarity_buffer(4, 300, "cpu") is None
+    for layer in range(6):
+        objective = random_objective(rows=4, n=300, dim=12, seed=20 + layer, padding=False)
+        reference = greedy_maximize(objective, 60, "stochastic", 1e-5, _generators(4, 11 * layer), fast=False)
+        chosen = greedy_maximize(objective, 60, "stochastic", 1e-5, _generators(4, 11 * layer), fast=True)
+        assert torch.equal(chosen, reference), layer
+        assert submodular.last_greedy_path == "fixed-shape step (eager), whole loop as one CUDA graph"
+    assert 1 <= _EmulatedCapture.made <= 3 < 6
+    assert len(submodular._LOOP_GRAPHS) <= submodular._LOOP_GRAPHS_HELD
+    # The captures of one shape share their input buffers: one similarity matrix between them.
+    assert len({graph.inputs["sim"].data_ptr() for graph in submodular._LOOP_GRAPHS.values()}) == 1
+    buffer = submodular.similarity_buffer(4, 300, "cpu")
+    latest = list(submodular._LOOP_GRAPHS.values())[-1]
+    assert buffer is not None and buffer.data_ptr() == latest.inputs["sim"].data_ptr()
+    # A layer whose matrix was computed into the buffer: the same set, and the buffer is its matrix.
+    objective = random_objective(rows=4, n=300, dim=12, seed=40, padding=False)
+    buffer.copy_(objective.sim)
+    in_buffer = submodular.Mixture(buffer, objective.weights, objective.valid, objective.lam, objective.phi)
+    reference = greedy_maximize(objective, 60, "stochastic", 1e-5, _generators(4, 99), fast=False)
+    assert torch.equal(greedy_maximize(in_buffer, 60, "stochastic", 1e-5, _generators(4, 99), fast=True), reference)
+
+
+def test_similarity_written_into_a_buffer_is_the_same_matrix():
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randn(3, 100, 16, generator=generator)
+    valid = torch.rand(3, 100, generator=generator) > 0.1
+    out = torch.empty(3, 100, 100)
+    sim = submodular.relu_cosine_similarity(keys, valid, out=out)
+    assert sim.data_ptr() == out.data_ptr()
+    assert torch.equal(out, submodular.relu_cosine_similarity(keys, valid))
