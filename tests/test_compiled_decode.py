@@ -562,3 +562,23 @@ def test_a_torch_that_does_not_trace_the_attention_switch_refuses_to_compile(mon
         kvhive.generate(model, tokenizer, "a prompt " * 20, "tova", BUDGET, max_new_tokens=2, compile=True)
     text, _ = kvhive.generate(model, tokenizer, "a prompt " * 20, "tova", BUDGET, max_new_tokens=4)
     assert isinstance(text, str)
+
+
+def test_first_false_is_right_under_inductor():
+    # Inductor's CPU code (torch 2.13) answers 0 for an argmin over 8-bit integers once a row is long
+    # enough to vectorise, the old way the compaction found the freed slot (mask.to(int8).argmin):
+    # first_false is a min over slot indices, right under every backend, and the last slot (a no-op
+    # move) where nothing is False.
+    from kvhive.cache.storage import first_false
+
+    torch.manual_seed(0)
+    masks = torch.rand(12, 40) < 0.8
+    masks[0] = True  # nothing False: the last slot
+    masks[1, :33] = True  # the first False late in the row
+    masks[1, 33:] = False
+    expected = torch.where(masks.all(dim=-1), 39, (~masks).to(torch.int64).argmax(dim=-1))
+    compiled = torch.compile(first_false, fullgraph=True, dynamic=False, backend="inductor")
+    assert torch.equal(first_false(masks), expected)
+    assert torch.equal(first_false(masks, keepdim=True), expected[:, None])
+    assert torch.equal(compiled(masks), expected)
+
