@@ -682,17 +682,19 @@ def compressed_layers(cache):
 
 
 def assert_summary_matches_store(layer, summary_size: int) -> None:
-    """The cached summary is the first ``tau_s`` stored tokens, and its similarity matrix (by
-    slot) is ReLU(cos) of their stored keys."""
+    """The cached summary is the oldest ``tau_s`` stored tokens (by position: the cache writes the
+    newest token into a freed slot), and its similarity matrix (by slot) is ReLU(cos) of their
+    stored keys."""
     keys, _, positions, _ = layer.dense()
     rows = keys.shape[0] * keys.shape[1]
     summary = layer.policy_state[SUMMARY]
     assert summary.size == summary_size
-    assert (summary.positions == positions.reshape(rows, -1)[:, :summary_size]).all()
+    order = positions.reshape(rows, -1).argsort(dim=-1)[:, :summary_size]
+    assert (summary.positions == positions.reshape(rows, -1).gather(1, order)).all()
     slot_of_rank = summary.slot_of_rank
     by_rank = summary.sim.gather(1, slot_of_rank[:, :, None].expand(-1, -1, summary_size))
     by_rank = by_rank.gather(2, slot_of_rank[:, None, :].expand(-1, summary_size, -1))
-    stored = keys.reshape(rows, -1, keys.shape[-1])[:, :summary_size]
+    stored = keys.reshape(rows, -1, keys.shape[-1]).gather(1, order[:, :, None].expand(-1, -1, keys.shape[-1]))
     valid = summary.valid.gather(1, slot_of_rank)
     fresh = relu_cosine_similarity(stored, valid)
     # The matrix holds the off-diagonal similarities, self_sim the diagonal.
@@ -714,7 +716,7 @@ def run_checked(model, cache, input_ids, attention_mask, budget: int, steps: int
         for index in compressed_layers(cache):
             layer = cache.layers[index]
             assert (layer.lengths == budget).all(), (step, index, layer.lengths)
-            positions = layer.dense()[2]
+            positions = layer.dense()[2].sort(dim=-1).values  # by position: freed slots take the newest
             assert (positions[-1] >= pad).all()  # the padded row keeps no padding
             assert (positions[..., budget - local :] == torch.arange(seen - local, seen)).all()
             assert_summary_matches_store(layer, budget - local)

@@ -562,3 +562,60 @@ def test_a_torch_that_does_not_trace_the_attention_switch_refuses_to_compile(mon
         kvhive.generate(model, tokenizer, "a prompt " * 20, "tova", BUDGET, max_new_tokens=2, compile=True)
     text, _ = kvhive.generate(model, tokenizer, "a prompt " * 20, "tova", BUDGET, max_new_tokens=4)
     assert isinstance(text, str)
+
+
+def test_first_false_is_right_under_inductor():
+    # Inductor's CPU code (torch 2.13) answers 0 for an argmin over 8-bit integers once a row is long
+    # enough to vectorise, the old way the compaction found the freed slot (mask.to(int8).argmin):
+    # first_false is a min over slot indices, right under every backend, and the last slot (a no-op
+    # move) where nothing is False.
+    from kvhive.cache.storage import first_false
+
+    torch.manual_seed(0)
+    masks = torch.rand(12, 40) < 0.8
+    masks[0] = True  # nothing False: the last slot
+    masks[1, :33] = True  # the first False late in the row
+    masks[1, 33:] = False
+    expected = torch.where(masks.all(dim=-1), 39, (~masks).to(torch.int64).argmax(dim=-1))
+    compiled = torch.compile(first_false, fullgraph=True, dynamic=False, backend="inductor")
+    assert torch.equal(first_false(masks), expected)
+    assert torch.equal(first_false(masks, keepdim=True), expected[:, None])
+    assert torch.equal(compiled(masks), expected)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_bumblebee_fills_the_freed_slot_the_same_compiled_from_a_short_prompt(backend):
+    # A 9-token prompt fits BumbleBee's budget of 32: the layer fills its capacity, its first
+    # eviction (step 23) builds the summary inside the graph, and from then on each eviction writes
+    # the newest token into the freed slot (the stored order is no longer the positions' order). The
+    # compiled step keeps, at each of 64 steps, the same positions in the same slots as the eager
+    # one, and the same logits. Under inductor the freed slot was once found by an int8 argmin that
+    # the CPU code gets wrong: the newest token went into slot 0 at the first step.
+    model = _model()
+
+    def step(token, position, cache):
+        return model(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True).logits
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend=backend)
+    prompt = _prompt(model, length=9)
+    compiled_cache, eager_cache = (kvhive.make_cache(model, "bumblebee", budget=BUDGET) for _ in range(2))
+    with torch.no_grad():
+        token = model(input_ids=prompt, past_key_values=compiled_cache).logits[:, -1:].argmax(-1)
+        model(input_ids=prompt, past_key_values=eager_cache)
+        assert compiled_cache.is_compileable
+        position = torch.full((1, 1), prompt.shape[1])
+        for index in range(64):
+            compiled_logits = compiled(token, position, compiled_cache)
+            eager_logits = step(token, position, eager_cache)
+            slots = [layer.dense()[2].tolist() for layer in compiled_cache.layers]
+            assert slots == [layer.dense()[2].tolist() for layer in eager_cache.layers], f"step {index}"
+            if backend == "aot_eager":
+                assert torch.equal(compiled_logits, eager_logits), f"step {index}"
+            else:  # inductor fuses the float arithmetic (its own rounding)
+                torch.testing.assert_close(compiled_logits, eager_logits, atol=1e-5, rtol=1e-5, msg=f"step {index}")
+            token, position = eager_logits[:, -1:].argmax(-1), position + 1
+    assert counters["stats"]["unique_graphs"] == 1
+    for layer in compiled_cache.layers:
+        positions = layer.dense()[2]
+        assert layer.dense_length == BUDGET
+        assert not torch.equal(positions, positions.sort(dim=-1).values)  # freed slots took the newest

@@ -804,12 +804,14 @@ class KVHiveCache(Cache):
             f"{self.policy.name}: the keep mask of layer {layer_index} keeps an empty slot, different counts per "
             f"head, or more than the {bound} tokens its fixed_decode_capacity declared",
         )
-        # Filling to a budget, a step drops at most one token: the compaction needs no sort.
+        # Filling to a budget (or a method that says so), a step drops at most one token: the
+        # compaction needs no sort, and may write the newest token into the freed slot.
+        at_most_one = store.fills_to_budget or self.policy.drops_at_most_one
         store.compact_in_place(
             keep,
             kept,
-            at_most_one_dropped=store.fills_to_budget,
-            fill_hole=store.fills_to_budget and self._fills_holes(store),
+            at_most_one_dropped=at_most_one,
+            fill_hole=at_most_one and self._fills_holes(store),
         )
         store.decode_steps_since_compression = 0
 

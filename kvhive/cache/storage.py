@@ -60,6 +60,19 @@ def row_index(indices, batch: int) -> torch.Tensor:
     return index.to(torch.long).reshape(-1)
 
 
+def first_false(mask: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
+    """The index of the first False along the last dimension of a boolean ``mask`` (the last index
+    where there is none: a one-token move from the last slot onto itself, a no-op).
+
+    Not ``mask.to(torch.int8).argmin(-1)``: Inductor's CPU code (torch 2.13) gets an argmin over
+    8-bit integers wrong once the row is long enough to vectorise (16 or more; it answers 0 for
+    rows whose first False is later), which moved the newest token into slot 0 in a compiled
+    step (tests/test_compiled_decode.py). A min over the slot indices has no ties to break."""
+    last = mask.shape[-1] - 1
+    slots = torch.arange(mask.shape[-1], device=mask.device)
+    return torch.where(mask, last, slots).amin(dim=-1, keepdim=keepdim)
+
+
 def _static(buffer: torch.Tensor) -> torch.Tensor:
     """Mark a dense buffer's address as fixed, as transformers' StaticLayer does: a compiled decode
     step then reads and writes it in place (an unmarked buffer mutated in place makes CUDA graphs
@@ -852,14 +865,14 @@ class DenseLayerStore(LayerStore):
         if fill_hole:
             if not at_most_one_dropped:
                 raise ValueError("fill_hole moves one token per row: it needs at_most_one_dropped")
-            hole = keep_mask.to(torch.int8).argmin(dim=-1).reshape(-1)
+            hole = first_false(keep_mask).reshape(-1)
             self._move_token_per_segment(hole, (self.length_device - 1).expand_as(hole))
             self.length_device.copy_(kept)
             self._length_stale = True
             self.stored_in_order = False
             return
         if at_most_one_dropped:
-            hole = keep_mask.to(torch.int8).argmin(dim=-1, keepdim=True)
+            hole = first_false(keep_mask, keepdim=True)
             slots = torch.arange(capacity, device=self.device)
             order = (slots + (slots >= hole).to(slots.dtype)).clamp_(max=capacity - 1)
         else:
@@ -888,7 +901,7 @@ class DenseLayerStore(LayerStore):
         steady decode eviction moves one token per row instead of every token after the dropped one.
         The stored order is then no longer the tokens' order (``stored_in_order``); only a method that
         reads none (``Policy.reads_stored_order`` False) is held this way."""
-        hole = keep_mask.to(torch.int8).argmin(dim=-1).reshape(-1)
+        hole = first_false(keep_mask).reshape(-1)
         # Slot j of segment s is row s * capacity + j of the flat buffers (one arange each, not a
         # base computed and added to each slot index).
         capacity, newest = self._key_buffer.shape[2], self._start + self._length - 1
@@ -1252,8 +1265,8 @@ class DenseLayerStore(LayerStore):
     def _compact_dense(self, keep_mask: torch.Tensor, kept: int) -> None:
         if kept == self._length - 1:
             # One token left each row (a steady decode step): every kept token moves down past
-            # the row's one hole, found by argmin (the first False), with no sort over the row.
-            hole = keep_mask.to(torch.int8).argmin(dim=-1, keepdim=True)
+            # the row's one hole (the first False, first_false), with no sort over the row.
+            hole = first_false(keep_mask, keepdim=True)
             slots = torch.arange(kept, device=self.device)
             order = slots + (slots >= hole).to(slots.dtype)
         else:

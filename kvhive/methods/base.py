@@ -637,6 +637,12 @@ class Policy:
     one graph (the cache holds it in a capacity of the budget while it fills). False for a method
     that builds state at its first eviction (a new buffer, a new structure), which changes the graph."""
 
+    drops_at_most_one: ClassVar[bool] = False
+    """With :meth:`fixed_decode_capacity`: every decode decision over the capacity drops at most one
+    filled slot per row (the method keeps ``min(budget, filled)``, as BumbleBee does). The cache then
+    compacts without a sort and, for a method that reads no stored order
+    (:attr:`reads_stored_order` False), writes the newest token into the freed slot."""
+
     def fixed_decode_capacity(self, keys: torch.Tensor, budget: int, state: dict) -> int | None:
         """For a method whose kept count varies from one decode step to the next (BUZZ's schedule,
         BumbleBee filling up to its budget): the most tokens per row the layer holds after any later

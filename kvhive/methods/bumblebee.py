@@ -87,7 +87,7 @@ SCORE = "bumblebee_accumulated"
 SUMMARY = "bumblebee_summary"
 # (tokens seen, tokens kept per row) after the layer's last decision: host integers that tell a
 # decode step whether the cache only appended since (then the summary's members are still the
-# first tau_s stored tokens) without reading the stored positions back from the device.
+# oldest tau_s stored tokens) without reading the stored positions back from the device.
 SYNCED = "bumblebee_synced"
 # How many times a layer's summary was (re)built from the stored keys in decode: once when the
 # prompt fit in the budget (no prefill selection), never after a prefill selection.
@@ -179,6 +179,12 @@ class BumbleBee(Policy):
     # Within its budget at every step (a prompt that fit it fills up first): a fixed decode capacity
     # of the budget (fixed_decode_capacity) gives its decode step one shape (tests/test_compiled_decode.py).
     static_decode = True
+    # The summary is always the tau_s oldest stored tokens and the joiner the next oldest (the local
+    # window holds the newest): a step ranks the stored tokens by position (one sort of the stored
+    # positions) where the cache no longer stores them in their order, so an eviction may write the
+    # newest token into the freed slot instead of moving every later token down.
+    reads_stored_order = False
+    drops_at_most_one = True  # over its fixed capacity: one token per step once full, none before
 
     @property
     def concave(self) -> Concave:
@@ -320,18 +326,21 @@ class BumbleBee(Policy):
         summary: StreamingSummary = state[SUMMARY]
         built = state[BUILT]
         evict = scoring.filled > budget
+        order, ranked = _rank_by_position(scoring, positions, scoring.filled)
         if REBUILDS in state:  # the prompt fit the budget: the first eviction builds the summary
             build = evict & ~built
+            # The oldest tau_s stored tokens are the first ones: the cache fills freed slots only
+            # from the first eviction on.
             fresh = StreamingSummary.from_keys(
                 keys[:, :summary_size], valid[:, :summary_size], positions[:, :summary_size]
             )
             summary.assign_where(build, fresh)
             state[REBUILDS].add_(build.long())
             built.copy_(built | evict)
-            aligned = summary.matches(positions) | ~built
+            aligned = summary.matches(ranked) | ~built
         else:  # built at the prefill's selection: the summary holds its members at every step
-            aligned = summary.matches(positions)
-        torch._assert_async(aligned, "BumbleBee's summary is not the first stored tokens")
+            aligned = summary.matches(ranked)
+        torch._assert_async(aligned, "BumbleBee's summary is not the oldest stored tokens")
         dropped = summary.step(
             keys,
             valid,
@@ -343,6 +352,7 @@ class BumbleBee(Policy):
             self.concave,
             normalise_mass=self.config.importance_scale == "normalised",
             active=evict,
+            stored_of_rank=order,
         )
         slots = torch.arange(capacity, device=keys.device)
         stays = (slots != torch.where(evict, dropped, capacity)).reshape(batch, heads, capacity)
@@ -362,26 +372,23 @@ class BumbleBee(Policy):
         weights = self._accumulated(scoring).reshape(rows, tokens)
         summary: StreamingSummary | None = state.get(SUMMARY)
         seen, kept = state.get(SYNCED, (None, None))
+        order, ranked = _rank_by_position(scoring, positions, None)
         # Only appends since the last decision (counted on the host): the members are still the
-        # first tau_s stored tokens. The device checks it without the host waiting.
+        # oldest tau_s stored tokens. The device checks it without the host waiting.
         appended_only = seen is not None and tokens == kept + scoring.sequence_length - seen
         pending = state.pop(PENDING, None)
         if summary is None or summary.size != summary_size or not appended_only:
             # The prompt fit in the budget (Alg. 2 lines 6-8 kept every token so far), or the
             # stored tokens changed otherwise: the oldest tau_s stored tokens are the summary.
-            summary = StreamingSummary.from_keys(
-                keys[:, :summary_size], valid[:, :summary_size], positions[:, :summary_size]
-            )
+            summary = StreamingSummary.from_keys(*_oldest(keys, valid, positions, order, summary_size))
             state[SUMMARY] = summary
             state[REBUILDS] = int(state.get(REBUILDS, 0)) + 1
         else:
             if pending is not None:  # stacked rows whose prompt fit: their summary, as alone
-                fresh = StreamingSummary.from_keys(
-                    keys[:, :summary_size], valid[:, :summary_size], positions[:, :summary_size]
-                )
+                fresh = StreamingSummary.from_keys(*_oldest(keys, valid, positions, order, summary_size))
                 summary.assign_rows(pending, fresh)
                 state[REBUILDS] = int(state.get(REBUILDS, 0)) + 1
-            torch._assert_async(summary.matches(positions), "BumbleBee's summary is not the first stored tokens")
+            torch._assert_async(summary.matches(ranked), "BumbleBee's summary is not the oldest stored tokens")
         state[SYNCED] = (scoring.sequence_length, budget)
         # The tokens between the summary and the local window leave the window, oldest first.
         dropped = summary.step(
@@ -394,6 +401,7 @@ class BumbleBee(Policy):
             self.config.mixture_weight,
             self.concave,
             normalise_mass=self.config.importance_scale == "normalised",
+            stored_of_rank=order,
         )
         keep = torch.ones(rows, tokens, dtype=torch.bool, device=keys.device)
         keep.scatter_(1, dropped, False)
@@ -463,6 +471,39 @@ class BumbleBee(Policy):
         if PENDING in state and bool(state[PENDING].any()):
             return False
         return True
+
+
+def _oldest(
+    keys: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor, order: torch.Tensor | None, size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The keys, validity and positions of the ``size`` oldest stored tokens, oldest first: the
+    first ``size`` stored ones while the cache stores them in their order (``order`` None), else
+    those ``order`` (:func:`_rank_by_position`) ranks first."""
+    if order is None:
+        return keys[:, :size], valid[:, :size], positions[:, :size]
+    first = order[:, :size]
+    return (
+        keys.gather(1, first[:, :, None].expand(-1, -1, keys.shape[-1])),
+        valid.gather(1, first),
+        positions.gather(1, first),
+    )
+
+
+def _rank_by_position(
+    scoring: ScoringInputs, positions: torch.Tensor, filled: torch.Tensor | None
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``(order, ranked)``: ``order [R, N]`` the stored index of each stored token ranked by original
+    position (the empty slots of a fixed capacity last), None while the cache stores the tokens in
+    their order (the rank is the stored index); ``ranked`` their positions in that order. The sort's
+    own values, not a gather from the stored positions: a compiled step moves a token into the freed
+    slot later in the same graph, and the check reads what the step started from."""
+    if scoring.stored_in_order:
+        return None, positions
+    if filled is not None:
+        empty = torch.arange(positions.shape[-1], device=positions.device) >= filled
+        positions = positions.masked_fill(empty, torch.iinfo(positions.dtype).max)
+    ranked, order = positions.sort(dim=-1, stable=True)
+    return order, ranked
 
 
 class BumbleBeePower(BumbleBee):

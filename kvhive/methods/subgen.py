@@ -422,7 +422,9 @@ def maintain_candidates(
     # A steady step (one token joins, one leaves) whose refresh is one block of _nearest_among.
     one_block = stale_refresh_width <= max(1, _BLOCK_ELEMENTS // max(1, rows * keys.shape[1]))
     if newcomer_bound == 1 and removal_bound == 1 and 0 < stale_refresh_width and one_block:
-        _steady_step(keys, keys_sq, positions, candidates, target, nearest_sq, nearest_position, ready, stale_refresh_width)
+        _steady_step(
+            keys, keys_sq, positions, candidates, target, nearest_sq, nearest_position, ready, stale_refresh_width
+        )
         return candidates
 
     def recompute(index: torch.Tensor, present: torch.Tensor, update_others: bool, gathered=None) -> None:

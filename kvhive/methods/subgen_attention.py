@@ -206,7 +206,9 @@ class StreamingStructures:
             purpose: hashed_words(seed, stream, purpose) for purpose in (_VALUE_SAMPLES, _CLUSTER_SAMPLES)
         }
         # Both as [R, 2] (value samples, cluster samples): a one-token insertion hashes both at once.
-        self._purpose_pair = torch.stack([self._purpose_words[_VALUE_SAMPLES], self._purpose_words[_CLUSTER_SAMPLES]], 1)
+        self._purpose_pair = torch.stack(
+            [self._purpose_words[_VALUE_SAMPLES], self._purpose_words[_CLUSTER_SAMPLES]], 1
+        )
         # None: unbounded (capacity doubles as clusters are founded); else allocated once.
         self.max_clusters = max_clusters
         self.beyond_radius = torch.zeros(rows, dtype=torch.long, device=device)
@@ -428,7 +430,9 @@ class StreamingStructures:
         founding = mask & (best > threshold) & self._room()[:, None]
         slot = self.num_clusters.clamp_max(self.capacity - 1)
         row_index = torch.arange(rows, device=device)
-        representative = torch.where(founding, work[:, 0].to(self.representatives.dtype), self.representatives[row_index, slot])
+        representative = torch.where(
+            founding, work[:, 0].to(self.representatives.dtype), self.representatives[row_index, slot]
+        )
         self.representatives[row_index, slot] = representative
         self.representative_sq[row_index, slot] = torch.where(
             founding[:, 0], (representative.float() ** 2).sum(-1), self.representative_sq[row_index, slot]

@@ -694,6 +694,7 @@ class StreamingSummary:
         phi: Concave,
         normalise_mass: bool = False,
         active: torch.Tensor | None = None,
+        stored_of_rank: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Let ``joiners`` stored tokens ``first_joiner, first_joiner + 1, ...`` join one at a time;
         after each, drop the element of ``S' = S + {x}`` with the smallest marginal gain
@@ -708,20 +709,34 @@ class StreamingSummary:
         ``active`` (a device bool broadcast over the rows, for a step of fixed shape): where False,
         nothing joins (the state is left as it is; the dropped index returned there is meaningless).
         The state's tensors are updated in place (a compiled step keeps their addresses).
+
+        ``stored_of_rank [R, >= first_joiner + joiners]``: for a cache that does not store the tokens
+        in their order (it writes the newest token into a freed slot), the stored index of the token
+        of each rank, ranked by position; the indices above are then ranks, and the dropped ones
+        returned are stored indices.
         """
         rows, size = self.slot_of_rank.shape
         device = keys.device
         slots = torch.arange(size, device=device)
-        member_index = self.rank_of_slot.clone()  # stored index of each slot's member
+        if stored_of_rank is None:
+            member_index = self.rank_of_slot.clone()  # stored index of each slot's member
+        else:
+            member_index = stored_of_rank.gather(1, self.rank_of_slot)
         dropped = []
         for j in range(joiners):
             x = first_joiner + j
-            key_x = keys[:, x].float()
+            if stored_of_rank is None:
+                key_x, valid_x, weight_x = keys[:, x].float(), valid[:, x], weights[:, x, None]
+                stored = keys[:, :x]  # the members: the stored tokens before x
+            else:
+                x = stored_of_rank[:, x]
+                key_x = keys.gather(1, x[:, None, None].expand(rows, 1, keys.shape[-1])).squeeze(1).float()
+                valid_x, weight_x = valid.gather(1, x[:, None]).squeeze(1), weights.gather(1, x[:, None])
+                stored = keys  # the members are anywhere
             raw_norm = key_x.norm(dim=-1)
             norm_x = raw_norm.clamp_min(1e-12)
-            valid_x = valid[:, x]
             # O(T d): a multiply-sum beats a batched matrix-vector product on CPU here.
-            dots = (keys[:, :x].float() * key_x[:, None, :]).sum(dim=-1).gather(1, member_index)
+            dots = (stored.float() * key_x[:, None, :]).sum(dim=-1).gather(1, member_index)
             sim_x = (dots / (self.norms * norm_x[:, None])).clamp_(min=0).mul_(self.valid & valid_x[:, None])
             self_x = (raw_norm / norm_x).square() * valid_x
 
@@ -730,7 +745,7 @@ class StreamingSummary:
             facility = facility.clamp_(min=0).double()
             facility_total = self.self_sim.double().sum(dim=-1) + self_x  # f_FL(S') on the ground set S'
             valid_all = torch.cat([self.valid, valid_x[:, None]], dim=1)
-            mass = torch.cat([weights.gather(1, member_index), weights[:, x, None]], dim=1).double() * valid_all
+            mass = torch.cat([weights.gather(1, member_index), weight_x], dim=1).double() * valid_all
             total = mass.sum(dim=-1, keepdim=True)
             if normalise_mass:  # phi of the fraction of the ground set's attention mass
                 mass = _safe_divide(mass, total)
@@ -772,7 +787,10 @@ class StreamingSummary:
             self.sim.scatter_(2, y[:, None, :].expand(rows, size, 1), column[:, :, None])
             for field, value in ((self.self_sim, self_x), (self.norms, norm_x), (self.valid, valid_x)):
                 torch.where(taken, value[:, None], field, out=field)  # in place: no copy back
-            member_index.masked_fill_(taken, x)
+            if stored_of_rank is None:
+                member_index.masked_fill_(taken, x)
+            else:
+                member_index = torch.where(taken, x[:, None], member_index)
             # Nearest other member: x beats the old one, or the old one stays, except for the rows
             # rescanned. Every row is scanned and the rescanned ones taken (masked work over the
             # fixed T x T bound, Appx. E's O(T^2) per step): selecting the rows would be a host read.
