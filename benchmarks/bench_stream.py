@@ -109,7 +109,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", default="h2o,buzz,subgen,streamingllm")
     parser.add_argument("--tokens", type=int, default=1_000_000)
-    parser.add_argument("--chunk", type=int, default=1024)
+    parser.add_argument("--chunk", type=int, default=1000)  # --every must be a multiple
     parser.add_argument("--every", type=int, default=50_000)
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--shape", choices=("tiny", "llama3-8b"), default="tiny")

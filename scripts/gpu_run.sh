@@ -66,7 +66,7 @@ for step in $STEPS; do
       ;;
     stream)
       python benchmarks/bench_stream.py --shape llama3-8b --device cuda --dtype bfloat16 --budget 32768 \
-        --chunk 4096 --tokens 1000000 --methods h2o,buzz,subgen,streamingllm --out "$OUT/stream_gpu.jsonl"
+        --chunk 5000 --tokens 1000000 --methods h2o,buzz,subgen,streamingllm --out "$OUT/stream_gpu.jsonl"
       ;;
     *)
       echo "scripts/gpu_run.sh: unknown step '$step' (expected: tests decode prefill capacity stream)" >&2
