@@ -771,17 +771,23 @@ class KVHiveCache(Cache):
             store.keep(keep, counts)
         store.decode_steps_since_compression = 0
 
-    def _decode_step_in_capacity(self, layer_index: int, store: LayerStore, make_scoring) -> None:
-        """A decode step of a layer held in the fixed capacity its method declared: the method
-        observes and decides over the whole capacity at every step (it keeps every filled slot
-        when its schedule evicts nothing), and the kept tokens are counted and compacted on the
-        device. Fixed shapes, no host read."""
+    def _observe_and_select(self, layer_index: int, store: LayerStore, make_scoring):
+        """A fixed-capacity decode step's method calls: observe the new token, decide over the whole
+        capacity, the per-token scores stored after each; ``(budget, scoring, keep)``."""
         budget = self.layer_budgets[layer_index]
         scoring = make_scoring(DECODE)
         self.policy.observe_decode(scoring, store.policy_state, budget=budget)
         self._store_token_scores(store, scoring)
         keep = self.policy.select_decode(scoring, budget, store.policy_state)
         self._store_token_scores(store, scoring)
+        return budget, scoring, keep
+
+    def _decode_step_in_capacity(self, layer_index: int, store: LayerStore, make_scoring) -> None:
+        """A decode step of a layer held in the fixed capacity its method declared: the method
+        observes and decides over the whole capacity at every step (it keeps every filled slot
+        when its schedule evicts nothing), and the kept tokens are counted and compacted on the
+        device. Fixed shapes, no host read."""
+        budget, scoring, keep = self._observe_and_select(layer_index, store, make_scoring)
         if keep is None and not in_static_step():
             store.decode_steps_since_compression = 0
             return  # an eager step the method knows evicts nothing (no compaction)
@@ -821,12 +827,7 @@ class KVHiveCache(Cache):
         whole capacity with each row's length (``ScoringInputs.filled`` ``[B, 1, 1]``), and every
         row's kept tokens are counted and compacted on the device, each row its own count. No host
         read: the host lengths are read back when next asked for (a join, accounting)."""
-        budget = self.layer_budgets[layer_index]
-        scoring = make_scoring(DECODE)
-        self.policy.observe_decode(scoring, store.policy_state, budget=budget)
-        self._store_token_scores(store, scoring)
-        keep = self.policy.select_decode(scoring, budget, store.policy_state)
-        self._store_token_scores(store, scoring)
+        _, scoring, keep = self._observe_and_select(layer_index, store, make_scoring)
         if keep is None or keep.dtype != torch.bool or keep.shape != scoring.keys.shape[:3]:
             raise TypeError(
                 f"{self.policy.name}: a decision over rows of different lengths must be a boolean mask of shape "

@@ -1119,6 +1119,23 @@ class DenseLayerStore(LayerStore):
             self.row_lengths_device[row].fill_(length)
             self._length = max(lengths)
 
+    def _reallocate_rows(self, capacity: int, keep: int) -> None:
+        """Rows of different lengths: new buffers of ``capacity`` slots per row holding the first
+        ``keep`` slots of the old ones, zeros beyond (empty slots are attended with weight 0)."""
+        old = (self._key_buffer, self._value_buffer, self._position_buffer, self._score_buffers)
+        self._key_buffer, self._value_buffer, self._position_buffer = self._allocate_dense(
+            capacity, self._key_buffer.shape[-1], self._value_buffer.shape[-1]
+        )
+        self._score_buffers = {
+            name: _static(torch.zeros(self._key_buffer.shape[:3], dtype=torch.float32, device=self.device))
+            for name in old[3]
+        }
+        for new, previous in zip((self._key_buffer, self._value_buffer, self._position_buffer), old[:3], strict=True):
+            new.zero_()
+            new[:, :, :keep].copy_(previous[:, :, :keep])
+        for name, previous in old[3].items():
+            self._score_buffers[name][:, :, :keep].copy_(previous[:, :, :keep])
+
     def reserve_rows(self, capacity: int) -> None:
         """Rows of different lengths held in exactly ``capacity`` slots, a bound the layer's
         decisions keep (``bounded_capacity``: a method that evicts in such rows compacts them after
@@ -1130,21 +1147,7 @@ class DenseLayerStore(LayerStore):
         if capacity < longest:
             raise ValueError(f"capacity {capacity} is below the longest row ({longest} tokens)")
         if capacity != self._key_buffer.shape[2]:
-            old = (self._key_buffer, self._value_buffer, self._position_buffer, self._score_buffers)
-            self._key_buffer, self._value_buffer, self._position_buffer = self._allocate_dense(
-                capacity, self._key_buffer.shape[-1], self._value_buffer.shape[-1]
-            )
-            self._score_buffers = {
-                name: _static(torch.zeros(self._key_buffer.shape[:3], dtype=torch.float32, device=self.device))
-                for name in old[3]
-            }
-            for new, previous in zip(
-                (self._key_buffer, self._value_buffer, self._position_buffer), old[:3], strict=True
-            ):
-                new.zero_()
-                new[:, :, :longest].copy_(previous[:, :, :longest])
-            for name, previous in old[3].items():
-                self._score_buffers[name][:, :, :longest].copy_(previous[:, :, :longest])
+            self._reallocate_rows(capacity, longest)
         self.fixed_capacity = True
         self.bounded_capacity = True
 
@@ -1162,22 +1165,7 @@ class DenseLayerStore(LayerStore):
                 f"{capacity} (fixed batch slots: give a larger slot_capacity)"
             )
         if longest > capacity:  # past the room reserved at stacking: a larger capacity, zeros beyond
-            grown = longest + reserve(longest)
-            old = (self._key_buffer, self._value_buffer, self._position_buffer, self._score_buffers)
-            self._key_buffer, self._value_buffer, self._position_buffer = self._allocate_dense(
-                grown, self._key_buffer.shape[-1], self._value_buffer.shape[-1]
-            )
-            self._score_buffers = {
-                name: _static(torch.zeros(self._key_buffer.shape[:3], dtype=torch.float32, device=self.device))
-                for name in old[3]
-            }
-            for new, previous in zip(
-                (self._key_buffer, self._value_buffer, self._position_buffer), old[:3], strict=True
-            ):
-                new.zero_()
-                new[:, :, :capacity].copy_(previous)
-            for name, previous in old[3].items():
-                self._score_buffers[name][:, :, :capacity].copy_(previous)
+            self._reallocate_rows(longest + reserve(longest), capacity)
         batch, heads = self._batch, self._heads
         slots = (self.row_lengths_device[:, None] + torch.arange(new_tokens, device=self.device))[:, None, :]
         slots = slots.expand(batch, heads, new_tokens)
