@@ -202,12 +202,8 @@ class StreamingStructures:
         self.seed = seed
         stream = torch.arange(rows, device=device) % (streams_per_seed or max(rows, 1))
         # The hash of (seed, stream, purpose) per row, once: a draw then folds in two inputs.
-        self._purpose_words = {
-            purpose: hashed_words(seed, stream, purpose) for purpose in (_VALUE_SAMPLES, _CLUSTER_SAMPLES)
-        }
-        # Both as [R, 2] (value samples, cluster samples): a one-token insertion hashes both at once.
-        self._purpose_pair = torch.stack(
-            [self._purpose_words[_VALUE_SAMPLES], self._purpose_words[_CLUSTER_SAMPLES]], 1
+        self._set_purpose_words(
+            {purpose: hashed_words(seed, stream, purpose) for purpose in (_VALUE_SAMPLES, _CLUSTER_SAMPLES)}
         )
         # None: unbounded (capacity doubles as clusters are founded); else allocated once.
         self.max_clusters = max_clusters
@@ -276,10 +272,17 @@ class StreamingStructures:
         selected.rows = int(rows.numel())
         for name, tensor in self.tensors().items():
             setattr(selected, name, tensor.index_select(0, rows))
-        selected._purpose_words = {
-            purpose: words.index_select(0, rows) for purpose, words in self._purpose_words.items()
-        }
+        selected._set_purpose_words(
+            {purpose: words.index_select(0, rows) for purpose, words in self._purpose_words.items()}
+        )
         return selected
+
+    def _set_purpose_words(self, words: dict) -> None:
+        """Each row's hash of (seed, stream, purpose), and both purposes as ``[R, 2]`` (value
+        samples, cluster samples: a one-token insertion hashes both at once). Set together, so
+        selected or concatenated rows keep them in step."""
+        self._purpose_words = words
+        self._purpose_pair = torch.stack([words[_VALUE_SAMPLES], words[_CLUSTER_SAMPLES]], 1)
 
     def empty_like(self, rows: int, streams_per_seed: int) -> StreamingStructures:
         """Structures of ``rows`` rows that inserted nothing yet, with these ones' parameters (what a
@@ -312,10 +315,12 @@ class StreamingStructures:
         stacked.rows = sum(part.rows for part in grown)
         for name in grown[0].tensors():
             setattr(stacked, name, torch.cat([getattr(part, name) for part in grown], dim=0))
-        stacked._purpose_words = {
-            purpose: torch.cat([part._purpose_words[purpose] for part in grown], dim=0)
-            for purpose in grown[0]._purpose_words
-        }
+        stacked._set_purpose_words(
+            {
+                purpose: torch.cat([part._purpose_words[purpose] for part in grown], dim=0)
+                for purpose in grown[0]._purpose_words
+            }
+        )
         return stacked
 
     def _grow(self, needed: int) -> None:
