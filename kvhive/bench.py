@@ -144,25 +144,7 @@ def _timed_run(
         phases["prefill_peak_bytes"] = memory.peak()
         if decode_tokens:
             phases["decode_start_bytes"] = memory.start()
-    step_seconds = []
-
-    def step(token, position):
-        return model(input_ids=token, position_ids=position, **{cache_key: cache}, use_cache=True).logits
-
-    if compile:
-        torch._dynamo.reset()  # each configuration compiles its own graph (not a recompile of the last one's)
-        step = torch.compile(
-            step, fullgraph=True, dynamic=False, backend="inductor" if device.type == "cuda" else "aot_eager"
-        )
-    position = torch.full((input_ids.shape[0], 1), input_ids.shape[1], dtype=torch.long, device=device)
-    for index in range(decode_tokens + (1 if compile else 0)):
-        start = time.perf_counter()
-        logits = step(next_token, position)
-        _synchronize(device)
-        if not (compile and index == 0):  # the compiling step is not a decode step's time
-            step_seconds.append(time.perf_counter() - start)
-        next_token = logits[:, -1:].argmax(-1)
-        position = position + 1
+    step_seconds = _timed_decode(model, cache, next_token, input_ids.shape[1], decode_tokens, compile)
     if memory is not None and decode_tokens:
         phases["decode_peak_bytes"] = memory.peak()
     return cache, prefill_seconds, step_seconds, phases
@@ -221,27 +203,39 @@ def _timed_rows_alone(
         if decode_tokens:
             phases["decode_start_bytes"] = memory.start()
 
-    def step(token, position):
-        return model(input_ids=token, position_ids=position, **{cache_key: slotted}, use_cache=True).logits
-
-    if compile:
-        torch._dynamo.reset()
-        step = torch.compile(
-            step, fullgraph=True, dynamic=False, backend="inductor" if device.type == "cuda" else "aot_eager"
-        )
-    next_token = torch.cat(first_tokens)
-    step_seconds = []
-    for index in range(decode_tokens + (1 if compile else 0)):
-        position = slotted.layers[0].row_tokens_seen_device[:, None].clone()
-        start = time.perf_counter()
-        logits = step(next_token, position)
-        _synchronize(device)
-        if not (compile and index == 0):
-            step_seconds.append(time.perf_counter() - start)
-        next_token = logits[:, -1:].argmax(-1)
+    # Every row has seen the context: its next position, as the slots' device counters say.
+    step_seconds = _timed_decode(model, slotted, torch.cat(first_tokens), context, decode_tokens, compile)
     if memory is not None and decode_tokens:
         phases["decode_peak_bytes"] = memory.peak()
     return slotted, prefill_seconds, step_seconds, phases
+
+
+def _timed_decode(model, cache, next_token, position: int, decode_tokens: int, compile: bool) -> list[float]:
+    """``decode_tokens`` greedy steps from ``next_token`` ``[B, 1]`` at ``position``; each step's
+    seconds. ``compile``: the step runs through ``torch.compile(fullgraph=True, dynamic=False)``
+    (Inductor on CUDA, aot_eager elsewhere), and the first step, which compiles, is not timed."""
+    cache_key = cache_kwarg(model)
+    device = next_token.device
+
+    def step(token, positions):
+        return model(input_ids=token, position_ids=positions, **{cache_key: cache}, use_cache=True).logits
+
+    if compile:
+        torch._dynamo.reset()  # each configuration compiles its own graph (not a recompile of the last one's)
+        step = torch.compile(
+            step, fullgraph=True, dynamic=False, backend="inductor" if device.type == "cuda" else "aot_eager"
+        )
+    positions = torch.full((next_token.shape[0], 1), position, dtype=torch.long, device=device)
+    step_seconds = []
+    for index in range(decode_tokens + (1 if compile else 0)):
+        start = time.perf_counter()
+        logits = step(next_token, positions)
+        _synchronize(device)
+        if not (compile and index == 0):  # the compiling step is not a decode step's time
+            step_seconds.append(time.perf_counter() - start)
+        next_token = logits[:, -1:].argmax(-1)
+        positions = positions + 1
+    return step_seconds
 
 
 def _check_prefill_chunk(prefill_chunk, compile: bool) -> None:

@@ -506,18 +506,26 @@ def _attention_with_column_sums(query, key, value, mask, scaling):
     return output.contiguous(), sums
 
 
+def _scored_view(cache: KVHiveCache, store):
+    """A layer's stored ``(keys, values, positions, token_scores)`` as a prefill decision scores
+    them: repeated to the query heads when the method stores one copy per query head and the layer
+    has not been expanded yet."""
+    keys, values, positions, token_scores = store.dense()
+    if cache.stores_query_heads and cache.num_query_heads != keys.shape[1]:
+        factor = cache.num_query_heads // keys.shape[1]
+        keys = keys.repeat_interleave(factor, dim=1)
+        values = values.repeat_interleave(factor, dim=1)
+        positions = positions.repeat_interleave(factor, dim=1)
+    return keys, values, positions, token_scores
+
+
 def _prefill_scoring(cache: KVHiveCache, layer_index: int, query, mask, scaling, accumulated=None):
     """A factory of the :class:`ScoringInputs` of one layer right after its prefill (``accumulated``:
     the column sums the attention computed with its output, or None)."""
     store = cache.layers[layer_index]
 
     def make_scoring(phase: str) -> ScoringInputs:
-        keys, values, positions, token_scores = store.dense()
-        if cache.stores_query_heads and cache.num_query_heads != keys.shape[1]:
-            factor = cache.num_query_heads // keys.shape[1]
-            keys = keys.repeat_interleave(factor, dim=1)
-            values = values.repeat_interleave(factor, dim=1)
-            positions = positions.repeat_interleave(factor, dim=1)
+        keys, values, positions, token_scores = _scored_view(cache, store)
         return ScoringInputs(
             keys=keys,
             values=values,
@@ -721,12 +729,7 @@ def _question_scoring(cache: KVHiveCache, layer_index: int, query, mask, scaling
     questions = query[:, :, -count:]
 
     def make_question_scoring(phase: str) -> ScoringInputs:
-        keys, values, positions, token_scores = store.dense()
-        if cache.stores_query_heads and cache.num_query_heads != keys.shape[1]:
-            factor = cache.num_query_heads // keys.shape[1]
-            keys = keys.repeat_interleave(factor, dim=1)
-            values = values.repeat_interleave(factor, dim=1)
-            positions = positions.repeat_interleave(factor, dim=1)
+        keys, values, positions, token_scores = _scored_view(cache, store)
         num_keys = keys.shape[2]
         if mask is None:
             # An explicit mask: the copy's queries follow every key (a causal mask read from the

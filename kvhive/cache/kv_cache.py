@@ -157,6 +157,20 @@ def _row_states(policy: Policy, layer: LayerStore) -> list[dict]:
         raise ValueError(f"method {policy.name!r} cannot stack caches of several rows: {error}") from None
 
 
+def _budgets_of_rows(caches: list[KVHiveCache], layer: int, default: int | None) -> list[int | None]:
+    """Layer ``layer``'s budget for every row of ``caches`` in order (a cache's own per-row budgets,
+    else its layer budget, else ``default``)."""
+    return [
+        budget
+        for cache in caches
+        for budget in (
+            cache._row_budgets(layer, cache._batch_size())
+            if layer in cache.row_layer_budgets
+            else [cache.layer_budgets.get(layer, default)] * cache._batch_size()
+        )
+    ]
+
+
 def _without_unit_dims(shape: torch.Size) -> tuple[int, ...]:
     return tuple(size for size in shape if size != 1)
 
@@ -1318,16 +1332,7 @@ class KVHiveCache(Cache):
         stacked = _copy_without_layers(first)
         stacked.layers = new_layers
         stacked.row_layer_budgets = {
-            layer: [
-                budget
-                for cache in caches
-                for budget in (
-                    cache._row_budgets(layer, cache._batch_size())
-                    if layer in cache.row_layer_budgets
-                    else [cache.layer_budgets.get(layer, first_budget)] * cache._batch_size()
-                )
-            ]
-            for layer, first_budget in first.layer_budgets.items()
+            layer: _budgets_of_rows(caches, layer, first_budget) for layer, first_budget in first.layer_budgets.items()
         }
         stacked.row_layer_budgets = {
             layer: budgets + [budgets[0]] * free for layer, budgets in stacked.row_layer_budgets.items()
@@ -1469,18 +1474,7 @@ class KVHiveCache(Cache):
             layer.tokens_seen = most_seen
             layer.has_padding = layer.has_padding or any(source.has_padding for source in sources)
             layer.stored_in_order = layer.stored_in_order and all(source.stored_in_order for source in sources)
-        joining_budgets = {
-            layer: [
-                budget
-                for cache in caches
-                for budget in (
-                    cache._row_budgets(layer, cache._batch_size())
-                    if layer in cache.row_layer_budgets
-                    else [cache.layer_budgets.get(layer)] * cache._batch_size()
-                )
-            ]
-            for layer in self.row_layer_budgets
-        }
+        joining_budgets = {layer: _budgets_of_rows(caches, layer, None) for layer in self.row_layer_budgets}
         for layer, budgets in self.row_layer_budgets.items():
             for slot, budget in zip(slots, joining_budgets[layer], strict=True):
                 budgets[slot] = budget
