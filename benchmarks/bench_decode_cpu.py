@@ -8,6 +8,13 @@ Prints, per method, the best of the rounds' median ms/step and its ratio to Snap
 ``--json PATH`` appends one JSON line per method.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_decode_cpu.py --rounds 3
+
+``--compile inductor`` (or another dynamo backend) compares compiled against compiled, the shape of
+issue 23's compiled GPU target: every method's step runs through ``torch.compile(fullgraph=True,
+dynamic=False)`` (its own compiled function; compiling and ``--warmup`` steps are not timed), the
+layers that only grow decode in a fixed capacity (``decode_capacity``, room for every timed step) and
+the full cache is transformers' ``StaticCache``, the best stock compiled decode. Inductor on the CPU
+needs a C++ compiler and takes a minute or more per method on two cores.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import argparse
 import json
 import statistics
 import time
+import types
 
 import torch
 
@@ -37,6 +45,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16, help="decode steps per method per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default=None, help="append one JSON line per method to this file")
+    parser.add_argument(
+        "--compile", default=None, metavar="BACKEND", help="compile every method's step with this dynamo backend"
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=3,
+        help="with --compile: untimed steps per method before the rounds (the first compiles), each checked against eager",
+    )
     args = parser.parse_args()
     methods = [m for m in args.methods.split(",") if m]
     unknown = [m for m in methods if m not in method_names()]
@@ -49,33 +66,47 @@ def main() -> None:
     prompt = torch.randint(3, model.config.vocab_size, (1, args.context), generator=torch.Generator().manual_seed(0))
     key = cache_kwarg(model)  # `cache` where transformers has it, else `past_key_values`
     states = {}
+    total_steps = args.warmup + args.rounds * args.steps + 1
     with torch.inference_mode():
         for method in methods:
-            cache = make_cache(model, method, None if method == "full" else args.budget)
+            cache = _cache(model, method, args.budget, args.context, total_steps, args.compile)
             logits = model(input_ids=prompt, **{key: cache}, use_cache=True, logits_to_keep=1).logits
-            states[method] = [cache, logits[:, -1:].argmax(-1), args.context]
+            step = _step_function(model, cache, key, method, args.compile)
+            token, position = logits[:, -1:].argmax(-1), args.context
+            if args.compile:
+                # The compiled steps (the first compiles) against an eager twin of the same cache, fed the
+                # same tokens: a step that does not compute what the eager one does is not timed.
+                twin = _cache(model, method, args.budget, args.context, total_steps, args.compile)
+                model(input_ids=prompt, **{key: twin}, use_cache=True, logits_to_keep=1)
+                eager = _step_function(model, twin, key, method, None)
+                for _ in range(args.warmup):
+                    compiled_logits = step(token, torch.tensor([[position]]))
+                    eager_logits = eager(token, torch.tensor([[position]]))
+                    if not torch.allclose(compiled_logits, eager_logits, rtol=1e-3, atol=1e-3):
+                        difference = (compiled_logits - eager_logits).abs().max().item()
+                        raise SystemExit(f"{method}: the compiled step's logits differ from eager by {difference:.3g}")
+                    token = eager_logits.argmax(-1, keepdim=True)
+                    position += 1
+                del twin, eager
+            states[method] = [step, token, position]
         times: dict[str, list[float]] = {m: [] for m in methods}
         for _ in range(args.rounds):
             for method in methods:
-                cache, token, position = states[method]
+                step, token, position = states[method]
                 steps = []
                 for _ in range(args.steps):
                     start = time.process_time()
-                    logits = model(
-                        input_ids=token,
-                        position_ids=torch.tensor([[position]]),
-                        **{key: cache},
-                        use_cache=True,
-                    ).logits
+                    logits = step(token, torch.tensor([[position]]))
                     steps.append(time.process_time() - start)
-                    token = logits[:, -1:].argmax(-1)
+                    token = logits.argmax(-1, keepdim=True)
                     position += 1
-                states[method] = [cache, token, position]
+                states[method] = [step, token, position]
                 times[method].append(statistics.median(steps))
     reference = min(times["snapkv"])
     print(
         f"kv-heavy, {args.layers} layers, {args.context} tokens, budget {args.budget}, "
         f"{torch.get_num_threads()} thread(s), best of {args.rounds} rounds' medians ({args.steps} steps)"
+        + (f", compiled ({args.compile})" if args.compile else ", eager")
     )
     for method in methods:
         best = min(times[method])
@@ -88,6 +119,7 @@ def main() -> None:
             "budget": args.budget,
             "layers": args.layers,
             "threads": torch.get_num_threads(),
+            "compile": args.compile,
             "kvhive_commit": kvhive.__dict__.get("__commit__"),
         }
         print(
@@ -96,6 +128,36 @@ def main() -> None:
         if args.json:
             with open(args.json, "a") as handle:
                 handle.write(json.dumps(line) + "\n")
+
+
+def _cache(model, method: str, budget: float, context: int, decode_steps: int, backend: str | None):
+    """The method's cache; compiled: the full cache as transformers' StaticCache, a growing layer in a
+    fixed decode capacity."""
+    if backend is None:
+        return make_cache(model, method, None if method == "full" else budget)
+    if method == "full":
+        from transformers import StaticCache
+
+        return StaticCache(config=model.config, max_cache_len=context + decode_steps)
+    cache = make_cache(model, method, budget)
+    if not cache.static_decode:  # a layer that grows while decoding: a fixed capacity for every step
+        cache = make_cache(model, method, budget, decode_capacity=decode_steps)
+    return cache
+
+
+def _step_function(model, cache, key: str, method: str, backend: str | None):
+    """One decode step ``(token [1, 1], position [1, 1]) -> logits [1, 1, V]``, compiled with ``backend``
+    as a function of its own (dynamo caches per code object: another method's step is a first compile
+    of its own, not a recompile)."""
+
+    def step(token, position):
+        return model(input_ids=token, position_ids=position, **{key: cache}, use_cache=True).logits[:, -1]
+
+    if backend is None:
+        return step
+    code = step.__code__.replace(co_name=f"decode_step_{method.replace('-', '_')}")
+    own = types.FunctionType(code, step.__globals__, code.co_name, None, step.__closure__)
+    return torch.compile(own, backend=backend, fullgraph=True, dynamic=False)
 
 
 if __name__ == "__main__":

@@ -619,3 +619,54 @@ def test_bumblebee_fills_the_freed_slot_the_same_compiled_from_a_short_prompt(ba
         positions = layer.dense()[2]
         assert layer.dense_length == BUDGET
         assert not torch.equal(positions, positions.sort(dim=-1).values)  # freed slots took the newest
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_an_eager_static_decode_step_builds_no_mask(monkeypatch, padded):
+    # A compileable cache asks transformers for a fixed one-column mask in a decode step
+    # (get_mask_sizes); kvhive's attention masks the stored tokens itself, so the column is not built
+    # eagerly either (ten ops a step). Logits still equal the step with the column built and handed
+    # over, padded rows included.
+    import transformers.masking_utils
+    from kvhive.attention import integration
+
+    model = _model()
+    prompt = _prompt(model, batch=2)
+    attention_mask = torch.ones_like(prompt)
+    if padded:
+        attention_mask[1, :5] = 0
+    built = []
+
+    def counting_mask(*args, **kwargs):
+        mask = transformers.masking_utils.sdpa_mask(*args, **kwargs)
+        if kwargs.get("q_length") == 1:
+            built.append(mask)
+        return mask
+
+    logits = {}
+    for skip in (True, False):
+        if not skip:  # the previous behaviour: every call reaches transformers' sdpa_mask
+            monkeypatch.setattr(integration, "kvhive_mask", lambda *a, **k: counting_mask(*a, **k))
+            integration.register()
+        monkeypatch.setattr(integration, "sdpa_mask", counting_mask)
+        cache = kvhive.make_cache(model, "tova", budget=BUDGET)
+        assert cache.is_compileable
+        built.clear()
+        with torch.no_grad():
+            mask = attention_mask
+            token = model(input_ids=prompt, attention_mask=mask, past_key_values=cache).logits[:, -1:].argmax(-1)
+            steps = []
+            for index in range(3):
+                mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+                position = (mask.cumsum(-1) - 1)[:, -1:]
+                step = model(input_ids=token, attention_mask=mask, position_ids=position, past_key_values=cache).logits
+                steps.append(step)
+                token = step[:, -1:].argmax(-1)
+        logits[skip] = torch.cat(steps, dim=1)
+        if skip:
+            assert built == [], "an eager static decode step built a mask"
+        else:
+            assert len(built) == 3 and all(mask is not None for mask in built)
+    monkeypatch.undo()
+    integration.register()
+    torch.testing.assert_close(logits[True], logits[False], atol=0, rtol=0)

@@ -65,6 +65,17 @@ def kvhive_mask(*args, **kwargs):
     q_length = kwargs.get("q_length", args[1] if len(args) > 1 else None)
     if q_length == 1 and in_static_step():
         return None  # no mask is built inside a compiled step (kvhive's attention masks it)
+    if (
+        q_length == 1
+        and kwargs.get("kv_length") == 1
+        and kwargs.get("kv_offset") == 0
+        and (kwargs.get("q_offset") or 0) > 0
+    ):
+        # The fixed unused column KVHiveCache.get_mask_sizes asks for in a static decode step, run
+        # eagerly (a mask over the positions seen would span q_offset + 1 columns): kvhive's attention
+        # masks the stored tokens itself, so the ten ops that build this column are not spent
+        # (transformers >= 5.24 passes q_offset; older versions build the column, unused).
+        return None
     kwargs["allow_is_bidirectional_skip"] = False
     return sdpa_mask(*args, **kwargs)
 
