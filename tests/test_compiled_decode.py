@@ -628,6 +628,7 @@ def test_an_eager_static_decode_step_builds_no_mask(monkeypatch, padded):
     # eagerly either (ten ops a step). Logits still equal the step with the column built and handed
     # over, padded rows included.
     import transformers.masking_utils
+
     from kvhive.attention import integration
 
     model = _model()
@@ -656,7 +657,7 @@ def test_an_eager_static_decode_step_builds_no_mask(monkeypatch, padded):
             mask = attention_mask
             token = model(input_ids=prompt, attention_mask=mask, past_key_values=cache).logits[:, -1:].argmax(-1)
             steps = []
-            for index in range(3):
+            for _ in range(3):
                 mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
                 position = (mask.cumsum(-1) - 1)[:, -1:]
                 step = model(input_ids=token, attention_mask=mask, position_ids=position, past_key_values=cache).logits
