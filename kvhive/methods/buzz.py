@@ -500,12 +500,15 @@ class Buzz(Policy):
         bound = max(budget, layout.peak + _host_int(state[PADDING]))
         # The mirror as the prefill left the layer (its old samples and padding still host ints).
         mirror = (state.get(PREFILL_SEEN), keys.shape[2], _host_int(state.get(OLD, 0)), _host_int(state[PADDING]))
-        for key in DEVICE_COUNTERS:
-            value = state.get(key, 0)
-            if not isinstance(value, torch.Tensor):
-                value = torch.tensor(value, dtype=torch.int64, device=keys.device)
+        # The counters still host ints go to the device in one copy (not one per counter: how many the
+        # prefill left as host ints depends on its evictions, and each copy is a host-to-device transfer).
+        on_host = [key for key in DEVICE_COUNTERS if not isinstance(state.get(key, 0), torch.Tensor)]
+        if on_host:
+            moved = torch.tensor([state.get(key, 0) for key in on_host], dtype=torch.int64, device=keys.device)
+            for key, value in zip(on_host, moved):
+                value = value.clone()  # a counter of its own, updated in place by the decode steps
                 torch._dynamo.mark_static_address(value)
-            state[key] = value
+                state[key] = value
         state[HOST_MIRROR] = mirror if mirror[0] is not None else None
         return bound
 
