@@ -73,6 +73,24 @@ def first_false(mask: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
     return torch.where(mask, last, slots).amin(dim=-1, keepdim=keepdim)
 
 
+def true_indices(mask: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The indices of ``mask``'s True entries (``[N]`` bool), in order, their number being the sum of
+    the host tensor ``counts``: a stable sort puts them first, so the device's result has a size the
+    host knows (boolean-mask indexing waits for the device to count them: a synchronisation)."""
+    total = int(counts.sum())
+    return torch.sort((~mask).to(torch.uint8), stable=True).indices[:total]
+
+
+def to_device_at_once(device, *host_tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Host int64 tensors moved to ``device`` in one host-to-device copy (not one each), as tensors of
+    their own (each owns its storage: buffers updated in place keep to themselves)."""
+    if not host_tensors:
+        return []
+    moved = torch.cat([tensor.reshape(-1).long() for tensor in host_tensors]).to(device)
+    pieces = moved.split([tensor.numel() for tensor in host_tensors])
+    return [piece.view(tensor.shape).clone() for piece, tensor in zip(pieces, host_tensors, strict=True)]
+
+
 def _static(buffer: torch.Tensor) -> torch.Tensor:
     """Mark a dense buffer's address as fixed, as transformers' StaticLayer does: a compiled decode
     step then reads and writes it in place (an unmarked buffer mutated in place makes CUDA graphs
@@ -1297,10 +1315,8 @@ class DenseLayerStore(LayerStore):
         starts = torch.arange(self.num_segments, dtype=torch.long) * capacity + self._start
         # token j of segment s sits at starts[s] + j = (starts[s] - offset[s]) + global index.
         offsets = torch.cumsum(lengths, 0) - lengths
-        shift = (starts - offsets).to(self.device)
-        return torch.repeat_interleave(shift, lengths.to(self.device), output_size=total) + torch.arange(
-            total, device=self.device
-        )
+        shift, lengths = to_device_at_once(self.device, starts - offsets, lengths)
+        return torch.repeat_interleave(shift, lengths, output_size=total) + torch.arange(total, device=self.device)
 
     def _flat_buffers(self):
         d, dv = self._key_buffer.shape[-1], self._value_buffer.shape[-1]
@@ -1314,7 +1330,7 @@ class DenseLayerStore(LayerStore):
     def _pack(self, flat_mask: torch.Tensor, counts: torch.Tensor) -> None:
         """Re-lay the kept tokens (``flat_mask`` over stored tokens in segment order) out packed,
         each segment with its own append reserve: the layer becomes a :class:`PackedLayerStore`."""
-        source_index = self._stored_index()[flat_mask]
+        source_index = self._stored_index().index_select(0, true_indices(flat_mask, counts))
         keys, values, positions, scores = self._flat_buffers()
         self.__class__ = PackedLayerStore
         self._start, self._length_value, self._length_stale = 0, 0, False
@@ -1422,7 +1438,7 @@ class PackedLayerStore(LayerStore):
 
     def _pack(self, flat_mask: torch.Tensor, counts: torch.Tensor) -> None:
         """Re-lay the kept tokens (``flat_mask`` over stored tokens in segment order) out anew."""
-        source_index = self._stored_index()[flat_mask]
+        source_index = self._stored_index().index_select(0, true_indices(flat_mask, counts))
         keys, values, positions, scores = self._flat_buffers()
         self._set_packed(counts, keys, values, positions, scores, source_index, self.segment_reserve_tokens)
 
@@ -1434,9 +1450,23 @@ class PackedLayerStore(LayerStore):
         starts = torch.cumsum(capacities, 0) - capacities
         total = int(counts.sum())
         offsets = torch.cumsum(counts, 0) - counts
-        destination = torch.repeat_interleave(
-            (starts - offsets).to(self.device), counts.to(self.device), output_size=total
-        ) + torch.arange(total, device=self.device)
+        pages_per_segment = capacities // PAGE_TOKENS
+        total_pages = int(capacities.sum()) // PAGE_TOKENS
+        page_segment = torch.repeat_interleave(torch.arange(counts.numel()), pages_per_segment, output_size=total_pages)
+        first_page = torch.cumsum(pages_per_segment, 0) - pages_per_segment
+        page_offset = (torch.arange(total_pages) - first_page[page_segment]) * PAGE_TOKENS
+        # Every per-segment and per-page table in one host-to-device copy.
+        (
+            shift,
+            counts_on_device,
+            starts_on_device,
+            capacities_on_device,
+            page_segment_on_device,
+            page_offset_on_device,
+        ) = to_device_at_once(self.device, starts - offsets, counts, starts, capacities, page_segment, page_offset)
+        destination = torch.repeat_interleave(shift, counts_on_device, output_size=total) + torch.arange(
+            total, device=self.device
+        )
         size = int(capacities.sum())
         # Zeros, not empty: the paged torch path multiplies whole pages, reserve rows included, by
         # weights that are 0 there, and 0 x uninitialised memory can be NaN.
@@ -1459,16 +1489,11 @@ class PackedLayerStore(LayerStore):
         self._score_buffers = {name: _static(score) for name, score in new_scores.items()}
         self._packed_stale = False
         self._segment_start_host, self._segment_length_host, self._segment_capacity_host = starts, counts, capacities
-        self._segment_start = _static(starts.to(self.device))
-        self._segment_length = _static(counts.to(device=self.device, dtype=torch.int32))
-        self._segment_capacity = _static(capacities.to(self.device))
-        pages_per_segment = capacities // PAGE_TOKENS
-        total_pages = size // PAGE_TOKENS
-        page_segment = torch.repeat_interleave(torch.arange(counts.numel()), pages_per_segment, output_size=total_pages)
-        first_page = torch.cumsum(pages_per_segment, 0) - pages_per_segment
-        page_offset = (torch.arange(total_pages) - first_page[page_segment]) * PAGE_TOKENS
-        self._page_segment = _static(page_segment.to(self.device))
-        self._page_offset = _static(page_offset.to(self.device))
+        self._segment_start = _static(starts_on_device)
+        self._segment_length = _static(counts_on_device.to(torch.int32))
+        self._segment_capacity = _static(capacities_on_device)
+        self._page_segment = _static(page_segment_on_device)
+        self._page_offset = _static(page_offset_on_device)
         # Host-side ints, so a decode append decides without touching any tensor.
         self._packed_max_length = int(counts.max()) if counts.numel() else 0
         # The largest capacity is the longest segment's (capacities grow with counts): no other read.

@@ -204,11 +204,14 @@ def _protected_window(protected: torch.Tensor | None, num_tokens: int) -> int | 
     """The ``w`` when ``protected`` is exactly the last ``w`` tokens of every head (or None)."""
     if protected is None:
         return 0
-    counts = protected.sum(dim=-1)
-    window = int(counts.flatten()[0])
-    if not bool((counts == window).all()) or not bool(protected[..., num_tokens - window :].all()):
-        return None
-    return window
+    counts = protected.sum(dim=-1, keepdim=True)
+    first = counts.flatten()[0]
+    # Each head's mask is the suffix of its own count, and every count is the first: computed on the
+    # device and read back with the count in one read (not three).
+    suffix = torch.arange(num_tokens, device=protected.device) >= num_tokens - counts
+    exact = (protected == suffix).all() & (counts == first).all()
+    window, is_window = torch.stack([first, exact.to(first.dtype)]).tolist()
+    return window if is_window else None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -505,7 +505,7 @@ class Buzz(Policy):
         on_host = [key for key in DEVICE_COUNTERS if not isinstance(state.get(key, 0), torch.Tensor)]
         if on_host:
             moved = torch.tensor([state.get(key, 0) for key in on_host], dtype=torch.int64, device=keys.device)
-            for key, value in zip(on_host, moved):
+            for key, value in zip(on_host, moved, strict=True):
                 value = value.clone()  # a counter of its own, updated in place by the decode steps
                 torch._dynamo.mark_static_address(value)
                 state[key] = value
