@@ -580,7 +580,7 @@ class KVHiveCache(Cache):
             self._after_prefill(layer_index, make_scoring)
         finally:
             self._reserve_decode(self.layers[layer_index])
-            if layer_index >= self.compressed_layers[-1]:
+            if not self.compressed_layers or layer_index >= self.compressed_layers[-1]:
                 self.prefill_scratch.clear()  # no later layer reuses it
 
     def _reserve_decode(self, store: LayerStore) -> None:
