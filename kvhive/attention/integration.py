@@ -186,12 +186,15 @@ def _enter_forward(model, args, kwargs):
 
 
 def _leave_forward(model, args, kwargs, output):
-    if not _kvhive_caches_in(args, kwargs):  # calls without a kvhive cache touch nothing else
+    caches = _kvhive_caches_in(args, kwargs)
+    if not caches:  # calls without a kvhive cache touch nothing else
         return None
     if torch.compiler.is_compiling():
         for config in _attention_configs(model):
             config._attn_implementation_internal = config._kvhive_previous_attention
         return None
+    for cache in caches:
+        cache.prefill_scratch.clear()  # held for one prefill only, also when the forward raised
     entered = _ENTERED.__dict__.get("models")
     if not entered or entered[-1] is not model:
         return None
@@ -550,6 +553,7 @@ def _prefill_scoring(cache: KVHiveCache, layer_index: int, query, mask, scaling,
             phase=phase,
             token_scores=dict(token_scores),
             accumulated_weights=accumulated,
+            scratch=cache.prefill_scratch,
         )
 
     return make_scoring

@@ -21,7 +21,16 @@ from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 from kvhive import static_step
 from kvhive.cache.budget import Budget, budget_label, budget_problem, layer_budgets, minimum_budget_problem
 from kvhive.cache.storage import LayerStore, row_index
-from kvhive.methods.base import AUTO_HEADS, DECODE, PREFILL, QUERY_HEADS, Policy, ScoringInputs, require_choice
+from kvhive.methods.base import (
+    AUTO_HEADS,
+    DECODE,
+    PREFILL,
+    QUERY_HEADS,
+    Policy,
+    PrefillScratch,
+    ScoringInputs,
+    require_choice,
+)
 from kvhive.static_step import in_static_step
 
 Positions = Literal["original", "cache"]
@@ -374,6 +383,9 @@ class KVHiveCache(Cache):
         # Queries and masks of every layer's prefill, kept so one prefill can serve many methods.
         self.record_prefill = record_prefill
         self.prefill_records: dict[int, tuple] = {}
+        # Work tensors the method reuses from one layer's prefill to the next (emptied after the
+        # last compressed layer's and at the end of the model's forward).
+        self.prefill_scratch = PrefillScratch()
         self.positions = positions
         self.key_rotator = key_rotator
         self.dense_decode = dense_decode
@@ -568,6 +580,8 @@ class KVHiveCache(Cache):
             self._after_prefill(layer_index, make_scoring)
         finally:
             self._reserve_decode(self.layers[layer_index])
+            if not self.compressed_layers or layer_index >= self.compressed_layers[-1]:
+                self.prefill_scratch.clear()  # no later layer reuses it
 
     def _reserve_decode(self, store: LayerStore) -> None:
         """With a decode capacity, a layer that only grows while decoding gets its room now; in a

@@ -91,6 +91,43 @@ def require_probability(value: Any, parameter: str, low_open: bool = False) -> N
     require(ok, parameter, "a number in (0, 1]" if low_open else "a number in [0, 1]", value)
 
 
+class PrefillScratch:
+    """Large temporaries one cache's prefill reuses across its layers (and row chunks).
+
+    A method that needs a big work tensor takes it here and gives it back when done: the next
+    layer that asks for the same shape gets the same memory back instead of a fresh allocation.
+    On the CPU a fresh tensor of that size is memory the kernel maps and zeroes page by page as
+    it is first written (BumbleBee's similarity matrix of a kv-heavy layer at 4k, 484 MB: 0.2 s
+    of page faults of its 0.6 s). At most one tensor is held, and ``take`` drops a held tensor of
+    another shape before allocating, so two are never alive at once. The cache clears it after
+    its last compressed layer's prefill and when the model's forward ends: nothing is held past
+    the prefill. One per cache (a cache runs one forward at a time), so no state is shared
+    between caches or threads.
+    """
+
+    def __init__(self) -> None:
+        self._held: torch.Tensor | None = None
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A tensor of ``shape`` (uninitialised: the caller writes every element)."""
+        held, self._held = self._held, None
+        if held is not None and held.shape == shape and held.dtype == dtype and held.device == torch.device(device):
+            return held
+        del held  # freed before the new allocation
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    def give(self, tensor: torch.Tensor) -> None:
+        """Hold ``tensor`` for the next ``take`` (the caller no longer uses it)."""
+        self._held = tensor
+
+    def clear(self) -> None:
+        self._held = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._held is None else self._held.nbytes
+
+
 @dataclass
 class ScoringInputs:
     """What a policy may look at for one layer when it decides what to keep.
@@ -134,6 +171,9 @@ class ScoringInputs:
     # token down (``Policy.reads_stored_order`` False): from then on, recency is read from
     # ``positions`` (:meth:`recent_tokens`, :meth:`recency_scores`, :meth:`first_real`).
     stored_in_order: bool = True
+    # The cache's buffers reused across the layers of one prefill (:class:`PrefillScratch`); None
+    # outside a prefill's scoring.
+    scratch: PrefillScratch | None = None
     _memo: dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
