@@ -509,3 +509,40 @@ def test_cuda_farthest_point_fast_path_matches_the_eager_loop_over_layers(dtype)
         for order in (None, positions):
             fast = farthest_point_order(keys, candidates, 400, order, fast=True)
             assert torch.equal(fast, farthest_point_order(keys, candidates, 400, order, fast=False)), f"layer {layer}"
+
+
+# -- prefill synchronisations (issue 25 item 3 on the device) ---------------------------------------
+
+PREFILL_SYNCS_PER_LAYER = 4
+
+
+def _prefill_synchronisations(model, method: str, length: int) -> int:
+    """Synchronising CUDA operations (torch's sync checker in "warn" mode: device-to-host reads and
+    blocking host-to-device copies) during one prefill of ``length`` tokens at ratio 0.25."""
+    import warnings
+
+    cache = kvhive.make_cache(model, method, ratio=0.25)
+    key = cache_kwarg(model)
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(3, model.config.vocab_size, (1, length), generator=generator).cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            model(input_ids=input_ids, **{key: cache}, use_cache=True, logits_to_keep=1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(warning.message) for warning in caught)
+
+
+@pytest.mark.parametrize("method", [m for m in method_names() if m != "full"])
+def test_cuda_prefill_synchronises_at_most_4_times_per_layer(method):
+    # The CPU proxy (tests/test_host_read_counter.py) counted on the device itself: the method's
+    # synchronisations over the full cache's, at 256 and 2,048 tokens.
+    model = tiny_model("llama", "gqa", dtype=torch.bfloat16).cuda()
+    layers = model.config.num_hidden_layers
+    for length in (256, 2048):
+        stock = _prefill_synchronisations(model, "full", length)
+        counted = _prefill_synchronisations(model, method, length) - stock
+        assert counted <= PREFILL_SYNCS_PER_LAYER * layers, (length, counted, stock)
