@@ -737,7 +737,8 @@ class StreamingSummary:
                 key_x = keys.gather(1, x[:, :, None].expand(rows, 1, keys.shape[-1]))
                 valid_x, weight_x = valid.gather(1, x), weights.gather(1, x)
                 stored = keys  # the members are anywhere
-            key_x = key_x.float()  # [R, 1, d]
+            if key_x.dtype != torch.float32:
+                key_x = key_x.float()  # [R, 1, d]
             raw_norm = key_x.norm(dim=-1)  # [R, 1]
             norm_x = raw_norm.clamp_min(1e-12)
             # O(T d): a multiply-sum beats a batched matrix-vector product on CPU here (the product
@@ -767,7 +768,7 @@ class StreamingSummary:
             # its element's sim(v, v)), so its plain quotient by the clamped total is already 0 there.
             feature = feature.div_(phi_total.clamp_min(1e-300)).masked_fill_(phi_total <= 0, 0.0)
             gains = facility.div_(facility_total.clamp_min_(1e-300)).mul_(lam).add_(feature.mul_(1.0 - lam))
-            drop = gains.masked_fill_(~valid_all, float("-inf")).argmin(dim=-1, keepdim=True)  # == size: x goes
+            drop = torch.where(valid_all, gains, float("-inf")).argmin(dim=-1, keepdim=True)  # == size: x goes
 
             # x takes the slot y of the dropped member (rows where x itself goes keep their state:
             # every update below is a no-op there).
@@ -812,7 +813,11 @@ class StreamingSummary:
             self.rank_of_slot.sub_(later.long()).masked_fill_(taken, size - 1)
         # rank_of_slot is a permutation of each row: the scatter writes every entry of its inverse.
         self.slot_of_rank.scatter_(1, self.rank_of_slot, slots.expand(rows, size))
-        self.positions.copy_(positions.gather(1, member_index.gather(1, self.slot_of_rank)))
+        member_index = member_index.gather(1, self.slot_of_rank)  # by rank
+        if positions.dtype == self.positions.dtype:
+            torch.gather(positions, 1, member_index, out=self.positions)
+        else:
+            self.positions.copy_(positions.gather(1, member_index))
         return dropped[0] if joiners == 1 else torch.cat(dropped, dim=1)
 
     @classmethod
