@@ -739,7 +739,7 @@ class StreamingSummary:
                 stored = keys  # the members are anywhere
             if key_x.dtype != torch.float32:
                 key_x = key_x.float()  # [R, 1, d]
-            raw_norm = key_x.norm(dim=-1)  # [R, 1]
+            raw_norm = torch.linalg.vector_norm(key_x, dim=-1)  # [R, 1] (Tensor.norm's kernel, without its wrapper)
             norm_x = raw_norm.clamp_min(1e-12)
             # O(T d): a multiply-sum beats a batched matrix-vector product on CPU here (the product
             # is formed in float32 for any key dtype: the promotion casts exactly, as .float() does).
@@ -783,19 +783,17 @@ class StreamingSummary:
             dropped.append(torch.where(replace, member_index.gather(1, y), x))
             # The members whose nearest one may have left: y attains their maximum (a tie rescans to
             # the same value), and x itself. Read before x's column overwrites y's.
-            row_index = y[:, :, None].expand(rows, 1, size)
-            column_index = y[:, :, None].expand(rows, size, 1)
-            column = self.sim.gather(2, column_index).view(rows, size)
+            column = self.sim.gather(2, y[:, :, None].expand(rows, size, 1)).view(rows, size)
             rescan = (replace & (column >= self.nearest)) | taken
             # Write x's row and column of the cached matrix (O(T)); its diagonal entry is zero. Rows
-            # where nothing joins write back their own row and column: a matrix that one product's
-            # rounding left not exactly symmetric keeps its values, so the nearest values (read off
-            # its rows) stay its row maxima.
-            new_row = sim_x.masked_fill_(at_y, 0.0)
-            row = torch.where(replace, new_row, self.sim.gather(1, row_index).view(rows, size))
-            self.sim.scatter_(1, row_index, row.view(rows, 1, size))
-            column = torch.where(replace, new_row, column)
-            self.sim.scatter_(2, column_index, column.view(rows, size, 1))
+            # where nothing joins write zeros onto the diagonal instead (entry j to (j, j), where the
+            # matrix holds 0): they keep every other value, also of a matrix that one product's
+            # rounding left not exactly symmetric, so the nearest values (read off its rows) stay
+            # its row maxima.
+            target = torch.where(replace, y, slots)
+            new_row = sim_x.mul_(replace).masked_fill_(at_y, 0.0)
+            self.sim.scatter_(1, target.view(rows, 1, size), new_row.view(rows, 1, size))
+            self.sim.scatter_(2, target.view(rows, size, 1), new_row.view(rows, size, 1))
             for field, value in ((self.self_sim, self_x), (self.norms, norm_x), (self.valid, valid_x)):
                 torch.where(taken, value, field, out=field)  # in place: no copy back
             if stored_of_rank is None:
@@ -810,7 +808,7 @@ class StreamingSummary:
             torch.where(rescan, self.sim.amax(dim=-1), self.nearest, out=self.nearest)
             # x is the newest member: its slot moves to the last rank, the later ones move up.
             later = (self.rank_of_slot > self.rank_of_slot.gather(1, y)) & replace
-            self.rank_of_slot.sub_(later.long()).masked_fill_(taken, size - 1)
+            self.rank_of_slot.add_(later, alpha=-1).masked_fill_(taken, size - 1)
         # rank_of_slot is a permutation of each row: the scatter writes every entry of its inverse.
         self.slot_of_rank.scatter_(1, self.rank_of_slot, slots.expand(rows, size))
         member_index = member_index.gather(1, self.slot_of_rank)  # by rank
