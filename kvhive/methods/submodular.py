@@ -739,10 +739,13 @@ class StreamingSummary:
                 stored = keys  # the members are anywhere
             if key_x.dtype != torch.float32:
                 key_x = key_x.float()  # [R, 1, d]
+            if stored.dtype == torch.float64:  # a float32 product, as for every other key dtype
+                stored = stored.float()
             raw_norm = torch.linalg.vector_norm(key_x, dim=-1)  # [R, 1] (Tensor.norm's kernel, without its wrapper)
             norm_x = raw_norm.clamp_min(1e-12)
             # O(T d): a multiply-sum beats a batched matrix-vector product on CPU here (the product
-            # is formed in float32 for any key dtype: the promotion casts exactly, as .float() does).
+            # is formed in float32 for any key dtype: a 16-bit key's promotion casts it exactly, as
+            # .float() does, without a float32 copy of the stored keys).
             dots = (stored * key_x).sum(dim=-1).gather(1, member_index)
             sim_x = (dots / (self.norms * norm_x)).clamp_(min=0).mul_(self.valid & valid_x)
             self_x = (raw_norm / norm_x).square_().mul_(valid_x)
