@@ -213,7 +213,8 @@ class BumbleBee(Policy):
 
     def observe_decode(self, scoring: ScoringInputs, state: dict, budget: int | None = None) -> None:
         scores = scoring.token_scores[SCORE]
-        scores += scoring.to_kv_heads(scoring.last_query_attention()).to(scores.dtype)
+        weights = scoring.to_kv_heads(scoring.last_query_attention())
+        scores += weights if weights.dtype == scores.dtype else weights.to(scores.dtype)
 
     def _accumulated(self, scoring: ScoringInputs) -> torch.Tensor:
         if SCORE not in scoring.token_scores:
@@ -336,7 +337,9 @@ class BumbleBee(Policy):
         summary: StreamingSummary = state[SUMMARY]
         built = state[BUILT]
         evict = scoring.filled > budget
-        order, ranked = _rank_by_position(scoring, positions, scoring.filled)
+        slots = torch.arange(capacity, device=keys.device)
+        stored = slots < scoring.filled  # [C]: the slots holding a token (the empty ones last)
+        order, ranked = _rank_by_position(scoring, positions, stored)
         if REBUILDS in state:  # the prompt fit the budget: the first eviction builds the summary
             build = evict & ~built
             # The oldest tau_s stored tokens are the first ones: the cache fills freed slots only
@@ -364,9 +367,8 @@ class BumbleBee(Policy):
             active=evict,
             stored_of_rank=order,
         )
-        slots = torch.arange(capacity, device=keys.device)
-        stays = (slots != torch.where(evict, dropped, capacity)).reshape(batch, heads, capacity)
-        return (slots < scoring.filled) & stays
+        stays = (slots != torch.where(evict, dropped, capacity)).view(batch, heads, capacity)
+        return stored & stays
 
     def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor | None:
         if scoring.filled is not None:
@@ -500,18 +502,18 @@ def _oldest(
 
 
 def _rank_by_position(
-    scoring: ScoringInputs, positions: torch.Tensor, filled: torch.Tensor | None
+    scoring: ScoringInputs, positions: torch.Tensor, stored: torch.Tensor | None
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """``(order, ranked)``: ``order [R, N]`` the stored index of each stored token ranked by original
-    position (the empty slots of a fixed capacity last), None while the cache stores the tokens in
-    their order (the rank is the stored index); ``ranked`` their positions in that order. The sort's
-    own values, not a gather from the stored positions: a compiled step moves a token into the freed
-    slot later in the same graph, and the check reads what the step started from."""
+    position (the empty slots of a fixed capacity, where ``stored [N]`` is False, last), None while
+    the cache stores the tokens in their order (the rank is the stored index); ``ranked`` their
+    positions in that order. The sort's own values, not a gather from the stored positions: a
+    compiled step moves a token into the freed slot later in the same graph, and the check reads
+    what the step started from."""
     if scoring.stored_in_order:
         return None, positions
-    if filled is not None:
-        empty = torch.arange(positions.shape[-1], device=positions.device) >= filled
-        positions = positions.masked_fill(empty, torch.iinfo(positions.dtype).max)
+    if stored is not None:
+        positions = torch.where(stored, positions, torch.iinfo(positions.dtype).max)
     ranked, order = positions.sort(dim=-1, stable=True)
     return order, ranked
 

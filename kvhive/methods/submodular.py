@@ -720,95 +720,110 @@ class StreamingSummary:
         returned are stored indices.
         """
         rows, size = self.slot_of_rank.shape
-        device = keys.device
-        slots = torch.arange(size, device=device)
+        slots = torch.arange(size, device=keys.device)
         if stored_of_rank is None:
             member_index = self.rank_of_slot.clone()  # stored index of each slot's member
         else:
             member_index = stored_of_rank.gather(1, self.rank_of_slot)
+        # A decode step is a few hundred small ops, each costing more than its arithmetic: the per-row
+        # values below stay [R, 1] (no unsqueeze per use), fresh temporaries are updated in place, and
+        # phi = log(1 + x) is applied inline (Concave's own formulas, without its dtype casts of
+        # tensors that are float64 already). Every value is computed as before, to the bit.
+        log_form = phi.kind == "log"
         dropped = []
         for j in range(joiners):
             x = first_joiner + j
             if stored_of_rank is None:
-                key_x, valid_x, weight_x = keys[:, x].float(), valid[:, x], weights[:, x, None]
+                key_x, valid_x, weight_x = keys[:, x : x + 1], valid[:, x : x + 1], weights[:, x : x + 1]
                 stored = keys[:, :x]  # the members: the stored tokens before x
             else:
-                x = stored_of_rank[:, x]
-                key_x = keys.gather(1, x[:, None, None].expand(rows, 1, keys.shape[-1])).squeeze(1).float()
-                valid_x, weight_x = valid.gather(1, x[:, None]).squeeze(1), weights.gather(1, x[:, None])
+                x = stored_of_rank[:, x : x + 1]  # [R, 1]
+                key_x = keys.gather(1, x[:, :, None].expand(rows, 1, keys.shape[-1]))
+                valid_x, weight_x = valid.gather(1, x), weights.gather(1, x)
                 stored = keys  # the members are anywhere
-            raw_norm = key_x.norm(dim=-1)
+            if key_x.dtype != torch.float32:
+                key_x = key_x.float()  # [R, 1, d]
+            if stored.dtype == torch.float64:  # a float32 product, as for every other key dtype
+                stored = stored.float()
+            raw_norm = torch.linalg.vector_norm(key_x, dim=-1)  # [R, 1] (Tensor.norm's kernel, without its wrapper)
             norm_x = raw_norm.clamp_min(1e-12)
-            # O(T d): a multiply-sum beats a batched matrix-vector product on CPU here.
-            dots = (stored.float() * key_x[:, None, :]).sum(dim=-1).gather(1, member_index)
-            sim_x = (dots / (self.norms * norm_x[:, None])).clamp_(min=0).mul_(self.valid & valid_x[:, None])
-            self_x = (raw_norm / norm_x).square() * valid_x
+            # O(T d): a multiply-sum beats a batched matrix-vector product on CPU here (the product
+            # is formed in float32 for any key dtype: a 16-bit key's promotion casts it exactly, as
+            # .float() does, without a float32 copy of the stored keys).
+            dots = (stored * key_x).sum(dim=-1).gather(1, member_index)
+            sim_x = (dots / (self.norms * norm_x)).clamp_(min=0).mul_(self.valid & valid_x)
+            self_x = (raw_norm / norm_x).square_().mul_(valid_x)
 
             nearest_with_x = torch.maximum(self.nearest, sim_x)
-            facility = torch.cat([self.self_sim - nearest_with_x, (self_x - sim_x.amax(dim=-1))[:, None]], dim=1)
+            facility = torch.cat([self.self_sim - nearest_with_x, self_x - sim_x.amax(dim=-1, keepdim=True)], dim=1)
             facility = facility.clamp_(min=0).double()
-            facility_total = self.self_sim.double().sum(dim=-1) + self_x  # f_FL(S') on the ground set S'
-            valid_all = torch.cat([self.valid, valid_x[:, None]], dim=1)
-            mass = torch.cat([weights.gather(1, member_index), weight_x], dim=1).double() * valid_all
+            facility_total = self.self_sim.double().sum(dim=-1, keepdim=True) + self_x  # f_FL(S') on S'
+            valid_all = torch.cat([self.valid, valid_x], dim=1)
+            mass = torch.cat([weights.gather(1, member_index), weight_x], dim=1).double().mul_(valid_all)
             total = mass.sum(dim=-1, keepdim=True)
             if normalise_mass:  # phi of the fraction of the ground set's attention mass
                 mass = _safe_divide(mass, total)
                 total = (total > 0).double()
-            phi_total = phi(total)
-            # _safe_divide's values with fewer ops (a decode step is a few hundred small ops):
-            # phi_total is 0 or more, and the feature term 0 where it is 0; f_FL(S') is 0 only where
-            # every facility gain is 0 too (each is at most its element's sim(v, v)), so its plain
-            # quotient by the clamped total is already 0 there.
-            feature = (phi.loss(total, mass, phi_total) / phi_total.clamp_min(1e-300)).masked_fill_(phi_total <= 0, 0.0)
-            facility = facility / facility_total[:, None].clamp_min(1e-300)
-            gains = lam * facility + (1.0 - lam) * feature
-            drop = gains.masked_fill_(~valid_all, float("-inf")).argmin(dim=-1)  # == size: x itself goes
+            if log_form:  # Concave.__call__ and Concave.loss of the log form
+                phi_total = torch.log1p(total)
+                feature = torch.log1p(mass / (total - mass).clamp_min_(0).add_(1.0))
+            else:
+                phi_total = phi(total)
+                feature = phi.loss(total, mass, phi_total)
+            # _safe_divide's values with fewer ops: phi_total is 0 or more, and the feature term 0
+            # where it is 0; f_FL(S') is 0 only where every facility gain is 0 too (each is at most
+            # its element's sim(v, v)), so its plain quotient by the clamped total is already 0 there.
+            feature = feature.div_(phi_total.clamp_min(1e-300)).masked_fill_(phi_total <= 0, 0.0)
+            gains = facility.div_(facility_total.clamp_min_(1e-300)).mul_(lam).add_(feature.mul_(1.0 - lam))
+            drop = torch.where(valid_all, gains, float("-inf")).argmin(dim=-1, keepdim=True)  # == size: x goes
 
             # x takes the slot y of the dropped member (rows where x itself goes keep their state:
             # every update below is a no-op there).
-            replace = drop < size
+            replace = drop < size  # [R, 1]
             if active is not None:
                 replace = replace & active
-            y = drop.clamp(max=size - 1)[:, None]
+            y = drop.clamp_(max=size - 1)
             # The slot x takes, as a mask that is all False where nothing changes: each O(T) field is
             # then written by one select (no gather of the old value, no scatter, no row mask).
             at_y = slots == y
-            taken = replace[:, None] & at_y
-            dropped.append(torch.where(replace, member_index.gather(1, y).squeeze(1), x))
+            taken = replace & at_y
+            dropped.append(torch.where(replace, member_index.gather(1, y), x))
             # The members whose nearest one may have left: y attains their maximum (a tie rescans to
             # the same value), and x itself. Read before x's column overwrites y's.
-            column = self.sim.gather(2, y[:, None, :].expand(rows, size, 1)).squeeze(2)
-            rescan = (replace[:, None] & (column >= self.nearest)) | taken
+            column = self.sim.gather(2, y[:, :, None].expand(rows, size, 1)).view(rows, size)
+            rescan = (replace & (column >= self.nearest)) | taken
             # Write x's row and column of the cached matrix (O(T)); its diagonal entry is zero. Rows
-            # where nothing joins write back their own row and column: a matrix that one product's
-            # rounding left not exactly symmetric keeps its values, so the nearest values (read off
-            # its rows) stay its row maxima.
-            old_row = self.sim.gather(1, y[:, :, None].expand(rows, 1, size)).squeeze(1)
-            new_row = sim_x.masked_fill_(at_y, 0.0)
-            row = torch.where(replace[:, None], new_row, old_row)
-            self.sim.scatter_(1, y[:, :, None].expand(rows, 1, size), row[:, None, :])
-            column = torch.where(replace[:, None], new_row, column)
-            self.sim.scatter_(2, y[:, None, :].expand(rows, size, 1), column[:, :, None])
+            # where nothing joins write zeros onto the diagonal instead (entry j to (j, j), where the
+            # matrix holds 0): they keep every other value, also of a matrix that one product's
+            # rounding left not exactly symmetric, so the nearest values (read off its rows) stay
+            # its row maxima.
+            target = torch.where(replace, y, slots)
+            new_row = sim_x.mul_(replace).masked_fill_(at_y, 0.0)
+            self.sim.scatter_(1, target.view(rows, 1, size), new_row.view(rows, 1, size))
+            self.sim.scatter_(2, target.view(rows, size, 1), new_row.view(rows, size, 1))
             for field, value in ((self.self_sim, self_x), (self.norms, norm_x), (self.valid, valid_x)):
-                torch.where(taken, value[:, None], field, out=field)  # in place: no copy back
+                torch.where(taken, value, field, out=field)  # in place: no copy back
             if stored_of_rank is None:
                 member_index.masked_fill_(taken, x)
             else:
-                member_index = torch.where(taken, x[:, None], member_index)
+                torch.where(taken, x, member_index, out=member_index)
             # Nearest other member: x beats the old one, or the old one stays, except for the rows
             # rescanned. Every row is scanned and the rescanned ones taken (masked work over the
             # fixed T x T bound, Appx. E's O(T^2) per step): selecting the rows would be a host read.
             # Only the value is kept: which member attains it is read off the matrix when one leaves.
-            nearest = torch.where(replace[:, None], nearest_with_x, self.nearest)
-            torch.where(rescan, self.sim.amax(dim=-1), nearest, out=self.nearest)
+            torch.where(replace, nearest_with_x, self.nearest, out=self.nearest)
+            torch.where(rescan, self.sim.amax(dim=-1), self.nearest, out=self.nearest)
             # x is the newest member: its slot moves to the last rank, the later ones move up.
-            later = (self.rank_of_slot > self.rank_of_slot.gather(1, y)) & replace[:, None]
-            self.rank_of_slot.sub_(later.long()).masked_fill_(taken, size - 1)
-        self.slot_of_rank.copy_(
-            torch.empty_like(self.rank_of_slot).scatter_(1, self.rank_of_slot, slots.expand(rows, size))
-        )
-        self.positions.copy_(positions.gather(1, member_index.gather(1, self.slot_of_rank)))
-        return dropped[0][:, None] if joiners == 1 else torch.stack(dropped, dim=1)
+            later = (self.rank_of_slot > self.rank_of_slot.gather(1, y)) & replace
+            self.rank_of_slot.add_(later, alpha=-1).masked_fill_(taken, size - 1)
+        # rank_of_slot is a permutation of each row: the scatter writes every entry of its inverse.
+        self.slot_of_rank.scatter_(1, self.rank_of_slot, slots.expand(rows, size))
+        member_index = member_index.gather(1, self.slot_of_rank)  # by rank
+        if positions.dtype == self.positions.dtype:
+            torch.gather(positions, 1, member_index, out=self.positions)
+        else:
+            self.positions.copy_(positions.gather(1, member_index))
+        return dropped[0] if joiners == 1 else torch.cat(dropped, dim=1)
 
     @classmethod
     def empty(cls, rows: int, size: int, device) -> StreamingSummary:
