@@ -109,7 +109,8 @@ def _timed_run(
     if compile and method == "full":
         from transformers import StaticCache
 
-        cache = StaticCache(config=model.config, max_cache_len=input_ids.shape[1] + decode_tokens + 1)
+        untimed = _untimed_steps(compile, input_ids.device)
+        cache = StaticCache(config=model.config, max_cache_len=input_ids.shape[1] + decode_tokens + untimed)
     else:
         chunking = {} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}
         cache = make_cache(model, method, budget, **method_parameters, **chunking)
@@ -185,9 +186,9 @@ def _timed_rows_alone(
         if slotted is None:
             slotted = KVHiveCache.stack(
                 [cache],
-                decode_capacity=decode_tokens + 1,
+                decode_capacity=decode_tokens + max(1, _untimed_steps(compile, device)),
                 batch_slots=batch,
-                slot_capacity=context + decode_tokens + 1,
+                slot_capacity=context + decode_tokens + max(1, _untimed_steps(compile, device)),
             )
         else:
             slotted.fill_slots([row], [cache])
@@ -210,6 +211,14 @@ def _timed_rows_alone(
     return slotted, prefill_seconds, step_seconds, phases
 
 
+def _untimed_steps(compile: bool, device) -> int:
+    """Decode steps run before the timed ones: compiled, the step that compiles, and on CUDA the two
+    that warm up and record the CUDA graph (cudagraph trees record at the third call)."""
+    if not compile:
+        return 0
+    return 3 if torch.device(device).type == "cuda" else 1
+
+
 def _timed_decode(model, cache, next_token, position: int, decode_tokens: int, compile: bool) -> list[float]:
     """``decode_tokens`` greedy steps from ``next_token`` ``[B, 1]`` at ``position``; each step's
     seconds. ``compile``: the step runs through ``torch.compile(fullgraph=True, dynamic=False)``
@@ -222,16 +231,20 @@ def _timed_decode(model, cache, next_token, position: int, decode_tokens: int, c
 
     if compile:
         torch._dynamo.reset()  # each configuration compiles its own graph (not a recompile of the last one's)
-        step = torch.compile(
-            step, fullgraph=True, dynamic=False, backend="inductor" if device.type == "cuda" else "aot_eager"
+        # On CUDA: inductor with CUDA graphs (mode "reduce-overhead"), as generate and generate_batch
+        # compile (a compiled step without them still launches every kernel from the host).
+        options = (
+            {"backend": "inductor", "mode": "reduce-overhead"} if device.type == "cuda" else {"backend": "aot_eager"}
         )
+        step = torch.compile(step, fullgraph=True, dynamic=False, **options)
+    untimed = _untimed_steps(compile, device)
     positions = torch.full((next_token.shape[0], 1), position, dtype=torch.long, device=device)
     step_seconds = []
-    for index in range(decode_tokens + (1 if compile else 0)):
+    for index in range(decode_tokens + untimed):
         start = time.perf_counter()
         logits = step(next_token, positions)
         _synchronize(device)
-        if not (compile and index == 0):  # the compiling step is not a decode step's time
+        if index >= untimed:  # compiling (and recording the CUDA graph) is not a decode step's time
             step_seconds.append(time.perf_counter() - start)
         next_token = logits[:, -1:].argmax(-1)
         positions = positions + 1
