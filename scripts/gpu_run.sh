@@ -36,8 +36,12 @@ for step in $STEPS; do
       ;;
     decode)
       for batch in 1 4 8; do
+        # Batch 1 also records a torch.profiler trace of 5 steps (kernels, GPU vs host time) of the
+        # stock static cache and a few methods: the profile the closing note compares.
+        profiled=""
+        [ "$batch" = 1 ] && profiled="stock-static,snapkv,tova,h2o,subgen,bumblebee"
         python benchmarks/bench_gpu.py --context 32768 --batch "$batch" --compile \
-          --configs "stock-cudnn-off,stock-static,$PREFILL_ONLY,$EVICTING"
+          --configs "stock-cudnn-off,stock-static,$PREFILL_ONLY,$EVICTING" ${profiled:+--profile "$profiled"}
       done
       ;;
     prefill)
