@@ -21,7 +21,8 @@ a GPU run would hold in host memory: a ``.cpu()`` result (a copy of its own here
 tensor made from Python data or by a factory (``arange``, ``zeros``...) without a ``device``, and
 whatever an op computes from host tensors alone. Reading a host tensor is host arithmetic, not a
 synchronisation, and is not counted; sending one to a device (``.to(device)``, ``.cuda()``, ``torch.tensor(list,
-device=...)``) is a host-to-device copy and is counted (``to(host tensor)``). Used by the tests (a steady decode step must make no host read) and by
+device=...)``, or handing it to an op on device tensors, e.g. as an index) is a host-to-device copy
+and is counted. Used by the tests (a steady decode step must make no host read) and by
 ``kvhive bench`` (host reads next to each timing).
 """
 
@@ -89,6 +90,12 @@ class _FunctionLevel(TorchFunctionMode):
         if name in HOST_TO_DEVICE_FUNCTIONS and args and not isinstance(args[0], torch.Tensor):
             if kwargs.get("device") is not None:
                 counter._record(f"{name}(python data)")
+                return func(*args, **kwargs)
+        if not from_host and any(counter.is_host(tensor) and tensor.dim() > 0 for tensor in tensors):
+            # A host tensor (not a 0-d one, which a device op takes as a scalar) in an op on device
+            # tensors, e.g. as an index: the op copies it to the device first.
+            counter._record(f"{name}(host tensor on the device)")
+            with counter._python_read():
                 return func(*args, **kwargs)
         result = func(*args, **kwargs)
         made_on_host = not tensors and name in FACTORY_FUNCTIONS and kwargs.get("device") is None

@@ -66,3 +66,12 @@ def test_a_whole_prefill_reads_at_most_4_times_per_layer(model, method):
         with torch.no_grad(), HostReadCounter() as counter:
             model(input_ids=prompt, past_key_values=cache, use_cache=True)
         assert counter.total <= 4 * layers, (length, dict(counter.reads))
+
+
+def test_a_host_tensor_in_an_op_on_device_tensors_is_a_copy():
+    device_values = torch.arange(10.0)
+    with HostReadCounter() as counter:
+        index = torch.tensor([1, 2])  # a host tensor
+        device_values[index]  # indexing a device tensor with it copies it to the device
+        device_values * torch.tensor(2.0)  # a 0-d host tensor is a scalar to a device op: no copy
+    assert dict(counter.reads) == {"__getitem__(host tensor on the device)": 1}
