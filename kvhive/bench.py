@@ -99,13 +99,13 @@ def _timed_run(
     the full cache then takes the same chunks uncompressed (stock chunked prefill).
 
     ``compile``: the decode step runs through ``torch.compile(fullgraph=True, dynamic=False)``
-    (the first step, which compiles, is not timed). The full cache is then transformers'
-    ``StaticCache`` (the best stock compiled decode); a kvhive method must be compileable."""
+    (the steps that compile and record a CUDA graph are not timed: :func:`_untimed_steps`). The full
+    cache is then transformers' ``StaticCache`` (the best stock compiled decode); a kvhive method must
+    be compileable."""
     if rows_alone:
         return _timed_rows_alone(
             model, input_ids, method, budget, decode_tokens, method_parameters, memory, compile, prefill_chunk
         )
-    cache_key = cache_kwarg(model)
     if compile and method == "full":
         from transformers import StaticCache
 
@@ -129,18 +129,9 @@ def _timed_run(
         phases["prefill_start_bytes"] = memory.start()
     _synchronize(device)
     start = time.perf_counter()
-    chunk = input_ids.shape[1] if prefill_chunk is None else prefill_chunk
-    for chunk_start in range(0, input_ids.shape[1], chunk):
-        output = model(
-            input_ids=input_ids[:, chunk_start : chunk_start + chunk],
-            **{cache_key: cache},
-            use_cache=True,
-            logits_to_keep=1,
-        )
+    next_token = _prefill_greedy_token(model, cache, input_ids, prefill_chunk)
     _synchronize(device)
     prefill_seconds = time.perf_counter() - start
-    next_token = output.logits[:, -1:].argmax(-1)
-    del output
     if memory is not None:
         phases["prefill_peak_bytes"] = memory.peak()
         if decode_tokens:
@@ -159,9 +150,7 @@ def _timed_rows_alone(
     (``fill_slots``) right after its own prefill, and its single-row cache is dropped then."""
     from kvhive.cache import KVHiveCache
 
-    cache_key = cache_kwarg(model)
     batch, context = input_ids.shape
-    chunk = context if prefill_chunk is None else prefill_chunk
     chunking = {} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}
     device = input_ids.device
     phases: dict[str, int | None] = {}
@@ -170,25 +159,18 @@ def _timed_rows_alone(
     _synchronize(device)
     start = time.perf_counter()
     slotted, first_tokens = None, []
+    room = decode_tokens + max(1, _untimed_steps(compile, device))  # the decode steps, untimed ones too
     for row in range(batch):
         cache = make_cache(model, method, budget, **method_parameters, **chunking)
         if prefill_chunk is not None:
             cache.plan_prompt(context)
-        for chunk_start in range(0, context, chunk):
-            output = model(
-                input_ids=input_ids[row : row + 1, chunk_start : chunk_start + chunk],
-                **{cache_key: cache},
-                use_cache=True,
-                logits_to_keep=1,
-            )
-        first_tokens.append(output.logits[:, -1:].argmax(-1))
-        del output
+        first_tokens.append(_prefill_greedy_token(model, cache, input_ids[row : row + 1], prefill_chunk))
         if slotted is None:
             slotted = KVHiveCache.stack(
                 [cache],
-                decode_capacity=decode_tokens + max(1, _untimed_steps(compile, device)),
+                decode_capacity=room,
                 batch_slots=batch,
-                slot_capacity=context + decode_tokens + max(1, _untimed_steps(compile, device)),
+                slot_capacity=context + room,
             )
         else:
             slotted.fill_slots([row], [cache])
@@ -211,6 +193,20 @@ def _timed_rows_alone(
     return slotted, prefill_seconds, step_seconds, phases
 
 
+def _prefill_greedy_token(model, cache, input_ids, prefill_chunk: int | None) -> torch.Tensor:
+    """Feed ``input_ids`` to ``cache`` (in chunks of ``prefill_chunk`` tokens when given) and return
+    the greedy next token ``[B, 1]``; only the last position's logits are computed."""
+    chunk = input_ids.shape[1] if prefill_chunk is None else prefill_chunk
+    for chunk_start in range(0, input_ids.shape[1], chunk):
+        output = model(
+            input_ids=input_ids[:, chunk_start : chunk_start + chunk],
+            **{cache_kwarg(model): cache},
+            use_cache=True,
+            logits_to_keep=1,
+        )
+    return output.logits[:, -1:].argmax(-1)
+
+
 def _untimed_steps(compile: bool, device) -> int:
     """Decode steps run before the timed ones: compiled, the step that compiles, and on CUDA the two
     that warm up and record the CUDA graph (cudagraph trees record at the third call)."""
@@ -222,7 +218,8 @@ def _untimed_steps(compile: bool, device) -> int:
 def _timed_decode(model, cache, next_token, position: int, decode_tokens: int, compile: bool) -> list[float]:
     """``decode_tokens`` greedy steps from ``next_token`` ``[B, 1]`` at ``position``; each step's
     seconds. ``compile``: the step runs through ``torch.compile(fullgraph=True, dynamic=False)``
-    (Inductor on CUDA, aot_eager elsewhere), and the first step, which compiles, is not timed."""
+    (Inductor with CUDA graphs on CUDA, aot_eager elsewhere), and the :func:`_untimed_steps` first
+    steps (compiling, recording the graph) run before the ``decode_tokens`` timed ones."""
     cache_key = cache_kwarg(model)
     device = next_token.device
 
@@ -345,37 +342,30 @@ def run_benchmark(
     full_prefill, full_steps, method_prefill, method_steps = [], [], [], []
     full_phases, method_phases = [], []
     full_bytes = None
-    for _ in range(repeats):
-        if baseline:
-            full_cache, prefill_seconds, steps, phases = _timed_run(
-                model,
-                input_ids,
-                "full",
-                None,
-                decode_tokens,
-                {},
-                memory,
-                compile=compile,
-                prefill_chunk=prefill_chunk,
-                rows_alone=rows_alone,
-            )
-            full_prefill.append(prefill_seconds)
-            full_steps.extend(steps)
-            full_phases.append(phases)
-            full_bytes = _cache_bytes(full_cache)
-            del full_cache
-        cache, prefill_seconds, steps, phases = _timed_run(
+
+    def timed(name: str, method_budget, parameters: dict):
+        return _timed_run(
             model,
             input_ids,
-            method,
-            budget,
+            name,
+            method_budget,
             decode_tokens,
-            method_parameters,
+            parameters,
             memory,
             compile=compile,
             prefill_chunk=prefill_chunk,
             rows_alone=rows_alone,
         )
+
+    for _ in range(repeats):
+        if baseline:
+            full_cache, prefill_seconds, steps, phases = timed("full", None, {})
+            full_prefill.append(prefill_seconds)
+            full_steps.extend(steps)
+            full_phases.append(phases)
+            full_bytes = _cache_bytes(full_cache)
+            del full_cache
+        cache, prefill_seconds, steps, phases = timed(method, budget, method_parameters)
         method_prefill.append(prefill_seconds)
         method_steps.extend(steps)
         method_phases.append(phases)

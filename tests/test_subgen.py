@@ -1090,19 +1090,11 @@ def test_one_token_insertion_is_the_batch_path_bit_for_bit(relative_delta):
 
     fast, general = make(), make()
 
-    def general_insert(target, keys, values, mask):  # the batch path of StreamingStructures.insert
-        target._set_radius(keys, mask)
-        target._update_matrix_product(keys, values, mask)
-        assignment = target._assign(keys, mask)
-        target._update_cluster_samples(keys, assignment)
-        target.tokens += mask.sum(-1)
-        return assignment
-
     for step in range(200):
         keys = torch.randn(rows, 1, dim, generator=generator) * 1.5
         values = torch.randn(rows, 1, dim, generator=generator) * torch.rand(rows, 1, 1, generator=generator)
         mask = torch.rand(rows, 1, generator=generator) > (0.6 if step < 10 else 0.15)
-        assert torch.equal(fast.insert(keys, values, mask), general_insert(general, keys, values, mask)), step
+        assert torch.equal(fast.insert(keys, values, mask), general._insert_batch(keys, values, mask)), step
         for name, value in fast.tensors().items():
             expected = general.tensors()[name]
             assert torch.equal(value.nan_to_num(7.0), expected.nan_to_num(7.0)), (step, name)

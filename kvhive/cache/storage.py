@@ -1450,8 +1450,9 @@ class PackedLayerStore(LayerStore):
         starts = torch.cumsum(capacities, 0) - capacities
         total = int(counts.sum())
         offsets = torch.cumsum(counts, 0) - counts
+        size = int(capacities.sum())
         pages_per_segment = capacities // PAGE_TOKENS
-        total_pages = int(capacities.sum()) // PAGE_TOKENS
+        total_pages = size // PAGE_TOKENS
         page_segment = torch.repeat_interleave(torch.arange(counts.numel()), pages_per_segment, output_size=total_pages)
         first_page = torch.cumsum(pages_per_segment, 0) - pages_per_segment
         page_offset = (torch.arange(total_pages) - first_page[page_segment]) * PAGE_TOKENS
@@ -1467,7 +1468,6 @@ class PackedLayerStore(LayerStore):
         destination = torch.repeat_interleave(shift, counts_on_device, output_size=total) + torch.arange(
             total, device=self.device
         )
-        size = int(capacities.sum())
         # Zeros, not empty: the paged torch path multiplies whole pages, reserve rows included, by
         # weights that are 0 there, and 0 x uninitialised memory can be NaN.
         new_keys = keys.new_zeros((size, keys.shape[-1]))

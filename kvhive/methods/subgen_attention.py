@@ -362,6 +362,11 @@ class StreamingStructures:
         # row that inserts nothing unchanged.
         if keys.shape[1] == 1 and self.max_clusters is not None:
             return self._insert_one(keys, values, mask)
+        return self._insert_batch(keys, values, mask)
+
+    def _insert_batch(self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """:meth:`insert` of any number of tokens per row (the general path; ``_insert_one`` is its
+        one-token form and must give the same structures)."""
         self._set_radius(keys, mask)
         self._update_matrix_product(keys, values, mask)
         assignment = self._assign(keys, mask)
