@@ -794,7 +794,8 @@ class KVHiveCache(Cache):
             return
         counts = self._kept_counts(keep, store, [budget + self.decode_slack] * keep.shape[0], known_count)
         if isinstance(counts, int) and counts == store.dense_length - 1 and self._fills_holes(store):
-            store.fill_hole(keep)  # one token per row moved, not the whole kept window
+            # One token per row moved, not the whole kept window.
+            store.fill_hole(keep, with_scores=self.policy.scores_move_into_holes)
         else:
             store.keep(keep, counts)
         store.decode_steps_since_compression = 0

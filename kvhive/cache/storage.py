@@ -913,12 +913,13 @@ class DenseLayerStore(LayerStore):
             self.length_device.copy_(kept)
         self._length_stale = True
 
-    def fill_hole(self, keep_mask: torch.Tensor) -> None:
+    def fill_hole(self, keep_mask: torch.Tensor, with_scores: bool = True) -> None:
         """Dense layout, every row dropping exactly one stored token (``keep_mask [B, H, L]`` has one
         False per row): the newest token (the last stored) moves into the dropped token's slot, so a
         steady decode eviction moves one token per row instead of every token after the dropped one.
         The stored order is then no longer the tokens' order (``stored_in_order``); only a method that
-        reads none (``Policy.reads_stored_order`` False) is held this way."""
+        reads none (``Policy.reads_stored_order`` False) is held this way. ``with_scores`` False:
+        the per-token scores stay where they are (``Policy.scores_move_into_holes``)."""
         hole = first_false(keep_mask).reshape(-1)
         # Slot j of segment s is row s * capacity + j of the flat buffers (one arange each, not a
         # base computed and added to each slot index).
@@ -926,7 +927,7 @@ class DenseLayerStore(LayerStore):
         rows = self.num_segments * capacity
         first_slots = torch.arange(self._start, self._start + rows, capacity, device=self.device)
         newest_rows = torch.arange(newest, newest + rows, capacity, device=self.device)
-        self._move_rows(first_slots + hole, newest_rows)
+        self._move_rows(first_slots + hole, newest_rows, with_scores)
         self._length = self._length - 1
         self.stored_in_order = False
 
@@ -936,11 +937,11 @@ class DenseLayerStore(LayerStore):
         base = torch.arange(self.num_segments, device=self.device) * self._key_buffer.shape[2]
         self._move_rows(base + destination, base + source)
 
-    def _move_rows(self, destination_rows: torch.Tensor, source_rows: torch.Tensor) -> None:
+    def _move_rows(self, destination_rows: torch.Tensor, source_rows: torch.Tensor, with_scores: bool = True) -> None:
         """Copy row ``source_rows[s]`` of the flat buffers to row ``destination_rows[s]``: keys,
-        values, position and per-token scores."""
+        values, position and (``with_scores``) per-token scores."""
         keys, values, positions, scores = self._flat_buffers()
-        for buffer in (keys, values, positions, *scores.values()):
+        for buffer in (keys, values, positions, *(scores.values() if with_scores else ())):
             buffer.index_copy_(0, destination_rows, buffer.index_select(0, source_rows))
 
     def _append_at_device_index(self, key_states, value_states, new_tokens: int) -> None:

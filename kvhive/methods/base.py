@@ -665,6 +665,14 @@ class Policy:
     :meth:`ScorerPolicy.keep`): a decode step that evicts one of its tokens writes the newest token
     into the freed slot (one token per head moved) instead of moving every later token down."""
 
+    scores_move_into_holes: ClassVar[bool] = True
+    """With :attr:`reads_stored_order` False: whether the newest token's per-token scores move with
+    it into the slot a decode eviction freed. False for a method that reads a token's scores only
+    after writing them itself since the token arrived, and that leaves a freed slot's scores as
+    those of a newly arrived token (SubGen: its neighbour bookkeeping is read only for candidates
+    marked ready, a token is marked ready when it joins, and the evicted token is unmarked before
+    the move): the move then writes keys, values and position only."""
+
     static_decode: ClassVar[bool] = False
     """A decode decision keeps exactly the layer's budget at every step (or, with
     :meth:`fixed_decode_capacity`, a number that varies within a declared bound), computed by tensor

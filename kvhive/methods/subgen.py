@@ -385,6 +385,7 @@ def maintain_candidates(
     removal_bound: int,
     stale_refresh_width: int = STALE_REFRESH_WIDTH,
     keys_sq: torch.Tensor | None = None,
+    every_row_full: bool = False,
 ):
     """Shrink each row's candidate set to ``target`` by repeatedly evicting the newer member of
     the closest pair. All ``[R, N]`` (keys ``[R, N, d]``); ``nearest_*`` are updated in place for
@@ -403,7 +404,9 @@ def maintain_candidates(
     recorded distance, a lower bound of the true one, until a later removal refreshes it: the
     closest-pair search is exact whenever no row has more stale candidates than that width at a
     removal (true on the tests' streams and golden cases; in 2 dimensions a token is the unique
-    nearest neighbour of at most 6 others).
+    nearest neighbour of at most 6 others). A steady step (:func:`_steady_step`) refreshes its
+    removal's stale candidates at the start of the next step instead; those left here are
+    refreshed (the same width, smallest first) before the first removal.
 
     Stale candidates are recorded with ``nearest_position = -1`` (the position of no token), so
     a removal finds them without searching for every candidate's neighbour: this needs every
@@ -412,7 +415,8 @@ def maintain_candidates(
 
     ``keys_sq`` (``[R, N]``, optional): the keys' squared norms, current for the ready
     candidates; the newcomers' are computed and written into it (in place). Without it every
-    key's norm is computed (a pass over all keys)."""
+    key's norm is computed (a pass over all keys). ``every_row_full``: every row holds more than
+    ``target`` candidates (known on the host), which the steady step uses to skip its row mask."""
     keys = keys.float()
     if keys_sq is None:
         keys_sq = (keys * keys).sum(-1)
@@ -423,7 +427,16 @@ def maintain_candidates(
     one_block = stale_refresh_width <= max(1, _BLOCK_ELEMENTS // max(1, rows * keys.shape[1]))
     if newcomer_bound == 1 and removal_bound == 1 and 0 < stale_refresh_width and one_block:
         _steady_step(
-            keys, keys_sq, positions, candidates, target, nearest_sq, nearest_position, ready, stale_refresh_width
+            keys,
+            keys_sq,
+            positions,
+            candidates,
+            target,
+            nearest_sq,
+            nearest_position,
+            ready,
+            stale_refresh_width,
+            every_row_full=every_row_full,
         )
         return candidates
 
@@ -461,6 +474,10 @@ def maintain_candidates(
         gathered = (joining, (joining * joining).sum(-1))
         keys_sq.scatter_(1, newcomers, gathered[1])
     recompute(newcomers, present, update_others=True, gathered=gathered)
+    # The stale candidates a steady step left for the next one to refresh (it marks them and
+    # refreshes at its start): the smallest first, as after each removal below.
+    left_stale = candidates & ready & (nearest_position < 0)
+    recompute(*_smallest_indices(nearest_sq, left_stale, stale_refresh_width), update_others=False)
     excess = candidates.sum(-1, keepdim=True) - target
     for removal in range(removal_bound):
         active = excess > 0
@@ -497,63 +514,64 @@ def _steady_step(
     nearest_position: torch.Tensor,
     ready: torch.Tensor,
     stale_refresh_width: int,
+    every_row_full: bool = False,
 ) -> None:
     """:func:`maintain_candidates` for a steady decode step (at most one newcomer and one removal
-    per row), with the same arithmetic and so the same bits, in about half the tensor ops: the
-    newcomer and the removed token are handled as masks (no scatter of one entry and gather of its
-    neighbours), every update of the per-token state is one ``where`` over the row, a token's own
-    distance and a row's missing newcomer are folded into the squared norms, and a removal finds
-    the dropped token's position as the larger of the closest pair's two (the pair's members are
-    candidates: every ready candidate's recorded position is ``-1`` or a candidate's). Updates
+    per row), the same decisions in about half the tensor ops and one product of the keys.
+
+    The stale candidates (nearest neighbour dropped) are refreshed at the *start* of the next step
+    instead of the end of this one, in the same product as the newcomer's distances: the
+    ``stale_refresh_width`` stale candidates of smallest recorded distance and the newcomer are one
+    ``[R, 1 + width, d]`` block of rows against the candidates (the newcomer among them). The removal
+    then sees what the end-of-step refresh and the newcomer's update gave it before: each refreshed
+    candidate's nearest neighbour among the candidates, newcomer included, and every other
+    candidate's record lowered to the newcomer where it is closer (a stale one's recorded distance
+    is a lower bound: a newcomer closer than it is its true nearest neighbour). Where a row has
+    fewer stale candidates than the width (or no newcomer), the block's spare rows are the
+    candidates of smallest recorded distance, whose records are exact: recomputing them changes
+    nothing but rounding. After the removal the candidates whose neighbour it dropped are marked
+    stale (``nearest_position = -1``) for the next step (or :func:`maintain_candidates`) to refresh.
+
+    ``every_row_full``: every row holds more than ``target`` candidates (known on the host when
+    every stored token is real), so every row drops one: no mask of the rows that do. Updates
     ``candidates`` (the survivors), ``nearest_*``, ``keys_sq`` and ``ready`` in place."""
     dim = keys.shape[-1]
     inf = float("inf")
-    keys_t = keys.transpose(-1, -2)
-    # The newcomer (at most one per row) and the candidates that were there before it.
-    joining = candidates & ~ready
-    newcomer = joining.to(torch.int8).argmax(-1, keepdim=True)
-    present = joining.any(-1, keepdim=True)
-    joining_key = keys.gather(1, newcomer[..., None].expand(-1, -1, dim))
-    joining_sq = (joining_key * joining_key).sum(-1)
-    keys_sq.scatter_(1, newcomer, joining_sq)
-    others = candidates & ready & present  # a row without a newcomer changes nothing
-    # Its distances to the others ([R, 1, N]): -2·dot + |x|² + |y|² as _pair_distances (the same
-    # bits: a + (-2)·b is a - 2b in one rounding, -2b being exact), itself and non-candidates inf.
-    distances = torch.add(joining_sq[..., None], torch.matmul(joining_key, keys_t), alpha=-2)
-    distances = distances.add_(torch.where(others, keys_sq, inf)[:, None, :]).clamp_min_(0)[:, 0]
-    best, best_position = _oldest_minimum(distances, positions)
-    own_position = torch.where(torch.isfinite(best), best_position, -1.0)
-    # The newcomer may be the nearest neighbour of candidates that were already there.
-    closer = others & (distances < nearest_sq)
-    source = positions.gather(1, newcomer)
-    nearest_sq.copy_(torch.where(joining, best, torch.where(closer, distances, nearest_sq)))
-    nearest_position.copy_(torch.where(joining, own_position, torch.where(closer, source, nearest_position)))
-    # One removal: the newer member of the closest pair (first member: oldest among the minima).
-    active = candidates.sum(-1, keepdim=True) > target
-    value = torch.where(candidates, nearest_sq, inf)
-    low = value.amin(-1, keepdim=True)
-    first_position, first = torch.where(value == low, positions, _after_every(positions)).min(-1, keepdim=True)
-    dropped_position = torch.maximum(nearest_position.gather(1, first), first_position)
-    drop = candidates & (positions == dropped_position) & active
-    candidates.logical_xor_(drop)
-    dropped = drop.any(-1, keepdim=True)
-    # Stale: the candidates recorded stale (-1) and those whose neighbour was just dropped.
-    lost = candidates & (nearest_position == torch.where(dropped, dropped_position, -1.0))
-    nearest_position.masked_fill_(lost, -1.0)
-    stale = candidates & (nearest_position < 0)
-    # The stale_refresh_width stale candidates of smallest recorded distance get a neighbour again.
-    width = min(stale_refresh_width, stale.shape[-1])
-    index = torch.where(stale, nearest_sq, inf).topk(width, dim=-1, largest=False).indices
-    here = stale.gather(1, index)
-    rows_key = keys.gather(1, index[..., None].expand(-1, -1, dim))
-    rows_sq = torch.where(here, keys_sq.gather(1, index), inf)
-    distances = torch.add(rows_sq[..., None], torch.matmul(rows_key, keys_t), alpha=-2)
+    joining = candidates & ~ready  # the newcomer (at most one per row)
+    # The rows to compute: the newcomer first (-inf), then the stale candidates, smallest first.
+    order = torch.where(candidates & (nearest_position < 0), nearest_sq, inf)
+    order = torch.where(joining, -inf, order)
+    index = order.topk(min(1 + stale_refresh_width, order.shape[-1]), dim=-1, largest=False).indices
+    asked = keys.gather(1, index[..., None].expand(-1, -1, dim))
+    asked_sq = (asked * asked).sum(-1)
+    keys_sq.scatter_(1, index, asked_sq)  # the newcomer's norm (the others' are rewritten as they were)
+    # [R, 1 + w, N] squared distances, |x|² - 2·dot + |y|² (-2·dot exact, so one rounding per add);
+    # non-candidate columns inf through their norm, each row's own column inf. (baddbmm reads the
+    # stored keys where they lie: matmul copies a slice of the cache's buffer first.)
+    distances = torch.baddbmm(asked_sq[..., None], asked, keys.transpose(-1, -2), alpha=-2)
     distances = distances.add_(torch.where(candidates, keys_sq, inf)[:, None, :]).clamp_min_(0)
     distances.scatter_(2, index[..., None], inf)
-    best, best_position = (found.squeeze(-1) for found in _oldest_minimum(distances, positions[:, None, :]))
-    new_position = torch.where(torch.isfinite(best), best_position, -1.0)
-    nearest_sq.scatter_(1, index, torch.where(here, best, nearest_sq.gather(1, index)))
-    nearest_position.scatter_(1, index, torch.where(here, new_position, nearest_position.gather(1, index)))
+    best, best_position = _oldest_minimum(distances, positions[:, None, :])
+    new_position = torch.where(torch.isfinite(best), best_position, -1.0).squeeze(-1)
+    # The newcomer may be the nearest neighbour of candidates already there (row 0 of the block,
+    # where the row has a newcomer).
+    newcomer = distances[:, 0]
+    closer = candidates & (newcomer < nearest_sq) & joining.gather(1, index[:, :1])
+    nearest_sq.copy_(torch.where(closer, newcomer, nearest_sq))
+    nearest_position.copy_(torch.where(closer, positions.gather(1, index[:, :1]), nearest_position))
+    nearest_sq.scatter_(1, index, best.squeeze(-1))
+    nearest_position.scatter_(1, index, new_position)
+    # One removal: the newer member of the closest pair (first member: oldest among the minima).
+    value = torch.where(candidates, nearest_sq, inf)
+    first_position, first = _oldest_minimum(value, positions, with_position=True)
+    dropped_position = torch.maximum(nearest_position.gather(1, first), first_position)
+    drop = candidates & (positions == dropped_position)
+    if not every_row_full:
+        drop &= candidates.sum(-1, keepdim=True) > target
+        dropped_position = torch.where(drop.any(-1, keepdim=True), dropped_position, -2.0)
+    candidates.logical_xor_(drop)
+    # Stale for the next step: the candidates whose neighbour was just dropped.
+    nearest_position.masked_fill_(candidates & (nearest_position == dropped_position), -1.0)
     ready.copy_(candidates)
 
 
@@ -567,6 +585,10 @@ class SubGen(Policy):
     # Recent window, candidate order and ties by original position, per-token state kept as
     # per-token scores (they move with their token): an eviction fills the freed slot.
     reads_stored_order = False
+    # Its per-token state is read only for candidates marked READY: the evicted token's slot is
+    # unmarked before the newest token (in the recent window, so unmarked) moves in, and a token is
+    # marked when it joins the candidates, after its state is written. Nothing to move with it.
+    scores_move_into_holes = False
 
     def minimum_budget(self) -> int:
         return self.config.recent + 1
@@ -691,6 +713,8 @@ class SubGen(Policy):
             newcomer_bound=max(0, newcomer_bound),
             removal_bound=max(0, n - budget),
             keys_sq=keys_sq,
+            # Every stored token real: each row holds n - recent candidates, one over the target.
+            every_row_full=scoring.mask is None and n - budget == 1,
         )
         # NEAREST_DISTANCE, NEAREST_POSITION and KEY_NORM were updated in place (stored()).
         stored(READY, 0.0).copy_(ready)
