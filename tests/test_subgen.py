@@ -25,7 +25,6 @@ from kvhive.methods.registry import make_policy
 from kvhive.methods.subgen import (
     NEAREST_DISTANCE,
     NEAREST_POSITION,
-    READY,
     SubGen,
     _padded_indices,
     farthest_point_order,
@@ -189,7 +188,6 @@ def test_decode_evicts_the_newer_member_of_the_closest_pair_hand_checked():
     scoring = scoring_for(far, phase=DECODE)
     keep = policy.select_decode(scoring, 4, {})
     assert keep[0, 0].tolist() == [True, True, False, True, True]  # (0, 4): newer 4 goes
-    assert scoring.token_scores[READY][0, 0].tolist() == [1.0, 1.0, 0.0, 1.0, 0.0]
     # Nearest neighbours among the survivors {0, 10, 20}: 10 for 0, 0|20 for 10, 10 for 20.
     distances = scoring.token_scores[NEAREST_DISTANCE][0, 0]
     assert distances[[0, 1, 3]].tolist() == [100.0, 100.0, 100.0]
@@ -1327,7 +1325,8 @@ def test_decode_marks_stale_candidates_and_keeps_their_neighbours_live_over_a_lo
         keep = policy.select_decode(scoring, budget, {})
         keys, positions = keys[keep].reshape(1, 1, -1, d), positions[keep].reshape(1, 1, -1)
         scores = {name: value[keep].reshape(1, 1, -1) for name, value in scoring.token_scores.items()}
-        candidates = scores[READY][0] > 0
+        candidates = torch.ones_like(scores[NEAREST_POSITION][0], dtype=torch.bool)
+        candidates[:, -recent:] = False  # the tokens are kept in order here: the last ones are recent
         nearest = scores[NEAREST_POSITION][0]
         stale = stale_by_search(candidates, positions[0].float(), nearest)
         assert torch.equal(stale, candidates & (nearest < 0)), step

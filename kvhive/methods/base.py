@@ -668,10 +668,9 @@ class Policy:
     scores_move_into_holes: ClassVar[bool] = True
     """With :attr:`reads_stored_order` False: whether the newest token's per-token scores move with
     it into the slot a decode eviction freed. False for a method that reads a token's scores only
-    after writing them itself since the token arrived, and that leaves a freed slot's scores as
-    those of a newly arrived token (SubGen: its neighbour bookkeeping is read only for candidates
-    marked ready, a token is marked ready when it joins, and the evicted token is unmarked before
-    the move): the move then writes keys, values and position only."""
+    after writing them itself, later than any such move of the token (SubGen: its neighbour
+    bookkeeping of a token is written when the token leaves the recent window and read from then
+    on, and the token moved is the newest): the move then writes keys, values and position only."""
 
     static_decode: ClassVar[bool] = False
     """A decode decision keeps exactly the layer's budget at every step (or, with

@@ -47,8 +47,10 @@ from kvhive.static_step import in_static_step, prefill_fast_path
 # Per-token scores (kept aligned with the stored tokens by the cache).
 NEAREST_DISTANCE = "subgen_nn_sqdist"  # squared L2 distance to the nearest other candidate
 NEAREST_POSITION = "subgen_nn_position"  # original position of that candidate (-1: none)
-READY = "subgen_ready"  # 1: the two entries above are current for this candidate
 KEY_NORM = "subgen_key_sqnorm"  # squared L2 norm of the key (current for the ready candidates)
+# A candidate is *ready* (its entries above are current) once a decision saw it among the
+# candidates: after a decision the layer holds the budget, so the candidates not ready at the next
+# one are the newest ``N - budget`` (the tokens that left the recent window since).
 # The cache's record of the position each kept key is rotated at (kvhive.cache.kv_cache.ROPE_POSITION,
 # only with cache positions): its keys are re-rotated, so recorded key norms are not reused then.
 _ROPE_POSITION = "_rope_position"
@@ -379,7 +381,7 @@ def maintain_candidates(
     target: int,
     nearest_sq: torch.Tensor,
     nearest_position: torch.Tensor,
-    ready: torch.Tensor,
+    ready: torch.Tensor | None,
     *,
     newcomer_bound: int,
     removal_bound: int,
@@ -413,6 +415,10 @@ def maintain_candidates(
     ready candidate's recorded position to be ``-1`` or a candidate's (what the prefill's record
     and every call here leave; a candidate leaves the set only by a removal here).
 
+    ``ready`` (``[R, N]`` bool, updated in place to the survivors): the candidates whose entries are
+    current; None: all but the ``newcomer_bound`` newest candidates of each row (what a decision
+    leaves: see ``KEY_NORM``), and a steady step takes each row's newest candidate as its newcomer.
+
     ``keys_sq`` (``[R, N]``, optional): the keys' squared norms, current for the ready
     candidates; the newcomers' are computed and written into it (in place). Without it every
     key's norm is computed (a pass over all keys). ``every_row_full``: every row holds more than
@@ -426,6 +432,15 @@ def maintain_candidates(
     # A steady step (one token joins, one leaves) whose refresh is one block of _nearest_among.
     one_block = stale_refresh_width <= max(1, _BLOCK_ELEMENTS // max(1, rows * keys.shape[1]))
     if newcomer_bound == 1 and removal_bound == 1 and 0 < stale_refresh_width and one_block:
+        if ready is None:
+            # The newest candidate: the newcomer, in a row that has one (in one that has none, a
+            # ready candidate, whose neighbour is recomputed to the same).
+            newcomer = torch.where(candidates, positions, -1.0).argmax(-1, keepdim=True)
+            present = None if every_row_full else candidates.gather(1, newcomer)
+        else:
+            joining = candidates & ~ready
+            newcomer = joining.to(torch.int8).argmax(-1, keepdim=True)
+            present = joining.gather(1, newcomer)
         _steady_step(
             keys,
             keys_sq,
@@ -434,11 +449,17 @@ def maintain_candidates(
             target,
             nearest_sq,
             nearest_position,
-            ready,
+            newcomer,
             stale_refresh_width,
-            every_row_full=every_row_full,
+            present,
         )
+        if ready is not None:
+            ready.copy_(candidates)
         return candidates
+    if ready is None:
+        width = min(newcomer_bound, candidates.shape[-1])
+        newest = torch.where(candidates, positions, -1.0).topk(width, dim=-1).indices
+        ready = candidates.clone().scatter_(1, newest, False)
 
     def recompute(index: torch.Tensor, present: torch.Tensor, update_others: bool, gathered=None) -> None:
         if index.shape[1] == 0:
@@ -512,9 +533,9 @@ def _steady_step(
     target: int,
     nearest_sq: torch.Tensor,
     nearest_position: torch.Tensor,
-    ready: torch.Tensor,
+    newcomer: torch.Tensor,
     stale_refresh_width: int,
-    every_row_full: bool = False,
+    present: torch.Tensor | None,
 ) -> None:
     """:func:`maintain_candidates` for a steady decode step (at most one newcomer and one removal
     per row), the same decisions in about half the tensor ops and one product of the keys.
@@ -532,15 +553,14 @@ def _steady_step(
     nothing but rounding. After the removal the candidates whose neighbour it dropped are marked
     stale (``nearest_position = -1``) for the next step (or :func:`maintain_candidates`) to refresh.
 
-    ``every_row_full``: every row holds more than ``target`` candidates (known on the host when
-    every stored token is real), so every row drops one: no mask of the rows that do. Updates
-    ``candidates`` (the survivors), ``nearest_*``, ``keys_sq`` and ``ready`` in place."""
+    ``newcomer [R, 1]``: each row's newcomer (stored index); ``present [R, 1]``: the rows that have
+    one, None where every row has one and holds more than ``target`` candidates (known on the host
+    when every stored token is real): every row drops one, no row is masked. Updates
+    ``candidates`` (the survivors), ``nearest_*`` and ``keys_sq`` in place."""
     dim = keys.shape[-1]
     inf = float("inf")
-    joining = candidates & ~ready  # the newcomer (at most one per row)
     # The rows to compute: the newcomer first (-inf), then the stale candidates, smallest first.
-    order = torch.where(candidates & (nearest_position < 0), nearest_sq, inf)
-    order = torch.where(joining, -inf, order)
+    order = torch.where(candidates & (nearest_position < 0), nearest_sq, inf).scatter_(1, newcomer, -inf)
     index = order.topk(min(1 + stale_refresh_width, order.shape[-1]), dim=-1, largest=False).indices
     asked = keys.gather(1, index[..., None].expand(-1, -1, dim))
     asked_sq = (asked * asked).sum(-1)
@@ -552,27 +572,29 @@ def _steady_step(
     distances = distances.add_(torch.where(candidates, keys_sq, inf)[:, None, :]).clamp_min_(0)
     distances.scatter_(2, index[..., None], inf)
     best, best_position = _oldest_minimum(distances, positions[:, None, :])
-    new_position = torch.where(torch.isfinite(best), best_position, -1.0).squeeze(-1)
+    if present is not None:  # (else every candidate has another: every distance found is finite)
+        best_position = torch.where(torch.isfinite(best), best_position, -1.0)
     # The newcomer may be the nearest neighbour of candidates already there (row 0 of the block,
     # where the row has a newcomer).
-    newcomer = distances[:, 0]
-    closer = candidates & (newcomer < nearest_sq) & joining.gather(1, index[:, :1])
-    nearest_sq.copy_(torch.where(closer, newcomer, nearest_sq))
-    nearest_position.copy_(torch.where(closer, positions.gather(1, index[:, :1]), nearest_position))
+    from_newcomer = distances[:, 0]
+    closer = candidates & (from_newcomer < nearest_sq)
+    if present is not None:
+        closer &= present
+    nearest_sq.copy_(torch.where(closer, from_newcomer, nearest_sq))
+    nearest_position.copy_(torch.where(closer, positions.gather(1, newcomer), nearest_position))
     nearest_sq.scatter_(1, index, best.squeeze(-1))
-    nearest_position.scatter_(1, index, new_position)
+    nearest_position.scatter_(1, index, best_position.squeeze(-1))
     # One removal: the newer member of the closest pair (first member: oldest among the minima).
     value = torch.where(candidates, nearest_sq, inf)
     first_position, first = _oldest_minimum(value, positions, with_position=True)
     dropped_position = torch.maximum(nearest_position.gather(1, first), first_position)
     drop = candidates & (positions == dropped_position)
-    if not every_row_full:
+    if present is not None:
         drop &= candidates.sum(-1, keepdim=True) > target
         dropped_position = torch.where(drop.any(-1, keepdim=True), dropped_position, -2.0)
     candidates.logical_xor_(drop)
     # Stale for the next step: the candidates whose neighbour was just dropped.
     nearest_position.masked_fill_(candidates & (nearest_position == dropped_position), -1.0)
-    ready.copy_(candidates)
 
 
 class SubGen(Policy):
@@ -585,10 +607,13 @@ class SubGen(Policy):
     # Recent window, candidate order and ties by original position, per-token state kept as
     # per-token scores (they move with their token): an eviction fills the freed slot.
     reads_stored_order = False
-    # Its per-token state is read only for candidates marked READY: the evicted token's slot is
-    # unmarked before the newest token (in the recent window, so unmarked) moves in, and a token is
-    # marked when it joins the candidates, after its state is written. Nothing to move with it.
-    scores_move_into_holes = False
+
+    @property
+    def scores_move_into_holes(self) -> bool:
+        # Its per-token state is read only for ready candidates (KEY_NORM), and a token's state is
+        # written when it joins the candidates (it leaves the recent window), after any move of it:
+        # with a recent window the newest token (the one moved into a freed slot) has none yet.
+        return self.config.recent == 0
 
     def minimum_budget(self) -> int:
         return self.config.recent + 1
@@ -635,7 +660,7 @@ class SubGen(Policy):
         return keep_top_scores(rank, budget, valid, forced=forced, positions=positions)
 
     def _record_center_neighbours(self, scoring: ScoringInputs, order: torch.Tensor) -> None:
-        """Each kept center's nearest other center (distance, position) and READY, as per-token
+        """Each kept center's nearest other center (distance, position) and key norm, as per-token
         scores: the decode bookkeeping starts from the prefill's decision, so the first decode
         step does the work of every later one (one newcomer), not a from-scratch pass over all
         candidates (a decode step of fixed shape compiles to one graph)."""
@@ -659,7 +684,6 @@ class SubGen(Policy):
         scores = scoring.token_scores
         scores[NEAREST_DISTANCE] = per_token(torch.where(found, best, float("inf")), float("inf"))
         scores[NEAREST_POSITION] = per_token(torch.where(found, neighbour_position, -1.0), -1.0)
-        scores[READY] = per_token(present.float(), 0.0)
         scores[KEY_NORM] = per_token(centers_sq, 0.0)
 
     def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
@@ -685,19 +709,18 @@ class SubGen(Policy):
                 scores[name] = rows.view(b, h, n)
                 return rows
 
+        decided = scores.get(NEAREST_DISTANCE) is not None  # a decision (prefill's included) recorded them
         nearest_sq = stored(NEAREST_DISTANCE, float("inf"))
         nearest_position = stored(NEAREST_POSITION, -1.0)
-        ready = scores.get(READY)
-        ready = (ready.reshape(shape) > 0) if ready is not None else torch.zeros(shape, dtype=torch.bool, device=device)
-        ready = ready & candidates.reshape(shape)
         # The ready candidates' key norms as recorded when they joined; not when the cache
         # re-rotates kept keys (cache positions: a rotation moves the norms' last bits), nor
         # before any decision.
-        keys_sq = stored(KEY_NORM, None) if scores.get(READY) is not None and _ROPE_POSITION not in scores else None
-        # After a decision (prefill's included) the kept candidates are ready, so the candidates
-        # not ready since are the tokens that left the recent window: at most the n - budget
-        # appended since. Without a decision before (select_decode called first), all of them.
-        newcomer_bound = n - self.config.recent if scores.get(READY) is None else n - budget
+        keys_sq = stored(KEY_NORM, None) if decided and _ROPE_POSITION not in scores else None
+        # After a decision the kept candidates are ready, and the candidates not ready since are
+        # the tokens that left the recent window: the newest n - budget (ready=None below says so).
+        # Without a decision before (select_decode called first), none is ready.
+        newcomer_bound = n - budget if decided else n - self.config.recent
+        ready = None if decided else torch.zeros(shape, dtype=torch.bool, device=device)
         keys = scoring.keys.reshape(b * h, n, d)
         if keys_sq is None:
             keys_sq = (keys.float() * keys.float()).sum(-1)
@@ -717,7 +740,6 @@ class SubGen(Policy):
             every_row_full=scoring.mask is None and n - budget == 1,
         )
         # NEAREST_DISTANCE, NEAREST_POSITION and KEY_NORM were updated in place (stored()).
-        stored(READY, 0.0).copy_(ready)
         kept = kept.reshape(b, h, n)
         if scoring.mask is None:
             # Every token is real: the candidates were cut to exactly budget - recent (all kept when
