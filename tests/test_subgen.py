@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import kvhive
+from kvhive.compat import cache_kwarg
 from kvhive.methods.base import DECODE, PREFILL, ScoringInputs
 from kvhive.methods.registry import make_policy
 from kvhive.methods.subgen import (
@@ -1341,3 +1342,36 @@ def test_subgen_knows_the_caches_rope_position_score_name():
     from kvhive.methods.subgen import _ROPE_POSITION
 
     assert _ROPE_POSITION == ROPE_POSITION
+
+
+@pytest.mark.parametrize("recent", [0, 1, 4])
+def test_decode_in_the_cache_is_the_same_whether_or_not_scores_move_into_freed_slots(recent, monkeypatch):
+    """With a recent window the cache writes the newest token into a freed slot without its
+    per-token scores (``scores_move_into_holes``): SubGen writes a token's neighbour bookkeeping
+    only when it leaves the window. Every decode step must keep what a cache that moves the scores
+    keeps; with ``recent = 0`` the newest token is a candidate at once, and its scores move."""
+    model = tiny_model("llama", "gqa")
+    generator = torch.Generator().manual_seed(30 + recent)
+    input_ids = torch.randint(3, model.config.vocab_size, (2, 28), generator=generator)
+    forced = [torch.randint(3, model.config.vocab_size, (2, 1), generator=generator) for _ in range(40)]
+    assert SubGen(recent=recent).scores_move_into_holes == (recent == 0)
+
+    def kept(moves: bool | None):
+        if moves is not None:
+            monkeypatch.setattr(SubGen, "scores_move_into_holes", property(lambda self: moves))
+        cache = kvhive.make_cache(model, "subgen", budget=12, recent=recent)
+        snapshots = []
+        key = cache_kwarg(model)
+        with torch.inference_mode():
+            model(input_ids=input_ids, **{key: cache}, use_cache=True)
+            for token in forced:
+                model(input_ids=token, **{key: cache}, use_cache=True)
+                layer = cache.layers[cache.compressed_layers[-1]]
+                snapshots.append(layer.dense()[2].sort(-1).values.clone())
+        assert not cache.layers[cache.compressed_layers[-1]].stored_in_order  # freed slots were filled
+        return torch.stack(snapshots)
+
+    default = kept(None)
+    assert torch.equal(default, kept(True))
+    if recent == 0:  # the scores must move: without them the newest candidate's bookkeeping is lost
+        assert not torch.equal(default, kept(False))
