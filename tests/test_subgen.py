@@ -1345,21 +1345,23 @@ def test_subgen_knows_the_caches_rope_position_score_name():
 
 
 @pytest.mark.parametrize("recent", [0, 1, 4])
-def test_decode_in_the_cache_is_the_same_whether_or_not_scores_move_into_freed_slots(recent, monkeypatch):
-    """With a recent window the cache writes the newest token into a freed slot without its
-    per-token scores (``scores_move_into_holes``): SubGen writes a token's neighbour bookkeeping
-    only when it leaves the window. Every decode step must keep what a cache that moves the scores
-    keeps; with ``recent = 0`` the newest token is a candidate at once, and its scores move."""
+def test_decode_in_the_cache_is_the_same_whether_or_not_the_newest_tokens_scores_are_kept(recent, monkeypatch):
+    """With a recent window the cache neither resets a new token's per-token scores nor moves them
+    with the newest token into a freed slot (``reads_newest_token_scores`` False): SubGen writes a
+    token's neighbour bookkeeping only when it leaves the window. Every decode step must keep what a
+    cache that resets and moves the scores keeps; with ``recent = 0`` the newest token is a
+    candidate at once, and its scores must move."""
     model = tiny_model("llama", "gqa")
     generator = torch.Generator().manual_seed(30 + recent)
     input_ids = torch.randint(3, model.config.vocab_size, (2, 28), generator=generator)
     forced = [torch.randint(3, model.config.vocab_size, (2, 1), generator=generator) for _ in range(40)]
-    assert SubGen(recent=recent).scores_move_into_holes == (recent == 0)
+    assert SubGen(recent=recent).reads_newest_token_scores == (recent == 0)
 
-    def kept(moves: bool | None):
-        if moves is not None:
-            monkeypatch.setattr(SubGen, "scores_move_into_holes", property(lambda self: moves))
+    def kept(reads: bool | None):
+        if reads is not None:
+            monkeypatch.setattr(SubGen, "reads_newest_token_scores", property(lambda self: reads))
         cache = kvhive.make_cache(model, "subgen", budget=12, recent=recent)
+        assert all(store.new_token_scores_read == SubGen(recent=recent).reads_newest_token_scores for store in cache.layers)
         snapshots = []
         key = cache_kwarg(model)
         with torch.inference_mode():
@@ -1373,5 +1375,5 @@ def test_decode_in_the_cache_is_the_same_whether_or_not_scores_move_into_freed_s
 
     default = kept(None)
     assert torch.equal(default, kept(True))
-    if recent == 0:  # the scores must move: without them the newest candidate's bookkeeping is lost
+    if recent == 0:  # without the move the newest candidate's bookkeeping is lost
         assert not torch.equal(default, kept(False))

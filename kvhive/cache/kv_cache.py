@@ -359,6 +359,8 @@ class KVHiveCache(Cache):
         ]
         super().__init__(layers=layers)
         self.policy = policy
+        for store in layers:
+            store.new_token_scores_read = policy.reads_newest_token_scores
         self.budget = budget
         self.compress_sliding = compress_sliding
         self.decode_every = decode_every
@@ -794,8 +796,7 @@ class KVHiveCache(Cache):
             return
         counts = self._kept_counts(keep, store, [budget + self.decode_slack] * keep.shape[0], known_count)
         if isinstance(counts, int) and counts == store.dense_length - 1 and self._fills_holes(store):
-            # One token per row moved, not the whole kept window.
-            store.fill_hole(keep, with_scores=self.policy.scores_move_into_holes)
+            store.fill_hole(keep)  # one token per row moved, not the whole kept window
         else:
             store.keep(keep, counts)
         store.decode_steps_since_compression = 0
@@ -1318,6 +1319,7 @@ class KVHiveCache(Cache):
             if batch_slots is not None and not evicts:
                 row_capacity = slot_capacity if slot_capacity is not None else max(lengths) + room
             store = LayerStore(layer.layer_index, layer.sliding_window)
+            store.new_token_scores_read = layer.new_token_scores_read
             store.set_rows(
                 [view[0] for view in rows],
                 [view[1] for view in rows],

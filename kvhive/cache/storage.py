@@ -163,6 +163,10 @@ class LayerStore(CacheLayerMixin):
         # Held in a capacity of its budget (plus the new token) by a method that keeps min(budget, N),
         # because the prompt left fewer tokens than the budget (KVHiveCache._reserve_decode).
         self.fills_to_budget = False
+        # Whether the method reads a new token's per-token scores before writing them
+        # (Policy.reads_newest_token_scores): an append zeroes them, and fill_hole moves them with
+        # the newest token; else neither.
+        self.new_token_scores_read = True
         # Whether the stored order is the tokens' order (oldest first); False once a decode eviction
         # wrote the newest token into the freed slot (fill_hole), until the layer is emptied.
         self.stored_in_order = True
@@ -777,16 +781,14 @@ class DenseLayerStore(LayerStore):
         if buffer is None:
             buffer = _static(torch.zeros(self._key_buffer.shape[:3], dtype=torch.float32, device=self.device))
             self._score_buffers[name] = buffer
-        if self.fixed_capacity:  # the whole capacity (empty slots included): no host length read
-            target = buffer
-        else:
-            target = buffer[:, :, self._start : self._start + self._length]
-        if scores is target:
-            return
+        start = 0 if self.fixed_capacity else self._start  # fixed: the whole capacity, empty slots included
         if not torch.compiler.is_compiling() and (
-            scores.data_ptr() == target.data_ptr() and scores.stride() == target.stride()
+            scores.data_ptr() == buffer.data_ptr() + start * buffer.stride(2) * buffer.element_size()
+            and scores.stride() == buffer.stride()
+            and scores.shape[-1] == (buffer.shape[2] if self.fixed_capacity else self._length)
         ):
             return  # the policy handed back the stored view itself (a compiled step copies it onto itself)
+        target = buffer if self.fixed_capacity else buffer[:, :, start : start + self._length]
         target.copy_(scores.reshape(self._batch, self._heads, -1))
 
     def _allocate_dense(self, capacity: int, head_dim: int, value_dim: int):
@@ -913,13 +915,13 @@ class DenseLayerStore(LayerStore):
             self.length_device.copy_(kept)
         self._length_stale = True
 
-    def fill_hole(self, keep_mask: torch.Tensor, with_scores: bool = True) -> None:
+    def fill_hole(self, keep_mask: torch.Tensor) -> None:
         """Dense layout, every row dropping exactly one stored token (``keep_mask [B, H, L]`` has one
         False per row): the newest token (the last stored) moves into the dropped token's slot, so a
         steady decode eviction moves one token per row instead of every token after the dropped one.
         The stored order is then no longer the tokens' order (``stored_in_order``); only a method that
-        reads none (``Policy.reads_stored_order`` False) is held this way. ``with_scores`` False:
-        the per-token scores stay where they are (``Policy.scores_move_into_holes``)."""
+        reads none (``Policy.reads_stored_order`` False) is held this way. The per-token scores move
+        too, unless nothing reads the newest token's (``new_token_scores_read``)."""
         hole = first_false(keep_mask).reshape(-1)
         # Slot j of segment s is row s * capacity + j of the flat buffers (one arange each, not a
         # base computed and added to each slot index).
@@ -927,7 +929,7 @@ class DenseLayerStore(LayerStore):
         rows = self.num_segments * capacity
         first_slots = torch.arange(self._start, self._start + rows, capacity, device=self.device)
         newest_rows = torch.arange(newest, newest + rows, capacity, device=self.device)
-        self._move_rows(first_slots + hole, newest_rows, with_scores)
+        self._move_rows(first_slots + hole, newest_rows, self.new_token_scores_read)
         self._length = self._length - 1
         self.stored_in_order = False
 
@@ -951,7 +953,7 @@ class DenseLayerStore(LayerStore):
         self._value_buffer.index_copy_(2, index, value_states)
         positions = self._new_positions(new_tokens)
         self._position_buffer.index_copy_(2, index, positions.expand(self._batch, self._heads, new_tokens))
-        for buffer in self._score_buffers.values():
+        for buffer in self._score_buffers.values() if self.new_token_scores_read else ():
             buffer.index_fill_(2, index, 0.0)
         self.length_device.add_(new_tokens)
         if in_static_step() or self._length_stale:
@@ -988,7 +990,7 @@ class DenseLayerStore(LayerStore):
         self._key_buffer[:, :, end:stop].copy_(key_states)
         self._value_buffer[:, :, end:stop].copy_(value_states)
         self._position_buffer[:, :, end:stop].copy_(self._new_positions(new_tokens))
-        for buffer in self._score_buffers.values():
+        for buffer in self._score_buffers.values() if self.new_token_scores_read else ():
             buffer[:, :, end:stop].zero_()
         self._length += new_tokens
 
@@ -1192,7 +1194,7 @@ class DenseLayerStore(LayerStore):
         self._key_buffer.scatter_(2, slots[..., None].expand(batch, heads, new_tokens, d), key_states)
         self._value_buffer.scatter_(2, slots[..., None].expand(batch, heads, new_tokens, dv), value_states)
         self._position_buffer.scatter_(2, slots, self._new_positions(new_tokens).expand(batch, heads, new_tokens))
-        for buffer in self._score_buffers.values():
+        for buffer in self._score_buffers.values() if self.new_token_scores_read else ():
             buffer.scatter_(2, slots, 0.0)
         if self.row_active_device is None:
             self.row_lengths_device.add_(new_tokens)

@@ -665,12 +665,13 @@ class Policy:
     :meth:`ScorerPolicy.keep`): a decode step that evicts one of its tokens writes the newest token
     into the freed slot (one token per head moved) instead of moving every later token down."""
 
-    scores_move_into_holes: ClassVar[bool] = True
-    """With :attr:`reads_stored_order` False: whether the newest token's per-token scores move with
-    it into the slot a decode eviction freed. False for a method that reads a token's scores only
-    after writing them itself, later than any such move of the token (SubGen: its neighbour
-    bookkeeping of a token is written when the token leaves the recent window and read from then
-    on, and the token moved is the newest): the move then writes keys, values and position only."""
+    reads_newest_token_scores: ClassVar[bool] = True
+    """Whether the method reads the per-token scores of the newest stored token before writing them:
+    the cache then zeroes a token's scores when it arrives and, where a decode eviction writes the
+    newest token into the freed slot (:attr:`reads_stored_order` False), moves its scores with it.
+    False for a method that writes a token's scores before it reads them, and not while the token
+    is the newest (SubGen with a recent window: a token's neighbour bookkeeping is written when it
+    leaves the window): the cache does neither, three fewer small ops per score and step."""
 
     static_decode: ClassVar[bool] = False
     """A decode decision keeps exactly the layer's budget at every step (or, with

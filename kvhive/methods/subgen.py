@@ -609,10 +609,10 @@ class SubGen(Policy):
     reads_stored_order = False
 
     @property
-    def scores_move_into_holes(self) -> bool:
+    def reads_newest_token_scores(self) -> bool:
         # Its per-token state is read only for ready candidates (KEY_NORM), and a token's state is
-        # written when it joins the candidates (it leaves the recent window), after any move of it:
-        # with a recent window the newest token (the one moved into a freed slot) has none yet.
+        # written when it joins the candidates, i.e. leaves the recent window: with a recent window
+        # the newest token has none yet (nothing to reset when it arrives, nor to move with it).
         return self.config.recent == 0
 
     def minimum_budget(self) -> int:
