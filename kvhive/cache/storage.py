@@ -750,7 +750,9 @@ class DenseLayerStore(LayerStore):
         return self.dense()[3]
 
     def _attention_view(self) -> tuple[torch.Tensor, torch.Tensor]:
-        view = self.decode_view() if self.fixed_capacity else self.dense()
+        if self.fixed_capacity:  # the whole buffers (decode_view's, without its filled mask)
+            return self._key_buffer, self._value_buffer
+        view = self.dense()
         return view[0], view[1]
 
     def dense(self):
@@ -945,10 +947,16 @@ class DenseLayerStore(LayerStore):
 
     def _append_at_device_index(self, key_states, value_states, new_tokens: int) -> None:
         """Fixed capacity: write the new tokens at the device length (no host value read)."""
-        index = torch.arange(new_tokens, device=self.device) + self.length_device
+        if new_tokens == 1 and self.row_tokens_seen_device is None:
+            # A decode step: the device length itself is the slot, the device count the position
+            # (no arange and add for either).
+            index = self.length_device.view(1)
+            positions = self.tokens_seen_device.view(1).to(POSITION_DTYPE)  # _new_positions(1)
+        else:
+            index = torch.arange(new_tokens, device=self.device) + self.length_device
+            positions = self._new_positions(new_tokens)
         self._key_buffer.index_copy_(2, index, key_states)
         self._value_buffer.index_copy_(2, index, value_states)
-        positions = self._new_positions(new_tokens)
         self._position_buffer.index_copy_(2, index, positions.expand(self._batch, self._heads, new_tokens))
         for buffer in self._score_buffers.values():
             buffer.index_fill_(2, index, 0.0)
