@@ -714,6 +714,7 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
             last_query_logits=last_logits,
             accumulated_weights=accumulated,
             filled=_filled_count(store),
+            known_filled=store.known_length,
             stored_in_order=store.stored_in_order,
         )
 
