@@ -1173,3 +1173,48 @@ def test_prefill_in_chunks_of_rows_equals_one_chunk(monkeypatch, rows_per_chunk)
     assert torch.equal(whole, chunked)
     for field in dataclasses.fields(whole_summary):
         assert torch.equal(getattr(whole_summary, field.name), getattr(chunked_summary, field.name)), field.name
+
+
+@pytest.mark.parametrize("method", ["bumblebee", "bumblebee-power"])
+def test_an_eager_full_capacity_step_knows_its_length_and_keeps_what_the_device_path_keeps(method):
+    """Eager steps of a full fixed capacity (issue 23): the host knows every slot holds a token
+    (``known_length``, kept by ``kept_per_row``), so the step builds no mask of filled or empty slots.
+    Its logits, stored positions (slot by slot) and summaries equal those of the same steps taken
+    by the device path (the host length forgotten before every step, as after a compiled step)."""
+    model = tiny_model("llama", "gqa")
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=40, pad=5)
+
+    def run(forget: bool):
+        cache = make_cache(model, method, 20)
+        records = []
+        with torch.no_grad():
+            output = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+            mask = attention_mask
+            for _ in range(12):
+                layers = [cache.layers[i] for i in compressed_layers(cache)]
+                assert all(layer.fixed_capacity for layer in layers)
+                if forget:
+                    for layer in layers:
+                        layer._length_stale = True
+                else:
+                    capacity = layers[0].buffers()[0].shape[2]
+                    # Known before the step (budget) and full once the new token is appended.
+                    assert all(layer.known_length == capacity - 1 for layer in layers)
+                token = output.logits[:, -1].argmax(-1, keepdim=True)
+                mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+                output = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
+                records.append(
+                    (
+                        output.logits,
+                        [layer.dense()[2].clone() for layer in layers],
+                        [dataclasses.astuple(layer.policy_state[SUMMARY]) for layer in layers],
+                    )
+                )
+        return records
+
+    known, device = run(False), run(True)
+    for (logits, positions, summaries), (logits_d, positions_d, summaries_d) in zip(known, device, strict=True):
+        assert torch.equal(logits, logits_d)
+        assert all(torch.equal(a, b) for a, b in zip(positions, positions_d, strict=True))
+        for one, other in zip(summaries, summaries_d, strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(one, other, strict=True))

@@ -604,7 +604,7 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
     kernel_eligible = stored_mask is None and num_queries == 1 and not torch.compiler.is_compiling()
     if filled is not None:  # empty slots of a fixed capacity are never attended
         # [C] (one length for every row) or [B, C] (stacked rows of different lengths)
-        filled = filled[None, None, None, :] if filled.dim() == 1 else filled[:, None, None, :]
+        filled = filled.view(1, 1, 1, -1) if filled.dim() == 1 else filled[:, None, None, :]
         stored_mask = filled if stored_mask is None else stored_mask & filled
     heads = keys.shape[1]
     group = query_heads // heads
@@ -654,18 +654,22 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
             # fp32's range and keeps the model's dtype.
             logits = torch.matmul(grouped.float(), keys.float().transpose(-1, -2)) * scaling
         else:
-            logits = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scaling
+            logits = torch.matmul(grouped, keys.transpose(-1, -2))
+            logits = (logits if logits.dtype == torch.float32 else logits.float()) * scaling
         logits = logits.view(batch, heads, group, num_queries, -1)
-        # The one new query's logits before the mask (masked_fill below is out of place, so they
+        # The one new query's logits before the mask (the select below is out of place, so they
         # stay as they are), for a method that scores with other logits (AhaKV's multiplied ones).
         last_logits = logits
         if stored_mask is not None:
-            logits = logits.masked_fill(~stored_mask.unsqueeze(2), float("-inf"))
+            logits = torch.where(stored_mask.unsqueeze(2), logits, float("-inf"))
         row_max = logits.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(logits.dtype).min)
         exponentials = torch.exp(logits - row_max)
         denominator = exponentials.sum(dim=-1)
-        numerator = torch.matmul(exponentials.view(batch, heads, group * num_queries, -1).to(values.dtype), values)
-        numerator = numerator.view(batch, heads, group, num_queries, head_dim).float()
+        # (No .to / .float() calls that change nothing: a float32 model's step skips four.)
+        product = exponentials.view(batch, heads, group * num_queries, -1)
+        numerator = torch.matmul(product if product.dtype == values.dtype else product.to(values.dtype), values)
+        numerator = numerator.view(batch, heads, group, num_queries, head_dim)
+        numerator = numerator if numerator.dtype == torch.float32 else numerator.float()
         if extra is not None:
             extra_numerator, extra_denominator, extra_max = (
                 t.reshape(batch, heads, group, num_queries, *t.shape[3:]).float() for t in extra
@@ -681,11 +685,17 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
             denominator = denominator * exact_weight + extra_denominator * extra_weight
             output = numerator / denominator[..., None]
             weights = exponentials * (exact_weight / denominator)[..., None]
+            last_weights = weights[:, :, :, -1].reshape(batch, query_heads, -1)
         else:
-            output = numerator / denominator[..., None]
-            weights = exponentials / denominator[..., None]
-        output = output.to(query.dtype).reshape(batch, query_heads, num_queries, head_dim).transpose(1, 2)
-        last_weights = weights[:, :, :, -1].reshape(batch, query_heads, -1)
+            denominator = denominator.unsqueeze(-1)
+            output = numerator / denominator
+            # Only the newest query's weights are read (with one query: all of them, no select).
+            if num_queries == 1:
+                last_weights = (exponentials / denominator).view(batch, query_heads, -1)
+            else:
+                last_weights = (exponentials[:, :, :, -1:] / denominator[:, :, :, -1:]).view(batch, query_heads, -1)
+        output = output if output.dtype == query.dtype else output.to(query.dtype)
+        output = output.reshape(batch, query_heads, num_queries, head_dim).transpose(1, 2)
 
     def make_scoring(phase: str) -> ScoringInputs:
         return ScoringInputs(
@@ -704,6 +714,7 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
             last_query_logits=last_logits,
             accumulated_weights=accumulated,
             filled=_filled_count(store),
+            known_filled=store.known_length,
             stored_in_order=store.stored_in_order,
         )
 

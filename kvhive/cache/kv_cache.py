@@ -827,6 +827,28 @@ class KVHiveCache(Cache):
                 f"{tuple(scoring.keys.shape[:3])}"
             )
         bound = scoring.num_tokens - 1  # the capacity holds the bound plus the new token
+        at_most_one = store.fills_to_budget or self.policy.drops_at_most_one
+        fill_hole = at_most_one and self._fills_holes(store)
+        if self.policy.drops_at_most_one and scoring.known_filled == scoring.num_tokens:
+            # An eager step of a full capacity (the host knows every slot holds a token) of a method
+            # that drops at most one token a step and declares its count (kept_per_row; BumbleBee): no
+            # empty slot to check or to mask, and the count, checked on the device as the growing
+            # layout's is, stays the host length.
+            known = self.policy.kept_per_row(DECODE, scoring.num_tokens, budget, store.policy_state)
+            if known is not None:
+                if known > bound:
+                    raise RuntimeError(
+                        f"{self.policy.name} declares {known} tokens kept per head in layer {layer_index}, more than "
+                        f"the {bound} its fixed_decode_capacity declared"
+                    )
+                torch._assert_async(
+                    (keep.sum(dim=-1) == known).all(),
+                    f"{self.policy.name}: the keep mask of layer {layer_index} does not keep the {known} tokens per "
+                    "head its kept_per_row declared",
+                )
+                store.compact_in_place(keep, known, at_most_one_dropped=at_most_one, fill_hole=fill_hole)
+                store.decode_steps_since_compression = 0
+                return
         empty = torch.arange(scoring.num_tokens, device=keep.device) >= scoring.filled
         if store.fills_to_budget:
             # A method that keeps min(budget, N) keeps every stored token while they fit the budget
@@ -842,13 +864,7 @@ class KVHiveCache(Cache):
         )
         # Filling to a budget (or a method that says so), a step drops at most one token: the
         # compaction needs no sort, and may write the newest token into the freed slot.
-        at_most_one = store.fills_to_budget or self.policy.drops_at_most_one
-        store.compact_in_place(
-            keep,
-            kept,
-            at_most_one_dropped=at_most_one,
-            fill_hole=at_most_one and self._fills_holes(store),
-        )
+        store.compact_in_place(keep, kept, at_most_one_dropped=at_most_one, fill_hole=fill_hole)
         store.decode_steps_since_compression = 0
 
     def _decode_step_in_rows(self, layer_index: int, store: LayerStore, make_scoring) -> None:

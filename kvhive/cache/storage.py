@@ -600,6 +600,11 @@ class LayerStore(CacheLayerMixin):
         """``(keys, values, positions, token_scores, filled)`` for a dense decode step's attention."""
         self._not_dense("decode_view")
 
+    @property
+    def known_length(self) -> int | None:
+        """A dense fixed capacity's tokens per row when the host knows them (``DenseLayerStore``)."""
+        return None
+
     def drop_oldest(self, count: int) -> None:
         """Forget the ``count`` oldest tokens of every row (dense layout)."""
         if count > 0:
@@ -754,7 +759,9 @@ class DenseLayerStore(LayerStore):
         return self.dense()[3]
 
     def _attention_view(self) -> tuple[torch.Tensor, torch.Tensor]:
-        view = self.decode_view() if self.fixed_capacity else self.dense()
+        if self.fixed_capacity:  # the whole buffers (decode_view's, without its filled mask)
+            return self._key_buffer, self._value_buffer
+        view = self.dense()
         return view[0], view[1]
 
     def dense(self):
@@ -848,13 +855,27 @@ class DenseLayerStore(LayerStore):
         self.fixed_capacity = True
         self.bounded_capacity = exact
 
+    @property
+    def known_length(self) -> int | None:
+        """A fixed capacity's tokens per row when the host knows them without asking the device (eager
+        steps whose method declared what it keeps, ``Policy.kept_per_row``), else None: in a compiled
+        step (the device counter is what the graph reads), after a compiled step, or with rows of
+        different lengths."""
+        if in_static_step():  # first: a compiled step guards on nothing the host tracks here
+            return None
+        if not self.fixed_capacity or self._length_stale or self.row_lengths_device is not None:
+            return None
+        return self._length_value
+
     def decode_view(self):
         """``(keys, values, positions, token_scores, filled)`` for a decode step's attention: the
         stored tokens and None, or with a fixed capacity the whole buffers and ``filled [C]`` (True
-        on the slots holding a token)."""
+        on the slots holding a token; None when the host knows every slot holds one)."""
         if not self.fixed_capacity:
             return (*self.dense(), None)
         capacity = self._key_buffer.shape[2]
+        if self.known_length == capacity:  # an eager step of a full capacity: nothing to mask
+            return self._key_buffer, self._value_buffer, self._position_buffer, dict(self._score_buffers), None
         if self.row_lengths_device is not None:  # [B, C]: each row its own filled slots
             filled = torch.arange(capacity, device=self.device)[None, :] < self.row_lengths_device[:, None]
             return self._key_buffer, self._value_buffer, self._position_buffer, dict(self._score_buffers), filled
@@ -862,12 +883,17 @@ class DenseLayerStore(LayerStore):
         return self._key_buffer, self._value_buffer, self._position_buffer, dict(self._score_buffers), filled
 
     def compact_in_place(
-        self, keep_mask: torch.Tensor, kept: torch.Tensor, at_most_one_dropped: bool = False, fill_hole: bool = False
+        self,
+        keep_mask: torch.Tensor,
+        kept: torch.Tensor | int,
+        at_most_one_dropped: bool = False,
+        fill_hole: bool = False,
     ) -> None:
         """Fixed capacity: keep the tokens where ``keep_mask [B, H, C]`` (over the whole capacity,
         False on the empty slots) is True, compacted at the front in their stored order; ``kept`` is
-        their number per row (a 0-d device tensor, the same for every row). Fixed shapes and no host
-        read: the host length is refreshed from the device when next asked for. The slots past
+        their number per row (a 0-d device tensor, the same for every row; an int where the host knows
+        it, which then stays the host length). Fixed shapes and no host read: the host length is
+        refreshed from the device when next asked for. The slots past
         ``kept`` hold copies of dropped tokens (finite values, masked as empty).
 
         ``at_most_one_dropped``: the caller knows at most one filled slot per row is dropped (every
@@ -887,8 +913,7 @@ class DenseLayerStore(LayerStore):
                 raise ValueError("fill_hole moves one token per row: it needs at_most_one_dropped")
             hole = first_false(keep_mask).reshape(-1)
             self._move_token_per_segment(hole, (self.length_device - 1).expand_as(hole))
-            self.length_device.copy_(kept)
-            self._length_stale = True
+            self._set_length(kept)
             self.stored_in_order = False
             return
         if at_most_one_dropped:
@@ -911,9 +936,18 @@ class DenseLayerStore(LayerStore):
             # the same count); the host lengths are read back when next asked for.
             self.row_lengths_device.copy_(kept)
             self._rows_stale = True
+            self._length_stale = True
+        else:
+            self._set_length(kept)
+
+    def _set_length(self, kept: torch.Tensor | int) -> None:
+        """The fixed capacity's new length: a device count (the host's is then stale), or an int the
+        host knows (both set)."""
+        if isinstance(kept, int):
+            self._length = kept
         else:
             self.length_device.copy_(kept)
-        self._length_stale = True
+            self._length_stale = True
 
     def fill_hole(self, keep_mask: torch.Tensor) -> None:
         """Dense layout, every row dropping exactly one stored token (``keep_mask [B, H, L]`` has one
@@ -948,10 +982,16 @@ class DenseLayerStore(LayerStore):
 
     def _append_at_device_index(self, key_states, value_states, new_tokens: int) -> None:
         """Fixed capacity: write the new tokens at the device length (no host value read)."""
-        index = torch.arange(new_tokens, device=self.device) + self.length_device
+        if new_tokens == 1 and self.row_tokens_seen_device is None:
+            # A decode step: the device length itself is the slot, the device count the position
+            # (no arange and add for either).
+            index = self.length_device.view(1)
+            positions = self.tokens_seen_device.view(1).to(POSITION_DTYPE)  # _new_positions(1)
+        else:
+            index = torch.arange(new_tokens, device=self.device) + self.length_device
+            positions = self._new_positions(new_tokens)
         self._key_buffer.index_copy_(2, index, key_states)
         self._value_buffer.index_copy_(2, index, value_states)
-        positions = self._new_positions(new_tokens)
         self._position_buffer.index_copy_(2, index, positions.expand(self._batch, self._heads, new_tokens))
         for buffer in self._score_buffers.values() if self.new_token_scores_read else ():
             buffer.index_fill_(2, index, 0.0)

@@ -166,6 +166,10 @@ class ScoringInputs:
     # in a method that ``decodes_rows_of_different_lengths``) hold the stored tokens oldest first,
     # the rest are empty (masked out of ``mask``, so never ``valid``). None: every slot holds a token.
     filled: torch.Tensor | None = None
+    # ``filled`` as a host int where the host knows it without asking the device (an eager step after
+    # eager steps whose method declared what it keeps); None otherwise (always in a compiled step).
+    # ``known_filled == num_tokens``: every slot holds a token, nothing is empty.
+    known_filled: int | None = None
     # Whether the stored order is the order of original positions (oldest first). A decode step
     # that evicts one token may write the newest into the freed slot instead of moving every later
     # token down (``Policy.reads_stored_order`` False): from then on, recency is read from

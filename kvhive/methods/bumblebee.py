@@ -336,8 +336,26 @@ class BumbleBee(Policy):
         weights = self._accumulated(scoring).reshape(rows, capacity)
         summary: StreamingSummary = state[SUMMARY]
         built = state[BUILT]
-        evict = scoring.filled > budget
         slots = torch.arange(capacity, device=keys.device)
+        if scoring.known_filled == capacity and capacity > budget and REBUILDS not in state:
+            # An eager step of a full capacity, known on the host: every slot holds a token and the
+            # step evicts (no device mask of either).
+            order, ranked = _rank_by_position(scoring, positions, None)
+            torch._assert_async(summary.matches(ranked), "BumbleBee's summary is not the oldest stored tokens")
+            dropped = summary.step(
+                keys,
+                valid,
+                weights,
+                positions,
+                summary_size,
+                1,
+                self.config.mixture_weight,
+                self.concave,
+                normalise_mass=self.config.importance_scale == "normalised",
+                stored_of_rank=order,
+            )
+            return (slots != dropped).view(batch, heads, capacity)
+        evict = scoring.filled > budget
         stored = slots < scoring.filled  # [C]: the slots holding a token (the empty ones last)
         order, ranked = _rank_by_position(scoring, positions, stored)
         if REBUILDS in state:  # the prompt fit the budget: the first eviction builds the summary

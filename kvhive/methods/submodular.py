@@ -721,26 +721,37 @@ class StreamingSummary:
         """
         rows, size = self.slot_of_rank.shape
         slots = torch.arange(size, device=keys.device)
-        if stored_of_rank is None:
-            member_index = self.rank_of_slot.clone()  # stored index of each slot's member
+        by_rank = stored_of_rank is not None
+        if by_rank:
+            member_index = stored_of_rank.gather(1, self.rank_of_slot)  # stored index of each slot's member
         else:
-            member_index = stored_of_rank.gather(1, self.rank_of_slot)
-        # A decode step is a few hundred small ops, each costing more than its arithmetic: the per-row
-        # values below stay [R, 1] (no unsqueeze per use), fresh temporaries are updated in place, and
-        # phi = log(1 + x) is applied inline (Concave's own formulas, without its dtype casts of
-        # tensors that are float64 already). Every value is computed as before, to the bit.
+            member_index = self.rank_of_slot.clone()
+        # A decode step is a few hundred small ops, each costing more than its arithmetic (issue 23):
+        # the per-row values below stay [R, 1] (no unsqueeze per use), fresh temporaries are updated
+        # in place, phi = log(1 + x) is applied inline (Concave's own formulas, without its dtype
+        # casts of tensors that are float64 already), gathers broadcast their index
+        # (take_along_dim: no expand), the weights of S' come from one gather at the members' and
+        # x's stored indices, and the float64 row sum casts as it sums. Every value is computed as
+        # before, to the bit (replayed streams against the previous step: the dropped indices and
+        # every state tensor).
         log_form = phi.kind == "log"
+        # phi(a(S')) of the log form is 0 or at least 2**-149 (a float64 sum of float32 weights,
+        # each a multiple of 2**-149; normalised, 0 or 1): dividing by it unclamped is dividing by
+        # its clamp at 1e-300, and where it is 0 the masked_fill below sets the term as before.
+        unclamped_phi = log_form and (normalise_mass or weights.dtype != torch.float64)
         dropped = []
         for j in range(joiners):
             x = first_joiner + j
-            if stored_of_rank is None:
-                key_x, valid_x, weight_x = keys[:, x : x + 1], valid[:, x : x + 1], weights[:, x : x + 1]
-                stored = keys[:, :x]  # the members: the stored tokens before x
-            else:
+            if by_rank:
                 x = stored_of_rank[:, x : x + 1]  # [R, 1]
-                key_x = keys.gather(1, x[:, :, None].expand(rows, 1, keys.shape[-1]))
-                valid_x, weight_x = valid.gather(1, x), weights.gather(1, x)
+                key_x = keys.take_along_dim(x[:, :, None], dim=1)
+                valid_x = valid.gather(1, x)
                 stored = keys  # the members are anywhere
+                ground = torch.cat([member_index, x], dim=1)  # stored indices of S' (members by slot, x last)
+            else:
+                key_x, valid_x = keys[:, x : x + 1], valid[:, x : x + 1]
+                stored = keys[:, :x]  # the members: the stored tokens before x
+                ground = torch.nn.functional.pad(member_index, (0, 1), value=x)
             if key_x.dtype != torch.float32:
                 key_x = key_x.float()  # [R, 1, d]
             if stored.dtype == torch.float64:  # a float32 product, as for every other key dtype
@@ -749,17 +760,20 @@ class StreamingSummary:
             norm_x = raw_norm.clamp_min(1e-12)
             # O(T d): a multiply-sum beats a batched matrix-vector product on CPU here (the product
             # is formed in float32 for any key dtype: a 16-bit key's promotion casts it exactly, as
-            # .float() does, without a float32 copy of the stored keys).
-            dots = (stored * key_x).sum(dim=-1).gather(1, member_index)
+            # .float() does, without a float32 copy of the stored keys). vecdot is that multiply-sum.
+            if stored.dtype == torch.float32:
+                dots = torch.linalg.vecdot(stored, key_x).gather(1, member_index)
+            else:
+                dots = (stored * key_x).sum(dim=-1).gather(1, member_index)
             sim_x = (dots / (self.norms * norm_x)).clamp_(min=0).mul_(self.valid & valid_x)
             self_x = (raw_norm / norm_x).square_().mul_(valid_x)
 
             nearest_with_x = torch.maximum(self.nearest, sim_x)
             facility = torch.cat([self.self_sim - nearest_with_x, self_x - sim_x.amax(dim=-1, keepdim=True)], dim=1)
             facility = facility.clamp_(min=0).double()
-            facility_total = self.self_sim.double().sum(dim=-1, keepdim=True) + self_x  # f_FL(S') on S'
+            facility_total = self.self_sim.sum(dim=-1, keepdim=True, dtype=torch.float64) + self_x  # f_FL(S') on S'
             valid_all = torch.cat([self.valid, valid_x], dim=1)
-            mass = torch.cat([weights.gather(1, member_index), weight_x], dim=1).double().mul_(valid_all)
+            mass = weights.gather(1, ground).double().mul_(valid_all)
             total = mass.sum(dim=-1, keepdim=True)
             if normalise_mass:  # phi of the fraction of the ground set's attention mass
                 mass = _safe_divide(mass, total)
@@ -773,7 +787,8 @@ class StreamingSummary:
             # _safe_divide's values with fewer ops: phi_total is 0 or more, and the feature term 0
             # where it is 0; f_FL(S') is 0 only where every facility gain is 0 too (each is at most
             # its element's sim(v, v)), so its plain quotient by the clamped total is already 0 there.
-            feature = feature.div_(phi_total.clamp_min(1e-300)).masked_fill_(phi_total <= 0, 0.0)
+            feature = feature.div_(phi_total if unclamped_phi else phi_total.clamp_min(1e-300))
+            feature = feature.masked_fill_(phi_total <= 0, 0.0)
             gains = facility.div_(facility_total.clamp_min_(1e-300)).mul_(lam).add_(feature.mul_(1.0 - lam))
             drop = torch.where(valid_all, gains, float("-inf")).argmin(dim=-1, keepdim=True)  # == size: x goes
 
@@ -790,8 +805,8 @@ class StreamingSummary:
             dropped.append(torch.where(replace, member_index.gather(1, y), x))
             # The members whose nearest one may have left: y attains their maximum (a tie rescans to
             # the same value), and x itself. Read before x's column overwrites y's.
-            column = self.sim.gather(2, y[:, :, None].expand(rows, size, 1)).view(rows, size)
-            rescan = (replace & (column >= self.nearest)) | taken
+            column = self.sim.take_along_dim(y[:, :, None], dim=2).view(rows, size)
+            rescan = (column >= self.nearest).logical_and_(replace).logical_or_(taken)
             # Write x's row and column of the cached matrix (O(T)); its diagonal entry is zero. Rows
             # where nothing joins write zeros onto the diagonal instead (entry j to (j, j), where the
             # matrix holds 0): they keep every other value, also of a matrix that one product's
@@ -803,10 +818,10 @@ class StreamingSummary:
             self.sim.scatter_(2, target.view(rows, size, 1), new_row.view(rows, size, 1))
             for field, value in ((self.self_sim, self_x), (self.norms, norm_x), (self.valid, valid_x)):
                 torch.where(taken, value, field, out=field)  # in place: no copy back
-            if stored_of_rank is None:
-                member_index.masked_fill_(taken, x)
-            else:
+            if by_rank:
                 torch.where(taken, x, member_index, out=member_index)
+            else:
+                member_index.masked_fill_(taken, x)
             # Nearest other member: x beats the old one, or the old one stays, except for the rows
             # rescanned. Every row is scanned and the rescanned ones taken (masked work over the
             # fixed T x T bound, Appx. E's O(T^2) per step): selecting the rows would be a host read.
@@ -814,7 +829,7 @@ class StreamingSummary:
             torch.where(replace, nearest_with_x, self.nearest, out=self.nearest)
             torch.where(rescan, self.sim.amax(dim=-1), self.nearest, out=self.nearest)
             # x is the newest member: its slot moves to the last rank, the later ones move up.
-            later = (self.rank_of_slot > self.rank_of_slot.gather(1, y)) & replace
+            later = (self.rank_of_slot > self.rank_of_slot.gather(1, y)).logical_and_(replace)
             self.rank_of_slot.add_(later, alpha=-1).masked_fill_(taken, size - 1)
         # rank_of_slot is a permutation of each row: the scatter writes every entry of its inverse.
         self.slot_of_rank.scatter_(1, self.rank_of_slot, slots.expand(rows, size))
