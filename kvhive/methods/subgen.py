@@ -564,7 +564,7 @@ def _steady_step(
     order = torch.where(candidates & (nearest_position < 0), nearest_sq, inf).scatter_(1, newcomer, -inf)
     index = order.topk(min(1 + stale_refresh_width, order.shape[-1]), dim=-1, largest=False).indices
     asked = keys.gather(1, index[..., None].expand(-1, -1, dim))
-    asked_sq = (asked * asked).sum(-1)
+    asked_sq = torch.linalg.vecdot(asked, asked)
     keys_sq.scatter_(1, index, asked_sq)  # the newcomer's norm (the others' are rewritten as they were)
     # [R, 1 + w, N] squared distances, |x|² - 2·dot + |y|² (-2·dot exact, so one rounding per add);
     # non-candidate columns inf through their norm, each row's own column inf. (baddbmm reads the
@@ -575,27 +575,30 @@ def _steady_step(
     best, best_position = _oldest_minimum(distances, positions[:, None, :])
     if present is not None:  # (else every candidate has another: every distance found is finite)
         best_position = torch.where(torch.isfinite(best), best_position, -1.0)
-    # The newcomer may be the nearest neighbour of candidates already there (row 0 of the block,
-    # where the row has a newcomer).
+    # The newcomer may be the nearest neighbour of candidates already there (row 0 of the block).
+    # Its non-candidate columns are inf: never closer. (Where the row has no newcomer, row 0 is a
+    # non-candidate, all inf, or a candidate, which is no closer to any candidate than that one's
+    # nearest neighbour, nor than a stale one's lower bound.)
     from_newcomer = distances[:, 0]
-    closer = candidates & (from_newcomer < nearest_sq)
-    if present is not None:
-        closer &= present
-    nearest_sq.copy_(torch.where(closer, from_newcomer, nearest_sq))
+    closer = from_newcomer < nearest_sq
     nearest_position.copy_(torch.where(closer, positions.gather(1, newcomer), nearest_position))
+    nearest_sq.clamp_max_(from_newcomer)  # the same values as where(closer, from_newcomer, nearest_sq)
     nearest_sq.scatter_(1, index, best.squeeze(-1))
     nearest_position.scatter_(1, index, best_position.squeeze(-1))
     # One removal: the newer member of the closest pair (first member: oldest among the minima).
     value = torch.where(candidates, nearest_sq, inf)
     first_position, first = _oldest_minimum(value, positions, with_position=True)
     dropped_position = torch.maximum(nearest_position.gather(1, first), first_position)
-    drop = candidates & (positions == dropped_position)
-    if present is not None:
-        drop &= candidates.sum(-1, keepdim=True) > target
+    # (A candidate's position: the first member's, or its recorded neighbour's, a candidate's. The
+    # positions are distinct, so no other token is dropped.)
+    drop = positions == dropped_position
+    if present is not None:  # (a row with no candidate, or not over its target, drops none)
+        drop &= candidates & (candidates.sum(-1, keepdim=True) > target)
         dropped_position = torch.where(drop.any(-1, keepdim=True), dropped_position, -2.0)
     candidates.logical_xor_(drop)
-    # Stale for the next step: the candidates whose neighbour was just dropped.
-    nearest_position.masked_fill_(candidates & (nearest_position == dropped_position), -1.0)
+    # Stale for the next step: the candidates whose neighbour was just dropped (a non-candidate marked
+    # too is rewritten when it joins).
+    nearest_position.masked_fill_(nearest_position == dropped_position, -1.0)
 
 
 class SubGen(Policy):
