@@ -841,11 +841,7 @@ class KVHiveCache(Cache):
                         f"{self.policy.name} declares {known} tokens kept per head in layer {layer_index}, more than "
                         f"the {bound} its fixed_decode_capacity declared"
                     )
-                torch._assert_async(
-                    (keep.sum(dim=-1) == known).all(),
-                    f"{self.policy.name}: the keep mask of layer {layer_index} does not keep the {known} tokens per "
-                    "head its kept_per_row declared",
-                )
+                self._assert_kept_count(keep, known, layer_index)
                 store.compact_in_place(keep, known, at_most_one_dropped=at_most_one, fill_hole=fill_hole)
                 store.decode_steps_since_compression = 0
                 return
@@ -1078,14 +1074,18 @@ class KVHiveCache(Cache):
                 f"{self.policy.name} declares {known_count} tokens kept per head in layer {store.layer_index}, "
                 f"over its budget of {min(row_budgets)}"
             )
-        # Asynchronous on a GPU: a mismatch stops the device (an error at the next synchronisation)
-        # instead of every step waiting for the host to read the counts.
-        torch._assert_async(
-            (keep.sum(dim=-1) == known_count).all(),
-            f"{self.policy.name}: the keep mask of layer {store.layer_index} does not keep the {known_count} tokens "
-            "per head its kept_per_row declared",
-        )
+        self._assert_kept_count(keep, known_count, store.layer_index)
         return known_count
+
+    def _assert_kept_count(self, keep: torch.Tensor, known: int, layer_index: int) -> None:
+        """Check on the device that every row of ``keep`` keeps the ``known`` tokens the method's
+        ``kept_per_row`` declared: asynchronous on a GPU (a mismatch stops the device, an error at the
+        next synchronisation) instead of every step waiting for the host to read the counts."""
+        torch._assert_async(
+            (keep.sum(dim=-1) == known).all(),
+            f"{self.policy.name}: the keep mask of layer {layer_index} does not keep the {known} tokens per head "
+            "its kept_per_row declared",
+        )
 
     def _check_keep(self, keep: torch.Tensor, store: LayerStore, row_budgets: list[int]) -> torch.Tensor:
         """Kept tokens per row ``[B, H]`` (read back once, on the host); refuses a mask over budget."""

@@ -337,12 +337,10 @@ class BumbleBee(Policy):
         summary: StreamingSummary = state[SUMMARY]
         built = state[BUILT]
         slots = torch.arange(capacity, device=keys.device)
-        if scoring.known_filled == capacity and capacity > budget and REBUILDS not in state:
-            # An eager step of a full capacity, known on the host: every slot holds a token and the
-            # step evicts (no device mask of either).
-            order, ranked = _rank_by_position(scoring, positions, None)
-            torch._assert_async(summary.matches(ranked), "BumbleBee's summary is not the oldest stored tokens")
-            dropped = summary.step(
+
+        def joined(order: torch.Tensor, active: torch.Tensor | None) -> torch.Tensor:
+            """The summary's step for the newest joiner: the dropped stored index of each row."""
+            return summary.step(
                 keys,
                 valid,
                 weights,
@@ -352,9 +350,16 @@ class BumbleBee(Policy):
                 self.config.mixture_weight,
                 self.concave,
                 normalise_mass=self.config.importance_scale == "normalised",
+                active=active,
                 stored_of_rank=order,
             )
-            return (slots != dropped).view(batch, heads, capacity)
+
+        if scoring.known_filled == capacity and capacity > budget and REBUILDS not in state:
+            # An eager step of a full capacity, known on the host: every slot holds a token and the
+            # step evicts (no device mask of either).
+            order, ranked = _rank_by_position(scoring, positions, None)
+            torch._assert_async(summary.matches(ranked), "BumbleBee's summary is not the oldest stored tokens")
+            return (slots != joined(order, None)).view(batch, heads, capacity)
         evict = scoring.filled > budget
         stored = slots < scoring.filled  # [C]: the slots holding a token (the empty ones last)
         order, ranked = _rank_by_position(scoring, positions, stored)
@@ -372,19 +377,7 @@ class BumbleBee(Policy):
         else:  # built at the prefill's selection: the summary holds its members at every step
             aligned = summary.matches(ranked)
         torch._assert_async(aligned, "BumbleBee's summary is not the oldest stored tokens")
-        dropped = summary.step(
-            keys,
-            valid,
-            weights,
-            positions,
-            summary_size,
-            1,
-            self.config.mixture_weight,
-            self.concave,
-            normalise_mass=self.config.importance_scale == "normalised",
-            active=evict,
-            stored_of_rank=order,
-        )
+        dropped = joined(order, evict)
         stays = (slots != torch.where(evict, dropped, capacity)).view(batch, heads, capacity)
         return stored & stays
 
