@@ -1361,7 +1361,9 @@ def test_decode_in_the_cache_is_the_same_whether_or_not_the_newest_tokens_scores
         if reads is not None:
             monkeypatch.setattr(SubGen, "reads_newest_token_scores", property(lambda self: reads))
         cache = kvhive.make_cache(model, "subgen", budget=12, recent=recent)
-        assert all(store.new_token_scores_read == SubGen(recent=recent).reads_newest_token_scores for store in cache.layers)
+        assert all(
+            store.new_token_scores_read == SubGen(recent=recent).reads_newest_token_scores for store in cache.layers
+        )
         snapshots = []
         key = cache_kwarg(model)
         with torch.inference_mode():
