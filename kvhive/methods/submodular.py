@@ -31,6 +31,13 @@ PADDING_GAIN = -1e30
 # but not the second layer of the kv-heavy shape at 4k (a second run: 38.8k exact gains per row
 # in all), 64 settles both of its layers in one (19.6k each).
 _LAZY_EVALUATIONS = 64
+# The eager loop on the CPU evaluates 3/2 of that margin: a row stops reading the matrix once its
+# step has settled (_GreedyState.settling_gains), so the part of the margin it does not need costs the
+# arithmetic on a row in cache, not a read from memory; but the rows it skipped keep staler bounds,
+# and with 64 (and 72, 80) the second layer of the kv-heavy shape at 4k left one step unsettled (step
+# 52 needed 85) and ran again; with 96 both layers settle in one run (exact gains read per row:
+# 9.9k and 12.9k of 25.4k evaluated, against 19.6k of 19.6k with 64 and no early stop).
+_EAGER_CPU_MARGIN, _EAGER_CPU_MARGIN_OF = 3, 2
 # Runs of lazy/stochastic greedy before the one that evaluates every element drawn, included.
 _LAZY_RUNS = 3
 # Plain greedy: elements of the temporary [rows, candidates, n] tensor per chunk.
@@ -291,6 +298,72 @@ class _GreedyState:
             torch.sum(similarity, dim=-1, out=sums[:, start : start + width])
         return sums.double() * objective.facility_scale[rows][:, None]
 
+    def settling_gains(
+        self,
+        elements: torch.Tensor,
+        feature: torch.Tensor,
+        elements_valid: torch.Tensor,
+        top_values: torch.Tensor,
+        facility_bounds: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact gains ``g(e | S)`` ``[R, m]`` (float64) of ``elements[R, m]`` (every row), taken in
+        the order of their bounds ``top_values[R, >= m]`` (descending), and each row's best one
+        ``[R]``; ``feature`` and ``elements_valid`` are the elements' feature gains and validity.
+        The facility parts go into ``facility_bounds`` (the stale gains, in place). Elements whose
+        bound is ``-inf`` (not eligible) get ``-inf``.
+
+        On the CPU, a few elements per row at a time (as :meth:`facility_gains`), and a row whose
+        best exact gain so far beats the next bound (settled, as the greedy step asks at the end)
+        stops evaluating: its later pieces gather one row already in cache instead of its elements'
+        (a random row of the matrix is a read from memory: ~70% of an exact gain's time on the
+        kv-heavy shape), their values are discarded (gain ``-inf``, bounds left as they were). Every
+        element left out has a bound below that best gain, so the best gain, the elements attaining
+        it and whether the step settles are the ones evaluating all ``m`` gives; only bounds of
+        elements that cannot be picked at this step stay staler."""
+        objective = self.objective
+        rows, n = objective.rows, objective.size
+        m = elements.shape[1]
+        flat = objective.sim.view(-1, n)
+        unbounded = top_values[:, :m] == float("-inf")
+        chunk = max(1, _GAIN_CHUNK // max(1, rows * n)) if flat.device.type == "cpu" else m
+        if chunk >= m:
+            facility = self.facility_gains(self.rows, elements)
+            facility_bounds.scatter_(1, elements, facility)
+            exact = self.combine(facility, feature, elements_valid).masked_fill_(unbounded, float("-inf"))
+            return exact, exact.amax(dim=-1)
+        index = self.rows[:, None] * n + elements
+        coverage = self.coverage[:, None, :]
+        scale = objective.facility_scale[:, None]
+        exact = feature.new_empty(rows, m)
+        best = None
+        evaluating = None  # rows not settled yet
+        buffer = flat.new_empty(rows * chunk * n)
+        for start in range(0, m, chunk):
+            end = min(m, start + chunk)
+            width = end - start
+            piece = index[:, start:end]
+            if evaluating is not None:
+                piece = torch.where(evaluating, piece, 0)  # settled rows: the matrix's first row, in cache
+            similarity = buffer[: rows * width * n].view(rows, width, n)
+            torch.index_select(flat, 0, piece.reshape(-1), out=similarity.view(-1, n))
+            similarity.sub_(coverage).clamp_(min=0)
+            facility = similarity.sum(dim=-1).double().mul_(scale)
+            part = elements[:, start:end]
+            if evaluating is not None:
+                facility = torch.where(evaluating, facility, facility_bounds.gather(1, part))
+            facility_bounds.scatter_(1, part, facility)
+            gains = self.combine(facility, feature[:, start:end], elements_valid[:, start:end])
+            gains.masked_fill_(unbounded[:, start:end], float("-inf"))
+            if evaluating is not None:
+                gains.masked_fill_(~evaluating, float("-inf"))
+            exact[:, start:end] = gains
+            piece_best = gains.amax(dim=-1, keepdim=True)
+            best = piece_best if best is None else torch.maximum(best, piece_best)
+            if end < m:
+                settled = best > top_values[:, end : end + 1]
+                evaluating = ~settled if evaluating is None else evaluating & ~settled
+        return exact, best.squeeze(1)
+
     def feature_gains(self, elements: torch.Tensor) -> torch.Tensor:
         """``(1 - lam) [c(S + e) - c(S)]`` ``[R, m]`` (float64) of ``elements[R, m]`` (every row)."""
         objective = self.objective
@@ -376,17 +449,20 @@ def greedy_maximize(
     if method not in ("lazy", "stochastic"):
         raise ValueError(f"invalid greedy={method!r}: expected 'stochastic', 'lazy' or 'plain'")
     sampler = _StochasticSampler(objective.valid, k, epsilon, generator) if method == "stochastic" else None
-    if sampler is None:
-        widths = [n] * k
-        evaluations = [min(_LAZY_EVALUATIONS, n)] * k
-    else:
-        widths = sampler.width
-        evaluations = sampler.first_evaluations(_LAZY_EVALUATIONS)
     cuda = objective.sim.device.type == "cuda"
     if fast is None:
         from kvhive.static_step import prefill_fast_path
 
         fast = prefill_fast_path(objective.sim.device)
+    margin = _LAZY_EVALUATIONS
+    if fast is False and objective.sim.device.type == "cpu":
+        margin = _LAZY_EVALUATIONS * _EAGER_CPU_MARGIN // _EAGER_CPU_MARGIN_OF
+    if sampler is None:
+        widths = [n] * k
+        evaluations = [min(margin, n)] * k
+    else:
+        widths = sampler.width
+        evaluations = sampler.first_evaluations(margin)
     if fast is False:
         last_greedy_path = "eager loop"
     attempts, runs = 1, 1
@@ -413,7 +489,7 @@ def greedy_maximize(
             # state the next run reproduces); the last run evaluates everything drawn.
             runs += 1
             evaluations = [
-                width if runs >= _LAZY_RUNS else min(width, max(count, need + _LAZY_EVALUATIONS))
+                width if runs >= _LAZY_RUNS else min(width, max(count, need + margin))
                 for width, count, need in zip(widths, evaluations, report[2:], strict=True)
             ]
 
@@ -529,7 +605,6 @@ def _lazy_greedy(
     state = _GreedyState(objective)
     rows, n = objective.rows, objective.size
     device = objective.sim.device
-    all_rows = state.rows
     valid = objective.valid
     # Stale facility-location gains: upper bounds of the current ones (submodularity).
     facility_bounds = objective.row_sums.double() * objective.facility_scale[:, None]
@@ -572,11 +647,9 @@ def _lazy_greedy(
         top = bounds.topk(min(count + 1, width), dim=-1)
         candidates = top.indices[:, :count]
         elements = pool.gather(1, candidates)
-        facility = state.facility_gains(all_rows, elements)
-        facility_bounds.scatter_(1, elements, facility)
-        exact = state.combine(facility, pool_feature.gather(1, candidates), valid.gather(1, elements))
-        exact = exact.masked_fill(top.values[:, :count] == float("-inf"), float("-inf"))
-        best = exact.amax(dim=-1)
+        exact, best = state.settling_gains(
+            elements, pool_feature.gather(1, candidates), valid.gather(1, elements), top.values, facility_bounds
+        )
         picks = torch.where(exact == best[:, None], elements, n).amin(dim=-1)
         if width > count:
             following = top.values[:, count]
