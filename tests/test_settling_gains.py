@@ -62,27 +62,32 @@ def test_pieces_give_the_best_gain_and_the_exact_gains_of_a_full_evaluation(monk
     assert stopped > 0, "no row stopped early: the test checks nothing"
 
 
+def _generators(rows: int) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(10 + row) for row in range(rows)]
+
+
 @pytest.mark.parametrize("method", ["lazy", "stochastic"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_kept_sets_with_early_stops_are_those_of_a_full_evaluation(monkeypatch, method, seed):
     for objective in (tied_objective(seed=seed), random_objective(rows=4, n=80, seed=seed, phi=Concave("power"))):
-        generators = lambda: [torch.Generator().manual_seed(10 + row) for row in range(objective.rows)]  # noqa: E731
         monkeypatch.setattr(submodular, "_GAIN_CHUNK", 1 << 30)
-        reference = greedy_maximize(objective, 25, method, 1e-5, generators(), fast=False)
+        reference = greedy_maximize(objective, 25, method, 1e-5, _generators(objective.rows), fast=False)
         if method == "lazy":
             assert torch.equal(reference, greedy_maximize(objective, 25, "plain"))
         _one_piece_per_candidate(monkeypatch, objective)
         calls = []
         original = _GreedyState.settling_gains
 
-        def counting(self, elements, feature, elements_valid, top_values, facility_bounds):
+        def counting(
+            self, elements, feature, elements_valid, top_values, facility_bounds, original=original, calls=calls
+        ):
             exact, best = original(self, elements, feature, elements_valid, top_values, facility_bounds)
             bounded = top_values[:, : elements.shape[1]] > float("-inf")
             calls.append(int(((exact == float("-inf")) & bounded).sum()))  # candidates left out
             return exact, best
 
         monkeypatch.setattr(_GreedyState, "settling_gains", counting)
-        chosen = greedy_maximize(objective, 25, method, 1e-5, generators(), fast=False)
+        chosen = greedy_maximize(objective, 25, method, 1e-5, _generators(objective.rows), fast=False)
         monkeypatch.setattr(_GreedyState, "settling_gains", original)
         assert torch.equal(chosen, reference), (method, seed)
         assert sum(calls) > 0, "no row stopped early: the test checks nothing"
