@@ -309,8 +309,8 @@ class _GreedyState:
         """Exact gains ``g(e | S)`` ``[R, m]`` (float64) of ``elements[R, m]`` (every row), taken in
         the order of their bounds ``top_values[R, >= m]`` (descending), and each row's best one
         ``[R]``; ``feature`` and ``elements_valid`` are the elements' feature gains and validity.
-        The facility parts go into ``facility_bounds`` ``[R, n + 1]`` (the stale gains, in place;
-        column ``n`` a spare one). Elements whose bound is ``-inf`` (not eligible) get ``-inf``.
+        The facility parts go into ``facility_bounds`` (the stale gains, in place). Elements whose
+        bound is ``-inf`` (not eligible) get ``-inf``.
 
         On the CPU, a few elements per row at a time (as :meth:`facility_gains`), and a row whose
         best exact gain so far beats the next bound (settled, as the greedy step asks at the end)
@@ -334,15 +334,10 @@ class _GreedyState:
         index = self.rows[:, None] * n + elements
         coverage = self.coverage[:, None, :]
         scale = objective.facility_scale[:, None]
-        # The settling test's gains: the exact ones (the same operations as ``combine``) where
-        # ``combine`` keeps them, -inf where it would not (padding; a row whose candidates are all
-        # padding then evaluates every piece, as if never settled).
-        checked = feature.masked_fill(unbounded | ~elements_valid, float("-inf"))
-        sums = flat.new_empty(rows, m)  # float32 facility sums; a settled row's are discarded
-        buffer = flat.new_empty(rows * chunk * n)
-        ran = [torch.ones(rows, 1, dtype=torch.bool, device=flat.device)]  # rows evaluating each piece
-        evaluating = None
+        exact = feature.new_empty(rows, m)
         best = None
+        evaluating = None  # rows not settled yet
+        buffer = flat.new_empty(rows * chunk * n)
         for start in range(0, m, chunk):
             end = min(m, start + chunk)
             width = end - start
@@ -352,24 +347,22 @@ class _GreedyState:
             similarity = buffer[: rows * width * n].view(rows, width, n)
             torch.index_select(flat, 0, piece.reshape(-1), out=similarity.view(-1, n))
             similarity.sub_(coverage).clamp_(min=0)
-            torch.sum(similarity, dim=-1, out=sums[:, start:end])
+            facility = similarity.sum(dim=-1).double().mul_(scale)
+            part = elements[:, start:end]
+            if evaluating is not None:
+                facility = torch.where(evaluating, facility, facility_bounds.gather(1, part))
+            facility_bounds.scatter_(1, part, facility)
+            gains = self.combine(facility, feature[:, start:end], elements_valid[:, start:end])
+            gains.masked_fill_(unbounded[:, start:end], float("-inf"))
+            if evaluating is not None:
+                gains.masked_fill_(~evaluating, float("-inf"))
+            exact[:, start:end] = gains
+            piece_best = gains.amax(dim=-1, keepdim=True)
+            best = piece_best if best is None else torch.maximum(best, piece_best)
             if end < m:
-                gains = sums[:, start:end].double().mul_(scale).add_(checked[:, start:end])
-                piece_best = gains.amax(dim=-1, keepdim=True)
-                # A settled row's best is not kept up to date (its values are garbage): it stays settled.
-                best = piece_best if best is None else torch.maximum(best, piece_best)
-                unsettled = best <= top_values[:, end : end + 1]
-                evaluating = unsettled if evaluating is None else unsettled.logical_and_(evaluating)
-                ran.append(evaluating)
-        # Once per step: the gains of the elements evaluated (the same values, piece by piece);
-        # the others' facility parts go to the spare column ``n`` of the bounds (a repeated element
-        # evaluated in an earlier piece keeps its value there, as when pieces wrote in turn).
-        pieces = len(ran)
-        evaluated = torch.cat(ran, dim=1)[:, :, None].expand(rows, pieces, chunk).reshape(rows, pieces * chunk)[:, :m]
-        facility = sums.double().mul_(scale)
-        facility_bounds.scatter_(1, torch.where(evaluated, elements, n), facility)
-        exact = self.combine(facility, feature, elements_valid).masked_fill_(unbounded | ~evaluated, float("-inf"))
-        return exact, exact.amax(dim=-1)
+                settled = best > top_values[:, end : end + 1]
+                evaluating = ~settled if evaluating is None else evaluating & ~settled
+        return exact, best.squeeze(1)
 
     def feature_gains(self, elements: torch.Tensor) -> torch.Tensor:
         """``(1 - lam) [c(S + e) - c(S)]`` ``[R, m]`` (float64) of ``elements[R, m]`` (every row)."""
@@ -613,10 +606,8 @@ def _lazy_greedy(
     rows, n = objective.rows, objective.size
     device = objective.sim.device
     valid = objective.valid
-    # Stale facility-location gains: upper bounds of the current ones (submodularity); a spare
-    # column n that settling_gains writes the gains it discards into.
-    facility_bounds = objective.row_sums.new_zeros(rows, n + 1, dtype=torch.float64)
-    torch.mul(objective.row_sums.double(), objective.facility_scale[:, None], out=facility_bounds[:, :n])
+    # Stale facility-location gains: upper bounds of the current ones (submodularity).
+    facility_bounds = objective.row_sums.double() * objective.facility_scale[:, None]
     everything = torch.arange(n, device=device).expand(rows, n)
     valid_count = valid.sum(dim=-1)
     evaluated_enough = torch.ones((), dtype=torch.bool, device=device)
