@@ -91,3 +91,29 @@ def test_kept_sets_with_early_stops_are_those_of_a_full_evaluation(monkeypatch, 
         monkeypatch.setattr(_GreedyState, "settling_gains", original)
         assert torch.equal(chosen, reference), (method, seed)
         assert sum(calls) > 0, "no row stopped early: the test checks nothing"
+
+
+def test_a_repeated_element_left_out_keeps_the_bound_its_evaluation_wrote(monkeypatch):
+    """Stochastic draws repeat elements: a repeat is not eligible (bound -inf, last in bound order),
+    so a row that settled before reaching it does not evaluate it; the bound of the element must
+    stay the exact gain written by its evaluated copy, not go back to the stale one."""
+    objective = random_objective(rows=4, n=60, seed=2)
+    rows, n, m = objective.rows, objective.size, 10
+    state = _GreedyState(objective)
+    state.add(torch.zeros(rows, dtype=torch.long))  # some coverage: exact gains below the stale bounds
+    bounds = objective.row_sums.double() * objective.facility_scale[:, None]
+    feature = state.feature_gains(torch.arange(n).expand(rows, n))
+    stale = (bounds + feature).masked_fill(state.chosen, float("-inf"))
+    top = stale.topk(n, dim=-1)
+    elements, values = top.indices[:, :m].clone(), top.values.clone()
+    elements[:, m - 1] = elements[:, 0]  # the repeat of the first candidate, not eligible
+    values[:, m - 1 :] = float("-inf")
+    first = elements[:, :1]
+    exact_facility = state.facility_gains(state.rows, first)
+    assert (bounds.gather(1, first) > exact_facility).any(), "stale and exact bounds tie: the test checks nothing"
+    _one_piece_per_candidate(monkeypatch, objective)
+    exact, _ = state.settling_gains(
+        elements, feature.gather(1, elements), objective.valid.gather(1, elements), values, bounds
+    )
+    assert (exact[:, m - 1] == float("-inf")).all()
+    assert torch.equal(bounds.gather(1, first), exact_facility)
