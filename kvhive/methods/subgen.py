@@ -433,15 +433,12 @@ def maintain_candidates(
     # A steady step (one token joins, one leaves) whose refresh is one block of _nearest_among.
     one_block = stale_refresh_width <= max(1, _BLOCK_ELEMENTS // max(1, rows * keys.shape[1]))
     if newcomer_bound == 1 and removal_bound == 1 and 0 < stale_refresh_width and one_block:
-        if ready is None:
-            # The newest candidate: the newcomer, in a row that has one (in one that has none, a
-            # ready candidate, whose neighbour is recomputed to the same).
+        # Each row's newcomer; in a row that has none, a ready candidate (recomputed to the same
+        # neighbour) or a non-candidate (no candidate is closer to it than to its own neighbour).
+        if ready is None:  # the newest candidate
             newcomer = torch.where(candidates, positions, -1.0).argmax(-1, keepdim=True)
-            present = None if every_row_full else candidates.gather(1, newcomer)
         else:
-            joining = candidates & ~ready
-            newcomer = joining.to(torch.int8).argmax(-1, keepdim=True)
-            present = joining.gather(1, newcomer)
+            newcomer = (candidates & ~ready).to(torch.int8).argmax(-1, keepdim=True)
         _steady_step(
             keys,
             keys_sq,
@@ -452,7 +449,7 @@ def maintain_candidates(
             nearest_position,
             newcomer,
             stale_refresh_width,
-            present,
+            every_row_full,
         )
         if ready is not None:
             ready.copy_(candidates)
@@ -536,7 +533,7 @@ def _steady_step(
     nearest_position: torch.Tensor,
     newcomer: torch.Tensor,
     stale_refresh_width: int,
-    present: torch.Tensor | None,
+    every_row_full: bool,
 ) -> None:
     """:func:`maintain_candidates` for a steady decode step (at most one newcomer and one removal
     per row), the same decisions in about half the tensor ops and one product of the keys.
@@ -554,9 +551,9 @@ def _steady_step(
     nothing but rounding. After the removal the candidates whose neighbour it dropped are marked
     stale (``nearest_position = -1``) for the next step (or :func:`maintain_candidates`) to refresh.
 
-    ``newcomer [R, 1]``: each row's newcomer (stored index); ``present [R, 1]``: the rows that have
-    one, None where every row has one and holds more than ``target`` candidates (known on the host
-    when every stored token is real): every row drops one, no row is masked. Updates
+    ``newcomer [R, 1]``: each row's newcomer (stored index). ``every_row_full``: every row holds
+    more than ``target`` candidates (known on the host when every stored token is real), so every
+    row drops one and every candidate has a neighbour: no row is masked. Updates
     ``candidates`` (the survivors), ``nearest_*`` and ``keys_sq`` in place."""
     dim = keys.shape[-1]
     inf = float("inf")
@@ -573,7 +570,7 @@ def _steady_step(
     distances = distances.add_(torch.where(candidates, keys_sq, inf)[:, None, :]).clamp_min_(0)
     distances.scatter_(2, index[..., None], inf)
     best, best_position = _oldest_minimum(distances, positions[:, None, :])
-    if present is not None:  # (else every candidate has another: every distance found is finite)
+    if not every_row_full:  # (else every candidate has another: every distance found is finite)
         best_position = torch.where(torch.isfinite(best), best_position, -1.0)
     # The newcomer may be the nearest neighbour of candidates already there (row 0 of the block).
     # Its non-candidate columns are inf: never closer. (Where the row has no newcomer, row 0 is a
@@ -592,7 +589,7 @@ def _steady_step(
     # (A candidate's position: the first member's, or its recorded neighbour's, a candidate's. The
     # positions are distinct, so no other token is dropped.)
     drop = positions == dropped_position
-    if present is not None:  # (a row with no candidate, or not over its target, drops none)
+    if not every_row_full:  # (a row with no candidate, or not over its target, drops none)
         drop &= candidates & (candidates.sum(-1, keepdim=True) > target)
         dropped_position = torch.where(drop.any(-1, keepdim=True), dropped_position, -2.0)
     candidates.logical_xor_(drop)
