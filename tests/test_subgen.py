@@ -1379,3 +1379,57 @@ def test_decode_in_the_cache_is_the_same_whether_or_not_the_newest_tokens_scores
     assert torch.equal(default, kept(True))
     if recent == 0:  # without the move the newest candidate's bookkeeping is lost
         assert not torch.equal(default, kept(False))
+
+
+@pytest.mark.parametrize("recent, padded", [(0, False), (4, False), (4, True)])
+def test_decode_with_the_attentions_key_probes_keeps_what_its_own_product_keeps(recent, padded, monkeypatch):
+    """On the CPU in float32 a steady decode step's distances come from the attention: SubGen names
+    the rows (newcomer, stale candidates) before it (``decode_key_probes``) and the attention
+    computes their products with its logits, so the keys are read once a step. Every steady step of
+    every compressed layer must take them, and leave the state SubGen's own product leaves (the
+    same attention in both runs: only where the products come from differs), to the bit; and the
+    run must stay what sdpa's attention, without probes, gives."""
+    import kvhive.methods.subgen as subgen_module
+
+    model = tiny_model("llama", "gqa")
+    generator = torch.Generator().manual_seed(50 + recent)
+    if padded:
+        input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=28, seed=recent)
+    else:
+        input_ids = torch.randint(3, model.config.vocab_size, (2, 28), generator=generator)
+        attention_mask = torch.ones_like(input_ids)
+    forced = [torch.randint(3, model.config.vocab_size, (2, 1), generator=generator) for _ in range(30)]
+    original = subgen_module._steady_step
+
+    def run(probes: bool, products_used: bool = True):
+        calls = {"probed": 0, "own": 0}
+        states = []
+
+        def recorded(*args):  # every layer's tokens and state after each steady step, by position
+            probe = args[-1] if products_used else None
+            calls["probed" if probe is not None else "own"] += 1
+            result = original(*args[:-1], probe)
+            positions = args[2]
+            order = positions.argsort(-1)
+            states.append([positions.gather(1, order)] + [t.gather(1, order) for t in (args[3], *args[5:7], args[1])])
+            return result
+
+        monkeypatch.setattr(SubGen, "takes_key_probes", probes)
+        monkeypatch.setattr(subgen_module, "_steady_step", recorded)
+        cache = kvhive.make_cache(model, "subgen", budget=12, recent=recent)
+        logits = prefill_and_decode(model, cache, input_ids, attention_mask, steps=len(forced), forced_tokens=forced)
+        return logits, states, calls
+
+    probed_logits, probed_states, probed_calls = run(True)
+    own_logits, own_states, own_calls = run(True, products_used=False)
+    steps = len(forced) * len(kvhive.make_cache(model, "subgen", budget=12, recent=recent).compressed_layers)
+    assert probed_calls == {"probed": steps, "own": 0} and own_calls == {"probed": 0, "own": steps}
+    # The candidates, each one's nearest distance and position and key norm, to the bit.
+    assert len(probed_states) == len(own_states) == steps
+    for probed, own in zip(probed_states, own_states, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(probed, own, strict=True))
+    assert torch.equal(probed_logits, own_logits)
+    # Without probes the attention is sdpa's: the same softmax, rounded apart.
+    sdpa_logits, _, sdpa_calls = run(False)
+    assert sdpa_calls == {"probed": 0, "own": steps}
+    torch.testing.assert_close(probed_logits, sdpa_logits, atol=1e-5, rtol=1e-5)

@@ -619,10 +619,40 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
     last_weights = None
     last_logits = None
     accumulated = None
+
+    def make_scoring(phase: str) -> ScoringInputs:
+        return ScoringInputs(
+            keys=keys,
+            values=values,
+            queries=query,
+            positions=positions,
+            mask=stored_mask,
+            scaling=scaling,
+            layer_index=layer_index,
+            num_layers=len(cache.layers),
+            sequence_length=store.tokens_seen_device if in_static_step() else store.tokens_seen,
+            phase=phase,
+            token_scores=dict(token_scores),
+            last_query_weights=last_weights,
+            last_query_logits=last_logits,
+            accumulated_weights=accumulated,
+            filled=_filled_count(store),
+            known_filled=store.known_length,
+            stored_in_order=store.stored_in_order,
+            key_probes=probes,
+        )
+
+    # Stored keys the method's decision will take products of with every stored key (SubGen): on the
+    # CPU they join the rows of the logits' product, so the keys are read once this step (a second
+    # pass over them cost SubGen as much as the attention's own, the keys cold from memory). Float32
+    # only: the method's distances are float32 products, which a narrower attention product is not.
+    probes = None
+    if compressed and num_queries == 1 and keys.device.type == "cpu" and keys.dtype == query.dtype == torch.float32:
+        probes = cache.decode_key_probes(layer_index, make_scoring)
     # The decision after these queries reads their column sums (H2O's chunk of a chunked prefill):
     # one pass computes them with the output, as a one-shot prefill does, not sdpa and a second QK^T.
     sums_phase = cache.chunk_column_sums_phase(layer_index) if compressed and causal_by_position else None
-    if not wants_weights and extra is None:
+    if not wants_weights and extra is None and probes is None:
         output = None
         if sums_phase is not None and _plain_softmax_attention(dropout, kwargs):
             output, accumulated = _chunk_attention_with_column_sums(
@@ -639,7 +669,12 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
 
             output = _sdpa_in_query_blocks(query, keys, values, stored_mask, scaling, group, causal_rows)
             output = output.transpose(1, 2)
-    elif kernel_eligible and extra is None and (by_kernel := _dense_decode_by_kernel(store, query, scaling, True)):
+    elif (
+        kernel_eligible
+        and extra is None
+        and probes is None
+        and (by_kernel := _dense_decode_by_kernel(store, query, scaling, True))
+    ):
         # The new query's weights from the attention's own pass (issue 23 item 2): on CUDA, where
         # the alternative is the torch pass below (about ten kernels a layer).
         output, weights, logits = by_kernel
@@ -654,7 +689,11 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
             # fp32's range and keeps the model's dtype.
             logits = torch.matmul(grouped.float(), keys.float().transpose(-1, -2)) * scaling
         else:
-            logits = torch.matmul(grouped, keys.transpose(-1, -2))
+            rows = grouped if probes is None else torch.cat([grouped, probes.rows], dim=2)
+            logits = torch.matmul(rows, keys.transpose(-1, -2))
+            if probes is not None:  # the probes' products, unscaled; the queries' logits go on
+                probes.products = logits[:, :, group * num_queries :]
+                logits = logits[:, :, : group * num_queries]
             logits = (logits if logits.dtype == torch.float32 else logits.float()) * scaling
         logits = logits.view(batch, heads, group, num_queries, -1)
         # The one new query's logits before the mask (the select below is out of place, so they
@@ -689,34 +728,16 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
         else:
             denominator = denominator.unsqueeze(-1)
             output = numerator / denominator
-            # Only the newest query's weights are read (with one query: all of them, no select).
-            if num_queries == 1:
+            # Only the newest query's weights are read (with one query: all of them, no select); a
+            # method here only for its key probes reads none.
+            if probes is not None and not wants_weights:
+                pass
+            elif num_queries == 1:
                 last_weights = (exponentials / denominator).view(batch, query_heads, -1)
             else:
                 last_weights = (exponentials[:, :, :, -1:] / denominator[:, :, :, -1:]).view(batch, query_heads, -1)
         output = output if output.dtype == query.dtype else output.to(query.dtype)
         output = output.reshape(batch, query_heads, num_queries, head_dim).transpose(1, 2)
-
-    def make_scoring(phase: str) -> ScoringInputs:
-        return ScoringInputs(
-            keys=keys,
-            values=values,
-            queries=query,
-            positions=positions,
-            mask=stored_mask,
-            scaling=scaling,
-            layer_index=layer_index,
-            num_layers=len(cache.layers),
-            sequence_length=store.tokens_seen_device if in_static_step() else store.tokens_seen,
-            phase=phase,
-            token_scores=dict(token_scores),
-            last_query_weights=last_weights,
-            last_query_logits=last_logits,
-            accumulated_weights=accumulated,
-            filled=_filled_count(store),
-            known_filled=store.known_length,
-            stored_in_order=store.stored_in_order,
-        )
 
     cache.after_decode(layer_index, _question_scoring(cache, layer_index, query, stored_mask, scaling, make_scoring))
     return output, None

@@ -26,6 +26,7 @@ from kvhive.methods.base import (
     DECODE,
     PREFILL,
     QUERY_HEADS,
+    KeyProbes,
     Policy,
     PrefillScratch,
     ScoringInputs,
@@ -724,6 +725,26 @@ class KVHiveCache(Cache):
         if PREFILL in policy.phases and self.takes_prompt_chunks:
             return PREFILL
         return None
+
+    def decode_key_probes(self, layer_index: int, make_scoring: Callable[[str], ScoringInputs]) -> KeyProbes | None:
+        """Before a decode step's attention over this layer: the stored keys whose products with
+        every stored key the method's decision will read (``Policy.decode_key_probes``), for the
+        attention to compute with its logits; None where the method asks for none or this step
+        decides through another path (a layer the method does not compress, stacked rows of
+        different lengths, heads holding different numbers of tokens)."""
+        policy = self.policy
+        if not policy.takes_key_probes or DECODE not in policy.phases or not self.is_compressed(layer_index):
+            return None
+        store: LayerStore = self.layers[layer_index]
+        budget = self.layer_budgets.get(layer_index)
+        if (
+            budget is None
+            or store.has_row_lengths
+            or not store.is_uniform
+            or self._window_within_budget(layer_index, store)
+        ):
+            return None
+        return policy.decode_key_probes(make_scoring(DECODE), budget, store.policy_state)
 
     def _warn_budget_not_kept(self, layer_index: int, store: LayerStore) -> None:
         """Warn (once per cache) when a prefill-only method holds more than its budget without

@@ -129,6 +129,23 @@ class PrefillScratch:
 
 
 @dataclass
+class KeyProbes:
+    """Stored keys whose dot products with every stored key a method's decode decision reads
+    (SubGen's newcomer and stale candidates), asked for before the step's attention
+    (:meth:`Policy.decode_key_probes`): the attention takes them as extra rows of the product that
+    gives its logits, so the keys are read once a step, not again by the method, and hands the
+    products back in :attr:`ScoringInputs.key_probes`.
+
+    ``rows`` ``[B, H, P, d]`` (the keys' dtype); ``context``: the method's own, handed back
+    unchanged (what it derived choosing the rows); ``products`` ``[B, H, P, N]`` ``rows · keysᵀ``
+    over every stored slot, unscaled, written by the attention (None until then)."""
+
+    rows: torch.Tensor
+    context: Any = None
+    products: torch.Tensor | None = None
+
+
+@dataclass
 class ScoringInputs:
     """What a policy may look at for one layer when it decides what to keep.
 
@@ -178,6 +195,9 @@ class ScoringInputs:
     # The cache's buffers reused across the layers of one prefill (:class:`PrefillScratch`); None
     # outside a prefill's scoring.
     scratch: PrefillScratch | None = None
+    # The key probes the method asked for before this decode step's attention, their products
+    # written by it (:class:`KeyProbes`); None: none asked for, or an attention that took none.
+    key_probes: KeyProbes | None = None
     _memo: dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
@@ -609,6 +629,19 @@ class Policy:
 
     def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor | None:
         raise NotImplementedError(f"{self.name} has no decode phase")
+
+    takes_key_probes: ClassVar[bool] = False
+    """The method may ask for :meth:`decode_key_probes` (the cache skips the call otherwise)."""
+
+    def decode_key_probes(self, scoring: ScoringInputs, budget: int, state: dict) -> KeyProbes | None:
+        """Before a decode step's attention (``scoring`` has no weights yet): stored keys whose dot
+        products with every stored key this step's :meth:`select_decode` will read, or None. The
+        attention computes them with its logits where it can (float32 keys on the CPU, where a
+        second pass over the keys costs as much as the attention's own) and hands them back in
+        ``ScoringInputs.key_probes``; where it does not, ``key_probes`` is None and the method
+        computes what it needs itself. Asking changes no state: a step that decides nothing
+        (or an attention that takes no probes) leaves everything as it was."""
+        return None
 
     def prefill_limit(self, budget: int) -> int:
         """The most tokens per (row, head) a layer may hold right after its prefill decision at

@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import types
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from kvhive.methods.base import (
     DECODE,
     PREFILL,
+    KeyProbes,
     Policy,
     PolicyConfig,
     ScoringInputs,
@@ -375,6 +377,18 @@ def _oldest_minimum(
 STALE_REFRESH_WIDTH = 8
 
 
+class _SteadyProbe(NamedTuple):
+    """What :meth:`SubGen.decode_key_probes` derived before a steady step's attention, handed back
+    to :meth:`SubGen.select_decode` with the attention's products of the probed rows."""
+
+    split: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # SubGen._split: valid, forced, candidates
+    positions: torch.Tensor  # [R, N] the stored positions, in nearest_position's dtype
+    newcomer: torch.Tensor  # [R, 1] each row's newcomer (stored index)
+    index: torch.Tensor  # [R, 1 + w] the probed rows (_steady_rows)
+    asked_sq: torch.Tensor  # [R, 1 + w] their squared norms
+    products: torch.Tensor | None  # [R, 1 + w, N] their products with every stored key
+
+
 def maintain_candidates(
     keys: torch.Tensor,
     positions: torch.Tensor,
@@ -389,6 +403,7 @@ def maintain_candidates(
     stale_refresh_width: int = STALE_REFRESH_WIDTH,
     keys_sq: torch.Tensor | None = None,
     every_row_full: bool = False,
+    probe: _SteadyProbe | None = None,
 ):
     """Shrink each row's candidate set to ``target`` by repeatedly evicting the newer member of
     the closest pair. All ``[R, N]`` (keys ``[R, N, d]``); ``nearest_*`` are updated in place for
@@ -423,20 +438,25 @@ def maintain_candidates(
     ``keys_sq`` (``[R, N]``, optional): the keys' squared norms, current for the ready
     candidates; the newcomers' are computed and written into it (in place). Without it every
     key's norm is computed (a pass over all keys). ``every_row_full``: every row holds more than
-    ``target`` candidates (known on the host), which the steady step uses to skip its row mask."""
+    ``target`` candidates (known on the host), which the steady step uses to skip its row mask.
+    ``probe`` (a steady step, ``ready`` None): what :meth:`SubGen.decode_key_probes` chose before the
+    step's attention, with the attention's ``products``: the step computes no product of its own."""
     keys = keys.float()
     if keys_sq is None:
         keys_sq = (keys * keys).sum(-1)
     positions = positions.to(nearest_position.dtype)
     rows, _, dim = keys.shape
-    candidates = candidates.clone()
+    if probe is None:  # (a probed step's candidates are the probe's own, made for this step)
+        candidates = candidates.clone()
     # A steady step (one token joins, one leaves) whose refresh is one block of _nearest_among.
-    one_block = stale_refresh_width <= max(1, _BLOCK_ELEMENTS // max(1, rows * keys.shape[1]))
-    if newcomer_bound == 1 and removal_bound == 1 and 0 < stale_refresh_width and one_block:
+    if newcomer_bound == 1 and removal_bound == 1 and _steady_block_fits(rows, keys.shape[1], stale_refresh_width):
         # Each row's newcomer; in a row that has none, a ready candidate (recomputed to the same
         # neighbour) or a non-candidate (no candidate is closer to it than to its own neighbour).
-        if ready is None:  # the newest candidate
-            newcomer = torch.where(candidates, positions, -1.0).argmax(-1, keepdim=True)
+        probed = None
+        if probe is not None and ready is None:  # chosen before the attention, from the same state
+            newcomer, probed = probe.newcomer, (probe.index, probe.asked_sq, probe.products)
+        elif ready is None:  # the newest candidate
+            newcomer = _newest_candidate(candidates, positions)
         else:
             newcomer = (candidates & ~ready).to(torch.int8).argmax(-1, keepdim=True)
         _steady_step(
@@ -450,6 +470,7 @@ def maintain_candidates(
             newcomer,
             stale_refresh_width,
             every_row_full,
+            probed,
         )
         if ready is not None:
             ready.copy_(candidates)
@@ -523,6 +544,35 @@ def maintain_candidates(
     return candidates
 
 
+def _steady_block_fits(rows: int, tokens: int, stale_refresh_width: int) -> bool:
+    """Whether a steady step's refresh (newcomer and stale candidates) is one block of distances."""
+    return 0 < stale_refresh_width <= max(1, _BLOCK_ELEMENTS // max(1, rows * tokens))
+
+
+def _newest_candidate(candidates: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``[R, 1]``: each row's candidate of the highest position (a steady step's newcomer)."""
+    return torch.where(candidates, positions, -1.0).argmax(-1, keepdim=True)
+
+
+def _steady_rows(
+    keys: torch.Tensor,
+    candidates: torch.Tensor,
+    nearest_sq: torch.Tensor,
+    nearest_position: torch.Tensor,
+    newcomer: torch.Tensor,
+    stale_refresh_width: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows whose distances :func:`_steady_step` computes: ``(index [R, 1 + w], keys
+    [R, 1 + w, d], squared norms [R, 1 + w])``, each row's newcomer first (the rows to compute),
+    then its stale candidates (recorded ``nearest_position < 0``) of smallest recorded distance,
+    then, where fewer are stale, the candidates of smallest recorded distance. Changes nothing."""
+    inf = float("inf")
+    order = torch.where(candidates & (nearest_position < 0), nearest_sq, inf).scatter_(1, newcomer, -inf)
+    index = order.topk(min(1 + stale_refresh_width, order.shape[-1]), dim=-1, largest=False).indices
+    asked = keys.gather(1, index[..., None].expand(-1, -1, keys.shape[-1]))
+    return index, asked, torch.linalg.vecdot(asked, asked)
+
+
 def _steady_step(
     keys: torch.Tensor,
     keys_sq: torch.Tensor,
@@ -534,6 +584,7 @@ def _steady_step(
     newcomer: torch.Tensor,
     stale_refresh_width: int,
     every_row_full: bool,
+    probe: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """:func:`maintain_candidates` for a steady decode step (at most one newcomer and one removal
     per row), the same decisions in about half the tensor ops and one product of the keys.
@@ -553,20 +604,23 @@ def _steady_step(
 
     ``newcomer [R, 1]``: each row's newcomer (stored index). ``every_row_full``: every row holds
     more than ``target`` candidates (known on the host when every stored token is real), so every
-    row drops one and every candidate has a neighbour: no row is masked. Updates
-    ``candidates`` (the survivors), ``nearest_*`` and ``keys_sq`` in place."""
-    dim = keys.shape[-1]
+    row drops one and every candidate has a neighbour: no row is masked. ``probe``:
+    ``(index, asked_sq, products)``: :func:`_steady_rows`'s rows with their products with every
+    stored key computed elsewhere (the attention's, ``[R, 1 + w, N]``); None: chosen and computed
+    here. Updates ``candidates`` (the survivors), ``nearest_*`` and ``keys_sq`` in place."""
     inf = float("inf")
-    # The rows to compute: the newcomer first (-inf), then the stale candidates, smallest first.
-    order = torch.where(candidates & (nearest_position < 0), nearest_sq, inf).scatter_(1, newcomer, -inf)
-    index = order.topk(min(1 + stale_refresh_width, order.shape[-1]), dim=-1, largest=False).indices
-    asked = keys.gather(1, index[..., None].expand(-1, -1, dim))
-    asked_sq = torch.linalg.vecdot(asked, asked)
+    if probe is None:
+        index, asked, asked_sq = _steady_rows(
+            keys, candidates, nearest_sq, nearest_position, newcomer, stale_refresh_width
+        )
+        # [R, 1 + w, N] squared distances, |x|² - 2·dot + |y|² (-2·dot exact, so one rounding per
+        # add); non-candidate columns inf through their norm, each row's own column inf. (baddbmm
+        # reads the stored keys where they lie: matmul copies a slice of the cache's buffer first.)
+        distances = torch.baddbmm(asked_sq[..., None], asked, keys.transpose(-1, -2), alpha=-2)
+    else:  # the same rows' products, computed by the attention with its logits: the same sum
+        index, asked_sq, products = probe
+        distances = torch.add(asked_sq[..., None], products, alpha=-2)
     keys_sq.scatter_(1, index, asked_sq)  # the newcomer's norm (the others' are rewritten as they were)
-    # [R, 1 + w, N] squared distances, |x|² - 2·dot + |y|² (-2·dot exact, so one rounding per add);
-    # non-candidate columns inf through their norm, each row's own column inf. (baddbmm reads the
-    # stored keys where they lie: matmul copies a slice of the cache's buffer first.)
-    distances = torch.baddbmm(asked_sq[..., None], asked, keys.transpose(-1, -2), alpha=-2)
     distances = distances.add_(torch.where(candidates, keys_sq, inf)[:, None, :]).clamp_min_(0)
     distances.scatter_(2, index[..., None], inf)
     best, best_position = _oldest_minimum(distances, positions[:, None, :])
@@ -687,9 +741,44 @@ class SubGen(Policy):
         scores[NEAREST_POSITION] = per_token(torch.where(found, neighbour_position, -1.0), -1.0)
         scores[KEY_NORM] = per_token(centers_sq, 0.0)
 
-    def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
-        valid, forced, candidates = self._split(scoring)
+    takes_key_probes = True
+
+    def decode_key_probes(self, scoring: ScoringInputs, budget: int, state: dict) -> KeyProbes | None:
+        """A steady decode step's rows (one token joins the candidates, one leaves: what follows a
+        decision): the newcomer and the stale candidates :func:`_steady_rows` picks, whose distances
+        to every candidate the step reads, chosen from the state before this step's attention (the
+        decision after it sees the same). None for any other step."""
         b, h, n, d = scoring.keys.shape
+        scores = scoring.token_scores
+        decided = scores.get(NEAREST_DISTANCE) is not None and scores.get(NEAREST_POSITION) is not None
+        if not decided or n - budget != 1 or not _steady_block_fits(b * h, n, STALE_REFRESH_WIDTH):
+            return None
+        shape = (b * h, n)
+        split = self._split(scoring)
+        candidates = split[2].reshape(shape)
+        nearest_position = scores[NEAREST_POSITION].reshape(shape)
+        positions = scoring.positions.reshape(shape).to(nearest_position.dtype)
+        newcomer = _newest_candidate(candidates, positions)
+        index, asked, asked_sq = _steady_rows(
+            scoring.keys.reshape(b * h, n, d).float(),
+            candidates,
+            scores[NEAREST_DISTANCE].reshape(shape),
+            nearest_position,
+            newcomer,
+            STALE_REFRESH_WIDTH,
+        )
+        context = _SteadyProbe(split, positions, newcomer, index, asked_sq, None)
+        return KeyProbes(rows=asked.view(b, h, -1, d), context=context)
+
+    def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+        b, h, n, d = scoring.keys.shape
+        probes = scoring.key_probes
+        probe = None
+        if probes is not None and probes.products is not None:  # the attention computed the products
+            probe = probes.context._replace(products=probes.products.reshape(b * h, -1, n))
+            valid, forced, candidates = probe.split
+        else:
+            valid, forced, candidates = self._split(scoring)
         scores = scoring.token_scores
         shape = (b * h, n)
         device = scoring.keys.device
@@ -728,7 +817,7 @@ class SubGen(Policy):
             scores[KEY_NORM] = keys_sq.view(b, h, n)
         kept = maintain_candidates(
             keys,
-            scoring.positions.reshape(shape),
+            scoring.positions.reshape(shape) if probe is None else probe.positions,
             candidates.reshape(shape),
             budget - self.config.recent,
             nearest_sq,
@@ -739,6 +828,7 @@ class SubGen(Policy):
             keys_sq=keys_sq,
             # Every stored token real: each row holds n - recent candidates, one over the target.
             every_row_full=scoring.mask is None and n - budget == 1,
+            probe=probe,
         )
         # NEAREST_DISTANCE, NEAREST_POSITION and KEY_NORM were updated in place (stored()).
         kept = kept.reshape(b, h, n)
