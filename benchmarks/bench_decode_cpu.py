@@ -4,8 +4,10 @@ The CPU proxy of issue 23's decode target: kv-heavy shape, 2 layers, a 4k prompt
 one thread. Times are this process's CPU time (``process_time``: with one thread it leaves out
 what other processes on the cores take, which wall time does not). Each method is prefilled once; then decode steps run in rounds, every method taking
 ``--steps`` steps per round in turn, so load from other processes falls on all methods alike.
-Prints, per method, the best of the rounds' median ms/step and its ratio to SnapKV's; with
-``--json PATH`` appends one JSON line per method.
+Prints, per method, the best of the rounds' median ms/step and its ratio to SnapKV's best, and the
+median over rounds of its ratio to SnapKV's in the same round (paired: the two ran within one round,
+under the same load, which steadies the ratio on a shared machine); with ``--json PATH`` appends one
+JSON line per method.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_decode_cpu.py --rounds 3
 
@@ -110,10 +112,12 @@ def main() -> None:
     )
     for method in methods:
         best = min(times[method])
+        paired = statistics.median(t / s for t, s in zip(times[method], times["snapkv"], strict=True))
         line = {
             "method": method,
             "ms_per_step": round(best * 1e3, 2),
             "x_snapkv": round(best / reference, 3),
+            "x_snapkv_paired": round(paired, 3),
             "round_medians_ms": [round(t * 1e3, 2) for t in times[method]],
             "context": args.context,
             "budget": args.budget,
@@ -123,7 +127,8 @@ def main() -> None:
             "kvhive_commit": kvhive.__dict__.get("__commit__"),
         }
         print(
-            f"{method:18s} {best * 1e3:7.2f} ms/step  {best / reference:5.2f}x snapkv   rounds {line['round_medians_ms']}"
+            f"{method:18s} {best * 1e3:7.2f} ms/step  {best / reference:5.2f}x snapkv  (paired {paired:5.3f}x)   "
+            f"rounds {line['round_medians_ms']}"
         )
         if args.json:
             with open(args.json, "a") as handle:
