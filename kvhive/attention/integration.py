@@ -39,7 +39,7 @@ from kvhive.cache.kv_cache import CACHE_POSITIONS, ORIGINAL_POSITIONS, PADDING_S
 from kvhive.cache.rows import CacheRows
 from kvhive.cache.storage import PAGE_TOKENS
 from kvhive.memory import trim_heap
-from kvhive.methods.base import DECODE, PREFILL, ScoringInputs, causal_mask
+from kvhive.methods.base import DECODE, PREFILL, KeyProbes, ScoringInputs, causal_mask
 from kvhive.static_step import in_static_step
 
 ATTENTION_NAME = "kvhive"
@@ -680,6 +680,8 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
         output, weights, logits = by_kernel
         last_weights = weights.view(batch, query_heads, -1)
         last_logits = logits.view(batch, heads, group, 1, -1)  # before any mask, as below
+    elif probes is not None and not wants_weights and extra is None and stored_mask is None:
+        output = _attention_with_key_probes(query, keys, values, scaling, probes)
     else:
         # [B, H, G*q, d] @ [B, H, d, L]: one matmul per stored head, keys and values read once.
         grouped = query.reshape(batch, heads, group * num_queries, head_dim)
@@ -741,6 +743,23 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
 
     cache.after_decode(layer_index, _question_scoring(cache, layer_index, query, stored_mask, scaling, make_scoring))
     return output, None
+
+
+def _attention_with_key_probes(query, keys, values, scaling: float, probes: KeyProbes) -> torch.Tensor:
+    """One new query's attention output ``[B, 1, Hq, d]`` over every stored token (nothing masked),
+    the key probes' products computed with its logits: ``[G queries; P probes] @ keysᵀ`` per stored
+    head, so the keys are read once (``probes.products`` ``[B, H, P, N]``, unscaled), then a softmax
+    and the product with the values: what sdpa computes, in the few operations of a one-row
+    attention (a method that reads no weights needs no separate exponentials and sums)."""
+    batch, query_heads, _, head_dim = query.shape
+    heads = keys.shape[1]
+    group = query_heads // heads
+    rows = torch.cat([query.reshape(batch, heads, group, head_dim), probes.rows], dim=2)
+    products = torch.matmul(rows, keys.transpose(-1, -2))
+    probes.products = products[:, :, group:]
+    weights = torch.softmax(products[:, :, :group] * scaling, dim=-1)
+    output = torch.matmul(weights, values)  # [B, H, G, d]: query head h * G + g at [:, h, g]
+    return output.reshape(batch, query_heads, 1, head_dim).transpose(1, 2)
 
 
 def _filled_count(store) -> torch.Tensor | None:
