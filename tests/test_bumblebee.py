@@ -1218,3 +1218,56 @@ def test_an_eager_full_capacity_step_knows_its_length_and_keeps_what_the_device_
         assert all(torch.equal(a, b) for a, b in zip(positions, positions_d, strict=True))
         for one, other in zip(summaries, summaries_d, strict=True):
             assert all(torch.equal(a, b) for a, b in zip(one, other, strict=True))
+
+
+@pytest.mark.parametrize("method, padded", [("bumblebee", False), ("bumblebee", True), ("bumblebee-power", False)])
+def test_the_joiners_similarities_from_the_attentions_product_keep_what_its_own_product_keeps(
+    method, padded, monkeypatch
+):
+    """On the CPU in float32 the joiner's products with the stored keys come from the step's
+    attention (``decode_key_probes``: its key joins the rows of the ``q·Kᵀ`` product), not from a
+    multiply-sum over the stored keys: the same dot products summed in another order. Every
+    evicting step of every compressed layer must take them; the kept positions must be those of
+    the multiply-sum and the summaries equal to rounding."""
+    from kvhive.methods.submodular import StreamingSummary
+
+    model = tiny_model("llama", "gqa")
+    generator = torch.Generator().manual_seed(7)
+    if padded:
+        input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=40, pad=5)
+    else:
+        input_ids = torch.randint(3, model.config.vocab_size, (2, 40), generator=generator)
+        attention_mask = torch.ones_like(input_ids)
+    forced = [torch.randint(3, model.config.vocab_size, (2, 1), generator=generator) for _ in range(16)]
+    original = StreamingSummary.step
+
+    def run(probes: bool):
+        joiners = {"probed": 0, "own": 0}
+
+        def counted(self, *args, **kwargs):
+            joiners["probed" if kwargs.get("joiner") is not None else "own"] += 1
+            if kwargs.get("joiner") is not None:  # the products are the keys' dot products
+                index, key, products = kwargs["joiner"]
+                torch.testing.assert_close(products, torch.linalg.vecdot(args[0], key), rtol=1e-5, atol=1e-6)
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(StreamingSummary, "step", counted)
+        monkeypatch.setattr(BumbleBee, "takes_key_probes", probes)
+        cache = make_cache(model, method, 20)
+        prefill_and_decode(model, cache, input_ids, attention_mask, steps=len(forced), forced_tokens=forced)
+        layers = [cache.layers[i] for i in compressed_layers(cache)]
+        kept = [layer.dense()[2].sort(-1).values for layer in layers]
+        summaries = [dataclasses.astuple(layer.policy_state[SUMMARY]) for layer in layers]
+        return kept, summaries, joiners, len(layers)
+
+    probed_kept, probed_summaries, probed_joiners, layers = run(True)
+    own_kept, own_summaries, own_joiners, _ = run(False)
+    steps = len(forced) * layers
+    assert probed_joiners == {"probed": steps, "own": 0} and own_joiners == {"probed": 0, "own": steps}
+    assert all(torch.equal(a, b) for a, b in zip(probed_kept, own_kept, strict=True))
+    for probed, own in zip(probed_summaries, own_summaries, strict=True):
+        for a, b in zip(probed, own, strict=True):
+            if a.is_floating_point():
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            else:
+                assert torch.equal(a, b)

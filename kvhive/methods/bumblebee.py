@@ -63,6 +63,7 @@ import torch
 from kvhive.methods.base import (
     DECODE,
     PREFILL,
+    KeyProbes,
     Policy,
     PolicyConfig,
     ScoringInputs,
@@ -320,6 +321,39 @@ class BumbleBee(Policy):
         torch._dynamo.mark_static_address(state[BUILT])
         return budget
 
+    takes_key_probes = True
+
+    def decode_key_probes(self, scoring: ScoringInputs, budget: int, state: dict) -> KeyProbes | None:
+        """A decode step over a fixed capacity whose summary the prefill built: the joiner's key,
+        whose products with every stored key its similarities to the summary's members come from
+        (:meth:`StreamingSummary.step`). The joiner is the token after the summary in position order,
+        known before the step's attention (it joins only if the step evicts); ``context``: the rank
+        order, the ranked positions, the joiner's stored index and key. None for any other step."""
+        batch, heads, capacity, dim = scoring.keys.shape
+        if scoring.filled is None or SUMMARY not in state or REBUILDS in state or capacity <= budget:
+            return None
+        summary_size, _ = self.split(budget)
+        rows = batch * heads
+        keys = scoring.keys.reshape(rows, capacity, dim)
+        order, ranked = _rank_by_position(
+            scoring, scoring.positions.reshape(rows, capacity), self._stored_slots(scoring)
+        )
+        if order is None:  # stored in order: the rank is the stored index
+            joiner = torch.full((rows, 1), summary_size, dtype=torch.int64, device=keys.device)
+        else:
+            joiner = order[:, summary_size : summary_size + 1]
+        joiner_key = keys.take_along_dim(joiner[:, :, None], dim=1)  # [R, 1, d]
+        return KeyProbes(rows=joiner_key.view(batch, heads, 1, dim), context=(order, ranked, joiner, joiner_key))
+
+    @staticmethod
+    def _stored_slots(scoring: ScoringInputs) -> torch.Tensor | None:
+        """``[C]`` the slots of a fixed capacity that hold a token (the empty ones last); None where
+        the host knows every slot does (an eager step of a full capacity: no mask to build)."""
+        capacity = scoring.keys.shape[2]
+        if scoring.known_filled == capacity:
+            return None
+        return torch.arange(capacity, device=scoring.keys.device) < scoring.filled
+
     def _select_in_capacity(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
         """:meth:`select_decode` over a fixed capacity of ``budget + 1`` slots: at a step where the
         layer holds more than its budget (then exactly one more), the token after the summary joins
@@ -338,7 +372,7 @@ class BumbleBee(Policy):
         built = state[BUILT]
         slots = torch.arange(capacity, device=keys.device)
 
-        def joined(order: torch.Tensor, active: torch.Tensor | None) -> torch.Tensor:
+        def joined(order: torch.Tensor, active: torch.Tensor | None, probed=None) -> torch.Tensor:
             """The summary's step for the newest joiner: the dropped stored index of each row."""
             return summary.step(
                 keys,
@@ -352,17 +386,25 @@ class BumbleBee(Policy):
                 normalise_mass=self.config.importance_scale == "normalised",
                 active=active,
                 stored_of_rank=order,
+                joiner=probed,
             )
 
+        probes = scoring.key_probes
+        probed = None
+        if probes is not None and probes.products is not None:  # the joiner's products, from the attention
+            order, ranked, joiner, joiner_key = probes.context
+            probed = (joiner, joiner_key, probes.products.reshape(rows, capacity))
         if scoring.known_filled == capacity and capacity > budget and REBUILDS not in state:
             # An eager step of a full capacity, known on the host: every slot holds a token and the
             # step evicts (no device mask of either).
-            order, ranked = _rank_by_position(scoring, positions, None)
+            if probed is None:
+                order, ranked = _rank_by_position(scoring, positions, None)
             torch._assert_async(summary.matches(ranked), "BumbleBee's summary is not the oldest stored tokens")
-            return (slots != joined(order, None)).view(batch, heads, capacity)
+            return (slots != joined(order, None, probed)).view(batch, heads, capacity)
         evict = scoring.filled > budget
         stored = slots < scoring.filled  # [C]: the slots holding a token (the empty ones last)
-        order, ranked = _rank_by_position(scoring, positions, stored)
+        if probed is None:
+            order, ranked = _rank_by_position(scoring, positions, stored)
         if REBUILDS in state:  # the prompt fit the budget: the first eviction builds the summary
             build = evict & ~built
             # The oldest tau_s stored tokens are the first ones: the cache fills freed slots only
@@ -377,7 +419,7 @@ class BumbleBee(Policy):
         else:  # built at the prefill's selection: the summary holds its members at every step
             aligned = summary.matches(ranked)
         torch._assert_async(aligned, "BumbleBee's summary is not the oldest stored tokens")
-        dropped = joined(order, evict)
+        dropped = joined(order, evict, probed)
         stays = (slots != torch.where(evict, dropped, capacity)).view(batch, heads, capacity)
         return stored & stays
 

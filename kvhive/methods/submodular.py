@@ -772,6 +772,7 @@ class StreamingSummary:
         normalise_mass: bool = False,
         active: torch.Tensor | None = None,
         stored_of_rank: torch.Tensor | None = None,
+        joiner: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Let ``joiners`` stored tokens ``first_joiner, first_joiner + 1, ...`` join one at a time;
         after each, drop the element of ``S' = S + {x}`` with the smallest marginal gain
@@ -791,6 +792,11 @@ class StreamingSummary:
         in their order (it writes the newest token into a freed slot), the stored index of the token
         of each rank, ranked by position; the indices above are then ranks, and the dropped ones
         returned are stored indices.
+
+        ``joiner`` (one joiner): ``(stored index [R, 1], key [R, 1, d], products [R, N])``, its key's
+        products with every stored key computed elsewhere (the attention's, which read the keys
+        anyway): its similarities are formed from them instead of a multiply-sum over the stored
+        keys (the same dot products, summed in the matrix product's order).
         """
         rows, size = self.slot_of_rank.shape
         slots = torch.arange(size, device=keys.device)
@@ -815,7 +821,12 @@ class StreamingSummary:
         dropped = []
         for j in range(joiners):
             x = first_joiner + j
-            if by_rank:
+            if joiner is not None:
+                x, key_x, _ = joiner
+                valid_x = valid.gather(1, x)
+                stored = keys
+                ground = torch.cat([member_index, x], dim=1)
+            elif by_rank:
                 x = stored_of_rank[:, x : x + 1]  # [R, 1]
                 key_x = keys.take_along_dim(x[:, :, None], dim=1)
                 valid_x = valid.gather(1, x)
@@ -834,7 +845,9 @@ class StreamingSummary:
             # O(T d): a multiply-sum beats a batched matrix-vector product on CPU here (the product
             # is formed in float32 for any key dtype: a 16-bit key's promotion casts it exactly, as
             # .float() does, without a float32 copy of the stored keys). vecdot is that multiply-sum.
-            if stored.dtype == torch.float32:
+            if joiner is not None:
+                dots = joiner[2].gather(1, member_index)
+            elif stored.dtype == torch.float32:
                 dots = torch.linalg.vecdot(stored, key_x).gather(1, member_index)
             else:
                 dots = (stored * key_x).sum(dim=-1).gather(1, member_index)
@@ -891,7 +904,7 @@ class StreamingSummary:
             self.sim.scatter_(2, target.view(rows, size, 1), new_row.view(rows, size, 1))
             for field, value in ((self.self_sim, self_x), (self.norms, norm_x), (self.valid, valid_x)):
                 torch.where(taken, value, field, out=field)  # in place: no copy back
-            if by_rank:
+            if by_rank or joiner is not None:  # x a stored index per row
                 torch.where(taken, x, member_index, out=member_index)
             else:
                 member_index.masked_fill_(taken, x)
