@@ -1433,3 +1433,24 @@ def test_decode_with_the_attentions_key_probes_keeps_what_its_own_product_keeps(
     sdpa_logits, _, sdpa_calls = run(False)
     assert sdpa_calls == {"probed": 0, "own": steps}
     torch.testing.assert_close(probed_logits, sdpa_logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_key_probes_are_taken_only_where_the_attentions_product_is_the_methods(dtype, monkeypatch):
+    """The attention computes SubGen's products only from float32 keys: a 16-bit product is not
+    the float32 distances SubGen computes, so with 16-bit keys every steady step computes its own."""
+    import kvhive.methods.subgen as subgen_module
+
+    model = tiny_model("llama", "gqa").to(dtype)
+    original = subgen_module._steady_step
+    calls = {"probed": 0, "own": 0}
+
+    def counted(*args):
+        calls["probed" if args[-1] is not None else "own"] += 1
+        return original(*args)
+
+    monkeypatch.setattr(subgen_module, "_steady_step", counted)
+    cache = kvhive.make_cache(model, "subgen", budget=12, recent=4)
+    input_ids = torch.randint(3, model.config.vocab_size, (2, 28), generator=torch.Generator().manual_seed(1))
+    prefill_and_decode(model, cache, input_ids, torch.ones_like(input_ids), steps=5)
+    assert calls == {"probed": 0, "own": 5 * len(cache.compressed_layers)}
