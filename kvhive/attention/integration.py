@@ -642,10 +642,11 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
             key_probes=probes,
         )
 
-    # Stored keys the method's decision will take products of with every stored key (SubGen): on the
-    # CPU they join the rows of the logits' product, so the keys are read once this step (a second
-    # pass over them cost SubGen as much as the attention's own, the keys cold from memory). Float32
-    # only: the method's distances are float32 products, which a narrower attention product is not.
+    # Stored keys the method's decision will take products of with every stored key (SubGen's distance
+    # block, BumbleBee's joiner): on the CPU they join the rows of the logits' product, so the keys are
+    # read once this step (a second pass over them, cold from memory by then, cost SubGen about what
+    # the attention's own costs). Float32 only: the methods form float32 products, which a narrower
+    # attention product is not.
     probes = None
     if compressed and num_queries == 1 and keys.device.type == "cpu" and keys.dtype == query.dtype == torch.float32:
         probes = cache.decode_key_probes(layer_index, make_scoring)
@@ -732,12 +733,11 @@ def _decode_dense(module, cache: KVHiveCache, layer_index, query, mask, scaling,
             output = numerator / denominator
             # Only the newest query's weights are read (with one query: all of them, no select); a
             # method here only for its key probes reads none.
-            if probes is not None and not wants_weights:
-                pass
-            elif num_queries == 1:
-                last_weights = (exponentials / denominator).view(batch, query_heads, -1)
-            else:
-                last_weights = (exponentials[:, :, :, -1:] / denominator[:, :, :, -1:]).view(batch, query_heads, -1)
+            if probes is None or wants_weights:
+                if num_queries == 1:
+                    last_weights = (exponentials / denominator).view(batch, query_heads, -1)
+                else:
+                    last_weights = (exponentials[:, :, :, -1:] / denominator[:, :, :, -1:]).view(batch, query_heads, -1)
         output = output if output.dtype == query.dtype else output.to(query.dtype)
         output = output.reshape(batch, query_heads, num_queries, head_dim).transpose(1, 2)
 

@@ -131,7 +131,7 @@ class PrefillScratch:
 @dataclass
 class KeyProbes:
     """Stored keys whose dot products with every stored key a method's decode decision reads
-    (SubGen's newcomer and stale candidates), asked for before the step's attention
+    (SubGen's newcomer and stale candidates, BumbleBee's joiner), asked for before the step's attention
     (:meth:`Policy.decode_key_probes`): the attention takes them as extra rows of the product that
     gives its logits, so the keys are read once a step, not again by the method, and hands the
     products back in :attr:`ScoringInputs.key_probes`.
