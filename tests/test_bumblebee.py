@@ -1271,3 +1271,20 @@ def test_the_joiners_similarities_from_the_attentions_product_keep_what_its_own_
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
             else:
                 assert torch.equal(a, b)
+
+
+def test_a_joiners_products_serve_one_joiner_and_more_are_refused():
+    """``StreamingSummary.step(joiner=...)`` carries one joiner's products: asked to let two join with
+    them it refuses, naming the parameter, instead of using the one joiner's products twice."""
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 8, 4, generator=generator)
+    valid = torch.ones(2, 8, dtype=torch.bool)
+    positions = torch.arange(8).expand(2, 8)
+    weights = torch.rand(2, 8, generator=generator)
+    summary = StreamingSummary.from_keys(keys[:, :4], valid[:, :4], positions[:, :4])
+    index = torch.full((2, 1), 4)
+    joiner = (index, keys[:, 4:5], torch.linalg.vecdot(keys, keys[:, 4:5]))
+    with pytest.raises(ValueError, match="joiners=2"):
+        summary.step(keys, valid, weights, positions, 4, 2, 0.5, Concave("log"), joiner=joiner)
+    # One joiner: the step runs and drops one stored index per row.
+    assert summary.step(keys, valid, weights, positions, 4, 1, 0.5, Concave("log"), joiner=joiner).shape == (2, 1)

@@ -453,7 +453,7 @@ def maintain_candidates(
         # Each row's newcomer; in a row that has none, a ready candidate (recomputed to the same
         # neighbour) or a non-candidate (no candidate is closer to it than to its own neighbour).
         probed = None
-        if probe is not None and ready is None:  # chosen before the attention, from the same state
+        if probe is not None:  # chosen before the attention, from the same state
             newcomer, probed = probe.newcomer, (probe.index, probe.asked_sq, probe.products)
         elif ready is None:  # the newest candidate
             newcomer = _newest_candidate(candidates, positions)
@@ -542,6 +542,11 @@ def maintain_candidates(
             excess = excess - active.long()
     ready.copy_(candidates.to(ready.dtype))
     return candidates
+
+
+def _decided(scores: dict) -> bool:
+    """Whether a decision (the prefill's included) recorded the candidates' nearest neighbours."""
+    return scores.get(NEAREST_DISTANCE) is not None
 
 
 def _steady_block_fits(rows: int, tokens: int, stale_refresh_width: int) -> bool:
@@ -750,8 +755,7 @@ class SubGen(Policy):
         decision after it sees the same). None for any other step."""
         b, h, n, d = scoring.keys.shape
         scores = scoring.token_scores
-        decided = scores.get(NEAREST_DISTANCE) is not None and scores.get(NEAREST_POSITION) is not None
-        if not decided or n - budget != 1 or not _steady_block_fits(b * h, n, STALE_REFRESH_WIDTH):
+        if not _decided(scores) or n - budget != 1 or not _steady_block_fits(b * h, n, STALE_REFRESH_WIDTH):
             return None
         shape = (b * h, n)
         split = self._split(scoring)
@@ -799,7 +803,7 @@ class SubGen(Policy):
                 scores[name] = rows.view(b, h, n)
                 return rows
 
-        decided = scores.get(NEAREST_DISTANCE) is not None  # a decision (prefill's included) recorded them
+        decided = _decided(scores)
         nearest_sq = stored(NEAREST_DISTANCE, float("inf"))
         nearest_position = stored(NEAREST_POSITION, -1.0)
         # The ready candidates' key norms as recorded when they joined; not when the cache

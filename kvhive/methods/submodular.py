@@ -798,6 +798,8 @@ class StreamingSummary:
         anyway): its similarities are formed from them instead of a multiply-sum over the stored
         keys (the same dot products, summed in the matrix product's order).
         """
+        if joiner is not None and joiners != 1:
+            raise ValueError(f"invalid joiners={joiners!r} with a joiner's products given: expected 1")
         rows, size = self.slot_of_rank.shape
         slots = torch.arange(size, device=keys.device)
         by_rank = stored_of_rank is not None
@@ -821,14 +823,12 @@ class StreamingSummary:
         dropped = []
         for j in range(joiners):
             x = first_joiner + j
-            if joiner is not None:
-                x, key_x, _ = joiner
-                valid_x = valid.gather(1, x)
-                stored = keys
-                ground = torch.cat([member_index, x], dim=1)
-            elif by_rank:
-                x = stored_of_rank[:, x : x + 1]  # [R, 1]
-                key_x = keys.take_along_dim(x[:, :, None], dim=1)
+            if joiner is not None or by_rank:
+                if joiner is not None:  # its stored index and key, chosen before the attention
+                    x, key_x, _ = joiner
+                else:
+                    x = stored_of_rank[:, x : x + 1]  # [R, 1]
+                    key_x = keys.take_along_dim(x[:, :, None], dim=1)
                 valid_x = valid.gather(1, x)
                 stored = keys  # the members are anywhere
                 ground = torch.cat([member_index, x], dim=1)  # stored indices of S' (members by slot, x last)
