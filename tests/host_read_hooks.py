@@ -10,6 +10,7 @@ from kvhive.diagnostics import HostReadCounter
 POLICY_HOOKS = (
     "select_prefill",
     "select_decode",
+    "select_decode_drop",
     "initialize_decode",
     "observe_decode",
     "extra_attention",

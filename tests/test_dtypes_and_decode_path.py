@@ -121,9 +121,12 @@ def test_steady_decode_step_reads_nothing_back(method):
 
 def test_host_read_counter_sees_an_eviction_of_undeclared_size():
     # The counter is not blind: a method that does not declare its kept count (kept_per_row None)
-    # makes the cache read the counts back once per layer at every eviction.
+    # and decides by a keep mask makes the cache read the counts back once per layer at every eviction.
     class UndeclaredTOVA(TOVA):
         def kept_per_row(self, phase, num_tokens, budget, state):
+            return None
+
+        def select_decode_drop(self, scoring, budget, state):
             return None
 
     model = _model("llama", torch.float32)

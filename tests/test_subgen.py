@@ -1265,7 +1265,7 @@ def test_a_dropped_hub_refreshes_its_stale_neighbours_smallest_first():
         nearest_sq = torch.full((1, 8), float("inf"))
         nearest_position = torch.full((1, 8), -1.0)
         ready = torch.zeros(1, 8, dtype=torch.bool)
-        kept = maintain_candidates(
+        kept, _ = maintain_candidates(
             keys,
             positions,
             candidates,

@@ -20,7 +20,7 @@ from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
 from kvhive import static_step
 from kvhive.cache.budget import Budget, budget_label, budget_problem, layer_budgets, minimum_budget_problem
-from kvhive.cache.storage import LayerStore, row_index
+from kvhive.cache.storage import LayerStore, first_false, row_index
 from kvhive.methods.base import (
     AUTO_HEADS,
     DECODE,
@@ -810,6 +810,12 @@ class KVHiveCache(Cache):
         length = scoring.num_tokens
         if length <= budget + self.decode_slack or store.decode_steps_since_compression < self.decode_every:
             return
+        if length == budget + 1 and self._fills_holes(store):
+            hole = self._dropped_token(scoring, budget, store)
+            if hole is not None:
+                store.fill_hole(hole)  # one token per row moved, not the whole kept window
+                store.decode_steps_since_compression = 0
+                return
         known_count = self.policy.kept_per_row(DECODE, length, budget, store.policy_state)
         keep = self.policy.select_decode(scoring, budget, store.policy_state)
         self._store_token_scores(store, scoring)
@@ -817,28 +823,60 @@ class KVHiveCache(Cache):
             return
         counts = self._kept_counts(keep, store, [budget + self.decode_slack] * keep.shape[0], known_count)
         if isinstance(counts, int) and counts == store.dense_length - 1 and self._fills_holes(store):
-            store.fill_hole(keep)  # one token per row moved, not the whole kept window
+            store.fill_hole(first_false(keep))  # one token per row moved, not the whole kept window
         else:
             store.keep(keep, counts)
         store.decode_steps_since_compression = 0
 
-    def _observe_and_select(self, layer_index: int, store: LayerStore, make_scoring):
+    def _dropped_token(self, scoring: ScoringInputs, budget: int, store: LayerStore) -> torch.Tensor | None:
+        """A steady step's one dropped token per row, where the method names it
+        (``Policy.select_decode_drop``; the per-token scores stored after it), else None (nothing
+        decided). Its shape and dtype are checked on the host (no read of its values: an index out
+        of range is refused by the move that uses it)."""
+        hole = self.policy.select_decode_drop(scoring, budget, store.policy_state)
+        if hole is None:
+            return None
+        if hole.dtype != torch.int64 or tuple(hole.shape) != tuple(scoring.keys.shape[:2]):
+            raise TypeError(
+                f"{self.policy.name}: select_decode_drop must give one stored index per row and head, a long tensor "
+                f"of shape {tuple(scoring.keys.shape[:2])}; got {hole.dtype} of shape {tuple(hole.shape)}"
+            )
+        self._store_token_scores(store, scoring)
+        return hole
+
+    def _observe_and_select(self, layer_index: int, store: LayerStore, make_scoring, may_drop_one: bool = False):
         """A fixed-capacity decode step's method calls: observe the new token, decide over the whole
-        capacity, the per-token scores stored after each; ``(budget, scoring, keep)``."""
+        capacity, the per-token scores stored after each; ``(budget, scoring, keep, hole)``. With
+        ``may_drop_one``, an eager step over a full capacity of ``budget + 1`` tokens whose method
+        names its one dropped token gives ``hole`` (:meth:`_dropped_token`) and no ``keep``."""
         budget = self.layer_budgets[layer_index]
         scoring = make_scoring(DECODE)
         self.policy.observe_decode(scoring, store.policy_state, budget=budget)
         self._store_token_scores(store, scoring)
+        if (
+            may_drop_one
+            and self.policy.drops_at_most_one
+            and scoring.known_filled == scoring.num_tokens == budget + 1
+            and self._fills_holes(store)
+            and not in_static_step()
+        ):
+            hole = self._dropped_token(scoring, budget, store)
+            if hole is not None:
+                return budget, scoring, None, hole
         keep = self.policy.select_decode(scoring, budget, store.policy_state)
         self._store_token_scores(store, scoring)
-        return budget, scoring, keep
+        return budget, scoring, keep, None
 
     def _decode_step_in_capacity(self, layer_index: int, store: LayerStore, make_scoring) -> None:
         """A decode step of a layer held in the fixed capacity its method declared: the method
         observes and decides over the whole capacity at every step (it keeps every filled slot
         when its schedule evicts nothing), and the kept tokens are counted and compacted on the
         device. Fixed shapes, no host read."""
-        budget, scoring, keep = self._observe_and_select(layer_index, store, make_scoring)
+        budget, scoring, keep, hole = self._observe_and_select(layer_index, store, make_scoring, may_drop_one=True)
+        if hole is not None:  # every slot held a token and one per row goes: it takes the newest token
+            store.fill_hole_in_capacity(hole, budget)
+            store.decode_steps_since_compression = 0
+            return
         if keep is None and not in_static_step():
             store.decode_steps_since_compression = 0
             return  # an eager step the method knows evicts nothing (no compaction)
@@ -890,7 +928,7 @@ class KVHiveCache(Cache):
         whole capacity with each row's length (``ScoringInputs.filled`` ``[B, 1, 1]``), and every
         row's kept tokens are counted and compacted on the device, each row its own count. No host
         read: the host lengths are read back when next asked for (a join, accounting)."""
-        _, scoring, keep = self._observe_and_select(layer_index, store, make_scoring)
+        _, scoring, keep, _ = self._observe_and_select(layer_index, store, make_scoring)
         if keep is None or keep.dtype != torch.bool or keep.shape != scoring.keys.shape[:3]:
             raise TypeError(
                 f"{self.policy.name}: a decision over rows of different lengths must be a boolean mask of shape "

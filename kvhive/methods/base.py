@@ -517,29 +517,44 @@ def keep_top_scores(
     num_tokens = scores.shape[-1]
     if budget >= num_tokens:
         return torch.ones_like(scores, dtype=torch.bool)
-    ranking = scores.float().clone()
-    if forced is not None:
-        ranking = ranking.masked_fill(forced, float("inf"))
-    if valid is not None:
-        # Padding below every real score but still ordered, so topk stays deterministic.
-        ranking = torch.where(valid, ranking, torch.full_like(ranking, -1e30))
-    if num_tokens - budget == 1:
-        # One token leaves, as at every steady decode step: the lowest-ranked one and, among equal
-        # ranks, the oldest, which is what the stable sort below drops; argmin returns the first
-        # minimum, so no sort over every stored token.
-        if positions is None:
-            leaving = ranking.argmin(dim=-1, keepdim=True)
-        else:
-            lowest = ranking == ranking.amin(dim=-1, keepdim=True)
-            oldest = positions.to(torch.int64).expand(ranking.shape).masked_fill(~lowest, torch.iinfo(torch.int64).max)
-            leaving = oldest.argmin(dim=-1, keepdim=True)
+    if num_tokens - budget == 1:  # one token leaves, as at every steady decode step
         keep = torch.ones_like(scores, dtype=torch.bool)
-        keep.scatter_(-1, leaving, False)
+        keep.scatter_(-1, lowest_ranked(scores, valid, forced, positions), False)
         return keep
-    kept_indices = top_indices(ranking, budget)
+    kept_indices = top_indices(_ranking(scores, valid, forced), budget)
     keep = torch.zeros_like(scores, dtype=torch.bool)
     keep.scatter_(-1, kept_indices, True)
     return keep
+
+
+def _ranking(scores: torch.Tensor, valid: torch.Tensor | None, forced: torch.Tensor | None) -> torch.Tensor:
+    """:func:`keep_top_scores`'s ranks: the scores (float32), forced tokens above every score,
+    padding below every real score but still ordered (so ``topk`` stays deterministic). A fresh
+    tensor only where something is filled in (nothing writes into it)."""
+    ranking = scores.float()
+    if forced is not None:
+        ranking = ranking.masked_fill(forced, float("inf"))
+    if valid is not None:
+        ranking = ranking.masked_fill(~valid, -1e30)
+    return ranking
+
+
+def lowest_ranked(
+    scores: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    forced: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[..., 1]``: the index of the token :func:`keep_top_scores` drops when it keeps all but one:
+    the lowest-ranked one and, among equal ranks, the oldest (what the stable sort of more drops
+    would leave out): the first minimum (``argmin``) when tokens are stored oldest first, else the
+    smallest of ``positions`` among the minima. No sort over the stored tokens."""
+    ranking = _ranking(scores, valid, forced)
+    if positions is None:
+        return ranking.argmin(dim=-1, keepdim=True)
+    lowest = ranking == ranking.amin(dim=-1, keepdim=True)
+    oldest = torch.where(lowest, positions.to(torch.int64), torch.iinfo(torch.int64).max)
+    return oldest.argmin(dim=-1, keepdim=True)
 
 
 def recency(like: torch.Tensor) -> torch.Tensor:
@@ -629,6 +644,16 @@ class Policy:
 
     def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor | None:
         raise NotImplementedError(f"{self.name} has no decode phase")
+
+    def select_decode_drop(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor | None:
+        """A steady decode step that drops one token: the layer holds ``budget + 1`` stored tokens,
+        every one real. The stored index ``[B, H]`` (long) of the token each row drops, decided as
+        :meth:`select_decode` decides (same state changes, same token), or None to decide through
+        :meth:`select_decode`'s keep mask (changing nothing here). The cache asks for it only where
+        it then moves the newest token into the freed slot (``reads_stored_order`` False): naming the
+        token spares the keep mask, its count check and the search for its one False (about ten small
+        operations per layer and step, each a kernel launch in an eager GPU step)."""
+        return None
 
     takes_key_probes: ClassVar[bool] = False
     """The method may ask for :meth:`decode_key_probes` (the cache skips the call otherwise)."""
@@ -821,3 +846,15 @@ class ScorerPolicy(Policy):
 
     def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
         return self.keep(scoring, budget, state)
+
+    def select_decode_drop(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor | None:
+        """:meth:`keep`'s one dropped token (:func:`lowest_ranked`), where :meth:`keep` and
+        :meth:`select_decode` are this class's own (a subclass or an instance that decides otherwise
+        is asked for its mask). Without a model mask every stored token is real: no validity to fill in."""
+        own = (getattr(self.keep, "__func__", None), getattr(self.select_decode, "__func__", None))
+        if own != (ScorerPolicy.keep, ScorerPolicy.select_decode):  # (an instance's own too)
+            return None
+        scores = self.score(scoring, budget, state)
+        valid = None if scoring.mask is None else scoring.valid
+        positions = None if scoring.stored_in_order else scoring.positions
+        return lowest_ranked(scores, valid, self.protected(scoring, budget), positions).squeeze(-1)

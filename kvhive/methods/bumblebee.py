@@ -354,14 +354,21 @@ class BumbleBee(Policy):
             return None
         return torch.arange(capacity, device=scoring.keys.device) < scoring.filled
 
-    def _select_in_capacity(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+    def _select_in_capacity(
+        self, scoring: ScoringInputs, budget: int, state: dict, drop_only: bool = False
+    ) -> torch.Tensor | None:
         """:meth:`select_decode` over a fixed capacity of ``budget + 1`` slots: at a step where the
         layer holds more than its budget (then exactly one more), the token after the summary joins
         it and the element of smallest marginal gain goes (Algorithm 2); at a step within the budget
         nothing goes. The first eviction of a layer whose prompt fit builds the summary from the
         oldest ``tau_s`` stored tokens (as the rebuild of :meth:`select_decode`). Fixed shapes, no
-        host read."""
+        host read. ``drop_only`` (:meth:`select_decode_drop`): the dropped stored index ``[B, H]`` of
+        an eager step over a full capacity whose summary the prefill built, None (nothing decided)
+        for any other step."""
         batch, heads, capacity, dim = scoring.keys.shape
+        known_full = scoring.known_filled == capacity and capacity > budget and REBUILDS not in state
+        if drop_only and not known_full:
+            return None
         summary_size, _ = self.split(budget)
         rows = batch * heads
         keys = scoring.keys.reshape(rows, capacity, dim)
@@ -370,7 +377,6 @@ class BumbleBee(Policy):
         weights = self._accumulated(scoring).reshape(rows, capacity)
         summary: StreamingSummary = state[SUMMARY]
         built = state[BUILT]
-        slots = torch.arange(capacity, device=keys.device)
 
         def joined(order: torch.Tensor, active: torch.Tensor | None, probed=None) -> torch.Tensor:
             """The summary's step for the newest joiner: the dropped stored index of each row."""
@@ -394,13 +400,17 @@ class BumbleBee(Policy):
         if probes is not None and probes.products is not None:  # the joiner's products, from the attention
             order, ranked, joiner, joiner_key = probes.context
             probed = (joiner, joiner_key, probes.products.reshape(rows, capacity))
-        if scoring.known_filled == capacity and capacity > budget and REBUILDS not in state:
+        if known_full:
             # An eager step of a full capacity, known on the host: every slot holds a token and the
             # step evicts (no device mask of either).
             if probed is None:
                 order, ranked = _rank_by_position(scoring, positions, None)
             torch._assert_async(summary.matches(ranked), "BumbleBee's summary is not the oldest stored tokens")
-            return (slots != joined(order, None, probed)).view(batch, heads, capacity)
+            dropped = joined(order, None, probed)
+            if drop_only:
+                return dropped.view(batch, heads)
+            return (torch.arange(capacity, device=keys.device) != dropped).view(batch, heads, capacity)
+        slots = torch.arange(capacity, device=keys.device)
         evict = scoring.filled > budget
         stored = slots < scoring.filled  # [C]: the slots holding a token (the empty ones last)
         if probed is None:
@@ -422,6 +432,13 @@ class BumbleBee(Policy):
         dropped = joined(order, evict, probed)
         stays = (slots != torch.where(evict, dropped, capacity)).view(batch, heads, capacity)
         return stored & stays
+
+    def select_decode_drop(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor | None:
+        """The joiner's step over a full fixed capacity (:meth:`_select_in_capacity`): Algorithm 2
+        drops one element of ``S'`` by construction, its stored index is what the step returns."""
+        if scoring.filled is None:
+            return None
+        return self._select_in_capacity(scoring, budget, state, drop_only=True)
 
     def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor | None:
         if scoring.filled is not None:

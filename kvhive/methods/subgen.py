@@ -381,7 +381,7 @@ class _SteadyProbe(NamedTuple):
     """What :meth:`SubGen.decode_key_probes` derived before a steady step's attention, handed back
     to :meth:`SubGen.select_decode` with the attention's products of the probed rows."""
 
-    split: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # SubGen._split: valid, forced, candidates
+    split: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]  # SubGen._split: valid, forced, candidates
     positions: torch.Tensor  # [R, N] the stored positions, in nearest_position's dtype
     newcomer: torch.Tensor  # [R, 1] each row's newcomer (stored index)
     index: torch.Tensor  # [R, 1 + w] the probed rows (_steady_rows)
@@ -407,7 +407,9 @@ def maintain_candidates(
 ):
     """Shrink each row's candidate set to ``target`` by repeatedly evicting the newer member of
     the closest pair. All ``[R, N]`` (keys ``[R, N, d]``); ``nearest_*`` are updated in place for
-    the candidates; returns the surviving candidates ``[R, N]`` bool.
+    the candidates; returns ``(survivors, dropped)``: the surviving candidates ``[R, N]`` bool and,
+    for a steady step (:func:`_steady_step`), the token it dropped (``[R, N]`` bool, one True per row
+    where every row is full), else None.
 
     The tokens may be stored in any order (``positions``, distinct per row, say which is which):
     newcomers are taken oldest first, and among equal distances the oldest token is the closest
@@ -459,7 +461,7 @@ def maintain_candidates(
             newcomer = _newest_candidate(candidates, positions)
         else:
             newcomer = (candidates & ~ready).to(torch.int8).argmax(-1, keepdim=True)
-        _steady_step(
+        dropped = _steady_step(
             keys,
             keys_sq,
             positions,
@@ -474,7 +476,7 @@ def maintain_candidates(
         )
         if ready is not None:
             ready.copy_(candidates)
-        return candidates
+        return candidates, dropped
     if ready is None:
         width = min(newcomer_bound, candidates.shape[-1])
         newest = torch.where(candidates, positions, -1.0).topk(width, dim=-1).indices
@@ -541,7 +543,7 @@ def maintain_candidates(
         if removal + 1 < removal_bound:
             excess = excess - active.long()
     ready.copy_(candidates.to(ready.dtype))
-    return candidates
+    return candidates, None
 
 
 def _decided(scores: dict) -> bool:
@@ -612,7 +614,8 @@ def _steady_step(
     row drops one and every candidate has a neighbour: no row is masked. ``probe``:
     ``(index, asked_sq, products)``: :func:`_steady_rows`'s rows with their products with every
     stored key computed elsewhere (the attention's, ``[R, 1 + w, N]``); None: chosen and computed
-    here. Updates ``candidates`` (the survivors), ``nearest_*`` and ``keys_sq`` in place."""
+    here. Updates ``candidates`` (the survivors), ``nearest_*`` and ``keys_sq`` in place; returns the
+    dropped token ``[R, N]`` (bool: one per row that drops one)."""
     inf = float("inf")
     if probe is None:
         index, asked, asked_sq = _steady_rows(
@@ -655,6 +658,7 @@ def _steady_step(
     # Stale for the next step: the candidates whose neighbour was just dropped (a non-candidate marked
     # too is rewritten when it joins).
     nearest_position.masked_fill_(nearest_position == dropped_position, -1.0)
+    return drop
 
 
 class SubGen(Policy):
@@ -683,13 +687,15 @@ class SubGen(Policy):
         return min(budget, num_tokens)
 
     def _split(self, scoring: ScoringInputs):
-        valid = scoring.valid
+        """``(valid, forced, candidates)``: the real tokens (None where every stored token is real),
+        the recent window, and the tokens the clusters choose from."""
         # The recent window by position (the stored order is not the tokens' once a decode step
         # wrote the newest token into a freed slot): the same tokens as the last r stored, since
         # the window is always kept.
         forced = scoring.recent_tokens(self.config.recent)
         if scoring.mask is None:  # every stored token is real
-            return valid, forced, ~forced
+            return None, forced, ~forced
+        valid = scoring.valid
         forced = forced & valid
         return valid, forced, valid & ~forced
 
@@ -774,7 +780,30 @@ class SubGen(Policy):
         context = _SteadyProbe(split, positions, newcomer, index, asked_sq, None)
         return KeyProbes(rows=asked.view(b, h, -1, d), context=context)
 
+    def select_decode_drop(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor | None:
+        """A steady step over real tokens only (one newcomer, one removal, every row full: after a
+        decision, without a model mask): the token its closest-pair removal drops (the same
+        decision as :meth:`select_decode`'s), as a stored index. None for any other step."""
+        b, h, n, _ = scoring.keys.shape
+        steady = n - budget == 1 and _steady_block_fits(b * h, n, STALE_REFRESH_WIDTH)
+        if scoring.mask is not None or not steady or not _decided(scoring.token_scores):
+            return None
+        _, dropped = self._decide(scoring, budget)
+        if dropped is None:  # (maintain_candidates takes its steady step under exactly these conditions)
+            raise RuntimeError("SubGen's steady decode step did not run where its conditions held")
+        return dropped.view(torch.uint8).argmax(dim=-1).view(b, h)
+
     def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+        kept, forced, valid = self._decide(scoring, budget)[0]
+        if scoring.mask is None:
+            # Every token is real: the candidates were cut to exactly budget - recent (all kept when
+            # fewer), beside the recent window: what keep_top_scores keeps below, without its ranks.
+            return kept | forced
+        return keep_top_scores(kept.float(), budget, valid, forced=forced, positions=self._positions(scoring))
+
+    def _decide(self, scoring: ScoringInputs, budget: int):
+        """The decode decision: ``((kept candidates [B, H, N], forced, valid), dropped)``, ``dropped``
+        the steady step's dropped token ``[B*H, N]`` (:func:`maintain_candidates`) or None."""
         b, h, n, d = scoring.keys.shape
         probes = scoring.key_probes
         probe = None
@@ -819,7 +848,7 @@ class SubGen(Policy):
         if keys_sq is None:
             keys_sq = (keys.float() * keys.float()).sum(-1)
             scores[KEY_NORM] = keys_sq.view(b, h, n)
-        kept = maintain_candidates(
+        kept, dropped = maintain_candidates(
             keys,
             scoring.positions.reshape(shape) if probe is None else probe.positions,
             candidates.reshape(shape),
@@ -835,9 +864,4 @@ class SubGen(Policy):
             probe=probe,
         )
         # NEAREST_DISTANCE, NEAREST_POSITION and KEY_NORM were updated in place (stored()).
-        kept = kept.reshape(b, h, n)
-        if scoring.mask is None:
-            # Every token is real: the candidates were cut to exactly budget - recent (all kept when
-            # fewer), beside the recent window: what keep_top_scores keeps below, without its ranks.
-            return kept | forced
-        return keep_top_scores(kept.float(), budget, valid, forced=forced, positions=self._positions(scoring))
+        return (kept.reshape(b, h, n), forced, valid), dropped
