@@ -954,23 +954,15 @@ class DenseLayerStore(LayerStore):
         only a method that reads none (``Policy.reads_stored_order`` False) is held this way. The
         per-token scores move too, unless nothing reads the newest token's (``new_token_scores_read``)."""
         hole = hole.reshape(-1)
-        slots = hole + self._start if self._start else hole
-        self._move_newest_into(slots, self._start + self._length - 1, self.new_token_scores_read)
+        # Slot j of segment s is row s * capacity + j of the flat buffers (one arange each, not a
+        # base computed and added to each slot index).
+        capacity, newest = self._key_buffer.shape[2], self._start + self._length - 1
+        rows = self.num_segments * capacity
+        first_slots = torch.arange(self._start, self._start + rows, capacity, device=self.device)
+        newest_rows = torch.arange(newest, newest + rows, capacity, device=self.device)
+        self._move_rows(first_slots + hole, newest_rows, self.new_token_scores_read)
         self._length = self._length - 1
         self.stored_in_order = False
-
-    def _move_newest_into(self, slots: torch.Tensor, newest: int, with_scores: bool = True) -> None:
-        """Copy the token in slot ``newest`` (a host index, the same in every segment) of each segment
-        ``s`` to its slot ``slots[s]`` (``[S]``): keys, values, position and (``with_scores``) per-token
-        scores: per buffer a copy of the newest slot scattered into each segment's slot (torch refuses
-        a scatter from a view of the tensor it writes), with no index arithmetic over flat rows. A
-        segment whose slot is the newest writes the token onto itself."""
-        segments = slots.shape[0]
-        buffers = (self._key_buffer, self._value_buffer, self._position_buffer)
-        for buffer in (*buffers, *(self._score_buffers.values() if with_scores else ())):
-            by_segment = buffer.view(segments, buffer.shape[2], -1)  # [S, C, d] (d = 1: positions, scores)
-            index = slots.view(segments, 1, 1).expand(segments, 1, by_segment.shape[2])
-            by_segment.scatter_(1, index, by_segment[:, newest : newest + 1].clone())
 
     def fill_hole_in_capacity(self, hole: torch.Tensor, kept: torch.Tensor | int) -> None:
         """Fixed capacity, every row dropping the token at stored index ``hole`` (``[B, H]``, or flat;
@@ -978,11 +970,7 @@ class DenseLayerStore(LayerStore):
         slots, moves into the freed slot (:meth:`compact_in_place` with ``fill_hole``); ``kept`` as
         there."""
         hole = hole.reshape(-1)
-        length = self.known_length
-        if length is not None and self._start == 0:  # the newest slot is known on the host
-            self._move_newest_into(hole, length - 1)
-        else:
-            self._move_token_per_segment(hole, (self.length_device - 1).expand_as(hole))
+        self._move_token_per_segment(hole, (self.length_device - 1).expand_as(hole))
         self._set_length(kept)
         self.stored_in_order = False
 
