@@ -646,8 +646,8 @@ class Policy:
         raise NotImplementedError(f"{self.name} has no decode phase")
 
     def select_decode_drop(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor | None:
-        """A steady decode step that drops one token: the layer holds ``budget + 1`` stored tokens,
-        every one real. The stored index ``[B, H]`` (long) of the token each row drops, decided as
+        """A steady decode step that drops one token: the layer holds ``budget + 1`` stored tokens
+        (left padding included). The stored index ``[B, H]`` (long) of the token each row drops, decided as
         :meth:`select_decode` decides (same state changes, same token), or None to decide through
         :meth:`select_decode`'s keep mask (changing nothing here). The cache asks for it only where
         it then moves the newest token into the freed slot (``reads_stored_order`` False): naming the
