@@ -454,6 +454,8 @@ class LayerStore(CacheLayerMixin):
     def _new_positions(self, new_tokens: int) -> torch.Tensor:
         """Original positions of ``new_tokens`` appended tokens: ``[new]``, or ``[B, 1, new]`` when
         rows have seen different numbers of tokens."""
+        if new_tokens == 1 and self.row_tokens_seen_device is None:
+            return self.tokens_seen_device.view(1).to(POSITION_DTYPE)  # a decode step: no arange, no add
         grow = torch.arange(new_tokens, device=self.device)
         if self.row_tokens_seen_device is not None:
             return (grow + self.row_tokens_seen_device[:, None]).to(POSITION_DTYPE)[:, None, :]
@@ -993,10 +995,9 @@ class DenseLayerStore(LayerStore):
             # A decode step: the device length itself is the slot, the device count the position
             # (no arange and add for either).
             index = self.length_device.view(1)
-            positions = self.tokens_seen_device.view(1).to(POSITION_DTYPE)  # _new_positions(1)
         else:
             index = torch.arange(new_tokens, device=self.device) + self.length_device
-            positions = self._new_positions(new_tokens)
+        positions = self._new_positions(new_tokens)
         self._key_buffer.index_copy_(2, index, key_states)
         self._value_buffer.index_copy_(2, index, value_states)
         self._position_buffer.index_copy_(2, index, positions.expand(self._batch, self._heads, new_tokens))
