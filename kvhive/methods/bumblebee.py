@@ -354,73 +354,80 @@ class BumbleBee(Policy):
             return None
         return torch.arange(capacity, device=scoring.keys.device) < scoring.filled
 
-    def _select_in_capacity(
-        self, scoring: ScoringInputs, budget: int, state: dict, drop_only: bool = False
-    ) -> torch.Tensor | None:
+    @staticmethod
+    def _known_full(scoring: ScoringInputs, budget: int, state: dict) -> bool:
+        """An eager step over a full fixed capacity, known on the host, whose summary the prefill
+        built: every slot holds a token and the step evicts one (no device mask of either)."""
+        capacity = scoring.keys.shape[2]
+        return scoring.known_filled == capacity and capacity > budget and REBUILDS not in state
+
+    def _ranked(self, scoring: ScoringInputs, stored: torch.Tensor | None):
+        """``(order, ranked, joiner)``: :func:`_rank_by_position` of the stored tokens, as
+        :meth:`decode_key_probes` took it before the attention where the attention computed the
+        joiner's products (``joiner``: ``(stored index, key, products)`` for
+        :meth:`StreamingSummary.step`), else now (``joiner`` None)."""
+        batch, heads, capacity, _ = scoring.keys.shape
+        probes = scoring.key_probes
+        if probes is not None and probes.products is not None:
+            order, ranked, joiner, joiner_key = probes.context
+            return order, ranked, (joiner, joiner_key, probes.products.reshape(batch * heads, capacity))
+        positions = scoring.positions.reshape(batch * heads, capacity)
+        return (*_rank_by_position(scoring, positions, stored), None)
+
+    def _summary_step(
+        self, scoring: ScoringInputs, budget: int, state: dict, order, active: torch.Tensor | None, joiner
+    ) -> torch.Tensor:
+        """The summary's step for the newest joiner over the capacity (Algorithm 2): the dropped stored
+        index ``[R, 1]`` of each row (where ``active`` is False, nothing joins)."""
+        batch, heads, capacity, dim = scoring.keys.shape
+        rows = batch * heads
+        summary: StreamingSummary = state[SUMMARY]
+        return summary.step(
+            scoring.keys.reshape(rows, capacity, dim),
+            scoring.valid.reshape(rows, capacity),
+            self._accumulated(scoring).reshape(rows, capacity),
+            scoring.positions.reshape(rows, capacity),
+            self.split(budget)[0],
+            1,
+            self.config.mixture_weight,
+            self.concave,
+            normalise_mass=self.config.importance_scale == "normalised",
+            active=active,
+            stored_of_rank=order,
+            joiner=joiner,
+        )
+
+    def _drop_in_full_capacity(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
+        """The dropped stored index ``[R, 1]`` of a step over a full capacity (:meth:`_known_full`)."""
+        order, ranked, joiner = self._ranked(scoring, None)
+        torch._assert_async(state[SUMMARY].matches(ranked), "BumbleBee's summary is not the oldest stored tokens")
+        return self._summary_step(scoring, budget, state, order, None, joiner)
+
+    def _select_in_capacity(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
         """:meth:`select_decode` over a fixed capacity of ``budget + 1`` slots: at a step where the
         layer holds more than its budget (then exactly one more), the token after the summary joins
         it and the element of smallest marginal gain goes (Algorithm 2); at a step within the budget
         nothing goes. The first eviction of a layer whose prompt fit builds the summary from the
         oldest ``tau_s`` stored tokens (as the rebuild of :meth:`select_decode`). Fixed shapes, no
-        host read. ``drop_only`` (:meth:`select_decode_drop`): the dropped stored index ``[B, H]`` of
-        an eager step over a full capacity whose summary the prefill built, None (nothing decided)
-        for any other step."""
+        host read."""
         batch, heads, capacity, dim = scoring.keys.shape
-        known_full = scoring.known_filled == capacity and capacity > budget and REBUILDS not in state
-        if drop_only and not known_full:
-            return None
-        summary_size, _ = self.split(budget)
-        rows = batch * heads
-        keys = scoring.keys.reshape(rows, capacity, dim)
-        valid = scoring.valid.reshape(rows, capacity)
-        positions = scoring.positions.reshape(rows, capacity)
-        weights = self._accumulated(scoring).reshape(rows, capacity)
+        slots = torch.arange(capacity, device=scoring.keys.device)
+        if self._known_full(scoring, budget, state):
+            return (slots != self._drop_in_full_capacity(scoring, budget, state)).view(batch, heads, capacity)
         summary: StreamingSummary = state[SUMMARY]
         built = state[BUILT]
-
-        def joined(order: torch.Tensor, active: torch.Tensor | None, probed=None) -> torch.Tensor:
-            """The summary's step for the newest joiner: the dropped stored index of each row."""
-            return summary.step(
-                keys,
-                valid,
-                weights,
-                positions,
-                summary_size,
-                1,
-                self.config.mixture_weight,
-                self.concave,
-                normalise_mass=self.config.importance_scale == "normalised",
-                active=active,
-                stored_of_rank=order,
-                joiner=probed,
-            )
-
-        probes = scoring.key_probes
-        probed = None
-        if probes is not None and probes.products is not None:  # the joiner's products, from the attention
-            order, ranked, joiner, joiner_key = probes.context
-            probed = (joiner, joiner_key, probes.products.reshape(rows, capacity))
-        if known_full:
-            # An eager step of a full capacity, known on the host: every slot holds a token and the
-            # step evicts (no device mask of either).
-            if probed is None:
-                order, ranked = _rank_by_position(scoring, positions, None)
-            torch._assert_async(summary.matches(ranked), "BumbleBee's summary is not the oldest stored tokens")
-            dropped = joined(order, None, probed)
-            if drop_only:
-                return dropped.view(batch, heads)
-            return (torch.arange(capacity, device=keys.device) != dropped).view(batch, heads, capacity)
-        slots = torch.arange(capacity, device=keys.device)
         evict = scoring.filled > budget
         stored = slots < scoring.filled  # [C]: the slots holding a token (the empty ones last)
-        if probed is None:
-            order, ranked = _rank_by_position(scoring, positions, stored)
+        order, ranked, joiner = self._ranked(scoring, stored)
         if REBUILDS in state:  # the prompt fit the budget: the first eviction builds the summary
             build = evict & ~built
             # The oldest tau_s stored tokens are the first ones: the cache fills freed slots only
             # from the first eviction on.
+            size, rows = self.split(budget)[0], batch * heads
             fresh = StreamingSummary.from_keys(
-                keys[:, :summary_size], valid[:, :summary_size], positions[:, :summary_size]
+                scoring.keys[:, :, :size].reshape(rows, size, dim),
+                scoring.valid[:, :, :size].reshape(rows, size),
+                scoring.positions[:, :, :size].reshape(rows, size),
             )
             summary.assign_where(build, fresh)
             state[REBUILDS].add_(build.long())
@@ -429,16 +436,16 @@ class BumbleBee(Policy):
         else:  # built at the prefill's selection: the summary holds its members at every step
             aligned = summary.matches(ranked)
         torch._assert_async(aligned, "BumbleBee's summary is not the oldest stored tokens")
-        dropped = joined(order, evict, probed)
+        dropped = self._summary_step(scoring, budget, state, order, evict, joiner)
         stays = (slots != torch.where(evict, dropped, capacity)).view(batch, heads, capacity)
         return stored & stays
 
     def select_decode_drop(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor | None:
-        """The joiner's step over a full fixed capacity (:meth:`_select_in_capacity`): Algorithm 2
-        drops one element of ``S'`` by construction, its stored index is what the step returns."""
-        if scoring.filled is None:
+        """The joiner's step over a full fixed capacity (:meth:`_known_full`): Algorithm 2 drops one
+        element of ``S'`` by construction, its stored index is what the step returns."""
+        if scoring.filled is None or not self._known_full(scoring, budget, state):
             return None
-        return self._select_in_capacity(scoring, budget, state, drop_only=True)
+        return self._drop_in_full_capacity(scoring, budget, state).view(scoring.keys.shape[:2])
 
     def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor | None:
         if scoring.filled is not None:

@@ -556,6 +556,15 @@ def _steady_block_fits(rows: int, tokens: int, stale_refresh_width: int) -> bool
     return 0 < stale_refresh_width <= max(1, _BLOCK_ELEMENTS // max(1, rows * tokens))
 
 
+def _steady(scoring: ScoringInputs, budget: int) -> bool:
+    """Whether a decode step's decision is :func:`_steady_step` (what :func:`maintain_candidates`
+    takes after a decision, one token over the budget, the block fitting): the step whose rows
+    :meth:`SubGen.decode_key_probes` asks for and whose dropped token :meth:`SubGen.select_decode_drop`
+    names."""
+    b, h, n, _ = scoring.keys.shape
+    return _decided(scoring.token_scores) and n - budget == 1 and _steady_block_fits(b * h, n, STALE_REFRESH_WIDTH)
+
+
 def _newest_candidate(candidates: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """``[R, 1]``: each row's candidate of the highest position (a steady step's newcomer)."""
     return torch.where(candidates, positions, -1.0).argmax(-1, keepdim=True)
@@ -759,10 +768,10 @@ class SubGen(Policy):
         decision): the newcomer and the stale candidates :func:`_steady_rows` picks, whose distances
         to every candidate the step reads, chosen from the state before this step's attention (the
         decision after it sees the same). None for any other step."""
+        if not _steady(scoring, budget):
+            return None
         b, h, n, d = scoring.keys.shape
         scores = scoring.token_scores
-        if not _decided(scores) or n - budget != 1 or not _steady_block_fits(b * h, n, STALE_REFRESH_WIDTH):
-            return None
         shape = (b * h, n)
         split = self._split(scoring)
         candidates = split[2].reshape(shape)
@@ -784,17 +793,15 @@ class SubGen(Policy):
         """A steady step over real tokens only (one newcomer, one removal, every row full: after a
         decision, without a model mask): the token its closest-pair removal drops (the same
         decision as :meth:`select_decode`'s), as a stored index. None for any other step."""
-        b, h, n, _ = scoring.keys.shape
-        steady = n - budget == 1 and _steady_block_fits(b * h, n, STALE_REFRESH_WIDTH)
-        if scoring.mask is not None or not steady or not _decided(scoring.token_scores):
+        if scoring.mask is not None or not _steady(scoring, budget):
             return None
-        _, dropped = self._decide(scoring, budget)
+        dropped = self._decide(scoring, budget)[3]
         if dropped is None:  # (maintain_candidates takes its steady step under exactly these conditions)
             raise RuntimeError("SubGen's steady decode step did not run where its conditions held")
-        return dropped.view(torch.uint8).argmax(dim=-1).view(b, h)
+        return dropped.view(torch.uint8).argmax(dim=-1).view(scoring.keys.shape[:2])
 
     def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
-        kept, forced, valid = self._decide(scoring, budget)[0]
+        kept, forced, valid, _ = self._decide(scoring, budget)
         if scoring.mask is None:
             # Every token is real: the candidates were cut to exactly budget - recent (all kept when
             # fewer), beside the recent window: what keep_top_scores keeps below, without its ranks.
@@ -802,7 +809,7 @@ class SubGen(Policy):
         return keep_top_scores(kept.float(), budget, valid, forced=forced, positions=self._positions(scoring))
 
     def _decide(self, scoring: ScoringInputs, budget: int):
-        """The decode decision: ``((kept candidates [B, H, N], forced, valid), dropped)``, ``dropped``
+        """The decode decision: ``(kept candidates [B, H, N], forced, valid, dropped)``, ``dropped``
         the steady step's dropped token ``[B*H, N]`` (:func:`maintain_candidates`) or None."""
         b, h, n, d = scoring.keys.shape
         probes = scoring.key_probes
@@ -864,4 +871,4 @@ class SubGen(Policy):
             probe=probe,
         )
         # NEAREST_DISTANCE, NEAREST_POSITION and KEY_NORM were updated in place (stored()).
-        return (kept.reshape(b, h, n), forced, valid), dropped
+        return kept.reshape(b, h, n), forced, valid, dropped
