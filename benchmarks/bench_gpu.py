@@ -25,8 +25,8 @@ Configurations (``--configs``, comma-separated):
 * ``stock-cudnn-off``, ``stock-cudnn-on``: transformers' sdpa with its ``DynamicCache`` (cuDNN's sdpa
   re-plans at every key length; off is the better stock eager decode);
 * ``stock-static``: transformers' ``StaticCache`` (cuDNN off);
-* a kvhive method (``full``, ``snapkv``, ``tova``, ...), optionally ``@kernel`` / ``@sdpa`` for
-  kvhive's dense decode attention (where this kvhive has that switch);
+* a kvhive method (``full``, ``snapkv``, ``tova``, ...), optionally ``@kernel`` / ``@sdpa`` to force
+  kvhive's dense decode attention (``make_cache(dense_decode=...)``; unnamed: its default, ``"auto"``);
 * any of these with ``+compile``: the decode step (the model's forward on one token) through
   ``torch.compile`` (``--compile-backend``, default inductor with mode ``reduce-overhead``, i.e.
   CUDA graphs, on CUDA; ``aot_eager`` on the CPU); the prefill stays eager, as in
@@ -239,8 +239,8 @@ def make_cache(model, parts: dict, budget: float, max_length: int, decode_tokens
         torch.backends.cuda.enable_cudnn_sdp(True)  # kvhive chooses its own kernels whatever this says
     import kvhive
 
-    # The dense decode attention is a per-cache option (sdpa unless "@kernel" is named).
-    dense_decode = parts["dense_decode"] or "sdpa"
+    # The dense decode attention is a per-cache option (make_cache's default unless "@kernel"/"@sdpa").
+    dense_decode = parts["dense_decode"] or "auto"
     # A captured step needs one shape from step to step: growing layers get room for the decode
     # steps (attention then reads the kept tokens plus that room, empty slots masked).
     room = {"decode_capacity": decode_tokens} if parts.get("graph") else {}

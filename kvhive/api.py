@@ -110,7 +110,7 @@ def make_cache(
     decode_slack: int = 0,
     record_prefill: bool = False,
     positions: str = "original",
-    dense_decode: str = "sdpa",
+    dense_decode: str = "auto",
     prefill_chunk: int | None = None,
     decode_capacity: int | None = None,
     bucket_budget: bool = False,
@@ -124,8 +124,9 @@ def make_cache(
     (:func:`kvhive.attention.integration.attach`): its configured implementation (eager, sdpa,
     flash-attention) and ``prepare_inputs_for_generation`` behave as before in every other call.
     ``dense_decode`` picks the attention of a decode step over equal-length heads on CUDA:
-    ``"sdpa"`` (flash / memory-efficient) or ``"kernel"`` (kvhive's split-K Triton kernel over the
-    buffer in place); a method that scores by the new query's attention gets its weights from that
+    ``"sdpa"`` (flash / memory-efficient), ``"kernel"`` (kvhive's split-K Triton kernel over the
+    buffer in place) or ``"auto"`` (the default: the kernel over a fixed capacity, whose empty
+    slots sdpa would mask, which takes it off flash-decoding; sdpa over an unmasked slice); a method that scores by the new query's attention gets its weights from that
     kernel's own pass on CUDA either way (sdpa does not return them). ``prefill_chunk``: the prompt is fed in chunks of that many tokens by
     ``kvhive.generate`` (pass ``prefill_chunk_size=`` to ``model.generate`` yourself), compressed
     as it goes (``KVHiveCache``). ``bucket_budget``: a ratio budget resolves up to one of a few

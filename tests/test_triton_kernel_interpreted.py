@@ -41,6 +41,10 @@ def test_kernel_matches_float64_reference_in_the_interpreter(seed):
         "decode-h2o-float32",
         "decode-ahakv-float32",
         "logits-float32",
+        "decode-auto-full-float32",
+        "decode-auto-full-growing-float32",
+        "decode-auto-snapkv-float32",
+        "decode-auto-snapkv-growing-float32",
     }
     # The new query's weights from the kernel's own pass (issue 23 item 2), and TOVA/H2O deciding
     # on them in a fixed decode capacity: the kept positions of the torch pass, the same logits.
@@ -50,6 +54,12 @@ def test_kernel_matches_float64_reference_in_the_interpreter(seed):
     assert errors["decode-h2o-float32"] <= 1e-4
     assert errors["decode-ahakv-float32"] <= 1e-4
     assert errors["logits-float32"] <= 1e-5
+    # dense_decode="auto": the kernel over a fixed capacity (every step, every layer), sdpa over a
+    # growing slice; the same logits as sdpa over the masked capacity.
+    assert errors["decode-auto-full-float32"] <= 1e-4
+    assert errors["decode-auto-snapkv-float32"] <= 1e-4
+    assert errors["decode-auto-full-growing-float32"] <= 1e-4
+    assert errors["decode-auto-snapkv-growing-float32"] <= 1e-4
     assert errors["dense-layer-float32"] <= 1e-5
     assert errors["segments-torch.float32"] <= 1e-5
     assert errors["uniform-float32"] <= 1e-5

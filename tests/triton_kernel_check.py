@@ -128,6 +128,64 @@ def decode_weights_errors():
     return errors
 
 
+def decode_auto_errors():
+    """``dense_decode="auto"`` (make_cache's default) on the tiny GQA model (float32), 10 decode steps
+    of the full cache and SnapKV (layers that only grow while decoding): in a fixed decode capacity
+    every step of every layer takes the kernel (without weights), whose logits agree with sdpa's
+    (``dense_decode="sdpa"``, which never takes it); without a capacity (a growing slice, unmasked)
+    "auto" takes sdpa. ``inf`` when a count is wrong."""
+    import kvhive
+    import kvhive.attention.integration as integration
+    from kvhive.compat import cache_kwarg
+    from kvhive.models import tiny_model
+
+    model = tiny_model("llama", "gqa")
+    key = cache_kwarg(model)
+    prompt = torch.randint(3, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(5))
+    errors = {}
+    for method, options in (("full", {}), ("snapkv", {"budget": 40})):
+        runs = {}
+        for dense_decode, capacity in (("auto", 12), ("sdpa", 12), ("auto", None)):
+            calls = []
+            original = integration.varlen_attention_kernel
+
+            def counting(*args, _calls=calls, _original=original, **kwargs):
+                _calls.append(kwargs.get("return_weights", False))
+                return _original(*args, **kwargs)
+
+            integration.varlen_attention_kernel = counting
+            try:
+                room = {} if capacity is None else {"decode_capacity": capacity}
+                cache = kvhive.make_cache(model, method, **options, **room)
+                assert cache.dense_decode == "auto" or dense_decode == "sdpa"
+                cache.dense_decode = dense_decode
+                logits = []
+                with torch.no_grad():
+                    out = model(input_ids=prompt, **{key: cache}, use_cache=True)
+                    for _ in range(10):
+                        token = out.logits[:, -1:].argmax(-1)
+                        out = model(input_ids=token, **{key: cache}, use_cache=True)
+                        logits.append(out.logits[:, -1])
+            finally:
+                integration.varlen_attention_kernel = original
+            fixed = [layer.fixed_capacity for layer in cache.layers]
+            runs[(dense_decode, capacity)] = (torch.stack(logits), calls, fixed)
+        kernel, calls, fixed = runs[("auto", 12)]
+        reference, sdpa_calls, _ = runs[("sdpa", 12)]
+        unmasked, growing_calls, growing_fixed = runs[("auto", None)]
+        counts_right = (
+            all(fixed)
+            and not any(growing_fixed)
+            and len(calls) == 10 * len(fixed)
+            and not any(calls)
+            and not sdpa_calls
+            and not growing_calls
+        )
+        errors[f"decode-auto-{method}-float32"] = relative(kernel, reference.double()) if counts_right else float("inf")
+        errors[f"decode-auto-{method}-growing-float32"] = relative(unmasked, reference.double())
+    return errors
+
+
 def main():
     generator = torch.Generator().manual_seed(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
     errors = {}
@@ -168,6 +226,7 @@ def main():
     errors["dense-layer-float32"] = dense_layer_error(generator)
     errors.update(weights_errors(generator))
     errors.update(decode_weights_errors())
+    errors.update(decode_auto_errors())
     print(json.dumps(errors))
 
 

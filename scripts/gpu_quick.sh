@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# A GPU check that fits a short lease (about 8 minutes of a 15-minute device budget; the eighth
+# session's four calls on an H200 used this): decode rows at 32k batch 1 of the configurations
+# named, each in a fresh process with a per-configuration limit, then tests_gpu on 8 workers
+# (~40 s). scripts/gpu_run.sh is the full run (hours); this is its smallest useful part.
+#
+#   CONFIGS   bench_gpu.py configurations (default: stock eager, SnapKV eager and captured, and the
+#             captured step of the decode-evicting methods)
+#   CONTEXT / BATCH   prompt tokens (32768) and rows (1)
+#   BENCH_S / CONFIG_S / TESTS_S   seconds for the whole bench, one configuration, tests_gpu
+#             (TESTS_S=0 skips the tests); PROFILE: configurations to profile (torch.profiler)
+#   OUT       where the JSON lines and the test log go (default results/gpu)
+#
+# On a device image whose transformers is older than pyproject's floor, carry wheels: here, in the
+# repository root, `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
+# manylinux_2_17_x86_64 -d .whl transformers==<the version .venv has> regex==<.venv's>` (.whl/ is
+# git-ignored locally); this script installs what .whl/ holds into /tmp/site first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-results/gpu}
+mkdir -p "$OUT"
+PYTHON=${PYTHON:-python3}
+if compgen -G ".whl/*.whl" > /dev/null; then
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export KVHIVE_COMMIT=${KVHIVE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+"$PYTHON" -c "import torch, transformers, triton, kvhive; assert torch.cuda.is_available(), 'needs a CUDA GPU'; \
+print(torch.__version__, transformers.__version__, triton.__version__, torch.cuda.get_device_name())" || exit 4
+CONFIGS=${CONFIGS:-stock-cudnn-off,snapkv,snapkv+graph,tova+graph,streamingllm+graph,h2o+graph,ahakv+graph,buzz+graph,subgen+graph,full+graph}
+echo "== bench_gpu.py: $CONFIGS"
+timeout "${BENCH_S:-300}" "$PYTHON" benchmarks/bench_gpu.py --context "${CONTEXT:-32768}" --batch "${BATCH:-1}" \
+  --decode-tokens 16 --timeout "${CONFIG_S:-90}" --configs "$CONFIGS" ${PROFILE:+--profile "$PROFILE"} \
+  --out "$OUT/bench_gpu_quick.jsonl"
+if [ "${TESTS_S:-200}" != 0 ]; then
+  echo "== tests_gpu"
+  timeout "${TESTS_S:-200}" "$PYTHON" -m pytest -q -n 8 -p no:cacheprovider --timeout 150 -rf tests_gpu \
+    > "$OUT/tests_gpu_$KVHIVE_COMMIT.txt" 2>&1
+  echo "pytest exit $?"
+  tail -40 "$OUT/tests_gpu_$KVHIVE_COMMIT.txt"
+fi
