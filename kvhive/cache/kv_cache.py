@@ -1495,10 +1495,17 @@ class KVHiveCache(Cache):
             raise ValueError(f"slot(s) {wrong} are not {'running' if want_active else 'free'} (they are {state})")
         return list(slots)
 
+    def _trust_the_device(self) -> None:
+        """Before a leave or a join: the host mirrors of the layers' counters are read back from the
+        device when next asked for (steps replayed from a CUDA graph advance only the device)."""
+        for store in self.layers:
+            store.trust_the_device()
+
     def free_slots(self, slots: list[int]) -> None:
         """Fixed batch slots: the rows in ``slots`` leave (finished requests). Nothing moves; the
         slots decode a placeholder until :meth:`fill_slots` gives them a new row."""
         slots = self._check_slots(slots, want_active=True)
+        self._trust_the_device()
         for slot in slots:
             self._active_slots[slot] = False
         for store in self.layers:
@@ -1514,6 +1521,7 @@ class KVHiveCache(Cache):
         if not isinstance(caches, (list, tuple)) or not caches:
             raise ValueError(f"caches: expected a non-empty list of KVHiveCache, got {caches!r}")
         slots = self._check_slots(slots, want_active=False)
+        self._trust_the_device()
         for number, cache in enumerate(caches):
             if not isinstance(cache, KVHiveCache):
                 raise ValueError(f"caches[{number}]: expected a KVHiveCache, got {type(cache).__name__}")

@@ -222,6 +222,20 @@ class LayerStore(CacheLayerMixin):
     def _row_lengths(self, value: list[int] | None) -> None:
         self._row_lengths_value = value
 
+    def trust_the_device(self) -> None:
+        """Take every counter mirrored on the host from the device when next asked for (a leave or a
+        join of fixed batch slots, ``KVHiveCache.free_slots``/``fill_slots``). A captured step (a CUDA
+        graph) marks the host mirrors stale once, as it is captured; its replays run no Python, so
+        they advance the device counters without telling the host, and a mirror read back since the
+        capture is behind them by every replay after that read."""
+        if not self.is_initialized:
+            return
+        self._tokens_seen_stale = self.tokens_seen_device is not None
+        if self.row_tokens_seen_device is not None or self.row_lengths_device is not None:
+            self._rows_stale = True
+        if self.fixed_capacity and self.length_device is not None and self.row_lengths_device is None:
+            self._length_stale = True
+
     def _refresh_rows(self) -> None:
         """Read the per-row counters back (once) after steps that advanced only the device."""
         self._rows_stale = False
@@ -721,8 +735,10 @@ class DenseLayerStore(LayerStore):
     @property
     def _length(self) -> int:
         """Tokens per row in the dense layout (host); read from the device counter, once, after
-        compiled decode steps appended to a layer with a fixed decode capacity."""
-        if self._rows_stale:
+        compiled decode steps appended to a layer with a fixed decode capacity. (Rows' token counts
+        that a captured step advanced on the device only are no part of it: a layer with one length
+        for every row, stacked or in slots, answers without reading them back.)"""
+        if self.row_lengths_device is not None and self._rows_stale:
             self._refresh_rows()
         if self._length_stale:
             if self.row_lengths_device is not None:  # rows of different lengths: the longest
