@@ -223,18 +223,22 @@ class LayerStore(CacheLayerMixin):
         self._row_lengths_value = value
 
     def trust_the_device(self) -> None:
-        """Take every counter mirrored on the host from the device when next asked for (a leave or a
-        join of fixed batch slots, ``KVHiveCache.free_slots``/``fill_slots``). A captured step (a CUDA
-        graph) marks the host mirrors stale once, as it is captured; its replays run no Python, so
-        they advance the device counters without telling the host, and a mirror read back since the
-        capture is behind them by every replay after that read."""
+        """Read every counter mirrored on the host back from the device, now (a leave or a join of
+        fixed batch slots, ``KVHiveCache.free_slots``/``fill_slots``, which may read the host; the
+        steps after it then read nothing). A captured step (a CUDA graph) marks the host mirrors
+        stale once, as it is captured; its replays run no Python, so they advance the device counters
+        without telling the host, and a mirror read back since the capture is behind them by every
+        replay after that read."""
         if not self.is_initialized:
             return
-        self._tokens_seen_stale = self.tokens_seen_device is not None
+        if self.tokens_seen_device is not None:
+            self._tokens_seen_stale = True
+            _ = self.tokens_seen
         if self.row_tokens_seen_device is not None or self.row_lengths_device is not None:
-            self._rows_stale = True
+            self._refresh_rows()
         if self.fixed_capacity and self.length_device is not None and self.row_lengths_device is None:
             self._length_stale = True
+            _ = self._length
 
     def _refresh_rows(self) -> None:
         """Read the per-row counters back (once) after steps that advanced only the device."""
