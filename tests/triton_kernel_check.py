@@ -128,20 +128,25 @@ def decode_weights_errors():
     return errors
 
 
-def decode_auto_errors():
-    """``dense_decode="auto"`` (make_cache's default) on the tiny GQA model (float32), 10 decode steps
-    of the full cache and SnapKV (layers that only grow while decoding): in a fixed decode capacity
-    every step of every layer takes the kernel (without weights), whose logits agree with sdpa's
-    (``dense_decode="sdpa"``, which never takes it); without a capacity (a growing slice, unmasked)
-    "auto" takes sdpa. ``inf`` when a count is wrong."""
+def decode_auto_errors(device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """``dense_decode="auto"`` (make_cache's default) on the tiny GQA model, 10 decode steps of the
+    full cache and SnapKV (layers that only grow while decoding) fed the same tokens: in a fixed
+    decode capacity every step of every layer takes the kernel (without weights), whose logits
+    agree with sdpa's (``dense_decode="sdpa"``, which never takes it); without a capacity (a growing
+    slice, unmasked) "auto" takes sdpa. ``inf`` when a count is wrong. On the CPU through Triton's
+    interpreter (float32); ``tests_gpu`` runs it on CUDA in bf16."""
     import kvhive
     import kvhive.attention.integration as integration
     from kvhive.compat import cache_kwarg
     from kvhive.models import tiny_model
 
-    model = tiny_model("llama", "gqa")
+    model = tiny_model("llama", "gqa", dtype=dtype).to(device)
     key = cache_kwarg(model)
-    prompt = torch.randint(3, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(5))
+    generator = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, model.config.vocab_size, (1, 64), generator=generator).to(device)
+    # The same decode tokens for every run (a run's own argmax could differ in bf16 and feed it other ones).
+    tokens = torch.randint(3, model.config.vocab_size, (10, 1, 1), generator=generator).to(device)
+    suffix = str(dtype).removeprefix("torch.")
     errors = {}
     for method, options in (("full", {}), ("snapkv", {"budget": 40})):
         runs = {}
@@ -161,11 +166,9 @@ def decode_auto_errors():
                 cache.dense_decode = dense_decode
                 logits = []
                 with torch.no_grad():
-                    out = model(input_ids=prompt, **{key: cache}, use_cache=True)
-                    for _ in range(10):
-                        token = out.logits[:, -1:].argmax(-1)
-                        out = model(input_ids=token, **{key: cache}, use_cache=True)
-                        logits.append(out.logits[:, -1])
+                    model(input_ids=prompt, **{key: cache}, use_cache=True)
+                    for token in tokens:
+                        logits.append(model(input_ids=token, **{key: cache}, use_cache=True).logits[:, -1].float())
             finally:
                 integration.varlen_attention_kernel = original
             fixed = [layer.fixed_capacity for layer in cache.layers]
@@ -181,8 +184,10 @@ def decode_auto_errors():
             and not sdpa_calls
             and not growing_calls
         )
-        errors[f"decode-auto-{method}-float32"] = relative(kernel, reference.double()) if counts_right else float("inf")
-        errors[f"decode-auto-{method}-growing-float32"] = relative(unmasked, reference.double())
+        errors[f"decode-auto-{method}-{suffix}"] = (
+            relative(kernel, reference.double()) if counts_right else float("inf")
+        )
+        errors[f"decode-auto-{method}-growing-{suffix}"] = relative(unmasked, reference.double())
     return errors
 
 
