@@ -194,18 +194,22 @@ def _farthest_step(
     nearest: torch.Tensor,
     chosen: torch.Tensor,
     step: torch.Tensor,
+    row_index: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One step of :func:`farthest_point_order`'s loop: record ``chosen`` at column ``step`` (a
     0-d long tensor) of ``order``, update every point's distance to its nearest center, pick the
-    next center. ``(order, nearest, chosen)`` in, the same out; fixed shapes, no host read."""
-    rows = keys.shape[0]
-    row_index = torch.arange(rows, device=keys.device)
-    order = order.index_copy(1, step.view(1), chosen[:, None])
+    next center. ``(order, nearest, chosen)`` in, the same out (``order`` written in place: the
+    loop's own buffer); ``row_index`` = ``arange(rows)``; fixed shapes, no host read.
+
+    In place where a tensor is the loop's own (``order``) or this step's (``nearest`` after the
+    minimum): an out-of-place ``index_copy``/``scatter`` is a copy kernel plus the write, and a
+    captured eager step on the GPU is launch-bound (~13 kernels a center before, 10 now)."""
+    order.index_copy_(1, step.view(1), chosen[:, None])
     center = keys[row_index, chosen][:, None, :].transpose(1, 2)
     partial = torch.baddbmm(keys_sq[:, :, None], keys, center, alpha=-2).squeeze(-1)
-    distance = (partial + keys_sq[row_index, chosen][:, None]).clamp_min(0)
+    distance = (partial + keys_sq[row_index, chosen][:, None]).clamp_min_(0)
     nearest = torch.minimum(nearest, distance)
-    nearest = nearest.scatter(1, chosen[:, None], float("-inf"))  # (no host scalar: capturable eagerly)
+    nearest.scatter_(1, chosen[:, None], float("-inf"))  # (no host scalar: capturable eagerly)
     return order, nearest, nearest.argmax(-1)
 
 
@@ -226,9 +230,9 @@ def _farthest_function(backend, shape: tuple):
     return function
 
 
-def _run_farthest(function, keys, keys_sq, order, nearest, chosen, steps):
+def _run_farthest(function, keys, keys_sq, order, nearest, chosen, row_index, steps):
     for step in steps:
-        order, nearest, chosen = function(keys, keys_sq, order, nearest, chosen, step)
+        order, nearest, chosen = function(keys, keys_sq, order, nearest, chosen, step, row_index)
     return order
 
 
@@ -260,7 +264,7 @@ def _farthest_loop(keys, keys_sq, order, nearest, chosen, steps: int, backend: s
     global last_farthest_path
     function = _farthest_function(backend, (steps, *(tuple(value.shape) for value in (keys, order))))
     step_tensors = list(torch.arange(steps, device=keys.device).unbind())
-    inputs = (keys, keys_sq, order, nearest, chosen)
+    inputs = (keys, keys_sq, order, nearest, chosen, torch.arange(keys.shape[0], device=keys.device))
     label = backend if backend is None or isinstance(backend, str) else getattr(backend, "__name__", "backend")
     if not capture:
         last_farthest_path = f"fixed-shape step ({label or 'eager'})"
