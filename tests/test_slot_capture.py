@@ -22,21 +22,20 @@ host row lengths back to the device at the join after a leave.
 from __future__ import annotations
 
 import importlib
-import warnings
 
 import pytest
 import torch
+from test_batch_slots import LENGTHS as SLOT_LENGTHS  # prompts 0 and 1 start in 3 slots; 2 and 3 join
+from test_batch_slots import _prefilled, _prompts
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-import kvhive
 from kvhive.cache import KVHiveCache
 from kvhive.compat import cache_kwarg
 from kvhive.diagnostics import HostReadCounter
-from kvhive.methods.registry import method_names, policy_class
+from kvhive.methods.registry import method_names
 from kvhive.models import tiny_model
 
-SLOT_LENGTHS = (57, 40, 73, 45)  # prompts 0 and 1 start in 3 slots; 2 and 3 join during the replays
 SLOTTED_METHODS = [m for m in method_names() if not m.startswith("ada-")]
 WARM_UP_STEPS = 4
 REPLAYS = 20
@@ -53,27 +52,9 @@ STATIC_STEP_USERS = (
 )
 
 
-def _budget(method: str) -> int | None:
-    return None if method == "full" else max(policy_class(method)().minimum_budget(), 16)
-
-
 @pytest.fixture(scope="module")
 def model():
     return tiny_model("llama", "gqa")
-
-
-def _prompts(model):
-    generator = torch.Generator().manual_seed(4)
-    return [torch.randint(3, model.config.vocab_size, (1, n), generator=generator) for n in SLOT_LENGTHS]
-
-
-def _prefilled(model, method, prompt):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        cache = kvhive.make_cache(model, method, budget=_budget(method))
-        with torch.no_grad():
-            logits = model(input_ids=prompt, **{cache_kwarg(model): cache}, use_cache=True).logits[:, -1]
-    return cache, logits.argmax(-1)
 
 
 def _slotted(model, method, prompts):

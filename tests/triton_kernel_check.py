@@ -7,6 +7,7 @@ no bf16; a plain bf16 16x16 product already differs by 1e10), so bf16 can only b
 GPU (``test_dtypes_and_decode_path.py::test_triton_varlen_kernel_matches_reference``).
 """
 
+import contextlib
 import json
 import sys
 
@@ -17,6 +18,25 @@ from kvhive.attention.varlen import varlen_attention_kernel
 
 def relative(actual, expected):
     return float((actual.double() - expected).norm() / expected.norm())
+
+
+@contextlib.contextmanager
+def counting_kernel_calls():
+    """The decode attention's calls of the kernel while inside, one ``return_weights`` flag each."""
+    import kvhive.attention.integration as integration
+
+    calls = []
+    original = integration.varlen_attention_kernel
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("return_weights", False))
+        return original(*args, **kwargs)
+
+    integration.varlen_attention_kernel = counting
+    try:
+        yield calls
+    finally:
+        integration.varlen_attention_kernel = original
 
 
 def dense_layer_error(generator):
@@ -94,28 +114,20 @@ def decode_weights_errors():
         prompt = torch.randint(3, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(3))
         runs = []
         for use_kernel in (True, False):
-            calls = []
-            original = integration.varlen_attention_kernel
-
-            def counting(*args, _calls=calls, _original=original, **kwargs):
-                _calls.append(kwargs.get("return_weights", False))
-                return _original(*args, **kwargs)
-
-            integration.varlen_attention_kernel = counting
             supported = integration.kernel_supports
             if not use_kernel:
                 integration.kernel_supports = lambda *args: False
             try:
-                cache = kvhive.make_cache(model, method, budget=budget, **options)
-                logits = []
-                with torch.no_grad():
-                    out = model(input_ids=prompt, past_key_values=cache, use_cache=True)
-                    for _ in range(12):
-                        token = out.logits[:, -1:].argmax(-1)
-                        out = model(input_ids=token, past_key_values=cache, use_cache=True)
-                        logits.append(out.logits[:, -1])
+                with counting_kernel_calls() as calls:
+                    cache = kvhive.make_cache(model, method, budget=budget, **options)
+                    logits = []
+                    with torch.no_grad():
+                        out = model(input_ids=prompt, past_key_values=cache, use_cache=True)
+                        for _ in range(12):
+                            token = out.logits[:, -1:].argmax(-1)
+                            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+                            logits.append(out.logits[:, -1])
             finally:
-                integration.varlen_attention_kernel = original
                 integration.kernel_supports = supported
             kept = [layer.dense()[2].sort(dim=-1).values for layer in cache.layers]
             runs.append((torch.stack(logits), kept, calls, [layer.fixed_capacity for layer in cache.layers]))
@@ -136,7 +148,6 @@ def decode_auto_errors(device: str = "cpu", dtype: torch.dtype = torch.float32):
     slice, unmasked) "auto" takes sdpa. ``inf`` when a count is wrong. On the CPU through Triton's
     interpreter (float32); ``tests_gpu`` runs it on CUDA in bf16."""
     import kvhive
-    import kvhive.attention.integration as integration
     from kvhive.compat import cache_kwarg
     from kvhive.models import tiny_model
 
@@ -151,15 +162,7 @@ def decode_auto_errors(device: str = "cpu", dtype: torch.dtype = torch.float32):
     for method, options in (("full", {}), ("snapkv", {"budget": 40})):
         runs = {}
         for dense_decode, capacity in (("auto", 12), ("sdpa", 12), ("auto", None)):
-            calls = []
-            original = integration.varlen_attention_kernel
-
-            def counting(*args, _calls=calls, _original=original, **kwargs):
-                _calls.append(kwargs.get("return_weights", False))
-                return _original(*args, **kwargs)
-
-            integration.varlen_attention_kernel = counting
-            try:
+            with counting_kernel_calls() as calls:
                 room = {} if capacity is None else {"decode_capacity": capacity}
                 cache = kvhive.make_cache(model, method, **options, **room)
                 assert cache.dense_decode == "auto" or dense_decode == "sdpa"
@@ -169,8 +172,6 @@ def decode_auto_errors(device: str = "cpu", dtype: torch.dtype = torch.float32):
                     model(input_ids=prompt, **{key: cache}, use_cache=True)
                     for token in tokens:
                         logits.append(model(input_ids=token, **{key: cache}, use_cache=True).logits[:, -1].float())
-            finally:
-                integration.varlen_attention_kernel = original
             fixed = [layer.fixed_capacity for layer in cache.layers]
             runs[(dense_decode, capacity)] = (torch.stack(logits), calls, fixed)
         kernel, calls, fixed = runs[("auto", 12)]
