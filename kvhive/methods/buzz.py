@@ -560,34 +560,40 @@ class Buzz(Policy):
         capacity = scoring.num_tokens
         padding, old = state[PADDING], state[OLD]
         stride, hat = layout.stride, small_stride(layout.stride)
-        sink_end = padding + (n - padding).clamp(max=layout.sink)
+        # Each line is a kernel or two of a captured step (0-d or [B, 1, 1] counts): the plan of
+        # _eviction_plan in as few tensor operations as it takes (padding + min(n - padding, k) is
+        # min(n, padding + k)).
+        sink_end = torch.minimum(n, padding + layout.sink)
         window_start = torch.maximum(sink_end, n - layout.window)
         old_end = torch.minimum(sink_end + old, window_start)
         # Algorithm 1's test; below the budget nothing is evicted (the cache asks only above it).
         evict = (window_start - sink_end > layout.threshold) & (n > budget)
         count = _ceil_div(old_end - sink_end, hat) + _ceil_div(window_start - old_end, stride)
-        # Remark 2's rounds: enough of them for any count the capacity can hold (ŝ**rounds >= capacity).
+        # Remark 2's rounds, enough for any count the capacity can hold (ŝ**rounds >= capacity): round
+        # r + 1 is taken exactly where ceil(count / ŝ**r) > room, i.e. count > room * ŝ**r, so their
+        # number is one comparison and a sum (a loop of rounds cost ~6 kernels a round).
         room = budget - layout.sink - layout.window
-        thinning = torch.ones_like(count)
-        for _ in range(_rounds_for(capacity, hat)):
-            thinning = torch.where(_ceil_div(count, thinning) > room, thinning * hat, thinning)
+        round_limits = room * torch.pow(hat, torch.arange(_rounds_for(capacity, hat), device=n.device))
+        thinning = torch.pow(hat, (count.unsqueeze(-1) > round_limits).sum(dim=-1))
         count = _ceil_div(count, thinning)
         kept = (sink_end - padding) + count + (n - window_start)
 
         scores = scoring.token_scores[SCORE]
         index = torch.arange(capacity, device=scores.device)
-        old_picks = (index >= sink_end) & (index < old_end) & ((index - sink_end) % hat == 0)
+        from_sink = index - sink_end
+        old_picks = (from_sink >= 0) & (index < old_end) & (from_sink % hat == 0)
         samples = old_picks | _local_max_in_capacity(scores, old_end, window_start, stride)
-        ordinal = samples.long().cumsum(dim=-1) - 1
-        samples = samples & (ordinal % thinning == 0)
-        evicting = samples | ((index >= padding) & (index < sink_end)) | ((index >= window_start) & (index < n))
-        keep = torch.where(evict, evicting, index < n).expand(scores.shape)
+        samples = samples & ((samples.cumsum(dim=-1) - 1) % thinning == 0)
+        filled_slots = index < n
+        evicting = samples | ((index >= padding) & (index < sink_end)) | ((index >= window_start) & filled_slots)
+        keep = torch.where(evict, evicting, filled_slots).expand(scores.shape)
 
-        state[OLD].copy_(torch.where(evict, count, old))
-        state[PADDING].copy_(torch.where(evict, 0, padding))  # the eviction dropped the padding
-        state[EVICTIONS].add_(evict.long())
+        # The counters in place, each written by one kernel where it can be (out= the counter itself).
+        torch.where(evict, count, old, out=state[OLD])
+        state[PADDING].masked_fill_(evict, 0)  # the eviction dropped the padding
+        state[EVICTIONS].add_(evict)
         state[SIZE_SUM].sub_(torch.where(evict, state[SIZE_LAST] - kept, 0))
-        state[SIZE_LAST].copy_(torch.where(evict, kept, state[SIZE_LAST]))
+        torch.where(evict, kept, state[SIZE_LAST], out=state[SIZE_LAST])
         return keep
 
     def _evict(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor | None:
@@ -668,8 +674,9 @@ def _host_int(value) -> int:
 
 
 def _ceil_div(numerator: torch.Tensor, denominator) -> torch.Tensor:
-    """``ceil(numerator / denominator)`` of non-negative integer tensors (``-(-a // b)``)."""
-    return -((-numerator) // denominator)
+    """``ceil(numerator / denominator)`` of a non-negative integer tensor by a positive integer
+    (or integer tensor): ``(a + b - 1) // b``, two kernels (``-(-a // b)`` is three)."""
+    return torch.div(numerator + (denominator - 1), denominator, rounding_mode="floor")
 
 
 def _rounds_for(capacity: int, hat: int) -> int:
@@ -683,18 +690,18 @@ def _rounds_for(capacity: int, hat: int) -> int:
 
 
 def _local_max_in_capacity(scores: torch.Tensor, start: torch.Tensor, stop: torch.Tensor, stride: int) -> torch.Tensor:
-    """:func:`local_max_mask` with device bounds ``start``/``stop`` (0-d tensors) over a fixed
-    capacity: the region is gathered to the front, padded with ``-inf`` to whole segments and each
-    segment's first argmax kept, exactly as there; segments past ``stop`` keep nothing."""
+    """:func:`local_max_mask` with device bounds ``start``/``stop`` (0-d tensors, or ``[B, 1, 1]``
+    for stacked rows) over a fixed capacity: the region is gathered to the front, padded with
+    ``-inf`` to whole segments and each segment's first argmax kept, exactly as there; segments
+    past ``stop`` keep nothing."""
     capacity = scores.shape[-1]
     segments = -(-capacity // stride)
-    offsets = torch.arange(segments * stride, device=scores.device)
-    source = start + offsets
+    source = start + torch.arange(segments * stride, device=scores.device)
     region = scores.float().gather(-1, source.clamp(max=capacity - 1).expand(*scores.shape[:-1], -1))
     region = region.masked_fill(source >= stop, float("-inf"))
     best = region.view(*scores.shape[:-1], segments, stride).argmax(dim=-1)
-    first = torch.arange(segments, device=scores.device) * stride
-    index = torch.where(first < stop - start, start + first + best, capacity)
+    segment_start = source.view(*source.shape[:-1], segments, stride)[..., 0]
+    index = torch.where(segment_start < stop, segment_start + best, capacity)
     mask = torch.zeros(*scores.shape[:-1], capacity + 1, dtype=torch.bool, device=scores.device)
     mask.scatter_(-1, index, True)
     return mask[..., :capacity]
@@ -785,7 +792,7 @@ def _record_eviction(state: dict, kept: int) -> None:
 
 def _record_step_on_device(state: dict, size: torch.Tensor) -> None:
     """:func:`_record_step` on the device counters of a layer in a fixed decode capacity."""
-    state[SIZE_PEAK].copy_(torch.maximum(state[SIZE_PEAK], state[SIZE_LAST]))
+    torch.maximum(state[SIZE_PEAK], state[SIZE_LAST], out=state[SIZE_PEAK])
     state[SIZE_SUM].add_(size)
     state[SIZE_STEPS].add_(1)
     state[SIZE_LAST].copy_(size)
