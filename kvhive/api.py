@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from kvhive import static_step
 from kvhive.attention import ATTENTION_NAME, register
 from kvhive.attention.integration import attach
 from kvhive.cache import Budget, KVHiveCache
@@ -33,13 +34,25 @@ def use_kvhive_attention(model) -> str:
 
 @contextlib.contextmanager
 def compression(model) -> Iterator[Any]:
-    """Run ``model`` with kvhive attention inside the block, restoring the previous one after."""
+    """Run ``model`` with kvhive attention inside the block, restoring the previous one after. A
+    kvhive decode step compiles inside it on every torch (``kvhive.static_step``: below torch 2.13,
+    only there)."""
     previous = use_kvhive_attention(model)
     try:
-        yield model
+        with static_step.attention_switched():
+            yield model
     finally:
         if previous != ATTENTION_NAME:
             model.set_attn_implementation(previous)
+
+
+def compiling_attention(model, compile) -> contextlib.AbstractContextManager:
+    """Where kvhive compiles a decode step (``compile`` truthy) on a torch whose dynamo does not trace
+    the attention switch of kvhive's forward pre-hook: :func:`compression` for the block; else
+    nothing (the pre-hook switches per forward, safe across threads)."""
+    if compile and not static_step.TORCH_COMPILES_KVHIVE:
+        return compression(model)
+    return contextlib.nullcontext()
 
 
 @contextlib.contextmanager
@@ -328,38 +341,40 @@ def generate(
             row_lengths = encoded["attention_mask"].sum(dim=-1).tolist() if "attention_mask" in encoded else None
             cache.plan_prompt(int(encoded["input_ids"].shape[1]), row_lengths)
             compile_options["prefill_chunk_size"] = cache.prefill_chunk
-    if compile is True:
-        if cache.static_decode and not cache.is_compileable:  # the installed torch (kvhive.static_step)
-            raise ValueError(f"compile=True: {cache.compile_problem(int(encoded['input_ids'].shape[1]))}")
-        if not cache.is_compileable:
-            raise ValueError(
-                f"compile=True: the decode step of method {cache.policy.name!r} with these options cannot compile "
-                "to one graph (its layers change size from step to step: decode_every/decode_slack, positions='cache', "
-                "per-query-head storage with a decode-phase method, or head-wise budgets in compressed "
-                "sliding-window layers); "
-                "methods that can: "
-                + ", ".join(static_decode_methods())
-                + ", and with a decode capacity the full cache and the prefill-only scorers (Ada-KV's included)"
-            )
-        problem = cache.compile_problem(int(encoded["input_ids"].shape[1]))
-        if problem is not None:
-            raise ValueError(f"compile=True with method {cache.policy.name!r}: {problem}")
-        from transformers import CompileConfig
+    # (Below torch 2.13 a compiled step needs the attention switched before the call: kvhive.static_step.)
+    with compiling_attention(model, compile is True):
+        if compile is True:
+            if cache.static_decode and not cache.is_compileable:  # the installed torch (kvhive.static_step)
+                raise ValueError(f"compile=True: {cache.compile_problem(int(encoded['input_ids'].shape[1]))}")
+            if not cache.is_compileable:
+                raise ValueError(
+                    f"compile=True: the decode step of method {cache.policy.name!r} with these options cannot compile "
+                    "to one graph (its layers change size from step to step: decode_every/decode_slack, positions='cache', "
+                    "per-query-head storage with a decode-phase method, or head-wise budgets in compressed "
+                    "sliding-window layers); "
+                    "methods that can: "
+                    + ", ".join(static_decode_methods())
+                    + ", and with a decode capacity the full cache and the prefill-only scorers (Ada-KV's included)"
+                )
+            problem = cache.compile_problem(int(encoded["input_ids"].shape[1]))
+            if problem is not None:
+                raise ValueError(f"compile=True with method {cache.policy.name!r}: {problem}")
+            from transformers import CompileConfig
 
-        config = CompileConfig(fullgraph=True, dynamic=False)
-        config._compile_all_devices = True  # transformers compiles only on accelerators otherwise
-        compile_options["compile_config"] = config
-    if compile is False:
-        compile_options["disable_compile"] = True
-    with torch.no_grad():
-        output = model.generate(
-            **encoded,
-            **{cache_kwarg(model): cache},
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=tokenizer.pad_token_id,
-            **compile_options,
-        )
+            config = CompileConfig(fullgraph=True, dynamic=False)
+            config._compile_all_devices = True  # transformers compiles only on accelerators otherwise
+            compile_options["compile_config"] = config
+        if compile is False:
+            compile_options["disable_compile"] = True
+        with torch.no_grad():
+            output = model.generate(
+                **encoded,
+                **{cache_kwarg(model): cache},
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+                **compile_options,
+            )
     new_tokens = output[0, encoded["input_ids"].shape[1] :]
     return tokenizer.decode(new_tokens, skip_special_tokens=True), cache
 
@@ -545,69 +560,71 @@ def generate_batch(
             or any(stop in tokenizer.decode(tokens, skip_special_tokens=True) for stop in row_stops[prompt_index])
         )
 
-    waiting = list(range(len(prompts)))
-    # The first batch: stacked whatever its first tokens (a method that cannot stack is refused
-    # before any decoding, as when every prompt starts at once).
-    starting = [waiting.pop(0) for _ in range(limit)]
-    caches, first_tokens = zip(*(prefill(prompt_index) for prompt_index in starting), strict=True)
-    stacked = KVHiveCache.stack(
-        list(caches), decode_capacity=max_new_tokens + 1, batch_slots=slots, slot_capacity=slot_capacity
-    )
-    if compile and not stacked.is_compileable:
-        problem = caches[0].compile_problem(int(encoded[starting[0]]["input_ids"].shape[1]))
-        raise ValueError(
-            f"compile=True with method {stacked.policy.name!r}: "
-            + (problem or "its decode step over these rows does not compile to one graph")
+    # (Below torch 2.13 a compiled step needs the attention switched before the call: kvhive.static_step.)
+    with compiling_attention(model, compile):
+        waiting = list(range(len(prompts)))
+        # The first batch: stacked whatever its first tokens (a method that cannot stack is refused
+        # before any decoding, as when every prompt starts at once).
+        starting = [waiting.pop(0) for _ in range(limit)]
+        caches, first_tokens = zip(*(prefill(prompt_index) for prompt_index in starting), strict=True)
+        stacked = KVHiveCache.stack(
+            list(caches), decode_capacity=max_new_tokens + 1, batch_slots=slots, slot_capacity=slot_capacity
         )
-    del caches
-    # The prompt in each slot (None: free).
-    running: list[int | None] = list(starting) + [None] * (slots - limit)
-    next_tokens = torch.zeros(slots, dtype=torch.long, device=first_tokens[0].device)
-    next_tokens[:limit] = torch.stack(first_tokens)
-    kwarg = cache_kwarg(model)
+        if compile and not stacked.is_compileable:
+            problem = caches[0].compile_problem(int(encoded[starting[0]]["input_ids"].shape[1]))
+            raise ValueError(
+                f"compile=True with method {stacked.policy.name!r}: "
+                + (problem or "its decode step over these rows does not compile to one graph")
+            )
+        del caches
+        # The prompt in each slot (None: free).
+        running: list[int | None] = list(starting) + [None] * (slots - limit)
+        next_tokens = torch.zeros(slots, dtype=torch.long, device=first_tokens[0].device)
+        next_tokens[:limit] = torch.stack(first_tokens)
+        kwarg = cache_kwarg(model)
 
-    def step(tokens, positions, cache):
-        return model(input_ids=tokens, position_ids=positions, **{kwarg: cache}, use_cache=True).logits[:, -1]
+        def step(tokens, positions, cache):
+            return model(input_ids=tokens, position_ids=positions, **{kwarg: cache}, use_cache=True).logits[:, -1]
 
-    if compile:
-        if isinstance(compile, str):
-            options = {"backend": compile}
-        else:
-            options = {"mode": "reduce-overhead"} if next_tokens.device.type == "cuda" else {}
-        step = torch.compile(step, fullgraph=True, dynamic=False, **options)
-    with torch.no_grad():
-        while True:
-            tokens = next_tokens.tolist()  # one read per step: the stop checks
-            leaving = [
-                slot
-                for slot, prompt_index in enumerate(running)
-                if prompt_index is not None and finished(prompt_index, tokens[slot])
-            ]
-            if leaving:
-                stacked.free_slots(leaving)
-                for slot in leaving:
-                    running[slot] = None
-            # Waiting prompts take the free slots. A prompt that ends with its first token never
-            # needs the batch; the next one takes its place.
-            for slot in [slot for slot, prompt_index in enumerate(running) if prompt_index is None]:
-                while waiting:
-                    prompt_index = waiting.pop(0)
-                    cache, token = prefill(prompt_index)
-                    if not finished(prompt_index, int(token)):
-                        stacked.fill_slots([slot], [cache])
-                        running[slot] = prompt_index
-                        next_tokens[slot] = token
-                        break
-            if all(prompt_index is None for prompt_index in running):
-                break
-            # Each row's next position, from the layer's device counter (no host data sent per step).
-            positions = stacked.layers[0].row_tokens_seen_device[:, None].clone()
-            logits = step(next_tokens[:, None], positions, stacked)
-            next_tokens = logits.argmax(dim=-1)
-            for slot, prompt_index in enumerate(running):
-                if prompt_index is not None and samplings[prompt_index].do_sample:
-                    next_tokens[slot] = samplings[prompt_index].next_token(logits[slot])
-    return [tokenizer.decode(tokens, skip_special_tokens=True) for tokens in generated]
+        if compile:
+            if isinstance(compile, str):
+                options = {"backend": compile}
+            else:
+                options = {"mode": "reduce-overhead"} if next_tokens.device.type == "cuda" else {}
+            step = torch.compile(step, fullgraph=True, dynamic=False, **options)
+        with torch.no_grad():
+            while True:
+                tokens = next_tokens.tolist()  # one read per step: the stop checks
+                leaving = [
+                    slot
+                    for slot, prompt_index in enumerate(running)
+                    if prompt_index is not None and finished(prompt_index, tokens[slot])
+                ]
+                if leaving:
+                    stacked.free_slots(leaving)
+                    for slot in leaving:
+                        running[slot] = None
+                # Waiting prompts take the free slots. A prompt that ends with its first token never
+                # needs the batch; the next one takes its place.
+                for slot in [slot for slot, prompt_index in enumerate(running) if prompt_index is None]:
+                    while waiting:
+                        prompt_index = waiting.pop(0)
+                        cache, token = prefill(prompt_index)
+                        if not finished(prompt_index, int(token)):
+                            stacked.fill_slots([slot], [cache])
+                            running[slot] = prompt_index
+                            next_tokens[slot] = token
+                            break
+                if all(prompt_index is None for prompt_index in running):
+                    break
+                # Each row's next position, from the layer's device counter (no host data sent per step).
+                positions = stacked.layers[0].row_tokens_seen_device[:, None].clone()
+                logits = step(next_tokens[:, None], positions, stacked)
+                next_tokens = logits.argmax(dim=-1)
+                for slot, prompt_index in enumerate(running):
+                    if prompt_index is not None and samplings[prompt_index].do_sample:
+                        next_tokens[slot] = samplings[prompt_index].next_token(logits[slot])
+        return [tokenizer.decode(tokens, skip_special_tokens=True) for tokens in generated]
 
 
 class _RowSampling:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvhive.api import make_cache
+from kvhive.api import compiling_attention, make_cache
 from kvhive.compat import cache_kwarg
 from kvhive.memory import (
     PhaseMemory,
@@ -73,8 +73,37 @@ def _synchronize(device) -> None:
         torch.cuda.synchronize()
 
 
-@torch.no_grad()
 def _timed_run(
+    model,
+    input_ids,
+    method: str,
+    budget,
+    decode_tokens: int,
+    method_parameters: dict,
+    memory: PhaseMemory | None = None,
+    compile: bool = False,
+    prefill_chunk: int | None = None,
+    rows_alone: bool = False,
+):
+    """:func:`_timed_run_switched`, a compiled kvhive step inside ``compression`` where the torch
+    needs it (``kvhive.api.compiling_attention``; the full cache is then transformers' own)."""
+    with compiling_attention(model, compile and method != "full"):
+        return _timed_run_switched(
+            model,
+            input_ids,
+            method,
+            budget,
+            decode_tokens,
+            method_parameters,
+            memory,
+            compile,
+            prefill_chunk,
+            rows_alone,
+        )
+
+
+@torch.no_grad()
+def _timed_run_switched(
     model,
     input_ids,
     method: str,

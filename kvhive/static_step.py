@@ -11,18 +11,48 @@ at capture would silently replay (the GPU run of 71b99e7 found it: BUZZ overran 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterator
+
 import torch
 from torch.torch_version import TorchVersion
 
-# torch.compile of a kvhive decode step needs torch >= 2.13: older dynamo does not trace the forward
-# pre-hook's switch of the model's attention to kvhive's (config._attn_implementation), so a compiled
-# step ran transformers' sdpa over kvhive's buffers, the empty slots of a fixed capacity included
-# (44 of 59 tests/test_compiled_decode.py cases fail on torch 2.11; a bf16 bench on torch 2.11 on a
-# GPU returned timings of that wrong step). Below it a cache says it does not compile
-# (KVHiveCache.is_compileable), so transformers' generate decodes it eagerly; CUDA graphs of an
-# eager step (no dynamo) still work.
+# torch.compile traces kvhive's forward pre-hook, which switches the model's attention to kvhive's
+# (config._attn_implementation) for a forward given a kvhive cache, from torch 2.13 on. Older dynamo
+# does not see the switch: a compiled step ran transformers' sdpa over kvhive's buffers, the empty
+# slots of a fixed capacity included (44 of 59 tests/test_compiled_decode.py cases failed on torch
+# 2.11; kvhive's attention guard now refuses such a step by name). There the attention must already
+# be switched when the compiled call starts: inside kvhive.compression(model), which kvhive's own
+# compiled paths (generate(compile=True), generate_batch(compile=...), kvhive bench --compile,
+# benchmarks/bench_gpu.py's +compile rows) enter on such a torch (checked on torch 2.11: every
+# decode-evicting method's compiled step equal to eager, one graph for 40 steps). A cache says it
+# compiles (KVHiveCache.is_compileable) inside that block only, so transformers' generate decodes it
+# eagerly elsewhere. Inside it the model runs kvhive's attention for every call (plain sdpa for other
+# caches), so two threads should not use the model, one compiling, at once on such a torch.
 COMPILE_MIN_TORCH = "2.13"
 TORCH_COMPILES_KVHIVE = TorchVersion(torch.__version__) >= COMPILE_MIN_TORCH
+# How many kvhive.compression blocks this thread (or task) is in: the attention switched before the call.
+_ATTENTION_SWITCHED = contextvars.ContextVar("kvhive_attention_switched", default=0)
+
+
+def compiles_kvhive() -> bool:
+    """Whether a decode step compiled now runs kvhive's attention: on a torch whose dynamo traces the
+    forward pre-hook's switch, or inside :func:`attention_switched` (``kvhive.compression``). Inside a
+    trace (transformers reads ``is_compileable`` in the forward) it is: a step compiling without the
+    switch is refused by the pre-hook itself (dynamo cannot read the context variable)."""
+    return TORCH_COMPILES_KVHIVE or torch.compiler.is_compiling() or _ATTENTION_SWITCHED.get() > 0
+
+
+@contextlib.contextmanager
+def attention_switched() -> Iterator[None]:
+    """Mark the block as one whose model already runs kvhive's attention (``kvhive.compression``)."""
+    token = _ATTENTION_SWITCHED.set(_ATTENTION_SWITCHED.get() + 1)
+    try:
+        yield
+    finally:
+        _ATTENTION_SWITCHED.reset(token)
 
 
 def in_static_step() -> bool:
@@ -33,13 +63,13 @@ def in_static_step() -> bool:
 
 
 # The prefill selections' fast path (issue 25): BumbleBee's greedy and SubGen's farthest-point order
-# run each step as one fixed-shape function, compiled with inductor where torch compiles kvhive, the
+# run each step as one fixed-shape function, compiled with inductor (on every torch), the
 # whole loop captured as one CUDA graph per shape and replayed for later layers of that shape (the
 # same kept sets as the eager loops; docs/METHODS.md). None: on CUDA only (the CPU runs the eager
 # loops, the reference); True / False: on every device / nowhere (benchmarks/bench_gpu.py
 # --prefill-path sets it).
 PREFILL_FAST_PATH: bool | None = None
-# Whether the fast path compiles its step (inductor, where torch compiles kvhive). Compiling fuses a
+# Whether the fast path compiles its step (inductor). Compiling fuses a
 # greedy step's ~170 kernels into a few, but costs a compile per new shape (prompt length, budget) and
 # gain bucket, tens of seconds each; False captures the eager step as it is (no compile: more kernels
 # per step, still one launch per layer).
@@ -51,3 +81,47 @@ def prefill_fast_path(device: torch.device) -> bool:
     if PREFILL_FAST_PATH is not None:
         return PREFILL_FAST_PATH
     return torch.device(device).type == "cuda"
+
+
+# Whether a captured decode step records a method's eviction as a CUDA graph conditional node: the
+# replay then runs the decision's and the compaction's kernels only at the steps the method flags
+# (Policy.decode_eviction_due: BUZZ evicts once in T + 1 - a steps, ~100 kernels a layer each time).
+# None: where the running torch records them (built with CUDA >= 12.4); False: never (every replayed
+# step runs the decision, which keeps every token at a step that evicts nothing).
+CONDITIONAL_EVICTION: bool | None = None
+
+
+def captures_conditional_nodes() -> bool:
+    """True while a CUDA graph captures the step (not a trace) on a build that records conditional
+    nodes (``CUDAGraph.begin_capture_to_if_node``, CUDA >= 12.4), unless CONDITIONAL_EVICTION is False."""
+    if CONDITIONAL_EVICTION is False or torch.compiler.is_compiling():
+        return False
+    if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return False
+    return _records_conditional_nodes()
+
+
+@functools.cache
+def _records_conditional_nodes() -> bool:
+    if torch.version.cuda is None or not hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node"):
+        return False
+    major, minor = (int(part) for part in torch.version.cuda.split(".")[:2])
+    return (major, minor) >= (12, 4)
+
+
+def run_if(predicate: torch.Tensor | None, work: Callable[[], None]) -> None:
+    """Run ``work``, device work in place with no result; given a ``predicate`` (a 0-d bool tensor
+    on the capturing device, only while :func:`captures_conditional_nodes`), record it inside an
+    if-node of the capturing CUDA graph, so that each replay runs its kernels only where the
+    predicate holds then. ``work`` must change nothing where the predicate is False: eager and
+    compiled steps run it unconditionally (tests/test_conditional_eviction.py runs the captured step
+    skipping it on the host where the predicate is False, against eager steps)."""
+    if predicate is None:
+        work()
+        return
+    graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
+    graph.begin_capture_to_if_node(predicate)
+    try:
+        work()
+    finally:
+        graph.end_capture_to_conditional_node()

@@ -4,8 +4,9 @@
 # named, each in a fresh process with a per-configuration limit, then tests_gpu on 8 workers
 # (~40 s). scripts/gpu_run.sh is the full run (hours); this is its smallest useful part.
 #
-#   CONFIGS   bench_gpu.py configurations (default: stock eager, SnapKV eager and captured, and the
-#             captured step of the decode-evicting methods)
+#   CONFIGS   bench_gpu.py configurations (default: stock eager, SnapKV eager and captured, the
+#             captured step of the decode-evicting methods, and compiled rows: on the images' torch
+#             2.11 kvhive's compiled step runs inside kvhive.compression, see kvhive/static_step.py)
 #   CONTEXT / BATCH   prompt tokens (32768) and rows (1)
 #   BENCH_S / CONFIG_S / TESTS_S   seconds for the whole bench, one configuration, tests_gpu
 #             (TESTS_S=0 skips the tests); PROFILE: configurations to profile (torch.profiler)
@@ -29,7 +30,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export KVHIVE_COMMIT=${KVHIVE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 "$PYTHON" -c "import torch, transformers, triton, kvhive; assert torch.cuda.is_available(), 'needs a CUDA GPU'; \
 print(torch.__version__, transformers.__version__, triton.__version__, torch.cuda.get_device_name())" || exit 4
-CONFIGS=${CONFIGS:-stock-cudnn-off,snapkv,snapkv+graph,tova+graph,streamingllm+graph,h2o+graph,ahakv+graph,buzz+graph,subgen+graph,full+graph}
+CONFIGS=${CONFIGS:-stock-cudnn-off,snapkv,snapkv+graph,tova+graph,streamingllm+graph,h2o+graph,ahakv+graph,buzz+graph,subgen+graph,full+graph,stock-static+compile,snapkv+compile,tova+compile,buzz+compile}
 echo "== bench_gpu.py: $CONFIGS"
 timeout "${BENCH_S:-300}" "$PYTHON" benchmarks/bench_gpu.py --context "${CONTEXT:-32768}" --batch "${BATCH:-1}" \
   --decode-tokens 16 --timeout "${CONFIG_S:-90}" --configs "$CONFIGS" ${PROFILE:+--profile "$PROFILE"} \

@@ -26,6 +26,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from kvhive import static_step
 from kvhive.attention.column_sums import column_sums, flash_attention_with_lse
 from kvhive.attention.column_sums import kernel_supports as column_sums_kernel_supports
 from kvhive.attention.varlen import (
@@ -169,6 +170,13 @@ def _enter_forward(model, args, kwargs):
     if torch.compiler.is_compiling():
         # Inside a compiled step (one thread, traced once): switch without the lock and the
         # thread-local bookkeeping, which dynamo cannot trace; the switch is replayed as a side effect.
+        if not static_step.TORCH_COMPILES_KVHIVE and model.config._attn_implementation_internal != ATTENTION_NAME:
+            # Older dynamo does not trace the switch below (kvhive.static_step).
+            raise RuntimeError(
+                f"torch {torch.__version__} compiles a kvhive decode step only with kvhive's attention switched "
+                "before the compiled call: run it inside kvhive.compression(model) (kvhive.generate(compile=True) "
+                f"does), or use torch >= {static_step.COMPILE_MIN_TORCH}"
+            )
         for config in _attention_configs(model):
             config._kvhive_previous_attention = config._attn_implementation_internal
             config._attn_implementation_internal = ATTENTION_NAME

@@ -32,7 +32,7 @@ from kvhive.methods.base import (
     ScoringInputs,
     require_choice,
 )
-from kvhive.static_step import in_static_step
+from kvhive.static_step import captures_conditional_nodes, in_static_step, run_if
 
 Positions = Literal["original", "cache"]
 """Keys keep their true positions (``"original"``) or are re-indexed to contiguous ones (``"cache"``)."""
@@ -482,8 +482,9 @@ class KVHiveCache(Cache):
     def is_compileable(self) -> bool:
         """Whether ``torch.compile`` may take this cache's decode step (transformers' ``generate``
         then compiles it, on CUDA by default): a static decode layout (:attr:`static_decode`) on a
-        torch whose dynamo traces kvhive's attention switch (``kvhive.static_step``)."""
-        return self._compileable and static_step.TORCH_COMPILES_KVHIVE
+        torch whose dynamo traces kvhive's attention switch, or inside ``kvhive.compression(model)``
+        (``kvhive.static_step.compiles_kvhive``)."""
+        return self._compileable and static_step.compiles_kvhive()
 
     @property
     def static_decode(self) -> bool:
@@ -537,10 +538,11 @@ class KVHiveCache(Cache):
         of the budget, capped by ``decode_capacity``, unless they build state at their first
         eviction (``Policy.compiles_below_budget``: SubGen's clusters), which needs a prompt at
         least as long as the budget."""
-        if not static_step.TORCH_COMPILES_KVHIVE:
+        if not static_step.compiles_kvhive():
             return (
-                f"torch {torch.__version__} does not trace kvhive's attention in a compiled step; compiling needs "
-                f"torch >= {static_step.COMPILE_MIN_TORCH} (pyproject's floor), or decode without compile"
+                f"torch {torch.__version__} does not trace kvhive's attention switch in a compiled step; compile "
+                "inside kvhive.compression(model) (kvhive.generate(compile=True) does), use torch >= "
+                f"{static_step.COMPILE_MIN_TORCH} (pyproject's floor), or decode without compile"
             )
         if not self._compileable:
             return "its decode step does not compile to one graph"
@@ -847,11 +849,11 @@ class KVHiveCache(Cache):
         self._store_token_scores(store, scoring)
         return hole
 
-    def _observe_and_select(self, layer_index: int, store: LayerStore, make_scoring, may_drop_one: bool = False):
-        """A fixed-capacity decode step's method calls: observe the new token, decide over the whole
-        capacity, the per-token scores stored after each; ``(budget, scoring, keep, hole)``. With
-        ``may_drop_one``, an eager step over a full capacity of ``budget + 1`` tokens whose method
-        names its one dropped token gives ``hole`` (:meth:`_dropped_token`) and no ``keep``."""
+    def _observe(self, layer_index: int, store: LayerStore, make_scoring, may_drop_one: bool = False):
+        """A fixed-capacity decode step's first method call: observe the new token, its per-token
+        scores stored; ``(budget, scoring, hole)``. With ``may_drop_one``, an eager step over a full
+        capacity of ``budget + 1`` tokens whose method names its one dropped token gives ``hole``
+        (:meth:`_dropped_token`), and there is nothing more to decide."""
         budget = self.layer_budgets[layer_index]
         scoring = make_scoring(DECODE)
         self.policy.observe_decode(scoring, store.policy_state, budget=budget)
@@ -865,23 +867,46 @@ class KVHiveCache(Cache):
         ):
             hole = self._dropped_token(scoring, budget, store)
             if hole is not None:
-                return budget, scoring, None, hole
+                return budget, scoring, hole
+        return budget, scoring, None
+
+    def _select(self, store: LayerStore, scoring: ScoringInputs, budget: int) -> torch.Tensor | None:
+        """The method's decision over the whole capacity, its per-token scores stored after it."""
         keep = self.policy.select_decode(scoring, budget, store.policy_state)
         self._store_token_scores(store, scoring)
-        return budget, scoring, keep, None
+        return keep
+
+    def _eviction_due(self, store: LayerStore, scoring: ScoringInputs, budget: int) -> torch.Tensor | None:
+        """Where a CUDA graph captures this step and records conditional nodes: the method's device
+        flag that the decision may evict at this step (``Policy.decode_eviction_due``), on which the
+        decision and the compaction become an if-node (``kvhive.static_step.run_if``); None (they run
+        at every step) elsewhere, and for a method that may evict at any step."""
+        if not captures_conditional_nodes():
+            return None
+        return self.policy.decode_eviction_due(scoring, budget, store.policy_state)
 
     def _decode_step_in_capacity(self, layer_index: int, store: LayerStore, make_scoring) -> None:
         """A decode step of a layer held in the fixed capacity its method declared: the method
         observes and decides over the whole capacity at every step (it keeps every filled slot
         when its schedule evicts nothing), and the kept tokens are counted and compacted on the
-        device. Fixed shapes, no host read."""
-        budget, scoring, keep, hole = self._observe_and_select(layer_index, store, make_scoring, may_drop_one=True)
+        device. Fixed shapes, no host read. A captured step records the decision and compaction as
+        an if-node where the method flags its eviction steps (:meth:`_eviction_due`)."""
+        budget, scoring, hole = self._observe(layer_index, store, make_scoring, may_drop_one=True)
         if hole is not None:  # every slot held a token and one per row goes: it takes the newest token
             store.fill_hole_in_capacity(hole, budget)
             store.decode_steps_since_compression = 0
             return
+        run_if(
+            self._eviction_due(store, scoring, budget),
+            lambda: self._select_and_compact_in_capacity(layer_index, store, scoring, budget),
+        )
+        store.decode_steps_since_compression = 0
+
+    def _select_and_compact_in_capacity(
+        self, layer_index: int, store: LayerStore, scoring: ScoringInputs, budget: int
+    ) -> None:
+        keep = self._select(store, scoring, budget)
         if keep is None and not in_static_step():
-            store.decode_steps_since_compression = 0
             return  # an eager step the method knows evicts nothing (no compaction)
         if keep is None or keep.dtype != torch.bool or keep.shape != scoring.keys.shape[:3]:
             raise TypeError(
@@ -905,7 +930,6 @@ class KVHiveCache(Cache):
                     )
                 self._assert_kept_count(keep, known, layer_index)
                 store.compact_in_place(keep, known, at_most_one_dropped=at_most_one, fill_hole=fill_hole)
-                store.decode_steps_since_compression = 0
                 return
         empty = torch.arange(scoring.num_tokens, device=keep.device) >= scoring.filled
         if store.fills_to_budget:
@@ -923,15 +947,25 @@ class KVHiveCache(Cache):
         # Filling to a budget (or a method that says so), a step drops at most one token: the
         # compaction needs no sort, and may write the newest token into the freed slot.
         store.compact_in_place(keep, kept, at_most_one_dropped=at_most_one, fill_hole=fill_hole)
-        store.decode_steps_since_compression = 0
 
     def _decode_step_in_rows(self, layer_index: int, store: LayerStore, make_scoring) -> None:
         """A decode step of stacked rows holding different numbers of tokens in a layer that evicts
         (``Policy.decodes_rows_of_different_lengths``): the method observes and decides over the
         whole capacity with each row's length (``ScoringInputs.filled`` ``[B, 1, 1]``), and every
         row's kept tokens are counted and compacted on the device, each row its own count. No host
-        read: the host lengths are read back when next asked for (a join, accounting)."""
-        _, scoring, keep, _ = self._observe_and_select(layer_index, store, make_scoring)
+        read: the host lengths are read back when next asked for (a join, accounting). A captured
+        step records the decision and compaction as an if-node as in a fixed capacity."""
+        budget, scoring, _ = self._observe(layer_index, store, make_scoring)
+        run_if(
+            self._eviction_due(store, scoring, budget),
+            lambda: self._select_and_compact_rows(layer_index, store, scoring, budget),
+        )
+        store.decode_steps_since_compression = 0
+
+    def _select_and_compact_rows(
+        self, layer_index: int, store: LayerStore, scoring: ScoringInputs, budget: int
+    ) -> None:
+        keep = self._select(store, scoring, budget)
         if keep is None or keep.dtype != torch.bool or keep.shape != scoring.keys.shape[:3]:
             raise TypeError(
                 f"{self.policy.name}: a decision over rows of different lengths must be a boolean mask of shape "
@@ -947,7 +981,6 @@ class KVHiveCache(Cache):
             f"heads of a row, or more than the {capacity - 1} tokens its fixed_decode_capacity declared",
         )
         store.compact_in_place(keep, kept)
-        store.decode_steps_since_compression = 0
 
     def _fills_holes(self, store: LayerStore) -> bool:
         """Whether a decode eviction of one token per row may write the newest token into the freed

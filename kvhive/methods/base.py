@@ -655,6 +655,14 @@ class Policy:
         operations per layer and step, each a kernel launch in an eager GPU step)."""
         return None
 
+    def decode_eviction_due(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor | None:
+        """Over a fixed decode capacity, before :meth:`select_decode`: a 0-d bool tensor on the
+        scores' device, False where this step's decision keeps every filled slot and changes no state
+        (so a captured step may skip it and the compaction: ``kvhive.static_step.run_if``), or None
+        (the default: any step may evict). Device work only, no host read; asked only while a CUDA
+        graph captures the step."""
+        return None
+
     takes_key_probes: ClassVar[bool] = False
     """The method may ask for :meth:`decode_key_probes` (the cache skips the call otherwise)."""
 

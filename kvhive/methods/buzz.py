@@ -561,13 +561,9 @@ class Buzz(Policy):
         padding, old = state[PADDING], state[OLD]
         stride, hat = layout.stride, small_stride(layout.stride)
         # Each line is a kernel or two of a captured step (0-d or [B, 1, 1] counts): the plan of
-        # _eviction_plan in as few tensor operations as it takes (padding + min(n - padding, k) is
-        # min(n, padding + k)).
-        sink_end = torch.minimum(n, padding + layout.sink)
-        window_start = torch.maximum(sink_end, n - layout.window)
+        # _eviction_plan in as few tensor operations as it takes.
+        sink_end, window_start, evict = _region(layout, n, padding, budget)
         old_end = torch.minimum(sink_end + old, window_start)
-        # Algorithm 1's test; below the budget nothing is evicted (the cache asks only above it).
-        evict = (window_start - sink_end > layout.threshold) & (n > budget)
         count = _ceil_div(old_end - sink_end, hat) + _ceil_div(window_start - old_end, stride)
         # Remark 2's rounds, enough for any count the capacity can hold (ŝ**rounds >= capacity): round
         # r + 1 is taken exactly where ceil(count / ŝ**r) > room, i.e. count > room * ŝ**r, so their
@@ -595,6 +591,14 @@ class Buzz(Policy):
         state[SIZE_SUM].sub_(torch.where(evict, state[SIZE_LAST] - kept, 0))
         torch.where(evict, kept, state[SIZE_LAST], out=state[SIZE_LAST])
         return keep
+
+    def decode_eviction_due(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor | None:
+        """Algorithm 1's test over a fixed capacity (:meth:`_evict_in_capacity` changes nothing where it
+        fails): a captured step runs the decision at one step in ``T + 1 - a``. Stacked rows: where any
+        row evicts (each row's own test decides inside)."""
+        if scoring.filled is None:
+            return None
+        return _region(state[LAYOUT], scoring.filled, state[PADDING], budget)[2].any()
 
     def _evict(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor | None:
         layout = self.layout(budget)
@@ -677,6 +681,18 @@ def _ceil_div(numerator: torch.Tensor, denominator) -> torch.Tensor:
     """``ceil(numerator / denominator)`` of a non-negative integer tensor by a positive integer
     (or integer tensor): ``(a + b - 1) // b``, two kernels (``-(-a // b)`` is three)."""
     return torch.div(numerator + (denominator - 1), denominator, rounding_mode="floor")
+
+
+def _region(
+    layout: BuzzLayout, filled: torch.Tensor, padding: torch.Tensor, budget: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(sink end, window start, evict)`` of a layer holding ``filled`` tokens, ``padding`` of them
+    at the front (device counts, 0-d or ``[B, 1, 1]``): where the old samples and new tokens lie, and
+    Algorithm 1's test on them (below the budget nothing is evicted: the cache asks only above it).
+    ``padding + min(filled - padding, k)`` is ``min(filled, padding + k)``: a kernel fewer."""
+    sink_end = torch.minimum(filled, padding + layout.sink)
+    window_start = torch.maximum(sink_end, filled - layout.window)
+    return sink_end, window_start, (window_start - sink_end > layout.threshold) & (filled > budget)
 
 
 def _rounds_for(capacity: int, hat: int) -> int:

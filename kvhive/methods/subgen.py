@@ -111,7 +111,7 @@ def farthest_point_order(
 
     ``fast`` (the GPU fast path, issue 25): run each step as one pure function of fixed-shape
     tensors (:func:`_farthest_step`). None (the default): ``kvhive.static_step.prefill_fast_path``
-    decides, i.e. on CUDA only: the step compiled with inductor where torch compiles kvhive, the
+    decides, i.e. on CUDA only: the step compiled with inductor, the
     whole loop captured as one CUDA graph per shape (rows, points, head dimension, count) and
     replayed for every later layer of those shapes; the CPU runs the eager loop below, the
     reference. True: the fixed-shape step (as on CUDA; eager on the CPU); a dynamo backend (e.g.
@@ -180,11 +180,11 @@ last_farthest_path: str | None = None
 
 
 def _fast_backend() -> str | None:
-    """Inductor where torch compiles kvhive and ``PREFILL_COMPILE`` (kvhive.static_step), else None
-    (an eager step, still captured on CUDA)."""
+    """Inductor where ``PREFILL_COMPILE`` (kvhive.static_step), else None (an eager step, still
+    captured on CUDA); on every torch kvhive runs on, as BumbleBee's (``submodular._fast_backend``)."""
     from kvhive import static_step
 
-    return "inductor" if static_step.TORCH_COMPILES_KVHIVE and static_step.PREFILL_COMPILE else None
+    return "inductor" if static_step.PREFILL_COMPILE else None
 
 
 def _farthest_step(

@@ -432,7 +432,7 @@ def greedy_maximize(
     ``fast`` (lazy and stochastic greedy): run each step as one fixed-shape pure function (the
     GPU fast path, module section "The GPU fast path"; same kept sets, same host reads). None
     (the default): ``kvhive.static_step.prefill_fast_path`` decides, i.e. on CUDA only: the step
-    compiled with inductor where torch compiles kvhive, the whole loop captured as one CUDA graph
+    compiled with inductor, the whole loop captured as one CUDA graph
     per shape bucket; the CPU runs the eager loop, the reference. True: the fixed-shape step
     (compiled and captured as on CUDA; eager on the CPU); a dynamo backend (e.g. ``"aot_eager"``,
     the tests' CPU proxy): the step compiled with it, not captured; False: the eager loop.
@@ -1246,14 +1246,16 @@ def similarity_buffer(rows: int, n: int, device) -> torch.Tensor | None:
 
 
 def _fast_backend(fast) -> str | None:
-    """The backend compiling the step: ``fast`` when it names one; on CUDA inductor when torch
-    compiles kvhive (and ``kvhive.static_step.PREFILL_COMPILE``); else None (the step runs
-    eagerly, still captured on CUDA)."""
+    """The backend compiling the step: ``fast`` when it names one; on CUDA inductor where
+    ``kvhive.static_step.PREFILL_COMPILE``; else None (the step runs eagerly, still captured on
+    CUDA). The step is a pure tensor function: no attention switch to trace, so it compiles on every
+    torch kvhive runs on (the decode step's gate, ``TORCH_COMPILES_KVHIVE``, plays no part; torch 2.11
+    checked by hand with tests/test_greedy_graph.py)."""
     if fast is not True:
         return fast
     from kvhive import static_step
 
-    return "inductor" if static_step.TORCH_COMPILES_KVHIVE and static_step.PREFILL_COMPILE else None
+    return "inductor" if static_step.PREFILL_COMPILE else None
 
 
 def _fast_lazy_greedy(
