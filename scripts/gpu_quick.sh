@@ -7,7 +7,7 @@
 #   CONFIGS   bench_gpu.py configurations (default: stock eager, SnapKV eager and captured, the
 #             captured step of the decode-evicting methods, and compiled rows: on the images' torch
 #             2.11 kvhive's compiled step runs inside kvhive.compression, see kvhive/static_step.py)
-#   CONTEXT / BATCH   prompt tokens (32768) and rows (1)
+#   CONTEXT / BATCH   prompt tokens (32768) and rows (1); BATCH8: configurations also run at batch 8
 #   BENCH_S / CONFIG_S / TESTS_S   seconds for the whole bench, one configuration, tests_gpu
 #             (TESTS_S=0 skips the tests); PROFILE: configurations to profile (torch.profiler)
 #   OUT       where the JSON lines and the test log go (default results/gpu)
@@ -35,6 +35,14 @@ echo "== bench_gpu.py: $CONFIGS"
 timeout "${BENCH_S:-300}" "$PYTHON" benchmarks/bench_gpu.py --context "${CONTEXT:-32768}" --batch "${BATCH:-1}" \
   --decode-tokens 16 --timeout "${CONFIG_S:-90}" --configs "$CONFIGS" ${PROFILE:+--profile "$PROFILE"} \
   --out "$OUT/bench_gpu_quick.jsonl"
+# Issue 23's batch-8 target (bandwidth efficiency >= 0.5): a few captured steps at batch 8 (BATCH8=""
+# skips them).
+BATCH8=${BATCH8-stock-cudnn-off,snapkv+graph,tova+graph,buzz+graph}
+if [ -n "$BATCH8" ]; then
+  echo "== bench_gpu.py, batch 8: $BATCH8"
+  timeout "${BENCH8_S:-300}" "$PYTHON" benchmarks/bench_gpu.py --context "${CONTEXT:-32768}" --batch 8 \
+    --decode-tokens 16 --timeout "${CONFIG_S:-90}" --configs "$BATCH8" --out "$OUT/bench_gpu_quick_b8.jsonl"
+fi
 if [ "${TESTS_S:-200}" != 0 ]; then
   echo "== tests_gpu"
   timeout "${TESTS_S:-200}" "$PYTHON" -m pytest -q -n 8 -p no:cacheprovider --timeout 150 -rf tests_gpu \
