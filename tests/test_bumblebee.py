@@ -340,6 +340,32 @@ def test_prefill_similarity_in_panels_equals_the_full_product_to_the_bit(dim):
         assert torch.equal(row_sums, full.sum(dim=-1)) and torch.equal(row_max, full.amax(dim=-1)), n
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_similarity_of_zeroed_padding_keys_is_the_masked_product_to_the_bit(dtype):
+    """Padding is zeroed in the unit keys before the product (two passes fewer over the matrix): the
+    matrix, its row sums and maxima are the product of every key with the padding's rows and columns
+    masked after it, bit for bit (+0 there, not -0), for padding keys of zeros or of any values."""
+    generator = torch.Generator().manual_seed(3)
+    for n in (300, 639):
+        keys = (torch.randn(3, n, 64, generator=generator) + torch.randn(3, 1, 64, generator=generator)).to(dtype)
+        keys[0, :40] = 0
+        valid = torch.ones(3, n, dtype=torch.bool)
+        valid[0, :40] = False
+        valid[1, : n // 2] = False
+        valid[2, 7] = False
+        units = keys.float() / keys.float().norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        weight = valid.float()
+        masked = (units @ units.transpose(1, 2)).clamp_(min=0).mul_(weight[:, :, None]).mul_(weight[:, None, :])
+        for sim, row_sums, row_max in [
+            (relu_cosine_similarity(keys, valid), None, None),
+            relu_cosine_similarity_rows(keys, valid),
+        ]:
+            assert torch.equal(sim.view(torch.int32), masked.view(torch.int32)), n
+            if row_sums is not None:
+                assert torch.equal(row_sums.view(torch.int32), masked.sum(dim=-1).view(torch.int32)), n
+                assert torch.equal(row_max.view(torch.int32), masked.amax(dim=-1).view(torch.int32)), n
+
+
 def test_power_concave_inverse_is_accurate():
     x = torch.cat([torch.zeros(1), torch.logspace(-10, 10, 401, dtype=torch.float64)])
     # Any alpha in (0, 1] and beta >= 0 (the config's ranges): a small alpha with a small beta
