@@ -73,33 +73,12 @@ def _synchronize(device) -> None:
         torch.cuda.synchronize()
 
 
-def _timed_run(
-    model,
-    input_ids,
-    method: str,
-    budget,
-    decode_tokens: int,
-    method_parameters: dict,
-    memory: PhaseMemory | None = None,
-    compile: bool = False,
-    prefill_chunk: int | None = None,
-    rows_alone: bool = False,
-):
-    """:func:`_timed_run_switched`, a compiled kvhive step inside ``compression`` where the torch
-    needs it (``kvhive.api.compiling_attention``; the full cache is then transformers' own)."""
+def _timed_run(model, input_ids, method: str, *args, compile: bool = False, **kwargs):
+    """:func:`_timed_run_switched` (the same arguments), a compiled kvhive step inside ``compression``
+    where the torch needs it (``kvhive.api.compiling_attention``; the full cache is then transformers'
+    own)."""
     with compiling_attention(model, compile and method != "full"):
-        return _timed_run_switched(
-            model,
-            input_ids,
-            method,
-            budget,
-            decode_tokens,
-            method_parameters,
-            memory,
-            compile,
-            prefill_chunk,
-            rows_alone,
-        )
+        return _timed_run_switched(model, input_ids, method, *args, compile=compile, **kwargs)
 
 
 @torch.no_grad()

@@ -586,6 +586,12 @@ def test_a_torch_that_does_not_trace_the_attention_switch_compiles_inside_compre
     )
     assert batch == kvhive.generate_batch(model, tokenizer, [text, "another prompt " * 15], "tova", BUDGET, 5)
     assert model.config._attn_implementation != "kvhive"  # each block restored the model's own
+    from kvhive import bench
+
+    result = bench.run_benchmark(
+        shape="kv-heavy", method="tova", budget=16, context=64, decode_tokens=3, num_layers=1, compile=True
+    )
+    assert result["compiled_decode"] is True and result["decode_ms_per_token"] > 0
 
 
 def test_first_false_is_right_under_inductor():
