@@ -96,7 +96,9 @@ def test_a_captured_step_that_skips_its_eviction_where_not_due_decodes_like_eage
         token = tokens[0]
         for step in range(STEPS):
             captured = _captured_step(
-                monkeypatch, if_node, lambda: model(input_ids=token, past_key_values=caches[0], use_cache=True).logits
+                monkeypatch,
+                if_node,
+                lambda token=token: model(input_ids=token, past_key_values=caches[0], use_cache=True).logits,
             )
             eager = model(input_ids=token, past_key_values=caches[1], use_cache=True).logits
             torch.testing.assert_close(captured, eager, rtol=1e-5, atol=1e-5, msg=f"{method}, step {step}")
@@ -132,7 +134,7 @@ def test_stacked_rows_skip_their_eviction_only_where_no_row_evicts(model, method
     tokens = first
     with torch.no_grad():
         for number in range(STEPS):
-            captured = _captured_step(monkeypatch, if_node, lambda: step(stacked[0], tokens))
+            captured = _captured_step(monkeypatch, if_node, lambda tokens=tokens: step(stacked[0], tokens))
             eager = step(stacked[1], tokens)
             torch.testing.assert_close(captured, eager, rtol=1e-5, atol=1e-5, msg=f"{method}, step {number}")
             tokens = eager[:, -1:].argmax(-1)

@@ -19,12 +19,12 @@ from golden_kept import snapshot
 from test_dtypes_and_decode_path import _per_segment_reference, _relative, _segments
 
 import kvhive
+from kvhive import static_step
 from kvhive.attention.varlen import kernel_supports, varlen_attention_kernel
 from kvhive.compat import cache_kwarg
 from kvhive.methods.base import DECODE, Policy
 from kvhive.methods.registry import method_names, policy_class
 from kvhive.models import tiny_model
-from kvhive import static_step
 from kvhive.static_step import TORCH_COMPILES_KVHIVE
 
 from helpers import left_padded_batch, prefill_and_decode
