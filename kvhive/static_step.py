@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import warnings
 from collections.abc import Callable, Iterator
 
 import torch
@@ -120,7 +121,17 @@ def run_if(predicate: torch.Tensor | None, work: Callable[[], None]) -> None:
         work()
         return
     graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
-    graph.begin_capture_to_if_node(predicate)
+    try:
+        graph.begin_capture_to_if_node(predicate)
+    except RuntimeError as error:
+        # Refused before anything was recorded (its checks come first: e.g. the allocator's
+        # graph_capture_record_stream_reuse, which conditional nodes do not support yet): the work is
+        # recorded unconditionally, as in an eager step (the same results, every replay paying for it).
+        warnings.warn(
+            f"kvhive: a CUDA graph if-node was refused ({error}); the work runs at every replay", stacklevel=2
+        )
+        work()
+        return
     try:
         work()
     finally:

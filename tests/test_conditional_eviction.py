@@ -140,3 +140,35 @@ def test_stacked_rows_skip_their_eviction_only_where_no_row_evicts(model, method
             tokens = eager[:, -1:].argmax(-1)
     assert True in if_node.predicates and False in if_node.predicates
     _assert_same_caches(stacked[0], stacked[1], method)
+
+
+class _FakeCapturingGraph:
+    """The capturing graph's if-node calls, recorded (``refuse``: begin refuses, as torch's checks do)."""
+
+    def __init__(self, refuse: bool):
+        self.refuse = refuse
+        self.calls = []
+
+    def begin_capture_to_if_node(self, predicate):
+        if self.refuse:
+            raise RuntimeError("'graph_capture_record_stream_reuse:True' allocator config does not work")
+        self.calls.append(("begin", predicate))
+
+    def end_capture_to_conditional_node(self):
+        self.calls.append(("end",))
+
+
+@pytest.mark.parametrize("refuse", [False, True])
+def test_run_if_records_the_work_inside_an_if_node_or_unconditionally_with_a_warning(monkeypatch, refuse):
+    from kvhive import static_step
+
+    graph = _FakeCapturingGraph(refuse)
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph", lambda: graph, raising=False)
+    predicate = torch.tensor(True)
+    if refuse:
+        with pytest.warns(UserWarning, match="if-node was refused"):
+            static_step.run_if(predicate, lambda: graph.calls.append(("work",)))
+        assert graph.calls == [("work",)]
+    else:
+        static_step.run_if(predicate, lambda: graph.calls.append(("work",)))
+        assert graph.calls == [("begin", predicate), ("work",), ("end",)]
