@@ -250,7 +250,7 @@ FLAGGING = [m for m in method_names() if policy_class(m).decode_eviction_due is 
 
 
 @pytest.mark.parametrize("method", FLAGGING)
-def test_cuda_graph_records_a_scheduled_eviction_as_an_if_node(method, monkeypatch):
+def test_cuda_graph_records_a_scheduled_eviction_as_an_if_node(method, monkeypatch, recwarn):
     # Where CUDA records conditional nodes (>= 12.4), the captured step of a method that flags its
     # eviction steps records the decision and the compaction of every compressed layer inside an
     # if-node (kvhive.static_step.run_if), so a replay runs them only at the steps that evict; the
@@ -272,6 +272,8 @@ def test_cuda_graph_records_a_scheduled_eviction_as_an_if_node(method, monkeypat
     model = tiny_model("llama", "gqa", dtype=torch.bfloat16).cuda()
     _replay_against_eager(model, method, None)
     assert len(recorded) == model.config.num_hidden_layers, f"{method}: {len(recorded)} if-nodes recorded"
+    refused = [str(warning.message) for warning in recwarn if "if-node was refused" in str(warning.message)]
+    assert not refused, refused
 
 
 # -- each dtype on CUDA against fp32 on CPU ---------------------------------------------------------
