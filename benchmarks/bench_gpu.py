@@ -39,8 +39,10 @@ Prefill rows: ``prefill_s`` is one prefill over the prompt with its compression.
 and SubGen's farthest-point order take their fast path (issue 25: a fixed-shape step compiled with
 inductor, the whole selection loop captured as one CUDA graph per shape and replayed for the later
 layers) or the eager loops: ``--prefill-path auto`` (the default) takes the fast path on CUDA, as
-kvhive does; ``fast`` forces it; ``graph`` takes it without compiling the step (captured as it is:
-no compile per shape, more kernels per step); ``eager`` takes the eager loops. The fast path
+kvhive does (SubGen's pick there is one Triton kernel launch, ``kvhive.methods.farthest_kernel``);
+``fast`` forces it; ``compiled`` runs SubGen's torch step compiled instead of its kernel; ``graph``
+takes it without compiling the torch steps (captured as they are: no compile per shape, more kernels
+per step); ``eager`` takes the eager loops. The fast path
 compiles and captures at its first layer of a new shape, so every row first runs one untimed
 prefill of the same prompt (``--no-prefill-warmup`` skips it; its time is ``prefill_first_s``):
 ``prefill_s`` is then what every later prompt of that length costs, for the stock rows as for
@@ -287,8 +289,15 @@ def _measure(settings: dict, parts: dict, model, bandwidth: float) -> dict:
     import kvhive.methods.submodular as submodular_module
     import kvhive.static_step
 
-    kvhive.static_step.PREFILL_FAST_PATH = {"auto": None, "fast": True, "graph": True, "eager": False}[path]
+    kvhive.static_step.PREFILL_FAST_PATH = {
+        "auto": None,
+        "fast": True,
+        "compiled": True,
+        "graph": True,
+        "eager": False,
+    }[path]
     kvhive.static_step.PREFILL_COMPILE = path != "graph"
+    kvhive.static_step.PREFILL_KERNELS = path in ("auto", "fast")
     steps = WARM_UP_STEPS + decode_tokens + PROFILE_STEPS
     prefill_first = None
     if settings.get("prefill_warmup", True):
@@ -566,11 +575,12 @@ def main(argv=None) -> int:
     parser.add_argument("--varlen", action="store_true", help="also time variable-length vs dense attention")
     parser.add_argument(
         "--prefill-path",
-        choices=("auto", "fast", "graph", "eager"),
+        choices=("auto", "fast", "compiled", "graph", "eager"),
         default="auto",
         help="BumbleBee's greedy and SubGen's farthest-point order: kvhive's default (auto: the fast path on CUDA, "
-        "the eager loops on the CPU), the fast path (fixed-shape step, compiled, captured as one CUDA graph per "
-        "shape on CUDA), graph (the fast path with its step not compiled: captured as it is) or the eager loops",
+        "the eager loops on the CPU), the fast path (fixed-shape step: SubGen's Triton kernel, BumbleBee's step "
+        "compiled; captured as one CUDA graph per shape on CUDA), compiled (the fast path with SubGen's torch step "
+        "compiled instead of its kernel), graph (the torch steps not compiled: captured as they are) or the eager loops",
     )
     parser.add_argument(
         "--no-prefill-warmup",

@@ -75,6 +75,10 @@ PREFILL_FAST_PATH: bool | None = None
 # gain bucket, tens of seconds each; False captures the eager step as it is (no compile: more kernels
 # per step, still one launch per layer).
 PREFILL_COMPILE: bool = True
+# Whether the fast path runs a method's own Triton kernel where it has one and Triton runs (SubGen's
+# farthest-point pick: kvhive.methods.farthest_kernel, one launch a pick reading the keys in their
+# dtype) instead of its torch step; False: the torch step (compiled where PREFILL_COMPILE).
+PREFILL_KERNELS: bool = True
 
 
 def prefill_fast_path(device: torch.device) -> bool:

@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvhive.methods import farthest_kernel
 from kvhive.methods.base import (
     DECODE,
     PREFILL,
@@ -109,13 +110,17 @@ def farthest_point_order(
     32 centers but read a bool on the host at every pick to certify it; sound certificates fail
     often on high-dimensional keys, so the exact algorithm needs the pass per pick anyway.)
 
-    ``fast`` (the GPU fast path, issue 25): run each step as one pure function of fixed-shape
-    tensors (:func:`_farthest_step`). None (the default): ``kvhive.static_step.prefill_fast_path``
-    decides, i.e. on CUDA only: the step compiled with inductor, the
-    whole loop captured as one CUDA graph per shape (rows, points, head dimension, count) and
-    replayed for every later layer of those shapes; the CPU runs the eager loop below, the
-    reference. True: the fixed-shape step (as on CUDA; eager on the CPU); a dynamo backend (e.g.
-    ``"aot_eager"``, the tests' CPU proxy): compiled with it, not captured; False: the eager loop.
+    ``fast`` (the GPU fast path, issue 25): run each step as one fixed-shape launch or function.
+    None (the default): ``kvhive.static_step.prefill_fast_path`` decides, i.e. on CUDA only: each
+    pick one launch of :mod:`kvhive.methods.farthest_kernel`'s Triton kernel (the keys read in
+    their dtype; ``static_step.PREFILL_KERNELS = False``: the torch step :func:`_farthest_step`
+    compiled with inductor instead), the whole loop captured as one CUDA graph per shape (rows,
+    points, head dimension, count) and replayed for every later layer of those shapes; the CPU runs
+    the eager loop below, the reference. True: that fast path (on the CPU the torch step, eager);
+    ``"triton"``: the kernel, not captured (on the CPU under ``TRITON_INTERPRET=1``, the tests'
+    proxy); a dynamo backend (e.g. ``"aot_eager"``): the torch step compiled with it, not captured;
+    False: the eager loop. The torch step gives the eager loop's order exactly; the kernel sums the
+    dot products in its own order, so near-ties may resolve otherwise (exact on integer keys).
     """
     global last_farthest_path
     rows, num_points, _ = keys.shape
@@ -123,6 +128,7 @@ def farthest_point_order(
     order = torch.full((rows, count), -1, dtype=torch.long, device=keys.device)
     if steps == 0 or rows == 0:
         return order
+    stored_keys = keys  # the model's dtype: the Triton kernel reads these (the same numbers as float32)
     keys = keys.float()
     keys_sq = (keys * keys).sum(-1)
     row_index = torch.arange(rows, device=keys.device)
@@ -135,13 +141,21 @@ def farthest_point_order(
     if fast is None:
         fast = prefill_fast_path(keys.device)
     if fast is not False:
-        named = fast is not True  # a backend (a name or a dynamo backend callable)
-        backend = fast if named else (_fast_backend() if cuda else None)
+        named = fast is not True  # a backend (a name, "triton", or a dynamo backend callable)
+        backend = fast if named else (_fast_backend(stored_keys) if cuda else None)
         # Inside a capture or a trace of the caller's (in_static_step), the steps are recorded into
-        # the caller's graph: no capture (nor compile) of our own.
+        # the caller's graph: no capture (nor compile, nor kernel) of our own.
         capture = cuda and not named and not in_static_step()
         if in_static_step():
             backend = None
+        if backend == KERNEL_BACKEND:
+            if not farthest_kernel.kernel_supports(stored_keys):
+                raise ValueError(
+                    f"fast={KERNEL_BACKEND!r}: the Triton kernel needs Triton on a CUDA device (or TRITON_INTERPRET=1), "
+                    f"float32/16/bf16 keys and a head dim <= 256; got {stored_keys.dtype} keys of shape "
+                    f"{tuple(stored_keys.shape)} on {stored_keys.device}"
+                )
+            keys = stored_keys
         order = _farthest_loop(keys, keys_sq, order, nearest, chosen, steps, backend, capture)
         exhausted = torch.arange(count, device=keys.device)[None, :] >= candidates.sum(-1)[:, None]
         return order.masked_fill_(exhausted, -1)
@@ -175,15 +189,21 @@ _STEP_FUNCTIONS: dict = {}
 _STEP_FUNCTIONS_HELD = 16
 _LOOP_GRAPHS: dict = {}
 _LOOP_GRAPHS_HELD = 2
+# The fast path's name for the Triton kernel (``fast="triton"``; on CUDA by default).
+KERNEL_BACKEND = "triton"
 # Which path the last farthest_point_order call took (benchmarks/bench_gpu.py records it).
 last_farthest_path: str | None = None
 
 
-def _fast_backend() -> str | None:
-    """Inductor where ``PREFILL_COMPILE`` (kvhive.static_step), else None (an eager step, still
-    captured on CUDA); on every torch kvhive runs on, as BumbleBee's (``submodular._fast_backend``)."""
+def _fast_backend(keys: torch.Tensor) -> str | None:
+    """The fast path's step on the GPU: the Triton kernel (one launch a pick, the keys read in their
+    dtype) where ``PREFILL_KERNELS`` (kvhive.static_step) and it runs on ``keys``; else the torch
+    step compiled with inductor where ``PREFILL_COMPILE``, else None (the eager step, still captured
+    on CUDA); on every torch kvhive runs on, as BumbleBee's (``submodular._fast_backend``)."""
     from kvhive import static_step
 
+    if static_step.PREFILL_KERNELS and farthest_kernel.kernel_supports(keys):
+        return KERNEL_BACKEND
     return "inductor" if static_step.PREFILL_COMPILE else None
 
 
@@ -238,19 +258,20 @@ def _run_farthest(function, keys, keys_sq, order, nearest, chosen, row_index, st
 
 class _FarthestGraph:
     """The whole loop of one shape captured as one CUDA graph: fixed input buffers (each call
-    copies the layer's inputs in) and the final order."""
+    copies the layer's inputs in) and the final order. ``run(*inputs)`` is the loop (it returns
+    the order); whatever it holds on to (the step tensors a graph reads) stays with it."""
 
-    def __init__(self, function, inputs: tuple[torch.Tensor, ...], steps: list[torch.Tensor]):
+    def __init__(self, run, inputs: tuple[torch.Tensor, ...]):
         self.inputs = tuple(value.clone() for value in inputs)
-        self.steps = steps  # the captured graph reads them
+        self.run = run
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up on a side stream, as torch.cuda.graph asks
-            _run_farthest(function, *self.inputs, steps)
+            run(*self.inputs)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.order = _run_farthest(function, *self.inputs, steps)
+            self.order = run(*self.inputs)
 
     def __call__(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         for mine, value in zip(self.inputs, inputs, strict=True):
@@ -260,23 +281,38 @@ class _FarthestGraph:
 
 
 def _farthest_loop(keys, keys_sq, order, nearest, chosen, steps: int, backend: str | None, capture: bool):
-    """The ``steps`` fixed-shape steps from the initial state; the order ``[R, count]``."""
+    """The ``steps`` fixed-shape steps from the initial state; the order ``[R, count]``. ``backend``
+    "triton": :func:`farthest_kernel.farthest_point_steps` (``keys`` in their stored dtype), else the
+    torch step compiled with it (None: eager)."""
     global last_farthest_path
-    function = _farthest_function(backend, (steps, *(tuple(value.shape) for value in (keys, order))))
-    step_tensors = list(torch.arange(steps, device=keys.device).unbind())
-    inputs = (keys, keys_sq, order, nearest, chosen, torch.arange(keys.shape[0], device=keys.device))
-    label = backend if backend is None or isinstance(backend, str) else getattr(backend, "__name__", "backend")
+    if backend == KERNEL_BACKEND:
+        inputs = (keys, keys_sq, order, nearest, chosen)
+        label = "farthest-point kernel (triton)"
+
+        def run(keys, keys_sq, order, nearest, chosen):
+            return farthest_kernel.farthest_point_steps(keys, keys_sq, nearest, chosen, order, steps)
+
+    else:
+        function = _farthest_function(backend, (steps, *(tuple(value.shape) for value in (keys, order))))
+        step_tensors = list(torch.arange(steps, device=keys.device).unbind())
+        inputs = (keys, keys_sq, order, nearest, chosen, torch.arange(keys.shape[0], device=keys.device))
+        name = backend if backend is None or isinstance(backend, str) else getattr(backend, "__name__", "backend")
+        label = f"fixed-shape step ({name or 'eager'})"
+
+        def run(*values):  # the step tensors stay referenced by the loop (a captured graph reads them)
+            return _run_farthest(function, *values, step_tensors)
+
     if not capture:
-        last_farthest_path = f"fixed-shape step ({label or 'eager'})"
-        return _run_farthest(function, *inputs, step_tensors)
-    key = (keys.device, backend, steps, *(tuple(value.shape) for value in inputs))
+        last_farthest_path = label
+        return run(*inputs)
+    key = (keys.device, keys.dtype, backend, steps, *(tuple(value.shape) for value in inputs))
     graph = _LOOP_GRAPHS.pop(key, None)
     if graph is None:
         while len(_LOOP_GRAPHS) >= _LOOP_GRAPHS_HELD:
             _LOOP_GRAPHS.pop(next(iter(_LOOP_GRAPHS)))
-        graph = _FarthestGraph(function, inputs, step_tensors)
+        graph = _FarthestGraph(run, inputs)
     _LOOP_GRAPHS[key] = graph  # most recent last
-    last_farthest_path = f"fixed-shape step ({label or 'eager'}), whole loop as one CUDA graph"
+    last_farthest_path = f"{label}, whole loop as one CUDA graph"
     return graph(inputs)
 
 
