@@ -7,7 +7,8 @@
 #   CONFIGS   bench_gpu.py configurations (default: stock eager, SnapKV eager and captured, the
 #             captured step of the decode-evicting methods, and compiled rows: on the images' torch
 #             2.11 kvhive's compiled step runs inside kvhive.compression, see kvhive/static_step.py)
-#   CONTEXT / BATCH   prompt tokens (32768) and rows (1); BATCH8: configurations also run at batch 8
+#   CONTEXT / BATCH   prompt tokens (32768) and rows (1); BATCH8: configurations also run at batch 8;
+#             PREFILL8K: configurations whose 8k prefill runs with SubGen's kernel and its compiled step
 #   BENCH_S / CONFIG_S / TESTS_S   seconds for the whole bench, one configuration, tests_gpu
 #             (TESTS_S=0 skips the tests); PROFILE: configurations to profile (torch.profiler)
 #   OUT       where the JSON lines and the test log go (default results/gpu)
@@ -42,6 +43,16 @@ if [ -n "$BATCH8" ]; then
   echo "== bench_gpu.py, batch 8: $BATCH8"
   timeout "${BENCH8_S:-300}" "$PYTHON" benchmarks/bench_gpu.py --context "${CONTEXT:-32768}" --batch 8 \
     --decode-tokens 16 --timeout "${CONFIG_S:-90}" --configs "$BATCH8" --out "$OUT/bench_gpu_quick_b8.jsonl"
+fi
+# Issue 25: SubGen's prefill at 8k, its Triton pick (auto) against its compiled torch step
+# (compiled), with the full cache's prefill beside them (PREFILL8K="" skips them).
+PREFILL8K=${PREFILL8K-full,subgen}
+if [ -n "$PREFILL8K" ]; then
+  for path in auto compiled; do
+    echo "== bench_gpu.py, prefill 8k, --prefill-path $path: $PREFILL8K"
+    timeout "${PREFILL_S:-150}" "$PYTHON" benchmarks/bench_gpu.py --context 8192 --batch 1 --decode-tokens 4 \
+      --timeout "${CONFIG_S:-90}" --configs "$PREFILL8K" --prefill-path "$path" --out "$OUT/bench_gpu_quick_prefill8k.jsonl"
+  done
 fi
 if [ "${TESTS_S:-200}" != 0 ]; then
   echo "== tests_gpu"
