@@ -15,6 +15,7 @@ import kvhive
 from kvhive.api import plain_attention
 from kvhive.cache import Budget, KVHiveCache
 from kvhive.cache.storage import PAGE_TOKENS, SEGMENT_RESERVE_TOKENS
+from kvhive.compat import cache_kwarg
 from kvhive.methods.base import PREFILL, Policy, PolicyConfig
 from kvhive.models import TINY_ARCHITECTURES, tiny_model
 
@@ -205,6 +206,42 @@ def test_sliding_layers_keep_their_window_and_match_transformers():
         else:
             assert torch.all(layer.lengths == 3 * window + 6)
     assert cache.full_cache_nbytes() == cache.nbytes()
+
+
+@pytest.mark.parametrize("method", ["full", "snapkv"])
+def test_a_sliding_layer_after_a_long_prompt_frees_all_but_its_window(method):
+    # A 300-token prompt over an 8-token window: a sliding layer keeps 7 tokens, and its buffers
+    # must be the window plus the append reserve, not the prompt's 300 tokens (the model's own cache
+    # keeps only the window: kvhive held ~4x its bytes on Gemma 3 at 15k tokens before).
+    from kvhive.cache.storage import reserve
+
+    model = tiny_model("gemma3", "gqa")
+    window = model.config.sliding_window
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=300, pad=3)
+    cache = kvhive.make_cache(model, method, budget=None if method == "full" else 48)
+    key = cache_kwarg(model)
+    with torch.no_grad():
+        output = model(input_ids=input_ids, attention_mask=attention_mask, **{key: cache}, use_cache=True)
+    sliding = [layer for layer in cache.layers if layer.is_sliding]
+    assert sliding
+    held = (window - 1) + reserve(window - 1)
+    for layer in sliding:
+        assert torch.all(layer.lengths == window - 1)
+        # key and value buffers of 2 rows x KV heads x (window + reserve) tokens
+        assert layer.reserved_nbytes() == 2 * model.config.num_key_value_heads * held * layer.bytes_per_token()
+    # Decoding: the window slides in the same buffers (no reallocation at a steady step).
+    pointers = [layer.dense()[0].data_ptr() for layer in sliding]
+    mask = attention_mask
+    with torch.no_grad():
+        for _ in range(4):
+            token = output.logits[:, -1:].argmax(-1)
+            mask = torch.cat([mask, mask.new_ones(2, 1)], dim=1)
+            output = model(input_ids=token, attention_mask=mask, **{key: cache}, use_cache=True)
+    assert [layer.dense()[0].data_ptr() for layer in sliding] == pointers
+    assert all(
+        layer.reserved_nbytes() == 2 * model.config.num_key_value_heads * held * layer.bytes_per_token()
+        for layer in sliding
+    )
 
 
 def test_compress_sliding_layers_on_request():
