@@ -244,6 +244,27 @@ def test_a_sliding_layer_after_a_long_prompt_frees_all_but_its_window(method):
     )
 
 
+@pytest.mark.parametrize("ratio", [0.3, 0.5, 0.7])
+@pytest.mark.parametrize("method", ["snapkv", "tova", "subgen"])
+def test_a_prefill_compression_frees_what_it_drops_at_any_budget(method, ratio):
+    # The buffers after a prefill hold the kept tokens plus the append reserve, whatever share of
+    # the prompt is kept: a compaction re-allocates only below half (for decode steps), so budgets of
+    # half the prompt or more used to keep buffers of the whole prompt (nothing freed).
+    from kvhive.cache.storage import reserve
+
+    model = tiny_model("llama", "gqa")
+    input_ids = torch.randint(3, model.config.vocab_size, (1, 600), generator=torch.Generator().manual_seed(0))
+    cache = kvhive.make_cache(model, method, ratio=ratio)
+    with torch.no_grad():
+        model(input_ids=input_ids, **{cache_kwarg(model): cache}, use_cache=True)
+    kept = int(600 * ratio)
+    for layer in cache.layers:
+        assert torch.all(layer.lengths == kept)
+        tokens = model.config.num_key_value_heads * (kept + reserve(kept))
+        assert layer.reserved_nbytes() == tokens * layer.bytes_per_token(), (method, ratio)
+    assert cache.reserved_nbytes() < cache.full_cache_nbytes() * (ratio + 0.12)
+
+
 def test_compress_sliding_layers_on_request():
     model = tiny_model("gemma3", "gqa")
     input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=20, pad=0)

@@ -588,6 +588,7 @@ class KVHiveCache(Cache):
             self._after_prefill(layer_index, make_scoring)
         finally:
             self._reserve_decode(self.layers[layer_index])
+            self.layers[layer_index].release_unused()  # what the compression dropped is freed
             if not self.compressed_layers or layer_index >= self.compressed_layers[-1]:
                 self.prefill_scratch.clear()  # no later layer reuses it
 

@@ -630,6 +630,10 @@ class LayerStore(CacheLayerMixin):
         if count > 0:
             self._not_dense("drop_oldest")
 
+    def release_unused(self) -> None:
+        """After a prefill: buffers of the stored tokens plus the append reserve, where they hold
+        more (the packed layout sizes its segments so already; a fixed capacity keeps its size)."""
+
     def expand_to_query_heads(self, heads_per_kv_head: int) -> None:
         """Store one copy of each KV head per query head of its group (Ada-KV on GQA/MQA)."""
         if heads_per_kv_head == 1 or self.heads_per_kv_head == heads_per_kv_head:
@@ -1282,6 +1286,19 @@ class DenseLayerStore(LayerStore):
             for length, running in zip(self._row_lengths, active, strict=True)
         ]
         self._length = max(self._row_lengths)
+
+    def release_unused(self) -> None:
+        """After a prefill: buffers of the stored tokens plus the append reserve, where they hold
+        more. A prefill's compression compacts the kept tokens in place and re-allocates only when
+        they fill less than half the buffers (a decode step that compacts must not re-allocate), so
+        a budget of half the prompt or more kept buffers of the whole prompt: nothing was freed. A
+        prefill happens once a prompt: the copy of the kept tokens costs less than the compression
+        did. A fixed decode capacity is sized by ``reserve_decode`` and keeps its addresses."""
+        if self._key_buffer is None or self.fixed_capacity or self.row_lengths_device is not None:
+            return
+        capacity = self._length + reserve(self._length)
+        if self._key_buffer.shape[2] > capacity:
+            self._move_dense(capacity)
 
     def drop_oldest(self, count: int) -> None:
         """Forget the ``count`` oldest tokens of every row (dense layout).
