@@ -265,6 +265,28 @@ def test_a_prefill_compression_frees_what_it_drops_at_any_budget(method, ratio):
     assert cache.reserved_nbytes() < cache.full_cache_nbytes() * (ratio + 0.12)
 
 
+def test_a_decode_capacity_is_the_kept_tokens_plus_its_room_not_the_prompt():
+    # A prefill-only method decoding in a fixed capacity (compiled decode asks for one): the
+    # capacity follows what is kept, so a longer prompt at the same kept count is the same graph,
+    # and the prompt's buffers are freed (at 0.7 of 600 tokens they were kept as the capacity).
+    from kvhive.cache.storage import reserve
+
+    model = tiny_model("llama", "gqa")
+    key = cache_kwarg(model)
+    capacities = []
+    for length in (600, 700):
+        input_ids = torch.randint(3, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
+        cache = kvhive.make_cache(model, "snapkv", budget=420, decode_capacity=16)
+        with torch.no_grad():
+            model(input_ids=input_ids, **{key: cache}, use_cache=True)
+        for layer in cache.layers:
+            assert layer.fixed_capacity and torch.all(layer.lengths == 420)
+            tokens = model.config.num_key_value_heads * (420 + max(reserve(420), 16))
+            assert layer.reserved_nbytes() == tokens * layer.bytes_per_token()
+        capacities.append([layer.decode_view()[0].shape[2] for layer in cache.layers])
+    assert capacities[0] == capacities[1]
+
+
 def test_compress_sliding_layers_on_request():
     model = tiny_model("gemma3", "gqa")
     input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=20, pad=0)

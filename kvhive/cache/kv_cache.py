@@ -587,8 +587,10 @@ class KVHiveCache(Cache):
         try:
             self._after_prefill(layer_index, make_scoring)
         finally:
+            # What the compression dropped is freed first, so that a decode capacity is the kept
+            # tokens plus its room, not the prompt's buffers (nor shaped by the prompt's length).
+            self.layers[layer_index].release_unused()
             self._reserve_decode(self.layers[layer_index])
-            self.layers[layer_index].release_unused()  # what the compression dropped is freed
             if not self.compressed_layers or layer_index >= self.compressed_layers[-1]:
                 self.prefill_scratch.clear()  # no later layer reuses it
 
