@@ -850,8 +850,11 @@ class DenseLayerStore(LayerStore):
             new_keys, new_values, new_positions = self._allocate_dense(
                 capacity, self._key_buffer.shape[-1], self._value_buffer.shape[-1]
             )
+            # Zeros, as a compaction's new buffers: a method that does not reset a new token's
+            # scores (Policy.reads_newest_token_scores False) must not find uninitialised memory in
+            # the slot (SubGen's decisions then varied from run to run once prefill buffers moved).
             new_scores = {
-                name: _static(torch.empty(new_keys.shape[:3], dtype=torch.float32, device=self.device))
+                name: _static(torch.zeros(new_keys.shape[:3], dtype=torch.float32, device=self.device))
                 for name in self._score_buffers
             }
         length = self._length
