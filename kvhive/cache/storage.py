@@ -1294,7 +1294,9 @@ class DenseLayerStore(LayerStore):
         """After a prefill: buffers of the stored tokens plus the append reserve, where they hold
         more. A prefill's compression compacts the kept tokens in place and re-allocates only when
         they fill less than half the buffers (a decode step that compacts must not re-allocate), so
-        a budget of half the prompt or more kept buffers of the whole prompt: nothing was freed. A
+        a budget of half the prompt or more kept buffers of the whole prompt: nothing was freed; a
+        sliding layer kept its window in buffers of the prompt's length (Gemma 3's 5 of 6 layers,
+        15k-token prompt: ~4x the model's own cache). A
         prefill happens once a prompt: the copy of the kept tokens costs less than the compression
         did. A fixed decode capacity is sized by ``reserve_decode`` and keeps its addresses."""
         if self._key_buffer is None or self.fixed_capacity or self.row_lengths_device is not None:
@@ -1309,22 +1311,11 @@ class DenseLayerStore(LayerStore):
         The kept tokens move to the front of the buffers (a copy of at most a window), so a
         sliding layer in its steady state starts at the same place every step: each decode step
         has the same shapes and offsets and compiles to one graph, and the buffers never move.
-        Where the kept tokens fill less than half the buffers (the window after a prompt longer
-        than it), they move into new buffers of their size plus the append reserve instead, and the
-        old ones are freed."""
+        (After a prompt longer than the window, ``release_unused`` frees the rest of the buffers.)"""
         if count <= 0:
             return
         count = min(count, self._length)
         length = self._length - count
-        if self._key_buffer.shape[2] > 2 * (length + reserve(length)) and not self.fixed_capacity:
-            # Release the dropped memory, as a compaction does: a sliding layer after a long prompt
-            # keeps its window, not buffers of the prompt's length (Gemma 3's 5 of 6 layers: 15
-            # such buffers held ~4x the model's own cache for a 15k-token prompt). New buffers sized
-            # to the window plus the append reserve; in a steady decode step (one token dropped for
-            # one added) the buffers are already that size, and they stay put.
-            self._start, self._length = self._start + count, length
-            self._move_dense(length + reserve(length))
-            return
         kept = slice(self._start + count, self._start + self._length)
         buffers = [self._key_buffer, self._value_buffer, self._position_buffer, *self._score_buffers.values()]
         for buffer in buffers:

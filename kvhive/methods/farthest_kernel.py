@@ -136,7 +136,7 @@ def farthest_point_steps(
     rows, num_points, dim = keys.shape
     if keys.stride(-1) != 1:
         keys = keys.contiguous()
-    keys_sq, nearest = keys_sq.contiguous(), nearest
+    keys_sq = keys_sq.contiguous()
     if not (nearest.is_contiguous() and nearest.dtype == torch.float32):
         raise ValueError("nearest must be a contiguous float32 [rows, points] tensor (it is updated in place)")
     block_d = max(16, triton.next_power_of_2(dim))
