@@ -55,11 +55,13 @@ def _page_table(segment_capacity_host, segment_length_host, page, device, total_
     """Pages of a paged buffer of ``total_pages`` pages (segments tile it in order, each capacity a
     multiple of ``page``): ``(segment_of_page [P], in_segment [P, page])``."""
     pages_per_segment = (segment_capacity_host // page).to(device)
-    segments = torch.arange(segment_capacity_host.numel(), device=device)
-    # The buffer's size gives the output size: no read of the per-segment counts.
-    segment_of_page = torch.repeat_interleave(segments, pages_per_segment, output_size=total_pages)
-    first_page = torch.cumsum(pages_per_segment, 0) - pages_per_segment
-    page_in_segment = torch.arange(segment_of_page.numel(), device=device) - first_page[segment_of_page]
+    end_page = torch.cumsum(pages_per_segment, 0)
+    # The buffer's size gives the number of pages: no read of the per-segment counts. (A search
+    # rather than repeat_interleave, whose sync-free form, with output_size, tools that count
+    # syncs by op name cannot tell from the syncing one.)
+    page_index = torch.arange(total_pages, device=device)
+    segment_of_page = torch.searchsorted(end_page, page_index, right=True)
+    page_in_segment = page_index - (end_page - pages_per_segment)[segment_of_page]
     offset = page_in_segment[:, None] * page + torch.arange(page, device=device)[None, :]
     return segment_of_page, offset < segment_length_host.to(device)[segment_of_page][:, None]
 
