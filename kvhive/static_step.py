@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -140,3 +141,60 @@ def run_if(predicate: torch.Tensor | None, work: Callable[[], None]) -> None:
         work()
     finally:
         graph.end_capture_to_conditional_node()
+
+
+class CapturedLoops:
+    """Prefill loops captured as CUDA graphs (BumbleBee's greedy, SubGen's farthest-point order),
+    shared by every thread of the process: at most ``held``, the least recently used dropped first.
+
+    A captured graph reads fixed input buffers that each call overwrites with its layer's inputs
+    (captures of one shape may share them, and BumbleBee computes a layer's similarity matrix straight
+    into one), then replays and copies its results out. Two threads doing that at once would replay
+    on each other's inputs. So every use of the graphs and their buffers runs inside :meth:`using`:
+    one thread at a time (a reentrant lock: a caller that writes into a buffer holds it over the
+    replay that reads it), and on the GPU the work a thread enqueued there, on whatever stream, is
+    finished before the next thread's work there starts (an event recorded on leaving, waited for
+    by the next stream on entering: no host wait). The captures themselves use
+    ``capture_error_mode="thread_local"`` (as torch's own cudagraph trees do), so a capture in one
+    thread does not fail another thread's CUDA calls."""
+
+    def __init__(self, held: int):
+        self.graphs: dict = {}  # key -> captured loop, most recently used last
+        self.held = held
+        self._lock = threading.RLock()
+        self._depth = 0  # nesting of the owning thread's using() (changed only under the lock)
+        self._finished: dict[torch.device, torch.cuda.Event] = {}
+
+    @contextlib.contextmanager
+    def using(self, device: torch.device | str) -> Iterator[dict]:
+        """Hold the graphs (yielded: the dict itself) for this thread, stream-ordered after the last
+        holder's work on ``device``."""
+        device = torch.device(device)
+        with self._lock:
+            outermost = self._depth == 0
+            # Not while a caller's capture records this stream (it cannot wait for an event recorded
+            # outside it): the caller's graph then replays on its own stream order.
+            ordered = outermost and device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
+            self._depth += 1
+            try:
+                if ordered and device in self._finished:
+                    torch.cuda.current_stream(device).wait_event(self._finished[device])
+                yield self.graphs
+            finally:
+                self._depth -= 1
+                if ordered:
+                    finished = torch.cuda.Event()
+                    finished.record(torch.cuda.current_stream(device))
+                    self._finished[device] = finished
+
+    def take(self, key):
+        """The graph at ``key``, removed (None if absent); put it back with :meth:`put`."""
+        return self.graphs.pop(key, None)
+
+    def make_room(self) -> None:
+        """Drop the least recently used graphs until one more fits."""
+        while len(self.graphs) >= self.held:
+            self.graphs.pop(next(iter(self.graphs)))
+
+    def put(self, key, graph) -> None:
+        self.graphs[key] = graph  # most recently used last

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
+import time
 
 import pytest
 import torch
@@ -34,6 +36,7 @@ import kvhive.methods.submodular as submodular
 from kvhive.methods import make_policy
 from kvhive.methods.subgen import farthest_point_order
 from kvhive.methods.submodular import Concave, greedy_maximize
+from kvhive.static_step import CapturedLoops
 
 from helpers import scoring_inputs
 
@@ -293,9 +296,9 @@ def test_layers_replay_a_capture_whose_buckets_cover_theirs(monkeypatch, fresh_c
     layer needing more captures the larger bucket of each step of its own and the latest capture's,
     so the captures settle; every layer keeps the eager loop's set; similarity_buffer hands out the
     latest capture's matrix, and a layer computed into it is not copied."""
-    monkeypatch.setattr(submodular, "_captures", lambda device: True)
+    monkeypatch.setattr(submodular, "captures_loops", lambda device: True)
     monkeypatch.setattr(submodular, "_LoopGraph", _EmulatedCapture)
-    monkeypatch.setattr(submodular, "_LOOP_GRAPHS", {})
+    monkeypatch.setattr(submodular, "CAPTURED_LOOPS", CapturedLoops(held=2))
     _EmulatedCapture.made = 0
     assert submodular.similarity_buffer(4, 300, "cpu") is None
     for layer in range(6):
@@ -305,11 +308,11 @@ def test_layers_replay_a_capture_whose_buckets_cover_theirs(monkeypatch, fresh_c
         assert torch.equal(chosen, reference), layer
         assert submodular.last_greedy_path == "fixed-shape step (eager), whole loop as one CUDA graph"
     assert 1 <= _EmulatedCapture.made <= 3 < 6
-    assert len(submodular._LOOP_GRAPHS) <= submodular._LOOP_GRAPHS_HELD
+    assert len(submodular.CAPTURED_LOOPS.graphs) <= submodular.CAPTURED_LOOPS.held
     # The captures of one shape share their input buffers: one similarity matrix between them.
-    assert len({graph.inputs["sim"].data_ptr() for graph in submodular._LOOP_GRAPHS.values()}) == 1
+    assert len({graph.inputs["sim"].data_ptr() for graph in submodular.CAPTURED_LOOPS.graphs.values()}) == 1
     buffer = submodular.similarity_buffer(4, 300, "cpu")
-    latest = list(submodular._LOOP_GRAPHS.values())[-1]
+    latest = list(submodular.CAPTURED_LOOPS.graphs.values())[-1]
     assert buffer is not None and buffer.data_ptr() == latest.inputs["sim"].data_ptr()
     # A layer whose matrix was computed into the buffer: the same set, and the buffer is its matrix.
     objective = random_objective(rows=4, n=300, dim=12, seed=40, padding=False)
@@ -317,6 +320,148 @@ def test_layers_replay_a_capture_whose_buckets_cover_theirs(monkeypatch, fresh_c
     in_buffer = submodular.Mixture(buffer, objective.weights, objective.valid, objective.lam, objective.phi)
     reference = greedy_maximize(objective, 60, "stochastic", 1e-5, _generators(4, 99), fast=False)
     assert torch.equal(greedy_maximize(in_buffer, 60, "stochastic", 1e-5, _generators(4, 99), fast=True), reference)
+
+
+class _SlowEmulatedCapture(_EmulatedCapture):
+    """An emulated capture that waits between copying a call's inputs in and running on them: a
+    second thread using the shared buffers meanwhile would overwrite them (a real replay is
+    asynchronous, so the window is the whole replay)."""
+
+    def __call__(self, inputs):
+        for name, value in inputs.items():
+            if self.inputs[name].data_ptr() != value.data_ptr():
+                self.inputs[name].copy_(value)
+        time.sleep(0.02)
+        return submodular._run_loop(self.inputs, self.steps, self.functions)
+
+
+def _in_threads(work, count: int) -> dict:
+    results, errors = {}, []
+    start = threading.Barrier(count)
+
+    def run(index):
+        try:
+            start.wait()
+            results[index] = work(index)
+        except BaseException as error:  # noqa: BLE001 - reported below with its thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    return results
+
+
+def test_threads_replaying_the_shared_captures_get_their_own_sets(monkeypatch, fresh_compiles):
+    """Four threads select at once with objectives of one shape (one capture bucket between them),
+    two of them as BumbleBee does on CUDA: the matrix computed into the captured loop's own buffer
+    (similarity_buffer), then the greedy replaying it. Each gets its eager set: the captures and their
+    buffers are used one thread at a time (static_step.CapturedLoops)."""
+    monkeypatch.setattr(submodular, "captures_loops", lambda device: True)
+    monkeypatch.setattr(submodular, "_LoopGraph", _SlowEmulatedCapture)
+    monkeypatch.setattr(submodular, "CAPTURED_LOOPS", CapturedLoops(held=2))
+    objectives = [random_objective(rows=4, n=200, dim=12, seed=70 + index, padding=False) for index in range(4)]
+    references = [
+        greedy_maximize(objective, 40, "stochastic", 1e-5, _generators(4, index), fast=False)
+        for index, objective in enumerate(objectives)
+    ]
+    # Sets that differ from thread to thread, or a mix-up would go unseen.
+    assert len({tuple(reference.flatten().tolist()) for reference in references}) == 4
+
+    def select(index):
+        chosen = []
+        for _ in range(3):
+            objective = objectives[index]
+            if index % 2:  # BumbleBee's flow: the matrix written into the shared buffer first
+                with submodular.CAPTURED_LOOPS.using("cpu"):
+                    buffer = submodular.similarity_buffer(4, 200, "cpu")
+                    if buffer is not None:
+                        buffer.copy_(objective.sim)
+                        time.sleep(0.01)
+                        objective = submodular.Mixture(
+                            buffer, objective.weights, objective.valid, objective.lam, objective.phi
+                        )
+                    chosen.append(greedy_maximize(objective, 40, "stochastic", 1e-5, _generators(4, index), fast=True))
+            else:
+                chosen.append(greedy_maximize(objective, 40, "stochastic", 1e-5, _generators(4, index), fast=True))
+        return chosen
+
+    for index, chosen in _in_threads(select, 4).items():
+        assert all(torch.equal(one, references[index]) for one in chosen), index
+
+
+def test_threads_running_bumblebee_on_the_shared_captures_keep_their_own_tokens(monkeypatch, fresh_compiles):
+    """BumbleBee's prefill on the (emulated) CUDA path in four threads at once, layers of one shape:
+    each computes its matrix into the captured loop's buffer and replays; each keeps what it keeps
+    alone on the eager path. (A pause after computing the matrix widens the window in which another
+    thread could overwrite it before the replay reads it: select_prefill holds the captures over it.)"""
+    from kvhive import static_step
+
+    layers = [_layer("bumblebee", 200, seed=30 + index) for index in range(4)]
+    references = [policy.select_prefill(scoring, 60, {}) for policy, scoring in layers]
+    assert len({tuple(reference.flatten().tolist()) for reference in references}) == 4
+    monkeypatch.setattr(static_step, "PREFILL_FAST_PATH", True)
+    monkeypatch.setattr(submodular, "captures_loops", lambda device: True)
+    monkeypatch.setattr(bumblebee_module, "captures_loops", lambda device: True)
+    monkeypatch.setattr(submodular, "_LoopGraph", _SlowEmulatedCapture)
+    monkeypatch.setattr(submodular, "CAPTURED_LOOPS", CapturedLoops(held=2))
+    monkeypatch.setattr(bumblebee_module, "CAPTURED_LOOPS", submodular.CAPTURED_LOOPS)
+    similarity = bumblebee_module.relu_cosine_similarity_rows
+
+    def similarity_then_pause(*args, **kwargs):
+        result = similarity(*args, **kwargs)
+        time.sleep(0.02)
+        return result
+
+    monkeypatch.setattr(bumblebee_module, "relu_cosine_similarity_rows", similarity_then_pause)
+
+    def select(index):
+        policy, scoring = layers[index]
+        return [policy.select_prefill(scoring, 60, {}) for _ in range(3)]
+
+    for index, kept in _in_threads(select, 4).items():
+        assert all(torch.equal(one, references[index]) for one in kept), index
+    assert submodular.last_greedy_path == "fixed-shape step (eager), whole loop as one CUDA graph"
+
+
+def test_threads_replaying_the_shared_farthest_point_captures_get_their_own_orders(monkeypatch, fresh_compiles):
+    """SubGen's captured farthest-point loops, shared likewise: four threads, keys of one shape."""
+
+    class SlowCapture:  # subgen._FarthestGraph without CUDA, waiting between copy-in and run
+        def __init__(self, run, inputs):
+            self.inputs = tuple(value.clone() for value in inputs)
+            self.run = run
+
+        def __call__(self, inputs):
+            for mine, value in zip(self.inputs, inputs, strict=True):
+                mine.copy_(value)
+            time.sleep(0.02)
+            return self.run(*self.inputs).clone()
+
+    monkeypatch.setattr(subgen_module, "_FarthestGraph", SlowCapture)
+    monkeypatch.setattr(subgen_module, "CAPTURED_LOOPS", CapturedLoops(held=2))
+    generator = torch.Generator().manual_seed(5)
+    keys = [torch.randn(4, 128, 16, generator=generator) for _ in range(4)]
+    candidates = torch.ones(4, 128, dtype=torch.bool)
+    references = [farthest_point_order(key, candidates, 30, fast=False) for key in keys]
+    assert len({tuple(reference.flatten().tolist()) for reference in references}) == 4
+
+    def order(index):
+        orders = []
+        for _ in range(3):  # farthest_point_order's fast path with capture=True (CUDA's), step eager
+            key = keys[index]
+            start = torch.full((4, 30), -1, dtype=torch.long)
+            nearest = torch.where(candidates, float("inf"), float("-inf"))
+            first = candidates.to(torch.int8).argmax(-1)
+            squares = (key * key).sum(-1)
+            orders.append(subgen_module._farthest_loop(key, squares, start, nearest, first, 30, None, True))
+        return orders
+
+    for index, orders in _in_threads(order, 4).items():
+        assert all(torch.equal(one, references[index]) for one in orders), index
 
 
 def test_similarity_written_into_a_buffer_is_the_same_matrix():

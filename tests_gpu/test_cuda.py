@@ -600,6 +600,51 @@ def test_cuda_farthest_point_fast_path_matches_the_eager_loop_over_layers(dtype)
                 assert same >= 0.98, f"layer {layer} row {row}: kernel kept-set overlap {same:.4f}"
 
 
+@pytest.mark.parametrize("method", ["bumblebee", "subgen"])
+def test_cuda_threads_on_their_own_streams_share_the_captured_prefill_loops(method):
+    """Four threads, each on its own CUDA stream, prefill prompts of one length at once (one shape:
+    the captured greedy / farthest-point loops and their input buffers are shared by the process):
+    each keeps what its prompt keeps alone, and no capture fails another thread's CUDA calls
+    (static_step.CapturedLoops: one holder at a time, stream-ordered by events, thread-local capture)."""
+    import threading
+
+    model = tiny_model("llama", "gqa", dtype=torch.bfloat16).cuda()
+    key = cache_kwarg(model)
+    prompts = [
+        left_padded_batch(model.config.vocab_size, length=FAST_PREFILL_LENGTH, pad=37, seed=s)[0] for s in range(4)
+    ]
+
+    def kept(prompt):
+        cache = kvhive.make_cache(model, method, budget=FAST_PREFILL_LENGTH // 5)
+        with torch.no_grad():
+            model(input_ids=prompt.cuda(), **{key: cache}, use_cache=True)
+        return snapshot(cache)
+
+    alone = [kept(prompt) for prompt in prompts]  # captures made; the threads replay them
+    assert len({repr(one) for one in alone}) == 4
+    results, errors = {}, []
+    start = threading.Barrier(4)
+
+    def work(index):
+        try:
+            stream = torch.cuda.Stream()
+            start.wait()
+            with torch.cuda.stream(stream):
+                results[index] = [kept(prompts[index]) for _ in range(3)]
+            stream.synchronize()
+        except BaseException as error:  # noqa: BLE001 - reported below with its thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(index,)) for index in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    for index, runs in results.items():
+        assert all(run == alone[index] for run in runs), f"thread {index}: kept other positions than alone"
+
+
 # -- prefill synchronisations (issue 25 item 3 on the device) ---------------------------------------
 
 PREFILL_SYNCS_PER_LAYER = 4

@@ -53,6 +53,7 @@ Choices the paper leaves open (docs/METHODS.md style, **(choice)**):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -74,9 +75,11 @@ from kvhive.methods.base import (
     require_seed,
 )
 from kvhive.methods.submodular import (
+    CAPTURED_LOOPS,
     Concave,
     Mixture,
     StreamingSummary,
+    captures_loops,
     greedy_maximize,
     key_norms,
     relu_cosine_similarity_rows,
@@ -248,44 +251,51 @@ class BumbleBee(Policy):
         chosen = torch.zeros(rows, candidates, dtype=torch.bool, device=keys.device)
         order = torch.arange(candidates, device=keys.device)
         summaries = []
-        fast = prefill_fast_path(keys.device) and keys.device.type == "cuda"
+        # Where the greedy captures its loop (CUDA), the matrix goes into the captured loop's buffer.
+        fast = prefill_fast_path(keys.device) and captures_loops(keys.device)
         # On the CPU, the matrix goes into the cache's prefill scratch, reused by the next layer or
         # row chunk of the same shape: a fresh 484 MB matrix (8 heads at 4k) costs 0.2 s of page
         # faults as it is first written (CUDA's caching allocator reuses the freed block itself).
         scratch = scoring.scratch if keys.device.type == "cpu" else None
         rows_per_chunk = max(1, MAX_SIMILARITY_ELEMENTS // (candidates * candidates))
-        for start in range(0, rows, rows_per_chunk):
-            part = slice(start, min(rows, start + rows_per_chunk))
-            part_rows = part.stop - part.start
-            # On the fast path (CUDA), into the matrix a captured greedy loop of these shapes reads:
-            # its replay then copies no matrix (None: a new one).
-            out = similarity_buffer(part_rows, candidates, keys.device) if fast else None
-            if scratch is not None:
-                out = scratch.take((part_rows, candidates, candidates), torch.float32, keys.device)
-            sim, row_sums, row_max = relu_cosine_similarity_rows(keys[part], valid[part], out)
-            objective = Mixture(
-                sim, weights[part], valid[part], self.config.mixture_weight, self.concave, row_sums, row_max
-            )
-            picked = greedy_maximize(objective, summary_size, self.config.greedy, self.config.epsilon, generators[part])
-            chosen[part] = picked
-            # The members in stored order, with their similarity matrix, seed Algorithm 2.
-            members = torch.where(picked, order, candidates).sort(dim=-1).values[:, :summary_size]
-            count = members.shape[0]
-            member_sim = sim.gather(1, members[:, :, None].expand(count, summary_size, candidates))
-            member_sim = member_sim.gather(2, members[:, None, :].expand(count, summary_size, summary_size))
-            member_keys = keys[part].gather(1, members[:, :, None].expand(count, summary_size, dim))
-            summaries.append(
-                StreamingSummary.from_similarity(
-                    member_sim,
-                    key_norms(member_keys),
-                    valid[part].gather(1, members),
-                    positions[part].gather(1, members),
+        # On the fast path the matrix is a captured loop's input buffer, shared by the process's
+        # threads: held from writing it to the last read of it (submodular.similarity_buffer).
+        holding = CAPTURED_LOOPS.using(keys.device) if fast else contextlib.nullcontext()
+        with holding:
+            for start in range(0, rows, rows_per_chunk):
+                part = slice(start, min(rows, start + rows_per_chunk))
+                part_rows = part.stop - part.start
+                # On the fast path (CUDA), into the matrix a captured greedy loop of these shapes reads:
+                # its replay then copies no matrix (None: a new one).
+                out = similarity_buffer(part_rows, candidates, keys.device) if fast else None
+                if scratch is not None:
+                    out = scratch.take((part_rows, candidates, candidates), torch.float32, keys.device)
+                sim, row_sums, row_max = relu_cosine_similarity_rows(keys[part], valid[part], out)
+                objective = Mixture(
+                    sim, weights[part], valid[part], self.config.mixture_weight, self.concave, row_sums, row_max
                 )
-            )
-            del objective
-            if scratch is not None:
-                scratch.give(sim)  # nothing refers to it any more (the summary took copies)
-            del sim
+                picked = greedy_maximize(
+                    objective, summary_size, self.config.greedy, self.config.epsilon, generators[part]
+                )
+                chosen[part] = picked
+                # The members in stored order, with their similarity matrix, seed Algorithm 2.
+                members = torch.where(picked, order, candidates).sort(dim=-1).values[:, :summary_size]
+                count = members.shape[0]
+                member_sim = sim.gather(1, members[:, :, None].expand(count, summary_size, candidates))
+                member_sim = member_sim.gather(2, members[:, None, :].expand(count, summary_size, summary_size))
+                member_keys = keys[part].gather(1, members[:, :, None].expand(count, summary_size, dim))
+                summaries.append(
+                    StreamingSummary.from_similarity(
+                        member_sim,
+                        key_norms(member_keys),
+                        valid[part].gather(1, members),
+                        positions[part].gather(1, members),
+                    )
+                )
+                del objective
+                if scratch is not None:
+                    scratch.give(sim)  # nothing refers to it any more (the summary took copies)
+                del sim
         state[SUMMARY] = StreamingSummary.concatenate(summaries)
         state[SYNCED] = (scoring.sequence_length, budget)
         keep = torch.cat([chosen, chosen.new_ones(rows, local)], dim=1)

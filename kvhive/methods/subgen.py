@@ -28,6 +28,7 @@ other methods here, SnapKV's observation window and AhaKV's ``B_r``)**; ``budget
 
 from __future__ import annotations
 
+import threading
 import types
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -45,7 +46,7 @@ from kvhive.methods.base import (
     keep_top_scores,
     require_int_at_least,
 )
-from kvhive.static_step import in_static_step, prefill_fast_path
+from kvhive.static_step import CapturedLoops, in_static_step, prefill_fast_path
 
 # Per-token scores (kept aligned with the stored tokens by the cache).
 NEAREST_DISTANCE = "subgen_nn_sqdist"  # squared L2 distance to the nearest other candidate
@@ -187,8 +188,10 @@ def farthest_point_order(
 # Compiled steps by backend; captured loops by shape (a model's layers share their shapes).
 _STEP_FUNCTIONS: dict = {}
 _STEP_FUNCTIONS_HELD = 16
-_LOOP_GRAPHS: dict = {}
-_LOOP_GRAPHS_HELD = 2
+_STEP_FUNCTIONS_LOCK = threading.Lock()  # threads compiling at once: each entry made once, none lost
+# Shared by the process's threads one at a time (a captured loop's input buffers are overwritten by
+# each call: static_step.CapturedLoops).
+CAPTURED_LOOPS = CapturedLoops(held=2)
 # The fast path's name for the Triton kernel (``fast="triton"``; on CUDA by default).
 KERNEL_BACKEND = "triton"
 # Which path the last farthest_point_order call took (benchmarks/bench_gpu.py records it).
@@ -240,13 +243,14 @@ def _farthest_function(backend, shape: tuple):
     if backend is None:
         return _farthest_step
     key = (backend, shape)
-    function = _STEP_FUNCTIONS.get(key)
-    if function is None:
-        code = _farthest_step.__code__.replace(co_name=f"_farthest_step_{len(_STEP_FUNCTIONS)}")
-        body = types.FunctionType(code, _farthest_step.__globals__, code.co_name)
-        while len(_STEP_FUNCTIONS) >= _STEP_FUNCTIONS_HELD:  # prompt lengths come and go: the oldest go
-            _STEP_FUNCTIONS.pop(next(iter(_STEP_FUNCTIONS)))
-        function = _STEP_FUNCTIONS[key] = torch.compile(body, backend=backend, fullgraph=True, dynamic=False)
+    with _STEP_FUNCTIONS_LOCK:
+        function = _STEP_FUNCTIONS.get(key)
+        if function is None:
+            code = _farthest_step.__code__.replace(co_name=f"_farthest_step_{len(_STEP_FUNCTIONS)}")
+            body = types.FunctionType(code, _farthest_step.__globals__, code.co_name)
+            while len(_STEP_FUNCTIONS) >= _STEP_FUNCTIONS_HELD:  # prompt lengths come and go: the oldest go
+                _STEP_FUNCTIONS.pop(next(iter(_STEP_FUNCTIONS)))
+            function = _STEP_FUNCTIONS[key] = torch.compile(body, backend=backend, fullgraph=True, dynamic=False)
     return function
 
 
@@ -270,7 +274,7 @@ class _FarthestGraph:
             run(*self.inputs)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.order = run(*self.inputs)
 
     def __call__(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -306,14 +310,15 @@ def _farthest_loop(keys, keys_sq, order, nearest, chosen, steps: int, backend: s
         last_farthest_path = label
         return run(*inputs)
     key = (keys.device, keys.dtype, backend, steps, *(tuple(value.shape) for value in inputs))
-    graph = _LOOP_GRAPHS.pop(key, None)
-    if graph is None:
-        while len(_LOOP_GRAPHS) >= _LOOP_GRAPHS_HELD:
-            _LOOP_GRAPHS.pop(next(iter(_LOOP_GRAPHS)))
-        graph = _FarthestGraph(run, inputs)
-    _LOOP_GRAPHS[key] = graph  # most recent last
+    with CAPTURED_LOOPS.using(keys.device):
+        graph = CAPTURED_LOOPS.take(key)
+        if graph is None:
+            CAPTURED_LOOPS.make_room()
+            graph = _FarthestGraph(run, inputs)
+        CAPTURED_LOOPS.put(key, graph)
+        order = graph(inputs)  # a copy: the next holder may replay at once
     last_farthest_path = f"{label}, whole loop as one CUDA graph"
-    return graph(inputs)
+    return order
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,10 +18,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import threading
 import types
 from dataclasses import dataclass
 
 import torch
+
+from kvhive.static_step import CapturedLoops
 
 # Rank given to invalid (padding) elements: below every real gain, above "not selectable".
 PADDING_GAIN = -1e30
@@ -481,7 +484,7 @@ def greedy_maximize(
             backend = _fast_backend(fast) if cuda or named else None
             # Inside a capture or a trace of the caller's (in_static_step), the steps are recorded
             # into the caller's graph: no capture (nor compile) of our own.
-            capture = _captures(objective.sim.device) and not named and not in_static_step()
+            capture = captures_loops(objective.sim.device) and not named and not in_static_step()
             if in_static_step():
                 backend = None
             chosen, enough, needed = _fast_lazy_greedy(objective, k, evaluations, sampler, attempts, backend, capture)
@@ -1022,9 +1025,10 @@ _BUCKET_FLOOR = _LAZY_EVALUATIONS
 # tests/test_greedy_graph.py runs under error_on_recompile).
 _STEP_FUNCTIONS: dict = {}
 _STEP_FUNCTIONS_HELD = 64
-# Captured whole loops on CUDA, by shape bucket (few entries: a model's layers share their shapes).
-_LOOP_GRAPHS: dict = {}
-_LOOP_GRAPHS_HELD = 2
+_STEP_FUNCTIONS_LOCK = threading.Lock()  # threads compiling at once: each entry made once, none lost
+# Captured whole loops on CUDA, by shape bucket (few entries: a model's layers share their shapes),
+# shared by the process's threads one at a time (their input buffers are shared).
+CAPTURED_LOOPS = CapturedLoops(held=2)
 # Which path the last greedy_maximize call took (benchmarks/bench_gpu.py records it).
 last_greedy_path: str | None = None
 
@@ -1132,21 +1136,25 @@ def _step_function(backend, shape: tuple, **static):
     own: a new bucket or shape (another prompt length) is a first compile of its own, not a
     recompile of another (dynamo caches per code object; ``dynamic=False`` compiles every shape)."""
     key = (backend, shape, tuple(sorted(static.items())))
-    function = _STEP_FUNCTIONS.get(key)
-    if function is None:
-        if backend is None:
+    with _STEP_FUNCTIONS_LOCK:
+        return _STEP_FUNCTIONS.get(key) or _new_step_function(key, backend, static)
 
-            def function(inputs, state, step):
-                return _greedy_step(inputs, state, step, **static)
 
-        else:
-            code = _greedy_step.__code__.replace(co_name=f"_greedy_step_{len(_STEP_FUNCTIONS)}")
-            body = types.FunctionType(code, _greedy_step.__globals__, code.co_name, None, None)
-            body.__kwdefaults__ = dict(static)
-            function = torch.compile(body, backend=backend, fullgraph=True, dynamic=False)
-        while len(_STEP_FUNCTIONS) >= _STEP_FUNCTIONS_HELD:  # prompt lengths come and go: the oldest go
-            _STEP_FUNCTIONS.pop(next(iter(_STEP_FUNCTIONS)))
-        _STEP_FUNCTIONS[key] = function
+def _new_step_function(key, backend, static: dict):
+    """:func:`_step_function`'s new entry (called with ``_STEP_FUNCTIONS_LOCK`` held)."""
+    if backend is None:
+
+        def function(inputs, state, step):
+            return _greedy_step(inputs, state, step, **static)
+
+    else:
+        code = _greedy_step.__code__.replace(co_name=f"_greedy_step_{len(_STEP_FUNCTIONS)}")
+        body = types.FunctionType(code, _greedy_step.__globals__, code.co_name, None, None)
+        body.__kwdefaults__ = dict(static)
+        function = torch.compile(body, backend=backend, fullgraph=True, dynamic=False)
+    while len(_STEP_FUNCTIONS) >= _STEP_FUNCTIONS_HELD:  # prompt lengths come and go: the oldest go
+        _STEP_FUNCTIONS.pop(next(iter(_STEP_FUNCTIONS)))
+    _STEP_FUNCTIONS[key] = function
     return function
 
 
@@ -1221,7 +1229,7 @@ class _LoopGraph:
             _run_loop(self.inputs, steps, functions)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.state = _run_loop(self.inputs, steps, functions)
 
     def __call__(self, inputs) -> tuple[torch.Tensor, ...]:
@@ -1233,7 +1241,7 @@ class _LoopGraph:
         return tuple(value.clone() for value in self.state)
 
 
-def _captures(device: torch.device) -> bool:
+def captures_loops(device: torch.device) -> bool:
     """Whether the fast path captures its loop as a CUDA graph on ``device`` (on CUDA)."""
     return device.type == "cuda"
 
@@ -1243,12 +1251,15 @@ def similarity_buffer(rows: int, n: int, device) -> torch.Tensor | None:
     latest such capture; None when there is none): a caller that computes the next layer's matrix
     into it (:func:`relu_cosine_similarity_rows`'s ``out``) saves the replay its copy of the
     matrix (``R n^2`` float32: 2 GiB at 8 KV heads and 8k) and holds one matrix, not two. The
-    matrix is overwritten by the next layer that does so: use it before computing the next."""
+    matrix is overwritten by the next layer that does so: use it before computing the next, and
+    inside ``CAPTURED_LOOPS.using(device)``, held from this call until the last read of the matrix
+    (the greedy's replay included), so that no other thread writes or replays it meanwhile."""
     device = torch.device(device)
-    for key in reversed(list(_LOOP_GRAPHS)):
-        sim = _LOOP_GRAPHS[key].inputs["sim"]
-        if sim.device == device and tuple(sim.shape) == (rows * n, n):
-            return sim.view(rows, n, n)
+    with CAPTURED_LOOPS.using(device) as graphs:
+        for key in reversed(list(graphs)):
+            sim = graphs[key].inputs["sim"]
+            if sim.device == device and tuple(sim.shape) == (rows * n, n):
+                return sim.view(rows, n, n)
     return None
 
 
@@ -1300,24 +1311,24 @@ def _fast_lazy_greedy(
         # captures of a model's layers settle in a few.
         counts = list(itertools.accumulate(reversed(counts), max))[::-1]
         base = (device, backend, k, shape, tuple(sorted(static.items())))
-        graph = None
-        for key in reversed(list(_LOOP_GRAPHS)):
-            if key[0] == base and all(mine >= need for mine, need in zip(key[1], counts, strict=True)):
-                graph = _LOOP_GRAPHS.pop(key)
-                counts = list(key[1])
-                break
-        if graph is None:
-            latest = [key for key in _LOOP_GRAPHS if key[0] == base]
-            buffers = None
-            if latest:
-                counts = [max(mine, need) for mine, need in zip(latest[-1][1], counts, strict=True)]
-                buffers = _LOOP_GRAPHS[latest[-1]].inputs
-            while len(_LOOP_GRAPHS) >= _LOOP_GRAPHS_HELD:
-                _LOOP_GRAPHS.pop(next(iter(_LOOP_GRAPHS)))
-            functions = [_step_function(backend, shape, count=count, **static) for count in counts]
-            graph = _LoopGraph(inputs, list(torch.arange(k, device=device).unbind()), functions, buffers)
-        _LOOP_GRAPHS[(base, tuple(counts))] = graph  # most recent last
-        state = graph(inputs)
+        with CAPTURED_LOOPS.using(device) as graphs:
+            graph = None
+            for key in reversed(list(graphs)):
+                if key[0] == base and all(mine >= need for mine, need in zip(key[1], counts, strict=True)):
+                    graph = CAPTURED_LOOPS.take(key)
+                    counts = list(key[1])
+                    break
+            if graph is None:
+                latest = [key for key in graphs if key[0] == base]
+                buffers = None
+                if latest:
+                    counts = [max(mine, need) for mine, need in zip(latest[-1][1], counts, strict=True)]
+                    buffers = graphs[latest[-1]].inputs
+                CAPTURED_LOOPS.make_room()
+                functions = [_step_function(backend, shape, count=count, **static) for count in counts]
+                graph = _LoopGraph(inputs, list(torch.arange(k, device=device).unbind()), functions, buffers)
+            CAPTURED_LOOPS.put((base, tuple(counts)), graph)
+            state = graph(inputs)  # the results are copies: the next holder may replay at once
         last_greedy_path = f"fixed-shape step ({label or 'eager'}), whole loop as one CUDA graph"
     else:
         functions = [_step_function(backend, shape, count=count, **static) for count in counts]
