@@ -16,6 +16,7 @@ import contextvars
 import functools
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -143,6 +144,20 @@ def run_if(predicate: torch.Tensor | None, work: Callable[[], None]) -> None:
         graph.end_capture_to_conditional_node()
 
 
+_CAPTURED_LOOPS: weakref.WeakSet = weakref.WeakSet()
+
+
+def release_captured_loops() -> int:
+    """Drop the prefill loops kvhive captured as CUDA graphs (BumbleBee's greedy, SubGen's
+    farthest-point order: :class:`CapturedLoops`), with their graph memory and input buffers (the
+    largest: BumbleBee's ``R x n x n`` float32 similarity matrix, 2 GiB at 8 KV heads and an 8k
+    prompt). They are kept after a prefill so that the next prompt of the same shapes replays them
+    instead of capturing again; a server that decodes long after its prefills, or moves on to other
+    prompt lengths, frees that memory here (``torch.cuda.empty_cache()`` then hands it back to the
+    device). The next prefill of a shape captures again. Returns how many graphs were dropped."""
+    return sum(loops.release() for loops in list(_CAPTURED_LOOPS))
+
+
 class CapturedLoops:
     """Prefill loops captured as CUDA graphs (BumbleBee's greedy, SubGen's farthest-point order),
     shared by every thread of the process: at most ``held``, the least recently used dropped first.
@@ -164,6 +179,14 @@ class CapturedLoops:
         self._lock = threading.RLock()
         self._depth = 0  # nesting of the owning thread's using() (changed only under the lock)
         self._finished: dict[torch.device, torch.cuda.Event] = {}
+        _CAPTURED_LOOPS.add(self)
+
+    def release(self) -> int:
+        """Drop every graph (waiting for a thread using them to finish); how many were dropped."""
+        with self._lock:
+            count = len(self.graphs)
+            self.graphs.clear()
+            return count
 
     @contextlib.contextmanager
     def using(self, device: torch.device | str) -> Iterator[dict]:

@@ -464,6 +464,25 @@ def test_threads_replaying_the_shared_farthest_point_captures_get_their_own_orde
         assert all(torch.equal(one, references[index]) for one in orders), index
 
 
+def test_released_captures_free_their_buffers_and_capture_again(monkeypatch, fresh_compiles):
+    """static_step.release_captured_loops() drops the captured loops (their similarity matrix
+    with them); the next selection of that shape captures again and keeps the same set."""
+    from kvhive import static_step
+
+    monkeypatch.setattr(submodular, "captures_loops", lambda device: True)
+    monkeypatch.setattr(submodular, "_LoopGraph", _EmulatedCapture)
+    monkeypatch.setattr(submodular, "CAPTURED_LOOPS", CapturedLoops(held=2))
+    _EmulatedCapture.made = 0
+    objective = random_objective(rows=4, n=300, dim=12, seed=50, padding=False)
+    reference = greedy_maximize(objective, 60, "stochastic", 1e-5, _generators(4, 5), fast=False)
+    assert torch.equal(greedy_maximize(objective, 60, "stochastic", 1e-5, _generators(4, 5), fast=True), reference)
+    assert _EmulatedCapture.made == 1 and submodular.similarity_buffer(4, 300, "cpu") is not None
+    assert static_step.release_captured_loops() >= 1
+    assert not submodular.CAPTURED_LOOPS.graphs and submodular.similarity_buffer(4, 300, "cpu") is None
+    assert torch.equal(greedy_maximize(objective, 60, "stochastic", 1e-5, _generators(4, 5), fast=True), reference)
+    assert _EmulatedCapture.made == 2
+
+
 def test_similarity_written_into_a_buffer_is_the_same_matrix():
     generator = torch.Generator().manual_seed(0)
     keys = torch.randn(3, 100, 16, generator=generator)
