@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final, Literal, get_args
 
@@ -199,6 +200,14 @@ class ScoringInputs:
     # written by it (:class:`KeyProbes`); None: none asked for, or an attention that took none.
     key_probes: KeyProbes | None = None
     _memo: dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict, repr=False)
+
+    def once(self, key: str, compute: Callable[[], Any]) -> Any:
+        """``compute()``, computed at the first call with ``key`` for these inputs (one forward of a
+        layer) and returned again after: a method whose hooks of one step (``observe_decode``, then
+        ``select_decode``) need the same tensor computes it once."""
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
 
     @property
     def batch_size(self) -> int:

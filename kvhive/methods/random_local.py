@@ -79,6 +79,11 @@ class RandomLocal(ScorerPolicy):
         return state[HEAD_WORDS]
 
     def _priorities(self, scoring: ScoringInputs, state: dict) -> torch.Tensor:
+        """Priorities for every stored token (once per forward of a layer: ``observe_decode`` and the
+        decision after it read the same ones; a decode step hashed twice before)."""
+        return scoring.once(PRIORITY, lambda: self._draw(scoring, state))
+
+    def _draw(self, scoring: ScoringInputs, state: dict) -> torch.Tensor:
         """Priorities for every stored token; real tokens not drawn yet (0) draw now. Padding gets
         1 once (never ranked: padding is never kept first).
 
