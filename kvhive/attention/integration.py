@@ -36,9 +36,9 @@ from kvhive.attention.varlen import (
     varlen_attention_kernel,
     varlen_attention_paged,
 )
-from kvhive.cache.kv_cache import CACHE_POSITIONS, ORIGINAL_POSITIONS, PADDING_SCORE, KVHiveCache, active_update
+from kvhive.cache.kv_cache import CACHE_POSITIONS, ORIGINAL_POSITIONS, KVHiveCache, active_update
 from kvhive.cache.rows import CacheRows
-from kvhive.cache.storage import PAGE_TOKENS
+from kvhive.cache.storage import PADDING_SCORE, PAGE_TOKENS
 from kvhive.memory import trim_heap
 from kvhive.methods.base import DECODE, PREFILL, KeyProbes, ScoringInputs, causal_mask
 from kvhive.static_step import in_static_step

@@ -46,9 +46,9 @@ slots on an H200, against ~0.2 ms for the kernel), sdpa over a growing layer's u
 
 # Per-token RoPE position of a cached key under positions="cache" (kept aligned by the store).
 ROPE_POSITION = "_rope_position"
-# Per-token flag (1.0) of left padding, recorded at prefill when the batch is padded (kept aligned
-# by the store; appended tokens get 0: real).
-PADDING_SCORE = "_padding"
+# PADDING_SCORE (kvhive.cache.storage): per-token flag (1.0) of left padding, recorded at prefill
+# when the batch is padded (kept aligned by the store; appended tokens get 0: real, whatever the
+# method reads).
 
 # The key under which ``update`` hands the attention function its cache and layer through
 # transformers' per-layer kwargs (transformers >= 5.24 passes the attention's kwargs to

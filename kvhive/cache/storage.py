@@ -100,6 +100,20 @@ def _static(buffer: torch.Tensor) -> torch.Tensor:
     return buffer
 
 
+# The per-token score the cache itself reads for every stored token, the newest included: the flag
+# (1.0) of a padded prompt's left padding, which a static decode step's attention masks by
+# (kvhive.attention.integration._stored_decode_mask). A new token's entry is reset (0: real) and
+# moves with its token into a freed slot whatever its method reads (LayerStore.new_token_scores_read).
+PADDING_SCORE = "_padding"
+
+
+def _score_buffer(shape: tuple[int, ...], device) -> torch.Tensor:
+    """A new per-token score buffer. Only the slots a caller copies tokens' scores into are defined:
+    no decision may read the rest (zeros here, so that a read of them would at least repeat;
+    tests/test_unset_scores.py fills them with NaN and requires every output unchanged)."""
+    return torch.zeros(shape, dtype=torch.float32, device=device)
+
+
 class LayerStore(CacheLayerMixin):
     """One layer's cache. Knows nothing about methods; ``policy_state`` is opaque to it.
 
@@ -165,7 +179,7 @@ class LayerStore(CacheLayerMixin):
         self.fills_to_budget = False
         # Whether the method reads a new token's per-token scores before writing them
         # (Policy.reads_newest_token_scores): an append zeroes them, and fill_hole moves them with
-        # the newest token; else neither.
+        # the newest token; else neither, but for the cache's own (PADDING_SCORE: _reset_scores).
         self.new_token_scores_read = True
         # Whether the stored order is the tokens' order (oldest first); False once a decode eviction
         # wrote the newest token into the freed slot (fill_hole), until the layer is emptied.
@@ -201,6 +215,16 @@ class LayerStore(CacheLayerMixin):
         self._length = 0
         self._batch = 0
         self._heads = 0
+
+    def _reset_scores(self) -> list[str]:
+        """The per-token scores whose entry a new token resets to 0 when it is appended, and that move
+        with the newest token into a freed slot (``fill_hole``): every score where the method reads a
+        new token's before writing them (``new_token_scores_read``), else only the cache's own
+        (``PADDING_SCORE``: the attention reads it for the newest token too). The slot of a score left
+        out holds whatever was there (a dropped token's entry, or a new buffer's unset slot)."""
+        if self.new_token_scores_read:
+            return list(self._score_buffers)
+        return [name for name in self._score_buffers if name == PADDING_SCORE]
 
     @property
     def _row_tokens_seen(self) -> list[int] | None:
@@ -812,7 +836,7 @@ class DenseLayerStore(LayerStore):
         """Store per-token scores ``[B, H, L]`` (dense) aligned with the stored tokens."""
         buffer = self._score_buffers.get(name)
         if buffer is None:
-            buffer = _static(torch.zeros(self._key_buffer.shape[:3], dtype=torch.float32, device=self.device))
+            buffer = _static(_score_buffer(self._key_buffer.shape[:3], self.device))
             self._score_buffers[name] = buffer
         start = 0 if self.fixed_capacity else self._start  # fixed: the whole capacity, empty slots included
         if not torch.compiler.is_compiling() and (
@@ -850,13 +874,7 @@ class DenseLayerStore(LayerStore):
             new_keys, new_values, new_positions = self._allocate_dense(
                 capacity, self._key_buffer.shape[-1], self._value_buffer.shape[-1]
             )
-            # Zeros, as a compaction's new buffers: a method that does not reset a new token's
-            # scores (Policy.reads_newest_token_scores False) must not find uninitialised memory in
-            # the slot (SubGen's decisions then varied from run to run once prefill buffers moved).
-            new_scores = {
-                name: _static(torch.zeros(new_keys.shape[:3], dtype=torch.float32, device=self.device))
-                for name in self._score_buffers
-            }
+            new_scores = {name: _static(_score_buffer(new_keys.shape[:3], self.device)) for name in self._score_buffers}
         length = self._length
         new_keys[:, :, :length].copy_(keys)
         new_values[:, :, :length].copy_(values)
@@ -981,7 +999,7 @@ class DenseLayerStore(LayerStore):
         token's slot, so a steady decode eviction moves one token per row instead of every token after
         the dropped one. The stored order is then no longer the tokens' order (``stored_in_order``);
         only a method that reads none (``Policy.reads_stored_order`` False) is held this way. The
-        per-token scores move too, unless nothing reads the newest token's (``new_token_scores_read``)."""
+        per-token scores move too, those nothing reads of the newest token's (``_reset_scores``) excepted."""
         hole = hole.reshape(-1)
         # Slot j of segment s is row s * capacity + j of the flat buffers (one arange each, not a
         # base computed and added to each slot index).
@@ -989,7 +1007,7 @@ class DenseLayerStore(LayerStore):
         rows = self.num_segments * capacity
         first_slots = torch.arange(self._start, self._start + rows, capacity, device=self.device)
         newest_rows = torch.arange(newest, newest + rows, capacity, device=self.device)
-        self._move_rows(first_slots + hole, newest_rows, self.new_token_scores_read)
+        self._move_rows(first_slots + hole, newest_rows, self._reset_scores())
         self._length = self._length - 1
         self.stored_in_order = False
 
@@ -1009,11 +1027,14 @@ class DenseLayerStore(LayerStore):
         base = torch.arange(self.num_segments, device=self.device) * self._key_buffer.shape[2]
         self._move_rows(base + destination, base + source)
 
-    def _move_rows(self, destination_rows: torch.Tensor, source_rows: torch.Tensor, with_scores: bool = True) -> None:
+    def _move_rows(
+        self, destination_rows: torch.Tensor, source_rows: torch.Tensor, score_names: list[str] | None = None
+    ) -> None:
         """Copy row ``source_rows[s]`` of the flat buffers to row ``destination_rows[s]``: keys,
-        values, position and (``with_scores``) per-token scores."""
+        values, position and the per-token scores (those of ``score_names`` where given)."""
         keys, values, positions, scores = self._flat_buffers()
-        for buffer in (keys, values, positions, *(scores.values() if with_scores else ())):
+        moved = scores.values() if score_names is None else [scores[name] for name in score_names]
+        for buffer in (keys, values, positions, *moved):
             buffer.index_copy_(0, destination_rows, buffer.index_select(0, source_rows))
 
     def _append_at_device_index(self, key_states, value_states, new_tokens: int) -> None:
@@ -1028,8 +1049,8 @@ class DenseLayerStore(LayerStore):
         self._key_buffer.index_copy_(2, index, key_states)
         self._value_buffer.index_copy_(2, index, value_states)
         self._position_buffer.index_copy_(2, index, positions.expand(self._batch, self._heads, new_tokens))
-        for buffer in self._score_buffers.values() if self.new_token_scores_read else ():
-            buffer.index_fill_(2, index, 0.0)
+        for name in self._reset_scores():
+            self._score_buffers[name].index_fill_(2, index, 0.0)
         self.length_device.add_(new_tokens)
         if in_static_step() or self._length_stale:
             self._length_stale = True  # a constant store: no guard on (or read of) the host length
@@ -1065,8 +1086,8 @@ class DenseLayerStore(LayerStore):
         self._key_buffer[:, :, end:stop].copy_(key_states)
         self._value_buffer[:, :, end:stop].copy_(value_states)
         self._position_buffer[:, :, end:stop].copy_(self._new_positions(new_tokens))
-        for buffer in self._score_buffers.values() if self.new_token_scores_read else ():
-            buffer[:, :, end:stop].zero_()
+        for name in self._reset_scores():
+            self._score_buffers[name][:, :, end:stop].zero_()
         self._length += new_tokens
 
     def set_rows(
@@ -1269,8 +1290,8 @@ class DenseLayerStore(LayerStore):
         self._key_buffer.scatter_(2, slots[..., None].expand(batch, heads, new_tokens, d), key_states)
         self._value_buffer.scatter_(2, slots[..., None].expand(batch, heads, new_tokens, dv), value_states)
         self._position_buffer.scatter_(2, slots, self._new_positions(new_tokens).expand(batch, heads, new_tokens))
-        for buffer in self._score_buffers.values() if self.new_token_scores_read else ():
-            buffer.scatter_(2, slots, 0.0)
+        for name in self._reset_scores():
+            self._score_buffers[name].scatter_(2, slots, 0.0)
         if self.row_active_device is None:
             self.row_lengths_device.add_(new_tokens)
         else:
@@ -1392,8 +1413,7 @@ class DenseLayerStore(LayerStore):
             capacity = kept + reserve(kept)
             self._key_buffer, self._value_buffer, self._position_buffer = self._allocate_dense(capacity, d, dv)
             self._score_buffers = {
-                name: _static(torch.zeros(self._key_buffer.shape[:3], dtype=torch.float32, device=self.device))
-                for name in scores
+                name: _static(_score_buffer(self._key_buffer.shape[:3], self.device)) for name in scores
             }
         self._key_buffer[:, :, :kept].copy_(gathered_keys)
         self._value_buffer[:, :, :kept].copy_(gathered_values)

@@ -750,7 +750,9 @@ class Policy:
     newest token into the freed slot (:attr:`reads_stored_order` False), moves its scores with it.
     False for a method that writes a token's scores before it reads them, and not while the token
     is the newest (SubGen with a recent window: a token's neighbour bookkeeping is written when it
-    leaves the window): the cache does neither, three fewer small ops per score and step."""
+    leaves the window): the cache does neither, three fewer small ops per score and step (but for its
+    own padding flag, ``kvhive.cache.storage.PADDING_SCORE``; tests/test_unset_scores.py fills the
+    slots left unset with NaN)."""
 
     static_decode: ClassVar[bool] = False
     """A decode decision keeps exactly the layer's budget at every step (or, with
