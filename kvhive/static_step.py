@@ -145,6 +145,16 @@ def run_if(predicate: torch.Tensor | None, work: Callable[[], None]) -> None:
 
 
 _CAPTURED_LOOPS: weakref.WeakSet = weakref.WeakSet()
+# One lock for every CapturedLoops: a capture in one thread (BumbleBee's) never overlaps another
+# thread's capture or replay (SubGen's) either.
+_CAPTURED_LOOPS_LOCK = threading.RLock()
+
+
+def capture_stream() -> torch.cuda.Stream:
+    """A stream of its own for one capture: ``torch.cuda.graph``'s default is one side stream shared
+    by the whole process, which a capture in another thread (a server capturing its decode step)
+    may be recording into at the same time."""
+    return torch.cuda.Stream()
 
 
 def release_captured_loops() -> int:
@@ -169,14 +179,15 @@ class CapturedLoops:
     one thread at a time (a reentrant lock: a caller that writes into a buffer holds it over the
     replay that reads it), and on the GPU the work a thread enqueued there, on whatever stream, is
     finished before the next thread's work there starts (an event recorded on leaving, waited for
-    by the next stream on entering: no host wait). The captures themselves use
+    by the next stream on entering: no host wait). The lock is shared by every instance. The
+    captures themselves run on a stream of their own (:func:`capture_stream`) with
     ``capture_error_mode="thread_local"`` (as torch's own cudagraph trees do), so a capture in one
     thread does not fail another thread's CUDA calls."""
 
     def __init__(self, held: int):
         self.graphs: dict = {}  # key -> captured loop, most recently used last
         self.held = held
-        self._lock = threading.RLock()
+        self._lock = _CAPTURED_LOOPS_LOCK
         self._depth = 0  # nesting of the owning thread's using() (changed only under the lock)
         self._finished: dict[torch.device, torch.cuda.Event] = {}
         _CAPTURED_LOOPS.add(self)

@@ -46,7 +46,7 @@ from kvhive.methods.base import (
     keep_top_scores,
     require_int_at_least,
 )
-from kvhive.static_step import CapturedLoops, in_static_step, prefill_fast_path
+from kvhive.static_step import CapturedLoops, capture_stream, in_static_step, prefill_fast_path
 
 # Per-token scores (kept aligned with the stored tokens by the cache).
 NEAREST_DISTANCE = "subgen_nn_sqdist"  # squared L2 distance to the nearest other candidate
@@ -274,7 +274,7 @@ class _FarthestGraph:
             run(*self.inputs)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+        with torch.cuda.graph(self.graph, stream=capture_stream(), capture_error_mode="thread_local"):
             self.order = run(*self.inputs)
 
     def __call__(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvhive.static_step import CapturedLoops
+from kvhive.static_step import CapturedLoops, capture_stream
 
 # Rank given to invalid (padding) elements: below every real gain, above "not selectable".
 PADDING_GAIN = -1e30
@@ -1229,7 +1229,7 @@ class _LoopGraph:
             _run_loop(self.inputs, steps, functions)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+        with torch.cuda.graph(self.graph, stream=capture_stream(), capture_error_mode="thread_local"):
             self.state = _run_loop(self.inputs, steps, functions)
 
     def __call__(self, inputs) -> tuple[torch.Tensor, ...]:
