@@ -85,7 +85,7 @@ from kvhive.methods.submodular import (
     relu_cosine_similarity_rows,
     similarity_buffer,
 )
-from kvhive.static_step import prefill_fast_path
+from kvhive.static_step import in_static_step, prefill_fast_path
 
 SCORE = "bumblebee_accumulated"
 SUMMARY = "bumblebee_summary"
@@ -251,8 +251,10 @@ class BumbleBee(Policy):
         chosen = torch.zeros(rows, candidates, dtype=torch.bool, device=keys.device)
         order = torch.arange(candidates, device=keys.device)
         summaries = []
-        # Where the greedy captures its loop (CUDA), the matrix goes into the captured loop's buffer.
-        fast = prefill_fast_path(keys.device) and captures_loops(keys.device)
+        # Where the greedy captures its loop (CUDA), the matrix goes into the captured loop's buffer;
+        # not inside a caller's capture or trace (in_static_step), where the greedy records its steps
+        # into the caller's graph and a replay of that would write into the shared buffer.
+        fast = prefill_fast_path(keys.device) and captures_loops(keys.device) and not in_static_step()
         # On the CPU, the matrix goes into the cache's prefill scratch, reused by the next layer or
         # row chunk of the same shape: a fresh 484 MB matrix (8 heads at 4k) costs 0.2 s of page
         # faults as it is first written (CUDA's caching allocator reuses the freed block itself).
