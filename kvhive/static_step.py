@@ -193,8 +193,11 @@ class CapturedLoops:
         _CAPTURED_LOOPS.add(self)
 
     def release(self) -> int:
-        """Drop every graph (waiting for a thread using them to finish); how many were dropped."""
+        """Drop every graph (waiting for a thread using them to finish, and for the device to finish
+        the work enqueued with them: their memory may be reused at once); how many were dropped."""
         with self._lock:
+            for finished in self._finished.values():
+                finished.synchronize()
             count = len(self.graphs)
             self.graphs.clear()
             return count
