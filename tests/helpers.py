@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+
 import torch
 from transformers import DynamicCache
 
@@ -117,3 +120,25 @@ def scoring_inputs(queries, keys, values, scaling=None, sequence_length=None, ma
         sequence_length=n if sequence_length is None else sequence_length,
         phase=phase,
     )
+
+
+def run_in_threads(work: Callable[[int], object], count: int) -> dict[int, object]:
+    """``{index: work(index)}`` from ``count`` threads started together (a barrier); an exception in
+    any thread fails the caller with every thread's error."""
+    results, errors = {}, []
+    start = threading.Barrier(count)
+
+    def run(index):
+        try:
+            start.wait()
+            results[index] = work(index)
+        except BaseException as error:  # noqa: BLE001 - reported below with its thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    return results

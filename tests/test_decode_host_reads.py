@@ -8,7 +8,6 @@ test fails when a listed method reaches zero so the list stays honest).
 
 from __future__ import annotations
 
-import threading
 import warnings
 
 import pytest
@@ -20,6 +19,8 @@ from kvhive.diagnostics import HostReadCounter
 from kvhive.methods.base import DECODE
 from kvhive.methods.registry import method_names, policy_class
 from kvhive.models import tiny_model
+
+from helpers import run_in_threads
 
 BUDGET = 48
 PROMPT = 160
@@ -131,30 +132,18 @@ def test_buffers_keep_their_address_over_64_evicting_steps(method):
 
 def test_caches_of_different_threads_do_not_mix():
     # Issue 27 item 8: four threads, each with its own model and cache, generating at once.
-    errors: list[BaseException] = []
-    results: dict[int, list[torch.Tensor]] = {}
-
     def work(index):
-        try:
-            model = _model()
-            prompt = _prompt(model, length=40, seed=index)
-            outputs = []
-            for _ in range(10):
-                cache = _cache(model, "h2o")
-                with torch.no_grad():
-                    token = model(input_ids=prompt, past_key_values=cache).logits[:, -1:].argmax(-1)
-                    outputs.append(_decode(model, cache, token, 3))
-            results[index] = outputs
-        except BaseException as error:  # noqa: BLE001 - reported below with its thread
-            errors.append(error)
+        model = _model()
+        prompt = _prompt(model, length=40, seed=index)
+        outputs = []
+        for _ in range(10):
+            cache = _cache(model, "h2o")
+            with torch.no_grad():
+                token = model(input_ids=prompt, past_key_values=cache).logits[:, -1:].argmax(-1)
+                outputs.append(_decode(model, cache, token, 3))
+        return outputs
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
-    for outputs in results.values():  # each thread's ten runs agree with each other
+    for outputs in run_in_threads(work, 4).values():  # each thread's ten runs agree with each other
         assert all(torch.equal(outputs[0], other) for other in outputs)
 
 

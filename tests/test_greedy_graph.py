@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import re
-import threading
 import time
 
 import pytest
@@ -38,7 +37,7 @@ from kvhive.methods.subgen import farthest_point_order
 from kvhive.methods.submodular import Concave, greedy_maximize
 from kvhive.static_step import CapturedLoops
 
-from helpers import scoring_inputs
+from helpers import run_in_threads, scoring_inputs
 
 
 def _generators(rows: int, seed: int = 100) -> list[torch.Generator]:
@@ -335,26 +334,6 @@ class _SlowEmulatedCapture(_EmulatedCapture):
         return submodular._run_loop(self.inputs, self.steps, self.functions)
 
 
-def _in_threads(work, count: int) -> dict:
-    results, errors = {}, []
-    start = threading.Barrier(count)
-
-    def run(index):
-        try:
-            start.wait()
-            results[index] = work(index)
-        except BaseException as error:  # noqa: BLE001 - reported below with its thread
-            errors.append(error)
-
-    threads = [threading.Thread(target=run, args=(index,)) for index in range(count)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
-    return results
-
-
 def test_threads_replaying_the_shared_captures_get_their_own_sets(monkeypatch, fresh_compiles):
     """Four threads select at once with objectives of one shape (one capture bucket between them),
     two of them as BumbleBee does on CUDA: the matrix computed into the captured loop's own buffer
@@ -389,7 +368,7 @@ def test_threads_replaying_the_shared_captures_get_their_own_sets(monkeypatch, f
                 chosen.append(greedy_maximize(objective, 40, "stochastic", 1e-5, _generators(4, index), fast=True))
         return chosen
 
-    for index, chosen in _in_threads(select, 4).items():
+    for index, chosen in run_in_threads(select, 4).items():
         assert all(torch.equal(one, references[index]) for one in chosen), index
 
 
@@ -422,7 +401,7 @@ def test_threads_running_bumblebee_on_the_shared_captures_keep_their_own_tokens(
         policy, scoring = layers[index]
         return [policy.select_prefill(scoring, 60, {}) for _ in range(3)]
 
-    for index, kept in _in_threads(select, 4).items():
+    for index, kept in run_in_threads(select, 4).items():
         assert all(torch.equal(one, references[index]) for one in kept), index
     assert submodular.last_greedy_path == "fixed-shape step (eager), whole loop as one CUDA graph"
 
@@ -460,7 +439,7 @@ def test_threads_replaying_the_shared_farthest_point_captures_get_their_own_orde
             orders.append(subgen_module._farthest_loop(key, squares, start, nearest, first, 30, None, True))
         return orders
 
-    for index, orders in _in_threads(order, 4).items():
+    for index, orders in run_in_threads(order, 4).items():
         assert all(torch.equal(one, references[index]) for one in orders), index
 
 

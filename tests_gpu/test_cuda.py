@@ -27,7 +27,7 @@ from kvhive.methods.registry import method_names, policy_class
 from kvhive.models import tiny_model
 from kvhive.static_step import TORCH_COMPILES_KVHIVE
 
-from helpers import left_padded_batch, prefill_and_decode
+from helpers import left_padded_batch, prefill_and_decode, run_in_threads
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -633,28 +633,15 @@ def test_cuda_threads_on_their_own_streams_share_the_captured_prefill_loops(meth
 
 def _kept_in_threads(kept, prompts) -> dict:
     """``kept(prompt)`` three times in each of ``len(prompts)`` threads, each on its own stream."""
-    import threading
-
-    results, errors = {}, []
-    start = threading.Barrier(len(prompts))
 
     def work(index):
-        try:
-            stream = torch.cuda.Stream()
-            start.wait()
-            with torch.cuda.stream(stream):
-                results[index] = [kept(prompts[index]) for _ in range(3)]
-            stream.synchronize()
-        except BaseException as error:  # noqa: BLE001 - reported below with its thread
-            errors.append(error)
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            runs = [kept(prompts[index]) for _ in range(3)]
+        stream.synchronize()
+        return runs
 
-    threads = [threading.Thread(target=work, args=(index,)) for index in range(len(prompts))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
-    return results
+    return run_in_threads(work, len(prompts))
 
 
 # -- prefill synchronisations (issue 25 item 3 on the device) ---------------------------------------
