@@ -144,6 +144,35 @@ def run_if(predicate: torch.Tensor | None, work: Callable[[], None]) -> None:
         graph.end_capture_to_conditional_node()
 
 
+class BoundedCache:
+    """At most ``held`` entries, the oldest made dropped first (prompt lengths come and go), shared by
+    the process's threads: each entry is made once, under a lock, and none is lost to a race."""
+
+    def __init__(self, held: int):
+        self.entries: dict = {}
+        self.held = held
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def get(self, key, make: Callable[[int], object]):
+        """The entry at ``key``, made by ``make(number)`` if absent (``number``: how many entries
+        were held then, a name suffix for a compiled function's code object)."""
+        with self._lock:
+            value = self.entries.get(key)
+            if value is None:
+                value = make(len(self.entries))
+                while len(self.entries) >= self.held:
+                    self.entries.pop(next(iter(self.entries)))
+                self.entries[key] = value
+            return value
+
+    def clear(self) -> None:
+        with self._lock:
+            self.entries.clear()
+
+
 _CAPTURED_LOOPS: weakref.WeakSet = weakref.WeakSet()
 # One lock for every CapturedLoops: a capture in one thread (BumbleBee's) never overlaps another
 # thread's capture or replay (SubGen's) either.

@@ -222,9 +222,7 @@ class LayerStore(CacheLayerMixin):
         new token's before writing them (``new_token_scores_read``), else only the cache's own
         (``PADDING_SCORE``: the attention reads it for the newest token too). The slot of a score left
         out holds whatever was there (a dropped token's entry, or a new buffer's unset slot)."""
-        if self.new_token_scores_read:
-            return list(self._score_buffers)
-        return [name for name in self._score_buffers if name == PADDING_SCORE]
+        return [name for name in self._score_buffers if self.new_token_scores_read or name == PADDING_SCORE]
 
     @property
     def _row_tokens_seen(self) -> list[int] | None:

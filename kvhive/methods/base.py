@@ -201,7 +201,7 @@ class ScoringInputs:
     key_probes: KeyProbes | None = None
     _memo: dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict, repr=False)
 
-    def once(self, key: str, compute: Callable[[], Any]) -> Any:
+    def once(self, key: Any, compute: Callable[[], Any]) -> Any:
         """``compute()``, computed at the first call with ``key`` for these inputs (one forward of a
         layer) and returned again after: a method whose hooks of one step (``observe_decode``, then
         ``select_decode``) need the same tensor computes it once."""
@@ -233,13 +233,15 @@ class ScoringInputs:
     @property
     def valid(self) -> torch.Tensor:
         """``[B, H, N]``: the key is a real token for the newest query (not padding)."""
-        if "valid" not in self._memo:
+
+        def compute() -> torch.Tensor:
             if self.mask is None:
                 last_row = torch.ones(1, 1, self.num_tokens, dtype=torch.bool, device=self.keys.device)
             else:
                 last_row = self.mask[:, :, -1, :]
-            self._memo["valid"] = last_row.expand(self.batch_size, self.num_heads, self.num_tokens)
-        return self._memo["valid"]
+            return last_row.expand(self.batch_size, self.num_heads, self.num_tokens)
+
+        return self.once("valid", compute)
 
     def mask_rows(self, query_rows: slice, num_keys: int | None = None) -> torch.Tensor:
         """Boolean mask ``[B, 1|H, rows, K]`` of the selected query rows over the first ``num_keys``
@@ -353,17 +355,13 @@ class ScoringInputs:
         """The keys the scoring product reads: float32 copies for a float16 model (made once)."""
         if self.keys.dtype != torch.float16:
             return self.keys
-        if "float32_keys" not in self._memo:
-            self._memo["float32_keys"] = self.keys.float()
-        return self._memo["float32_keys"]
+        return self.once("float32_keys", self.keys.float)
 
     def summed_attention(self, first_row: int, logit_multiplier: float | tuple[float, ...] = 1.0) -> torch.Tensor:
         """Column sums ``[B, Hq, N]`` (float32) of the weights of query rows ``first_row..q-1``,
         chunked."""
         key = ("summed", first_row, logit_multiplier)
-        if key not in self._memo:
-            self._memo[key] = self._chunked_attention(first_row, logit_multiplier)[0]
-        return self._memo[key]
+        return self.once(key, lambda: self._chunked_attention(first_row, logit_multiplier)[0])
 
     def attention_with_column_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention output ``[B, Hq, q, dv]`` (the values' dtype) and the column sums
@@ -453,10 +451,7 @@ class ScoringInputs:
         if isinstance(logit_multiplier, (int, float)) and logit_multiplier == 1.0:
             if self.last_query_weights is not None:
                 return self.last_query_weights
-            key = "last"
-            if key not in self._memo:
-                self._memo[key] = self.attention_weights(last_row)[:, :, 0]
-            return self._memo[key]
+            return self.once("last", lambda: self.attention_weights(last_row)[:, :, 0])
         if self.last_query_logits is None:
             return self.attention_weights(last_row, logit_multiplier)[:, :, 0]
         factor = _row_factor(logit_multiplier, self.queries.device, 4)

@@ -28,7 +28,6 @@ other methods here, SnapKV's observation window and AhaKV's ``B_r``)**; ``budget
 
 from __future__ import annotations
 
-import threading
 import types
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -46,7 +45,7 @@ from kvhive.methods.base import (
     keep_top_scores,
     require_int_at_least,
 )
-from kvhive.static_step import CapturedLoops, capture_stream, in_static_step, prefill_fast_path
+from kvhive.static_step import BoundedCache, CapturedLoops, capture_stream, in_static_step, prefill_fast_path
 
 # Per-token scores (kept aligned with the stored tokens by the cache).
 NEAREST_DISTANCE = "subgen_nn_sqdist"  # squared L2 distance to the nearest other candidate
@@ -186,9 +185,7 @@ def farthest_point_order(
 # product, then the same additions), so on the CPU it gives the eager loop's order exactly.
 
 # Compiled steps by backend; captured loops by shape (a model's layers share their shapes).
-_STEP_FUNCTIONS: dict = {}
-_STEP_FUNCTIONS_HELD = 16
-_STEP_FUNCTIONS_LOCK = threading.Lock()  # threads compiling at once: each entry made once, none lost
+_STEP_FUNCTIONS = BoundedCache(held=16)
 # Shared by the process's threads one at a time (a captured loop's input buffers are overwritten by
 # each call: static_step.CapturedLoops).
 CAPTURED_LOOPS = CapturedLoops(held=2)
@@ -242,16 +239,13 @@ def _farthest_function(backend, shape: tuple):
     first (dynamo caches per code object; with ``dynamic=False`` every shape compiles anyway)."""
     if backend is None:
         return _farthest_step
-    key = (backend, shape)
-    with _STEP_FUNCTIONS_LOCK:
-        function = _STEP_FUNCTIONS.get(key)
-        if function is None:
-            code = _farthest_step.__code__.replace(co_name=f"_farthest_step_{len(_STEP_FUNCTIONS)}")
-            body = types.FunctionType(code, _farthest_step.__globals__, code.co_name)
-            while len(_STEP_FUNCTIONS) >= _STEP_FUNCTIONS_HELD:  # prompt lengths come and go: the oldest go
-                _STEP_FUNCTIONS.pop(next(iter(_STEP_FUNCTIONS)))
-            function = _STEP_FUNCTIONS[key] = torch.compile(body, backend=backend, fullgraph=True, dynamic=False)
-    return function
+
+    def make(number: int):
+        code = _farthest_step.__code__.replace(co_name=f"_farthest_step_{number}")
+        body = types.FunctionType(code, _farthest_step.__globals__, code.co_name)
+        return torch.compile(body, backend=backend, fullgraph=True, dynamic=False)
+
+    return _STEP_FUNCTIONS.get((backend, shape), make)
 
 
 def _run_farthest(function, keys, keys_sq, order, nearest, chosen, row_index, steps):

@@ -18,13 +18,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import threading
 import types
 from dataclasses import dataclass
 
 import torch
 
-from kvhive.static_step import CapturedLoops, capture_stream
+from kvhive.static_step import BoundedCache, CapturedLoops, capture_stream
 
 # Rank given to invalid (padding) elements: below every real gain, above "not selectable".
 PADDING_GAIN = -1e30
@@ -1023,9 +1022,7 @@ _BUCKET_FLOOR = _LAZY_EVALUATIONS
 # flags), the oldest dropped past 64; each has its own code object, so a second bucket or shape is a
 # first compile of its own, not a recompile of another (dynamo caches per code object;
 # tests/test_greedy_graph.py runs under error_on_recompile).
-_STEP_FUNCTIONS: dict = {}
-_STEP_FUNCTIONS_HELD = 64
-_STEP_FUNCTIONS_LOCK = threading.Lock()  # threads compiling at once: each entry made once, none lost
+_STEP_FUNCTIONS = BoundedCache(held=64)
 # Captured whole loops on CUDA, by shape bucket (few entries: a model's layers share their shapes),
 # shared by the process's threads one at a time (their input buffers are shared).
 CAPTURED_LOOPS = CapturedLoops(held=2)
@@ -1136,26 +1133,20 @@ def _step_function(backend, shape: tuple, **static):
     own: a new bucket or shape (another prompt length) is a first compile of its own, not a
     recompile of another (dynamo caches per code object; ``dynamic=False`` compiles every shape)."""
     key = (backend, shape, tuple(sorted(static.items())))
-    with _STEP_FUNCTIONS_LOCK:
-        return _STEP_FUNCTIONS.get(key) or _new_step_function(key, backend, static)
+    return _STEP_FUNCTIONS.get(key, lambda number: _new_step_function(number, backend, static))
 
 
-def _new_step_function(key, backend, static: dict):
-    """:func:`_step_function`'s new entry (called with ``_STEP_FUNCTIONS_LOCK`` held)."""
+def _new_step_function(number: int, backend, static: dict):
     if backend is None:
 
         def function(inputs, state, step):
             return _greedy_step(inputs, state, step, **static)
 
-    else:
-        code = _greedy_step.__code__.replace(co_name=f"_greedy_step_{len(_STEP_FUNCTIONS)}")
-        body = types.FunctionType(code, _greedy_step.__globals__, code.co_name, None, None)
-        body.__kwdefaults__ = dict(static)
-        function = torch.compile(body, backend=backend, fullgraph=True, dynamic=False)
-    while len(_STEP_FUNCTIONS) >= _STEP_FUNCTIONS_HELD:  # prompt lengths come and go: the oldest go
-        _STEP_FUNCTIONS.pop(next(iter(_STEP_FUNCTIONS)))
-    _STEP_FUNCTIONS[key] = function
-    return function
+        return function
+    code = _greedy_step.__code__.replace(co_name=f"_greedy_step_{number}")
+    body = types.FunctionType(code, _greedy_step.__globals__, code.co_name, None, None)
+    body.__kwdefaults__ = dict(static)
+    return torch.compile(body, backend=backend, fullgraph=True, dynamic=False)
 
 
 def _static_inputs(objective: Mixture, sampler: _StochasticSampler | None, attempts: int) -> dict[str, torch.Tensor]:
