@@ -186,15 +186,32 @@ def capture_stream() -> torch.cuda.Stream:
     return torch.cuda.Stream()
 
 
-def release_captured_loops() -> int:
+# Captured prefill loops whose input buffers hold more than this many bytes are dropped at the end of
+# the forward that used them (kvhive's forward hook calls release_captured_loops with it): kept, they
+# would hold BumbleBee's R x n x n similarity matrix through the decode it compressed the cache for
+# (28 GB at 8 KV heads and a 32k prompt). Smaller ones stay for the next prompt of their shapes (2 GiB
+# at 8k: one capture's host time saved per prompt).
+HELD_LOOP_BYTES = 4 << 30
+
+
+def release_captured_loops(larger_than: int | None = None, wait: bool = True) -> int:
     """Drop the prefill loops kvhive captured as CUDA graphs (BumbleBee's greedy, SubGen's
     farthest-point order: :class:`CapturedLoops`), with their graph memory and input buffers (the
     largest: BumbleBee's ``R x n x n`` float32 similarity matrix, 2 GiB at 8 KV heads and an 8k
     prompt). They are kept after a prefill so that the next prompt of the same shapes replays them
     instead of capturing again; a server that decodes long after its prefills, or moves on to other
     prompt lengths, frees that memory here (``torch.cuda.empty_cache()`` then hands it back to the
-    device). The next prefill of a shape captures again. Returns how many graphs were dropped."""
-    return sum(loops.release() for loops in list(_CAPTURED_LOOPS))
+    device). The next prefill of a shape captures again. ``larger_than``: only the loops whose input
+    buffers hold more bytes; ``wait=False``: skip the loops another thread is using. Returns how many
+    graphs were dropped."""
+    return sum(loops.release(larger_than, wait) for loops in list(_CAPTURED_LOOPS))
+
+
+def _held_bytes(graph) -> int:
+    """Bytes of a captured loop's input buffers (``inputs``: a dict or a sequence of tensors; a view
+    counts its whole storage, buffers shared by captures count in each)."""
+    inputs = graph.inputs.values() if isinstance(graph.inputs, dict) else graph.inputs
+    return sum(tensor.untyped_storage().nbytes() for tensor in inputs)
 
 
 class CapturedLoops:
@@ -221,15 +238,25 @@ class CapturedLoops:
         self._finished: dict[torch.device, torch.cuda.Event] = {}
         _CAPTURED_LOOPS.add(self)
 
-    def release(self) -> int:
-        """Drop every graph (waiting for a thread using them to finish, and for the device to finish
-        the work enqueued with them: their memory may be reused at once); how many were dropped."""
-        with self._lock:
-            for finished in self._finished.values():
-                finished.synchronize()
-            count = len(self.graphs)
-            self.graphs.clear()
-            return count
+    def release(self, larger_than: int | None = None, wait: bool = True) -> int:
+        """Drop every graph, or those whose input buffers hold more than ``larger_than`` bytes
+        (waiting for a thread using them to finish, or, with ``wait=False``, dropping none while one
+        is; and for the device to finish the work enqueued with them: their memory may be reused at
+        once); how many were dropped."""
+        if not self._lock.acquire(blocking=wait):
+            return 0
+        try:
+            doomed = [
+                key for key, graph in self.graphs.items() if larger_than is None or _held_bytes(graph) > larger_than
+            ]
+            if doomed:
+                for finished in self._finished.values():
+                    finished.synchronize()
+            for key in doomed:
+                del self.graphs[key]
+            return len(doomed)
+        finally:
+            self._lock.release()
 
     @contextlib.contextmanager
     def using(self, device: torch.device | str) -> Iterator[dict]:

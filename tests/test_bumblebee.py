@@ -1314,3 +1314,46 @@ def test_a_joiners_products_serve_one_joiner_and_more_are_refused():
         summary.step(keys, valid, weights, positions, 4, 2, 0.5, Concave("log"), joiner=joiner)
     # One joiner: the step runs and drops one stored index per row.
     assert summary.step(keys, valid, weights, positions, 4, 1, 0.5, Concave("log"), joiner=joiner).shape == (2, 1)
+
+
+def test_rows_per_similarity_chunk_fill_the_device_room(monkeypatch):
+    """On CUDA the rows whose float32 matrices fit in DEVICE_SIMILARITY_FRACTION of the room the device
+    has (at least 1, at most all), elsewhere MAX_SIMILARITY_ELEMENTS' bound; the kept tokens and the
+    summary are those of one chunk."""
+    import kvhive.methods.bumblebee as bumblebee_module
+
+    rows_of = bumblebee_module.similarity_rows_per_chunk
+    assert rows_of(8, 7_400, "cpu") == 8 and rows_of(8, 16_000, "cpu") == 2 and rows_of(8, 29_500, "cpu") == 1
+    per_row = 4 * 29_500 * 29_500
+    for room, expected in [(2 * 3 * per_row + 5, 3), (per_row, 1), (0, 1), (80 * per_row, 8)]:
+        monkeypatch.setattr(bumblebee_module, "_device_room", lambda device, room=room: room)
+        assert rows_of(8, 29_500, "cuda") == expected, room
+
+    b, h, n, d, budget = 2, 3, 30, 6, 10
+    generator = torch.Generator().manual_seed(6)
+    keys = torch.randn(b, h, n, d, generator=generator)
+    weights = torch.rand(b, h, n, generator=generator)
+    candidates = n - BumbleBee().split(budget)[1]
+    chunks = []
+    greedy = bumblebee_module.greedy_maximize
+    monkeypatch.setattr(
+        bumblebee_module,
+        "greedy_maximize",
+        lambda objective, *a, **k: chunks.append(objective.rows) or greedy(objective, *a, **k),
+    )
+
+    def run(room):
+        monkeypatch.setattr(bumblebee_module, "_device_room", lambda device: room)
+        chunks.clear()
+        state = {}
+        kept = BumbleBee().select_prefill(
+            accumulated_scoring(keys, weights, layer_index=1, num_layers=2), budget, state
+        )
+        return kept, state[SUMMARY], list(chunks)
+
+    whole, whole_summary, whole_chunks = run(None)
+    chunked, chunked_summary, chunked_chunks = run(2 * 4 * 4 * candidates * candidates)
+    assert whole_chunks == [6] and chunked_chunks == [4, 2]
+    assert torch.equal(whole, chunked)
+    for field in dataclasses.fields(whole_summary):
+        assert torch.equal(getattr(whole_summary, field.name), getattr(chunked_summary, field.name)), field.name

@@ -270,17 +270,15 @@ def test_inductor_fuses_each_step_into_a_few_kernels(fresh_compiles):
 
 
 class _EmulatedCapture:
-    """What ``_LoopGraph`` does, without CUDA: inputs cloned once, copied in at each call (unless
-    they live there already), the loop run on them."""
+    """What ``_LoopGraph`` does, without CUDA: its input buffers made by ``capture_buffers`` (copies,
+    shared with an earlier capture of these shapes, or donated), the inputs copied in at each call
+    (unless they live there already), the loop run on them."""
 
     made = 0
 
-    def __init__(self, inputs, steps, functions, buffers=None):
+    def __init__(self, inputs, steps, functions, buffers=None, donated=()):
         type(self).made += 1
-        if buffers is None:
-            self.inputs = {name: value.clone() for name, value in inputs.items()}
-        else:  # shared with an earlier capture of these shapes
-            self.inputs = buffers
+        self.inputs = submodular.capture_buffers(inputs, buffers, donated)
         self.steps, self.functions = steps, functions
 
     def __call__(self, inputs):
@@ -470,3 +468,84 @@ def test_similarity_written_into_a_buffer_is_the_same_matrix():
     sim = submodular.relu_cosine_similarity(keys, valid, out=out)
     assert sim.data_ptr() == out.data_ptr()
     assert torch.equal(out, submodular.relu_cosine_similarity(keys, valid))
+
+
+def _emulate_bumblebee_captures(monkeypatch):
+    """BumbleBee's prefill on the CUDA fast path, its captures emulated on the CPU."""
+    from kvhive import static_step
+
+    monkeypatch.setattr(static_step, "PREFILL_FAST_PATH", True)
+    monkeypatch.setattr(submodular, "captures_loops", lambda device: True)
+    monkeypatch.setattr(bumblebee_module, "captures_loops", lambda device: True)
+    monkeypatch.setattr(submodular, "_LoopGraph", _EmulatedCapture)
+    monkeypatch.setattr(submodular, "CAPTURED_LOOPS", CapturedLoops(held=2))
+    monkeypatch.setattr(bumblebee_module, "CAPTURED_LOOPS", submodular.CAPTURED_LOOPS)
+    _EmulatedCapture.made = 0
+
+
+def test_a_new_capture_keeps_the_matrix_bumblebee_computed_instead_of_a_copy(monkeypatch, fresh_compiles):
+    """The first layer of a shape computes its similarity matrix into a tensor of its own and donates it:
+    the capture keeps that tensor as its input buffer (one R x n x n matrix held, not two), and the next
+    layer computes its matrix into it. Both keep the eager path's tokens."""
+    layers = [_layer("bumblebee", 200, seed=60 + index) for index in range(2)]
+    references = [policy.select_prefill(scoring, 60, {}) for policy, scoring in layers]
+    _emulate_bumblebee_captures(monkeypatch)
+    computed = []  # (written into a given buffer, the matrix's address) per call
+    similarity = bumblebee_module.relu_cosine_similarity_rows
+
+    def recorded(keys, valid, out=None):
+        result = similarity(keys, valid, out)
+        computed.append((out is not None, result[0].data_ptr()))
+        return result
+
+    monkeypatch.setattr(bumblebee_module, "relu_cosine_similarity_rows", recorded)
+    for (policy, scoring), reference in zip(layers, references, strict=True):
+        assert torch.equal(policy.select_prefill(scoring, 60, {}), reference)
+    assert _EmulatedCapture.made >= 1
+    held = {graph.inputs["sim"].data_ptr() for graph in submodular.CAPTURED_LOOPS.graphs.values()}
+    assert computed == [(False, computed[0][1]), (True, computed[0][1])]
+    assert held == {computed[0][1]}
+
+
+def test_large_captured_loops_are_dropped_at_the_end_of_the_forward(monkeypatch, fresh_compiles):
+    """A model forward whose BumbleBee prefill captured its greedy: captures whose buffers hold more
+    than HELD_LOOP_BYTES are dropped when the forward ends (not held through the decode), smaller
+    ones kept for the next prompt; a thread using the captures is never waited for."""
+    import threading
+
+    import kvhive
+    from kvhive import static_step
+    from kvhive.compat import cache_kwarg
+    from kvhive.models import tiny_model
+
+    _emulate_bumblebee_captures(monkeypatch)
+    model = tiny_model("llama", "gqa")
+    ids = torch.randint(3, model.config.vocab_size, (1, 160), generator=torch.Generator().manual_seed(0))
+
+    def prefill():
+        with torch.no_grad():
+            model(input_ids=ids, **{cache_kwarg(model): kvhive.make_cache(model, "bumblebee", budget=48)})
+
+    prefill()
+    assert _EmulatedCapture.made >= 1 and submodular.CAPTURED_LOOPS.graphs  # small: kept
+    held = max(static_step._held_bytes(graph) for graph in submodular.CAPTURED_LOOPS.graphs.values())
+    assert held >= 4 * 160 * 160 // 2  # the R x n x n float32 matrix among them
+    monkeypatch.setattr(static_step, "HELD_LOOP_BYTES", held - 1)
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold():
+        with submodular.CAPTURED_LOOPS.using("cpu"):
+            inside.set()
+            leave.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    inside.wait(10)
+    try:
+        assert static_step.release_captured_loops(larger_than=held - 1, wait=False) == 0
+        assert submodular.CAPTURED_LOOPS.graphs
+    finally:
+        leave.set()
+        holder.join()
+    prefill()
+    assert not submodular.CAPTURED_LOOPS.graphs

@@ -119,6 +119,13 @@ def test_summed_attention_is_the_same_whatever_the_chunk_size(
     torch.testing.assert_close(scoring.summed_attention(first_row, multiplier), expected)
 
 
+def test_attention_statistics_take_larger_chunks_on_a_gpu():
+    # A GPU chunk costs its launches: a 32k prompt's padded column sums (32 query heads) in chunks of
+    # the CPU's 4 rows would be 8,192 chunks a layer; there the bound is 128 rows.
+    rows = {device: base.chunk_elements(torch.device(device)) // (32 * 32_768) for device in ("cpu", "cuda")}
+    assert rows == {"cpu": 4, "cuda": 128}
+
+
 def test_tied_scores_keep_the_most_recent_tokens():
     # top_indices' contract: among equal scores the later (more recent) token wins, whatever the
     # row's length (a stable sort; an unstable one reorders ties in rows of 17 tokens or more).

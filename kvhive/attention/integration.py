@@ -203,6 +203,10 @@ def _leave_forward(model, args, kwargs, output):
         return None
     for cache in caches:
         cache.prefill_scratch.clear()  # held for one prefill only, also when the forward raised
+    if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        # Large captured prefill loops likewise (BumbleBee's similarity matrix at long prompts): not
+        # held through the decode. Never waits for another thread's prefill.
+        static_step.release_captured_loops(larger_than=static_step.HELD_LOOP_BYTES, wait=False)
     entered = _ENTERED.__dict__.get("models")
     if not entered or entered[-1] is not model:
         return None

@@ -39,6 +39,15 @@ def require_choice(value: Any, parameter: str, options: Any) -> None:
 # CPU the prefill pass with column sums (kv-heavy shape, 4k prompt: 64-row chunks) ran 1.15x
 # flash sdpa's time, against 1.5x with 2**24 (chunks past the caches) and 1.2x with 2**21.
 _CHUNK_ELEMENTS = 1 << 22
+# The same bound on a GPU (512 MiB of float32 logits a chunk), where a chunk costs its ~10 kernel
+# launches rather than cache misses: the CPU's bound split a 32k prompt's column sums (32 query heads,
+# a padded batch, which the column-sum kernel's flash path does not take) into 8,192 chunks of 4 rows.
+_DEVICE_CHUNK_ELEMENTS = 1 << 27
+
+
+def chunk_elements(device: torch.device) -> int:
+    """Elements of one chunk of attention statistics (query rows x keys x heads x batch) on ``device``."""
+    return _DEVICE_CHUNK_ELEMENTS if device.type == "cuda" else _CHUNK_ELEMENTS
 
 
 @dataclass(frozen=True)
@@ -381,7 +390,7 @@ class ScoringInputs:
         self, first_row: int, logit_multiplier: float | tuple[float, ...], with_output: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         b, hq, q, _ = self.queries.shape
-        rows_per_chunk = max(1, _CHUNK_ELEMENTS // max(1, b * hq * self.num_tokens))
+        rows_per_chunk = max(1, chunk_elements(self.keys.device) // max(1, b * hq * self.num_tokens))
         total = torch.zeros(b, hq, self.num_tokens, dtype=torch.float32, device=self.keys.device)
         output = None
         if with_output:

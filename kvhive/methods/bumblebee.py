@@ -106,10 +106,42 @@ PENDING = "bumblebee_pending"
 GREEDY_METHODS = ("stochastic", "lazy", "plain")
 CONCAVE_FORMS = ("log", "power")
 IMPORTANCE_SCALES = ("raw", "normalised")
-# Largest similarity matrix (elements; 2 GiB of float32) built at once in prefill: one layer
+# Largest similarity matrix (elements; 2 GiB of float32) built at once in a CPU prefill: one layer
 # of 8 KV heads at an 8k prompt fits, so the greedy steps run once for all heads; more rows run
 # in chunks (each chunk repeats the tau_s greedy steps).
 MAX_SIMILARITY_ELEMENTS = 1 << 29
+# On CUDA the rows' matrices fill up to this fraction of the memory the device can still give
+# (similarity_rows_per_chunk): there a greedy step costs its launches, not its arithmetic, so every
+# chunk more repeats the tau_s dependent steps at full price. With the CPU's bound a 32k prompt
+# (29.5k candidates: 3.5 GB of float32 per head) ran its 8 KV heads as 8 chunks of one, 8 x 1,638
+# steps a layer; the 8 heads' 28 GB are one chunk on an H200 beside an 8B model, one or two on an H100.
+DEVICE_SIMILARITY_FRACTION = 0.5
+
+
+def similarity_rows_per_chunk(rows: int, candidates: int, device: torch.device | str) -> int:
+    """How many (batch, KV head) rows build their ``candidates x candidates`` similarity matrices, and
+    run their greedy, at once: on CUDA those whose float32 matrices fit in
+    ``DEVICE_SIMILARITY_FRACTION`` of the memory the device can still give (:func:`_device_room`),
+    elsewhere those within ``MAX_SIMILARITY_ELEMENTS``; at least 1, at most ``rows``. The kept
+    tokens do not depend on it (each row is its own problem)."""
+    per_row = candidates * candidates
+    room = _device_room(device)
+    if room is None:
+        fitting = MAX_SIMILARITY_ELEMENTS // per_row
+    else:
+        fitting = int(room * DEVICE_SIMILARITY_FRACTION) // (4 * per_row)
+    return max(1, min(rows, fitting))
+
+
+def _device_room(device: torch.device | str) -> int | None:
+    """Bytes a CUDA device can still give: the driver's free memory plus what torch's caching
+    allocator holds unused. None elsewhere, and while a CUDA graph captures (a caller's capture of the
+    prefill: no driver query inside it)."""
+    device = torch.device(device)
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def _is_number(value) -> bool:
@@ -259,7 +291,7 @@ class BumbleBee(Policy):
         # row chunk of the same shape: a fresh 484 MB matrix (8 heads at 4k) costs 0.2 s of page
         # faults as it is first written (CUDA's caching allocator reuses the freed block itself).
         scratch = scoring.scratch if keys.device.type == "cpu" else None
-        rows_per_chunk = max(1, MAX_SIMILARITY_ELEMENTS // (candidates * candidates))
+        rows_per_chunk = similarity_rows_per_chunk(rows, candidates, keys.device)
         # On the fast path the matrix is a captured loop's input buffer, shared by the process's
         # threads: held from writing it to the last read of it (submodular.similarity_buffer).
         holding = CAPTURED_LOOPS.using(keys.device) if fast else contextlib.nullcontext()
@@ -276,8 +308,16 @@ class BumbleBee(Policy):
                 objective = Mixture(
                     sim, weights[part], valid[part], self.config.mixture_weight, self.concave, row_sums, row_max
                 )
+                # A matrix of its own (no capture of these shapes yet): the capture the greedy makes
+                # keeps it as its input buffer rather than a copy (one R x n x n matrix, not two), and
+                # the next layers compute theirs into it.
                 picked = greedy_maximize(
-                    objective, summary_size, self.config.greedy, self.config.epsilon, generators[part]
+                    objective,
+                    summary_size,
+                    self.config.greedy,
+                    self.config.epsilon,
+                    generators[part],
+                    donate_similarity=fast and out is None,
                 )
                 chosen[part] = picked
                 # The members in stored order, with their similarity matrix, seed Algorithm 2.

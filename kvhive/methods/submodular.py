@@ -401,6 +401,7 @@ def greedy_maximize(
     epsilon: float = 1e-5,
     generator: torch.Generator | list[torch.Generator] | None = None,
     fast: bool | str | None = None,
+    donate_similarity: bool = False,
 ) -> torch.Tensor:
     """``chosen[R, n]`` with exactly ``min(k, n)`` elements per row maximising ``g`` greedily.
 
@@ -445,6 +446,10 @@ def greedy_maximize(
     per shape bucket; the CPU runs the eager loop, the reference. True: the fixed-shape step
     (compiled and captured as on CUDA; eager on the CPU); a dynamo backend (e.g. ``"aot_eager"``,
     the tests' CPU proxy): the step compiled with it, not captured; False: the eager loop.
+
+    ``donate_similarity``: the caller gives ``objective.sim`` up (it computed the matrix for this call
+    and writes nothing into it after): a capture of new shapes keeps it as its input buffer instead of
+    a copy (:func:`capture_buffers`), which :func:`similarity_buffer` then hands to the next caller.
     """
     global last_greedy_path
     from kvhive.static_step import in_static_step
@@ -474,6 +479,7 @@ def greedy_maximize(
         evaluations = sampler.first_evaluations(margin)
     if fast is False:
         last_greedy_path = "eager loop"
+    donated = ("sim",) if donate_similarity else ()
     attempts, runs = 1, 1
     while True:
         if fast is False:
@@ -486,7 +492,9 @@ def greedy_maximize(
             capture = captures_loops(objective.sim.device) and not named and not in_static_step()
             if in_static_step():
                 backend = None
-            chosen, enough, needed = _fast_lazy_greedy(objective, k, evaluations, sampler, attempts, backend, capture)
+            chosen, enough, needed = _fast_lazy_greedy(
+                objective, k, evaluations, sampler, attempts, backend, capture, donated
+            )
         report = torch.cat([enough.long(), needed]).tolist()  # the run's one host read
         evaluated_enough, drew_enough = report[0], report[1]
         if evaluated_enough and drew_enough:
@@ -1205,14 +1213,8 @@ class _LoopGraph:
     ``buffers``: the input buffers of an earlier capture of the same shapes, shared (replays run
     one at a time), so that the captures of one shape hold one similarity matrix between them."""
 
-    def __init__(self, inputs, steps, functions, buffers=None):
-        if buffers is None:
-            self.inputs = {name: value.clone() for name, value in inputs.items()}
-        else:
-            self.inputs = buffers
-            for name, value in inputs.items():  # the warm-up below runs on this layer's inputs
-                if buffers[name].data_ptr() != value.data_ptr():
-                    buffers[name].copy_(value)
+    def __init__(self, inputs, steps, functions, buffers=None, donated=()):
+        self.inputs = capture_buffers(inputs, buffers, donated)  # the warm-up runs on this layer's inputs
         self.steps = steps
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -1230,6 +1232,22 @@ class _LoopGraph:
                 mine.copy_(value)
         self.graph.replay()
         return tuple(value.clone() for value in self.state)
+
+
+def capture_buffers(
+    inputs: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor] | None, donated: tuple[str, ...] = ()
+) -> dict[str, torch.Tensor]:
+    """The input buffers of a new capture, holding ``inputs``: ``buffers`` (an earlier capture's of
+    the same shapes, shared) with the inputs copied in where they do not live there already; else
+    copies of the inputs, except those named in ``donated``, which the caller gives up and the
+    capture keeps as they are (BumbleBee's freshly computed similarity matrix: one ``R x n x n``
+    matrix held instead of two, 28 GB each at 8 KV heads and a 32k prompt)."""
+    if buffers is None:
+        return {name: value if name in donated else value.clone() for name, value in inputs.items()}
+    for name, value in inputs.items():
+        if buffers[name].data_ptr() != value.data_ptr():
+            buffers[name].copy_(value)
+    return buffers
 
 
 def captures_loops(device: torch.device) -> bool:
@@ -1275,9 +1293,10 @@ def _fast_lazy_greedy(
     attempts: int,
     backend,
     capture: bool,
+    donated: tuple[str, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_lazy_greedy`'s run on the fixed-shape step (same return values; ``needed`` counts
-    what the bucketed run needed)."""
+    what the bucketed run needed); ``donated``: inputs a new capture may keep (:func:`capture_buffers`)."""
     global last_greedy_path
     label = backend if backend is None or isinstance(backend, str) else getattr(backend, "__name__", "backend")
     n = objective.size
@@ -1317,7 +1336,7 @@ def _fast_lazy_greedy(
                     buffers = graphs[latest[-1]].inputs
                 CAPTURED_LOOPS.make_room()
                 functions = [_step_function(backend, shape, count=count, **static) for count in counts]
-                graph = _LoopGraph(inputs, list(torch.arange(k, device=device).unbind()), functions, buffers)
+                graph = _LoopGraph(inputs, list(torch.arange(k, device=device).unbind()), functions, buffers, donated)
             CAPTURED_LOOPS.put((base, tuple(counts)), graph)
             state = graph(inputs)  # the results are copies: the next holder may replay at once
         last_greedy_path = f"fixed-shape step ({label or 'eager'}), whole loop as one CUDA graph"
