@@ -679,3 +679,47 @@ def test_cuda_prefill_synchronises_at_most_4_times_per_layer(method):
         stock = _prefill_synchronisations(model, "full", length)
         counted = _prefill_synchronisations(model, method, length) - stock
         assert counted <= PREFILL_SYNCS_PER_LAYER * layers, (length, counted, stock)
+
+
+def test_cuda_bumblebee_capture_holds_one_matrix_and_large_ones_leave_with_the_forward(monkeypatch):
+    """On CUDA: the device's room is a positive byte count below its memory, and BumbleBee takes every
+    KV head of the tiny model in one greedy run; the first capture keeps the matrix BumbleBee computed
+    (its address is the matrix the greedy was given: one matrix held, not two); with HELD_LOOP_BYTES
+    below that matrix the capture is dropped when the forward ends, and the next prefill keeps the
+    same positions."""
+    import kvhive.methods.bumblebee as bumblebee_module
+    import kvhive.methods.submodular as submodular_module
+
+    room = bumblebee_module._device_room("cuda")
+    assert 0 < room <= torch.cuda.get_device_properties(0).total_memory
+    # 16k candidates: 1 GB of matrix a head, 2 heads a chunk under the CPU's bound, all 8 in this room.
+    assert room >= 2 * 8 * 4 * 16_000**2 and bumblebee_module.similarity_rows_per_chunk(8, 16_000, "cuda") == 8
+    model = tiny_model("llama", "gqa", dtype=torch.bfloat16).cuda()
+    key = cache_kwarg(model)
+    prompt = left_padded_batch(model.config.vocab_size, length=FAST_PREFILL_LENGTH, pad=37)[0].cuda()
+    given = []
+    greedy = bumblebee_module.greedy_maximize
+    monkeypatch.setattr(
+        bumblebee_module,
+        "greedy_maximize",
+        lambda objective, *a, **k: given.append(objective.sim.data_ptr()) or greedy(objective, *a, **k),
+    )
+
+    def kept():
+        cache = kvhive.make_cache(model, "bumblebee", budget=FAST_PREFILL_LENGTH // 5)
+        with torch.no_grad():
+            model(input_ids=prompt, **{key: cache}, use_cache=True)
+        return snapshot(cache)
+
+    static_step.release_captured_loops()
+    static_step.PREFILL_COMPILE = False  # the captured eager step: the capture's buffers are what is tested
+    try:
+        first = kept()
+        held = {graph.inputs["sim"].data_ptr() for graph in submodular_module.CAPTURED_LOOPS.graphs.values()}
+        assert held == {given[0]}, "the first capture copied the matrix instead of keeping it"
+        monkeypatch.setattr(static_step, "HELD_LOOP_BYTES", 0)
+        assert kept() == first
+        assert not submodular_module.CAPTURED_LOOPS.graphs
+    finally:
+        static_step.PREFILL_COMPILE = True
+        static_step.release_captured_loops()
