@@ -189,7 +189,7 @@ def capture_stream() -> torch.cuda.Stream:
 # Captured prefill loops whose input buffers hold more than this many bytes are dropped at the end of
 # the forward that used them (kvhive's forward hook calls release_captured_loops with it): kept, they
 # would hold BumbleBee's R x n x n similarity matrix through the decode it compressed the cache for
-# (28 GB at 8 KV heads and a 32k prompt). Smaller ones stay for the next prompt of their shapes (2 GiB
+# (31 GB at 8 KV heads and a 32k prompt). Smaller ones stay for the next prompt of their shapes (2 GiB
 # at 8k: one capture's host time saved per prompt).
 HELD_LOOP_BYTES = 4 << 30
 

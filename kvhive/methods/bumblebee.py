@@ -113,8 +113,8 @@ MAX_SIMILARITY_ELEMENTS = 1 << 29
 # On CUDA the rows' matrices fill up to this fraction of the memory the device can still give
 # (similarity_rows_per_chunk): there a greedy step costs its launches, not its arithmetic, so every
 # chunk more repeats the tau_s dependent steps at full price. With the CPU's bound a 32k prompt
-# (29.5k candidates: 3.5 GB of float32 per head) ran its 8 KV heads as 8 chunks of one, 8 x 1,638
-# steps a layer; the 8 heads' 28 GB are one chunk on an H200 beside an 8B model, one or two on an H100.
+# (31.1k candidates: 3.9 GB of float32 per head) ran its 8 KV heads as 8 chunks of one, 8 x ~1,640
+# steps a layer; the 8 heads' 31 GB are one chunk on an H200 beside an 8B model, one or two on an H100.
 DEVICE_SIMILARITY_FRACTION = 0.5
 
 

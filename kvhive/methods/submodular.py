@@ -1241,7 +1241,7 @@ def capture_buffers(
     the same shapes, shared) with the inputs copied in where they do not live there already; else
     copies of the inputs, except those named in ``donated``, which the caller gives up and the
     capture keeps as they are (BumbleBee's freshly computed similarity matrix: one ``R x n x n``
-    matrix held instead of two, 28 GB each at 8 KV heads and a 32k prompt)."""
+    matrix held instead of two, 31 GB each at 8 KV heads and a 32k prompt)."""
     if buffers is None:
         return {name: value if name in donated else value.clone() for name, value in inputs.items()}
     for name, value in inputs.items():
