@@ -1318,16 +1318,21 @@ def test_a_joiners_products_serve_one_joiner_and_more_are_refused():
 
 def test_rows_per_similarity_chunk_fill_the_device_room(monkeypatch):
     """On CUDA the rows whose float32 matrices fit in DEVICE_SIMILARITY_FRACTION of the room the device
-    has (at least 1, at most all), elsewhere MAX_SIMILARITY_ELEMENTS' bound; the kept tokens and the
-    summary are those of one chunk."""
+    has (at least 1, at most all), elsewhere MAX_SIMILARITY_ELEMENTS' bound; a room short of one row's
+    matrix is refused as out of memory, naming the chunked prefill; the kept tokens and the summary
+    are those of one chunk."""
     import kvhive.methods.bumblebee as bumblebee_module
 
     rows_of = bumblebee_module.similarity_rows_per_chunk
     assert rows_of(8, 7_400, "cpu") == 8 and rows_of(8, 16_000, "cpu") == 2 and rows_of(8, 29_500, "cpu") == 1
     per_row = 4 * 29_500 * 29_500
-    for room, expected in [(2 * 3 * per_row + 5, 3), (per_row, 1), (0, 1), (80 * per_row, 8)]:
+    for room, expected in [(2 * 3 * per_row + 5, 3), (per_row, 1), (80 * per_row, 8)]:
         monkeypatch.setattr(bumblebee_module, "_device_room", lambda device, room=room: room)
         assert rows_of(8, 29_500, "cuda") == expected, room
+
+    monkeypatch.setattr(bumblebee_module, "_device_room", lambda device: per_row - 1)
+    with pytest.raises(torch.OutOfMemoryError, match=r"29,500 x 29,500 .*3\.2 GiB.*prefill_chunk=N"):
+        rows_of(8, 29_500, "cuda")
 
     b, h, n, d, budget = 2, 3, 30, 6, 10
     generator = torch.Generator().manual_seed(6)

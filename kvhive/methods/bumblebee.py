@@ -123,12 +123,21 @@ def similarity_rows_per_chunk(rows: int, candidates: int, device: torch.device |
     run their greedy, at once: on CUDA those whose float32 matrices fit in
     ``DEVICE_SIMILARITY_FRACTION`` of the memory the device can still give (:func:`_device_room`),
     elsewhere those within ``MAX_SIMILARITY_ELEMENTS``; at least 1, at most ``rows``. The kept
-    tokens do not depend on it (each row is its own problem)."""
+    tokens do not depend on it (each row is its own problem). Where not even one row's matrix fits
+    in all the device's room, ``torch.OutOfMemoryError`` before anything is allocated, naming the way
+    out (a chunked prefill: BumbleBee's streaming summary, no matrix of the whole prompt)."""
     per_row = candidates * candidates
     room = _device_room(device)
     if room is None:
         fitting = MAX_SIMILARITY_ELEMENTS // per_row
     else:
+        if 4 * per_row > room:
+            raise torch.OutOfMemoryError(
+                f"BumbleBee's prefill needs a {candidates:,} x {candidates:,} float32 similarity matrix per KV head "
+                f"({4 * per_row / 2**30:.1f} GiB) and {torch.device(device)} can give {room / 2**30:.1f} GiB: feed the "
+                "prompt in chunks (make_cache(..., prefill_chunk=N), kvhive generate --prefill-chunk N), which "
+                "keeps BumbleBee's streaming summary instead of a matrix of the whole prompt"
+            )
         fitting = int(room * DEVICE_SIMILARITY_FRACTION) // (4 * per_row)
     return max(1, min(rows, fitting))
 
