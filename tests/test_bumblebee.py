@@ -1326,7 +1326,8 @@ def test_rows_per_similarity_chunk_fill_the_device_room(monkeypatch):
     rows_of = bumblebee_module.similarity_rows_per_chunk
     assert rows_of(8, 7_400, "cpu") == 8 and rows_of(8, 16_000, "cpu") == 2 and rows_of(8, 29_500, "cpu") == 1
     per_row = 4 * 29_500 * 29_500
-    for room, expected in [(2 * 3 * per_row + 5, 3), (per_row, 1), (80 * per_row, 8)]:
+    # 3 rows fit: 3 chunks, shared evenly (3 + 3 + 2); 7 fit: 2 chunks of 4, not 7 + 1.
+    for room, expected in [(2 * 3 * per_row + 5, 3), (2 * 7 * per_row, 4), (per_row, 1), (80 * per_row, 8)]:
         monkeypatch.setattr(bumblebee_module, "_device_room", lambda device, room=room: room)
         assert rows_of(8, 29_500, "cuda") == expected, room
 
@@ -1358,7 +1359,7 @@ def test_rows_per_similarity_chunk_fill_the_device_room(monkeypatch):
 
     whole, whole_summary, whole_chunks = run(None)
     chunked, chunked_summary, chunked_chunks = run(2 * 4 * 4 * candidates * candidates)
-    assert whole_chunks == [6] and chunked_chunks == [4, 2]
+    assert whole_chunks == [6] and chunked_chunks == [3, 3]  # 4 rows fit: 2 chunks, shared evenly
     assert torch.equal(whole, chunked)
     for field in dataclasses.fields(whole_summary):
         assert torch.equal(getattr(whole_summary, field.name), getattr(chunked_summary, field.name)), field.name

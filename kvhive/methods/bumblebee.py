@@ -122,7 +122,8 @@ def similarity_rows_per_chunk(rows: int, candidates: int, device: torch.device |
     """How many (batch, KV head) rows build their ``candidates x candidates`` similarity matrices, and
     run their greedy, at once: on CUDA those whose float32 matrices fit in
     ``DEVICE_SIMILARITY_FRACTION`` of the memory the device can still give (:func:`_device_room`),
-    elsewhere those within ``MAX_SIMILARITY_ELEMENTS``; at least 1, at most ``rows``. The kept
+    elsewhere those within ``MAX_SIMILARITY_ELEMENTS``; at least 1, at most ``rows``, the rows shared
+    evenly by as few chunks as that bound allows. The kept
     tokens do not depend on it (each row is its own problem). Where not even one row's matrix fits
     in all the device's room, ``torch.OutOfMemoryError`` before anything is allocated, naming the way
     out (a chunked prefill: BumbleBee's streaming summary, no matrix of the whole prompt)."""
@@ -139,7 +140,10 @@ def similarity_rows_per_chunk(rows: int, candidates: int, device: torch.device |
                 "keeps BumbleBee's streaming summary instead of a matrix of the whole prompt"
             )
         fitting = int(room * DEVICE_SIMILARITY_FRACTION) // (4 * per_row)
-    return max(1, min(rows, fitting))
+    # As few chunks as fit, of equal size: one shape (one capture, one compile of its steps on CUDA),
+    # and 4 + 4 rows hold less than 7 + 1 between their captures.
+    chunks = -(-rows // max(1, min(rows, fitting)))
+    return -(-rows // chunks)
 
 
 def _device_room(device: torch.device | str) -> int | None:
