@@ -549,3 +549,34 @@ def test_large_captured_loops_are_dropped_at_the_end_of_the_forward(monkeypatch,
         holder.join()
     prefill()
     assert not submodular.CAPTURED_LOOPS.graphs
+
+
+def test_every_layer_chunks_its_rows_as_the_first_beside_the_matrix_a_capture_holds(monkeypatch, fresh_compiles):
+    """On CUDA the rows per chunk come from the device's room, which no longer counts the matrix the
+    first layer's capture holds: that matrix is counted back (held_similarity_bytes), so every layer of
+    the prompt takes all 4 rows at once as the first did (without it the second would take 2, a new
+    shape, a new capture and matrix), and keeps the eager path's tokens."""
+    layers = [_layer("bumblebee", 200, seed=70 + index) for index in range(3)]
+    references = [policy.select_prefill(scoring, 60, {}) for policy, scoring in layers]
+    _emulate_bumblebee_captures(monkeypatch)
+    candidates = 200 - make_policy("bumblebee").split(60)[1]
+    whole = 2 * 4 * 4 * candidates * candidates + 1  # room for 4 rows' float32 matrices, twice over
+
+    def device_room(device):  # the driver's view: what the captures hold is not free
+        held = {
+            graph.inputs["sim"].untyped_storage().data_ptr(): graph.inputs["sim"].untyped_storage().nbytes()
+            for graph in submodular.CAPTURED_LOOPS.graphs.values()
+        }
+        return whole - sum(held.values())
+
+    monkeypatch.setattr(bumblebee_module, "_device_room", device_room)
+    rows = []
+    greedy = bumblebee_module.greedy_maximize
+    monkeypatch.setattr(
+        bumblebee_module,
+        "greedy_maximize",
+        lambda objective, *a, **k: rows.append(objective.rows) or greedy(objective, *a, **k),
+    )
+    for (policy, scoring), reference in zip(layers, references, strict=True):
+        assert torch.equal(policy.select_prefill(scoring, 60, {}), reference)
+    assert rows == [4, 4, 4]

@@ -81,6 +81,7 @@ from kvhive.methods.submodular import (
     StreamingSummary,
     captures_loops,
     greedy_maximize,
+    held_similarity_bytes,
     key_norms,
     relu_cosine_similarity_rows,
     similarity_buffer,
@@ -118,12 +119,15 @@ MAX_SIMILARITY_ELEMENTS = 1 << 29
 DEVICE_SIMILARITY_FRACTION = 0.5
 
 
-def similarity_rows_per_chunk(rows: int, candidates: int, device: torch.device | str) -> int:
+def similarity_rows_per_chunk(rows: int, candidates: int, device: torch.device | str, reusable: int = 0) -> int:
     """How many (batch, KV head) rows build their ``candidates x candidates`` similarity matrices, and
     run their greedy, at once: on CUDA those whose float32 matrices fit in
     ``DEVICE_SIMILARITY_FRACTION`` of the memory the device can still give (:func:`_device_room`),
     elsewhere those within ``MAX_SIMILARITY_ELEMENTS``; at least 1, at most ``rows``, the rows shared
-    evenly by as few chunks as that bound allows. The kept
+    evenly by as few chunks as that bound allows. ``reusable``: bytes of matrices of these candidates
+    that captures hold and this prefill reuses (:func:`held_similarity_bytes`), counted as room: each
+    layer then chunks as the first did, instead of fewer rows beside its predecessor's matrix (a new
+    shape, a new capture and matrix, and so on down). The kept
     tokens do not depend on it (each row is its own problem). Where not even one row's matrix fits
     in all the device's room, ``torch.OutOfMemoryError`` before anything is allocated, naming the way
     out (a chunked prefill: BumbleBee's streaming summary, no matrix of the whole prompt)."""
@@ -132,6 +136,7 @@ def similarity_rows_per_chunk(rows: int, candidates: int, device: torch.device |
     if room is None:
         fitting = MAX_SIMILARITY_ELEMENTS // per_row
     else:
+        room += reusable
         if 4 * per_row > room:
             raise torch.OutOfMemoryError(
                 f"BumbleBee's prefill needs a {candidates:,} x {candidates:,} float32 similarity matrix per KV head "
@@ -304,7 +309,8 @@ class BumbleBee(Policy):
         # row chunk of the same shape: a fresh 484 MB matrix (8 heads at 4k) costs 0.2 s of page
         # faults as it is first written (CUDA's caching allocator reuses the freed block itself).
         scratch = scoring.scratch if keys.device.type == "cpu" else None
-        rows_per_chunk = similarity_rows_per_chunk(rows, candidates, keys.device)
+        reusable = held_similarity_bytes(candidates, keys.device) if fast else 0
+        rows_per_chunk = similarity_rows_per_chunk(rows, candidates, keys.device, reusable)
         # On the fast path the matrix is a captured loop's input buffer, shared by the process's
         # threads: held from writing it to the last read of it (submodular.similarity_buffer).
         holding = CAPTURED_LOOPS.using(keys.device) if fast else contextlib.nullcontext()

@@ -1272,6 +1272,21 @@ def similarity_buffer(rows: int, n: int, device) -> torch.Tensor | None:
     return None
 
 
+def held_similarity_bytes(n: int, device) -> int:
+    """Bytes of the similarity matrices of ``n`` elements that captured greedy loops hold on ``device``
+    (each shared buffer once): memory a layer of those shapes reuses (:func:`similarity_buffer`),
+    which the device no longer counts as free."""
+    device = torch.device(device)
+    held = {}
+    with CAPTURED_LOOPS.using(device) as graphs:
+        for graph in graphs.values():
+            sim = graph.inputs["sim"]
+            if sim.device == device and sim.shape[-1] == n:
+                storage = sim.untyped_storage()
+                held[storage.data_ptr()] = storage.nbytes()
+    return sum(held.values())
+
+
 def _fast_backend(fast) -> str | None:
     """The backend compiling the step: ``fast`` when it names one; on CUDA inductor where
     ``kvhive.static_step.PREFILL_COMPILE``; else None (the step runs eagerly, still captured on
