@@ -8,7 +8,8 @@
 #             captured step of the decode-evicting methods, and compiled rows: on the images' torch
 #             2.11 kvhive's compiled step runs inside kvhive.compression, see kvhive/static_step.py)
 #   CONTEXT / BATCH   prompt tokens (32768) and rows (1); BATCH8: configurations also run at batch 8;
-#             PREFILL8K: configurations whose 8k prefill runs with SubGen's kernel and its compiled step
+#             PREFILL8K: configurations whose 8k prefill runs with SubGen's kernel and its compiled step;
+#             PREFILL32K: configurations whose 32k prefill runs (none by default; "full,bumblebee")
 #   BENCH_S / CONFIG_S / TESTS_S   seconds for the whole bench, one configuration, tests_gpu
 #             (TESTS_S=0 skips the tests); PROFILE: configurations to profile (torch.profiler)
 #   OUT       where the JSON lines and the test log go (default results/gpu)
@@ -53,6 +54,15 @@ if [ -n "$PREFILL8K" ]; then
     timeout "${PREFILL_S:-150}" "$PYTHON" benchmarks/bench_gpu.py --context 8192 --batch 1 --decode-tokens 4 \
       --timeout "${CONFIG_S:-90}" --configs "$PREFILL8K" --prefill-path "$path" --out "$OUT/bench_gpu_quick_prefill8k.jsonl"
   done
+fi
+# Issue 25: BumbleBee's prefill at 32k (PREFILL32K="full,bumblebee" runs it; off by default: its
+# first prefill compiles the greedy step's gain buckets, minutes of a short lease). Before the
+# device-sized chunks of b05e7cb it timed out at 120 s.
+PREFILL32K=${PREFILL32K-}
+if [ -n "$PREFILL32K" ]; then
+  echo "== bench_gpu.py, prefill 32k: $PREFILL32K"
+  timeout "${PREFILL32K_S:-400}" "$PYTHON" benchmarks/bench_gpu.py --context 32768 --batch 1 --decode-tokens 4 \
+    --timeout "${CONFIG32K_S:-300}" --configs "$PREFILL32K" --out "$OUT/bench_gpu_quick_prefill32k.jsonl"
 fi
 if [ "${TESTS_S:-200}" != 0 ]; then
   echo "== tests_gpu"
