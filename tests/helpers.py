@@ -142,3 +142,15 @@ def run_in_threads(work: Callable[[int], object], count: int) -> dict[int, objec
         thread.join()
     assert not errors, errors
     return results
+
+
+def record_greedy_calls(monkeypatch, module, record: Callable[[object], None]) -> None:
+    """Patch ``module.greedy_maximize`` (BumbleBee's, as its module imported it) to pass each call's
+    objective to ``record`` before running the greedy as before."""
+    greedy = module.greedy_maximize
+
+    def recorded(objective, *args, **kwargs):
+        record(objective)
+        return greedy(objective, *args, **kwargs)
+
+    monkeypatch.setattr(module, "greedy_maximize", recorded)

@@ -28,7 +28,14 @@ from kvhive.methods.submodular import (
 )
 from kvhive.models import TINY_ARCHITECTURES, TINY_ATTENTION_KINDS, load_model, tiny_model
 
-from helpers import left_padded_batch, prefill_and_decode, reference_logits, scoring_inputs, solo_runs
+from helpers import (
+    left_padded_batch,
+    prefill_and_decode,
+    record_greedy_calls,
+    reference_logits,
+    scoring_inputs,
+    solo_runs,
+)
 
 ALL_TINY = [(a, k) for a in TINY_ARCHITECTURES for k in TINY_ATTENTION_KINDS]
 CONCAVES = [Concave("log"), Concave("power")]
@@ -1341,12 +1348,7 @@ def test_rows_per_similarity_chunk_fill_the_device_room(monkeypatch):
     weights = torch.rand(b, h, n, generator=generator)
     candidates = n - BumbleBee().split(budget)[1]
     chunks = []
-    greedy = bumblebee_module.greedy_maximize
-    monkeypatch.setattr(
-        bumblebee_module,
-        "greedy_maximize",
-        lambda objective, *a, **k: chunks.append(objective.rows) or greedy(objective, *a, **k),
-    )
+    record_greedy_calls(monkeypatch, bumblebee_module, lambda objective: chunks.append(objective.rows))
 
     def run(room):
         monkeypatch.setattr(bumblebee_module, "_device_room", lambda device: room)

@@ -37,7 +37,7 @@ from kvhive.methods.subgen import farthest_point_order
 from kvhive.methods.submodular import Concave, greedy_maximize
 from kvhive.static_step import CapturedLoops
 
-from helpers import run_in_threads, scoring_inputs
+from helpers import record_greedy_calls, run_in_threads, scoring_inputs
 
 
 def _generators(rows: int, seed: int = 100) -> list[torch.Generator]:
@@ -375,17 +375,11 @@ def test_threads_running_bumblebee_on_the_shared_captures_keep_their_own_tokens(
     each computes its matrix into the captured loop's buffer and replays; each keeps what it keeps
     alone on the eager path. (A pause after computing the matrix widens the window in which another
     thread could overwrite it before the replay reads it: select_prefill holds the captures over it.)"""
-    from kvhive import static_step
 
     layers = [_layer("bumblebee", 200, seed=30 + index) for index in range(4)]
     references = [policy.select_prefill(scoring, 60, {}) for policy, scoring in layers]
     assert len({tuple(reference.flatten().tolist()) for reference in references}) == 4
-    monkeypatch.setattr(static_step, "PREFILL_FAST_PATH", True)
-    monkeypatch.setattr(submodular, "captures_loops", lambda device: True)
-    monkeypatch.setattr(bumblebee_module, "captures_loops", lambda device: True)
-    monkeypatch.setattr(submodular, "_LoopGraph", _SlowEmulatedCapture)
-    monkeypatch.setattr(submodular, "CAPTURED_LOOPS", CapturedLoops(held=2))
-    monkeypatch.setattr(bumblebee_module, "CAPTURED_LOOPS", submodular.CAPTURED_LOOPS)
+    _emulate_bumblebee_captures(monkeypatch, _SlowEmulatedCapture)
     similarity = bumblebee_module.relu_cosine_similarity_rows
 
     def similarity_then_pause(*args, **kwargs):
@@ -470,17 +464,19 @@ def test_similarity_written_into_a_buffer_is_the_same_matrix():
     assert torch.equal(out, submodular.relu_cosine_similarity(keys, valid))
 
 
-def _emulate_bumblebee_captures(monkeypatch):
-    """BumbleBee's prefill on the CUDA fast path, its captures emulated on the CPU."""
+def _emulate_bumblebee_captures(monkeypatch, capture=None):
+    """BumbleBee's prefill on the CUDA fast path, its captures emulated on the CPU (``capture``: the
+    emulating class, _EmulatedCapture by default)."""
     from kvhive import static_step
 
+    capture = capture or _EmulatedCapture
     monkeypatch.setattr(static_step, "PREFILL_FAST_PATH", True)
     monkeypatch.setattr(submodular, "captures_loops", lambda device: True)
     monkeypatch.setattr(bumblebee_module, "captures_loops", lambda device: True)
-    monkeypatch.setattr(submodular, "_LoopGraph", _EmulatedCapture)
+    monkeypatch.setattr(submodular, "_LoopGraph", capture)
     monkeypatch.setattr(submodular, "CAPTURED_LOOPS", CapturedLoops(held=2))
     monkeypatch.setattr(bumblebee_module, "CAPTURED_LOOPS", submodular.CAPTURED_LOOPS)
-    _EmulatedCapture.made = 0
+    capture.made = 0
 
 
 def test_a_new_capture_keeps_the_matrix_bumblebee_computed_instead_of_a_copy(monkeypatch, fresh_compiles):
@@ -571,12 +567,7 @@ def test_every_layer_chunks_its_rows_as_the_first_beside_the_matrix_a_capture_ho
 
     monkeypatch.setattr(bumblebee_module, "_device_room", device_room)
     rows = []
-    greedy = bumblebee_module.greedy_maximize
-    monkeypatch.setattr(
-        bumblebee_module,
-        "greedy_maximize",
-        lambda objective, *a, **k: rows.append(objective.rows) or greedy(objective, *a, **k),
-    )
+    record_greedy_calls(monkeypatch, bumblebee_module, lambda objective: rows.append(objective.rows))
     for (policy, scoring), reference in zip(layers, references, strict=True):
         assert torch.equal(policy.select_prefill(scoring, 60, {}), reference)
     assert rows == [4, 4, 4]

@@ -27,7 +27,7 @@ from kvhive.methods.registry import method_names, policy_class
 from kvhive.models import tiny_model
 from kvhive.static_step import TORCH_COMPILES_KVHIVE
 
-from helpers import left_padded_batch, prefill_and_decode, run_in_threads
+from helpers import left_padded_batch, prefill_and_decode, record_greedy_calls, run_in_threads
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -698,12 +698,7 @@ def test_cuda_bumblebee_capture_holds_one_matrix_and_large_ones_leave_with_the_f
     key = cache_kwarg(model)
     prompt = left_padded_batch(model.config.vocab_size, length=FAST_PREFILL_LENGTH, pad=37)[0].cuda()
     given = []
-    greedy = bumblebee_module.greedy_maximize
-    monkeypatch.setattr(
-        bumblebee_module,
-        "greedy_maximize",
-        lambda objective, *a, **k: given.append(objective.sim.data_ptr()) or greedy(objective, *a, **k),
-    )
+    record_greedy_calls(monkeypatch, bumblebee_module, lambda objective: given.append(objective.sim.data_ptr()))
 
     def kept():
         cache = kvhive.make_cache(model, "bumblebee", budget=FAST_PREFILL_LENGTH // 5)
