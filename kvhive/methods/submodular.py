@@ -884,9 +884,10 @@ class StreamingSummary:
             if log_form:  # Concave.__call__ and Concave.loss of the log form
                 phi_total = torch.log1p(total)
                 feature = torch.log1p(mass / (total - mass).clamp_min_(0).add_(1.0))
-            else:
-                phi_total = phi(total)
-                feature = phi.loss(total, mass, phi_total)
+            else:  # Concave.__call__ and Concave.loss, both phi values from one Newton loop
+                values = phi(torch.cat([total, (total - mass).clamp_min_(0)], dim=1))
+                phi_total = values[:, :1]
+                feature = phi_total - values[:, 1:]
             # _safe_divide's values with fewer ops: phi_total is 0 or more, and the feature term 0
             # where it is 0; f_FL(S') is 0 only where every facility gain is 0 too (each is at most
             # its element's sim(v, v)), so its plain quotient by the clamped total is already 0 there.
