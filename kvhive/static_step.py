@@ -14,7 +14,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import sys
 import threading
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -212,6 +214,23 @@ def _held_bytes(graph) -> int:
     counts its whole storage, buffers shared by captures count in each)."""
     inputs = graph.inputs.values() if isinstance(graph.inputs, dict) else graph.inputs
     return sum(tensor.untyped_storage().nbytes() for tensor in inputs)
+
+
+def per_thread_attributes(module_name: str, *names: str) -> None:
+    """Make each of ``names`` an attribute of module ``module_name`` whose value is the calling
+    thread's own (None until that thread sets it), read and written as a plain module attribute
+    (``module.name``): a diagnostic such as "which path the last call took" then answers for the
+    thread that asks, not for whichever thread ran last. Code in the module itself writes it
+    through the module object (``sys.modules[__name__].name = ...``), as a ``global`` assignment
+    would bypass it."""
+    module = sys.modules[module_name]
+    local = threading.local()
+
+    def attribute(name: str) -> property:
+        return property(lambda _: getattr(local, name, None), lambda _, value: setattr(local, name, value))
+
+    namespace = {name: attribute(name) for name in names}
+    module.__class__ = type(f"PerThread_{module_name.replace('.', '_')}", (types.ModuleType,), namespace)
 
 
 class CapturedLoops:

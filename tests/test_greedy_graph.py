@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
 import time
 
 import pytest
@@ -391,11 +392,11 @@ def test_threads_running_bumblebee_on_the_shared_captures_keep_their_own_tokens(
 
     def select(index):
         policy, scoring = layers[index]
-        return [policy.select_prefill(scoring, 60, {}) for _ in range(3)]
+        return [policy.select_prefill(scoring, 60, {}) for _ in range(3)], submodular.last_greedy_path
 
-    for index, kept in run_in_threads(select, 4).items():
+    for index, (kept, path) in run_in_threads(select, 4).items():
         assert all(torch.equal(one, references[index]) for one in kept), index
-    assert submodular.last_greedy_path == "fixed-shape step (eager), whole loop as one CUDA graph"
+        assert path == "fixed-shape step (eager), whole loop as one CUDA graph"  # the thread's own
 
 
 def test_threads_replaying_the_shared_farthest_point_captures_get_their_own_orders(monkeypatch, fresh_compiles):
@@ -433,6 +434,30 @@ def test_threads_replaying_the_shared_farthest_point_captures_get_their_own_orde
 
     for index, orders in run_in_threads(order, 4).items():
         assert all(torch.equal(one, references[index]) for one in orders), index
+
+
+def test_each_thread_reads_the_path_its_own_last_call_took():
+    """``last_greedy_path`` / ``last_farthest_path`` answer for the calling thread: two threads
+    take different paths, both finish before either reads, and each reads its own (one module-wide
+    value would give both the later writer's)."""
+    objective = random_objective(rows=2, n=40, dim=8, seed=3)
+    keys = torch.randn(2, 40, 8, generator=torch.Generator().manual_seed(4))
+    candidates = torch.ones(2, 40, dtype=torch.bool)
+    both_ran = threading.Barrier(2)
+
+    def work(index):
+        fast = index == 1  # thread 1: the fixed-shape step (eager on the CPU); thread 0: the eager loop
+        greedy_maximize(objective, 5, "lazy", 1e-5, _generators(2), fast=fast)
+        farthest_point_order(keys, candidates, 5, fast=fast)
+        both_ran.wait()
+        return submodular.last_greedy_path, subgen_module.last_farthest_path
+
+    paths = run_in_threads(work, 2)
+    assert paths[0] == ("eager loop", "eager loop")
+    assert paths[1] == ("fixed-shape step (eager)", "fixed-shape step (eager)")
+    # The module attribute is still settable (a benchmark clears it) and reads back in this thread.
+    submodular.last_greedy_path = None
+    assert submodular.last_greedy_path is None
 
 
 def test_released_captures_free_their_buffers_and_capture_again(monkeypatch, fresh_compiles):

@@ -28,6 +28,7 @@ other methods here, SnapKV's observation window and AhaKV's ``B_r``)**; ``budget
 
 from __future__ import annotations
 
+import sys
 import types
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -45,7 +46,14 @@ from kvhive.methods.base import (
     keep_top_scores,
     require_int_at_least,
 )
-from kvhive.static_step import BoundedCache, CapturedLoops, capture_stream, in_static_step, prefill_fast_path
+from kvhive.static_step import (
+    BoundedCache,
+    CapturedLoops,
+    capture_stream,
+    in_static_step,
+    per_thread_attributes,
+    prefill_fast_path,
+)
 
 # Per-token scores (kept aligned with the stored tokens by the cache).
 NEAREST_DISTANCE = "subgen_nn_sqdist"  # squared L2 distance to the nearest other candidate
@@ -122,7 +130,6 @@ def farthest_point_order(
     False: the eager loop. The torch step gives the eager loop's order exactly; the kernel sums the
     dot products in its own order, so near-ties may resolve otherwise (exact on integer keys).
     """
-    global last_farthest_path
     rows, num_points, _ = keys.shape
     steps = min(count, num_points)
     order = torch.full((rows, count), -1, dtype=torch.long, device=keys.device)
@@ -159,7 +166,7 @@ def farthest_point_order(
         order = _farthest_loop(keys, keys_sq, order, nearest, chosen, steps, backend, capture)
         exhausted = torch.arange(count, device=keys.device)[None, :] >= candidates.sum(-1)[:, None]
         return order.masked_fill_(exhausted, -1)
-    last_farthest_path = "eager loop"
+    _THIS_MODULE.last_farthest_path = "eager loop"
     for step in range(steps):
         order[:, step] = chosen
         # [R, 1, d] viewed as [R, d, 1]: this layout takes the fast batched matrix-vector kernel
@@ -191,8 +198,10 @@ _STEP_FUNCTIONS = BoundedCache(held=16)
 CAPTURED_LOOPS = CapturedLoops(held=2)
 # The fast path's name for the Triton kernel (``fast="triton"``; on CUDA by default).
 KERNEL_BACKEND = "triton"
-# Which path the last farthest_point_order call took (benchmarks/bench_gpu.py records it).
-last_farthest_path: str | None = None
+# Which path the calling thread's last farthest_point_order call took (benchmarks/bench_gpu.py records
+# it): `last_farthest_path`, each thread its own.
+per_thread_attributes(__name__, "last_farthest_path")
+_THIS_MODULE = sys.modules[__name__]
 
 
 def _fast_backend(keys: torch.Tensor) -> str | None:
@@ -282,7 +291,6 @@ def _farthest_loop(keys, keys_sq, order, nearest, chosen, steps: int, backend: s
     """The ``steps`` fixed-shape steps from the initial state; the order ``[R, count]``. ``backend``
     "triton": :func:`farthest_kernel.farthest_point_steps` (``keys`` in their stored dtype), else the
     torch step compiled with it (None: eager)."""
-    global last_farthest_path
     if backend == KERNEL_BACKEND:
         inputs = (keys, keys_sq, order, nearest, chosen)
         label = "farthest-point kernel (triton)"
@@ -301,7 +309,7 @@ def _farthest_loop(keys, keys_sq, order, nearest, chosen, steps: int, backend: s
             return _run_farthest(function, *values, step_tensors)
 
     if not capture:
-        last_farthest_path = label
+        _THIS_MODULE.last_farthest_path = label
         return run(*inputs)
     key = (keys.device, keys.dtype, backend, steps, *(tuple(value.shape) for value in inputs))
     with CAPTURED_LOOPS.using(keys.device):
@@ -311,7 +319,7 @@ def _farthest_loop(keys, keys_sq, order, nearest, chosen, steps: int, backend: s
             graph = _FarthestGraph(run, inputs)
         CAPTURED_LOOPS.put(key, graph)
         order = graph(inputs)  # a copy: the next holder may replay at once
-    last_farthest_path = f"{label}, whole loop as one CUDA graph"
+    _THIS_MODULE.last_farthest_path = f"{label}, whole loop as one CUDA graph"
     return order
 
 

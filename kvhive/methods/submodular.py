@@ -18,12 +18,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import sys
 import types
 from dataclasses import dataclass
 
 import torch
 
-from kvhive.static_step import BoundedCache, CapturedLoops, capture_stream
+from kvhive.static_step import BoundedCache, CapturedLoops, capture_stream, per_thread_attributes
 
 # Rank given to invalid (padding) elements: below every real gain, above "not selectable".
 PADDING_GAIN = -1e30
@@ -451,7 +452,6 @@ def greedy_maximize(
     and writes nothing into it after): a capture of new shapes keeps it as its input buffer instead of
     a copy (:func:`capture_buffers`), which :func:`similarity_buffer` then hands to the next caller.
     """
-    global last_greedy_path
     from kvhive.static_step import in_static_step
 
     n = objective.size
@@ -478,7 +478,7 @@ def greedy_maximize(
         widths = sampler.width
         evaluations = sampler.first_evaluations(margin)
     if fast is False:
-        last_greedy_path = "eager loop"
+        _THIS_MODULE.last_greedy_path = "eager loop"
     donated = ("sim",) if donate_similarity else ()
     attempts, runs = 1, 1
     while True:
@@ -1035,8 +1035,10 @@ _STEP_FUNCTIONS = BoundedCache(held=64)
 # Captured whole loops on CUDA, by shape bucket (few entries: a model's layers share their shapes),
 # shared by the process's threads one at a time (their input buffers are shared).
 CAPTURED_LOOPS = CapturedLoops(held=2)
-# Which path the last greedy_maximize call took (benchmarks/bench_gpu.py records it).
-last_greedy_path: str | None = None
+# Which path the calling thread's last greedy_maximize call took (benchmarks/bench_gpu.py records it):
+# `last_greedy_path`, each thread its own.
+per_thread_attributes(__name__, "last_greedy_path")
+_THIS_MODULE = sys.modules[__name__]
 
 
 def _bucket(count: int, width: int) -> int:
@@ -1313,7 +1315,6 @@ def _fast_lazy_greedy(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_lazy_greedy`'s run on the fixed-shape step (same return values; ``needed`` counts
     what the bucketed run needed); ``donated``: inputs a new capture may keep (:func:`capture_buffers`)."""
-    global last_greedy_path
     label = backend if backend is None or isinstance(backend, str) else getattr(backend, "__name__", "backend")
     n = objective.size
     sampled = sampler is not None and not all(sampler.all_full)
@@ -1355,10 +1356,10 @@ def _fast_lazy_greedy(
                 graph = _LoopGraph(inputs, list(torch.arange(k, device=device).unbind()), functions, buffers, donated)
             CAPTURED_LOOPS.put((base, tuple(counts)), graph)
             state = graph(inputs)  # the results are copies: the next holder may replay at once
-        last_greedy_path = f"fixed-shape step ({label or 'eager'}), whole loop as one CUDA graph"
+        _THIS_MODULE.last_greedy_path = f"fixed-shape step ({label or 'eager'}), whole loop as one CUDA graph"
     else:
         functions = [_step_function(backend, shape, count=count, **static) for count in counts]
         state = _run_loop(inputs, list(torch.arange(k, device=device).unbind()), functions)
-        last_greedy_path = f"fixed-shape step ({label or 'eager'})"
+        _THIS_MODULE.last_greedy_path = f"fixed-shape step ({label or 'eager'})"
     chosen, *_, evaluated_enough, drew_enough, needed = state
     return chosen, torch.stack([evaluated_enough, drew_enough]), needed
