@@ -12,7 +12,13 @@ import sys
 
 import torch
 
-from kvhive.attention.column_sums import column_sums, kernel_supports
+import kvhive.attention.column_sums as column_sums_module
+from kvhive.attention.column_sums import (
+    column_sums,
+    flash_attention_with_column_sums_by_row,
+    kernel_supports,
+    left_padding,
+)
 from kvhive.methods.base import ScoringInputs
 
 
@@ -60,7 +66,44 @@ def main():
             errors[f"{name}-{dtype}-reference"] = float((sums.double() - expected).abs().max())
             if dtype == torch.float32:
                 errors[f"{name}-{dtype}-torch"] = float((sums - torch_path(q, k, mask, scaling)).abs().max())
+    errors.update(by_row_errors(generator, scaling))
     print(json.dumps(errors))
+
+
+def cpu_flash_with_lse(query, key, value, scaling):
+    """The CPU's flash attention, which returns the row log-sum-exp as CUDA's does (keys repeated
+    per query head: the CPU kernel takes no groups)."""
+    group = query.shape[1] // key.shape[1]
+    key, value = (tensor.repeat_interleave(group, dim=1) for tensor in (key, value))
+    output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, True, scale=scaling
+    )
+    return output, lse
+
+
+def by_row_errors(generator, scaling):
+    """``flash_attention_with_column_sums_by_row`` (a left-padded batch row by row: flash attention
+    over each row's real tokens, then the kernel) against the torch path over the same mask, float32:
+    the largest error of the output and of the sums, per case."""
+    errors = {}
+    column_sums_module.flash_attention_with_lse = cpu_flash_with_lse  # the CUDA kernel's CPU twin
+    # name, batch, query heads, heads, tokens, dim, padding per row
+    cases = [("by-row-gqa", 3, 4, 2, 40, 16, (0, 7, 39)), ("by-row-mha-all-padding", 2, 2, 2, 24, 8, (24, 5))]
+    for name, batch, query_heads, heads, n, dim, padding in cases:
+        q = torch.randn(batch, query_heads, n, dim, generator=generator)
+        k = torch.randn(batch, heads, n, dim, generator=generator)
+        v = torch.randn(batch, heads, n, dim, generator=generator)
+        position = torch.arange(n)
+        real = position[None, :] >= torch.tensor(padding)[:, None]
+        mask = ((position[None, :] <= position[:, None])[None] & real[:, None, :] & real[:, :, None])[:, None]
+        assert left_padding(mask) == list(padding), left_padding(mask)
+        output, sums = flash_attention_with_column_sums_by_row(q, k, v, mask, scaling)
+        positions = torch.arange(n).expand(batch, heads, n)
+        scoring = ScoringInputs(k, v, q, positions, mask, scaling, 0, 1, n, "prefill")
+        expected_output, expected_sums = scoring.attention_with_column_sums()
+        errors[f"{name}-output"] = float((output - expected_output).abs().max())
+        errors[f"{name}-sums"] = float((sums - expected_sums).abs().max())
+    return errors
 
 
 if __name__ == "__main__":

@@ -262,3 +262,53 @@ def test_a_chunked_prefill_keeps_what_the_two_pass_scoring_keeps(monkeypatch):
             if index == 0:
                 assert torch.equal(fused_scores[name], two_pass_scores[name])
             torch.testing.assert_close(fused_scores[name], two_pass_scores[name], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("model_name", ["llama", "gemma3"])
+def test_transformers_mask_of_a_left_padded_batch_is_recognised_and_no_other(model_name, monkeypatch):
+    """On CUDA a left-padded batch takes flash attention row by row over each row's real tokens
+    (``column_sums.flash_attention_with_column_sums_by_row``; tests/column_sums_check.py checks it
+    against the torch path in Triton's interpreter). What it rests on, checked here on the masks the
+    installed transformers builds: ``left_padding`` gives each row's padding for a left-padded
+    prompt and refuses every other mask (a window in reach, a padding query that attends something,
+    a hole, a future key), where the torch path stays."""
+    from kvhive.attention import column_sums as column_sums_module
+    from kvhive.attention import integration
+    from kvhive.attention.column_sums import left_padding
+
+    from helpers import left_padded_batch
+
+    model = tiny_model(model_name)
+    masks = []
+    one_pass = integration._attention_with_column_sums
+
+    def record(query, key, value, mask, scaling):
+        masks.append(mask)
+        return one_pass(query, key, value, mask, scaling)
+
+    monkeypatch.setattr(integration, "_attention_with_column_sums", record)
+    tokens, pad = 24, 5
+    input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=tokens, pad=pad)
+    cache = kvhive.make_cache(model, "h2o", budget=8)
+    with torch.no_grad():
+        model(input_ids=input_ids, attention_mask=attention_mask, **{cache_kwarg(model): cache}, use_cache=True)
+    position = torch.arange(tokens)
+    real = position[None, :] >= torch.tensor([0, pad])[:, None]
+    left_padded = ((position[None, :] <= position[:, None])[None] & real[:, None, :] & real[:, :, None])[:, None]
+    # Each layer that takes the pass gets the plain mask of a left-padded prompt.
+    assert masks and all(mask.equal(left_padded) for mask in masks)
+    assert all(left_padding(mask) == [0, pad] for mask in masks)
+    mask = masks[0]
+    windowed = mask & (position[:, None] - position[None, :] < 8)  # a sliding window in reach
+    attends = mask.clone()
+    attends[1, 0, 2, 0] = True  # a padding query that attends a padding key
+    hole = mask.clone()
+    hole[0, 0, 20, 3] = False  # a real query that skips one real key
+    future = mask.clone()
+    future[0, 0, 10, 11] = True  # a real query that sees the next token
+    for other in (windowed, attends, hole, future, mask.float(), mask[:, :, 1:]):
+        assert left_padding(other) is None
+    # The check compares a few query rows at a time on a long prompt: the same answers in pieces.
+    monkeypatch.setattr(column_sums_module, "_MASK_CHECK_ELEMENTS", 3 * 2 * tokens)
+    assert left_padding(mask) == [0, pad]
+    assert all(left_padding(other) is None for other in (windowed, attends, hole, future))

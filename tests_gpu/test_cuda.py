@@ -86,14 +86,20 @@ def _column_sum_inputs(padded: bool):
 @pytest.mark.parametrize("padded", [False, True], ids=["causal", "left-padded"])
 def test_prefill_column_sum_kernel_matches_the_torch_path_in_bf16(padded):
     """The prefill's column sums on CUDA (flash attention's output and lse, then the Triton
-    column-sum kernel; with a padding mask the kernel after a float64 lse) against the torch path
+    column-sum kernel; with a padding mask the kernel after a float64 lse, and the model's route for
+    a left-padded batch: flash attention row by row over each row's real tokens) against the torch path
     (ScoringInputs.attention_with_column_sums, bf16 logits) and a float64 reference.
 
     Tolerances: the kernel multiplies bf16 inputs exactly into float32 and exponentiates against a
     float32 lse, so its sums (up to ~700) are within 1e-3 relative of float64; the torch path
     rounds each logit to bf16 (relative step 2**-8, |logit| ~ 1: a weight off by ~0.4%), so the
     two agree within 2e-2 relative; outputs within two bf16 steps (|o| < 4)."""
-    from kvhive.attention.column_sums import column_sums, flash_attention_with_lse
+    from kvhive.attention.column_sums import (
+        column_sums,
+        flash_attention_with_column_sums_by_row,
+        flash_attention_with_lse,
+        left_padding,
+    )
     from kvhive.attention.integration import _attention_with_column_sums
     from kvhive.methods.base import ScoringInputs
 
@@ -111,10 +117,17 @@ def test_prefill_column_sum_kernel_matches_the_torch_path_in_bf16(padded):
     ).attention_with_column_sums()
     if padded:
         sums = column_sums(q, k, torch.logsumexp(logits, dim=-1).float(), scaling, mask)
+        torch.testing.assert_close(sums.double(), expected, rtol=1e-3, atol=1e-4)
+        # The model's route for a left-padded batch: flash attention row by row over the real tokens.
+        assert left_padding(mask) == [0, 37]
+        by_row = flash_attention_with_column_sums_by_row(q, k, v, mask, scaling)
+        assert by_row is not None  # flash attention ran on every row
     else:
         assert flash_attention_with_lse(q, k, v, scaling) is not None  # the kernel path runs
-        output, sums = _attention_with_column_sums(q, k, v, None, scaling)
-        torch.testing.assert_close(output.transpose(1, 2).float(), torch_output.float(), atol=3.2e-2, rtol=0)
+    output, sums = _attention_with_column_sums(q, k, v, mask, scaling)
+    if padded:
+        assert torch.equal(sums, by_row[1]) and torch.equal(output.transpose(1, 2), by_row[0])
+    torch.testing.assert_close(output.transpose(1, 2).float(), torch_output.float(), atol=3.2e-2, rtol=0)
     torch.testing.assert_close(sums.double(), expected, rtol=1e-3, atol=1e-4)
     torch.testing.assert_close(sums, torch_sums, rtol=2e-2, atol=2e-2)
 

@@ -154,7 +154,8 @@ def column_sums(
     batch, query_heads, num_queries, dim = query.shape
     heads, num_keys = key.shape[1], key.shape[2]
     out = torch.zeros(batch, query_heads, num_keys, dtype=torch.float32, device=query.device)
-    lse = lse.float()
+    # The kernel walks a row's queries at stride 1 (the CPU's flash attention lays its lse out [B, q, H]).
+    lse = lse.float().contiguous()
     block_d = max(16, triton.next_power_of_2(dim))
     block_n = 64 if block_d <= 128 else 32
     block_m = 64 if block_d <= 128 else 32
@@ -218,3 +219,61 @@ def flash_attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torc
         except RuntimeError:
             return None
     return result[0], result[1]
+
+
+# Elements of the [B, rows, N] comparison left_padding makes at once (bounds its temporaries).
+_MASK_CHECK_ELEMENTS = 1 << 27
+
+
+def left_padding(mask: torch.Tensor) -> list[int] | None:
+    """Each batch row's padding ``p`` where ``mask`` ``[B, 1, N, N]`` (True = may attend) is exactly
+    what transformers builds for a left-padded prompt: causal over the row's real tokens (its last
+    ``N - p`` positions), its ``p`` padding queries attending nothing. None for any other mask (a
+    window, packed documents, padding queries that attend something). One host read: the padding
+    and the check come back together."""
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != mask.shape[3]:
+        return None
+    batch, _, n, _ = mask.shape
+    # The last query sees every real token of its row: the padding is what it may not see.
+    padding = n - mask[:, 0, -1].sum(dim=-1)
+    position = torch.arange(n, device=mask.device)
+    real = position[None, :] >= padding[:, None]  # [B, N]
+    matches = torch.ones((), dtype=torch.bool, device=mask.device)
+    rows = max(1, _MASK_CHECK_ELEMENTS // max(1, batch * n))
+    for start in range(0, n, rows):
+        stop = min(n, start + rows)
+        causal = position[None, :] <= position[start:stop, None]  # [rows, N]
+        # (A padding query i < p then attends nothing: every key it may see, j <= i, is padding.)
+        expected = causal[None] & real[:, None, :]
+        matches &= torch.eq(mask[:, 0, start:stop], expected).all()
+    report = torch.cat([matches.long().view(1), padding.long()]).tolist()
+    return report[1:] if report[0] else None
+
+
+def flash_attention_with_column_sums_by_row(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(output [B, Hq, N, dv], column sums [B, Hq, N] float32)`` of a left-padded prompt's causal
+    attention (``mask`` as :func:`left_padding` recognises it), one batch row at a time over its real
+    tokens: flash attention returns the output with each row's log-sum-exp (it takes no mask, and a
+    row's real tokens are a suffix, so none is needed) and :func:`column_sums` sums ``exp(q.k *
+    scale - lse)`` per key. Padding queries get output 0 and padding keys sum 0, as in the torch path
+    (:meth:`kvhive.methods.base.ScoringInputs.attention_with_column_sums`), which stays the route
+    where this returns None: any other mask, or flash attention not running on these tensors."""
+    padding = left_padding(mask)
+    if padding is None:
+        return None
+    batch, query_heads, n, _ = query.shape
+    output = query.new_zeros(batch, query_heads, n, value.shape[-1])
+    sums = torch.zeros(batch, query_heads, n, dtype=torch.float32, device=query.device)
+    for row, pad in enumerate(padding):
+        if pad >= n:  # every token padding: nothing attends, nothing is attended
+            continue
+        real = [tensor[row : row + 1, :, pad:] for tensor in (query, key, value)]
+        flash = flash_attention_with_lse(*real, scaling)
+        if flash is None:
+            return None
+        row_output, lse = flash
+        output[row : row + 1, :, pad:] = row_output
+        sums[row : row + 1, :, pad:] = column_sums(real[0], real[1], lse, scaling)
+    return output, sums

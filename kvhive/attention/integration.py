@@ -27,7 +27,11 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvhive import static_step
-from kvhive.attention.column_sums import column_sums, flash_attention_with_lse
+from kvhive.attention.column_sums import (
+    column_sums,
+    flash_attention_with_column_sums_by_row,
+    flash_attention_with_lse,
+)
 from kvhive.attention.column_sums import kernel_supports as column_sums_kernel_supports
 from kvhive.attention.varlen import (
     kernel_runs_on,
@@ -518,14 +522,22 @@ def _attention_with_column_sums(query, key, value, mask, scaling):
     """``(output [B, q, Hq, dv], column sums [B, Hq, N] float32)`` of causal softmax attention
     over ``mask`` (None: causal). The computation is :meth:`ScoringInputs.attention_with_column_sums`
     (chunked: every chunk's softmax exact, the output ``P V`` and the sums ``P`` from one ``QK^T``),
-    except on CUDA in half precision without a mask: there sdpa's flash kernel gives the output
-    with each row's log-sum-exp and the Triton kernel sums ``exp(q.k * scale - lse)`` per key
+    except on CUDA in half precision without a mask or with a left-padded batch's: there sdpa's
+    flash kernel gives the output with each row's log-sum-exp (a padded batch row by row over its
+    real tokens) and the Triton kernel sums ``exp(q.k * scale - lse)`` per key
     (``kvhive.attention.column_sums``; its reference is the torch path)."""
-    if mask is None and query.is_cuda and column_sums_kernel_supports(query, key):
-        flash = flash_attention_with_lse(query, key, value, scaling)
-        if flash is not None:
-            output, lse = flash
-            return output.transpose(1, 2).contiguous(), column_sums(query, key, lse, scaling)
+    half = query.dtype in (torch.float16, torch.bfloat16)  # (flash attention's dtypes)
+    if half and query.is_cuda and column_sums_kernel_supports(query, key):
+        if mask is None:
+            flash = flash_attention_with_lse(query, key, value, scaling)
+            if flash is not None:
+                output, lse = flash
+                return output.transpose(1, 2).contiguous(), column_sums(query, key, lse, scaling)
+        else:  # a left-padded batch: row by row over each row's real tokens (None: another mask)
+            by_row = flash_attention_with_column_sums_by_row(query, key, value, mask, scaling)
+            if by_row is not None:
+                output, sums = by_row
+                return output.transpose(1, 2).contiguous(), sums
     batch, heads, num_keys, _ = key.shape
     positions = torch.arange(num_keys, device=key.device).expand(batch, heads, num_keys)
     output, sums = _one_pass_attention_with_column_sums(query, key, value, positions, mask, scaling, num_keys, PREFILL)
