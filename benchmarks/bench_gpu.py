@@ -47,7 +47,11 @@ compiles and captures at its first layer of a new shape, so every row first runs
 prefill of the same prompt (``--no-prefill-warmup`` skips it; its time is ``prefill_first_s``):
 ``prefill_s`` is then what every later prompt of that length costs, for the stock rows as for
 kvhive's. ``prefill_selection_path`` records the path each selection took (BumbleBee's greedy,
-SubGen's order; absent for the methods that have neither).
+SubGen's order; absent for the methods that have neither). ``--left-padding P`` left-pads every other
+batch row (rows 1, 3, ...) by ``P`` tokens: the prefill runs with that attention mask, as a padded
+batch does (issue 25: a left-padded batch's column sums from flash attention row by row), and each
+decode step passes the mask grown by one column (eager rows only: not with ``+graph`` or
+``+compile``).
 
 ``--profile CONFIG`` adds a ``torch.profiler`` trace of 5 decode steps to that configuration's line
 (host time, GPU kernel time, device->host synchronisations per step); ``--varlen`` adds the
@@ -95,7 +99,10 @@ SETTINGS = (
     "compile_backend",
     "prefill_path",
     "prefill_warmup",
+    "left_padding",
 )
+# A setting's value in the lines written before it existed.
+SETTING_DEFAULTS = {"left_padding": 0}
 
 
 # -- configuration names (checked by the driver before any process starts) -------------------------
@@ -225,7 +232,10 @@ def kv_bytes(cache) -> int:
     return sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers)
 
 
-def make_cache(model, parts: dict, budget: float, max_length: int, decode_tokens: int = 0):
+def make_cache(model, parts: dict, budget: float, max_length: int, decode_tokens: int = 0, tokens: int | None = None):
+    """The configuration's cache: stock, or kvhive's keeping ``budget`` of the prompt (a ratio; or
+    ``tokens`` per head where given: the rows of a padded batch hold different real lengths, and a
+    method that evicts while decoding keeps one count per layer)."""
     import torch
     from transformers import DynamicCache, StaticCache
 
@@ -248,6 +258,8 @@ def make_cache(model, parts: dict, budget: float, max_length: int, decode_tokens
     room = {"decode_capacity": decode_tokens} if parts.get("graph") else {}
     if parts["method"] == "full":
         return kvhive.make_cache(model, "full", dense_decode=dense_decode, **room)
+    if tokens is not None:
+        return kvhive.make_cache(model, parts["method"], budget=tokens, dense_decode=dense_decode, **room)
     return kvhive.make_cache(model, parts["method"], ratio=budget, dense_decode=dense_decode, **room)
 
 
@@ -282,6 +294,16 @@ def _measure(settings: dict, parts: dict, model, bandwidth: float) -> dict:
     generator = torch.Generator().manual_seed(0)
     context, batch, decode_tokens = settings["context"], settings["batch"], settings["decode_tokens"]
     input_ids = torch.randint(3, model.config.vocab_size, (batch, context), generator=generator).to(device)
+    # Every other row left-padded (--left-padding): the prompt's mask, grown by one column a decode step.
+    padding = settings.get("left_padding", 0)
+    masks = {}
+    if padding:
+        attention_mask = torch.ones(batch, context, dtype=torch.long, device=device)
+        attention_mask[1::2, :padding] = 0
+        input_ids[1::2, :padding] = 0
+        masks["attention_mask"] = attention_mask
+    # A padded batch keeps a token budget: the ratio of the whole prompt, the same count in every row.
+    tokens = max(1, int(settings["budget"] * context)) if padding else None
     key = cache_kwarg(model)
     cuda = device == "cuda"
     path = settings.get("prefill_path", "auto")
@@ -305,11 +327,11 @@ def _measure(settings: dict, parts: dict, model, bandwidth: float) -> dict:
         # of the same prompt first (its cache dropped), so prefill_s is the steady-state cost; every
         # row, the stock ones included, so that their prefills compare warm against warm.
         held_before = torch.cuda.memory_allocated() if cuda else None
-        warm_cache = make_cache(model, parts, settings["budget"], context + steps, steps)
+        warm_cache = make_cache(model, parts, settings["budget"], context + steps, steps, tokens)
         with torch.no_grad():
             synchronize(device)
             start = time.perf_counter()
-            model(input_ids=input_ids, **{key: warm_cache}, use_cache=True, logits_to_keep=1)
+            model(input_ids=input_ids, **masks, **{key: warm_cache}, use_cache=True, logits_to_keep=1)
             synchronize(device)
             prefill_first = time.perf_counter() - start
         del warm_cache
@@ -322,7 +344,7 @@ def _measure(settings: dict, parts: dict, model, bandwidth: float) -> dict:
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    cache = make_cache(model, parts, settings["budget"], context + steps, steps)
+    cache = make_cache(model, parts, settings["budget"], context + steps, steps, tokens)
     step = model
     if parts["compiled"]:
         problem = getattr(cache, "compile_problem", lambda _: None)(context)
@@ -334,7 +356,7 @@ def _measure(settings: dict, parts: dict, model, bandwidth: float) -> dict:
     with torch.no_grad():
         synchronize(device)
         start = time.perf_counter()
-        output = model(input_ids=input_ids, **{key: cache}, use_cache=True, logits_to_keep=1)
+        output = model(input_ids=input_ids, **masks, **{key: cache}, use_cache=True, logits_to_keep=1)
         synchronize(device)
         prefill = time.perf_counter() - start
         token = output.logits[:, -1:].argmax(-1)
@@ -347,8 +369,12 @@ def _measure(settings: dict, parts: dict, model, bandwidth: float) -> dict:
             # Positions passed as a tensor: the step's inputs are tensors only, as a compiled step needs.
             positions = torch.full_like(token, position)
             position += 1
+            if masks:
+                masks["attention_mask"] = torch.cat([masks["attention_mask"], torch.ones_like(token)], dim=1)
             return (
-                step(input_ids=token, position_ids=positions, **{key: cache}, use_cache=True).logits[:, -1:].argmax(-1)
+                step(input_ids=token, position_ids=positions, **masks, **{key: cache}, use_cache=True)
+                .logits[:, -1:]
+                .argmax(-1)
             )
 
         start = time.perf_counter()
@@ -369,6 +395,7 @@ def _measure(settings: dict, parts: dict, model, bandwidth: float) -> dict:
     held = kv_bytes(cache)
     result = {
         "budget_applied": None if parts["stock"] or parts["method"] == "full" else settings["budget"],
+        "budget_tokens": None if parts["stock"] or parts["method"] == "full" else tokens,
         "prefill_s": prefill,
         "warm_up_s": warm_up,
         "decode_ms_per_token": decode_ms,
@@ -536,7 +563,7 @@ def done(out: Path, settings: dict) -> bool:
         if (
             row.get("config") == settings["config"]
             and "error" not in row
-            and all(row.get(name) == settings[name] for name in SETTINGS)
+            and all(row.get(name, SETTING_DEFAULTS.get(name)) == settings[name] for name in SETTINGS)
         ):
             return True
     return False
@@ -588,6 +615,13 @@ def main(argv=None) -> int:
         action="store_false",
         help="time the first prefill (compiles and captures included) instead of one after an untimed warm-up",
     )
+    parser.add_argument(
+        "--left-padding",
+        type=int,
+        default=0,
+        help="tokens of left padding in every other batch row (rows 1, 3, ...; needs --batch >= 2): the prefill "
+        "and each decode step pass the attention mask; eager rows only (not +graph or +compile)",
+    )
     parser.add_argument("--label", default="kvhive")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds one configuration may take")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -612,12 +646,24 @@ def main(argv=None) -> int:
         parser.error("invalid --profile: the profile counts CUDA kernels and synchronisations (--device cuda)")
     if not 0 < args.budget <= 1:
         parser.error(f"invalid --budget={args.budget}: expected a ratio in (0, 1]")
+    context = args.context or (512 if args.tiny else 32768)
+    if args.left_padding:
+        if not 0 < args.left_padding < context:
+            parser.error(f"invalid --left-padding={args.left_padding}: expected 0 (none) or 1 to {context - 1} tokens")
+        if args.batch < 2:
+            parser.error(f"invalid --left-padding with --batch={args.batch}: it pads every other row, so --batch >= 2")
+        captured = [config for config in configs if parse_config(config)["graph"] or parse_config(config)["compiled"]]
+        if captured:
+            parser.error(
+                f"invalid --left-padding with {', '.join(captured)}: a padded batch's decode passes a mask that grows "
+                "each step (eager rows only, not +graph or +compile)"
+            )
     common = {
         "label": args.label,
         "commit": commit(),
         "device_kind": args.device,
         "tiny": args.tiny,
-        "context": args.context or (512 if args.tiny else 32768),
+        "context": context,
         "batch": args.batch,
         "budget": args.budget,
         "layers": tiny_model_config("llama", "gqa").num_hidden_layers if args.tiny else args.layers or 32,
@@ -625,6 +671,7 @@ def main(argv=None) -> int:
         "compile_backend": args.compile_backend or ("inductor" if args.device == "cuda" else "aot_eager"),
         "prefill_path": args.prefill_path,
         "prefill_warmup": args.prefill_warmup,
+        "left_padding": args.left_padding,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for config in (["varlen"] if args.varlen else []) + configs:

@@ -9,7 +9,8 @@
 #             2.11 kvhive's compiled step runs inside kvhive.compression, see kvhive/static_step.py)
 #   CONTEXT / BATCH   prompt tokens (32768) and rows (1); BATCH8: configurations also run at batch 8;
 #             PREFILL8K: configurations whose 8k prefill runs with SubGen's kernel and its compiled step;
-#             PREFILL32K: configurations whose 32k prefill runs (none by default; "full,bumblebee")
+#             PREFILL32K: configurations whose 32k prefill runs (none by default; "full,bumblebee");
+#             PADDED8K: configurations whose 8k prefill runs on a left-padded batch of 2 (full,h2o)
 #   BENCH_S / CONFIG_S / TESTS_S   seconds for the whole bench, one configuration, tests_gpu
 #             (TESTS_S=0 skips the tests); PROFILE: configurations to profile (torch.profiler)
 #   OUT       where the JSON lines and the test log go (default results/gpu)
@@ -63,6 +64,14 @@ if [ -n "$PREFILL32K" ]; then
   echo "== bench_gpu.py, prefill 32k: $PREFILL32K"
   timeout "${PREFILL32K_S:-400}" "$PYTHON" benchmarks/bench_gpu.py --context 32768 --batch 1 --decode-tokens 4 \
     --timeout "${CONFIG32K_S:-300}" --configs "$PREFILL32K" --out "$OUT/bench_gpu_quick_prefill32k.jsonl"
+fi
+# Issue 25: a left-padded batch's prefill (rows 1, 3, ... of 2 padded by 1,024 tokens): its column
+# sums from flash attention row by row, beside the full cache's (PADDED8K="" skips them; ~1 minute).
+PADDED8K=${PADDED8K-full,h2o}
+if [ -n "$PADDED8K" ]; then
+  echo "== bench_gpu.py, prefill 8k, batch 2, left padding 1024: $PADDED8K"
+  timeout "${PADDED_S:-150}" "$PYTHON" benchmarks/bench_gpu.py --context 8192 --batch 2 --left-padding 1024 \
+    --decode-tokens 4 --timeout "${CONFIG_S:-90}" --configs "$PADDED8K" --out "$OUT/bench_gpu_quick_padded8k.jsonl"
 fi
 if [ "${TESTS_S:-200}" != 0 ]; then
   echo "== tests_gpu"

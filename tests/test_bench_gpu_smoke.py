@@ -129,3 +129,34 @@ def test_configuration_names_are_checked_and_compile_rows_added(capsys):
     with pytest.raises(SystemExit) as refused:
         _run("--configs", "tova,nosuch", "--out", "/nonexistent/never-written.jsonl")
     assert refused.value.code == 2 and "invalid config 'nosuch'" in capsys.readouterr().err
+
+
+def test_a_left_padded_batch_runs_with_its_mask_and_is_refused_where_it_cannot(tmp_path):
+    """``--left-padding``: every other row left-padded, the prefill and each eager decode step with the
+    attention mask (the rows a padded batch's column-sum route is measured by); recorded as a setting,
+    so a run without padding is not taken for it; refused with +compile/+graph, one row, or padding
+    that leaves no real token."""
+    out = tmp_path / "padded.jsonl"
+    configs = "stock-cudnn-off,h2o"
+    assert (
+        _run("--configs", configs, "--batch", "2", "--left-padding", "100", "--decode-tokens", "2", "--out", str(out))
+        == 0
+    )
+    rows = _lines(out)
+    assert [row["config"] for row in rows] == configs.split(",")
+    for row in rows:
+        assert "error" not in row, row
+        assert row["left_padding"] == 100 and row["batch"] == 2 and row["prefill_s"] > 0
+    assert rows[1]["budget_tokens"] == 51  # 10% of the 512-token prompt, the same in both rows
+    assert _bench_gpu().done(out, {**rows[1], "left_padding": 100})
+    assert not _bench_gpu().done(out, {**rows[1], "left_padding": 0})
+    for arguments in (
+        ("--configs", "tova+graph", "--batch", "2", "--left-padding", "8"),
+        ("--configs", "stock-static+compile", "--batch", "2", "--left-padding", "8"),
+        ("--configs", "h2o", "--batch", "1", "--left-padding", "8"),
+        ("--configs", "h2o", "--batch", "2", "--left-padding", "512"),
+    ):
+        with pytest.raises(SystemExit) as refused:
+            _run(*arguments, "--out", str(tmp_path / "refused.jsonl"))
+        assert refused.value.code == 2
+    assert not (tmp_path / "refused.jsonl").exists()
