@@ -652,7 +652,7 @@ def main(argv=None) -> int:
             parser.error(f"invalid --left-padding={args.left_padding}: expected 0 (none) or 1 to {context - 1} tokens")
         if args.batch < 2:
             parser.error(f"invalid --left-padding with --batch={args.batch}: it pads every other row, so --batch >= 2")
-        captured = [config for config in configs if parse_config(config)["graph"] or parse_config(config)["compiled"]]
+        captured = [config for config in configs if any(parse_config(config)[part] for part in ("graph", "compiled"))]
         if captured:
             parser.error(
                 f"invalid --left-padding with {', '.join(captured)}: a padded batch's decode passes a mask that grows "

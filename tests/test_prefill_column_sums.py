@@ -308,7 +308,29 @@ def test_transformers_mask_of_a_left_padded_batch_is_recognised_and_no_other(mod
     future[0, 0, 10, 11] = True  # a real query that sees the next token
     for other in (windowed, attends, hole, future, mask.float(), mask[:, :, 1:]):
         assert left_padding(other) is None
-    # The check compares a few query rows at a time on a long prompt: the same answers in pieces.
+    # The check compares a few query rows at a time on a long prompt: the same answers in pieces
+    # (fresh copies: an answer is kept per mask tensor).
     monkeypatch.setattr(column_sums_module, "_MASK_CHECK_ELEMENTS", 3 * 2 * tokens)
-    assert left_padding(mask) == [0, pad]
-    assert all(left_padding(other) is None for other in (windowed, attends, hole, future))
+    assert left_padding(mask.clone()) == [0, pad]
+    assert all(left_padding(other.clone()) is None for other in (windowed, attends, hole, future))
+
+
+def test_left_padding_checks_a_mask_once_until_it_changes_and_forgets_it_when_it_goes(monkeypatch):
+    """Every layer of a forward gets the same mask tensor: its check (and host read) runs once; a mask
+    changed in place is checked again; a freed mask leaves no entry behind."""
+    from kvhive.attention import column_sums as column_sums_module
+    from kvhive.attention.column_sums import left_padding
+
+    checks = []
+    check = column_sums_module._check_left_padding
+    monkeypatch.setattr(column_sums_module, "_check_left_padding", lambda mask: checks.append(1) or check(mask))
+    position = torch.arange(10)
+    real = position[None, :] >= torch.tensor([0, 3])[:, None]
+    mask = ((position[None, :] <= position[:, None])[None] & real[:, None, :])[:, None]
+    held = len(column_sums_module._LEFT_PADDING)
+    assert [left_padding(mask) for _ in range(4)] == [[0, 3]] * 4 and len(checks) == 1
+    mask[0, 0, 5, 2] = False  # in place: a hole
+    assert left_padding(mask) is None and left_padding(mask) is None and len(checks) == 2
+    assert len(column_sums_module._LEFT_PADDING) == held + 1
+    del mask
+    assert len(column_sums_module._LEFT_PADDING) == held

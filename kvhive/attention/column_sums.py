@@ -20,6 +20,7 @@ runs this kernel in Triton's interpreter against it).
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
@@ -196,12 +197,18 @@ def column_sums(
     return out
 
 
+def flash_runs_on(query: torch.Tensor) -> bool:
+    """Whether :func:`flash_attention_with_lse` may run on these queries: CUDA, float16/bfloat16, a
+    head dim of at most 256 (asked first where reaching it costs work, e.g. :func:`left_padding`)."""
+    return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256
+
+
 def flash_attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float):
     """Causal attention ``(output [B, Hq, q, d], lse [B, Hq, q] float32)`` by sdpa's flash kernel
     (CUDA, float16/bfloat16, no mask, ``q == N``), which returns the row log-sum-exp with its output;
     None where it does not run. Keys and values are given per stored head (flash attention reads
     a group's keys once); where the kernel refuses that, they are repeated per query head."""
-    if not (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256):
+    if not flash_runs_on(query):
         return None
     if key.shape[2] != query.shape[2]:
         return None
@@ -223,16 +230,38 @@ def flash_attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torc
 
 # Elements of the [B, rows, N] comparison left_padding makes at once (bounds its temporaries).
 _MASK_CHECK_ELEMENTS = 1 << 27
+# left_padding's answer per mask tensor (and its version): transformers builds one mask per forward
+# and hands the same tensor to every layer, so the check and its host read run once a forward, not
+# once a layer. By the mask's id, held by a weak reference whose callback removes the entry when the
+# mask is freed (a WeakKeyDictionary would compare two masks with ==, which is elementwise on tensors).
+# Each access is one dict operation (atomic under the interpreter lock): threads need no lock, and a
+# callback run by a collection in the middle of another access takes none.
+_LEFT_PADDING: dict[int, tuple[weakref.ref, int, list[int] | None]] = {}
 
 
 def left_padding(mask: torch.Tensor) -> list[int] | None:
     """Each batch row's padding ``p`` where ``mask`` ``[B, 1, N, N]`` (True = may attend) is exactly
     what transformers builds for a left-padded prompt: causal over the row's real tokens (its last
     ``N - p`` positions), its ``p`` padding queries attending nothing. None for any other mask (a
-    window, packed documents, padding queries that attend something). One host read: the padding
-    and the check come back together."""
+    window, packed documents, padding queries that attend something). One host read, the padding
+    and the check together, once per mask (the later layers of a forward reuse the answer)."""
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != mask.shape[3]:
         return None
+    key = id(mask)
+    known = _LEFT_PADDING.get(key)
+    if known is not None and known[0]() is mask and known[1] == mask._version:  # (an in-place change: again)
+        return known[2]
+    padding = _check_left_padding(mask)
+
+    def forget(_, key=key):
+        _LEFT_PADDING.pop(key, None)
+
+    _LEFT_PADDING[key] = (weakref.ref(mask, forget), mask._version, padding)
+    return padding
+
+
+def _check_left_padding(mask: torch.Tensor) -> list[int] | None:
+    """:func:`left_padding` computed (no memo)."""
     batch, _, n, _ = mask.shape
     # The last query sees every real token of its row: the padding is what it may not see.
     padding = n - mask[:, 0, -1].sum(dim=-1)

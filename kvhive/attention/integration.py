@@ -31,6 +31,7 @@ from kvhive.attention.column_sums import (
     column_sums,
     flash_attention_with_column_sums_by_row,
     flash_attention_with_lse,
+    flash_runs_on,
 )
 from kvhive.attention.column_sums import kernel_supports as column_sums_kernel_supports
 from kvhive.attention.varlen import (
@@ -526,8 +527,7 @@ def _attention_with_column_sums(query, key, value, mask, scaling):
     flash kernel gives the output with each row's log-sum-exp (a padded batch row by row over its
     real tokens) and the Triton kernel sums ``exp(q.k * scale - lse)`` per key
     (``kvhive.attention.column_sums``; its reference is the torch path)."""
-    half = query.dtype in (torch.float16, torch.bfloat16)  # (flash attention's dtypes)
-    if half and query.is_cuda and column_sums_kernel_supports(query, key):
+    if flash_runs_on(query) and column_sums_kernel_supports(query, key):
         if mask is None:
             flash = flash_attention_with_lse(query, key, value, scaling)
             if flash is not None:
