@@ -16,7 +16,6 @@ import contextvars
 import functools
 import sys
 import threading
-import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -222,7 +221,8 @@ def per_thread_attributes(module_name: str, *names: str) -> None:
     (``module.name``): a diagnostic such as "which path the last call took" then answers for the
     thread that asks, not for whichever thread ran last. Code in the module itself writes it
     through the module object (``sys.modules[__name__].name = ...``), as a ``global`` assignment
-    would bypass it."""
+    would bypass it. A later call adds its names to those of an earlier one (the module's class is
+    extended, not replaced)."""
     module = sys.modules[module_name]
     local = threading.local()
 
@@ -230,7 +230,7 @@ def per_thread_attributes(module_name: str, *names: str) -> None:
         return property(lambda _: getattr(local, name, None), lambda _, value: setattr(local, name, value))
 
     namespace = {name: attribute(name) for name in names}
-    module.__class__ = type(f"PerThread_{module_name.replace('.', '_')}", (types.ModuleType,), namespace)
+    module.__class__ = type(f"PerThread_{module_name.replace('.', '_')}", (type(module),), namespace)
 
 
 class CapturedLoops:

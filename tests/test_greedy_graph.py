@@ -460,6 +460,33 @@ def test_each_thread_reads_the_path_its_own_last_call_took():
     assert submodular.last_greedy_path is None
 
 
+def test_a_second_call_adds_per_thread_attributes_and_keeps_the_first():
+    """``per_thread_attributes`` called twice on one module: both names stay per thread (a second
+    call that replaced the module's class would turn the first name back into nothing)."""
+    import sys
+    import types
+
+    from kvhive.static_step import per_thread_attributes
+
+    module = types.ModuleType("kvhive_per_thread_probe")
+    sys.modules[module.__name__] = module
+    try:
+        per_thread_attributes(module.__name__, "first")
+        per_thread_attributes(module.__name__, "second")
+        module.first, module.second = "main first", "main second"
+        both_set = threading.Barrier(2)
+
+        def work(index):
+            module.first, module.second = f"first {index}", f"second {index}"
+            both_set.wait()
+            return module.first, module.second
+
+        assert run_in_threads(work, 2) == {0: ("first 0", "second 0"), 1: ("first 1", "second 1")}
+        assert (module.first, module.second) == ("main first", "main second")
+    finally:
+        del sys.modules[module.__name__]
+
+
 def test_released_captures_free_their_buffers_and_capture_again(monkeypatch, fresh_compiles):
     """static_step.release_captured_loops() drops the captured loops (their similarity matrix
     with them); the next selection of that shape captures again and keeps the same set."""
