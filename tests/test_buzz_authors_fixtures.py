@@ -16,7 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import LlamaConfig
 
+import kvhive.methods.buzz as buzz_module
+from kvhive.cache import KVHiveCache
 from kvhive.methods.base import DECODE, PREFILL, ScoringInputs
 from kvhive.methods.buzz import OLD, PREFILL_ROUNDS, SCORE, Buzz, layout_for_budget, small_stride
 
@@ -199,3 +202,124 @@ def test_mean_form_prefill_is_the_authors_pass_thinned_by_remark_2(name, prefill
     # The fewest rounds: one round fewer would not fit.
     fewer = their_samples(case)[0][:: step // small_stride(spec["stride"])]
     assert sink + len(fewer) + window > limit
+
+
+# ----------------------------------------------------------------------------------------------
+# The cache's own decode path. A real KVHiveCache holds a BUZZ layer in the fixed decode capacity
+# the method declares (``Buzz.fixed_decode_capacity``: the peak, or the budget after an eviction)
+# and runs every decode step through ``KVHiveCache.after_decode``: the method observes and decides
+# over the whole capacity (``ScoringInputs.filled`` set: ``Buzz._evict_in_capacity``, the device
+# decision a compiled step takes) and the cache compacts the kept slots in place. The cases above
+# call the policy's host decision directly; here the attention the case gives (the prefill column
+# sums and one row per decode step) is handed to the cache as its attention hands it over
+# (``ScoringInputs.accumulated_weights`` / ``last_query_weights``), everything else is the cache's.
+# ----------------------------------------------------------------------------------------------
+
+HEAD_DIM = 4
+
+
+def one_layer_cache(policy: Buzz, budget: int, heads: int) -> KVHiveCache:
+    config = LlamaConfig(
+        hidden_size=heads * HEAD_DIM,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=HEAD_DIM,
+        vocab_size=16,
+    )
+    cache = KVHiveCache(config, policy, budget)
+    assert cache.static_decode  # BUZZ decodes in a fixed capacity
+    return cache
+
+
+def cache_scoring(cache: KVHiveCache, phase: str, prefill_sums=None, row=None):
+    """The ScoringInputs the cache's attention builds for layer 0 (kvhive.attention.integration):
+    the prefill's dense view with the attention's column sums, or a decode step's view of the whole
+    capacity (empty slots masked) with the new query's weights over its slots (0 on empty ones)."""
+    store = cache.layers[0]
+    if phase == PREFILL:
+        keys, values, positions, token_scores = store.dense()
+        filled = mask = None
+    else:
+        keys, values, positions, token_scores, slots = store.decode_view()
+        mask = None if slots is None else slots.view(1, 1, 1, -1)
+        filled = store.length_device if store.fixed_capacity else None
+    heads = keys.shape[1]
+    last = None
+    if row is not None:
+        last = torch.zeros(1, heads, keys.shape[2])
+        last[..., : row.shape[-1]] = row
+    return ScoringInputs(
+        keys=keys,
+        values=values,
+        queries=torch.zeros(1, heads, 1, HEAD_DIM),
+        positions=positions,
+        mask=mask,
+        scaling=1.0,
+        layer_index=0,
+        num_layers=1,
+        sequence_length=store.tokens_seen,
+        phase=phase,
+        token_scores=dict(token_scores),
+        last_query_weights=last,
+        accumulated_weights=prefill_sums,
+        filled=filled,
+        known_filled=store.known_length,
+        stored_in_order=store.stored_in_order,
+    )
+
+
+def stored_positions(cache: KVHiveCache) -> list[list[int]]:
+    """The positions layer 0 holds, oldest first (the filled slots of its capacity)."""
+    store = cache.layers[0]
+    positions = store.dense()[2]
+    return positions[0].tolist()
+
+
+def decode_through_the_cache(policy: Buzz, budget: int, case: dict) -> int:
+    """Prefill and every decode step of ``case`` through a KVHiveCache; the kept positions compared
+    with the authors' after each call. Returns the number of decode evictions."""
+    sums = torch.tensor(case["prefill_column_sums"], dtype=torch.float32)[None]
+    heads, prompt = sums.shape[1], sums.shape[2]
+    cache = one_layer_cache(policy, budget, heads)
+    store = cache.layers[0]
+    store.update(torch.randn(1, heads, prompt, HEAD_DIM), torch.randn(1, heads, prompt, HEAD_DIM))
+    cache.after_prefill(0, lambda phase: cache_scoring(cache, phase, prefill_sums=sums))
+    assert stored_positions(cache) == case["kept_positions"][0]
+    assert store.bounded_capacity, "the layer decodes in the fixed capacity BUZZ declares"
+    capacity = store.buffers()[0].shape[2]  # slots per row and head
+    assert capacity == max(budget, policy.layout(budget).peak) + 1  # the bound plus the new token
+    evictions = 0
+    for step, row in enumerate(case["decode_attention_rows"]):
+        before = store.dense_length + 1
+        store.update(torch.randn(1, heads, 1, HEAD_DIM), torch.randn(1, heads, 1, HEAD_DIM))
+        row = torch.tensor(row, dtype=torch.float32)[None]
+        assert row.shape[-1] == before  # the row covers the stored tokens and the new one
+        cache.after_decode(0, lambda phase, row=row: cache_scoring(cache, phase, row=row))
+        assert store.buffers()[0].shape[2] == capacity, "the capacity keeps its shape"
+        evictions += store.dense_length < before
+        assert stored_positions(cache) == case["kept_positions"][step + 1], f"decode step {step}"
+    return evictions
+
+
+@pytest.mark.parametrize("static_step", [False, True], ids=["eager", "compiled-step-decision"])
+@pytest.mark.parametrize("name", ["fits", "stride3"])
+def test_the_cache_s_fixed_capacity_decode_keeps_the_authors_positions(name, static_step, monkeypatch):
+    """Eager: the host schedule skips the steps that evict nothing and runs the device decision at
+    each eviction. Compiled-step decision: the device decision at every step, as a traced or captured
+    step runs it (``in_static_step``), keeping every filled slot where it evicts nothing."""
+    if static_step:
+        monkeypatch.setattr(buzz_module, "in_static_step", lambda: True)
+    case = CASES[name]
+    policy, budget = policy_and_budget(case)
+    assert decode_through_the_cache(policy, budget, case) >= 5
+
+
+@pytest.mark.parametrize("name", ["mean_fits", "mean_fits_stride3"])
+def test_the_cache_s_fixed_capacity_decode_keeps_the_authors_positions_in_the_mean_form(name):
+    """Mean form: the capacity is the peak k + w + T (above the budget C); the cache asks for a
+    decision at every step past C and BUZZ evicts only past T."""
+    case = MEAN_CASES[name]
+    policy, budget = mean_policy(case, "budget")
+    assert decode_through_the_cache(policy, budget, case) >= 5

@@ -18,11 +18,13 @@ its own).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import shlex
 import sys
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,7 @@ from kvhive.models.embedded import DEFAULT_MODEL
 
 from .backend import DEFAULT_DTYPE, DTYPES, Backend, parse_budgets
 from .report import write_report
-from .results import read_results
+from .results import ResultsLineSkipped, read_results
 from .runner import run_eval, validate_out_dir
 from .suites import SUITES, get_suite
 
@@ -170,6 +172,25 @@ def resolve_eval_grid(args: argparse.Namespace) -> dict[str, Any]:
     return {"tasks": tasks, "methods": methods, "budgets": budgets, "limit": limit, "out_dir": out, "dtype": dtype}
 
 
+@contextlib.contextmanager
+def lines_said(command: str) -> Iterator[None]:
+    """Say on stderr, one line each, the lines of results.jsonl that the block skipped or dropped
+    (:class:`ResultsLineSkipped` warnings, each once), naming the file and line."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResultsLineSkipped)
+        try:
+            yield
+        finally:
+            said = set()
+            for warning in caught:
+                message = str(warning.message)
+                if not issubclass(warning.category, ResultsLineSkipped):
+                    warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+                elif message not in said:
+                    said.add(message)
+                    print(f"kvhive {command}: {message}", file=sys.stderr)
+
+
 def run_eval_command(args: argparse.Namespace) -> int:
     factory = getattr(args, "backend_factory", None)
     if factory is None:
@@ -189,10 +210,11 @@ def run_eval_command(args: argparse.Namespace) -> int:
         dtype=dtype,
     )
     try:
-        if getattr(args, "ray", None) is not None or getattr(args, "workers", None) is not None:
-            run = _run_eval_on_ray(args, factory, grid_arguments, options)
-        else:
-            run = run_eval(factory(args.model), *grid_arguments, model_name=args.model, **options)
+        with lines_said("eval"):
+            if getattr(args, "ray", None) is not None or getattr(args, "workers", None) is not None:
+                run = _run_eval_on_ray(args, factory, grid_arguments, options)
+            else:
+                run = run_eval(factory(args.model), *grid_arguments, model_name=args.model, **options)
     except KeyboardInterrupt:
         # Every finished result is already durable (one fsync per line); say so and how to go on.
         try:
@@ -211,7 +233,8 @@ def run_eval_command(args: argparse.Namespace) -> int:
             "see their reason in the report): rerun the same command to retry them"
         )
     if not args.no_report:
-        write_report(grid["out_dir"])
+        with lines_said("report"):
+            write_report(grid["out_dir"])
         print(f"report: {Path(grid['out_dir']) / 'report.md'}")
     return 0
 
@@ -247,7 +270,8 @@ def run_report_command(args: argparse.Namespace) -> int:
     for other in args.compare:
         if not (Path(other) / "results.jsonl").exists():
             raise SystemExit(f"kvhive report: --compare {other}: no results.jsonl there")
-    write_report(out, margin=args.margin, include_claims=include, compare=args.compare)
+    with lines_said("report"):
+        write_report(out, margin=args.margin, include_claims=include, compare=args.compare)
     print(f"report: {Path(out) / 'report.md'}")
     return 0
 

@@ -15,6 +15,7 @@ import itertools
 import json
 import math
 import re
+import warnings
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -26,7 +27,7 @@ from .backend import DEFAULT_DTYPE, FULL_METHOD
 from .environment import kvhive_commit, package_versions, versions_text
 from .memory import held_memory
 from .metrics import aggregate_item_metrics
-from .results import TRANSIENT_STATUS, ResultsSummary, read_results
+from .results import TRANSIENT_STATUS, ResultsLineSkipped, ResultsSummary, read_results, scan_results
 
 REPORT_FILE = "report.md"
 RERUN_HINT = " (rerun the same `kvhive eval` command to retry them)"
@@ -559,7 +560,9 @@ def write_report(
     (:func:`claims_comparison`), this run first.
     """
     out = Path(out_dir)
-    records = read_results(out)
+    records, skipped = scan_results(out)
+    for line in skipped:
+        warnings.warn(f"{line}: skipped", ResultsLineSkipped, stacklevel=2)
     summary = ResultsSummary(records)
     models = sorted({str(r.get("model")) for r in records})
     seeds = sorted({str(r.get("seed")) for r in records})
@@ -569,6 +572,7 @@ def write_report(
         "# kvhive evaluation report",
         "",
         f"- results: `{out / 'results.jsonl'}` ({len(records)} records)",
+        *(f"- skipped line {line.number} of `results.jsonl`: {md_text(line.reason)}" for line in skipped),
         f"- model: {_model_text(models) or '–'}; dtype: {md_text(', '.join(dtypes))}; "
         f"seed: {md_text(', '.join(seeds)) or '–'}" + (f"; suite: {md_text(', '.join(suites))}" if suites else ""),
         f"- items per task: {_items_text(summary)}",

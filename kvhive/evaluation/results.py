@@ -2,9 +2,13 @@
 
 One JSON object per line, one line per (task, item, method, budget). Appends are single
 ``os.write`` calls on an ``O_APPEND`` descriptor followed by ``fsync``, so after a SIGKILL the
-file holds whole lines plus at most one partial last line; :func:`repair_results_file` cuts that
-partial line off before a run appends again, and readers ignore it. An exclusive ``flock`` on
-``OUT/.results.lock`` keeps two runs from writing the same file at once.
+file holds whole lines plus at most one partial last line. Before a run appends again,
+:func:`repair_results_file` settles a last line without a newline: a complete record (written by
+another tool, or a newline lost) gets its newline and is kept; only a line that does not parse is
+cut off, with a warning naming the file and line. Readers do the same without writing: they keep
+a complete last record and skip, with a warning (:class:`ResultsLineSkipped`), a line that does
+not parse. An exclusive ``flock`` on ``OUT/.results.lock`` keeps two runs from writing the same
+file at once.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import os
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,48 +65,96 @@ def result_key(record: dict) -> tuple[str, str, str, str]:
     return (record["task"], str(record["item_id"]), record["method"], budget_key(record["budget"]))
 
 
-def repair_results_file(path: Path) -> int:
-    """Truncate a partial last line (no trailing newline) left by a killed writer; returns the
-    number of bytes removed."""
+class ResultsLineSkipped(UserWarning):
+    """A line of ``results.jsonl`` that is not a record was skipped (or, by a run, dropped)."""
+
+
+@dataclass(frozen=True)
+class SkippedLine:
+    """A line of ``results.jsonl`` that holds no record: its number (from 1) and why."""
+
+    path: Path
+    number: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: line {self.number}: {self.reason}"
+
+
+# What readers catch when a line is not a record: not JSON, not UTF-8, or JSON without a key's fields.
+_NOT_A_RECORD = (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError)
+
+
+def _parse_record(line: bytes) -> tuple[dict, tuple] | None:
+    """``(record, key)`` of one line, or None when it is not a record."""
+    try:
+        record = json.loads(line)
+        return record, result_key(record)
+    except _NOT_A_RECORD:
+        return None
+
+
+def settle_last_line(path: Path) -> SkippedLine | None:
+    """Settle a last line without a trailing newline: a complete record gets its newline (kept, so
+    a rerun neither loses nor recomputes it); a line that does not parse (a writer killed mid-line)
+    is cut off and returned, with the bytes dropped in its reason; None when nothing was dropped."""
     if not path.exists():
-        return 0
+        return None
     with open(path, "r+b") as handle:
         data = handle.read()
         if not data or data.endswith(b"\n"):
-            return 0
+            return None
         keep = data.rfind(b"\n") + 1  # 0 when there is no complete line at all
-        handle.truncate(keep)
+        dropped = None
+        if _parse_record(data[keep:]) is not None:
+            handle.write(b"\n")  # the file position is at its end after the read
+        else:
+            handle.truncate(keep)
+            if data[keep:].strip():  # (trailing blanks are no record: cut without a word)
+                reason = (
+                    f"dropped {len(data) - keep} bytes, an incomplete last record (a writer stopped mid-line); "
+                    "its setting is computed again"
+                )
+                dropped = SkippedLine(path, data.count(b"\n") + 1, reason)
         handle.flush()
         os.fsync(handle.fileno())
-        return len(data) - keep
+        return dropped
 
 
-def read_results(out_dir: str | Path) -> list[dict]:
-    """All complete, well-formed records, one per key: the latest record of a key wins (a rerun
-    replaces a ``transient`` record), at the place of the key's first record.
+def repair_results_file(path: Path) -> int:
+    """:func:`settle_last_line` with a :class:`ResultsLineSkipped` warning naming the file and line
+    it dropped; returns the number of bytes removed (0 when the last line was kept)."""
+    before = path.stat().st_size if path.exists() else 0
+    dropped = settle_last_line(path)
+    if dropped is not None:
+        warnings.warn(str(dropped), ResultsLineSkipped, stacklevel=2)
+    return max(0, before - (path.stat().st_size if path.exists() else 0))
 
-    A partial last line is ignored; a malformed complete line is skipped with a warning; a record
-    whose metrics are not numbers raises ``ValueError`` naming the file and line (averaging it
-    would either crash or report a number that is not what it says).
-    """
+
+def scan_results(out_dir: str | Path) -> tuple[list[dict], list[SkippedLine]]:
+    """All records, one per key (the latest record of a key wins, at the place of the key's first
+    record), and the lines that hold no record: a malformed line, or a last line without a newline
+    that does not parse (a writer killed mid-line; a complete last record is kept). A record whose
+    metrics are not numbers raises ``ValueError`` naming the file and line (averaging it would
+    either crash or report a number that is not what it says)."""
     path = results_path(out_dir)
     if not path.exists():
-        return []
+        return [], []
     data = path.read_bytes()
     lines = data.split(b"\n")
-    if not data.endswith(b"\n"):
-        lines = lines[:-1]  # partial last line (writer killed mid-line)
     records: list[dict] = []
+    skipped: list[SkippedLine] = []
     index_of: dict[tuple, int] = {}
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-            key = result_key(record)
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError):
-            warnings.warn(f"{path}: line {number}: skipping a malformed record", stacklevel=2)
+        parsed = _parse_record(line)
+        if parsed is None:
+            last = number == len(lines)  # no newline after it
+            reason = "incomplete last record (a writer stopped mid-line)" if last else "malformed record"
+            skipped.append(SkippedLine(path, number, reason))
             continue
+        record, key = parsed
         problem = _metrics_problem(record)
         if problem is not None:
             raise ValueError(f"{path}: line {number}: {problem}")
@@ -110,6 +163,15 @@ def read_results(out_dir: str | Path) -> list[dict]:
             continue
         index_of[key] = len(records)
         records.append(record)
+    return records, skipped
+
+
+def read_results(out_dir: str | Path) -> list[dict]:
+    """The records of :func:`scan_results`; each line that holds no record is skipped with a
+    :class:`ResultsLineSkipped` warning naming the file and line."""
+    records, skipped = scan_results(out_dir)
+    for line in skipped:
+        warnings.warn(f"{line}: skipped", ResultsLineSkipped, stacklevel=2)
     return records
 
 
@@ -132,7 +194,12 @@ class ResultsWriter:
             raise ResultsLockedError(
                 f"another evaluation run is writing to {self.path}; wait for it or use another --out"
             ) from None
-        self.repaired_bytes = repair_results_file(self.path)
+        # A last line without a newline: kept when it is a complete record, else dropped and said.
+        self.dropped: list[SkippedLine] = []
+        dropped = settle_last_line(self.path)
+        if dropped is not None:
+            warnings.warn(str(dropped), ResultsLineSkipped, stacklevel=2)
+            self.dropped.append(dropped)
         self.records = read_results(self.path)
         # Keys a rerun skips; a key whose latest record is transient is retried.
         self.done = {result_key(r) for r in self.records if is_done(r)}

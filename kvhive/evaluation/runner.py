@@ -15,7 +15,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -66,6 +66,9 @@ class EvalRun:
     skipped: int  # already in results.jsonl before this run
     written: int  # appended by this run
     transient: int = 0  # results of the grid whose latest record is transient: a rerun retries them
+    # Lines of results.jsonl this run dropped before appending ("<file>: line N: why"): an incomplete
+    # last record (a writer stopped mid-line), whose setting the run computed again.
+    dropped: list[str] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- argument resolution
@@ -395,7 +398,12 @@ def run_eval(
         }
         transient = len(writer.transient & grid_keys)
     return EvalRun(
-        results_path=out_path / RESULTS_FILE, total=total, skipped=skipped, written=written, transient=transient
+        results_path=out_path / RESULTS_FILE,
+        total=total,
+        skipped=skipped,
+        written=written,
+        transient=transient,
+        dropped=[str(line) for line in writer.dropped],
     )
 
 
