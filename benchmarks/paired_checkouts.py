@@ -199,7 +199,7 @@ def main() -> None:
     )
     parser.add_argument("--a", required=True, help="the first checkout (before)")
     parser.add_argument("--b", required=True, help="the second checkout (after)")
-    parser.add_argument("--script", default=str(DEFAULT_SCRIPT), help="default: benchmarks/bench_decode_cpu.py")
+    parser.add_argument("--script", default=None, help="default: benchmarks/bench_decode_cpu.py (this checkout's)")
     parser.add_argument("--script-per-checkout", action="store_true", help="run each checkout's own copy of --script")
     parser.add_argument("--rounds", type=int, default=3, help="runs per checkout, interleaved")
     parser.add_argument("--python", default=sys.executable)
@@ -209,10 +209,13 @@ def main() -> None:
     passthrough = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     checkouts = {"a": Path(args.a).resolve(), "b": Path(args.b).resolve()}
-    scripts = {
-        side: (checkout / args.script if args.script_per_checkout else Path(args.script).resolve())
-        for side, checkout in checkouts.items()
-    }
+    if args.script_per_checkout:
+        own = Path(args.script or DEFAULT_SCRIPT.relative_to(HERE.parent))
+        if own.is_absolute():
+            raise SystemExit("--script-per-checkout: give --script relative to the checkouts' root")
+        scripts = {side: checkout / own for side, checkout in checkouts.items()}
+    else:
+        scripts = {side: Path(args.script or DEFAULT_SCRIPT).resolve() for side in checkouts}
     for side, script in scripts.items():
         if not script.exists():
             raise SystemExit(f"no script {script} for checkout {side}")
