@@ -16,6 +16,16 @@ the remaining difference:
   code do) instead of kvhive's ``count_include_pad=False``.
 * ``force_last_token``: TOVA always keeps the last prompt token (kvpress pads its score with
   ``max + 1``); kvhive, like the TOVA paper, lets it compete on its attention weight.
+* ``safeguard_counts_window``: Ada-KV's safeguard. kvpress's ``AdaKVPress`` gives every head its
+  own top ``int(alpha * n_kept)`` scores, counted over all its tokens, the observation window
+  included (SnapKV scores the window ``max + 1``, so the window is the first of them); kvhive's
+  ``allocation="kvpress"`` gives every head its window and then its own top ``floor(alpha * b')``
+  of the ``b' = b - window`` selected tokens. The ablation runs kvhive with the alpha whose
+  ``floor(alpha * b')`` is ``max(0, int(alpha * n_kept) - window)``: kvpress's safeguard beyond the
+  window.
+
+A press named with ``inner_press`` wraps a scorer press (``AdaKVPress(press=...)``): ``press_kwargs``
+are the wrapper's, ``inner_press_kwargs`` the scorer's (``compression_ratio`` goes to the scorer).
 """
 
 from __future__ import annotations
@@ -69,6 +79,27 @@ CASES = [
     ),
     # kvpress KnormPress: score = -||k||, keep the smallest key norms.
     dict(case="knorm", press="KnormPress", press_kwargs=dict(), method="knorm", method_kwargs=dict()),
+    # kvpress AdaKVPress(SnapKVPress) defaults: alpha_safeguard=0.20, head-wise budgets over the KV heads (the
+    # SnapKV scores pooled per query head, then averaged over the group); kvhive's Ada-SnapKV with kvpress's
+    # allocation rule, per KV head, the same pooling order.
+    dict(
+        case="ada-snapkv",
+        press="AdaKVPress",
+        press_kwargs=dict(alpha_safeguard=0.2),
+        inner_press="SnapKVPress",
+        inner_press_kwargs=dict(window_size=64, kernel_size=5),
+        method="ada-snapkv",
+        method_kwargs=dict(
+            window=64,
+            kernel=5,
+            pooling="avg",
+            group_pooling="pool_then_mean",
+            allocation="kvpress",
+            alpha=0.2,
+            head_granularity="kv",
+        ),
+        ablations=["safeguard_counts_window"],
+    ),
     # kvpress PyramidKVPress defaults: window_size=64, kernel_size=5, beta=20 (SnapKV scoring).
     dict(
         case="pyramidkv",

@@ -53,32 +53,50 @@ EXPLANATIONS = {
     ),
     "tova": (
         "Same scores: the last prompt query's softmax attention averaged over **all** query heads of the layer "
-        "(one set shared by every KV head, on both sides). One deliberate difference: kvpress always keeps the "
-        "last prompt token (it pads its score with max + 1; its docstring calls this 'a very slight difference "
-        "from TOVA'); kvhive follows the TOVA paper and lets the last token compete on its attention weight. "
-        "Where the last token's own averaged attention falls below the cut (see *last-token* below), kvpress "
-        "keeps it and kvhive keeps the next-best token instead; the `force_last_token` ablation removes every "
-        "difference. Tie-breaking: both sides take `torch.topk` of the same float32 scores and kvhive adds no "
-        "tie rule of its own for TOVA; there are no exact score ties at the cut here (*ties* column)."
+        "(one set shared by every KV head, on both sides; kvpress slices off the last key after the softmax, so "
+        "the other tokens' weights are equal). One deliberate difference: kvpress always keeps the last prompt "
+        "token (it pads its score with max + 1; its docstring calls this 'a very slight difference from TOVA'); "
+        "kvhive follows the TOVA paper and lets the last token compete on its own attention weight. Where that "
+        "weight falls below the cut (*last-token* below: the last token is kept by kvpress only), kvhive keeps "
+        "the next-best token instead (*displaced*); the `force_last_token` ablation (the last token made one of "
+        "the scorer's protected tokens, `ScorerPolicy.protected`, kvhive's selection otherwise unchanged) "
+        "removes every difference."
     ),
     "knorm": (
         "Same rule: keep the keys with the smallest L2 norm per KV head (kvpress: score = -||k|| in float32; "
-        "kvhive: top-k of -||k|| in float32; keys after RoPE on both sides, which does not change norms). "
-        "Exact norm ties at the cut do occur (*ties* column: in layer 0, repeated token ids give keys that differ "
-        "only by the RoPE rotation, hence equal norms) and are broken identically: both sides call `torch.topk` on "
-        "bitwise-equal float32 scores in the same order."
+        "kvhive: the same score in float32; keys after RoPE on both sides, which does not change norms). Exact "
+        "norm ties at the cut do occur (*ties* column: in layer 0, repeated token ids give keys that differ only "
+        "by the RoPE rotation, hence equal norms), and there the two libraries may keep different tokens: kvhive "
+        "keeps the **later** of tied tokens (`kvhive.methods.base.top_indices`: a stable sort, so a row keeps the "
+        "same tied token whatever its length or batch), kvpress whichever `torch.topk` returns (its order among "
+        "equal values is not specified)."
+    ),
+    "ada-snapkv": (
+        "Head-wise budgets over SnapKV's scores (average pooling, pooled per query head then averaged over the "
+        "group, as kvpress's `SnapKVPress`), allocated per KV head with kvpress's rule on both sides "
+        '(`allocation="kvpress"`, `head_granularity="kv"`): every head keeps its observation window and '
+        "a safeguard of its own top scores, the rest of the layer's `H × n_kept` goes to the largest scores "
+        "over all heads (kvpress keeps every key and masks the pruned ones, `module.masked_key_indices`; the "
+        "kept sets compared are the unmasked positions). The safeguards are counted differently: kvpress's "
+        "`int(alpha × n_kept)` top scores per head include the window (scored max + 1), kvhive's "
+        "`floor(alpha × (n_kept − window))` come on top of it; the `safeguard_counts_window` ablation gives "
+        "kvhive kvpress's count. Where the matched run is already identical, no head's share of the global "
+        "ranking fell below either safeguard on this prompt (neither binds)."
     ),
     "pyramidkv": (
         "Selection inside a layer is SnapKV's on both sides (identical at kvpress's per-layer counts). The "
-        "**layer budgets differ by design**. With "
-        "b = N(1 - c) the average kept count: kvpress (`PyramidKVPress.get_layer_budget`) keeps, *window "
-        "included*, a line from `max_num = 2b - b/beta` (first layer) to `min_num = b/beta` (last); when "
-        "`max_num > N - window` it caps `max_num = N - window` and sets `min_num = 2b - max_num`, and it falls "
-        "back to uniform SnapKV when `min_num < window`. kvhive (`pyramid_budgets`, default "
-        "`window_in_pyramid=False`, as the PyramidKV reference code) keeps `window + p_l` with the line `p_l` "
-        "from `2(b - window) - (b - window)/beta` to `(b - window)/beta`, rounded to sum exactly to b·L; a layer "
-        "target above N is capped at N and the excess goes to the other layers (as the reference code). Both keep "
-        "b·L in total; kvhive's last layers keep more and its first fewer (see *Kept counts*)."
+        "**layer budgets differ by design**. With b = N(1 - c) the average kept count: kvpress "
+        "(`PyramidKVPress.get_layer_budget`) keeps, *window included*, a line from `max_num = 2b - b/beta` "
+        "(first layer) to `min_num = b/beta` (last); when `max_num ≥ N - window` it caps `max_num = N - window` "
+        "and sets `min_num = 2b - max_num`; it falls back to uniform SnapKV (`round(N(1 - c))` per layer) only "
+        "when `N ≥ max_num ≥ min_num ≥ window` fails (its docstring: it 'always applies compression_ratio, "
+        "instead of ... keeping fixed budget for short queries like the original code'). kvhive "
+        "(`pyramid_budgets`, default `window_in_pyramid=False`, as the PyramidKV reference code "
+        "`PyramidKVCluster.update_kv`) keeps `window + p_l` with the line `p_l` from "
+        "`2(b - window) - (b - window)/beta` to `(b - window)/beta`, rounded to sum exactly to b·L, the first "
+        "layer's share capped at `N - window` and the last raised by as much; and, as the reference code, a "
+        "prompt shorter than `2(b - window)` gets the **uniform** budget b in every layer (SnapKV). Both keep "
+        "b·L in total (see *Kept counts* for which rule each side took at each ratio)."
     ),
 }
 
@@ -114,7 +132,8 @@ def classify(case: dict, press_run: dict, hive_layers: list[dict], num_tokens: i
     of the pooled prefix (avg pooling with/without the zero padding counted); ``last-token``: kvpress
     keeps the last prompt token that kvhive does not; ``displaced``: the token the other side keeps
     instead of one of those (a matched run keeps equal counts, so every edge/last-token swap pushes
-    one token across the cut); ``near-tie``: both tokens' kvpress scores are within NEAR_TIE of the
+    one token across the cut); ``tie-order``: the token's kvpress score equals the cut exactly (the
+    sides broke an exact tie differently); ``near-tie``: its kvpress score is within NEAR_TIE of the
     cut; ``other``: anything else (would be a real difference).
     """
     params = case["method_kwargs"]
@@ -124,7 +143,7 @@ def classify(case: dict, press_run: dict, hive_layers: list[dict], num_tokens: i
         prefix = num_tokens - window
         half = kernel // 2
         edges = set(range(0, half)) | set(range(prefix - half, prefix))
-    counts = {"edge-pooling": 0, "last-token": 0, "displaced": 0, "near-tie": 0, "other": 0}
+    counts = {"edge-pooling": 0, "last-token": 0, "displaced": 0, "tie-order": 0, "near-tie": 0, "other": 0}
     ties = 0
     for press_layer, hive_layer in zip(press_run["layers"], hive_layers, strict=True):
         for head, (a, b) in enumerate(zip(press_layer["kept"], hive_layer["kept"], strict=True)):
@@ -156,12 +175,49 @@ def classify(case: dict, press_run: dict, hive_layers: list[dict], num_tokens: i
             counts["displaced"] += take
             rest_hive = rest_hive[take:]
             for token in rest_press + rest_hive:
-                if scores is not None and near_tie(scores, len(a), token):
+                if (
+                    scores is not None
+                    and exact_ties_at_cut(scores, len(a))
+                    and scores[token] == _cut(scores, len(a))[0]
+                ):
+                    counts["tie-order"] += 1
+                elif scores is not None and near_tie(scores, len(a), token):
                     counts["near-tie"] += 1
                 else:
                     counts["other"] += 1
     counts["exact-ties-at-cut"] = ties
     return counts
+
+
+def tie_breaks(press_run: dict, hive_layers: list[dict]) -> list[dict]:
+    """Every exact score tie at a head's cut in kvpress's scores that the cut splits (some tied
+    tokens kept, some not), with the tied tokens each side kept (a matched run: equal counts)."""
+    found = []
+    for press_layer, hive_layer in zip(press_run["layers"], hive_layers, strict=True):
+        for head, scores in enumerate(press_layer.get("scores", [])):
+            kept, hive_kept = set(press_layer["kept"][head]), set(hive_layer["kept"][head])
+            cut = _cut(scores, len(kept))[0]
+            tied = [token for token, score in enumerate(scores) if score == cut]
+            chosen = [token for token in tied if token in kept]
+            if len(tied) > 1 and len(chosen) < len(tied):
+                hive_chosen = [token for token in tied if token in hive_kept]
+                found.append(dict(layer=press_layer["layer"], head=head, tied=tied, kvpress=chosen, kvhive=hive_chosen))
+    return found
+
+
+def ties_text(rows: list[dict]) -> str:
+    """What the matched runs of one case did at the exact ties their cut split."""
+    parts = []
+    for row in rows:
+        for tie in row["ties"]:
+            same = "the same" if tie["kvpress"] == tie["kvhive"] else "different"
+            parts.append(
+                f"c={row['ratio']:g} layer {tie['layer']} head {tie['head']}: tied {tie['tied']}, kvpress keeps "
+                f"{tie['kvpress']}, kvhive {tie['kvhive']} ({same})"
+            )
+    if not parts:
+        return "No exact score tie at the cut in this run."
+    return "Exact ties at the cut in this run (matched counts): " + "; ".join(parts) + "."
 
 
 def _cut(scores: list[float], n_kept: int) -> tuple[float, float]:
@@ -225,13 +281,15 @@ def main() -> None:
                 unavailable.append((key, hive_run["error"]))
                 continue
             press_counts = [layer["n_kept"] for layer in press_run["layers"]]
-            hive_counts = [layer["n_kept"][0] for layer in hive_run["native"]]
+            # Kept tokens per head, the mean over the heads (Ada-KV's heads keep different counts).
+            hive_counts = [mean_count(layer["n_kept"]) for layer in hive_run["native"]]
             native = set_metrics(press_run["layers"], hive_run["native"])
             matched = set_metrics(press_run["layers"], hive_run["matched"]) if "matched" in hive_run else None
             ablations = {
                 name: set_metrics(press_run["layers"], layers) for name, layers in hive_run.get("ablations", {}).items()
             }
             causes = classify(case, press_run, hive_run["matched"], num_tokens) if "matched" in hive_run else None
+            ties = tie_breaks(press_run, hive_run["matched"]) if "matched" in hive_run else []
             rows.append(
                 dict(
                     key=key,
@@ -243,23 +301,55 @@ def main() -> None:
                     matched=matched,
                     ablations=ablations,
                     causes=causes,
+                    ties=ties,
                     variant=case.get("variant", False),
                 )
             )
             if case["method"] == "pyramidkv":
                 targets = [layer.get("budget") for layer in hive_run["native"]]
-                pyramid_rows.append((ratio, press_counts, hive_counts, targets if None not in targets else None))
+                rules = pyramid_rules(case, ratio, num_tokens)
+                pyramid_rows.append((ratio, press_counts, hive_counts, targets if None not in targets else None, rules))
 
-    lines = render(
-        rows, pyramid_rows, unavailable, press_data["meta"], hive_data["meta"], num_tokens, num_layers, config
-    )
+    if unavailable:
+        # A table with a case missing is not a cross-check: say why and leave RESULTS.md as it is.
+        for key, why in unavailable:
+            print(f"not compared: {key}: {why}", file=sys.stderr)
+        sys.exit(f"compare: {len(unavailable)} case(s) could not be compared; {args.results} was not written")
+    lines = render(rows, pyramid_rows, press_data["meta"], hive_data["meta"], num_tokens, num_layers, config)
     text = "\n".join(lines) + "\n"
     args.results.write_text(text)
     print(text)
     print(f"wrote {args.results}")
 
 
-def render(rows, pyramid_rows, unavailable, press_meta, hive_meta, num_tokens, num_layers, config) -> list[str]:
+def pyramid_rules(case: dict, ratio: float, num_tokens: int) -> str:
+    """Which layer-budget rule each side takes at kvpress ratio ``ratio`` on ``num_tokens`` tokens
+    (the rules of the *pyramidkv* explanation, computed from the prompt length and the settings)."""
+    window, beta = case["press_kwargs"]["window_size"], case["press_kwargs"]["beta"]
+    b = num_tokens * (1 - ratio)  # kvpress's average (not rounded)
+    min_num, max_num = b / beta, 2 * b - b / beta
+    if max_num >= num_tokens - window:
+        max_num = num_tokens - window
+        min_num = 2 * b - max_num
+    press_pyramid = num_tokens >= max_num >= min_num >= window
+    press = "its pyramid" if press_pyramid else "its uniform fallback (`N ≥ max_num ≥ min_num ≥ window` fails)"
+    hive_budget = max(1, round((1 - ratio) * num_tokens))
+    short = num_tokens < 2 * (hive_budget - window)
+    hive = (
+        f"the reference code's short-prompt rule, uniform (N = {num_tokens} < 2(b − window) = "
+        f"{2 * (hive_budget - window)})"
+        if short
+        else f"its pyramid (N = {num_tokens} ≥ 2(b − window) = {2 * (hive_budget - window)})"
+    )
+    return f"kvpress takes {press}, kvhive {hive}"
+
+
+def mean_count(counts: list[int]) -> int | float:
+    """Mean kept tokens per head: an int where the heads' total divides evenly."""
+    return sum(counts) // len(counts) if sum(counts) % len(counts) == 0 else sum(counts) / len(counts)
+
+
+def render(rows, pyramid_rows, press_meta, hive_meta, num_tokens, num_layers, config) -> list[str]:
     out = ["# kvhive vs kvpress: cross-check of the kept KV positions", ""]
     out += [
         "Generated by `crosscheck/compare.py` (run `bash crosscheck/run.sh`). Do not edit by hand.",
@@ -300,12 +390,14 @@ def render(rows, pyramid_rows, unavailable, press_meta, hive_meta, num_tokens, n
         "Cause of every token kept by one side only, at equal counts (see `compare.classify`): *edge-pooling* "
         "= a token within kernel//2 of either end of the pooled prefix that kvhive keeps; *last-token* = the "
         "last prompt token kvpress forces; *displaced* = the token the other side keeps instead of one of "
-        f"those; *near-tie* = kvpress score within {NEAR_TIE:g} (relative) of the cut; *other* = unexplained. "
+        "those; *tie-order* = a token whose kvpress score equals the cut exactly (the two sides broke an exact "
+        f"tie differently); *near-tie* = kvpress score within {NEAR_TIE:g} (relative) of the cut; *other* = "
+        "unexplained. "
         "*ties* = exact score ties at the cut in kvpress's scores (where tie-breaking could matter). In the "
         "*variant* rows (max pooling) *other* is that METHODS.md choice itself.",
         "",
-        "| case | c | edge-pooling | last-token | displaced | near-tie | other | ties |",
-        "|---|---|---|---|---|---|---|---|",
+        "| case | c | edge-pooling | last-token | displaced | tie-order | near-tie | other | ties |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         c = row["causes"]
@@ -313,13 +405,13 @@ def render(rows, pyramid_rows, unavailable, press_meta, hive_meta, num_tokens, n
             continue
         out.append(
             f"| {row['case']['case']} | {row['ratio']:g} | {c['edge-pooling']} | {c['last-token']} | "
-            f"{c['displaced']} | {c['near-tie']} | {c['other']} | {c['exact-ties-at-cut']} |"
+            f"{c['displaced']} | {c['tie-order']} | {c['near-tie']} | {c['other']} | {c['exact-ties-at-cut']} |"
         )
 
     out += ["", "## Kept counts (ratio rounding, layer budgets)", ""]
     out += [
         "- Uniform methods: kvpress keeps `int(N * (1 - c))` (floor; `kvpress.utils.compute_n_kept`), kvhive "
-        "`round(ratio * N)` (`kvhive/cache/kv_cache.py` `Budget.resolve`, Python's round-half-to-even). "
+        "`round(ratio * N)` (`kvhive/cache/budget.py` `Budget.resolve`, Python's round-half-to-even). "
         f"N = {num_tokens}: "
         + "; ".join(
             f"c={r:g}: kvpress {int(num_tokens * (1 - r))}, kvhive {max(1, round((1 - r) * num_tokens))}"
@@ -328,11 +420,12 @@ def render(rows, pyramid_rows, unavailable, press_meta, hive_meta, num_tokens, n
         + ". A one-token difference in count, not in rule; the *matched* runs "
         "remove it.",
     ]
-    for ratio, press_counts, hive_counts, hive_targets in pyramid_rows:
+    for ratio, press_counts, hive_counts, hive_targets, rules in pyramid_rows:
         requested = (1 - ratio) * num_tokens * num_layers
         out.append(
-            f"- PyramidKV c={ratio:g}: kvpress {press_counts} (total {sum(press_counts)}), kvhive {hive_counts} "
-            f"(total {sum(hive_counts)}; layer budgets before the cache's min(budget, N): {hive_targets}); requested ratio × N × layers = {requested:g}. kvhive keeps "
+            f"- PyramidKV c={ratio:g}: {rules}. kvpress {press_counts} (total {sum(press_counts)}), kvhive "
+            f"{hive_counts} (total {sum(hive_counts)}; layer budgets before the cache's min(budget, N): "
+            f"{hive_targets}); requested ratio × N × layers = {requested:g}. kvhive keeps "
             f"{sum(hive_counts) / (num_tokens * num_layers):.1%} of the prompt, kvpress "
             f"{sum(press_counts) / (num_tokens * num_layers):.1%} (asked: {1 - ratio:.0%})."
         )
@@ -345,15 +438,17 @@ def render(rows, pyramid_rows, unavailable, press_meta, hive_meta, num_tokens, n
             continue
         seen.add(case)
         spec = row["case"]
+        press = f"{spec['press']}({fmt_kwargs(spec['press_kwargs'])})"
+        if "inner_press" in spec:
+            press = f"{spec['press']}(press={spec['inner_press']}({fmt_kwargs(spec['inner_press_kwargs'])}), "
+            press += f"{fmt_kwargs(spec['press_kwargs'])})"
+        ties = ties_text([other for other in rows if other["case"]["case"] == case])
         out.append(
-            f"- **{case}** — kvpress `{spec['press']}({fmt_kwargs(spec['press_kwargs'])})` ↔ kvhive "
-            f"`{spec['method']}({fmt_kwargs(spec['method_kwargs'])})`. {EXPLANATIONS.get(case, '')}"
+            f"- **{case}** — kvpress `{press}` ↔ kvhive `{spec['method']}({fmt_kwargs(spec['method_kwargs'])})`. "
+            f"{EXPLANATIONS.get(case, '')} {ties}"
         )
 
     out += ["", "## Discrepancies worth a look in kvhive", "", *discrepancies(pyramid_rows, num_tokens, num_layers)]
-    if unavailable:
-        out += ["", "## Not compared", ""]
-        out += [f"- {key}: {why}" for key, why in unavailable]
     return out
 
 
@@ -364,7 +459,7 @@ def fmt_kwargs(kwargs: dict) -> str:
 def discrepancies(pyramid_rows, num_tokens, num_layers) -> list[str]:
     lost = [
         (ratio, hive_targets, hive_counts)
-        for ratio, _, hive_counts, hive_targets in pyramid_rows
+        for ratio, _, hive_counts, hive_targets, _ in pyramid_rows
         if hive_targets and max(hive_targets) > num_tokens
     ]
     if lost:
@@ -380,7 +475,11 @@ def discrepancies(pyramid_rows, num_tokens, num_layers) -> list[str]:
         "*Deliberate, not bugs* — TOVA keeps the last prompt token only on merit in kvhive (the paper), always "
         "in kvpress; ratio rounding (kvpress floor, kvhive round-half-even); max pooling by default (METHODS.md); "
         "the SnapKV window is counted inside the budget on both sides; for PyramidKV kvhive adds the window on top "
-        "of the pyramid of `b - window` (the reference code's accounting) while kvpress puts it inside its line."
+        "of the pyramid of `b - window` (the reference code's accounting) while kvpress puts it inside its line, "
+        "and kvhive keeps the reference code's uniform budget for a prompt shorter than `2(b - window)` where "
+        "kvpress keeps its pyramid; exact score ties at a cut go to the later token in kvhive (a stable order), "
+        "to `torch.topk`'s unspecified order in kvpress; Ada-KV's safeguard counts the window in kvpress, not in "
+        "kvhive."
     )
     if lost:
         return [
@@ -393,7 +492,8 @@ def discrepancies(pyramid_rows, num_tokens, num_layers) -> list[str]:
         "(a) average pooling now counts the zero padding like the reference code and kvpress "
         "(`F.avg_pool1d(..., count_include_pad=True)` in `kvhive/methods/snapkv.py`), which made the matched snapkv "
         "and pyramidkv sets identical; (b) a PyramidKV layer budget above the prompt length is capped and the excess "
-        "redistributed to the other layers (`KVHiveCache._resolve_budgets`), so the total is kept at short prompts.",
+        "given to the last layer, as the reference code clamps it (`pyramid_budgets` in `kvhive/methods/pyramidkv.py`), "
+        "so the total is kept at short prompts.",
         deliberate,
     ]
 

@@ -9,8 +9,12 @@ Two runs per case and ratio:
   source of difference: a plain integer ``budget`` for uniform methods, and for PyramidKV a
   subclass (here, not in kvhive) whose ``layer_budgets`` returns kvpress's per-layer counts.
 
-Kept original positions per (layer, KV head) are read from ``cache.layers[i].positions`` (flat,
-sorted by (batch, head) segment) and ``lengths[B, H]``.
+Kept original positions per (layer, KV head) are read through the layer store's public API:
+``stored_flat_positions()`` (the stored tokens' original positions, flat in (batch, head) segment
+order, for the dense and the packed layout alike) cut by ``segment_offsets()``.
+
+Any case that fails here is recorded with its error and makes the script exit non-zero (after
+writing the JSON, so the error can be read): a cross-check with a case missing is not a result.
 """
 
 from __future__ import annotations
@@ -40,10 +44,10 @@ def kept_positions(cache) -> list[dict]:
         lengths = store.lengths
         assert lengths.shape[0] == 1, "batch size 1 only"
         offsets = store.segment_offsets().tolist()
-        heads = []
-        for head in range(lengths.shape[1]):
-            segment = store.positions[offsets[head] : offsets[head + 1]]
-            heads.append(sorted(int(p) for p in segment.tolist()))
+        positions = store.stored_flat_positions().tolist()
+        heads = [
+            sorted(int(p) for p in positions[offsets[head] : offsets[head + 1]]) for head in range(lengths.shape[1])
+        ]
         layers.append(
             {"layer": index, "kept": heads, "n_kept": [len(h) for h in heads], "budget": cache.layer_budgets.get(index)}
         )
@@ -55,7 +59,7 @@ def with_fixed_layer_budgets(method: str, layer_budgets: list[int], params: dict
     base = policy_class(method)
 
     class FixedLayerBudgets(base):  # type: ignore[misc, valid-type]
-        def layer_budgets(self, budget: int, num_layers: int) -> list[int]:
+        def layer_budgets(self, budget: int, num_layers: int, context_length: int | None = None) -> list[int]:
             assert num_layers == len(layer_budgets)
             return list(layer_budgets)
 
@@ -93,19 +97,28 @@ def avg_pool_count_include_pad():
 
 
 def with_forced_last_token(method: str, params: dict):
-    """``method``'s policy (TOVA) with the last prompt token always kept, as kvpress does."""
-    from kvhive.methods.base import keep_top_scores, recent_mask
-    from kvhive.methods.tova import layer_scores
+    """``method``'s policy (TOVA) with the last prompt token always kept, as kvpress does: the
+    scorer's protected tokens (``ScorerPolicy.protected``, kept whatever their score) are the last
+    token. The scores and the selection are kvhive's own (``ScorerPolicy.keep``)."""
+    from kvhive.methods.base import ScorerPolicy
 
     base = policy_class(method)
+    assert base.protected is ScorerPolicy.protected, f"{method} protects tokens of its own"
 
     class ForcedLastToken(base):  # type: ignore[misc, valid-type]
-        def _keep(self, scoring, budget):
-            scores = layer_scores(scoring)
-            last = recent_mask(scoring.num_tokens, 1, scores)
-            return keep_top_scores(scores, budget, scoring.valid, forced=last)
+        def protected(self, scoring, budget):
+            return scoring.recent_tokens(1)
 
     return ForcedLastToken(**params)
+
+
+def kvpress_safeguard_alpha(n_kept: int, window: int, alpha: float) -> float:
+    """The kvhive Ada-KV ``alpha`` that reproduces ``AdaKVPress``'s safeguard at ``n_kept`` tokens
+    per head: kvpress safeguards each head's top ``int(alpha * n_kept)`` (at least 1) over all its
+    tokens, the observation window first (scored ``max + 1``); kvhive safeguards the window and
+    then ``floor(alpha' * (n_kept - window))`` selected tokens, so ``alpha'`` gives the rest."""
+    safe = max(1, int(n_kept * alpha)) if alpha > 0 and n_kept > 0 else 0
+    return max(0, safe - window) / (n_kept - window)
 
 
 def run_one(model, input_ids, method_or_policy, reference_logits, **cache_kwargs):
@@ -179,6 +192,11 @@ def main() -> None:
                     if ablation == "count_include_pad":
                         with avg_pool_count_include_pad():
                             kept = run_one(model, input_ids, make(), reference_logits, budget=budget)
+                    elif ablation == "safeguard_counts_window":
+                        assert uniform
+                        alpha = kvpress_safeguard_alpha(budget, params["window"], params["alpha"])
+                        policy = policy_class(method)(**{**params, "alpha": alpha})
+                        kept = run_one(model, input_ids, policy, reference_logits, budget=budget)
                     elif ablation == "force_last_token":
                         assert uniform
                         kept = run_one(
@@ -187,8 +205,10 @@ def main() -> None:
                     else:
                         raise ValueError(f"unknown ablation {ablation!r}")
                     entry.setdefault("ablations", {})[ablation] = kept
-                native_counts = [layer["n_kept"][0] for layer in entry["native"]]
-                print(f"kvhive  {key:24s} kept per layer {native_counts}  ({entry['config']})")
+                native_counts = ", ".join(
+                    f"{sum(layer['n_kept']) / len(layer['n_kept']):g}" for layer in entry["native"]
+                )
+                print(f"kvhive  {key:24s} kept per layer [{native_counts}]  ({entry['config']})")
             except Exception as error:  # noqa: BLE001 - a method still being written is reported, not fatal
                 entry["error"] = f"{type(error).__name__}: {error}"
                 entry["traceback"] = traceback.format_exc()
@@ -203,6 +223,9 @@ def main() -> None:
     }
     out.write_text(json.dumps({"meta": meta, "runs": runs}))
     print(f"wrote {out}")
+    failed = [key for key, entry in runs.items() if "error" in entry]
+    if failed:
+        sys.exit(f"kvhive side: {len(failed)} of {len(runs)} cases failed ({', '.join(failed)}); see the errors above")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,11 @@ before and after compression and the scores. The kept original positions per (la
 are recovered by matching every kept key row to the full prefill's key rows (keys carry RoPE,
 so every position's key is distinct; the match is exact and unique or the script fails).
 
+``AdaKVPress`` keeps every key in the cache and masks the pruned ones in later attention
+(``module.masked_key_indices``, read after its ``compress``): its kept positions per head are the
+positions not masked, and its ``n_kept`` is the mean per head (the layer keeps exactly
+``H * n_kept``), with the per-head counts in ``n_kept_per_head``.
+
 Output JSON: {"meta": ..., "runs": {"<case>@<ratio>": {"layers": [{"kept": [[pos...] per KV head],
 "scores": [[float...] per KV head], "n_kept": int}, ...], "press": {...}}}}
 """
@@ -48,11 +53,23 @@ def recover_positions(full_keys: torch.Tensor, kept_keys: torch.Tensor) -> list[
     return positions
 
 
+def masked_positions(module, num_heads: int, num_tokens: int) -> list[list[int]]:
+    """Positions ``AdaKVPress`` kept per head: those not in ``module.masked_key_indices``."""
+    batch, head, position = (index.tolist() for index in module.masked_key_indices)
+    assert set(batch) <= {0}, "batch size 1 only"
+    masked = [set() for _ in range(num_heads)]
+    for h, p in zip(head, position, strict=True):
+        masked[h].add(p)
+    return [[p for p in range(num_tokens) if p not in masked[h]] for h in range(num_heads)]
+
+
 def instrument(press) -> list[dict]:
-    """Wrap the press instance's ``compress``/``score``; returns the per-layer records list."""
+    """Wrap the press instance's ``compress``/``score`` (the inner scorer's for a wrapper such as
+    ``AdaKVPress``); returns the per-layer records list."""
     records: list[dict] = []
     original_compress = press.compress
-    original_score = press.score if hasattr(press, "score") else None
+    scorer = getattr(press, "press", press)
+    original_score = scorer.score if hasattr(scorer, "score") else None
     pending: dict = {}
 
     if original_score is not None:
@@ -62,14 +79,25 @@ def instrument(press) -> list[dict]:
             pending["scores"] = scores.detach().float().clone()
             return scores
 
-        press.score = score
+        scorer.score = score
 
     def compress(module, hidden_states, keys, values, attentions, kwargs):
         full_keys = keys.detach().clone()
         pending.clear()
+        if hasattr(module, "masked_key_indices"):
+            del module.masked_key_indices  # (left by an earlier run on this module)
         new_keys, new_values = original_compress(module, hidden_states, keys, values, attentions, kwargs)
-        kept = recover_positions(full_keys, new_keys.detach())
-        record = {"layer": module.layer_idx, "n_kept": len(kept[0]), "kept": kept, "num_tokens": keys.shape[2]}
+        record = {"layer": module.layer_idx, "num_tokens": keys.shape[2]}
+        if getattr(module, "masked_key_indices", None) is not None:  # AdaKVPress: masked, not removed
+            kept = masked_positions(module, keys.shape[1], keys.shape[2])
+            counts = [len(head) for head in kept]
+            if sum(counts) % len(counts):
+                raise RuntimeError(f"layer {module.layer_idx}: {sum(counts)} kept over {len(counts)} heads")
+            record.update(n_kept=sum(counts) // len(counts), n_kept_per_head=counts, masked=True)
+        else:
+            kept = recover_positions(full_keys, new_keys.detach())
+            record["n_kept"] = len(kept[0])
+        record["kept"] = kept
         if "scores" in pending:
             record["scores"] = pending["scores"][0].tolist()
         records.append(record)
@@ -103,7 +131,11 @@ def main() -> None:
     for spec in CASES:
         for ratio in COMPRESSION_RATIOS:
             press_class = getattr(kvpress, spec["press"])
-            press = press_class(compression_ratio=ratio, **spec["press_kwargs"])
+            if "inner_press" in spec:  # a wrapper (AdaKVPress): the ratio is its scorer's
+                inner = getattr(kvpress, spec["inner_press"])(compression_ratio=ratio, **spec["inner_press_kwargs"])
+                press = press_class(press=inner, **spec["press_kwargs"])
+            else:
+                press = press_class(compression_ratio=ratio, **spec["press_kwargs"])
             records = instrument(press)
             cache = DynamicCache(config=model.config)
             with torch.no_grad(), press(model):
@@ -116,11 +148,11 @@ def main() -> None:
             # The cache really holds what was recorded.
             for record in records:
                 held = cache.layers[record["layer"]].keys.shape[2]
-                if held != record["n_kept"]:
+                if held != (record["num_tokens"] if record.get("masked") else record["n_kept"]):
                     raise RuntimeError(
                         f"{spec['case']} layer {record['layer']}: cache holds {held}, recorded {record['n_kept']}"
                     )
-            fields = {f.name: getattr(press, f.name) for f in dataclasses.fields(press)}
+            fields = {f.name: _plain(getattr(press, f.name)) for f in dataclasses.fields(press)}
             runs[case_key(spec["case"], ratio)] = {
                 "case": spec["case"],
                 "compression_ratio": ratio,
@@ -141,6 +173,14 @@ def main() -> None:
     }
     out.write_text(json.dumps({"meta": meta, "runs": runs}))
     print(f"wrote {out}")
+
+
+def _plain(value):
+    """A press field as JSON: a nested press (AdaKVPress's scorer) as its class name and fields."""
+    if dataclasses.is_dataclass(value):
+        fields = {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {"press": type(value).__name__, **fields}
+    return value
 
 
 def _dist_version(name: str) -> str:

@@ -12,6 +12,12 @@ if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import kvpress" >/dev/nul
     echo "kvpress venv ready: $VENV"
     exit 0
 fi
+if [ -e "$VENV" ]; then
+    # Never install kvpress (and the transformers < 5.3 it pins) into a folder that is something else:
+    # KVPRESS_VENV pointing at kvhive's own .venv would downgrade its transformers.
+    echo "$VENV exists but does not import kvpress: remove it (an interrupted setup) or set KVPRESS_VENV to a new folder" >&2
+    exit 1
+fi
 echo "creating kvpress venv at $VENV"
 "$PYTHON" -m venv "$VENV"
 "$VENV/bin/pip" install --quiet --upgrade pip
