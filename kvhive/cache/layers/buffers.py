@@ -177,11 +177,10 @@ class TokenBuffers:
         the per-token scores (those of ``score_names`` where given)."""
         scores = self.scores
         moved = scores.values() if score_names is None else [scores[name] for name in score_names]
-        flat = (
-            self.keys.view(-1, self.keys.shape[-1]),
-            self.values.view(-1, self.values.shape[-1]),
-            *(buffer.view(-1) for buffer in (self.positions, *moved)),
-        )
+        flat = [self.keys.view(-1, self.keys.shape[-1]), self.values.view(-1, self.values.shape[-1])]
+        flat.append(self.positions.view(-1))
+        for buffer in moved:
+            flat.append(buffer.view(-1))
         for buffer in flat:
             buffer.index_copy_(0, destination_rows, buffer.index_select(0, source_rows))
 
