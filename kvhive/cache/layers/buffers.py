@@ -85,8 +85,8 @@ def mark_static(buffer: torch.Tensor) -> torch.Tensor:
 
 def new_score_buffer(shape: tuple[int, ...], device) -> torch.Tensor:
     """A new per-token score buffer. Only the slots a caller copies tokens' scores into are defined:
-    no decision may read the rest (zeros here, so that a read of them would at least repeat;
-    tests/test_unset_scores.py fills them with NaN and requires every output unchanged)."""
+    no decision may read the rest (zeros here, so that a read of them would at least repeat; the
+    unset-scores test fills them with NaN and requires every output unchanged)."""
     return torch.zeros(shape, dtype=torch.float32, device=device)
 
 
