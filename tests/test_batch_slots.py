@@ -71,7 +71,6 @@ def _addresses(cache: KVHiveCache) -> list[int]:
     """Every buffer, counter and method-state tensor a decode step reads or writes."""
     found = []
     for layer in cache.layers:
-        keys, values = layer.buffers()
         counters_ = (
             layer.tokens_seen_device,
             layer.row_tokens_seen_device,
@@ -79,7 +78,7 @@ def _addresses(cache: KVHiveCache) -> list[int]:
             layer.row_active_device,
             layer.length_device,
         )
-        found += [keys, values, layer._position_buffer, *layer._score_buffers.values()]
+        found += list(layer.token_buffers.tensors())  # keys, values, positions, per-token scores
         found += [counter for counter in counters_ if counter is not None]
         found += list(_tensors(layer.policy_state))
     return [tensor.data_ptr() for tensor in found]

@@ -1228,7 +1228,7 @@ def test_an_eager_full_capacity_step_knows_its_length_and_keeps_what_the_device_
                 assert all(layer.fixed_capacity for layer in layers)
                 if forget:
                     for layer in layers:
-                        layer._length_stale = True
+                        layer.layout.counter.mark_stale()
                 else:
                     capacity = layers[0].buffers()[0].shape[2]
                     # Known before the step (budget) and full once the new token is appended.

@@ -134,14 +134,15 @@ def test_storage_append_keeps_segments_in_order():
 
 
 def test_a_layer_is_dense_then_packed_then_dense_again_as_one_object():
-    # The two layouts are two classes; a layer changes class (not identity) when its rows keep
-    # different counts, so the cache and attention keep their reference, and a reset makes it dense.
+    # A layer's layout is an object of its own; a layer changes layout (not identity) when its rows
+    # keep different counts, so the cache and attention keep their reference, and a reset makes it dense.
     import copy
 
-    from kvhive.cache.storage import DenseLayerStore, LayerStore, PackedLayerStore
+    from kvhive.cache.layers import GrowingLayout, PackedLayout
+    from kvhive.cache.storage import LayerStore
 
     store = LayerStore(0)
-    assert type(store) is DenseLayerStore and isinstance(store, LayerStore)
+    assert type(store) is LayerStore and type(store.layout) is GrowingLayout
     keys, values = torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4)
     store.update(keys, values)
     with pytest.raises(RuntimeError, match="is dense: packed"):
@@ -151,7 +152,7 @@ def test_a_layer_is_dense_then_packed_then_dense_again_as_one_object():
     mask[0, 1, 4:9] = True
     layer = store
     store.keep(mask)
-    assert store is layer and type(store) is PackedLayerStore and not store.is_uniform
+    assert store is layer and type(store.layout) is PackedLayout and not store.is_uniform
     assert store.lengths_host.tolist() == [[3, 5]]
     assert torch.equal(store.stored_keys(), torch.cat([keys[0, 0, :3], keys[0, 1, 4:9]]))
     with pytest.raises(RuntimeError, match="different number of tokens per head"):
@@ -159,10 +160,11 @@ def test_a_layer_is_dense_then_packed_then_dense_again_as_one_object():
     with pytest.raises(RuntimeError, match="different number of tokens per head"):
         _ = store.dense_length
     copied = copy.deepcopy(store)
-    assert type(copied) is PackedLayerStore and torch.equal(copied.stored_values(), store.stored_values())
+    assert type(copied.layout) is PackedLayout and torch.equal(copied.stored_values(), store.stored_values())
+    assert copied.layout.store is copied  # the copy's layout is its own
     store.reset()
-    assert type(store) is DenseLayerStore and store.num_stored == 0 and not hasattr(store, "_page_segment")
-    assert type(copied) is PackedLayerStore  # the copy is its own object
+    assert type(store.layout) is GrowingLayout and store.num_stored == 0 and store.layout.buffers is None
+    assert type(copied.layout) is PackedLayout  # the copy is its own object
 
 
 @pytest.mark.parametrize("architecture", TINY_ARCHITECTURES)

@@ -31,6 +31,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from kvhive.cache import KVHiveCache
+from kvhive.cache.layers import Layout
+from kvhive.cache.layers.buffers import TokenBuffers
+from kvhive.cache.layers.counters import Count
 from kvhive.compat import cache_kwarg
 from kvhive.diagnostics import HostReadCounter
 from kvhive.methods.registry import method_names
@@ -46,7 +49,6 @@ STATIC_STEP_USERS = (
     "kvhive.static_step",
     "kvhive.attention.integration",
     "kvhive.cache.kv_cache",
-    "kvhive.cache.storage",
     "kvhive.methods.buzz",
     "kvhive.methods.subgen",
 )
@@ -79,6 +81,8 @@ def _step(model, cache, tokens):
 def _tensors(value):
     if isinstance(value, torch.Tensor):
         yield value
+    elif isinstance(value, (Layout, TokenBuffers, Count)):  # a layer's layout, its buffers and counters
+        yield from _tensors({name: item for name, item in vars(value).items() if name != "store"})
     elif isinstance(value, dict):
         for item in value.values():
             yield from _tensors(item)

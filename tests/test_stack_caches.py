@@ -112,7 +112,7 @@ def test_buzz_rows_evict_at_their_own_steps(model):
             _decode(model, cache, steps[row : row + 1, step : step + 1], stacked=False)
         for index, layer in enumerate(stacked.layers):
             keys, _, positions, _ = layer.dense()
-            lengths = layer._row_lengths
+            lengths = layer.row_lengths
             lengths_seen.add(tuple(lengths))
             for row, cache in enumerate(alone):
                 expected = cache.layers[index].dense()[2][0]

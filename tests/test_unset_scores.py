@@ -1,7 +1,7 @@
 """No decode decision or logit may depend on a per-token score slot nothing wrote.
 
 The cache leaves some per-token score slots unset: a new buffer's slots past the tokens copied into
-it (``storage._score_buffer``), and, where the method does not read a new token's scores before
+it (``kvhive.cache.layers.buffers.new_score_buffer``), and, where the method does not read a new token's scores before
 writing them (``Policy.reads_newest_token_scores`` False: SubGen with a recent window), a new token's
 slot and the freed slot the newest token moves into (they keep what was there). These tests fill all
 of those with NaN and require every step's logits and kept positions to be those of a plain run, and
@@ -24,8 +24,9 @@ import torch
 from golden_kept import snapshot
 
 import kvhive
-from kvhive.cache import storage
-from kvhive.cache.storage import PADDING_SCORE, DenseLayerStore
+from kvhive.cache.layers import CapacityLayout, GrowingLayout
+from kvhive.cache.layers import buffers as token_buffers
+from kvhive.cache.storage import PADDING_SCORE
 from kvhive.compat import cache_kwarg
 from kvhive.methods.base import DECODE
 from kvhive.methods.registry import method_names, policy_class
@@ -35,10 +36,11 @@ PADDING = 7  # left padding of the batch's second row
 UNPADDED_METHODS = frozenset({"buzz", "buzz-logn"})  # they refuse rows of different real lengths
 
 
-def _poison_unreset(store: DenseLayerStore, value: float, slots: torch.Tensor) -> None:
+def _poison_unreset(layout, value: float, slots: torch.Tensor) -> None:
     """Write ``value`` at ``slots [B, H, n]`` of the scores the cache does not reset for a new token."""
-    reset = store._reset_scores()
-    for name, buffer in store._score_buffers.items():
+    buffers = layout.buffers
+    reset = buffers.reset_score_names(layout.store.new_token_scores_read)
+    for name, buffer in buffers.scores.items():
         if name not in reset:
             buffer.scatter_(2, slots, value)
 
@@ -48,33 +50,33 @@ def _unset_scores_hold(monkeypatch, value: float):
     """Every score slot the cache leaves unset holds ``value``: new buffers are filled with it, and a
     new token's (and a freed slot's) entries of the scores the cache does not reset are set to it."""
     with monkeypatch.context() as patch:
-        make = storage._score_buffer
-        patch.setattr(storage, "_score_buffer", lambda shape, device: make(shape, device).fill_(value))
-        append, at_index, fill_hole = (
-            DenseLayerStore._append,
-            DenseLayerStore._append_at_device_index,
-            DenseLayerStore.fill_hole,
-        )
+        make = token_buffers.new_score_buffer
+        patch.setattr(token_buffers, "new_score_buffer", lambda shape, device: make(shape, device).fill_(value))
+        append, at_index, fill_hole = GrowingLayout.append, CapacityLayout.append, GrowingLayout.fill_hole
 
-        def _append(self, key_states, value_states, new_tokens):
-            append(self, key_states, value_states, new_tokens)
-            if not self.fixed_capacity and self.row_lengths_device is None and self._score_buffers:
-                end = self._start + self._length
-                slots = torch.arange(end - new_tokens, end, device=self.device)
-                _poison_unreset(self, value, slots.expand(self._batch, self._heads, new_tokens))
+        def _append(self, key_states, value_states, positions, new_tokens):
+            views = append(self, key_states, value_states, positions, new_tokens)
+            if self.buffers.scores:
+                end = self.start + self.length
+                slots = torch.arange(end - new_tokens, end, device=self.store.device)
+                _poison_unreset(self, value, slots.expand(*key_states.shape[:2], new_tokens))
+            return views
 
-        def _append_at_device_index(self, key_states, value_states, new_tokens):
-            slots = torch.arange(new_tokens, device=self.device) + self.length_device
-            at_index(self, key_states, value_states, new_tokens)
-            _poison_unreset(self, value, slots.expand(self._batch, self._heads, new_tokens))
+        def _append_at_device_index(self, key_states, value_states, positions, new_tokens):
+            slots = torch.arange(new_tokens, device=self.store.device) + self.store.length_device
+            views = at_index(self, key_states, value_states, positions, new_tokens)
+            if self.store.layout is self:  # (not past the capacity: the growing layout took the tokens)
+                _poison_unreset(self, value, slots.expand(*key_states.shape[:2], new_tokens))
+            return views
 
         def _fill_hole(self, hole):
             fill_hole(self, hole)
-            _poison_unreset(self, value, hole.reshape(self._batch, self._heads, 1) + self._start)
+            batch, heads = self.store.batch_size, self.store.num_heads
+            _poison_unreset(self, value, hole.reshape(batch, heads, 1) + self.start)
 
-        patch.setattr(DenseLayerStore, "_append", _append)
-        patch.setattr(DenseLayerStore, "_append_at_device_index", _append_at_device_index)
-        patch.setattr(DenseLayerStore, "fill_hole", _fill_hole)
+        patch.setattr(GrowingLayout, "append", _append)
+        patch.setattr(CapacityLayout, "append", _append_at_device_index)
+        patch.setattr(GrowingLayout, "fill_hole", _fill_hole)
         yield
 
 

@@ -1,6 +1,6 @@
 """Attention over segments of different lengths (head-wise budgets), without padding storage.
 
-Layout (``kvhive.cache.storage``): segment ``s = b * H + h`` holds ``segment_length[s]`` tokens
+Layout (``kvhive.cache.layers.packed``): segment ``s = b * H + h`` holds ``segment_length[s]`` tokens
 at ``keys[segment_start[s] : segment_start[s] + segment_length[s]]``. Each segment is attended by
 ``R = group * q`` query rows (the query heads of its group, times the new tokens).
 
