@@ -203,15 +203,14 @@ class Compressor:
     def after_decode(self, cache, layer_index: int, make_scoring: MakeScoring) -> None:
         """Keep the budget while decoding; the policy decides what goes."""
         store = cache.layers[layer_index]
+        sliding = store.is_sliding
         try:
-            if layer_index not in self.compressed or (
-                store.is_sliding and window_within_budget(cache, layer_index, store)
-            ):
-                if store.is_sliding:
+            if layer_index not in self.compressed or (sliding and window_within_budget(cache, layer_index, store)):
+                if sliding:
                     trim_sliding(store)
             elif self.traits.has_decode:
                 self._evict(cache, layer_index, store, make_scoring)
-            else:
+            elif self.traits.compresses or sliding:  # (the full cache only keeps a sliding window)
                 self._grow(cache, layer_index, store, make_scoring)
         finally:
             if cache.positions == CACHE_POSITIONS:

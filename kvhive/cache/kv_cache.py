@@ -25,6 +25,7 @@ from kvhive.cache.layout_plan import (
     LayoutPlan,
     compile_problem,
     hole_filling_layers,
+    reserve_packed_room,
     static_decode,
 )
 from kvhive.cache.options import (
@@ -356,12 +357,7 @@ class KVHiveCache(Cache):
         # the question (set by the prompt's feeder around that forward, 0 otherwise): each layer
         # drops them once its attention ran.
         self.question_copy_tokens = 0
-        if decode_capacity is not None and not traits.has_decode:
-            for layer in self.layers:
-                if not layer.is_sliding:
-                    # A layer packed at prefill (head-wise budgets) is laid out with the room for the
-                    # decode tokens at once (reserve_decode then finds it there: no second copy).
-                    layer.segment_reserve_tokens = max(layer.segment_reserve_tokens, decode_capacity)
+        reserve_packed_room(self)
         self.compressor = Compressor(policy, traits, self.compressed_layers, hole_filling_layers(self))
         self.layout_plan = LayoutPlan(static_decode(self))
         if options.budget.tokens is not None:

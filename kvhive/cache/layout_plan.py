@@ -128,6 +128,17 @@ def fills_holes(hole_layers: frozenset[int], store: LayerStore) -> bool:
     return store.layer_index in hole_layers and store.is_uniform and not store.has_row_lengths
 
 
+def reserve_packed_room(cache) -> None:
+    """With a decode capacity, a layer that only grows while decoding and is packed at prefill
+    (head-wise budgets) is laid out with the room for the decode tokens at once (``reserve_decode``
+    then finds it there: no second copy)."""
+    if cache.decode_capacity is None or cache.traits.has_decode:
+        return
+    for layer in cache.layers:
+        if not layer.is_sliding:
+            layer.segment_reserve_tokens = max(layer.segment_reserve_tokens, cache.decode_capacity)
+
+
 class LayoutPlan:
     """Whether a cache's decode step is static (``compileable``: decided when the cache is made, and
     turned off where a layer's prefill leaves it unable to keep one shape), and the layout each layer
