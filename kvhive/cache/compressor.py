@@ -232,7 +232,7 @@ class Compressor:
         policy.observe_decode(scoring, state, budget=budget)
         store_token_scores(store, scoring)
         if store.bounded_capacity or store.row_lengths_device is not None:  # a fixed capacity, or stacked rows
-            self._evict_in_place(cache, layer_index, store, scoring, budget)
+            self._evict_in_place(layer_index, store, scoring, budget)
             return
         store.decode_steps_since_compression += 1
         length = scoring.num_tokens
@@ -258,7 +258,7 @@ class Compressor:
             store.keep(keep, counts)
         store.decode_steps_since_compression = 0
 
-    def _evict_in_place(self, cache, layer_index: int, store: LayerStore, scoring: ScoringInputs, budget: int):
+    def _evict_in_place(self, layer_index: int, store: LayerStore, scoring: ScoringInputs, budget: int) -> None:
         """A decode step of a layer held in a fixed capacity (the method's declared bound, or its
         budget) or in stacked rows of different lengths (``Policy.decodes_rows_of_different_lengths``):
         the method decides over the whole capacity at every step (it keeps every filled slot when its
@@ -286,7 +286,8 @@ class Compressor:
         run_if(due, lambda: self._compact(layer_index, store, scoring, budget, per_row))
         store.decode_steps_since_compression = 0
 
-    def _compact(self, layer_index: int, store: LayerStore, scoring: ScoringInputs, budget: int, per_row: bool):
+    def _compact(self, layer_index: int, store: LayerStore, scoring: ScoringInputs, budget: int, per_row: bool) -> None:
+        """The decision over a whole capacity, checked on the device and compacted in place."""
         policy, traits = self.policy, self.traits
         keep = policy.select_decode(scoring, budget, store.policy_state)
         store_token_scores(store, scoring)
