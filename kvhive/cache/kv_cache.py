@@ -249,6 +249,13 @@ def _copy_without_layers(cache: KVHiveCache) -> KVHiveCache:
 class KVHiveCache(Cache):
     """A cache that applies ``policy`` to keep ``budget`` tokens per head.
 
+    The cache is the transformers-facing container; its jobs live in their own modules:
+    ``options`` (:class:`~kvhive.cache.options.CacheOptions`, checked once), ``traits`` (the method's
+    phases and capabilities, :class:`~kvhive.cache.traits.MethodTraits`), budgets
+    (:mod:`kvhive.cache.budget`), ``layout_plan`` (whether the decode step is static and the layout
+    each layer decodes in, :mod:`kvhive.cache.layout_plan`) and ``compressor`` (the method applied
+    after each layer's attention, :mod:`kvhive.cache.compressor`).
+
     Args:
         config: the model config (layer types and sliding windows are read from it).
         policy: the compression method.
