@@ -79,23 +79,23 @@ def captured_steps(model, cache, token, steps: int, conditional: bool) -> list[t
     from test_slot_capture import STATIC_STEP_USERS
 
     modules = [importlib.import_module(name) for name in STATIC_STEP_USERS]
-    kv_cache = importlib.import_module("kvhive.cache.kv_cache")
+    compressor = importlib.import_module("kvhive.cache.compressor")
     counts = []
     for _ in range(steps):
         saved = [(module, module.in_static_step) for module in modules]
-        saved_cache = (kv_cache.captures_conditional_nodes, kv_cache.run_if)
+        saved_cache = (compressor.captures_conditional_nodes, compressor.run_if)
         flags: list = []
         for module in modules:
             module.in_static_step = lambda: True
         if conditional:
-            kv_cache.captures_conditional_nodes, kv_cache.run_if = (lambda: True), _skipping_if_node(flags)
+            compressor.captures_conditional_nodes, compressor.run_if = (lambda: True), _skipping_if_node(flags)
         try:
             with KernelCount() as count:
                 token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
         finally:
             for module, function in saved:
                 module.in_static_step = function
-            kv_cache.captures_conditional_nodes, kv_cache.run_if = saved_cache
+            compressor.captures_conditional_nodes, compressor.run_if = saved_cache
         counts.append((sum(count.kernels.values()), tuple(flags)))
     return counts
 

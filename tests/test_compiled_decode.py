@@ -423,7 +423,7 @@ def test_a_varying_kept_size_compiles_in_a_fixed_capacity_and_keeps_the_eager_po
     budget = max(BUDGET, policy_class(method)().minimum_budget())
     compiled_cache, eager_cache, growing = (kvhive.make_cache(model, method, budget=budget) for _ in range(3))
     assert compiled_cache.is_compileable
-    growing._reserve_decode = lambda store: None  # the host path of before: no fixed capacity
+    growing.layout_plan.reserve_decode = lambda cache, store: None  # the host path of before: no fixed capacity
     with torch.no_grad():
         token = model(input_ids=prompt, past_key_values=compiled_cache).logits[:, -1:].argmax(-1)
         model(input_ids=prompt, past_key_values=eager_cache)
@@ -489,7 +489,7 @@ def test_a_prompt_shorter_than_the_budget_fills_a_fixed_capacity_in_one_graph(me
     prompt = _prompt(model, length=10)
     budget = max(BUDGET, policy_class(method)().minimum_budget())
     compiled_cache, eager_cache, growing = (kvhive.make_cache(model, method, budget=budget) for _ in range(3))
-    growing._reserve_decode = lambda store: None  # the growing layout of before
+    growing.layout_plan.reserve_decode = lambda cache, store: None  # the growing layout of before
     with torch.no_grad():
         token = model(input_ids=prompt, past_key_values=compiled_cache).logits[:, -1:].argmax(-1)
         model(input_ids=prompt, past_key_values=eager_cache)

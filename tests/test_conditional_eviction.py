@@ -53,12 +53,12 @@ class _SkippingIfNode:
 
 
 def _captured_step(monkeypatch, if_node, step):
-    kv_cache = importlib.import_module("kvhive.cache.kv_cache")
+    compressor = importlib.import_module("kvhive.cache.compressor")
     with monkeypatch.context() as patch:
         for name in STATIC_STEP_USERS:
             patch.setattr(importlib.import_module(name), "in_static_step", lambda: True)
-        patch.setattr(kv_cache, "captures_conditional_nodes", lambda: True)
-        patch.setattr(kv_cache, "run_if", if_node)
+        patch.setattr(compressor, "captures_conditional_nodes", lambda: True)
+        patch.setattr(compressor, "run_if", if_node)
         return step()
 
 

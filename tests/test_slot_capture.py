@@ -48,6 +48,7 @@ JOIN = {10: (0, 2), 14: (2, 3)}  # replay -> (slot, prompt) joining before it
 STATIC_STEP_USERS = (
     "kvhive.static_step",
     "kvhive.attention.integration",
+    "kvhive.cache.compressor",
     "kvhive.cache.kv_cache",
     "kvhive.methods.buzz",
     "kvhive.methods.subgen",

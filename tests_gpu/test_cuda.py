@@ -271,17 +271,17 @@ def test_cuda_graph_records_a_scheduled_eviction_as_an_if_node(method, monkeypat
     # eager steps. tests/test_conditional_eviction.py is the CPU proxy (skipping on the host).
     import importlib
 
-    kv_cache = importlib.import_module("kvhive.cache.kv_cache")
+    compressor = importlib.import_module("kvhive.cache.compressor")
     assert static_step._records_conditional_nodes(), f"torch {torch.__version__} (CUDA {torch.version.cuda})"
     recorded = []
-    real_run_if = kv_cache.run_if
+    real_run_if = compressor.run_if
 
     def counting_run_if(predicate, work):
         if predicate is not None:
             recorded.append(predicate)
         real_run_if(predicate, work)
 
-    monkeypatch.setattr(kv_cache, "run_if", counting_run_if)
+    monkeypatch.setattr(compressor, "run_if", counting_run_if)
     model = tiny_model("llama", "gqa", dtype=torch.bfloat16).cuda()
     _replay_against_eager(model, method, None)
     assert len(recorded) == model.config.num_hidden_layers, f"{method}: {len(recorded)} if-nodes recorded"

@@ -7,6 +7,7 @@ and the evaluation harness all use it.
 * :func:`minimum_budget_problem` — why a resolved budget is below what a method needs.
 * :func:`layer_budgets` — the per-layer budgets of a method (uniform unless it allocates across
   layers, e.g. PyramidKV) for one sequence of a given real (unpadded) length.
+* :func:`resolve_row_layer_budgets` — every compressed layer's budget for every row of a batch.
 * :func:`budget_label` — how a budget is written in results and reports (``"ratio 0.2"``,
   ``"40 tok"``), so a ratio never reads like a token count.
 """
@@ -17,7 +18,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from kvhive.methods.base import Policy
+from kvhive.methods.base import DECODE, Policy
 
 
 def as_python_number(value):
@@ -158,3 +159,51 @@ def layer_budgets(policy: Policy, tokens: int, num_layers: int, context_length: 
     if len(budgets) != num_layers or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in budgets):
         raise ValueError(f"{policy.name}: layer_budgets must give {num_layers} integers >= 1, got {budgets}")
     return budgets
+
+
+def resolve_row_layer_budgets(
+    policy: Policy,
+    budget: Budget,
+    compressed_layers: list[int],
+    context_length: int,
+    row_lengths: list[int] | None = None,
+) -> dict[int, list[int]]:
+    """Every compressed layer's budget for every row: a token budget is the same for every row; a
+    ratio resolves on each row's real (unpadded) prompt length ``row_lengths``, so a row of a
+    left-padded batch keeps what it would keep alone, and so does a layer-wise split (PyramidKV's
+    short-prompt rule). A method that also keeps its budget while decoding holds every row of a
+    layer at one length, so rows whose ratio resolves to different token counts are refused for it."""
+    lengths = row_lengths or [context_length]
+    row_tokens = []
+    for row, length in enumerate(lengths):
+        problem = budget_problem(policy, budget, length)
+        if problem is not None:
+            raise ValueError(problem if len(lengths) == 1 else f"row {row} of the batch: {problem}")
+        row_tokens.append(budget.resolve(length))
+    if len(set(row_tokens)) > 1 and DECODE in policy.phases:
+        raise ValueError(
+            f"invalid budget for this batch: ratio={budget.ratio:g} of rows with {lengths} real tokens is "
+            f"{row_tokens} tokens per head, but method {policy.name!r} keeps one budget for every row of a "
+            "layer while decoding; give a token budget (budget=N, the same for every row) or batch rows of equal "
+            "real length"
+        )
+    per_row = [
+        layer_budgets(policy, tokens, len(compressed_layers), length)
+        for tokens, length in zip(row_tokens, lengths, strict=True)
+    ]
+    return {layer: [row[i] for row in per_row] for i, layer in enumerate(compressed_layers)}
+
+
+def planned_layer_budgets(
+    policy: Policy, budget: Budget, compressed_layers: list[int], prompt_length: int
+) -> dict[int, int]:
+    """The layer budgets a prefill of ``prompt_length`` tokens will resolve, without fixing them."""
+    per_layer = layer_budgets(policy, budget.resolve(prompt_length), len(compressed_layers), prompt_length)
+    return dict(zip(compressed_layers, per_layer, strict=True))
+
+
+def row_budgets(layer_budgets: dict[int, int], row_layer_budgets: dict[int, list[int]], layer: int, rows: int):
+    """Layer ``layer``'s budget for each of ``rows`` rows: its per-row budgets where they cover the
+    batch, else the layer's budget for every row."""
+    budgets = row_layer_budgets[layer]
+    return budgets if len(budgets) == rows else [layer_budgets[layer]] * rows
