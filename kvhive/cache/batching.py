@@ -209,6 +209,24 @@ class RowPlan:
     def stored_in_order(self) -> bool:
         return all(source.stored_in_order for source in self.sources)
 
+    def merged_state(
+        self, policy: Policy, free: int = 0, running: LayerStore | None = None, slots: list[int] | None = None
+    ) -> tuple[dict, int]:
+        """The method's state of the layer that holds these rows, and the count it is relative to
+        (the most any state's layer has seen). Stacking: these rows, then ``free`` free slots that
+        start as copies of the first row (real tokens, so a free slot's placeholder decode computes
+        finite values). Joining: the ``running`` layer's rows, these in its ``slots``. A method may
+        refuse (``Policy.stack_states``)."""
+        if running is None:
+            states = self.states + [self.states[0]] * free
+            seen = self.state_seen + [self.state_seen[0]] * free
+        else:
+            states = row_states(policy, running)
+            seen = [running.tokens_seen] * len(states)
+            for slot, state, count in zip(slots, self.states, self.state_seen, strict=True):
+                states[slot], seen[slot] = state, count
+        return policy.stack_states(states, seen), max(seen)
+
     def refuse_other_schedule(self, running: LayerStore | None = None) -> None:
         """Refuse rows compressed at different steps of the ``decode_every``/``decode_slack``
         schedule than each other (stacking) or than the ``running`` rows (joining them)."""
@@ -387,11 +405,8 @@ def stacked_layer(
             "slides (keeps its window)" if layer.is_sliding else f"evicts while decoding ({policy.name!r})"
         )
     plan.refuse_other_schedule()
-    # Free slots start as copies of the first row: real tokens, so a free slot's placeholder decode
-    # computes finite values.
-    state_seen = plan.state_seen + [plan.state_seen[0]] * free
-    state = policy.stack_states(plan.states + [plan.states[0]] * free, state_seen)
-    views = plan.views + [plan.views[0]] * free
+    state, most_seen = plan.merged_state(policy, free=free)
+    views = plan.views + [plan.views[0]] * free  # free slots: copies of the first row
     lengths = plan.lengths
     row_capacity = None
     if slotted and not evicts:
@@ -409,7 +424,7 @@ def stacked_layer(
         per_row_lengths=per_row,
         row_capacity=row_capacity,
     )
-    store.tokens_seen = max(state_seen)  # the count every row's state is now relative to
+    store.tokens_seen = most_seen  # the count every row's state is now relative to
     store.policy_state = state
     if per_row:
         bound = policy.fixed_decode_capacity(store.dense()[0], first.layer_budgets[index], state)
@@ -633,11 +648,7 @@ def joined_state(cache: Cache, plan: RowPlan, slots: list[int]) -> tuple[dict, i
     plan.refuse_other_schedule(running=layer)
     plan.refuse_misfits(layer)
     policy = cache.policy
-    states = row_states(policy, layer)
-    state_seen = [layer.tokens_seen] * len(states)
-    for slot, state, count in zip(slots, plan.states, plan.state_seen, strict=True):
-        states[slot], state_seen[slot] = state, count
-    state = policy.stack_states(states, state_seen)
+    state, most_seen = plan.merged_state(policy, running=layer, slots=slots)
     if (
         layer.bounded_capacity
         and not layer.has_row_lengths
@@ -646,4 +657,4 @@ def joined_state(cache: Cache, plan: RowPlan, slots: list[int]) -> tuple[dict, i
         # The layer decodes in the fixed capacity its method declared: the stacked state gets the
         # device counters that declaration set up (as at stacking, when the cache reserves its decode).
         policy.fixed_decode_capacity(layer.buffers()[0], cache.layer_budgets[plan.layer_index], state)
-    return state, max(state_seen)
+    return state, most_seen
