@@ -253,3 +253,19 @@ def test_stacked_decode_step_of_per_row_state_makes_no_host_read(model, method, 
             )
             positions = positions + 1
     assert reads.total == 0, f"{method}: {reads}"
+
+
+def test_next_position_ids_are_each_rows_tokens_seen(model):
+    """``next_position_ids`` gives the ``[B, 1]`` position ids of every row's next token from the
+    device counters: each row's own count in a stacked cache, and one count for every row of a
+    cache whose rows advance together."""
+    prompts = _prompts()
+    caches = [_prefilled(model, "tova", 32, prompt) for prompt in prompts]
+    stacked = KVHiveCache.stack(caches)
+    assert stacked.next_position_ids().tolist() == [[n] for n in LENGTHS]
+    _decode(model, stacked, torch.randint(3, 250, (len(prompts), 2)), stacked=True)
+    assert stacked.next_position_ids().tolist() == [[n + 2] for n in LENGTHS]
+    alone = _prefilled(model, "tova", 32, torch.randint(3, 250, (2, 20)))
+    assert alone.next_position_ids().tolist() == [[20], [20]]
+    with pytest.raises(ValueError, match="prefilled cache"):
+        kvhive.make_cache(model, "tova", 32).next_position_ids()

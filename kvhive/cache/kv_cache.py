@@ -9,7 +9,6 @@ prefill is done and peak memory stays at one uncompressed layer.
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import fields
@@ -18,8 +17,13 @@ import torch
 from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
 from kvhive import static_step
+from kvhive.cache import batching, guards
 from kvhive.cache.budget import Budget, budget_label, budget_problem, minimum_budget_problem, row_budgets
 from kvhive.cache.compressor import Compressor, drop_outside_window
+from kvhive.cache.guards import model_shape
+from kvhive.cache.guards import refuse_encoder_decoder as refuse_encoder_decoder  # (re-exported: kvhive.api)
+from kvhive.cache.handoff import active_update as active_update  # (re-exported: kvhive.attention)
+from kvhive.cache.handoff import mark_update
 from kvhive.cache.layout_plan import (
     BOUNDED_CAPACITY_SLACK,
     LayoutPlan,
@@ -71,179 +75,6 @@ __all__ = [
 # PADDING_SCORE (kvhive.cache.storage): per-token flag (1.0) of left padding, recorded at prefill
 # when the batch is padded (kept aligned by the store; appended tokens get 0: real, whatever the
 # method reads).
-
-# The key under which ``update`` hands the attention function its cache and layer through
-# transformers' per-layer kwargs (transformers >= 5.24 passes the attention's kwargs to
-# ``Cache.update``; the same dict is then unpacked into the attention call).
-UPDATE_KWARG = "kvhive_layer"
-
-# Older transformers (no kwargs reach ``update``): the last update of each thread, held weakly so a
-# dead cache is never kept alive and threads never see each other's caches.
-_thread_updates = threading.local()
-
-
-def active_update(keys: torch.Tensor, attention_kwargs: dict) -> tuple[KVHiveCache | None, int | None]:
-    """The cache and layer whose ``update`` just returned ``keys``, or ``(None, None)``.
-
-    transformers does not pass the cache object to attention functions; it passes ``update`` the
-    kwargs it will give the attention, so the cache puts itself there (:func:`mark_update`). On
-    versions that do not, the thread's last update is matched by the identity of the returned keys.
-    """
-    handed = attention_kwargs.pop(UPDATE_KWARG, None)
-    if handed is not None:
-        return handed
-    last = getattr(_thread_updates, "last", None)
-    if last is None:
-        return None, None
-    cache_ref, layer_index, keys_ref = last
-    if keys_ref() is keys:
-        _thread_updates.last = None
-        return cache_ref(), layer_index
-    return None, None
-
-
-def mark_update(cache, layer_index: int, keys: torch.Tensor, update_kwargs: dict) -> None:
-    """Record that ``cache.update`` for ``layer_index`` just returned ``keys`` (read back by
-    :func:`active_update` in kvhive's attention). ``update_kwargs`` are the kwargs ``update`` got."""
-    layer_kwargs = update_kwargs.get("kwargs")
-    if isinstance(layer_kwargs, dict):
-        layer_kwargs[UPDATE_KWARG] = (cache, layer_index)
-        return
-    _thread_updates.last = (weakref.ref(cache), layer_index, weakref.ref(keys))
-
-
-def model_shape(config) -> dict:
-    """What a cache depends on in the model it is made for (host-side ints, read from the config):
-    the layer count, each layer's kind (its sliding window, or None for full attention), query
-    heads, KV heads and head dimension. A cache refuses a model whose shape differs."""
-    text_config = config.get_text_config(decoder=True)
-    layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
-    query_heads = text_config.num_attention_heads
-    return {
-        "layers": len(layer_types),
-        "sliding windows": tuple(
-            kwargs.get("sliding_window") if "sliding" in layer_type else None
-            for layer_type, kwargs in zip(layer_types, layer_kwargs, strict=True)
-        ),
-        "query heads": query_heads,
-        "KV heads": getattr(text_config, "num_key_value_heads", None) or query_heads,
-        "head dimension": getattr(text_config, "head_dim", None) or text_config.hidden_size // query_heads,
-    }
-
-
-def _describe_windows(windows: tuple) -> str:
-    """``(8, 8, 8, None)`` -> ``"3 sliding (window 8), 1 full"``, in order of first appearance."""
-    counts: dict = {}
-    for window in windows:
-        counts[window] = counts.get(window, 0) + 1
-    return ", ".join(f"{n} full" if w is None else f"{n} sliding (window {w})" for w, n in counts.items())
-
-
-def refuse_encoder_decoder(config) -> None:
-    """kvhive's caches serve decoder-only models: an encoder-decoder model (T5, BART) holds a
-    cross-attention cache beside the self-attention one, which no method here compresses."""
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(
-            f"encoder-decoder models are not supported (this is a {type(config).__name__}): kvhive compresses "
-            "the KV cache of decoder-only causal LMs (Llama, Qwen, Mistral, Gemma, ...)"
-        )
-
-
-def _row_views(layer: LayerStore) -> list[tuple]:
-    """``(keys, values, positions, token_scores)`` of each batch row of a dense layer, ``[1, H, L_b, ...]``
-    views of its own ``L_b`` stored tokens (a layer of rows of different lengths holds row ``b``
-    in slots ``[0, L_b)`` of a common capacity; the slots past it are empty)."""
-    keys, values, positions, scores = layer.dense()
-    lengths = layer._row_lengths or [layer.dense_length] * layer.batch_size
-    return [
-        (
-            keys[row : row + 1, :, :length],
-            values[row : row + 1, :, :length],
-            positions[row : row + 1, :, :length],
-            {name: score[row : row + 1, :, :length] for name, score in scores.items()},
-        )
-        for row, length in enumerate(lengths)
-    ]
-
-
-def _row_states(policy: Policy, layer: LayerStore) -> list[dict]:
-    """The method's per-layer state of each batch row of ``layer`` (a layer of one row: its state as
-    it is, so a method that refuses stacking says why in ``stack_states``)."""
-    if layer.batch_size == 1:
-        return [layer.policy_state]
-    try:
-        return [
-            policy.select_state_rows(layer.policy_state, torch.tensor([row]), layer.num_heads)
-            for row in range(layer.batch_size)
-        ]
-    except NotImplementedError as error:
-        raise ValueError(f"method {policy.name!r} cannot stack caches of several rows: {error}") from None
-
-
-def _budgets_of_rows(caches: list[KVHiveCache], layer: int, default: int | None) -> list[int | None]:
-    """Layer ``layer``'s budget for every row of ``caches`` in order (a cache's own per-row budgets,
-    else its layer budget, else ``default``)."""
-    return [
-        budget
-        for cache in caches
-        for budget in (
-            cache._row_budgets(layer, cache._batch_size())
-            if layer in cache.row_layer_budgets
-            else [cache.layer_budgets.get(layer, default)] * cache._batch_size()
-        )
-    ]
-
-
-def _without_unit_dims(shape: torch.Size) -> tuple[int, ...]:
-    return tuple(size for size in shape if size != 1)
-
-
-def _adopt_in_place(old: dict, new: dict) -> None:
-    """Make the state dict ``old`` equal ``new`` keeping ``old``'s objects where they fit: a tensor
-    of the same shape (up to unit dimensions), dtype and device is overwritten in place (its address stays, as a captured
-    decode step needs); anything else is replaced."""
-
-    def adopt(previous, value):
-        if isinstance(value, torch.Tensor):
-            if (
-                isinstance(previous, torch.Tensor)
-                and _without_unit_dims(previous.shape) == _without_unit_dims(value.shape)
-                and previous.dtype == value.dtype
-                and previous.device == value.device
-            ):
-                # (A method may lay a per-row counter out as [B] when stacking and [B, 1, 1] once
-                # decoding, BUZZ's: the same values.)
-                previous.copy_(value.reshape(previous.shape))
-                return previous
-            return value
-        if isinstance(value, dict) and isinstance(previous, dict):
-            _adopt_in_place(previous, value)
-            return previous
-        if isinstance(value, list) and isinstance(previous, list) and len(value) == len(previous):
-            previous[:] = [adopt(p, v) for p, v in zip(previous, value, strict=True)]
-            return previous
-        params = getattr(type(value), "__dataclass_params__", None)
-        if type(previous) is type(value) and params is not None and not params.frozen:
-            # A method's own record of tensors (BumbleBee's StreamingSummary): field by field.
-            for name, field in vars(value).items():
-                setattr(previous, name, adopt(getattr(previous, name, None), field))
-            return previous
-        return value
-
-    for key in [key for key in old if key not in new]:
-        del old[key]
-    for key, value in new.items():
-        old[key] = adopt(old.get(key), value)
-
-
-def _copy_without_layers(cache: KVHiveCache) -> KVHiveCache:
-    """A deep copy of ``cache``'s settings and method, sharing none of its stored tokens: the layers
-    and prefill records are replaced by the caller, so copying their buffers would only cost memory
-    (a running batch's whole cache, at every join)."""
-    import copy
-
-    skipped = {id(cache.layers): [], id(cache.prefill_records): {}}
-    return copy.deepcopy(cache, skipped)
 
 
 class KVHiveCache(Cache):
@@ -586,37 +417,30 @@ class KVHiveCache(Cache):
                 "forward (no prefill chunking) for this method, or decode token by token"
             )
 
-    # -- batch rows (beam search, contrastive search, batch slicing) -----------------------------
-    def _select_rows(self, index: torch.Tensor) -> None:
-        """Keep batch rows ``index`` (host 1-D long; may repeat or reorder) in every layer: its
-        stored tokens, per-token scores, per-row counters and the method's per-layer state. The
-        method's state is selected first, so a method that cannot leaves the cache unchanged."""
-        initialized = [layer for layer in self.layers if layer.is_initialized]
-        if not initialized:
-            return
-        for layer in initialized:
-            layer.check_rows_selectable(self.policy.name)
-        batch = initialized[0].batch_size
-        rows = index.tolist()
-        if rows and (min(rows) < 0 or max(rows) >= batch):
-            raise IndexError(f"batch row index {rows} out of range for a batch of {batch} row(s)")
-        states = [self.policy.select_state_rows(layer.policy_state, index, layer.num_heads) for layer in initialized]
-        for layer, state in zip(initialized, states, strict=True):
-            layer.select_rows(index)
-            layer.policy_state = state
-        self.row_layer_budgets = {
-            layer: [budgets[row] for row in rows] if len(budgets) == batch else budgets
-            for layer, budgets in self.row_layer_budgets.items()
-        }
-        if self._generated_ids is not None and self._generated_ids.shape[0] == batch:
-            self._generated_ids = self._generated_ids.index_select(0, index.to(self._generated_ids.device))
-        if self.is_slotted:  # rows were selected: no longer the fixed slots
-            self._slots = False
-            for layer in initialized:
-                layer.row_active, layer.row_active_device, layer.grows_in_slots = None, None, False
+    # -- model guards (kvhive.cache.guards) -----------------------------------------------------------
+    # The guards' functions themselves: the attention and the generation hook call these at every
+    # decode step, so a method that only forwarded to them would cost an extra call each time.
+    _check_reuse = guards.check_reuse
+    check_model = guards.check_model
+    check_attention_module = guards.check_attention_module
+    check_generation_inputs = guards.check_generation_inputs
 
-    def _batch_size(self) -> int:
-        return next((layer.batch_size for layer in self.layers if layer.is_initialized), 0)
+    # -- batch rows (beam search, contrastive search, batch slicing: kvhive.cache.batching) ------------
+    _batch_size = batching.batch_size
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row ``i`` becomes row ``beam_idx[i]``."""
+        batching.select_rows(self, row_index(beam_idx, self._batch_size()))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the batch rows ``indices`` (row numbers, or a boolean mask over the rows)."""
+        batching.select_rows(self, row_index(indices, self._batch_size()))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every batch row ``repeats`` times in place (``[a, b] -> [a, a, b, b]``)."""
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"invalid repeats={repeats!r}: expected an integer >= 1")
+        batching.select_rows(self, torch.arange(self._batch_size()).repeat_interleave(repeats))
 
     @property
     def is_croppable(self) -> bool:
@@ -654,21 +478,11 @@ class KVHiveCache(Cache):
         for layer in self.layers:
             layer.crop(tokens_to_remove)
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: row ``i`` becomes row ``beam_idx[i]``."""
-        self._select_rows(row_index(beam_idx, self._batch_size()))
+    # -- caches prefilled separately, decoded together (kvhive.cache.batching) --------------------------
+    # Fixed batch slots (stack(batch_slots=...)): whether each slot holds a running row (host), or
+    # None for a cache whose rows are not slots.
+    _slots: list[bool] | None = None
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep only the batch rows ``indices`` (row numbers, or a boolean mask over the rows)."""
-        self._select_rows(row_index(indices, self._batch_size()))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        """Repeat every batch row ``repeats`` times in place (``[a, b] -> [a, a, b, b]``)."""
-        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-            raise ValueError(f"invalid repeats={repeats!r}: expected an integer >= 1")
-        self._select_rows(torch.arange(self._batch_size()).repeat_interleave(repeats))
-
-    # -- caches prefilled separately, decoded together ------------------------------------------
     @property
     def is_stacked(self) -> bool:
         """Whether the rows have seen different numbers of tokens (made by :meth:`stack`)."""
@@ -682,483 +496,58 @@ class KVHiveCache(Cache):
         batch_slots: int | None = None,
         slot_capacity: int | None = None,
     ) -> KVHiveCache:
-        """One batch cache whose rows are the rows of ``caches``, in order (every row of
-        ``caches[0]``, then of ``caches[1]``, ...): caches of one model and one method (same options
-        and budget), prefilled separately, e.g. from prompts of different lengths. A cache may hold
-        one row or several (a batch prefilled together without padding, or a stacked cache that is
-        decoding: a request joining a running batch, :meth:`add_rows`). The inputs are left as they
-        were (the rows are copied into new buffers).
-
-        Each row keeps the tokens it has seen (``row_tokens_seen``; new tokens get each row's own
-        next position, which the caller passes as ``position_ids``: ``kvhive.generate_batch``) and
-        its kept tokens. A layer whose rows keep equal counts is the usual dense layout; rows of
-        different counts (the full cache, prefill-only methods, a prompt shorter than the budget)
-        fill slots of a common capacity (the longest row + ``decode_capacity``, growing past it)
-        with a per-row length, the empty slots masked. A stacked cache decodes one token per row
-        per forward, eagerly.
-
-        Refused with a ValueError naming the reason: caches of different models, methods, options,
-        budgets, dtypes or devices; empty or unprefilled caches; a batch of several rows with left
-        padding (its rows' positions count the padding); re-indexed positions; head-wise counts
-        (Ada-KV's packed layout); a layer that evicts while decoding (or slides) whose rows keep
-        different counts, unless its method ``decodes_rows_of_different_lengths`` (BUZZ: such a layer
-        keeps a length per row in a capacity bounded by ``fixed_decode_capacity``); a method whose
-        per-layer state cannot be stacked (``Policy.stack_states``; every registered method can).
-
-        **Fixed batch slots** (``batch_slots=S``, at least the rows given): the buffers hold ``S``
-        rows from the start; the rows past those given are free slots. Rows then leave
-        (:meth:`free_slots`) and join (:meth:`fill_slots`) in place: no buffer is reallocated, every
-        address stays, and the decode step keeps one shape (a free slot keeps decoding a
-        placeholder; its outputs mean nothing). Every layer takes the static decode layout: an
-        evicting layer its fixed capacity, a growing layer (the full cache, prefill-only methods)
-        ``slot_capacity`` tokens per row (default: the longest row + ``decode_capacity``), which a
-        row joining later must fit with all its decode steps. The decode step of such a cache
-        reads nothing back and compiles to one graph (``is_compileable``) where the method's does."""
-        if not isinstance(caches, (list, tuple)) or not caches:
-            raise ValueError(f"caches: expected a non-empty list of KVHiveCache, got {caches!r}")
-        if decode_capacity is not None and (
-            isinstance(decode_capacity, bool) or not isinstance(decode_capacity, int) or decode_capacity < 0
-        ):
-            raise ValueError(f"invalid decode_capacity={decode_capacity!r}: expected an integer >= 0 (tokens), or None")
-        first = caches[0]
-        for number, cache in enumerate(caches):
-            if not isinstance(cache, KVHiveCache):
-                raise ValueError(f"caches[{number}]: expected a KVHiveCache, got {type(cache).__name__}")
-            cls._check_stackable(first, cache, number)
-        rows_given = sum(cache._batch_size() for cache in caches)
-        if batch_slots is not None and (
-            isinstance(batch_slots, bool) or not isinstance(batch_slots, int) or batch_slots < rows_given
-        ):
-            raise ValueError(
-                f"invalid batch_slots={batch_slots!r}: expected an integer >= {rows_given} (the rows given), or None"
-            )
-        if slot_capacity is not None and (
-            batch_slots is None
-            or isinstance(slot_capacity, bool)
-            or not isinstance(slot_capacity, int)
-            or slot_capacity < 1
-        ):
-            raise ValueError(
-                f"invalid slot_capacity={slot_capacity!r}: expected an integer >= 1 (tokens per row) with batch_slots, "
-                "or None"
-            )
-        free = 0 if batch_slots is None else batch_slots - rows_given
-        policy = first.policy
-        room = decode_capacity if decode_capacity is not None else 64
-        new_layers = []
-        for index, layer in enumerate(first.layers):
-            sources = [cache.layers[index] for cache in caches]
-            # One state per row. The tokens seen passed with each state are those of the layer it
-            # came from (its ``sequence_length``, the most any of its rows has seen): a stacked
-            # row's state may be relative to it (AhaKV's padding), and the method re-bases it on
-            # the most any source has seen, which becomes the new layer's count.
-            states, state_seen = [], []
-            for source in sources:
-                states.extend(_row_states(policy, source))
-                state_seen.extend([source.tokens_seen] * source.batch_size)
-            # Free slots start as copies of the first row: real tokens, so a free slot's placeholder
-            # decode computes finite values.
-            states, state_seen = states + [states[0]] * free, state_seen + [state_seen[0]] * free
-            state = policy.stack_states(states, state_seen)  # a method may refuse first
-            row_seen = [seen for source in sources for seen in source.row_tokens_seen]
-            rows = [view for source in sources for view in _row_views(source)]
-            row_seen, rows = row_seen + [row_seen[0]] * free, rows + [rows[0]] * free
-            lengths = [int(view[0].shape[2]) for view in rows]
-            evicts = (index in first.compressed_layers and DECODE in policy.phases) or layer.is_sliding
-            # A method whose rows may hold different lengths while it evicts (BUZZ's per-row
-            # schedule): every such layer keeps a length per row, equal or not, in a bounded capacity.
-            per_row = evicts and not layer.is_sliding and policy.decodes_rows_of_different_lengths
-            if len(set(lengths)) > 1 and evicts and not per_row:
-                why = "slides (keeps its window)" if layer.is_sliding else f"evicts while decoding ({policy.name!r})"
-                raise ValueError(
-                    f"cannot stack these caches: layer {index} {why} and its rows keep different numbers of tokens "
-                    f"{lengths} (prompts shorter than the budget or the window); a layer that evicts while decoding "
-                    "keeps one length for every row: give prompts longer than the budget, or decode them alone"
-                )
-            steps = {source.decode_steps_since_compression for source in sources}
-            if len(steps) > 1:
-                raise ValueError(
-                    f"cannot stack these caches: layer {index} compressed {sorted(steps)} steps ago in different rows "
-                    "(decode_every/decode_slack keep one schedule per layer)"
-                )
-            row_capacity = None
-            if batch_slots is not None and not evicts:
-                row_capacity = slot_capacity if slot_capacity is not None else max(lengths) + room
-            store = LayerStore(layer.layer_index, layer.sliding_window)
-            store.new_token_scores_read = layer.new_token_scores_read
-            store.set_rows(
-                [view[0] for view in rows],
-                [view[1] for view in rows],
-                [view[2] for view in rows],
-                [view[3] for view in rows],
-                row_seen,
-                room,
-                per_row_lengths=per_row,
-                row_capacity=row_capacity,
-            )
-            store.tokens_seen = max(state_seen)  # the count every row's state is now relative to
-            store.policy_state = state
-            if per_row:
-                budget = first.layer_budgets[index]
-                bound = policy.fixed_decode_capacity(store.dense()[0], budget, state)
-                if bound is None:
-                    raise ValueError(
-                        f"cannot stack these caches: method {policy.name!r} declares no bound for layer {index}'s rows"
-                    )
-                store.reserve_rows(max(bound, max(lengths)) + 1)  # the bound plus the new token
-            store.has_padding = any(source.has_padding for source in sources)
-            store.stored_in_order = all(source.stored_in_order for source in sources)
-            store.heads_per_kv_head = layer.heads_per_kv_head
-            store.decode_steps_since_compression = layer.decode_steps_since_compression
-            store.last_update_tokens = 1
-            new_layers.append(store)
-        stacked = _copy_without_layers(first)
-        stacked.layers = new_layers
-        stacked.row_layer_budgets = {
-            layer: _budgets_of_rows(caches, layer, first_budget) for layer, first_budget in first.layer_budgets.items()
-        }
-        stacked.row_layer_budgets = {
-            layer: budgets + [budgets[0]] * free for layer, budgets in stacked.row_layer_budgets.items()
-        }
-        stacked.layer_budgets = {layer: max(budgets) for layer, budgets in stacked.row_layer_budgets.items()}
-        stacked._cut_at_prefill = set.intersection(*(set(cache._cut_at_prefill) for cache in caches))
-        stacked.prefill_records = {}
-        stacked.record_prefill = False
-        stacked._generated_ids = None
-        stacked._unattended_update = None
-        stacked._prompt_planned = False
-        stacked._budgets_resolved_on = max(cache.layers[0].tokens_seen for cache in caches)
-        stacked.prefill_chunk = None
-        stacked.question_tokens = None
-        stacked.decode_capacity = None
-        stacked._compileable = False  # per-row lengths and counts live on the host: eager decode
-        stacked._slots = False
-        if batch_slots is not None:
-            stacked._make_slots(caches, rows_given, decode_capacity)
-        return stacked
-
-    # -- fixed batch slots ---------------------------------------------------------------------------
-    def _make_slots(self, caches: list[KVHiveCache], rows_given: int, decode_capacity: int | None) -> None:
-        """Lay a freshly stacked cache out in fixed batch slots: the first ``rows_given`` rows run,
-        the others are free; every layer in its static decode layout."""
-        self.decode_capacity = decode_capacity
-        if DECODE in self.policy.phases:
-            # What the prefill of each cache found (a layer below its budget, a bound far above it).
-            self._compileable = all(cache._compileable for cache in caches) and self._static_decode()
-        else:
-            self._compileable = decode_capacity is not None and self._static_decode()
-        self._active_slots = [row < rows_given for row in range(self._batch_size())]
-        for store in self.layers:
-            if self._compileable and DECODE in self.policy.phases and not store.has_row_lengths:
-                self._reserve_decode(store)  # (a layer of per-row lengths has its bound already)
-            store.set_active_rows(self._active_slots)
-        self._slots = True
-
-    @property
-    def is_slotted(self) -> bool:
-        """Whether the rows are fixed batch slots (``KVHiveCache.stack(batch_slots=...)``)."""
-        return getattr(self, "_slots", False)
-
-    @property
-    def active_slots(self) -> list[bool]:
-        """Fixed batch slots: whether each slot holds a running row (host)."""
-        if not self.is_slotted:
-            raise ValueError("this cache has no fixed batch slots: stack(..., batch_slots=N) makes them")
-        return list(self._active_slots)
-
-    def _check_slots(self, slots, want_active: bool) -> list[int]:
-        if not self.is_slotted:
-            raise ValueError("this cache has no fixed batch slots: stack(..., batch_slots=N) makes them")
-        count = self._batch_size()
-        if not isinstance(slots, (list, tuple)) or not all(
-            isinstance(slot, int) and not isinstance(slot, bool) for slot in slots
-        ):
-            raise ValueError(f"invalid slots={slots!r}: expected a list of slot numbers in [0, {count})")
-        if len(set(slots)) != len(slots) or any(not 0 <= slot < count for slot in slots):
-            raise ValueError(f"invalid slots={slots!r}: expected distinct slot numbers in [0, {count})")
-        active = self.active_slots
-        wrong = [slot for slot in slots if active[slot] != want_active]
-        if wrong:
-            state = "free" if want_active else "running"
-            raise ValueError(f"slot(s) {wrong} are not {'running' if want_active else 'free'} (they are {state})")
-        return list(slots)
-
-    def _trust_the_device(self) -> None:
-        """Before a leave or a join: the host mirrors of the layers' counters are read back from the
-        device when next asked for (steps replayed from a CUDA graph advance only the device)."""
-        for store in self.layers:
-            store.trust_the_device()
-
-    def free_slots(self, slots: list[int]) -> None:
-        """Fixed batch slots: the rows in ``slots`` leave (finished requests). Nothing moves; the
-        slots decode a placeholder until :meth:`fill_slots` gives them a new row."""
-        slots = self._check_slots(slots, want_active=True)
-        self._trust_the_device()
-        for slot in slots:
-            self._active_slots[slot] = False
-        for store in self.layers:
-            store.set_active_rows(self._active_slots)
-
-    def fill_slots(self, slots: list[int], caches: list[KVHiveCache]) -> None:
-        """Fixed batch slots: the rows of ``caches`` (each prefilled alone, e.g. requests joining a
-        running batch; their rows in order) take the free ``slots``, copied into the buffers in
-        place: no buffer is reallocated and the decode step keeps its shape and graph. The checks
-        and refusals are :meth:`stack`'s; a row must also fit its slot (a growing layer's
-        ``slot_capacity``; an evicting layer's one length). Everything is checked before anything
-        changes."""
-        if not isinstance(caches, (list, tuple)) or not caches:
-            raise ValueError(f"caches: expected a non-empty list of KVHiveCache, got {caches!r}")
-        slots = self._check_slots(slots, want_active=False)
-        self._trust_the_device()
-        for number, cache in enumerate(caches):
-            if not isinstance(cache, KVHiveCache):
-                raise ValueError(f"caches[{number}]: expected a KVHiveCache, got {type(cache).__name__}")
-            self._check_stackable(self, cache, number)
-        rows = sum(cache._batch_size() for cache in caches)
-        if rows != len(slots):
-            raise ValueError(f"{len(slots)} slot(s) {slots} for {rows} joining row(s): give one slot per row")
-        policy = self.policy
-        plans = []
-        for index, layer in enumerate(self.layers):
-            sources = [cache.layers[index] for cache in caches]
-            views = [view for source in sources for view in _row_views(source)]
-            seen = [count for source in sources for count in source.row_tokens_seen]
-            steps = {source.decode_steps_since_compression for source in sources}
-            if steps != {layer.decode_steps_since_compression}:
-                raise ValueError(
-                    f"cannot join these caches: layer {index} compressed {sorted(steps)} steps ago, the running "
-                    f"rows {layer.decode_steps_since_compression} (decode_every/decode_slack keep one schedule per layer)"
-                )
-            for view in views:
-                length = int(view[0].shape[2])
-                if layer.has_row_lengths:
-                    if length > layer.buffers()[0].shape[2]:
-                        raise ValueError(
-                            f"cannot join: a row holds {length} tokens in layer {index}, more than its slot capacity "
-                            f"of {layer.buffers()[0].shape[2]}; give a larger slot_capacity"
-                        )
-                elif length != layer.dense_length:
-                    raise ValueError(
-                        f"cannot join: a row holds {length} tokens in layer {index}, where every running row holds "
-                        f"{layer.dense_length}; a layer that evicts while decoding keeps one length for every row "
-                        "(give prompts longer than the budget, or decode them alone)"
-                    )
-            states = _row_states(policy, layer)
-            state_seen = [layer.tokens_seen] * len(states)
-            joining = [(state, source.tokens_seen) for source in sources for state in _row_states(policy, source)]
-            for slot, (state, count) in zip(slots, joining, strict=True):
-                states[slot], state_seen[slot] = state, count
-            state = policy.stack_states(states, state_seen)
-            if (
-                layer.bounded_capacity
-                and not layer.has_row_lengths
-                and type(policy).fixed_decode_capacity is not Policy.fixed_decode_capacity
-            ):
-                # The layer decodes in the fixed capacity its method declared: the stacked state
-                # gets the device counters that declaration set up (as at stacking, _reserve_decode).
-                policy.fixed_decode_capacity(layer.buffers()[0], self.layer_budgets[index], state)
-            plans.append((layer, views, seen, state, max(state_seen), sources))
-        for layer, views, seen, state, most_seen, sources in plans:
-            for slot, view, count in zip(slots, views, seen, strict=True):
-                layer.write_row(slot, *view, count)
-            _adopt_in_place(layer.policy_state, state)
-            layer.tokens_seen = most_seen
-            layer.has_padding = layer.has_padding or any(source.has_padding for source in sources)
-            layer.stored_in_order = layer.stored_in_order and all(source.stored_in_order for source in sources)
-        joining_budgets = {layer: _budgets_of_rows(caches, layer, None) for layer in self.row_layer_budgets}
-        for layer, budgets in self.row_layer_budgets.items():
-            for slot, budget in zip(slots, joining_budgets[layer], strict=True):
-                budgets[slot] = budget
-        self.layer_budgets = {layer: max(budgets) for layer, budgets in self.row_layer_budgets.items()}
-        for slot in slots:
-            self._active_slots[slot] = True
-        for store in self.layers:
-            store.set_active_rows(self._active_slots)
+        """One batch cache whose rows are the rows of ``caches`` (caches of one model and one
+        method, prefilled separately), in order; the inputs are left as they were. With
+        ``batch_slots`` the rows past those given are free slots that rows leave (:meth:`free_slots`)
+        and join (:meth:`fill_slots`) in place. Layouts, refusals and slots:
+        :func:`kvhive.cache.batching.stack`."""
+        return batching.stack(KVHiveCache, caches, decode_capacity, batch_slots, slot_capacity)
 
     def add_rows(self, caches: list[KVHiveCache], decode_capacity: int | None = None) -> None:
         """Append the rows of ``caches`` (each prefilled, e.g. a request joining a batch that is
         decoding) after this cache's rows, in place: ``KVHiveCache.stack([self, *caches])`` with
-        the same checks and refusals, adopted by this object (so a caller holding it, a server's
-        scheduler, keeps its reference). Every layer's buffers are laid out again: their addresses
-        change, as after ``batch_select_indices`` (docs/DESIGN.md, "Joining a running batch")."""
-        if not isinstance(caches, (list, tuple)) or not caches:
-            raise ValueError(f"caches: expected a non-empty list of KVHiveCache, got {caches!r}")
-        joined = type(self).stack([self, *caches], decode_capacity)
-        self.__dict__.update(joined.__dict__)
+        the same checks and refusals, taken by this object (a caller holding it keeps its
+        reference). Every layer's buffers are laid out again (:func:`kvhive.cache.batching.add_rows`)."""
+        batching.add_rows(KVHiveCache, self, caches, decode_capacity)
 
-    @staticmethod
-    def _check_stackable(first: KVHiveCache, cache: KVHiveCache, number: int) -> None:
-        where = f"caches[{number}]"
-        if cache.positions != ORIGINAL_POSITIONS:
-            raise ValueError(f"{where} uses positions={cache.positions!r}; stacked rows need positions='original'")
-        if not all(layer.is_initialized for layer in cache.layers):
-            raise ValueError(f"{where} holds no prompt: prefill each cache (its prompt through the model) first")
-        batches = {layer.batch_size for layer in cache.layers}
-        if len(batches) != 1 or min(batches) < 1:
-            raise ValueError(
-                f"{where} holds batches of {sorted(batches)} rows in its layers; expected one batch size >= 1"
-            )
-        if min(batches) > 1 and not cache.is_stacked and any(layer.has_padding for layer in cache.layers):
-            # Its rows' token counts include the left padding, so each row's next position (its
-            # tokens seen, as a stacked row continues) would not be the one it has alone.
-            raise ValueError(
-                f"{where} holds a left-padded batch of {min(batches)} rows: its rows' positions count the padding; "
-                "prefill each prompt alone (a batch of one) and stack those"
-            )
-        for layer in cache.layers:
-            if not layer.is_uniform:
-                raise ValueError(
-                    f"cannot stack caches of method {cache.policy.name!r}: layer {layer.layer_index} of {where} holds "
-                    "a different number of tokens per head (head-wise budgets, Ada-KV's packed layout), which has no "
-                    "dense row to stack; decode each prompt alone (kvhive.generate)"
-                )
-        if cache is first:
-            return
-        if cache.model_shape != first.model_shape:
-            raise ValueError(f"{where} was made for another model ({cache.model_shape} vs {first.model_shape})")
-        for layer, module in first._attention_modules.items():
-            other = cache._attention_modules.get(layer)
-            if other is not None and module() is not None and other() is not None and other() is not module():
-                raise ValueError(f"{where} was filled by another model object than caches[0] (layer {layer})")
-        if type(cache.policy) is not type(first.policy) or cache.policy.config != first.policy.config:
-            raise ValueError(
-                f"{where} runs method {cache.policy!r}, caches[0] {first.policy!r}: stacked rows run one method"
-            )
-        options = ("budget", "compress_sliding", "decode_every", "decode_slack", "dense_decode")
-        for option in options:
-            if getattr(cache, option) != getattr(first, option):
-                raise ValueError(
-                    f"{where} has {option}={getattr(cache, option)!r}, caches[0] {getattr(first, option)!r}: stacked "
-                    "rows share one cache's options"
-                )
-        if DECODE in first.policy.phases:
-            differing = {
-                layer: (first.layer_budgets.get(layer), cache.layer_budgets.get(layer))
-                for layer in set(first.layer_budgets) | set(cache.layer_budgets)
-                if first.layer_budgets.get(layer) != cache.layer_budgets.get(layer)
-            }
-            if differing:
-                raise ValueError(
-                    f"{where} keeps other layer budgets than caches[0] {differing} (a ratio of prompts of different "
-                    f"lengths): method {first.policy.name!r} keeps one budget per layer while decoding; give a token "
-                    "budget"
-                )
-        for ours, theirs in zip(first.layers, cache.layers, strict=True):
-            if (ours.dtype, ours.device) != (theirs.dtype, theirs.device):
-                raise ValueError(
-                    f"{where} holds {theirs.dtype} on {theirs.device} in layer {theirs.layer_index}, caches[0] "
-                    f"{ours.dtype} on {ours.device}: stacked rows share one dtype and device"
-                )
-            if ours.heads_per_kv_head != theirs.heads_per_kv_head:
-                raise ValueError(f"{where} stores another number of heads per KV head than caches[0]")
+    @property
+    def is_slotted(self) -> bool:
+        """Whether the rows are fixed batch slots (``KVHiveCache.stack(batch_slots=...)``)."""
+        return self._slots is not None
+
+    @property
+    def active_slots(self) -> list[bool]:
+        """Fixed batch slots: whether each slot holds a running row (host)."""
+        return batching.active_slots(self)
+
+    def free_slots(self, slots: list[int]) -> None:
+        """Fixed batch slots: the rows in ``slots`` leave (finished requests). Nothing moves; the
+        slots decode a placeholder until :meth:`fill_slots` gives them a new row."""
+        batching.free_slots(self, slots)
+
+    def fill_slots(self, slots: list[int], caches: list[KVHiveCache]) -> None:
+        """Fixed batch slots: the rows of ``caches`` (each prefilled alone; their rows in order) take
+        the free ``slots``, copied into the buffers in place: no buffer is reallocated and the decode
+        step keeps its shape and graph. The checks and refusals are :meth:`stack`'s; a row must also
+        fit its slot. Everything is checked before anything changes
+        (:func:`kvhive.cache.batching.fill_slots`)."""
+        batching.fill_slots(KVHiveCache, self, slots, caches)
 
     def row_tokens_seen(self, layer_idx: int = 0) -> list[int]:
         """Tokens seen by each batch row of a layer (they differ in a stacked cache, :meth:`stack`)."""
         return self.layers[layer_idx].row_tokens_seen
 
-    # -- reuse checks ------------------------------------------------------------------------------
-    def _check_reuse(self, key_states: torch.Tensor, layer_idx: int) -> None:
-        """Refuse new tokens that cannot continue what the cache holds (another batch size, another
-        model's shapes) with a message naming the mismatch, instead of an obscure shape error."""
-        if layer_idx >= len(self.layers):
-            raise ValueError(
-                f"this cache was made for a model with {len(self.layers)} layers; layer {layer_idx} "
-                "does not exist in it: another model is using it (make a cache per model)"
-            )
-        store: LayerStore = self.layers[layer_idx]
-        if not store.is_initialized:
-            return
-        if key_states.shape[0] != store.batch_size:
-            raise ValueError(
-                f"this cache holds a batch of {store.batch_size} row(s); the new input has "
-                f"{key_states.shape[0]}: make a new cache for another batch size"
-            )
-        heads = store.num_heads // store.heads_per_kv_head
-        stored_keys = store.buffers()[0]
-        head_dim = stored_keys.shape[-1] if stored_keys is not None else key_states.shape[3]
-        if key_states.shape[1] != heads or key_states.shape[3] != head_dim:
-            raise ValueError(
-                f"this cache holds {heads} KV heads of dimension {head_dim} in layer {layer_idx}; "
-                f"the new input has {key_states.shape[1]} of {key_states.shape[3]}: another model is using "
-                "it (make a cache per model)"
-            )
-
-    def check_model(self, config) -> None:
-        """Refuse a model other than the one this cache was made for, empty or filled (its layers'
-        kinds and windows, heads and head dimension are what the cache's layers, budgets and
-        accounting were built from). Called before a forward of a model kvhive attached to, and by
-        kvhive's attention the first time it sees a layer's module; a config already matched is
-        not compared again."""
-        if self._matching_config is not None and self._matching_config() is config:
-            return
-        actual = model_shape(config)
-        if actual != self.model_shape:
-            expected = self.model_shape
-            differences = [
-                f"{name}: {_describe_windows(expected[name])} here, {_describe_windows(actual[name])} in that model"
-                if name == "sliding windows"
-                else f"{name}: {expected[name]} here, {actual[name]} in that model"
-                for name in expected
-                if expected[name] != actual[name]
-            ]
-            raise ValueError(
-                "this cache was made for another model (" + "; ".join(differences) + "): make a cache per model "
-                "with kvhive.make_cache(model, ...)"
-            )
-        self._matching_config = weakref.ref(config)
-
-    def check_attention_module(self, layer_index: int, module) -> None:
-        """Called by kvhive's attention for the layer just updated. Refuses a cache filled by one
-        model's attention layers being continued by another's (shapes may agree, so the modules
-        themselves are compared)."""
-        self._unattended_update = None
-        known = self._attention_modules.get(layer_index)
-        if known is None:
-            config = getattr(module, "config", None)
-            if config is not None:
-                try:
-                    self.check_model(config)
-                except ValueError:
-                    # The layer held nothing before this update (its module is seen for the first
-                    # time): drop the other model's tokens, so nothing counts them.
-                    self.layers[layer_index].reset()
-                    raise
-            self._attention_modules[layer_index] = weakref.ref(module)
-        elif known() is not module:
-            raise ValueError(
-                f"this cache was filled by another model (layer {layer_index} belongs to a different "
-                "module): make a cache per model"
-            )
-
-    def check_generation_inputs(self, input_ids: torch.Tensor | None, first_step: bool, new_tokens: int | None) -> None:
-        """Called by ``generate`` (through ``kvhive.attention``) before each step with the sequence
-        it was given and how many of its tokens are new (None: only new tokens were passed, with
-        the full attention mask). A reused cache must be continued by a sequence that starts with
-        the tokens it holds; otherwise transformers would silently treat them as its prefix."""
-        if input_ids is None or input_ids.dim() != 2:
-            return
-        store: LayerStore = self.layers[0]
-        seen = store.tokens_seen if store.is_initialized else 0
-        if first_step and seen:
-            if input_ids.shape[0] != store.batch_size:
-                raise ValueError(
-                    f"this cache holds a batch of {store.batch_size} row(s); the new prompt has "
-                    f"{input_ids.shape[0]}: make a new cache for another batch size"
-                )
-            if new_tokens is not None and new_tokens < 1:
-                raise ValueError(
-                    f"the prompt of {input_ids.shape[1]} tokens does not extend the {seen} tokens this "
-                    "cache holds: pass the previous tokens followed by the new ones, or make a new cache"
-                )
-            recorded = self._generated_ids
-            if new_tokens is not None and recorded is not None and recorded.shape == (input_ids.shape[0], seen):
-                if not torch.equal(recorded.to(input_ids.device), input_ids[:, :seen]):
-                    raise ValueError(
-                        f"the prompt does not start with the {seen} tokens this cache holds: it would be "
-                        "answered as if they were its beginning; make a new cache for an unrelated prompt"
-                    )
-        # A reference, not a copy: generate appends to a new tensor, it never edits in place.
-        self._generated_ids = input_ids if new_tokens is not None or not seen else None
+    def next_position_ids(self) -> torch.Tensor:
+        """``[B, 1]`` position ids of each row's next token (original positions), on the cache's
+        device: what a stacked cache's next decode step passes as ``position_ids``, its rows being at
+        different positions. Read from the first layer's device counters, so nothing is read back to
+        the host (a decode loop asks for it at every step)."""
+        layer = self.layers[0]
+        if self.positions != ORIGINAL_POSITIONS or not layer.is_initialized:
+            raise ValueError("next_position_ids: expected a prefilled cache at positions='original'")
+        if layer.row_tokens_seen_device is not None:
+            return layer.row_tokens_seen_device[:, None].clone()
+        return layer.tokens_seen_device.expand(layer.batch_size, 1).clone()
 
     def get_seq_length(self, layer_idx: int = 0) -> int | torch.Tensor:
         """The true number of tokens seen (``positions="cache"``: the next re-indexed position);

@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from kvhive.cache.kv_cache import ORIGINAL_POSITIONS, KVHiveCache, mark_update
+from kvhive.cache.handoff import mark_update
+from kvhive.cache.kv_cache import ORIGINAL_POSITIONS, KVHiveCache
 
 
 class CacheRows(Cache):
