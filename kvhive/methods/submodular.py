@@ -268,7 +268,7 @@ def greedy_maximize(
     left (then its lowest-index remaining padding element, or the lowest-index one drawn).
 
     ``fast`` (lazy and stochastic greedy): run each step as one fixed-shape pure function (the
-    GPU fast path, module section "The GPU fast path"; same kept sets, same host reads). None
+    GPU fast path, :mod:`kvhive.methods.submodular_graph`; same kept sets, same host reads). None
     (the default): ``kvhive.static_step.prefill_fast_path`` decides, i.e. on CUDA only: the step
     compiled with inductor, the whole loop captured as one CUDA graph
     per shape bucket; the CPU runs the eager loop, the reference. True: the fixed-shape step

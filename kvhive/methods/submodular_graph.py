@@ -64,7 +64,7 @@ def _greedy_step(
     lam: float,
     phi: Concave,
 ) -> tuple[torch.Tensor, ...]:
-    """One greedy step of :func:`_lazy_greedy` as a pure function of fixed-shape tensors.
+    """One greedy step of the eager loop (``kvhive.methods.submodular._lazy_greedy``) as a pure function of fixed-shape tensors.
 
     ``state`` = ``(chosen, coverage, mass, phi_mass, facility_bounds, consumed, evaluated_enough,
     drew_enough, needed)``; ``step`` a 0-d long tensor; ``width`` the pool's width (``n`` where a
