@@ -17,7 +17,7 @@ from transformers.masking_utils import sdpa_mask
 from kvhive.api import make_cache
 from kvhive.compat import cache_kwarg as kvhive_cache_kwarg
 from kvhive.methods import buzz as buzz_module
-from kvhive.methods import make_policy
+from kvhive.methods import buzz_layout, make_policy
 from kvhive.methods.base import DECODE, PREFILL, ScoringInputs
 from kvhive.methods.buzz import (
     EVICTIONS,
@@ -882,7 +882,7 @@ def test_minimum_budget_at_a_large_stride_takes_a_few_layout_searches(monkeypatc
     by trying every budget from sink + 2 (about 500 layout searches of 5,000 candidates each).
     Counted, not timed: a few searches near the answer; the count stops a linear search early."""
     calls = []
-    searched = buzz_module.mean_layout
+    searched = buzz_layout.mean_layout
 
     def counted(budget, sink, stride):
         calls.append(budget)
@@ -890,10 +890,10 @@ def test_minimum_budget_at_a_large_stride_takes_a_few_layout_searches(monkeypatc
             raise AssertionError(f"minimum_buzz_budget searched {len(calls)} budgets: {calls[:5]}...")
         return searched(budget, sink, stride)
 
-    monkeypatch.setattr(buzz_module, "mean_layout", counted)
+    monkeypatch.setattr(buzz_layout, "mean_layout", counted)
     for cached in ("minimum_buzz_budget", "_minimum_mean_budget_without_sink"):
-        if hasattr(getattr(buzz_module, cached, None), "cache_clear"):
-            getattr(buzz_module, cached).cache_clear()
+        if hasattr(getattr(buzz_layout, cached, None), "cache_clear"):
+            getattr(buzz_layout, cached).cache_clear()
     policy = Buzz(sink=5, stride=1000)
     assert policy.minimum_budget() >= 500
     assert len(calls) <= 5

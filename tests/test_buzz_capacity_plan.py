@@ -1,6 +1,6 @@
 """BUZZ's decision over a fixed decode capacity (``Buzz._evict_in_capacity``, the device path a
 compiled or captured step takes) against its host reference (``Buzz._evict``, Algorithm 1 with
-Remark 2's rounds planned by ``_eviction_plan``) on the same stored tokens, counters and scores,
+Remark 2's rounds planned by ``eviction_plan``) on the same stored tokens, counters and scores,
 wherever the layer's state may stand: any stored length, padding and old-sample count, including
 the states where Remark 2 thins the samples again (which a steady decode rarely reaches)."""
 
@@ -23,7 +23,7 @@ from kvhive.methods.buzz import (
     SIZE_SUM,
     Buzz,
     BuzzConfig,
-    _eviction_plan,
+    eviction_plan,
     minimum_buzz_budget,
     small_stride,
 )
@@ -62,7 +62,7 @@ def test_capacity_decision_keeps_what_the_host_plan_keeps(case):
     host_state = {LAYOUT: layout, PADDING: padding, OLD: old, EVICTIONS: 0}
     host = SimpleNamespace(num_tokens=stored, phase=DECODE, token_scores={SCORE: scores[..., :stored]})
     expected = policy._evict(host, budget, host_state)
-    plan = _eviction_plan(layout, stored, padding, old, budget)
+    plan = eviction_plan(layout, stored, padding, old, budget)
 
     counter = lambda value: torch.tensor(value, dtype=torch.int64)  # noqa: E731
     state = {
@@ -98,5 +98,5 @@ def test_the_states_above_reach_remark_2_rounds_in_decode():
     budget = 60
     layout = policy.layout(budget)
     room = budget - layout.sink - layout.window
-    plan = _eviction_plan(layout, 3 * layout.peak, 0, room, budget)
+    plan = eviction_plan(layout, 3 * layout.peak, 0, room, budget)
     assert plan is not None and plan.rounds >= 1 and plan.thinning == small_stride(5) ** plan.rounds

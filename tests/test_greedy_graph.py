@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import kvhive.methods.bumblebee as bumblebee_module
 import kvhive.methods.subgen as subgen_module
 import kvhive.methods.submodular as submodular
+import kvhive.methods.submodular_graph as submodular_graph
 from kvhive.methods import make_policy
 from kvhive.methods.subgen import farthest_point_order
 from kvhive.methods.submodular import Concave, greedy_maximize
@@ -48,12 +49,12 @@ def _generators(rows: int, seed: int = 100) -> list[torch.Generator]:
 @pytest.fixture
 def fresh_compiles():
     """Compiled steps cleared before and after (each test counts its own compiles)."""
-    for cache in (submodular._STEP_FUNCTIONS, subgen_module._STEP_FUNCTIONS):
+    for cache in (submodular_graph._STEP_FUNCTIONS, subgen_module._STEP_FUNCTIONS):
         cache.clear()
     torch._dynamo.reset()
     counters.clear()
     yield
-    for cache in (submodular._STEP_FUNCTIONS, subgen_module._STEP_FUNCTIONS):
+    for cache in (submodular_graph._STEP_FUNCTIONS, subgen_module._STEP_FUNCTIONS):
         cache.clear()
     torch._dynamo.reset()
 
@@ -80,16 +81,16 @@ def test_fixed_shape_greedy_step_reruns_like_the_eager_loop(monkeypatch, fresh_c
     """A first run that evaluates too few gains (and a row that rejects every draw of a step)
     runs again on the fixed-shape path as on the eager one: the same sets."""
     monkeypatch.setattr(submodular, "_LAZY_EVALUATIONS", 1)
-    monkeypatch.setattr(submodular, "_BUCKET_FLOOR", 1)
+    monkeypatch.setattr(submodular_graph, "_BUCKET_FLOOR", 1)
     objective = random_objective(rows=3, n=120, dim=6, seed=3)
     runs = []
-    original = submodular._fast_lazy_greedy
+    original = submodular.fast_lazy_greedy
 
     def counted(*args, **kwargs):
         runs.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(submodular, "_fast_lazy_greedy", counted)
+    monkeypatch.setattr(submodular, "fast_lazy_greedy", counted)
     for k, epsilon in ((40, 1e-5), (100, 0.5)):
         reference = greedy_maximize(objective, k, "stochastic", epsilon, _generators(3), fast=False)
         runs.clear()
@@ -157,7 +158,7 @@ def test_greedy_step_compiles_once_per_bucket_and_never_recompiles(fresh_compile
             reference = greedy_maximize(objective, 40, "stochastic", 1e-5, _generators(4, 7 * layer), fast=False)
             chosen = greedy_maximize(objective, 40, "stochastic", 1e-5, _generators(4, 7 * layer), fast="aot_eager")
             assert torch.equal(chosen, reference)
-    buckets = len(submodular._STEP_FUNCTIONS)
+    buckets = len(submodular_graph._STEP_FUNCTIONS)
     assert 1 <= buckets <= 4  # 64, 128, ... up to the pool's width
     assert counters["stats"]["unique_graphs"] == buckets  # one graph per bucket, over 3 x 40 steps
     assert counters["graph_break"] == {}
@@ -217,7 +218,7 @@ def test_operations_per_step(fresh_compiles):
     traced = [_calls(graph) for graph in graphs]
     print(f"bumblebee: eager {eager_per_step:.1f} aten ops per step; traced step {traced} ops per graph")
     assert 100 < eager_per_step < 400
-    assert len(graphs) == len(submodular._STEP_FUNCTIONS) and max(traced) < eager_per_step
+    assert len(graphs) == len(submodular_graph._STEP_FUNCTIONS) and max(traced) < eager_per_step
 
     keys = torch.randn(8, 1024, 32)
     candidates = torch.ones(8, 1024, dtype=torch.bool)
@@ -279,14 +280,14 @@ class _EmulatedCapture:
 
     def __init__(self, inputs, steps, functions, buffers=None, donated=()):
         type(self).made += 1
-        self.inputs = submodular.capture_buffers(inputs, buffers, donated)
+        self.inputs = submodular_graph.capture_buffers(inputs, buffers, donated)
         self.steps, self.functions = steps, functions
 
     def __call__(self, inputs):
         for name, value in inputs.items():
             if self.inputs[name].data_ptr() != value.data_ptr():
                 self.inputs[name].copy_(value)
-        return submodular._run_loop(self.inputs, self.steps, self.functions)
+        return submodular_graph._run_loop(self.inputs, self.steps, self.functions)
 
 
 def test_layers_replay_a_capture_whose_buckets_cover_theirs(monkeypatch, fresh_compiles):
@@ -295,10 +296,10 @@ def test_layers_replay_a_capture_whose_buckets_cover_theirs(monkeypatch, fresh_c
     so the captures settle; every layer keeps the eager loop's set; similarity_buffer hands out the
     latest capture's matrix, and a layer computed into it is not copied."""
     monkeypatch.setattr(submodular, "captures_loops", lambda device: True)
-    monkeypatch.setattr(submodular, "_LoopGraph", _EmulatedCapture)
-    monkeypatch.setattr(submodular, "CAPTURED_LOOPS", CapturedLoops(held=2))
+    monkeypatch.setattr(submodular_graph, "_LoopGraph", _EmulatedCapture)
+    monkeypatch.setattr(submodular_graph, "CAPTURED_LOOPS", CapturedLoops(held=2))
     _EmulatedCapture.made = 0
-    assert submodular.similarity_buffer(4, 300, "cpu") is None
+    assert submodular_graph.similarity_buffer(4, 300, "cpu") is None
     for layer in range(6):
         objective = random_objective(rows=4, n=300, dim=12, seed=20 + layer, padding=False)
         reference = greedy_maximize(objective, 60, "stochastic", 1e-5, _generators(4, 11 * layer), fast=False)
@@ -306,11 +307,11 @@ def test_layers_replay_a_capture_whose_buckets_cover_theirs(monkeypatch, fresh_c
         assert torch.equal(chosen, reference), layer
         assert submodular.last_greedy_path == "fixed-shape step (eager), whole loop as one CUDA graph"
     assert 1 <= _EmulatedCapture.made <= 3 < 6
-    assert len(submodular.CAPTURED_LOOPS.graphs) <= submodular.CAPTURED_LOOPS.held
+    assert len(submodular_graph.CAPTURED_LOOPS.graphs) <= submodular_graph.CAPTURED_LOOPS.held
     # The captures of one shape share their input buffers: one similarity matrix between them.
-    assert len({graph.inputs["sim"].data_ptr() for graph in submodular.CAPTURED_LOOPS.graphs.values()}) == 1
-    buffer = submodular.similarity_buffer(4, 300, "cpu")
-    latest = list(submodular.CAPTURED_LOOPS.graphs.values())[-1]
+    assert len({graph.inputs["sim"].data_ptr() for graph in submodular_graph.CAPTURED_LOOPS.graphs.values()}) == 1
+    buffer = submodular_graph.similarity_buffer(4, 300, "cpu")
+    latest = list(submodular_graph.CAPTURED_LOOPS.graphs.values())[-1]
     assert buffer is not None and buffer.data_ptr() == latest.inputs["sim"].data_ptr()
     # A layer whose matrix was computed into the buffer: the same set, and the buffer is its matrix.
     objective = random_objective(rows=4, n=300, dim=12, seed=40, padding=False)
@@ -330,7 +331,7 @@ class _SlowEmulatedCapture(_EmulatedCapture):
             if self.inputs[name].data_ptr() != value.data_ptr():
                 self.inputs[name].copy_(value)
         time.sleep(0.02)
-        return submodular._run_loop(self.inputs, self.steps, self.functions)
+        return submodular_graph._run_loop(self.inputs, self.steps, self.functions)
 
 
 def test_threads_replaying_the_shared_captures_get_their_own_sets(monkeypatch, fresh_compiles):
@@ -339,8 +340,8 @@ def test_threads_replaying_the_shared_captures_get_their_own_sets(monkeypatch, f
     (similarity_buffer), then the greedy replaying it. Each gets its eager set: the captures and their
     buffers are used one thread at a time (static_step.CapturedLoops)."""
     monkeypatch.setattr(submodular, "captures_loops", lambda device: True)
-    monkeypatch.setattr(submodular, "_LoopGraph", _SlowEmulatedCapture)
-    monkeypatch.setattr(submodular, "CAPTURED_LOOPS", CapturedLoops(held=2))
+    monkeypatch.setattr(submodular_graph, "_LoopGraph", _SlowEmulatedCapture)
+    monkeypatch.setattr(submodular_graph, "CAPTURED_LOOPS", CapturedLoops(held=2))
     objectives = [random_objective(rows=4, n=200, dim=12, seed=70 + index, padding=False) for index in range(4)]
     references = [
         greedy_maximize(objective, 40, "stochastic", 1e-5, _generators(4, index), fast=False)
@@ -354,8 +355,8 @@ def test_threads_replaying_the_shared_captures_get_their_own_sets(monkeypatch, f
         for _ in range(3):
             objective = objectives[index]
             if index % 2:  # BumbleBee's flow: the matrix written into the shared buffer first
-                with submodular.CAPTURED_LOOPS.using("cpu"):
-                    buffer = submodular.similarity_buffer(4, 200, "cpu")
+                with submodular_graph.CAPTURED_LOOPS.using("cpu"):
+                    buffer = submodular_graph.similarity_buffer(4, 200, "cpu")
                     if buffer is not None:
                         buffer.copy_(objective.sim)
                         time.sleep(0.01)
@@ -493,15 +494,15 @@ def test_released_captures_free_their_buffers_and_capture_again(monkeypatch, fre
     from kvhive import static_step
 
     monkeypatch.setattr(submodular, "captures_loops", lambda device: True)
-    monkeypatch.setattr(submodular, "_LoopGraph", _EmulatedCapture)
-    monkeypatch.setattr(submodular, "CAPTURED_LOOPS", CapturedLoops(held=2))
+    monkeypatch.setattr(submodular_graph, "_LoopGraph", _EmulatedCapture)
+    monkeypatch.setattr(submodular_graph, "CAPTURED_LOOPS", CapturedLoops(held=2))
     _EmulatedCapture.made = 0
     objective = random_objective(rows=4, n=300, dim=12, seed=50, padding=False)
     reference = greedy_maximize(objective, 60, "stochastic", 1e-5, _generators(4, 5), fast=False)
     assert torch.equal(greedy_maximize(objective, 60, "stochastic", 1e-5, _generators(4, 5), fast=True), reference)
-    assert _EmulatedCapture.made == 1 and submodular.similarity_buffer(4, 300, "cpu") is not None
+    assert _EmulatedCapture.made == 1 and submodular_graph.similarity_buffer(4, 300, "cpu") is not None
     assert static_step.release_captured_loops() >= 1
-    assert not submodular.CAPTURED_LOOPS.graphs and submodular.similarity_buffer(4, 300, "cpu") is None
+    assert not submodular_graph.CAPTURED_LOOPS.graphs and submodular_graph.similarity_buffer(4, 300, "cpu") is None
     assert torch.equal(greedy_maximize(objective, 60, "stochastic", 1e-5, _generators(4, 5), fast=True), reference)
     assert _EmulatedCapture.made == 2
 
@@ -525,9 +526,9 @@ def _emulate_bumblebee_captures(monkeypatch, capture=None):
     monkeypatch.setattr(static_step, "PREFILL_FAST_PATH", True)
     monkeypatch.setattr(submodular, "captures_loops", lambda device: True)
     monkeypatch.setattr(bumblebee_module, "captures_loops", lambda device: True)
-    monkeypatch.setattr(submodular, "_LoopGraph", capture)
-    monkeypatch.setattr(submodular, "CAPTURED_LOOPS", CapturedLoops(held=2))
-    monkeypatch.setattr(bumblebee_module, "CAPTURED_LOOPS", submodular.CAPTURED_LOOPS)
+    monkeypatch.setattr(submodular_graph, "_LoopGraph", capture)
+    monkeypatch.setattr(submodular_graph, "CAPTURED_LOOPS", CapturedLoops(held=2))
+    monkeypatch.setattr(bumblebee_module, "CAPTURED_LOOPS", submodular_graph.CAPTURED_LOOPS)
     capture.made = 0
 
 
@@ -550,7 +551,7 @@ def test_a_new_capture_keeps_the_matrix_bumblebee_computed_instead_of_a_copy(mon
     for (policy, scoring), reference in zip(layers, references, strict=True):
         assert torch.equal(policy.select_prefill(scoring, 60, {}), reference)
     assert _EmulatedCapture.made >= 1
-    held = {graph.inputs["sim"].data_ptr() for graph in submodular.CAPTURED_LOOPS.graphs.values()}
+    held = {graph.inputs["sim"].data_ptr() for graph in submodular_graph.CAPTURED_LOOPS.graphs.values()}
     assert computed == [(False, computed[0][1]), (True, computed[0][1])]
     assert held == {computed[0][1]}
 
@@ -575,14 +576,14 @@ def test_large_captured_loops_are_dropped_at_the_end_of_the_forward(monkeypatch,
             model(input_ids=ids, **{cache_kwarg(model): kvhive.make_cache(model, "bumblebee", budget=48)})
 
     prefill()
-    assert _EmulatedCapture.made >= 1 and submodular.CAPTURED_LOOPS.graphs  # small: kept
-    held = max(static_step._held_bytes(graph) for graph in submodular.CAPTURED_LOOPS.graphs.values())
+    assert _EmulatedCapture.made >= 1 and submodular_graph.CAPTURED_LOOPS.graphs  # small: kept
+    held = max(static_step._held_bytes(graph) for graph in submodular_graph.CAPTURED_LOOPS.graphs.values())
     assert held >= 4 * 160 * 160 // 2  # the R x n x n float32 matrix among them
     monkeypatch.setattr(static_step, "HELD_LOOP_BYTES", held - 1)
     inside, leave = threading.Event(), threading.Event()
 
     def hold():
-        with submodular.CAPTURED_LOOPS.using("cpu"):
+        with submodular_graph.CAPTURED_LOOPS.using("cpu"):
             inside.set()
             leave.wait(10)
 
@@ -591,12 +592,12 @@ def test_large_captured_loops_are_dropped_at_the_end_of_the_forward(monkeypatch,
     inside.wait(10)
     try:
         assert static_step.release_captured_loops(larger_than=held - 1, wait=False) == 0
-        assert submodular.CAPTURED_LOOPS.graphs
+        assert submodular_graph.CAPTURED_LOOPS.graphs
     finally:
         leave.set()
         holder.join()
     prefill()
-    assert not submodular.CAPTURED_LOOPS.graphs
+    assert not submodular_graph.CAPTURED_LOOPS.graphs
 
 
 def test_every_layer_chunks_its_rows_as_the_first_beside_the_matrix_a_capture_holds(monkeypatch, fresh_compiles):
@@ -613,7 +614,7 @@ def test_every_layer_chunks_its_rows_as_the_first_beside_the_matrix_a_capture_ho
     def device_room(device):  # the driver's view: what the captures hold is not free
         held = {
             graph.inputs["sim"].untyped_storage().data_ptr(): graph.inputs["sim"].untyped_storage().nbytes()
-            for graph in submodular.CAPTURED_LOOPS.graphs.values()
+            for graph in submodular_graph.CAPTURED_LOOPS.graphs.values()
         }
         return whole - sum(held.values())
 

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvhive
 from kvhive.compat import cache_kwarg
-from kvhive.methods import base
+from kvhive.methods import scoring as scoring_module
 from kvhive.models import tiny_model
 
 HEAD_DIM = 16  # the tiny models' head dimension (their hidden size is 64)
@@ -73,7 +73,7 @@ def test_one_pass_equals_the_two_pass_scoring_and_sdpa(dtype, padded, monkeypatc
 
     q, k, v, mask = random_attention(dtype, padding=5 if padded else 0)
     batch, query_heads, tokens, _ = q.shape
-    monkeypatch.setattr(base, "_CHUNK_ELEMENTS", 5 * batch * query_heads * tokens)
+    monkeypatch.setattr(scoring_module, "_CHUNK_ELEMENTS", 5 * batch * query_heads * tokens)
     scaling = 0.3
     output, sums = _attention_with_column_sums(q, k, v, mask, scaling)  # [B, q, Hq, d], [B, Hq, N]
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvhive.methods import base
+from kvhive.methods import scoring as scoring_module
 from kvhive.methods.base import DECODE, PREFILL, ScoringInputs, keep_top_scores, recent_mask, top_indices
 
 
@@ -110,7 +111,7 @@ def test_summed_attention_is_the_same_whatever_the_chunk_size(
     # multiplying each chunk only against the keys it may see must not change them.
     scoring = _scoring(batch, heads, query_heads, n, q, mask, phase)
     if rows_per_chunk is not None:
-        monkeypatch.setattr(base, "_CHUNK_ELEMENTS", rows_per_chunk * batch * query_heads * n)
+        monkeypatch.setattr(scoring_module, "_CHUNK_ELEMENTS", rows_per_chunk * batch * query_heads * n)
     summed = scoring.summed_attention(first_row, multiplier)
     expected = _reference_summed_attention(scoring, first_row, multiplier)
     assert summed.shape == (batch, query_heads, n) and summed.dtype == torch.float32

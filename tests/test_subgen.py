@@ -27,7 +27,6 @@ from kvhive.methods.subgen import (
     NEAREST_DISTANCE,
     NEAREST_POSITION,
     SubGen,
-    _padded_indices,
     farthest_point_order,
     maintain_candidates,
 )
@@ -42,6 +41,7 @@ from kvhive.methods.subgen_attention import (
     memory_plan,
     structures_nbytes,
 )
+from kvhive.methods.subgen_candidates import padded_indices
 from kvhive.models import TINY_ARCHITECTURES, TINY_ATTENTION_KINDS, tiny_model
 
 from helpers import left_padded_batch, prefill_and_decode, reference_logits, solo_runs
@@ -819,21 +819,21 @@ def test_memory_plan_token_equivalents_are_the_budget_split():
 
 def test_padded_indices_lists_each_rows_true_columns_in_order():
     mask = torch.tensor([[False, True, True, False, True], [False] * 5, [True, False, False, False, False]])
-    index, present = _padded_indices(mask, 3)
+    index, present = padded_indices(mask, 3)
     assert index.shape == present.shape == (3, 3)
     assert present.tolist() == [[True] * 3, [False] * 3, [True, False, False]]
     assert index[0].tolist() == [1, 2, 4] and index[2, 0].item() == 0
     long = torch.rand(4, 3000, generator=torch.Generator().manual_seed(0)) < 0.3
-    index, present = _padded_indices(long, 3000)
+    index, present = padded_indices(long, 3000)
     for row in range(4):
         assert index[row][present[row]].tolist() == long[row].nonzero().flatten().tolist()
     # by position (tokens stored out of their order): the oldest True columns, oldest first
     positions = torch.tensor([[9, 4, 7, 0, 2], [0, 1, 2, 3, 4], [5, 3, 1, 4, 2]]).float()
-    index, present = _padded_indices(mask, 3, positions)
+    index, present = padded_indices(mask, 3, positions)
     assert present.tolist() == [[True] * 3, [False] * 3, [True, False, False]]
     assert index[0].tolist() == [4, 1, 2] and index[2, 0].item() == 0
     # no rows: an empty listing, not an error
-    index, present = _padded_indices(torch.zeros(0, 7, dtype=torch.bool), 0)
+    index, present = padded_indices(torch.zeros(0, 7, dtype=torch.bool), 0)
     assert index.shape == present.shape == (0, 0)
 
 
@@ -1389,7 +1389,7 @@ def test_decode_with_the_attentions_key_probes_keeps_what_its_own_product_keeps(
     every compressed layer must take them, and leave the state SubGen's own product leaves (the
     same attention in both runs: only where the products come from differs), to the bit; and the
     run must stay what sdpa's attention, without probes, gives."""
-    import kvhive.methods.subgen as subgen_module
+    import kvhive.methods.subgen_candidates as subgen_candidates
 
     model = tiny_model("llama", "gqa")
     generator = torch.Generator().manual_seed(50 + recent)
@@ -1399,7 +1399,7 @@ def test_decode_with_the_attentions_key_probes_keeps_what_its_own_product_keeps(
         input_ids = torch.randint(3, model.config.vocab_size, (2, 28), generator=generator)
         attention_mask = torch.ones_like(input_ids)
     forced = [torch.randint(3, model.config.vocab_size, (2, 1), generator=generator) for _ in range(30)]
-    original = subgen_module._steady_step
+    original = subgen_candidates.steady_step
 
     def run(probes: bool, products_used: bool = True):
         calls = {"probed": 0, "own": 0}
@@ -1415,7 +1415,7 @@ def test_decode_with_the_attentions_key_probes_keeps_what_its_own_product_keeps(
             return result
 
         monkeypatch.setattr(SubGen, "takes_key_probes", probes)
-        monkeypatch.setattr(subgen_module, "_steady_step", recorded)
+        monkeypatch.setattr(subgen_candidates, "steady_step", recorded)
         cache = kvhive.make_cache(model, "subgen", budget=12, recent=recent)
         logits = prefill_and_decode(model, cache, input_ids, attention_mask, steps=len(forced), forced_tokens=forced)
         return logits, states, calls
@@ -1439,17 +1439,17 @@ def test_decode_with_the_attentions_key_probes_keeps_what_its_own_product_keeps(
 def test_key_probes_are_taken_only_where_the_attentions_product_is_the_methods(dtype, monkeypatch):
     """The attention computes SubGen's products only from float32 keys: a 16-bit product is not
     the float32 distances SubGen computes, so with 16-bit keys every steady step computes its own."""
-    import kvhive.methods.subgen as subgen_module
+    import kvhive.methods.subgen_candidates as subgen_candidates
 
     model = tiny_model("llama", "gqa").to(dtype)
-    original = subgen_module._steady_step
+    original = subgen_candidates.steady_step
     calls = {"probed": 0, "own": 0}
 
     def counted(*args):
         calls["probed" if args[-1] is not None else "own"] += 1
         return original(*args)
 
-    monkeypatch.setattr(subgen_module, "_steady_step", counted)
+    monkeypatch.setattr(subgen_candidates, "steady_step", counted)
     cache = kvhive.make_cache(model, "subgen", budget=12, recent=4)
     input_ids = torch.randint(3, model.config.vocab_size, (2, 28), generator=torch.Generator().manual_seed(1))
     prefill_and_decode(model, cache, input_ids, torch.ones_like(input_ids), steps=5)

@@ -42,7 +42,7 @@ QUICK = Suite(
 )
 
 
-# The claims run's task parameters where the task defaults would not decide (issue 12): streaming
+# The claims run's task parameters where the task defaults would not decide: streaming
 # perplexity over 40 windows of 256 tokens (BUZZ Table 3's caches of 50/100 tokens), needles and
 # multi-document QA at 2k and 4k tokens (where a 0.5B model's full cache retrieves; 1k is within
 # most budgets' reach).

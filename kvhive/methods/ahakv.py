@@ -93,7 +93,7 @@ DEFAULT_GAIN_INPUT: GainInput = "raw_qk"
 
 # What n of Eq. 12 counts while decoding: the row's tokens seen so far ("seen", the paper's n,
 # the sequence length) or the keys the new query's softmax runs over ("stored", about b + 1 once
-# the cache is full). The paper does not say which for the decode phase (issue 26, item 6).
+# the cache is full). The paper does not say which for the decode phase.
 DecodeN = Literal["seen", "stored"]
 DECODE_N_READINGS: tuple[str, ...] = ("seen", "stored")
 DEFAULT_DECODE_N: DecodeN = "seen"

@@ -107,15 +107,15 @@ PENDING = "bumblebee_pending"
 GREEDY_METHODS = ("stochastic", "lazy", "plain")
 CONCAVE_FORMS = ("log", "power")
 IMPORTANCE_SCALES = ("raw", "normalised")
-# Largest similarity matrix (elements; 2 GiB of float32) built at once in a CPU prefill: one layer
+# Largest similarity matrix (elements; 2 GiB of float32) built at once in a CPU prefill: one layer  # lint-text: ok
 # of 8 KV heads at an 8k prompt fits, so the greedy steps run once for all heads; more rows run
 # in chunks (each chunk repeats the tau_s greedy steps).
 MAX_SIMILARITY_ELEMENTS = 1 << 29
 # On CUDA the rows' matrices fill up to this fraction of the memory the device can still give
 # (similarity_rows_per_chunk): there a greedy step costs its launches, not its arithmetic, so every
-# chunk more repeats the tau_s dependent steps at full price. With the CPU's bound a 32k prompt
-# (31.1k candidates: 3.9 GB of float32 per head) ran its 8 KV heads as 8 chunks of one, 8 x ~1,640
-# steps a layer; the 8 heads' 31 GB are one chunk on an H200 beside an 8B model, one or two on an H100.
+# chunk more repeats the tau_s dependent steps at full price. With the CPU's bound a long prompt
+# runs each KV head as a chunk of its own; half the free memory holds all heads of a layer at once
+# on a large GPU beside the model (results/tuning_notes.md, "BumbleBee similarity chunks").
 DEVICE_SIMILARITY_FRACTION = 0.5
 
 
@@ -292,7 +292,7 @@ class BumbleBee(Policy):
             weights = real / real.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(real.dtype).tiny)
         positions = scoring.positions[:, :, :candidates].reshape(rows, candidates)
         # One generator per (batch row, head), seeded by the head and layer only: a row draws
-        # what it draws alone, whatever else is in the batch (issue 9 item 5).
+        # what it draws alone, whatever else is in the batch.
         generators = []
         for row in range(rows):
             generator = torch.Generator(device=keys.device)
@@ -306,8 +306,8 @@ class BumbleBee(Policy):
         # into the caller's graph and a replay of that would write into the shared buffer.
         fast = prefill_fast_path(keys.device) and captures_loops(keys.device) and not in_static_step()
         # On the CPU, the matrix goes into the cache's prefill scratch, reused by the next layer or
-        # row chunk of the same shape: a fresh 484 MB matrix (8 heads at 4k) costs 0.2 s of page
-        # faults as it is first written (CUDA's caching allocator reuses the freed block itself).
+        # row chunk of the same shape: a fresh matrix costs the page faults of its first write
+        # (CUDA's caching allocator reuses the freed block itself).
         scratch = scoring.scratch if keys.device.type == "cpu" else None
         reusable = held_similarity_bytes(candidates, keys.device) if fast else 0
         rows_per_chunk = similarity_rows_per_chunk(rows, candidates, keys.device, reusable)

@@ -1,4 +1,4 @@
-"""One launch per center of SubGen's farthest-point order (Triton; issue 25, SubGen's prefill on a GPU).
+"""One launch per center of SubGen's farthest-point order (Triton: SubGen's prefill on a GPU).
 
 :func:`kvhive.methods.subgen.farthest_point_order` picks ``count`` centers per row, each the point
 farthest from the centers before it; each pick needs one pass over the row's keys (the distances

@@ -102,7 +102,7 @@ class RandomLocal(ScorerPolicy):
             new_slots = (scoring.filled - 1).reshape(1)
         else:
             # Made on the device: a host arange copied over is a copy a CUDA graph cannot capture
-            # (and a synchronisation in an eager step), as the GPU run of 71b99e7 found.
+            # (and a synchronisation in an eager step).
             first_new = max(0, scoring.num_tokens - scoring.num_queries)
             new_slots = torch.arange(first_new, scoring.num_tokens, device=priorities.device)
         slots = new_slots.expand(scoring.batch_size, scoring.num_heads, -1)

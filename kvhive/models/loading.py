@@ -194,7 +194,7 @@ def converted_model_directory(entry: EmbeddedModel) -> Path:
 
 
 def _remove_abandoned_staging_directories(cache_root: Path, name: str, older_than_seconds: float = 3600.0) -> None:
-    """Delete staging directories left by conversions that were killed (each holds ~1-2 GB).
+    """Delete staging directories left by conversions that were killed (each holds a model's weights).
 
     A conversion takes about a minute, so one untouched for an hour is not still running.
     """
@@ -213,7 +213,7 @@ def _convert_from_gguf(entry: EmbeddedModel, destination: Path) -> None:
     """Assemble the GGUF file inside ``destination``, dequantise it, save an fp32 copy, drop the GGUF."""
     gguf_path = assemble_gguf(entry, destination / entry.gguf_file_name)
     model, tokenizer = load_gguf(gguf_path, torch.float32)
-    gguf_path.unlink()  # 0.3-0.5 GB that the cache does not need
+    gguf_path.unlink()  # the quantised file, which the cache does not need
     # The weights are already dequantised to fp32; without these attributes save_pretrained
     # writes a plain fp32 checkpoint instead of trying to re-serialise the GGUF quantizer.
     if hasattr(model, "hf_quantizer"):

@@ -46,10 +46,9 @@ def kv_heavy_model(
     Llama 3), intermediate 1024, vocabulary 1024, ``max_position_embeddings`` 32768, tied
     embeddings, ``num_layers`` layers (default 4).
 
-    Memory: ~9.4 M parameters per layer plus 1 M for the embedding (38.8 M, 155 MB fp32 at
-    4 layers). The KV cache holds ``2 * 8 * 128 = 2048`` values per token per layer, i.e. 8 KiB
-    per token per layer in fp32 (32 KiB per token at 4 layers, 256 MiB at 8192 tokens), while
-    the output layer's logits are only 1024 values per token — so compression savings show up
+    Memory: ~9.4 M parameters per layer plus 1 M for the embedding (38.8 M at 4 layers). The KV
+    cache holds ``2 * 8 * 128 = 2048`` values per token per layer (``4 * 2048`` bytes in fp32),
+    while the output layer's logits are only 1024 values per token — so compression savings show up
     directly in peak memory. Weights depend only on ``seed``; ``overrides`` are config
     attributes.
     """
