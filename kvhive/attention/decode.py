@@ -44,11 +44,9 @@ def decode_dense(module, cache, layer_index, query, mask, scaling, dropout, comp
     stored_mask, causal_by_position, only_empty_slots = dense_step_mask(
         store, positions, token_scores, filled, mask, num_queries, cache.static_decode
     )
-    # kvhive's split-K kernel masks only past each row's length: one new query, eager (a compiled
-    # step stays torch, for inductor).
+    # The split-K kernel masks only past each row's length; a compiled step stays torch, for inductor.
     kernel_eligible = only_empty_slots and num_queries == 1 and not torch.compiler.is_compiling()
-    # One new query hands the method its weights from the attention; a prompt chunk runs sdpa and the
-    # method's scoring computes what it needs in query chunks.
+    # One new query's weights come with the attention; a prompt chunk's scoring computes its own.
     wants_weights = compressed and num_queries == 1 and policy.needs_decode_attention and DECODE in policy.phases
     extra = policy.extra_attention(store.policy_state, query, scaling) if compressed else None
     if policy.changes_attention_logits:  # every layer (BUZZ log n), compressed or not
@@ -74,14 +72,13 @@ def decode_dense(module, cache, layer_index, query, mask, scaling, dropout, comp
             key_probes=probes,
         )
 
-    # Stored keys whose products with every stored key the method's decision reads (SubGen, BumbleBee)
-    # join the rows of the logits' product on the CPU, so the keys are read once this step. Float32
-    # only: the methods form float32 products, which a narrower attention product is not.
+    # Key probes (SubGen, BumbleBee) join the logits' product on the CPU: the keys are read once this
+    # step. Float32 only: the methods form float32 products, which a narrower attention product is not.
     if compressed and num_queries == 1 and keys.device.type == "cpu" and keys.dtype == query.dtype == torch.float32:
         probes = cache.decode_key_probes(layer_index, make_scoring)
     if wants_weights or extra is not None or probes is not None:
         by_kernel = None
-        if wants_weights and kernel_eligible and extra is None and probes is None:
+        if wants_weights and kernel_eligible and extra is None and probes is None and kernel_runs_on(query):
             by_kernel = dense_decode_by_kernel(store, query, scaling, weights=True)
         if by_kernel is not None:  # on CUDA: the torch pass below is about ten kernels a layer
             output, last_weights, last_logits = by_kernel
@@ -92,8 +89,7 @@ def decode_dense(module, cache, layer_index, query, mask, scaling, dropout, comp
                 query, keys, values, stored_mask, scaling, extra, probes, wants_weights
             )
     elif compressed and causal_by_position and plain_softmax_attention(dropout, kwargs):
-        # The decision after these queries reads their column sums (H2O's chunk of a chunked prefill):
-        # one pass computes them with the output, not sdpa and a second QK^T.
+        # The decision after these queries reads their column sums (H2O's chunk of a chunked prefill).
         sums_phase = cache.chunk_column_sums_phase(layer_index)
         if sums_phase is None:
             output = attend_by_sdpa(store, query, keys, values, positions, stored_mask, scaling, causal_by_position)
@@ -104,13 +100,17 @@ def decode_dense(module, cache, layer_index, query, mask, scaling, dropout, comp
     else:
         output = None
         # "auto": a fixed capacity's empty slots would be an sdpa mask, which has no split-K decode path.
-        if kernel_eligible and (
-            cache.dense_decode == "kernel" or (cache.dense_decode == "auto" and filled is not None)
+        if (
+            kernel_eligible
+            and (cache.dense_decode == "kernel" or (cache.dense_decode == "auto" and filled is not None))
+            and kernel_runs_on(query)
         ):
             output = dense_decode_by_kernel(store, query, scaling)
         if output is None:
             output = attend_by_sdpa(store, query, keys, values, positions, stored_mask, scaling, causal_by_position)
-    cache.after_decode(layer_index, question_scoring(cache, layer_index, query, stored_mask, scaling, make_scoring))
+    if cache.question_copy_tokens:  # a prompt chunk followed by a copy of the prompt's question
+        make_scoring = question_scoring(cache, layer_index, query, stored_mask, scaling, make_scoring)
+    cache.after_decode(layer_index, make_scoring)
     return output, None
 
 
@@ -256,13 +256,12 @@ def sdpa_in_query_blocks(query, keys, values, mask, scaling, group: int, block_m
 def dense_decode_by_kernel(store, query, scaling, weights: bool = False):
     """One new query over a dense layer through kvhive's split-K kernel, reading the buffer's
     stored slice in place (a fixed capacity: its filled slots, by the device lengths, no host
-    read); None when the kernel does not handle these shapes/dtypes. Returns the output
+    read); None when the kernel does not handle these shapes/dtypes or does not run on this device
+    (the attention asks :func:`kernel_runs_on` first, so a CPU step makes no views for nothing). Returns the output
     ``[B, 1, Hq, dv]``; with ``weights``: ``(output, weights [B, Hq, L], logits [B, H, G, 1, L])``,
     the new query's softmax weights over the slots the attention reads (the stored tokens; a fixed
     capacity's every slot, 0 on the empty ones), and their logits before any mask (0 on the empty
     slots)."""
-    if not kernel_runs_on(query):  # (the CPU: no views made for nothing at every step)
-        return None
     batch, query_heads, _, head_dim = query.shape
     segments = batch * store.num_heads
     rows = query.reshape(segments, query_heads // store.num_heads, head_dim)

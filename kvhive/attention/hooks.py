@@ -132,17 +132,6 @@ def mark_prompt_chunk_on_cpu(cache: KVHiveCache) -> None:
     setattr(cache, PROMPT_CHUNK_ON_CPU, True)
 
 
-def _ran_prompt_chunk_on_cpu(caches: list[KVHiveCache]) -> bool:
-    """Whether the attention ran a prompt chunk on the CPU over any of ``caches`` in the forward that
-    ends now; removes the note."""
-    ran = False
-    for cache in caches:
-        if getattr(cache, PROMPT_CHUNK_ON_CPU, False):
-            delattr(cache, PROMPT_CHUNK_ON_CPU)
-            ran = True
-    return ran
-
-
 def _attention_configs(model) -> list:
     """The configs whose ``_attn_implementation`` the model's attention layers and masks read."""
     configs = [model.config]
@@ -208,7 +197,10 @@ def _leave_forward(model, args, kwargs, output):
     if not entered or entered[-1] is not model:
         return None
     entered.pop()
-    if _ran_prompt_chunk_on_cpu(caches):
+    ran_chunk_on_cpu = False
+    for cache in caches:  # the note of a prompt chunk the attention ran on the CPU, removed
+        ran_chunk_on_cpu |= cache.__dict__.pop(PROMPT_CHUNK_ON_CPU, False)
+    if ran_chunk_on_cpu:
         trim_heap()  # the chunk's last temporaries (the last layers' MLP) before the next chunk
     attachment = _attachment(model)
     with attachment.lock:

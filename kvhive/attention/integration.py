@@ -55,9 +55,13 @@ __all__ = [
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+# Elsewhere sdpa picks as it does (one context, reused: it holds nothing).
+_ANY_BACKEND = contextlib.nullcontext()
+
+
 def sdpa_backends(device: torch.device):
     """The context in which kvhive's sdpa calls run on ``device`` (:data:`SDPA_BACKENDS` on CUDA)."""
-    return sdpa_kernel(SDPA_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
+    return sdpa_kernel(SDPA_BACKENDS) if device.type == "cuda" else _ANY_BACKEND
 
 
 def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -87,7 +91,7 @@ def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dr
         trim_heap()
     if not (store.in_prefill or store.is_uniform):
         return decode_packed(cache, layer_index, query, mask, scaling, compressed)
-    with sdpa_backends(query.device):
+    with sdpa_kernel(SDPA_BACKENDS) if query.is_cuda else _ANY_BACKEND:  # sdpa_backends, inline: every step
         if store.in_prefill:
             result = prefill(module, cache, layer_index, query, key, value, mask, scaling, dropout, compressed, kwargs)
         else:

@@ -84,25 +84,6 @@ def stored_causal_rows(store, positions: torch.Tensor, num_queries: int, start: 
     return allowed
 
 
-def stored_decode_mask(store, positions: torch.Tensor, token_scores: dict) -> torch.Tensor | None:
-    """``[B, H, 1, L]`` mask of one new query of a static decode step (``cache.is_compileable``:
-    transformers' mask is not used, see ``KVHiveCache.get_mask_sizes``), from what the layer knows
-    on the device: left padding recorded at prefill, and the sliding window by the stored tokens'
-    positions. None when neither applies."""
-    allowed = None
-    padding = token_scores.get(PADDING_SCORE)  # aligned with ``positions`` (the view attention reads)
-    if padding is not None:
-        allowed = padding == 0
-    if store.is_sliding:
-        # The new token sits at tokens_seen - 1; the window reaches back window - 1 tokens.
-        seen = store.tokens_seen_device
-        if store.row_tokens_seen_device is not None:  # stacked rows: each row its own count
-            seen = store.row_tokens_seen_device[:, None, None]
-        in_window = positions >= seen - store.sliding_window
-        allowed = in_window if allowed is None else allowed & in_window
-    return None if allowed is None else allowed[:, :, None, :]
-
-
 def record_padding(store, mask: torch.Tensor | None) -> None:
     """Remember which prompt tokens are left padding (a compiled decode step masks them itself).
     One read per layer at prefill; nothing is stored for a batch without padding."""
@@ -152,7 +133,8 @@ def dense_step_mask(store, positions, token_scores, filled, mask, num_queries: i
 
     One new query in a static decode step (transformers' mask is a fixed unused column,
     ``KVHiveCache.get_mask_sizes``) or without a model mask to gather (none needed, or
-    positions="cache"): the layer masks its tokens itself (:func:`stored_decode_mask`). Several new
+    positions="cache"): the layer masks its tokens itself, from left padding recorded at prefill and
+    the sliding window by position (``None`` when neither applies). Several new
     queries (a prompt chunk) without a model mask over a growing layer (``causal_by_position``): None,
     read as causal over the stored positions and built one block of queries at a time where it is
     needed (sdpa's blocks, the scoring's rows), never for the whole chunk at once. Otherwise the model's
@@ -160,7 +142,20 @@ def dense_step_mask(store, positions, token_scores, filled, mask, num_queries: i
     ``[C]`` or ``[B, C]``, or None) are masked on top; ``only_empty_slots``: nothing else is masked."""
     causal_by_position = num_queries > 1 and mask is None and filled is None and not store.is_sliding
     if num_queries == 1 and (static_decode or mask is None):
-        stored_mask = stored_decode_mask(store, positions, token_scores)
+        # From what the layer knows on the device: left padding recorded at prefill (aligned with
+        # ``positions``), and the sliding window by the stored tokens' positions (the new token sits
+        # at tokens_seen - 1; the window reaches back window - 1 tokens).
+        allowed = None
+        padding = token_scores.get(PADDING_SCORE)
+        if padding is not None:
+            allowed = padding == 0
+        if store.is_sliding:
+            seen = store.tokens_seen_device
+            if store.row_tokens_seen_device is not None:  # stacked rows: each row its own count
+                seen = store.row_tokens_seen_device[:, None, None]
+            in_window = positions >= seen - store.sliding_window
+            allowed = in_window if allowed is None else allowed & in_window
+        stored_mask = None if allowed is None else allowed[:, :, None, :]
     elif causal_by_position:
         stored_mask = None
     else:
