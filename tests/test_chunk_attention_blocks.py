@@ -1,4 +1,4 @@
-"""A prompt chunk attends the stored tokens in blocks of queries (kvhive.attention.integration):
+"""A prompt chunk attends the stored tokens in blocks of queries (kvhive.attention.decode):
 the same output as one sdpa call, at a fraction of its memory (sdpa's CPU path with a mask
 materialises every query's scores at once)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvhive
-from kvhive.attention import integration
+from kvhive.attention import decode
 from kvhive.bench import load_shape
 from kvhive.memory import PhaseMemory
 
@@ -26,7 +26,7 @@ def test_blocks_of_queries_equal_one_sdpa_call(mask_heads, mask_queries):
         rows = queries if mask_queries == "each" else 1
         mask = torch.rand(batch, mask_heads, rows, keys_count, generator=generator) > 0.3
         mask[..., 0] = True  # every query attends something
-    blocked = integration._sdpa_in_query_blocks(query, keys, values, mask, 0.3, query_heads // heads)
+    blocked = decode.sdpa_in_query_blocks(query, keys, values, mask, 0.3, query_heads // heads)
     full_mask = mask if mask is None or mask.shape[1] in (1, query_heads) else mask.repeat_interleave(2, dim=1)
     reference = torch.nn.functional.scaled_dot_product_attention(
         query, keys, values, attn_mask=full_mask, scale=0.3, enable_gqa=True
@@ -35,7 +35,7 @@ def test_blocks_of_queries_equal_one_sdpa_call(mask_heads, mask_queries):
 
 
 def _chunked_prefill_peak(model, prompt, monkeypatch, block: int) -> int:
-    monkeypatch.setattr(integration, "QUERY_BLOCK", block)
+    monkeypatch.setattr(decode, "QUERY_BLOCK", block)
     memory = PhaseMemory("cpu")
     assert memory.unavailable is None, memory.unavailable
     cache = kvhive.make_cache(model, "streamingllm", budget=0.1, prefill_chunk=2048)
@@ -75,6 +75,6 @@ def test_a_mask_built_per_block_equals_the_sliced_mask():
     def block_mask(start, stop):
         return kvhive.methods.base.causal_mask(positions, first + start, first + stop)
 
-    sliced = integration._sdpa_in_query_blocks(query, keys, values, whole, 0.3, 2)
-    built = integration._sdpa_in_query_blocks(query, keys, values, None, 0.3, 2, block_mask)
+    sliced = decode.sdpa_in_query_blocks(query, keys, values, whole, 0.3, 2)
+    built = decode.sdpa_in_query_blocks(query, keys, values, None, 0.3, 2, block_mask)
     assert torch.equal(built, sliced)

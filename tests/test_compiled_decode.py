@@ -659,7 +659,7 @@ def test_an_eager_static_decode_step_builds_no_mask(monkeypatch, padded):
     # over, padded rows included.
     import transformers.masking_utils
 
-    from kvhive.attention import integration
+    from kvhive.attention import hooks
 
     model = _model()
     prompt = _prompt(model, batch=2)
@@ -677,9 +677,9 @@ def test_an_eager_static_decode_step_builds_no_mask(monkeypatch, padded):
     logits = {}
     for skip in (True, False):
         if not skip:  # the previous behaviour: every call reaches transformers' sdpa_mask
-            monkeypatch.setattr(integration, "kvhive_mask", lambda *a, **k: counting_mask(*a, **k))
-            integration.register()
-        monkeypatch.setattr(integration, "sdpa_mask", counting_mask)
+            monkeypatch.setattr(hooks, "kvhive_mask", lambda *a, **k: counting_mask(*a, **k))
+            hooks.register()
+        monkeypatch.setattr(hooks, "sdpa_mask", counting_mask)
         cache = kvhive.make_cache(model, "tova", budget=BUDGET)
         assert cache.is_compileable
         built.clear()
@@ -699,5 +699,5 @@ def test_an_eager_static_decode_step_builds_no_mask(monkeypatch, padded):
         else:
             assert len(built) == 3 and all(mask is not None for mask in built)
     monkeypatch.undo()
-    integration.register()
+    hooks.register()
     torch.testing.assert_close(logits[True], logits[False], atol=0, rtol=0)

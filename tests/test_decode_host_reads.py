@@ -149,7 +149,8 @@ def test_caches_of_different_threads_do_not_mix():
 
 # The modules that ask whether a step is recorded once and replayed (kvhive.static_step).
 STATIC_STEP_USERS = (
-    "kvhive.attention.integration",
+    "kvhive.attention.hooks",
+    "kvhive.attention.decode",
     "kvhive.cache.compressor",
     "kvhive.cache.kv_cache",
     "kvhive.static_step",  # (read through the module by kvhive.cache.layers)

@@ -68,14 +68,14 @@ def test_one_pass_equals_the_two_pass_scoring_and_sdpa(dtype, padded, monkeypatc
     float64."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from kvhive.attention.integration import _attention_with_column_sums
+    from kvhive.attention.column_sums import prompt_attention_with_column_sums
     from kvhive.methods.base import ScoringInputs
 
     q, k, v, mask = random_attention(dtype, padding=5 if padded else 0)
     batch, query_heads, tokens, _ = q.shape
     monkeypatch.setattr(scoring_module, "_CHUNK_ELEMENTS", 5 * batch * query_heads * tokens)
     scaling = 0.3
-    output, sums = _attention_with_column_sums(q, k, v, mask, scaling)  # [B, q, Hq, d], [B, Hq, N]
+    output, sums = prompt_attention_with_column_sums(q, k, v, mask, scaling)  # [B, q, Hq, d], [B, Hq, N]
 
     positions = torch.arange(tokens).expand(batch, k.shape[1], tokens)
     two_pass = ScoringInputs(k, v, q, positions, mask, scaling, 0, 1, tokens, "prefill").summed_attention(0)
@@ -273,20 +273,19 @@ def test_transformers_mask_of_a_left_padded_batch_is_recognised_and_no_other(mod
     prompt and refuses every other mask (a window in reach, a padding query that attends something,
     a hole, a future key), where the torch path stays."""
     from kvhive.attention import column_sums as column_sums_module
-    from kvhive.attention import integration
     from kvhive.attention.column_sums import left_padding
 
     from helpers import left_padded_batch
 
     model = tiny_model(model_name)
     masks = []
-    one_pass = integration._attention_with_column_sums
+    one_pass = column_sums_module.prompt_attention_with_column_sums
 
     def record(query, key, value, mask, scaling):
         masks.append(mask)
         return one_pass(query, key, value, mask, scaling)
 
-    monkeypatch.setattr(integration, "_attention_with_column_sums", record)
+    monkeypatch.setattr(column_sums_module, "prompt_attention_with_column_sums", record)
     tokens, pad = 24, 5
     input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=tokens, pad=pad)
     cache = kvhive.make_cache(model, "h2o", budget=8)

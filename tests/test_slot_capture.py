@@ -47,7 +47,8 @@ JOIN = {10: (0, 2), 14: (2, 3)}  # replay -> (slot, prompt) joining before it
 # The modules that ask whether a step is recorded once and replayed (kvhive.static_step).
 STATIC_STEP_USERS = (
     "kvhive.static_step",
-    "kvhive.attention.integration",
+    "kvhive.attention.hooks",
+    "kvhive.attention.decode",
     "kvhive.cache.compressor",
     "kvhive.cache.kv_cache",
     "kvhive.methods.buzz",

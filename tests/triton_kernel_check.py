@@ -23,27 +23,27 @@ def relative(actual, expected):
 @contextlib.contextmanager
 def counting_kernel_calls():
     """The decode attention's calls of the kernel while inside, one ``return_weights`` flag each."""
-    import kvhive.attention.integration as integration
+    import kvhive.attention.decode as decode
 
     calls = []
-    original = integration.varlen_attention_kernel
+    original = decode.varlen_attention_kernel
 
     def counting(*args, **kwargs):
         calls.append(kwargs.get("return_weights", False))
         return original(*args, **kwargs)
 
-    integration.varlen_attention_kernel = counting
+    decode.varlen_attention_kernel = counting
     try:
         yield calls
     finally:
-        integration.varlen_attention_kernel = original
+        decode.varlen_attention_kernel = original
 
 
 def dense_layer_error(generator):
     """The attention's dense-decode glue: a real sliding LayerStore whose stored tokens are a
     slice of a larger buffer (its rows strided by the capacity, the oldest tokens dropped and the
     window moved to the front), one GQA query, kernel vs float64 reference."""
-    from kvhive.attention.integration import _dense_decode_by_kernel
+    from kvhive.attention.decode import dense_decode_by_kernel
     from kvhive.cache.storage import LayerStore
 
     store = LayerStore(0, sliding_window=40)
@@ -52,7 +52,7 @@ def dense_layer_error(generator):
     store.drop_oldest(store.dense_length - 40)
     assert store.buffers()[0].shape[2] > store.dense_length  # the kernel reads a strided slice
     query = torch.randn(2, 4, 1, 16, generator=generator)
-    output = _dense_decode_by_kernel(store, query, 0.25)  # [B, 1, Hq, d]
+    output = dense_decode_by_kernel(store, query, 0.25)  # [B, 1, Hq, d]
     keys, values, _, _ = store.dense()
     keys = keys.repeat_interleave(2, dim=1).double()
     values = values.repeat_interleave(2, dim=1).double()
@@ -104,7 +104,7 @@ def decode_weights_errors():
     prompt below the budget in a fixed decode capacity (the filled slots by the device length, the
     empty ones masked; full after 8 steps, then evicting)."""
     import kvhive
-    import kvhive.attention.integration as integration
+    import kvhive.attention.decode as decode
     from kvhive.models import tiny_model
 
     model = tiny_model("llama", "gqa")
@@ -114,9 +114,9 @@ def decode_weights_errors():
         prompt = torch.randint(3, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(3))
         runs = []
         for use_kernel in (True, False):
-            supported = integration.kernel_supports
+            supported = decode.kernel_supports
             if not use_kernel:
-                integration.kernel_supports = lambda *args: False
+                decode.kernel_supports = lambda *args: False
             try:
                 with counting_kernel_calls() as calls:
                     cache = kvhive.make_cache(model, method, budget=budget, **options)
@@ -128,7 +128,7 @@ def decode_weights_errors():
                             out = model(input_ids=token, past_key_values=cache, use_cache=True)
                             logits.append(out.logits[:, -1])
             finally:
-                integration.kernel_supports = supported
+                decode.kernel_supports = supported
             kept = [layer.dense()[2].sort(dim=-1).values for layer in cache.layers]
             runs.append((torch.stack(logits), kept, calls, [layer.fixed_capacity for layer in cache.layers]))
         (with_kernel, kept_kernel, calls, fixed), (reference, kept_reference, _, _) = runs

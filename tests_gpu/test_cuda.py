@@ -99,8 +99,8 @@ def test_prefill_column_sum_kernel_matches_the_torch_path_in_bf16(padded):
         flash_attention_with_column_sums_by_row,
         flash_attention_with_lse,
         left_padding,
+        prompt_attention_with_column_sums,
     )
-    from kvhive.attention.integration import _attention_with_column_sums
     from kvhive.methods.base import ScoringInputs
 
     q, k, v, mask = _column_sum_inputs(padded)
@@ -124,7 +124,7 @@ def test_prefill_column_sum_kernel_matches_the_torch_path_in_bf16(padded):
         assert by_row is not None  # flash attention ran on every row
     else:
         assert flash_attention_with_lse(q, k, v, scaling) is not None  # the kernel path runs
-    output, sums = _attention_with_column_sums(q, k, v, mask, scaling)
+    output, sums = prompt_attention_with_column_sums(q, k, v, mask, scaling)
     if padded:
         assert torch.equal(sums, by_row[1]) and torch.equal(output.transpose(1, 2), by_row[0])
     torch.testing.assert_close(output.transpose(1, 2).float(), torch_output.float(), atol=3.2e-2, rtol=0)

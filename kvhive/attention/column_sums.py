@@ -15,6 +15,10 @@ on top of causality. Each key column is written once (no atomics).
 The torch reference, and the path everywhere the kernel does not run, is
 :meth:`kvhive.methods.base.ScoringInputs.attention_with_column_sums` (tests/column_sums_check.py
 runs this kernel in Triton's interpreter against it).
+
+The passes the attention runs instead of sdpa where the method reads the column sums of the
+queries' weights: :func:`prompt_attention_with_column_sums` (a prefill) and
+:func:`chunk_attention_with_column_sums` (a prompt chunk over a layer's kept tokens).
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ import os
 import weakref
 
 import torch
+
+from kvhive.methods.base import PREFILL
+from kvhive.methods.scoring import attention_with_column_sums as scoring_attention_with_column_sums
 
 try:  # Triton ships with CUDA builds of PyTorch; CPU builds may lack it.
     import triton
@@ -306,3 +313,51 @@ def flash_attention_with_column_sums_by_row(
         output[row : row + 1, :, pad:] = row_output
         sums[row : row + 1, :, pad:] = column_sums(real[0], real[1], lse, scaling)
     return output, sums
+
+
+# Keywords of transformers' attention call that change what sdpa computes: with any of them set,
+# the attention runs sdpa and the scoring computes its column sums itself.
+ATTENTION_CHANGES = ("softcap", "position_bias", "s_aux", "sinks", "head_mask")
+
+
+def plain_softmax_attention(dropout, kwargs) -> bool:
+    """Whether transformers asked for plain softmax attention (what kvhive's passes with column sums
+    compute): no dropout, nothing that changes the logits."""
+    return dropout == 0.0 and all(kwargs.get(name) is None for name in ATTENTION_CHANGES)
+
+
+def prompt_attention_with_column_sums(query, key, value, mask, scaling):
+    """``(output [B, q, Hq, dv], column sums [B, Hq, N] float32)`` of causal softmax attention
+    over ``mask`` (None: causal). The computation is :meth:`ScoringInputs.attention_with_column_sums`
+    (chunked: every chunk's softmax exact, the output ``P V`` and the sums ``P`` from one ``QK^T``),
+    except on CUDA in half precision without a mask or with a left-padded batch's: there sdpa's
+    flash kernel gives the output with each row's log-sum-exp (a padded batch row by row over its
+    real tokens) and the Triton kernel sums ``exp(q.k * scale - lse)`` per key (its reference is the
+    torch path)."""
+    if flash_runs_on(query) and kernel_supports(query, key):
+        if mask is None:
+            flash = flash_attention_with_lse(query, key, value, scaling)
+            if flash is not None:
+                output, lse = flash
+                return output.transpose(1, 2).contiguous(), column_sums(query, key, lse, scaling)
+        else:  # a left-padded batch: row by row over each row's real tokens (None: another mask)
+            by_row = flash_attention_with_column_sums_by_row(query, key, value, mask, scaling)
+            if by_row is not None:
+                output, sums = by_row
+                return output.transpose(1, 2).contiguous(), sums
+    batch, heads, num_keys, _ = key.shape
+    positions = torch.arange(num_keys, device=key.device).expand(batch, heads, num_keys)
+    output, sums = scoring_attention_with_column_sums(query, key, value, positions, mask, scaling, num_keys, PREFILL)
+    return output.to(query.dtype).transpose(1, 2).contiguous(), sums
+
+
+def chunk_attention_with_column_sums(query, keys, values, positions, tokens_seen: int, scaling, phase: str):
+    """``(output [B, q, Hq, dv], column sums [B, Hq, L] float32)`` of ``q`` new queries (the newest
+    of the ``L`` stored tokens, stored oldest first) over a dense layer's stored tokens, causal by
+    their positions, from one pass of query chunks (:meth:`ScoringInputs.attention_with_column_sums`).
+
+    ``phase`` is the phase of the scoring that reads the sums (``KVHiveCache.chunk_column_sums_phase``):
+    its chunks and key ranges are the ones that scoring would use for itself, so the sums are its own
+    bit for bit and the kept tokens are those of sdpa followed by a second ``QK^T`` pass."""
+    output, sums = scoring_attention_with_column_sums(query, keys, values, positions, None, scaling, tokens_seen, phase)
+    return output.to(query.dtype).transpose(1, 2), sums

@@ -26,10 +26,13 @@ from kvhive.methods.contract import (
 from kvhive.methods.scoring import (
     DECODE,
     PREFILL,
+    AttentionOperands,
+    AttentionStatistics,
     KeyProbes,
     Phase,
     PrefillScratch,
     ScoringInputs,
+    attention_with_column_sums,
     causal_mask,
     chunk_elements,
 )
@@ -44,6 +47,8 @@ from kvhive.methods.selection import (
 
 __all__ = [
     "AUTO_HEADS",
+    "AttentionOperands",
+    "AttentionStatistics",
     "DECODE",
     "KV_HEADS",
     "PREFILL",
@@ -57,6 +62,7 @@ __all__ = [
     "PrefillScratch",
     "ScorerPolicy",
     "ScoringInputs",
+    "attention_with_column_sums",
     "causal_mask",
     "chunk_elements",
     "derived_seed",

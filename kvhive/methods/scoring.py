@@ -90,60 +90,13 @@ class KeyProbes:
     products: torch.Tensor | None = None
 
 
-@dataclass
-class ScoringInputs:
-    """What a policy may look at for one layer when it decides what to keep.
-
-    Tensors: ``keys``/``values`` ``[B, H, N, d]`` (stored heads, after RoPE), ``queries``
-    ``[B, Hq, q, d]`` (the queries of this forward pass, after RoPE), ``positions`` ``[B, H, N]``
-    original token positions, ``mask`` ``[B, 1|H, q, N]`` boolean (True = the query may attend the
-    key; the model's causal, padding and sliding-window mask) and ``valid`` ``[B, H, N]`` (False for
-    padding). Statistics are computed lazily and memoised.
-    """
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    queries: torch.Tensor
-    positions: torch.Tensor
-    mask: torch.Tensor | None  # None: causal over original positions, no padding, no window in reach
-    scaling: float
-    layer_index: int
-    num_layers: int
-    sequence_length: int
-    phase: Phase
-    token_scores: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
-    last_query_weights: torch.Tensor | None = None
-    # The one new query's logits [B, H, G, 1, N] (float32, the model's ``scaling`` applied, no
-    # mask; query head ``h * G + g`` at ``[:, h, g]``, the layout of the grouped product), from the
-    # attention that computed ``last_query_weights`` with them: a method that scores the new query
-    # with other logits (AhaKV's multiplied ones) rescales these instead of reading every stored
-    # key a second time. None: computed here from the queries and keys.
-    last_query_logits: torch.Tensor | None = None
-    # Column sums [B, Hq, N] (float32) of every query's weights, computed by the attention in the
-    # pass that produced its output (a policy with ``prefill_column_sums``); None: computed here.
-    accumulated_weights: torch.Tensor | None = None
-    # A layer held in a fixed decode capacity (``Policy.fixed_decode_capacity``): the tensors cover
-    # every slot of the capacity, the first ``filled`` (a 0-d int64 device tensor, the same for
-    # every row and head; ``[B, 1, 1]``, each row's own count, for stacked rows of different lengths
-    # in a method that ``decodes_rows_of_different_lengths``) hold the stored tokens oldest first,
-    # the rest are empty (masked out of ``mask``, so never ``valid``). None: every slot holds a token.
-    filled: torch.Tensor | None = None
-    # ``filled`` as a host int where the host knows it without asking the device (an eager step after
-    # eager steps whose method declared what it keeps); None otherwise (always in a compiled step).
-    # ``known_filled == num_tokens``: every slot holds a token, nothing is empty.
-    known_filled: int | None = None
-    # Whether the stored order is the order of original positions (oldest first). A decode step
-    # that evicts one token may write the newest into the freed slot instead of moving every later
-    # token down (``Policy.reads_stored_order`` False): from then on, recency is read from
-    # ``positions`` (:meth:`recent_tokens`, :meth:`recency_scores`, :meth:`first_real`).
-    stored_in_order: bool = True
-    # The cache's buffers reused across the layers of one prefill (:class:`PrefillScratch`); None
-    # outside a prefill's scoring.
-    scratch: PrefillScratch | None = None
-    # The key probes the method asked for before this decode step's attention, their products
-    # written by it (:class:`KeyProbes`); None: none asked for, or an attention that took none.
-    key_probes: KeyProbes | None = None
-    _memo: dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict, repr=False)
+class AttentionStatistics:
+    """The softmax attention of ``queries`` over stored ``keys`` that scoring reads, computed in
+    chunks of query rows and memoised: weights of selected rows, column sums, and the output with
+    the column sums from one pass. The base of the classes that hold those tensors (the attributes
+    ``keys``, ``values``, ``queries``, ``positions``, ``mask``, ``scaling``, ``sequence_length``,
+    ``phase`` and the memo ``_memo``): :class:`ScoringInputs`, and :class:`AttentionOperands` for an
+    attention that has no scoring of its own."""
 
     def once(self, key: Any, compute: Callable[[], Any]) -> Any:
         """``compute()``, computed at the first call with ``key`` for these inputs (one forward of a
@@ -174,19 +127,6 @@ class ScoringInputs:
         """Query heads per stored head."""
         return self.queries.shape[1] // self.keys.shape[1]
 
-    @property
-    def valid(self) -> torch.Tensor:
-        """``[B, H, N]``: the key is a real token for the newest query (not padding)."""
-
-        def compute() -> torch.Tensor:
-            if self.mask is None:
-                last_row = torch.ones(1, 1, self.num_tokens, dtype=torch.bool, device=self.keys.device)
-            else:
-                last_row = self.mask[:, :, -1, :]
-            return last_row.expand(self.batch_size, self.num_heads, self.num_tokens)
-
-        return self.once("valid", compute)
-
     def mask_rows(self, query_rows: slice, num_keys: int | None = None) -> torch.Tensor:
         """Boolean mask ``[B, 1|H, rows, K]`` of the selected query rows over the first ``num_keys``
         stored tokens. Without a model mask (no padding) it is causal over original positions,
@@ -199,40 +139,6 @@ class ScoringInputs:
         first = self.sequence_length - self.num_queries + start
         query_positions = torch.arange(stop - start, device=self.positions.device) + first
         return self.positions[..., :num_keys][:, :, None, :] <= query_positions[None, None, :, None]
-
-    def recent_tokens(self, window: int) -> torch.Tensor:
-        """``[B, H, N]`` True on the ``window`` most recent stored tokens (:func:`recent_mask`), by
-        original position when the stored order is not theirs: the tokens within ``window`` of the
-        newest position. The same tokens as long as the method keeps its ``window`` newest tokens
-        (a protected recent window), which is what the methods that read it do."""
-        if self.stored_in_order:
-            return recent_mask(self.num_tokens, window, self.valid)
-        real = self.positions if self.mask is None else self.positions.masked_fill(~self.valid, -1)
-        newest = real.amax(dim=-1, keepdim=True)
-        return self.positions > newest - window
-
-    def recency_scores(self) -> torch.Tensor:
-        """Scores ``[B, H, N]`` that rank newer tokens higher (:func:`recency`; the positions when the
-        stored order is not theirs: the same ranking)."""
-        if self.stored_in_order:
-            return recency(self.valid)
-        return self.positions.float().expand(self.batch_size, self.num_heads, self.num_tokens)
-
-    def first_real(self, count: int) -> torch.Tensor:
-        """``[B, H, N]`` True on the first ``count`` real tokens of each row (:func:`first_real_tokens`),
-        by position when the stored order is not theirs (a method keeping them as sinks keeps the
-        first real position, so the sinks are the ``count`` positions from it)."""
-        valid = self.valid
-        if self.stored_in_order:
-            return first_real_tokens(valid, count)
-        first = self.positions.masked_fill(~valid, torch.iinfo(self.positions.dtype).max).amin(dim=-1, keepdim=True)
-        return valid & (self.positions < first + count)
-
-    def to_kv_heads(self, per_query_head: torch.Tensor) -> torch.Tensor:
-        """Mean over the query heads of each group: ``[B, Hq, ...] -> [B, H, ...]`` (docs/METHODS.md)."""
-        b, hq = per_query_head.shape[:2]
-        grouped = per_query_head.reshape(b, self.num_heads, hq // self.num_heads, *per_query_head.shape[2:])
-        return grouped.mean(dim=2)
 
     def attention_weights(
         self,
@@ -364,6 +270,109 @@ class ScoringInputs:
             output = output.view(b, hq, q, -1)
         return total, output
 
+
+@dataclass
+class ScoringInputs(AttentionStatistics):
+    """What a policy may look at for one layer when it decides what to keep.
+
+    Tensors: ``keys``/``values`` ``[B, H, N, d]`` (stored heads, after RoPE), ``queries``
+    ``[B, Hq, q, d]`` (the queries of this forward pass, after RoPE), ``positions`` ``[B, H, N]``
+    original token positions, ``mask`` ``[B, 1|H, q, N]`` boolean (True = the query may attend the
+    key; the model's causal, padding and sliding-window mask) and ``valid`` ``[B, H, N]`` (False for
+    padding). Statistics are computed lazily and memoised (:class:`AttentionStatistics`).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    queries: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor | None  # None: causal over original positions, no padding, no window in reach
+    scaling: float
+    layer_index: int
+    num_layers: int
+    sequence_length: int
+    phase: Phase
+    token_scores: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    last_query_weights: torch.Tensor | None = None
+    # The one new query's logits [B, H, G, 1, N] (float32, the model's ``scaling`` applied, no
+    # mask; query head ``h * G + g`` at ``[:, h, g]``, the layout of the grouped product), from the
+    # attention that computed ``last_query_weights`` with them: a method that scores the new query
+    # with other logits (AhaKV's multiplied ones) rescales these instead of reading every stored
+    # key a second time. None: computed here from the queries and keys.
+    last_query_logits: torch.Tensor | None = None
+    # Column sums [B, Hq, N] (float32) of every query's weights, computed by the attention in the
+    # pass that produced its output (a policy with ``prefill_column_sums``); None: computed here.
+    accumulated_weights: torch.Tensor | None = None
+    # A layer held in a fixed decode capacity (``Policy.fixed_decode_capacity``): the tensors cover
+    # every slot of the capacity, the first ``filled`` (a 0-d int64 device tensor, the same for
+    # every row and head; ``[B, 1, 1]``, each row's own count, for stacked rows of different lengths
+    # in a method that ``decodes_rows_of_different_lengths``) hold the stored tokens oldest first,
+    # the rest are empty (masked out of ``mask``, so never ``valid``). None: every slot holds a token.
+    filled: torch.Tensor | None = None
+    # ``filled`` as a host int where the host knows it without asking the device (an eager step after
+    # eager steps whose method declared what it keeps); None otherwise (always in a compiled step).
+    # ``known_filled == num_tokens``: every slot holds a token, nothing is empty.
+    known_filled: int | None = None
+    # Whether the stored order is the order of original positions (oldest first). A decode step
+    # that evicts one token may write the newest into the freed slot instead of moving every later
+    # token down (``Policy.reads_stored_order`` False): from then on, recency is read from
+    # ``positions`` (:meth:`recent_tokens`, :meth:`recency_scores`, :meth:`first_real`).
+    stored_in_order: bool = True
+    # The cache's buffers reused across the layers of one prefill (:class:`PrefillScratch`); None
+    # outside a prefill's scoring.
+    scratch: PrefillScratch | None = None
+    # The key probes the method asked for before this decode step's attention, their products
+    # written by it (:class:`KeyProbes`); None: none asked for, or an attention that took none.
+    key_probes: KeyProbes | None = None
+    _memo: dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict, repr=False)
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """``[B, H, N]``: the key is a real token for the newest query (not padding)."""
+
+        def compute() -> torch.Tensor:
+            if self.mask is None:
+                last_row = torch.ones(1, 1, self.num_tokens, dtype=torch.bool, device=self.keys.device)
+            else:
+                last_row = self.mask[:, :, -1, :]
+            return last_row.expand(self.batch_size, self.num_heads, self.num_tokens)
+
+        return self.once("valid", compute)
+
+    def recent_tokens(self, window: int) -> torch.Tensor:
+        """``[B, H, N]`` True on the ``window`` most recent stored tokens (:func:`recent_mask`), by
+        original position when the stored order is not theirs: the tokens within ``window`` of the
+        newest position. The same tokens as long as the method keeps its ``window`` newest tokens
+        (a protected recent window), which is what the methods that read it do."""
+        if self.stored_in_order:
+            return recent_mask(self.num_tokens, window, self.valid)
+        real = self.positions if self.mask is None else self.positions.masked_fill(~self.valid, -1)
+        newest = real.amax(dim=-1, keepdim=True)
+        return self.positions > newest - window
+
+    def recency_scores(self) -> torch.Tensor:
+        """Scores ``[B, H, N]`` that rank newer tokens higher (:func:`recency`; the positions when the
+        stored order is not theirs: the same ranking)."""
+        if self.stored_in_order:
+            return recency(self.valid)
+        return self.positions.float().expand(self.batch_size, self.num_heads, self.num_tokens)
+
+    def first_real(self, count: int) -> torch.Tensor:
+        """``[B, H, N]`` True on the first ``count`` real tokens of each row (:func:`first_real_tokens`),
+        by position when the stored order is not theirs (a method keeping them as sinks keeps the
+        first real position, so the sinks are the ``count`` positions from it)."""
+        valid = self.valid
+        if self.stored_in_order:
+            return first_real_tokens(valid, count)
+        first = self.positions.masked_fill(~valid, torch.iinfo(self.positions.dtype).max).amin(dim=-1, keepdim=True)
+        return valid & (self.positions < first + count)
+
+    def to_kv_heads(self, per_query_head: torch.Tensor) -> torch.Tensor:
+        """Mean over the query heads of each group: ``[B, Hq, ...] -> [B, H, ...]`` (docs/METHODS.md)."""
+        b, hq = per_query_head.shape[:2]
+        grouped = per_query_head.reshape(b, self.num_heads, hq // self.num_heads, *per_query_head.shape[2:])
+        return grouped.mean(dim=2)
+
     def observation_attention(self, window: int) -> torch.Tensor:
         """Weights ``[B, Hq, w, N]`` of the last ``window`` queries (SnapKV's observation window)."""
         start = max(0, self.num_queries - window)
@@ -404,6 +413,41 @@ class ScoringInputs:
             # The attention masked nothing (every stored key precedes the new query): neither does its softmax.
             return _softmax_of_fresh_logits(logits).view(b, h * group, n)
         return self._masked_softmax(logits, last_row, n)[:, :, 0]
+
+
+@dataclass
+class AttentionOperands(AttentionStatistics):
+    """The tensors of one softmax attention over stored tokens, for an attention that computes its
+    output the way scoring computes its weights (:func:`attention_with_column_sums`). The fields
+    mean what :class:`ScoringInputs`' fields of the same names mean."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    queries: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor | None
+    scaling: float
+    sequence_length: int
+    phase: Phase
+    _memo: dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict, repr=False)
+
+
+def attention_with_column_sums(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    sequence_length: int,
+    phase: Phase,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(output [B, Hq, q, dv] in the values' dtype, column sums [B, Hq, N] float32)`` of the
+    queries' softmax attention over the stored tokens, from one pass over query chunks: bit for bit
+    what a :class:`ScoringInputs` of these tensors in ``phase`` computes
+    (:meth:`AttentionStatistics.attention_with_column_sums`)."""
+    operands = AttentionOperands(keys, values, queries, positions, mask, scaling, sequence_length, phase)
+    return operands.attention_with_column_sums()
 
 
 def _row_factor(

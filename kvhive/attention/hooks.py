@@ -1,0 +1,239 @@
+"""transformers' side of kvhive's attention: the names it is registered under, and the hooks that
+switch an attached model to it for the forwards given a kvhive cache (and only for them).
+
+``kvhive`` is registered as an attention implementation (``AttentionInterface``) together with its
+mask function (``AttentionMaskInterface``; without it transformers would silently drop the
+sliding-window pattern). :func:`attach` adds a forward pre-hook and an always-called forward hook
+to a model: a forward given a :class:`KVHiveCache` (or ``CacheRows``) runs ``"kvhive"``, every other
+forward the model's own implementation.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+import weakref
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from kvhive import static_step
+from kvhive.cache.kv_cache import ORIGINAL_POSITIONS, KVHiveCache
+from kvhive.cache.rows import CacheRows
+from kvhive.memory import trim_heap
+from kvhive.static_step import in_static_step
+
+ATTENTION_NAME = "kvhive"
+
+# The attribute of a KVHiveCache that says the attention ran a prompt chunk over it on the CPU during
+# the forward now running (set by :func:`mark_prompt_chunk_on_cpu`): the forward hook then returns the
+# heap's free pages once more when the forward ends, and removes it. Absent outside such a forward.
+PROMPT_CHUNK_ON_CPU = "ran_prompt_chunk_on_cpu"
+
+
+def kvhive_mask(*args, **kwargs):
+    """transformers' sdpa mask. It is None when nothing needs masking (no padding, no window in
+    reach), which the attention reads as "causal over original positions"; otherwise it spans
+    every original position and kept tokens are gathered from it by position.
+
+    In a compiled decode step (one new query) there is no mask at all: a mask over every original
+    position grows by one column per step (a new graph each step); kvhive's attention masks the
+    stored tokens of a static decode step itself (padding recorded at prefill, the window by
+    position)."""
+    q_length = kwargs.get("q_length", args[1] if len(args) > 1 else None)
+    if q_length == 1 and in_static_step():
+        return None  # no mask is built inside a compiled step (kvhive's attention masks it)
+    if (
+        q_length == 1
+        and kwargs.get("kv_length") == 1
+        and kwargs.get("kv_offset") == 0
+        and (kwargs.get("q_offset") or 0) > 0
+    ):
+        # The fixed unused column KVHiveCache.get_mask_sizes asks for in a static decode step, run
+        # eagerly (a mask over the positions seen would span q_offset + 1 columns): kvhive's attention
+        # masks the stored tokens itself, so the ten ops that build this column are not spent
+        # (transformers >= 5.24 passes q_offset; older versions build the column, unused).
+        return None
+    kwargs["allow_is_bidirectional_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
+def register() -> None:
+    """Make ``attn_implementation="kvhive"`` available (idempotent)."""
+    # Imported here: the attention function's module imports this one.
+    from kvhive.attention.integration import kvhive_attention
+
+    AttentionInterface.register(ATTENTION_NAME, kvhive_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, kvhive_mask)
+
+
+class _ModelAttachment:
+    """What :func:`attach` added to one model: how many forwards with a kvhive cache are running
+    (a lock guards the count, so concurrent kvhive forwards switch and restore once) and the
+    attention implementation of each config they switched, restored when the last one ends."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.running = 0
+        self.switched: list[tuple[object, object]] = []
+
+
+_ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ATTACHED_LOCK = threading.Lock()
+
+
+def attach(model) -> None:
+    """Let ``model`` run kvhive's attention for the calls given a kvhive cache, and only for them.
+
+    transformers picks the attention function from ``model.config``; a forward that is given a
+    :class:`KVHiveCache` (or ``CacheRows``) switches the model's configs to ``"kvhive"`` for that
+    forward and restores what they held after it (a forward pre-hook and an always-called forward
+    hook). Calls with another cache or none run the model's own implementation (eager, sdpa,
+    flash-attention) and its own mask, as if kvhive had never seen the model; the configs read as
+    before between calls. The one caveat: a forward with a kvhive cache and one without running
+    at the same time in two threads on the *same* model object both see ``"kvhive"`` (which is
+    plain sdpa for other caches).
+
+    ``generate`` also shows a kvhive cache the full token sequence before each step
+    (:class:`_ReuseCheckingPrepare`), so a reused cache refuses a prompt that does not continue
+    it. Idempotent."""
+    register()
+    with _ATTACHED_LOCK:
+        if model in _ATTACHED:
+            return
+        _ATTACHED[model] = _ModelAttachment()
+    if _enter_forward in model._forward_pre_hooks.values():  # a copy of an attached model
+        return
+    model.register_forward_pre_hook(_enter_forward, with_kwargs=True)
+    model.register_forward_hook(_leave_forward, with_kwargs=True, always_call=True)
+    if callable(getattr(model, "prepare_inputs_for_generation", None)):
+        model.prepare_inputs_for_generation = _ReuseCheckingPrepare(model)
+
+
+def _kvhive_caches_in(args, kwargs) -> list[KVHiveCache]:
+    """The kvhive caches a forward was given (each row's cache for ``CacheRows``)."""
+    # transformers >= 5.24 names the forward argument ``cache`` (``past_key_values`` before).
+    for value in (kwargs.get("cache"), kwargs.get("past_key_values"), *args):
+        if isinstance(value, KVHiveCache):
+            return [value]
+        if isinstance(value, CacheRows):
+            return list(value.caches)
+    return []
+
+
+# The attached models whose forward this thread entered with a kvhive cache, innermost last: the
+# always-called forward hook also runs when the pre-hook raised, and must then restore nothing.
+_ENTERED = threading.local()
+
+
+def mark_prompt_chunk_on_cpu(cache: KVHiveCache) -> None:
+    """Note on ``cache`` that the attention ran a prompt chunk over it on the CPU in this forward."""
+    setattr(cache, PROMPT_CHUNK_ON_CPU, True)
+
+
+def _attention_configs(model) -> list:
+    """The configs whose ``_attn_implementation`` the model's attention layers and masks read."""
+    configs = [model.config]
+    text_config = model.config.get_text_config(decoder=True)
+    if text_config is not model.config:
+        configs.append(text_config)
+    return configs
+
+
+def _attachment(model) -> _ModelAttachment:
+    # A deep copy or an unpickled copy of an attached model carries the hooks but no entry yet.
+    with _ATTACHED_LOCK:
+        return _ATTACHED.setdefault(model, _ModelAttachment())
+
+
+def _enter_forward(model, args, kwargs):
+    caches = _kvhive_caches_in(args, kwargs)
+    if not caches:
+        return None
+    for cache in caches:
+        cache.check_model(model.config)  # before anything is stored: an empty cache refuses too
+    if torch.compiler.is_compiling():
+        # Inside a compiled step (one thread, traced once): switch without the lock and the
+        # thread-local bookkeeping, which dynamo cannot trace; the switch is replayed as a side effect.
+        if not static_step.TORCH_COMPILES_KVHIVE and model.config._attn_implementation_internal != ATTENTION_NAME:
+            # Older dynamo does not trace the switch below (kvhive.static_step).
+            raise RuntimeError(
+                f"torch {torch.__version__} compiles a kvhive decode step only with kvhive's attention switched "
+                "before the compiled call: run it inside kvhive.compression(model) (kvhive.generate(compile=True) "
+                f"does), or use torch >= {static_step.COMPILE_MIN_TORCH}"
+            )
+        for config in _attention_configs(model):
+            config._kvhive_previous_attention = config._attn_implementation_internal
+            config._attn_implementation_internal = ATTENTION_NAME
+        return None
+    attachment = _attachment(model)
+    with attachment.lock:
+        if attachment.running == 0:
+            configs = _attention_configs(model)
+            attachment.switched = [(config, config._attn_implementation_internal) for config in configs]
+            for config in configs:
+                config._attn_implementation_internal = ATTENTION_NAME
+        attachment.running += 1
+    _ENTERED.__dict__.setdefault("models", []).append(model)
+    return None
+
+
+def _leave_forward(model, args, kwargs, output):
+    caches = _kvhive_caches_in(args, kwargs)
+    if not caches:  # calls without a kvhive cache touch nothing else
+        return None
+    if torch.compiler.is_compiling():
+        for config in _attention_configs(model):
+            config._attn_implementation_internal = config._kvhive_previous_attention
+        return None
+    for cache in caches:
+        cache.prefill_scratch.clear()  # held for one prefill only, also when the forward raised
+    if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        # Large captured prefill loops likewise (BumbleBee's similarity matrix at long prompts): not
+        # held through the decode. Never waits for another thread's prefill.
+        static_step.release_captured_loops(larger_than=static_step.HELD_LOOP_BYTES, wait=False)
+    entered = _ENTERED.__dict__.get("models")
+    if not entered or entered[-1] is not model:
+        return None
+    entered.pop()
+    ran_chunk_on_cpu = False
+    for cache in caches:  # the note of a prompt chunk the attention ran on the CPU, removed
+        ran_chunk_on_cpu |= cache.__dict__.pop(PROMPT_CHUNK_ON_CPU, False)
+    if ran_chunk_on_cpu:
+        trim_heap()  # the chunk's last temporaries (the last layers' MLP) before the next chunk
+    attachment = _attachment(model)
+    with attachment.lock:
+        attachment.running -= 1
+        if attachment.running == 0:
+            for config, previous in attachment.switched:
+                config._attn_implementation_internal = previous
+            attachment.switched = []
+    return None
+
+
+class _ReuseCheckingPrepare:
+    """The model's own ``prepare_inputs_for_generation``, called unchanged, after showing a kvhive
+    cache the full token sequence (transformers passes the model only the tokens the cache has
+    not seen, so this is where a reused cache can refuse a prompt that does not continue it).
+
+    ``__wrapped__`` is the model's own bound method, so ``inspect.signature`` (which transformers
+    reads to decide, e.g., whether ``generate(inputs_embeds=...)`` is supported) sees exactly the
+    stock signature; other caches go straight through. A class, not a closure, so the model still
+    pickles and deep-copies (a copy's hook calls the copy's method)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    @property
+    def __wrapped__(self):
+        return types.MethodType(type(self.model).prepare_inputs_for_generation, self.model)
+
+    def __call__(self, input_ids, *args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if isinstance(cache, KVHiveCache) and cache.positions == ORIGINAL_POSITIONS:
+            new_tokens = kwargs.get("next_sequence_length")
+            if new_tokens is None and not cache.get_seq_length():
+                new_tokens = input_ids.shape[-1]
+            cache.check_generation_inputs(input_ids, bool(kwargs.get("is_first_iteration")), new_tokens)
+        return self.__wrapped__(input_ids, *args, **kwargs)
