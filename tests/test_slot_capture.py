@@ -41,14 +41,13 @@ WARM_UP_STEPS = 4
 REPLAYS = 20
 LEAVE = {8: 0}  # replay -> the slot whose row leaves before it
 JOIN = {10: (0, 2), 14: (2, 3)}  # replay -> (slot, prompt) joining before it
-# The modules that ask whether a step is recorded once and replayed (kvhive.static_step).
+# Where a step asks whether it is recorded once and replayed: kvhive.static_step, read through the
+# module by the methods; the cache and the attention modules still hold their own reference.
 STATIC_STEP_USERS = (
     "kvhive.static_step",
     "kvhive.attention.integration",
     "kvhive.cache.kv_cache",
     "kvhive.cache.storage",
-    "kvhive.methods.buzz",
-    "kvhive.methods.subgen",
 )
 
 

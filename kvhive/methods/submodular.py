@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvhive import static_step
 from kvhive.static_step import BoundedCache, CapturedLoops, capture_stream, per_thread_attributes
 
 # Rank given to invalid (padding) elements: below every real gain, above "not selectable".
@@ -452,8 +453,6 @@ def greedy_maximize(
     and writes nothing into it after): a capture of new shapes keeps it as its input buffer instead of
     a copy (:func:`capture_buffers`), which :func:`similarity_buffer` then hands to the next caller.
     """
-    from kvhive.static_step import in_static_step
-
     n = objective.size
     k = min(k, n)
     if k <= 0:
@@ -465,9 +464,7 @@ def greedy_maximize(
     sampler = _StochasticSampler(objective.valid, k, epsilon, generator) if method == "stochastic" else None
     cuda = objective.sim.device.type == "cuda"
     if fast is None:
-        from kvhive.static_step import prefill_fast_path
-
-        fast = prefill_fast_path(objective.sim.device)
+        fast = static_step.prefill_fast_path(objective.sim.device)
     margin = _LAZY_EVALUATIONS
     if fast is False and objective.sim.device.type == "cpu":
         margin = _LAZY_EVALUATIONS * _EAGER_CPU_MARGIN // _EAGER_CPU_MARGIN_OF
@@ -489,8 +486,8 @@ def greedy_maximize(
             backend = _fast_backend(fast) if cuda or named else None
             # Inside a capture or a trace of the caller's (in_static_step), the steps are recorded
             # into the caller's graph: no capture (nor compile) of our own.
-            capture = captures_loops(objective.sim.device) and not named and not in_static_step()
-            if in_static_step():
+            capture = captures_loops(objective.sim.device) and not named and not static_step.in_static_step()
+            if static_step.in_static_step():
                 backend = None
             chosen, enough, needed = _fast_lazy_greedy(
                 objective, k, evaluations, sampler, attempts, backend, capture, donated
@@ -1292,15 +1289,13 @@ def held_similarity_bytes(n: int, device) -> int:
 
 def _fast_backend(fast) -> str | None:
     """The backend compiling the step: ``fast`` when it names one; on CUDA inductor where
-    ``kvhive.static_step.PREFILL_COMPILE``; else None (the step runs eagerly, still captured on
+    ``kvhive.static_step.config.prefill_compile``; else None (the step runs eagerly, still captured on
     CUDA). The step is a pure tensor function: no attention switch to trace, so it compiles on every
     torch kvhive runs on (the decode step's gate, ``TORCH_COMPILES_KVHIVE``, plays no part; torch 2.11
     checked by hand with tests/test_greedy_graph.py)."""
     if fast is not True:
         return fast
-    from kvhive import static_step
-
-    return "inductor" if static_step.PREFILL_COMPILE else None
+    return "inductor" if static_step.config.prefill_compile else None
 
 
 def _fast_lazy_greedy(
