@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvhive.api import compiling_attention, make_cache
+from kvhive.api import compiling_attention, make_cache, static_decode_methods
 from kvhive.compat import cache_kwarg
 from kvhive.memory import PhaseMemory, format_bytes
 from kvhive.models.embedded import EMBEDDED_MODELS
@@ -120,7 +120,7 @@ def _timed_run_switched(
         if compile and not cache.is_compileable:
             raise ValueError(
                 f"--compile: the decode step of method {method!r} cannot compile to one graph (its layers change "
-                "size from step to step); methods that can: " + ", ".join(_static_decode_methods())
+                "size from step to step); methods that can: " + ", ".join(static_decode_methods())
             )
     device = input_ids.device
     phases: dict[str, int | None] = {}
@@ -258,12 +258,6 @@ def check_prefill_chunk(prefill_chunk, compile: bool) -> None:
         raise ValueError(
             "prefill_chunk with compile: a chunked cache has no fixed decode capacity yet; chunk without compile"
         )
-
-
-def _static_decode_methods() -> list[str]:
-    from kvhive.api import static_decode_methods
-
-    return static_decode_methods()
 
 
 def _cache_bytes(cache) -> int:

@@ -282,6 +282,41 @@ def _max_positions(shape: str, num_layers: int | None) -> int:
     return config.get_text_config().max_position_embeddings
 
 
+def _checked_memory_limit(memory_limit: int | None, device: str) -> int:
+    """The limit a search fits in: ``memory_limit`` bytes, or on CUDA by default the device's memory."""
+    cuda = torch.device(device).type == "cuda"
+    if memory_limit is None:
+        if not cuda:
+            raise ValueError("--search on CPU needs --memory-limit (e.g. --memory-limit 8GB): the limit to fit in")
+        return torch.cuda.get_device_properties(device).total_memory
+    if isinstance(memory_limit, bool) or not isinstance(memory_limit, int) or memory_limit <= 0:
+        raise ValueError(f"invalid --memory-limit {memory_limit!r}: must be > 0 bytes")
+    if cuda and memory_limit > torch.cuda.get_device_properties(device).total_memory:
+        total = torch.cuda.get_device_properties(device).total_memory
+        raise ValueError(
+            f"invalid --memory-limit {format_bytes(memory_limit)}: more than the device's {format_bytes(total)}"
+        )
+    return memory_limit
+
+
+def _checked_maximum(search: str, maximum, step: int, shape: str, num_layers, decode_tokens: int) -> int:
+    """The largest value a search tries: ``maximum``, by default the model's positions left after the
+    decode tokens (context) or :data:`SEARCH_DEFAULT_BATCH_MAXIMUM` (batch)."""
+    if search == "context":
+        positions = _max_positions(shape, num_layers) - decode_tokens
+        if maximum is None:
+            maximum = positions
+        elif maximum > positions:
+            raise ValueError(
+                f"invalid --search-max {maximum}: the model has {positions} positions left after the decode tokens"
+            )
+    elif maximum is None:
+        maximum = SEARCH_DEFAULT_BATCH_MAXIMUM
+    if isinstance(maximum, bool) or not isinstance(maximum, int) or maximum < step:
+        raise ValueError(f"invalid --search-max {maximum!r}: expected an integer >= the step ({step})")
+    return maximum
+
+
 def capacity_search(
     search: str,
     memory_limit: int | None = None,
@@ -319,17 +354,7 @@ def capacity_search(
     if search not in SEARCHES:
         raise ValueError(f"invalid --search {search!r}: expected one of {', '.join(SEARCHES)}")
     cuda = torch.device(device).type == "cuda"
-    if memory_limit is None:
-        if not cuda:
-            raise ValueError("--search on CPU needs --memory-limit (e.g. --memory-limit 8GB): the limit to fit in")
-        memory_limit = torch.cuda.get_device_properties(device).total_memory
-    elif isinstance(memory_limit, bool) or not isinstance(memory_limit, int) or memory_limit <= 0:
-        raise ValueError(f"invalid --memory-limit {memory_limit!r}: must be > 0 bytes")
-    elif cuda and memory_limit > torch.cuda.get_device_properties(device).total_memory:
-        total = torch.cuda.get_device_properties(device).total_memory
-        raise ValueError(
-            f"invalid --memory-limit {format_bytes(memory_limit)}: more than the device's {format_bytes(total)}"
-        )
+    memory_limit = _checked_memory_limit(memory_limit, device)
     step = SEARCH_DEFAULT_STEP[search] if step is None else step
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise ValueError(f"invalid --search-step {step!r}: expected an integer >= 1")
@@ -338,18 +363,7 @@ def capacity_search(
     for name, value in (("context", context), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"invalid {name}={value!r}: expected an integer >= 1")
-    if search == "context":
-        positions = _max_positions(shape, num_layers) - decode_tokens
-        if maximum is None:
-            maximum = positions
-        elif maximum > positions:
-            raise ValueError(
-                f"invalid --search-max {maximum}: the model has {positions} positions left after the decode tokens"
-            )
-    elif maximum is None:
-        maximum = SEARCH_DEFAULT_BATCH_MAXIMUM
-    if isinstance(maximum, bool) or not isinstance(maximum, int) or maximum < step:
-        raise ValueError(f"invalid --search-max {maximum!r}: expected an integer >= the step ({step})")
+    maximum = _checked_maximum(search, maximum, step, shape, num_layers, decode_tokens)
     spec = {
         "search": search,
         "shape": shape,
