@@ -311,15 +311,15 @@ def _measure(settings: dict, parts: dict, model, bandwidth: float) -> dict:
     import kvhive.methods.submodular as submodular_module
     import kvhive.static_step
 
-    kvhive.static_step.PREFILL_FAST_PATH = {
+    kvhive.static_step.config.prefill_fast_path = {
         "auto": None,
         "fast": True,
         "compiled": True,
         "graph": True,
         "eager": False,
     }[path]
-    kvhive.static_step.PREFILL_COMPILE = path != "graph"
-    kvhive.static_step.PREFILL_KERNELS = path in ("auto", "fast")
+    kvhive.static_step.config.prefill_compile = path != "graph"
+    kvhive.static_step.config.prefill_kernels = path in ("auto", "fast")
     steps = WARM_UP_STEPS + decode_tokens + PROFILE_STEPS
     prefill_first = None
     if settings.get("prefill_warmup", True):

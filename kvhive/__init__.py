@@ -1,8 +1,9 @@
 """kvhive: KV-cache compression for Hugging Face causal LMs, without retraining."""
 
-from kvhive.api import compression, generate, generate_batch, make_cache, use_kvhive_attention
+from kvhive.api import compression, make_cache, use_kvhive_attention
 from kvhive.cache import Budget, KVHiveCache
 from kvhive.compat import cache_kwarg
+from kvhive.generation import generate, generate_batch
 from kvhive.methods import make_policy, method_names
 
 __all__ = [

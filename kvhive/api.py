@@ -2,11 +2,17 @@
 
 cache = kvhive.make_cache(model, "snapkv", budget=128)
 model.generate(**inputs, cache=cache, max_new_tokens=32)  # transformers < 5.24: past_key_values=cache
+
+Also here: the attention switches (:func:`compression`, :func:`plain_attention`), one prefill
+shared by several caches (:func:`shared_prefill`) and how a prompt is encoded and fed
+(:func:`encode_prompt`, :func:`prefill_prompt`). Text generation (``generate``,
+``generate_batch``) is ``kvhive.generation``, built on these.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import threading
 import warnings
 from collections.abc import Iterator
@@ -14,10 +20,10 @@ from typing import Any
 
 from kvhive import static_step
 from kvhive.attention import ATTENTION_NAME, register
-from kvhive.attention.integration import attach
+from kvhive.attention.hooks import attach
 from kvhive.cache import Budget, KVHiveCache
-from kvhive.cache.budget import bucket_up
-from kvhive.cache.kv_cache import CACHE_POSITIONS, refuse_encoder_decoder
+from kvhive.cache.guards import refuse_encoder_decoder
+from kvhive.cache.options import CACHE_POSITIONS
 from kvhive.compat import cache_kwarg
 from kvhive.methods import Policy, make_policy
 
@@ -67,10 +73,29 @@ def plain_attention(model) -> Iterator[Any]:
         model.set_attn_implementation(previous)
 
 
-# (method, query heads, KV heads, granularity) already warned about; the lock makes "once" hold
-# when several threads make caches at the same time.
-_EQUIVALENCE_WARNED: set[tuple[str, int, int, str]] = set()
-_EQUIVALENCE_WARNED_LOCK = threading.Lock()
+class FirstTimes:
+    """Keys seen so far, thread-safe: :meth:`first` is True for one caller per key, however many
+    threads ask at once. ``seen``: the set that holds them (a fresh one by default)."""
+
+    def __init__(self, seen: set | None = None) -> None:
+        self._seen = set() if seen is None else seen
+        self._lock = threading.Lock()
+
+    def first(self, key) -> bool:
+        """Record ``key``; whether this is the first time it is recorded."""
+        with self._lock:
+            if key in self._seen:
+                return False
+            self._seen.add(key)
+            return True
+
+    def clear(self) -> None:
+        with self._lock:
+            self._seen.clear()
+
+
+# (method, query heads, KV heads, granularity) already warned about, once across threads.
+EQUIVALENCE_WARNINGS = FirstTimes()
 
 
 def warn_if_allocation_cannot_differ(policy: Policy, config) -> None:
@@ -94,10 +119,8 @@ def warn_if_allocation_cannot_differ(policy: Policy, config) -> None:
     key = (policy.name, query_heads, kv_heads, granularity)
     if stored_heads != 1:
         return
-    with _EQUIVALENCE_WARNED_LOCK:
-        if key in _EQUIVALENCE_WARNED:
-            return
-        _EQUIVALENCE_WARNED.add(key)
+    if not EQUIVALENCE_WARNINGS.first(key):
+        return
     hint = (
         f" Pass head_granularity='query' to allocate over the {query_heads} query heads."
         if granularity == "kv" and query_heads > 1
@@ -153,28 +176,7 @@ def make_cache(
     if not isinstance(bucket_budget, bool):
         raise ValueError(f"invalid bucket_budget={bucket_budget!r}: expected True or False")
     policy = method if isinstance(method, Policy) else make_policy(method, **method_parameters)
-    if budget is not None and ratio is not None:
-        raise ValueError("give either budget (tokens per head, or a ratio as a float) or ratio, not both")
-    if not policy.phases:
-        # A method that never evicts (full) keeps everything: a budget would be a silent no-op.
-        if budget is not None or ratio is not None:
-            given = f"budget={budget!r}" if budget is not None else f"ratio={ratio!r}"
-            warnings.warn(f"method {policy.name!r} keeps every token: {given} is ignored", UserWarning, stacklevel=2)
-        budget, ratio = None, 1.0
-    elif budget is None and ratio is None:
-        # No default: a ratio of the prompt is not lossless for a method that also evicts while
-        # decoding (H2O would stay at the prompt length), and a user asking for a method expects
-        # it to compress to a size they chose.
-        raise ValueError(
-            f"method {policy.name!r} needs a budget and none was given: pass budget= (tokens per head, e.g. 128) "
-            "or ratio= (a fraction of the prompt, e.g. 0.2); method 'full' keeps everything"
-        )
-    if ratio is not None:
-        budget_spec = Budget(ratio=ratio)
-    else:
-        budget_spec = Budget.parse(budget)
-    if bucket_budget and budget_spec.ratio is not None and policy.phases:
-        budget_spec = Budget(ratio=budget_spec.ratio, bucketed=True)
+    budget_spec = _budget_of(policy, budget, ratio, bucket_budget)
     attach(model)
     warn_if_allocation_cannot_differ(policy, model.config)
     rotator = None
@@ -199,6 +201,30 @@ def make_cache(
     )
 
 
+def _budget_of(policy: Policy, budget, ratio, bucket_budget: bool) -> Budget:
+    """The :class:`Budget` of :func:`make_cache`'s ``budget`` / ``ratio`` for ``policy``."""
+    if budget is not None and ratio is not None:
+        raise ValueError("give either budget (tokens per head, or a ratio as a float) or ratio, not both")
+    if not policy.phases:
+        # A method that never evicts (full) keeps everything: a budget would be a silent no-op.
+        if budget is not None or ratio is not None:
+            given = f"budget={budget!r}" if budget is not None else f"ratio={ratio!r}"
+            warnings.warn(f"method {policy.name!r} keeps every token: {given} is ignored", UserWarning, stacklevel=3)
+        return Budget(ratio=1.0)
+    if budget is None and ratio is None:
+        # No default: a ratio of the prompt is not lossless for a method that also evicts while
+        # decoding (H2O would stay at the prompt length), and a user asking for a method expects
+        # it to compress to a size they chose.
+        raise ValueError(
+            f"method {policy.name!r} needs a budget and none was given: pass budget= (tokens per head, e.g. 128) "
+            "or ratio= (a fraction of the prompt, e.g. 0.2); method 'full' keeps everything"
+        )
+    budget_spec = Budget(ratio=ratio) if ratio is not None else Budget.parse(budget)
+    if bucket_budget and budget_spec.ratio is not None:
+        budget_spec = Budget(ratio=budget_spec.ratio, bucketed=True)
+    return budget_spec
+
+
 def changes_prefill_attention(policy: Policy) -> bool:
     """Whether a method alters the model's attention (so its prefill cannot be shared)."""
     return policy.changes_attention_logits
@@ -214,7 +240,7 @@ def shared_prefill(model, input_ids, caches: list[KVHiveCache]):
     """
     import torch
 
-    from kvhive.attention.integration import replay_prefill
+    from kvhive.attention.prefill import replay_prefill
 
     recorder = make_cache(model, "full", compress_sliding=True, record_prefill=True)
     per_cache_logits = []
@@ -277,108 +303,6 @@ def question_token_count(tokenizer, prompt: str, question: str) -> int:
     return count
 
 
-def generate(
-    model,
-    tokenizer,
-    prompt: str,
-    method: str | Policy = "full",
-    budget: int | float | str | None = None,
-    max_new_tokens: int = 32,
-    compile: bool | None = None,
-    question: str | None = None,
-    **cache_options: Any,
-) -> tuple[str, KVHiveCache]:
-    """Greedy generation with a compressed cache; returns the generated text and the cache.
-
-    ``compile``: None follows transformers (its compiled decode on an accelerator when the cache is
-    compileable, ``KVHiveCache.is_compileable``); True compiles the decode step on any device and
-    refuses a cache whose step cannot compile to one graph, and resolves a ratio budget up to one of a
-    few sizes (``bucket_budget``, at most 25% more tokens; pass ``bucket_budget=False`` for the
-    exact ratio, one graph per prompt length); False decodes eagerly.
-
-    ``question`` (with ``prefill_chunk``): the prompt's final part, its question (the prompt must
-    end with it): a question-aware chunked prefill (``question_tokens``, :func:`make_cache`), each
-    chunk scored with the question's queries instead of the chunk's own."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"invalid max_new_tokens={max_new_tokens!r}: expected an integer >= 1")
-    if compile not in (None, True, False):
-        raise ValueError(f"invalid compile={compile!r}: expected True, False or None")
-    encoded = encode_prompt(tokenizer, prompt, model, max_new_tokens)
-    if question is not None:
-        if cache_options.get("question_tokens") is not None:
-            raise ValueError("give either question (its text) or question_tokens (its token count), not both")
-        if not cache_options.get("prefill_chunk"):
-            raise ValueError(
-                "question needs prefill_chunk: it makes a chunked prefill question-aware (without chunks the prompt's "
-                "own last queries are the question already)"
-            )
-        cache_options["question_tokens"] = question_token_count(tokenizer, prompt, question)
-    if compile is True and "decode_capacity" not in cache_options and not cache_options.get("prefill_chunk"):
-        # Layers that grow while decoding (the full cache, prefill-only methods) get room for every
-        # new token, so the compiled step keeps one shape (used only by such layers); bucketed, so
-        # requests of different lengths share it.
-        cache_options["decode_capacity"] = bucket_up(max_new_tokens + 1)
-    if compile is True:
-        # A ratio of each prompt would be a new shape, and so a new graph, per prompt length.
-        cache_options.setdefault("bucket_budget", True)
-    cache = make_cache(model, method, budget, **cache_options)
-    import torch
-
-    compile_options: dict[str, Any] = {}
-    if cache.prefill_chunk is not None:
-        if compile is True:
-            raise ValueError(
-                "compile=True with prefill_chunk: transformers would compile the prompt chunks too, whose compression "
-                "is not one static graph; compile the decode without chunks, or chunk without compile"
-            )
-        compile = False if compile is None else compile
-        if cache.question_tokens is not None:
-            # Question-aware: kvhive feeds every chunk but the last, each followed by a copy of the
-            # question (plans the prompt too); model.generate feeds the last chunk, which ends with
-            # the real question, in one forward (it is at most prefill_chunk tokens).
-            prefill_prompt(model, encoded["input_ids"], cache, encoded.get("attention_mask"), last_chunk=False)
-        else:
-            row_lengths = encoded["attention_mask"].sum(dim=-1).tolist() if "attention_mask" in encoded else None
-            cache.plan_prompt(int(encoded["input_ids"].shape[1]), row_lengths)
-            compile_options["prefill_chunk_size"] = cache.prefill_chunk
-    # (Below torch 2.13 a compiled step needs the attention switched before the call: kvhive.static_step.)
-    with compiling_attention(model, compile is True):
-        if compile is True:
-            if cache.static_decode and not cache.is_compileable:  # the installed torch (kvhive.static_step)
-                raise ValueError(f"compile=True: {cache.compile_problem(int(encoded['input_ids'].shape[1]))}")
-            if not cache.is_compileable:
-                raise ValueError(
-                    f"compile=True: the decode step of method {cache.policy.name!r} with these options cannot compile "
-                    "to one graph (its layers change size from step to step: decode_every/decode_slack, positions='cache', "
-                    "per-query-head storage with a decode-phase method, or head-wise budgets in compressed "
-                    "sliding-window layers); "
-                    "methods that can: "
-                    + ", ".join(static_decode_methods())
-                    + ", and with a decode capacity the full cache and the prefill-only scorers (Ada-KV's included)"
-                )
-            problem = cache.compile_problem(int(encoded["input_ids"].shape[1]))
-            if problem is not None:
-                raise ValueError(f"compile=True with method {cache.policy.name!r}: {problem}")
-            from transformers import CompileConfig
-
-            config = CompileConfig(fullgraph=True, dynamic=False)
-            config._compile_all_devices = True  # transformers compiles only on accelerators otherwise
-            compile_options["compile_config"] = config
-        if compile is False:
-            compile_options["disable_compile"] = True
-        with torch.no_grad():
-            output = model.generate(
-                **encoded,
-                **{cache_kwarg(model): cache},
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=tokenizer.pad_token_id,
-                **compile_options,
-            )
-    new_tokens = output[0, encoded["input_ids"].shape[1] :]
-    return tokenizer.decode(new_tokens, skip_special_tokens=True), cache
-
-
 def static_decode_methods() -> list[str]:
     """Registered methods whose decode step compiles to one graph (``Policy.static_decode``)."""
     from kvhive.methods.registry import method_names, policy_class
@@ -438,302 +362,12 @@ def prefill_prompt(model, input_ids, cache: KVHiveCache, attention_mask=None, *,
     return logits
 
 
-def _prefill_alone(model, encoded, cache: KVHiveCache):
-    """Run one prompt (a batch of one) through ``cache``, in chunks when the cache was made with
-    ``prefill_chunk`` (as ``kvhive.generate`` feeds it); returns the last position's logits."""
-    return prefill_prompt(model, encoded["input_ids"], cache, encoded.get("attention_mask"))
+# Text generation, read here before it moved to kvhive.generation. Resolved on first use:
+# kvhive.generation builds on this module, so this module imports nothing of it.
+_MOVED_TO_GENERATION = frozenset({"SlotScheduler", "generate", "generate_batch"})
 
 
-def _stop_ids(model, eos_token_id) -> set[int]:
-    """The token ids that end a row: ``eos_token_id`` (an int or ints) or the model's generation
-    config's (as ``model.generate`` stops)."""
-    if eos_token_id is None:
-        config = getattr(model, "generation_config", None)
-        eos_token_id = getattr(config, "eos_token_id", None)
-    if eos_token_id is None:
-        return set()
-    if isinstance(eos_token_id, int):
-        return {eos_token_id}
-    return {int(token) for token in eos_token_id}
-
-
-def generate_batch(
-    model,
-    tokenizer,
-    prompts: list[str],
-    method: str | Policy = "full",
-    budget: int | float | str | None = None,
-    max_new_tokens: int = 32,
-    *,
-    stop_strings: list[str] | list[list[str]] | None = None,
-    eos_token_id: int | list[int] | None = None,
-    max_batch_size: int | None = None,
-    compile: bool | str = False,
-    do_sample: bool | list[bool] = False,
-    temperature: float | list[float] = 1.0,
-    top_k: int | list[int | None] | None = None,
-    top_p: float | list[float | None] | None = None,
-    seed: int | list[int] | None = None,
-    **cache_options: Any,
-) -> list[str]:
-    """Generation for several prompts (greedy, or sampled per row): each prompt is prefilled alone into its own cache
-    (``make_cache(model, method, budget, **cache_options)``; ``prefill_chunk`` feeds it in chunks),
-    the caches are stacked into one batch of fixed slots (:meth:`KVHiveCache.stack` with
-    ``batch_slots``), and all rows decode together, one token per row per step with each row's own
-    positions. A row ends at an end-of-sequence token (``eos_token_id``, default the model's
-    generation config, as ``model.generate``) or once its text contains one of its
-    ``stop_strings`` (a list for every row, or one list per row; the stop string stays in the text),
-    or after ``max_new_tokens``; a finished row frees its slot. Returns one text per prompt, each
-    what ``kvhive.generate`` returns for that prompt alone.
-
-    ``max_batch_size`` (an integer >= 1; None: every prompt at once): at most that many rows decode
-    at once. The first ``max_batch_size`` prompts start; the others wait in order, and as soon as a
-    row leaves, the next waiting prompt is prefilled alone and takes its slot
-    (:meth:`KVHiveCache.fill_slots`; continuous batching), between two decode steps. Slots are
-    fixed: rows leaving and joining move no buffer (a free slot decodes a placeholder until a
-    prompt takes it), so the decode step keeps one shape.
-
-    **Sampling, per row.** ``do_sample``, ``temperature``, ``top_k``, ``top_p`` and ``seed`` are each
-    one value for every prompt or a list with one per prompt: a row with ``do_sample`` draws each
-    token from its softmax at ``temperature``, restricted to its ``top_k`` tokens and its ``top_p``
-    nucleus (transformers' logits warpers), with its own generator seeded by ``seed`` (None: drawn
-    from torch's global generator), so a row gives the same tokens in any batch as alone with the
-    same seed; a row without ``do_sample`` is greedy.
-
-    ``compile=True`` (or the name of a ``torch.compile`` backend, e.g. ``"aot_eager"``) compiles
-    that decode step once (``torch.compile(fullgraph=True, dynamic=False)``; on CUDA with the
-    default backend, CUDA graphs: ``mode="reduce-overhead"``) and every step, across
-    joins and leaves, replays it; the slots round up to a power of two and a growing layer's slot
-    capacity to a bucket (``bucket_up``), so other batches of similar size reuse the graph. Refused,
-    naming why, where the cache's step cannot compile (``KVHiveCache.compile_problem``).
-
-    Every method decodes stacked rows (BUZZ with each row's own eviction schedule, BumbleBee's
-    summaries and subgen-attention's estimators per row). Caches that cannot be stacked (Ada-KV when
-    heads keep different counts; rows of different lengths in a layer that evicts while decoding,
-    e.g. H2O with a prompt shorter than the budget; BUZZ keeps a length per row there) are refused
-    with a ValueError naming the reason: decode those prompts one at a time with ``kvhive.generate``."""
-    import torch
-
-    if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValueError(f"invalid prompts={prompts!r}: expected a non-empty list of strings")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"invalid max_new_tokens={max_new_tokens!r}: expected an integer >= 1")
-    if max_batch_size is not None and (
-        isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1
-    ):
-        raise ValueError(f"invalid max_batch_size={max_batch_size!r}: expected an integer >= 1 (rows), or None")
-    if not (isinstance(compile, bool) or (isinstance(compile, str) and compile)):
-        raise ValueError(f"invalid compile={compile!r}: expected True, False or a torch.compile backend name")
-    if "decode_capacity" in cache_options:
-        raise ValueError(
-            "generate_batch sizes the decode capacity itself (max_new_tokens): decode_capacity is not accepted"
-        )
-    if compile and cache_options.get("prefill_chunk"):
-        raise ValueError("compile=True with prefill_chunk: compile the decode without chunks, or chunk without compile")
-    if compile:
-        cache_options.setdefault("bucket_budget", True)  # one shape for prompts of nearby lengths
-        cache_options["decode_capacity"] = bucket_up(max_new_tokens + 1)
-    row_stops = _row_stop_strings(stop_strings, len(prompts))
-    samplings = _row_samplings(len(prompts), do_sample, temperature, top_k, top_p, seed, model.device)
-    stop_ids = _stop_ids(model, eos_token_id)
-    encoded = [encode_prompt(tokenizer, prompt, model, max_new_tokens) for prompt in prompts]
-    limit = len(prompts) if max_batch_size is None else min(max_batch_size, len(prompts))
-    slots = 1 << (limit - 1).bit_length() if compile else limit
-    # A growing layer's row holds at most its prompt and every decode token.
-    longest = max(int(item["input_ids"].shape[1]) for item in encoded) + max_new_tokens + 1
-    slot_capacity = bucket_up(longest) if compile else longest
-    generated: list[list[int]] = [[] for _ in prompts]
-
-    def prefill(prompt_index: int) -> tuple[KVHiveCache, torch.Tensor]:
-        cache = make_cache(model, method, budget, **cache_options)
-        if cache.positions != "original":
-            raise ValueError("generate_batch needs positions='original' (rows sit at different positions)")
-        return cache, samplings[prompt_index].next_token(_prefill_alone(model, encoded[prompt_index], cache)[0])
-
-    def finished(prompt_index: int, token: int) -> bool:
-        """Record a row's new token; whether the row ends with it."""
-        tokens = generated[prompt_index]
-        tokens.append(token)
-        return (
-            len(tokens) >= max_new_tokens
-            or token in stop_ids
-            or any(stop in tokenizer.decode(tokens, skip_special_tokens=True) for stop in row_stops[prompt_index])
-        )
-
-    # (Below torch 2.13 a compiled step needs the attention switched before the call: kvhive.static_step.)
-    with compiling_attention(model, compile):
-        waiting = list(range(len(prompts)))
-        # The first batch: stacked whatever its first tokens (a method that cannot stack is refused
-        # before any decoding, as when every prompt starts at once).
-        starting = [waiting.pop(0) for _ in range(limit)]
-        caches, first_tokens = zip(*(prefill(prompt_index) for prompt_index in starting), strict=True)
-        stacked = KVHiveCache.stack(
-            list(caches), decode_capacity=max_new_tokens + 1, batch_slots=slots, slot_capacity=slot_capacity
-        )
-        if compile and not stacked.is_compileable:
-            problem = caches[0].compile_problem(int(encoded[starting[0]]["input_ids"].shape[1]))
-            raise ValueError(
-                f"compile=True with method {stacked.policy.name!r}: "
-                + (problem or "its decode step over these rows does not compile to one graph")
-            )
-        del caches
-        # The prompt in each slot (None: free).
-        running: list[int | None] = list(starting) + [None] * (slots - limit)
-        next_tokens = torch.zeros(slots, dtype=torch.long, device=first_tokens[0].device)
-        next_tokens[:limit] = torch.stack(first_tokens)
-        kwarg = cache_kwarg(model)
-
-        def step(tokens, positions, cache):
-            return model(input_ids=tokens, position_ids=positions, **{kwarg: cache}, use_cache=True).logits[:, -1]
-
-        if compile:
-            if isinstance(compile, str):
-                options = {"backend": compile}
-            else:
-                options = {"mode": "reduce-overhead"} if next_tokens.device.type == "cuda" else {}
-            step = torch.compile(step, fullgraph=True, dynamic=False, **options)
-        with torch.no_grad():
-            while True:
-                tokens = next_tokens.tolist()  # one read per step: the stop checks
-                leaving = [
-                    slot
-                    for slot, prompt_index in enumerate(running)
-                    if prompt_index is not None and finished(prompt_index, tokens[slot])
-                ]
-                if leaving:
-                    stacked.free_slots(leaving)
-                    for slot in leaving:
-                        running[slot] = None
-                # Waiting prompts take the free slots. A prompt that ends with its first token never
-                # needs the batch; the next one takes its place.
-                for slot in [slot for slot, prompt_index in enumerate(running) if prompt_index is None]:
-                    while waiting:
-                        prompt_index = waiting.pop(0)
-                        cache, token = prefill(prompt_index)
-                        if not finished(prompt_index, int(token)):
-                            stacked.fill_slots([slot], [cache])
-                            running[slot] = prompt_index
-                            next_tokens[slot] = token
-                            break
-                if all(prompt_index is None for prompt_index in running):
-                    break
-                # Each row's next position, from the layer's device counter (no host data sent per step).
-                positions = stacked.layers[0].row_tokens_seen_device[:, None].clone()
-                logits = step(next_tokens[:, None], positions, stacked)
-                next_tokens = logits.argmax(dim=-1)
-                for slot, prompt_index in enumerate(running):
-                    if prompt_index is not None and samplings[prompt_index].do_sample:
-                        next_tokens[slot] = samplings[prompt_index].next_token(logits[slot])
-        return [tokenizer.decode(tokens, skip_special_tokens=True) for tokens in generated]
-
-
-class _RowSampling:
-    """One row's choice of its next token: greedy, or a draw (temperature, top-k, top-p) from its
-    own generator."""
-
-    def __init__(self, do_sample: bool, temperature: float, top_k, top_p, seed, device) -> None:
-        import torch
-
-        self.do_sample = do_sample
-        self.warpers = []
-        self.generator = None
-        if not do_sample:
-            return
-        from transformers.generation.logits_process import (
-            TemperatureLogitsWarper,
-            TopKLogitsWarper,
-            TopPLogitsWarper,
-        )
-
-        if temperature != 1.0:
-            self.warpers.append(TemperatureLogitsWarper(temperature))
-        if top_k is not None:
-            self.warpers.append(TopKLogitsWarper(top_k))
-        if top_p is not None and top_p < 1.0:
-            self.warpers.append(TopPLogitsWarper(top_p))
-        if seed is None:
-            seed = int(torch.randint(2**62, (), dtype=torch.int64))
-        self.generator = torch.Generator(device=device).manual_seed(seed)
-
-    def next_token(self, logits):
-        """``logits [V]`` of the row's last position: its next token (a 0-d long tensor)."""
-        import torch
-
-        if not self.do_sample:
-            return logits.argmax(dim=-1)
-        scores = logits[None].float()
-        for warper in self.warpers:
-            scores = warper(None, scores)
-        probabilities = torch.softmax(scores, dim=-1)
-        return torch.multinomial(probabilities, 1, generator=self.generator)[0, 0]
-
-
-def _row_samplings(rows: int, do_sample, temperature, top_k, top_p, seed, device) -> list[_RowSampling]:
-    """One sampling per prompt, from values given once or as one per prompt; refuses bad values
-    naming the parameter and its range."""
-
-    def per_row(name, value):
-        if isinstance(value, (list, tuple)):
-            if len(value) != rows:
-                raise ValueError(f"invalid {name}={value!r}: a list needs one value per prompt ({rows})")
-            return list(value)
-        return [value] * rows
-
-    checks = {
-        "do_sample": (lambda v: isinstance(v, bool), "True or False"),
-        "temperature": (
-            lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
-            "a number > 0",
-        ),
-        "top_k": (
-            lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
-            "an integer >= 1",
-        ),
-        "top_p": (
-            lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1),
-            "a number in (0, 1]",
-        ),
-        "seed": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0), "an integer >= 0"),
-    }
-    given = {"do_sample": do_sample, "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
-    values = {}
-    for name, value in given.items():
-        values[name] = per_row(name, value)
-        accepted, accepted_range = checks[name]
-        for row, item in enumerate(values[name]):
-            if not accepted(item):
-                where = f"[{row}]" if isinstance(value, (list, tuple)) else ""
-                raise ValueError(f"invalid {name}{where}={item!r}: expected {accepted_range}")
-    return [
-        _RowSampling(
-            values["do_sample"][row],
-            float(values["temperature"][row]),
-            values["top_k"][row],
-            values["top_p"][row],
-            values["seed"][row],
-            device,
-        )
-        for row in range(rows)
-    ]
-
-
-def _row_stop_strings(stop_strings, rows: int) -> list[list[str]]:
-    if stop_strings is None:
-        return [[] for _ in range(rows)]
-    if isinstance(stop_strings, str):
-        stop_strings = [stop_strings]
-    if not isinstance(stop_strings, (list, tuple)):
-        raise ValueError(f"invalid stop_strings={stop_strings!r}: expected a list of strings, or one list per prompt")
-    if all(isinstance(stop, str) for stop in stop_strings):
-        per_row = [list(stop_strings)] * rows
-    elif len(stop_strings) == rows and all(isinstance(stops, (list, tuple)) for stops in stop_strings):
-        per_row = [list(stops) for stops in stop_strings]
-    else:
-        raise ValueError(
-            f"invalid stop_strings={stop_strings!r}: expected a list of strings, or one list of strings per prompt "
-            f"({rows})"
-        )
-    for stops in per_row:
-        if not all(isinstance(stop, str) and stop for stop in stops):
-            raise ValueError(f"invalid stop_strings={stop_strings!r}: every stop string must be a non-empty string")
-    return per_row
+def __getattr__(name: str) -> Any:
+    if name in _MOVED_TO_GENERATION:
+        return getattr(importlib.import_module("kvhive.generation"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

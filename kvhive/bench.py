@@ -5,15 +5,15 @@ an uncompressed kvhive cache, prefill + compression time with the method (compre
 the difference), decode ms/token for both, cache bytes against the full cache, and the peak memory
 of the prefill and of the decode phase for both (``kvhive.memory.PhaseMemory``: CUDA
 ``max_memory_allocated``, CPU the process's resident high-water mark, reset at each phase).
-``capacity_search`` finds the longest prompt or the largest batch whose run fits a memory limit,
-one trial per fresh process (``capacity_trial``).
+The search for the longest prompt or the largest batch whose run fits a memory limit is
+``kvhive.capacity`` (its trials run :func:`timed_run`).
 ``variable_length_attention_benchmark`` compares the variable-length decode attention path with
 dense sdpa over the same number of tokens.
 """
 
 from __future__ import annotations
 
-import os
+import importlib
 import resource
 import statistics
 import sys
@@ -23,18 +23,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvhive.api import compiling_attention, make_cache
+from kvhive.api import compiling_attention, make_cache, static_decode_methods
 from kvhive.compat import cache_kwarg
-from kvhive.memory import (
-    PhaseMemory,
-    SearchResult,
-    TrialOutcome,
-    format_bytes,
-    is_out_of_memory,
-    out_of_memory_reason,
-    search_largest,
-    trial_in_subprocess,
-)
+from kvhive.memory import PhaseMemory, format_bytes
 from kvhive.models.embedded import EMBEDDED_MODELS
 
 # "embedded" is the default embedded model; an embedded model's name picks that one.
@@ -73,7 +64,7 @@ def _synchronize(device) -> None:
         torch.cuda.synchronize()
 
 
-def _timed_run(model, input_ids, method: str, *args, compile: bool = False, **kwargs):
+def timed_run(model, input_ids, method: str, *args, compile: bool = False, **kwargs):
     """:func:`_timed_run_switched` (the same arguments), a compiled kvhive step inside ``compression``
     where the torch needs it (``kvhive.api.compiling_attention``; the full cache is then transformers'
     own)."""
@@ -129,7 +120,7 @@ def _timed_run_switched(
         if compile and not cache.is_compileable:
             raise ValueError(
                 f"--compile: the decode step of method {method!r} cannot compile to one graph (its layers change "
-                "size from step to step); methods that can: " + ", ".join(_static_decode_methods())
+                "size from step to step); methods that can: " + ", ".join(static_decode_methods())
             )
     device = input_ids.device
     phases: dict[str, int | None] = {}
@@ -153,7 +144,7 @@ def _timed_run_switched(
 def _timed_rows_alone(
     model, input_ids, method, budget, decode_tokens, method_parameters, memory, compile, prefill_chunk
 ):
-    """:func:`_timed_run` with ``rows_alone``: the first row's cache becomes a cache of ``B`` fixed
+    """:func:`timed_run` with ``rows_alone``: the first row's cache becomes a cache of ``B`` fixed
     batch slots (``KVHiveCache.stack(batch_slots=B)``), every later row joins its slot
     (``fill_slots``) right after its own prefill, and its single-row cache is dropped then."""
     from kvhive.cache import KVHiveCache
@@ -256,7 +247,7 @@ def _timed_decode(model, cache, next_token, position: int, decode_tokens: int, c
     return step_seconds
 
 
-def _check_prefill_chunk(prefill_chunk, compile: bool) -> None:
+def check_prefill_chunk(prefill_chunk, compile: bool) -> None:
     if prefill_chunk is None:
         return
     if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
@@ -267,12 +258,6 @@ def _check_prefill_chunk(prefill_chunk, compile: bool) -> None:
         raise ValueError(
             "prefill_chunk with compile: a chunked cache has no fixed decode capacity yet; chunk without compile"
         )
-
-
-def _static_decode_methods() -> list[str]:
-    from kvhive.api import static_decode_methods
-
-    return static_decode_methods()
 
 
 def _cache_bytes(cache) -> int:
@@ -329,7 +314,7 @@ def run_benchmark(
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"invalid batch_size={batch_size!r}: expected an integer >= 1")
     # (Rows prefilled alone decode in fixed slots whatever the chunking: a compiled step serves them.)
-    _check_prefill_chunk(prefill_chunk, compile and not rows_alone)
+    check_prefill_chunk(prefill_chunk, compile and not rows_alone)
     method_parameters = method_parameters or {}
     model = load_shape(shape, num_layers, device, dtype=dtype)
     limit = model.config.get_text_config().max_position_embeddings
@@ -339,7 +324,7 @@ def run_benchmark(
     vocab = model.config.get_text_config().vocab_size
     input_ids = torch.randint(3, vocab, (batch_size, context), generator=generator).to(device)
 
-    _timed_run(model, input_ids[:, : min(context, 64)], "full", None, 1, {})  # warm-up
+    timed_run(model, input_ids[:, : min(context, 64)], "full", None, 1, {})  # warm-up
     # Resetting the high-water mark per phase resets ru_maxrss (and CUDA's peak) too: keep the
     # peaks before it.
     process_peak = peak_rss_bytes()
@@ -352,7 +337,7 @@ def run_benchmark(
     full_bytes = None
 
     def timed(name: str, method_budget, parameters: dict):
-        return _timed_run(
+        return timed_run(
             model,
             input_ids,
             name,
@@ -466,224 +451,24 @@ def memory_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-SEARCHES = ("context", "batch")
-SEARCH_DEFAULT_STEP = {"context": 256, "batch": 1}
-SEARCH_DEFAULT_BATCH_MAXIMUM = 4096
+def _one_layer_cache(kv_heads: int, group_size: int, head_dim: int):
+    """A one-layer uncompressing :class:`KVHiveCache` of that attention shape (no model built)."""
+    from transformers import LlamaConfig
 
+    from kvhive.cache import KVHiveCache
+    from kvhive.cache.budget import Budget
+    from kvhive.methods.registry import make_policy
 
-@torch.no_grad()
-def capacity_trial(
-    search: str,
-    shape: str,
-    method: str,
-    budget,
-    context: int,
-    batch_size: int,
-    decode_tokens: int,
-    num_layers: int | None,
-    device: str,
-    dtype: str,
-    method_parameters: dict,
-    memory_limit: int,
-    prefill_chunk: int | None = None,
-    rows_alone: bool = False,
-) -> TrialOutcome:
-    """One trial of ``capacity_search``, meant for a fresh process (``kvhive.memory`` runs it there):
-    load the model, prefill ``batch_size`` prompts of ``context`` tokens with ``method``, decode
-    ``decode_tokens`` tokens, and say whether it fit ``memory_limit`` bytes.
-
-    CUDA: the caching allocator is capped at the limit (``set_per_process_memory_fraction``), so
-    a run that needs more raises out-of-memory there; it fits when nothing ran out. The peak is
-    ``max_memory_allocated`` (weights included; the CUDA context is outside the allocator).
-    CPU: the peak is the process's resident high-water mark over the whole trial (interpreter,
-    torch, weights, prompt, cache, activations); it fits when that peak is <= the limit and no
-    allocation failed.
-    """
-    value = context if search == "context" else batch_size
-    cuda = torch.device(device).type == "cuda"
-    if cuda:
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, memory_limit / total), device)
-    # Importing torch may have peaked above what the process holds now; PhaseMemory resets the mark.
-    imported_peak = None if cuda else _process_peak_bytes()
-    memory = PhaseMemory(device)
-    try:
-        model = load_shape(shape, num_layers, device, dtype=DTYPES[dtype])
-        vocab = model.config.get_text_config().vocab_size
-        generator = torch.Generator().manual_seed(0)
-        input_ids = torch.randint(3, vocab, (batch_size, context), generator=generator).to(device)
-        loaded_peak = memory.peak() if cuda or memory.unavailable is None else None
-        _, _, _, phases = _timed_run(
-            model,
-            input_ids,
-            method,
-            budget,
-            decode_tokens,
-            method_parameters,
-            None if memory.unavailable else memory,
-            prefill_chunk=prefill_chunk,
-            rows_alone=rows_alone,
-        )
-    except Exception as error:  # noqa: BLE001 - only out-of-memory is an outcome; the rest re-raised
-        if not is_out_of_memory(error):
-            raise
-        return TrialOutcome(value, False, out_of_memory_reason(error))
-    if memory.unavailable is None:
-        peak = _highest([imported_peak, loaded_peak, phases.get("prefill_peak_bytes"), phases.get("decode_peak_bytes")])
-        details = {key: phases.get(key) for key in ("prefill_peak_bytes", "decode_peak_bytes")}
-    elif not cuda and os.path.exists("/proc/self/status"):
-        # No reset, so no phase peaks, but the never-reset high-water mark is the trial's peak.
-        peak, details = _process_peak_bytes(), {"phase_peaks_unavailable": memory.unavailable}
-    else:
-        raise ValueError(f"cannot measure the peak memory of a trial: {memory.unavailable}")
-    if peak > memory_limit:
-        return TrialOutcome(
-            value, False, f"peak {format_bytes(peak)} > limit {format_bytes(memory_limit)}", peak, details
-        )
-    return TrialOutcome(value, True, f"peak {format_bytes(peak)} <= limit {format_bytes(memory_limit)}", peak, details)
-
-
-def _process_peak_bytes() -> int:
-    from kvhive.memory import _process_status
-
-    return _process_status()["VmHWM"]
-
-
-def _max_positions(shape: str, num_layers: int | None) -> int:
-    """The model's position limit, read from its config (without building the weights)."""
-    from kvhive import models
-
-    if shape == "kv-heavy":
-        return models.kv_heavy_model_config(num_layers or 4).max_position_embeddings
-    if shape == "llama3-8b":
-        return models.llama3_8b_shape_config(num_layers or 32).max_position_embeddings
-    from transformers import AutoConfig
-
-    name = models.DEFAULT_MODEL if shape == "embedded" else shape
-    config = AutoConfig.from_pretrained(models.converted_model_directory(models.embedded_model(name)))
-    return config.get_text_config().max_position_embeddings
-
-
-def capacity_search(
-    search: str,
-    memory_limit: int | None = None,
-    shape: str = "kv-heavy",
-    method: str = "snapkv",
-    budget: int | float | str | None = 0.1,
-    context: int = 8192,
-    batch_size: int = 1,
-    decode_tokens: int = 32,
-    num_layers: int | None = None,
-    device: str = "cpu",
-    dtype: str = "float32",
-    method_parameters: dict | None = None,
-    step: int | None = None,
-    maximum: int | None = None,
-    report=None,
-    trial=None,
-    prefill_chunk: int | None = None,
-    rows_alone: bool = False,
-) -> dict[str, Any]:
-    """The longest prompt (``search="context"``, at ``batch_size``) or the largest batch
-    (``search="batch"``, at ``context``) whose prefill + ``decode_tokens`` decode steps with
-    ``method`` fit ``memory_limit`` bytes (CUDA: default the device's memory; CPU: required).
-
-    Bisection (``kvhive.memory.search_largest``) from the given context or batch size, in
-    multiples of ``step`` (context 256, batch 1), up to ``maximum`` (context: the model's
-    positions minus the decode tokens; batch: 4096). Each trial runs in a fresh process
-    (``capacity_trial``); ``trial`` replaces that (a function of the value). ``report`` sees each
-    trial's outcome as it comes. ``prefill_chunk``: each trial feeds its prompts in chunks of that
-    many tokens (compressed as they come), so the prompt's activations are a chunk's, not its own.
-    ``rows_alone``: each trial prefills its rows one at a time into fixed batch slots (the serving
-    path of ``kvhive.generate_batch``), so a batch's prefill holds one row's activations.
-    """
-    _check_prefill_chunk(prefill_chunk, False)
-    if search not in SEARCHES:
-        raise ValueError(f"invalid --search {search!r}: expected one of {', '.join(SEARCHES)}")
-    cuda = torch.device(device).type == "cuda"
-    if memory_limit is None:
-        if not cuda:
-            raise ValueError("--search on CPU needs --memory-limit (e.g. --memory-limit 8GB): the limit to fit in")
-        memory_limit = torch.cuda.get_device_properties(device).total_memory
-    elif isinstance(memory_limit, bool) or not isinstance(memory_limit, int) or memory_limit <= 0:
-        raise ValueError(f"invalid --memory-limit {memory_limit!r}: must be > 0 bytes")
-    elif cuda and memory_limit > torch.cuda.get_device_properties(device).total_memory:
-        total = torch.cuda.get_device_properties(device).total_memory
-        raise ValueError(
-            f"invalid --memory-limit {format_bytes(memory_limit)}: more than the device's {format_bytes(total)}"
-        )
-    step = SEARCH_DEFAULT_STEP[search] if step is None else step
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise ValueError(f"invalid --search-step {step!r}: expected an integer >= 1")
-    if isinstance(decode_tokens, bool) or not isinstance(decode_tokens, int) or decode_tokens < 0:
-        raise ValueError(f"invalid decode_tokens={decode_tokens!r}: expected an integer >= 0")
-    for name, value in (("context", context), ("batch_size", batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"invalid {name}={value!r}: expected an integer >= 1")
-    if search == "context":
-        positions = _max_positions(shape, num_layers) - decode_tokens
-        if maximum is None:
-            maximum = positions
-        elif maximum > positions:
-            raise ValueError(
-                f"invalid --search-max {maximum}: the model has {positions} positions left after the decode tokens"
-            )
-    elif maximum is None:
-        maximum = SEARCH_DEFAULT_BATCH_MAXIMUM
-    if isinstance(maximum, bool) or not isinstance(maximum, int) or maximum < step:
-        raise ValueError(f"invalid --search-max {maximum!r}: expected an integer >= the step ({step})")
-    spec = {
-        "search": search,
-        "shape": shape,
-        "method": method,
-        "budget": budget,
-        "context": context,
-        "batch_size": batch_size,
-        "decode_tokens": decode_tokens,
-        "num_layers": num_layers,
-        "device": device,
-        "dtype": dtype,
-        "method_parameters": method_parameters or {},
-        "memory_limit": memory_limit,
-        "prefill_chunk": prefill_chunk,
-        "rows_alone": rows_alone,
-    }
-    if trial is None:
-
-        def trial(value: int) -> TrialOutcome:
-            return trial_in_subprocess({**spec, search if search == "context" else "batch_size": value})
-
-    start = context if search == "context" else batch_size
-    result: SearchResult = search_largest(trial, start, minimum=step, maximum=maximum, step=step, report=report)
-    if cuda:
-        measure = (
-            "torch.cuda.max_memory_allocated over the whole trial; fits = no out-of-memory with the caching "
-            "allocator capped at the limit (the CUDA context is outside it)"
-        )
-    else:
-        measure = (
-            "process resident high-water mark (VmHWM) over the whole trial, each trial a fresh process "
-            "(interpreter, torch and weights included); fits = peak <= limit and no allocation failed"
-        )
-    return {
-        "search": search,
-        "memory_limit_bytes": memory_limit,
-        "measure": measure,
-        "shape": shape,
-        "method": method,
-        "budget": budget,
-        "context": None if search == "context" else context,
-        "batch_size": None if search == "batch" else batch_size,
-        "decode_tokens": decode_tokens,
-        "num_layers": num_layers,
-        "device": device,
-        "dtype": dtype,
-        "step": step,
-        "maximum": maximum,
-        "prefill_chunk": prefill_chunk,
-        "rows_alone": rows_alone,
-        **result.as_dict(),
-    }
+    config = LlamaConfig(
+        num_hidden_layers=1,
+        num_attention_heads=kv_heads * group_size,
+        num_key_value_heads=kv_heads,
+        hidden_size=kv_heads * group_size * head_dim,
+        head_dim=head_dim,
+        intermediate_size=16,
+        vocab_size=16,
+    )
+    return KVHiveCache(config, make_policy("full"), Budget(ratio=1.0))
 
 
 @torch.no_grad()
@@ -701,9 +486,6 @@ def variable_length_attention_benchmark(
 ) -> dict[str, Any]:
     """Decode attention over heads holding different token counts (mean ``context``, counts
     uniform in ``context·(1 ± spread)``) vs dense sdpa over ``context`` tokens per head."""
-    from kvhive.attention.integration import _decode_variable_length
-    from kvhive.cache.storage import LayerStore
-
     generator = torch.Generator().manual_seed(seed)
     segments = batch_size * kv_heads
     low, high = int(context * (1 - spread)), int(context * (1 + spread))
@@ -711,7 +493,8 @@ def variable_length_attention_benchmark(
     lengths = lengths - (lengths.sum() - context * segments) // segments  # same total as dense
     total = int(lengths.sum())
     longest = int(lengths.max())
-    store = LayerStore(0)
+    cache = _one_layer_cache(kv_heads, group_size, head_dim)
+    store = cache.layers[0]
     store.update(
         torch.randn(batch_size, kv_heads, longest, head_dim, generator=generator).to(device, dtype),
         torch.randn(batch_size, kv_heads, longest, head_dim, generator=generator).to(device, dtype),
@@ -719,9 +502,6 @@ def variable_length_attention_benchmark(
     keep = torch.arange(longest)[None, :] < lengths[:, None]
     store.keep(keep.view(batch_size, kv_heads, longest).to(device), lengths.view(batch_size, kv_heads))
     store.tokens_seen = longest + 1
-
-    class _Cache:
-        layers = [store]
 
     query = torch.randn(batch_size, kv_heads * group_size, 1, head_dim, generator=generator).to(device, dtype)
     dense_keys = torch.randn(batch_size, kv_heads, total // segments, head_dim, generator=generator).to(device, dtype)
@@ -738,11 +518,13 @@ def variable_length_attention_benchmark(
             samples.append(time.perf_counter() - start)
         return 1e3 * statistics.median(samples)
 
-    variable_ms = timed(lambda: _decode_variable_length(_Cache, 0, query, None, head_dim**-0.5))
-    from kvhive.attention.integration import _backends
+    from kvhive.attention.decode import decode_variable_length
+    from kvhive.attention.integration import sdpa_backends as attention_backends
+
+    variable_ms = timed(lambda: decode_variable_length(cache, 0, query, None, head_dim**-0.5))
 
     def dense():
-        with _backends(query.device):  # the best sdpa backends (cuDNN re-plans per length)
+        with attention_backends(query.device):  # the best sdpa backends (cuDNN re-plans per length)
             return F.scaled_dot_product_attention(query, dense_keys, dense_values, enable_gqa=True)
 
     dense_ms = timed(dense)
@@ -760,3 +542,16 @@ def variable_length_attention_benchmark(
         "device": device,
         "dtype": str(dtype).removeprefix("torch."),
     }
+
+
+# The capacity search's names, read here before they moved to kvhive.capacity. Resolved on first
+# use: kvhive.capacity runs this module's timing runners, so this module imports nothing of it.
+_MOVED_TO_CAPACITY = frozenset(
+    {"SEARCHES", "SEARCH_DEFAULT_BATCH_MAXIMUM", "SEARCH_DEFAULT_STEP", "capacity_search", "capacity_trial"}
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED_TO_CAPACITY:
+        return getattr(importlib.import_module("kvhive.capacity"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

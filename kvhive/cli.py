@@ -316,8 +316,10 @@ def _memory_limit_argument(text: str) -> int:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def _capacity_search(args: argparse.Namespace, bench, budget, parameters: dict, report) -> dict:
-    return bench.capacity_search(
+def _capacity_search(args: argparse.Namespace, budget, parameters: dict, report) -> dict:
+    from kvhive.capacity import capacity_search
+
+    return capacity_search(
         args.search,
         memory_limit=args.memory_limit,
         shape=args.shape,
@@ -341,7 +343,6 @@ def _capacity_search(args: argparse.Namespace, bench, budget, parameters: dict, 
 def _command_bench_search(args: argparse.Namespace) -> int:
     """``kvhive bench --search context|batch``: each trial's outcome on stderr as it comes, the
     boundary on stdout (or everything as JSON)."""
-    from kvhive import bench
     from kvhive.memory import format_bytes
 
     if args.varlen:
@@ -355,7 +356,7 @@ def _command_bench_search(args: argparse.Namespace) -> int:
         print(f"kvhive bench: {args.search} {outcome.value} ({fixed}): {verdict}: {outcome.reason}", file=sys.stderr)
 
     try:
-        result = _capacity_search(args, bench, budget, parameters, report)
+        result = _capacity_search(args, budget, parameters, report)
     except RuntimeError as error:  # a trial that failed for a reason other than memory
         print(f"kvhive bench: error: {error}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import sys
 import threading
@@ -66,43 +67,79 @@ def in_static_step() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-# The prefill selections' fast path (issue 25): BumbleBee's greedy and SubGen's farthest-point order
-# run each step as one fixed-shape function, compiled with inductor (on every torch), the
-# whole loop captured as one CUDA graph per shape and replayed for later layers of that shape (the
-# same kept sets as the eager loops; docs/METHODS.md). None: on CUDA only (the CPU runs the eager
-# loops, the reference); True / False: on every device / nowhere (benchmarks/bench_gpu.py
-# --prefill-path sets it).
-PREFILL_FAST_PATH: bool | None = None
-# Whether the fast path compiles its step (inductor). Compiling fuses a
-# greedy step's ~170 kernels into a few, but costs a compile per new shape (prompt length, budget) and
-# gain bucket, tens of seconds each; False captures the eager step as it is (no compile: more kernels
-# per step, still one launch per layer).
-PREFILL_COMPILE: bool = True
-# Whether the fast path runs a method's own Triton kernel where it has one and Triton runs (SubGen's
-# farthest-point pick: kvhive.methods.farthest_kernel, one launch a pick reading the keys in their
-# dtype) instead of its torch step; False: the torch step (compiled where PREFILL_COMPILE).
-PREFILL_KERNELS: bool = True
+@dataclasses.dataclass
+class StepConfig:
+    """The run-time switches of the recorded paths, one object (``kvhive.static_step.config``) that
+    benchmarks and tests change in one place, preferably through :func:`configured`.
+
+    ``prefill_fast_path``: whether the prefill selections (BumbleBee's greedy, SubGen's
+    farthest-point order) run each step as one fixed-shape function, the whole loop captured as one
+    CUDA graph per shape and replayed for later layers of that shape (the same kept sets as the
+    eager loops; docs/METHODS.md). None: on CUDA only (the CPU runs the eager loops, the
+    reference); True / False: on every device / nowhere.
+
+    ``prefill_compile``: whether the fast path compiles its step with inductor. Compiling fuses a
+    greedy step's many kernels into a few but costs a compile per new shape (prompt length, budget)
+    and gain bucket; False captures the eager step as it is (more kernels per step, still one
+    launch per layer).
+
+    ``prefill_kernels``: whether the fast path runs a method's own Triton kernel where it has one
+    and Triton runs (SubGen's farthest-point pick: ``kvhive.methods.farthest_kernel``, one launch a
+    pick reading the keys in their dtype) instead of its torch step; False: the torch step
+    (compiled where ``prefill_compile``).
+
+    ``conditional_eviction``: whether a captured decode step records a method's eviction as a CUDA
+    graph conditional node, so the replay runs the decision's and the compaction's kernels only at
+    the steps the method flags (``Policy.decode_eviction_due``). None: where the running torch
+    records them (built with CUDA >= 12.4); False: never (every replayed step runs the decision,
+    which keeps every token at a step that evicts nothing).
+    """
+
+    prefill_fast_path: bool | None = None
+    prefill_compile: bool = True
+    prefill_kernels: bool = True
+    conditional_eviction: bool | None = None
+
+
+config = StepConfig()
+_CONFIG_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def configured(**changes: bool | None) -> Iterator[StepConfig]:
+    """Change fields of :data:`config` for the block and restore them after it; an unknown field
+    is refused with a ``TypeError`` naming the fields. The config is process-wide: every thread
+    sees the change while the block runs."""
+    fields = {field.name for field in dataclasses.fields(StepConfig)}
+    unknown = sorted(set(changes) - fields)
+    if unknown:
+        raise TypeError(
+            f"unknown StepConfig field(s) {', '.join(unknown)}: expected some of {', '.join(sorted(fields))}"
+        )
+    with _CONFIG_LOCK:
+        saved = {name: getattr(config, name) for name in changes}
+        for name, value in changes.items():
+            setattr(config, name, value)
+    try:
+        yield config
+    finally:
+        with _CONFIG_LOCK:
+            for name, value in saved.items():
+                setattr(config, name, value)
 
 
 def prefill_fast_path(device: torch.device) -> bool:
     """Whether a prefill selection on ``device`` takes the fast path by default."""
-    if PREFILL_FAST_PATH is not None:
-        return PREFILL_FAST_PATH
+    if config.prefill_fast_path is not None:
+        return config.prefill_fast_path
     return torch.device(device).type == "cuda"
-
-
-# Whether a captured decode step records a method's eviction as a CUDA graph conditional node: the
-# replay then runs the decision's and the compaction's kernels only at the steps the method flags
-# (Policy.decode_eviction_due: BUZZ evicts once in T + 1 - a steps, ~100 kernels a layer each time).
-# None: where the running torch records them (built with CUDA >= 12.4); False: never (every replayed
-# step runs the decision, which keeps every token at a step that evicts nothing).
-CONDITIONAL_EVICTION: bool | None = None
 
 
 def captures_conditional_nodes() -> bool:
     """True while a CUDA graph captures the step (not a trace) on a build that records conditional
-    nodes (``CUDAGraph.begin_capture_to_if_node``, CUDA >= 12.4), unless CONDITIONAL_EVICTION is False."""
-    if CONDITIONAL_EVICTION is False or torch.compiler.is_compiling():
+    nodes (``CUDAGraph.begin_capture_to_if_node``, CUDA >= 12.4), unless ``config.conditional_eviction``
+    is False."""
+    if config.conditional_eviction is False or torch.compiler.is_compiling():
         return False
     if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         return False

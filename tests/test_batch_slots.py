@@ -244,13 +244,13 @@ def test_bench_rows_alone_keeps_what_the_batch_keeps(model, method):
     # alone into fixed slots, then decoded together, keeps per row what one batched prefill keeps.
     from golden_kept import snapshot
 
-    from kvhive.bench import _timed_run
+    from kvhive.bench import timed_run
 
     input_ids = torch.randint(3, model.config.vocab_size, (3, 70), generator=torch.Generator().manual_seed(2))
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        batched, _, batched_steps, _ = _timed_run(model, input_ids, method, _budget(method), 4, {})
-        alone, _, alone_steps, _ = _timed_run(model, input_ids, method, _budget(method), 4, {}, rows_alone=True)
+        batched, _, batched_steps, _ = timed_run(model, input_ids, method, _budget(method), 4, {})
+        alone, _, alone_steps, _ = timed_run(model, input_ids, method, _budget(method), 4, {}, rows_alone=True)
     assert alone.is_slotted and alone.active_slots == [True, True, True]
     assert alone.row_tokens_seen() == [70 + 4] * 3
     assert len(alone_steps) == len(batched_steps) == 4

@@ -19,9 +19,9 @@ from kvhive.models import tiny_model
 
 @pytest.fixture(autouse=True)
 def fresh_warning_registry():
-    api._EQUIVALENCE_WARNED.clear()
+    api.EQUIVALENCE_WARNINGS.clear()
     yield
-    api._EQUIVALENCE_WARNED.clear()
+    api.EQUIVALENCE_WARNINGS.clear()
 
 
 def _caught(model, method, **kwargs):

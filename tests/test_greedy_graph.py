@@ -523,7 +523,7 @@ def _emulate_bumblebee_captures(monkeypatch, capture=None):
     from kvhive import static_step
 
     capture = capture or _EmulatedCapture
-    monkeypatch.setattr(static_step, "PREFILL_FAST_PATH", True)
+    monkeypatch.setattr(static_step.config, "prefill_fast_path", True)
     monkeypatch.setattr(submodular, "captures_loops", lambda device: True)
     monkeypatch.setattr(bumblebee_module, "captures_loops", lambda device: True)
     monkeypatch.setattr(submodular_graph, "_LoopGraph", capture)

@@ -8,9 +8,10 @@ import json
 import pytest
 import torch
 
-from kvhive.bench import capacity_search, run_benchmark
+from kvhive.bench import run_benchmark
+from kvhive.capacity import TrialOutcome, capacity_search, search_largest
 from kvhive.cli import main as kvhive_main
-from kvhive.memory import PhaseMemory, TrialOutcome, parse_memory_size, search_largest
+from kvhive.memory import PhaseMemory, parse_memory_size
 
 
 # -- sizes -------------------------------------------------------------------------------------------

@@ -430,7 +430,7 @@ def test_the_equivalence_warning_is_given_once_when_threads_race(monkeypatch):
             return found
 
     given = []
-    monkeypatch.setattr(api, "_EQUIVALENCE_WARNED", RacingSet())
+    monkeypatch.setattr(api, "EQUIVALENCE_WARNINGS", api.FirstTimes(RacingSet()))
     monkeypatch.setattr(warnings, "warn", lambda message, *args, **kwargs: given.append(message))
     model = tiny_model("llama", "gqa", num_key_value_heads=1)
     policy = kvhive.make_policy("ada-snapkv", head_granularity="kv")

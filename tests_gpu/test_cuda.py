@@ -523,11 +523,11 @@ def test_cuda_prefill_fast_path_keeps_the_eager_loops_positions(method, dtype, s
     input_ids, attention_mask = left_padded_batch(model.config.vocab_size, length=FAST_PREFILL_LENGTH, pad=37)
     key = cache_kwarg(model)
     caches, paths = {}, {}
-    try:
-        kvhive.static_step.PREFILL_COMPILE = step != "captured-eager-step"
-        kvhive.static_step.PREFILL_KERNELS = step == "kernel"
+    with kvhive.static_step.configured(
+        prefill_compile=step != "captured-eager-step", prefill_kernels=step == "kernel", prefill_fast_path=None
+    ) as config:
         for fast in (False, True, True):  # eager; fast (compiles and captures); fast again (replays only)
-            kvhive.static_step.PREFILL_FAST_PATH = fast
+            config.prefill_fast_path = fast
             submodular_module.last_greedy_path = subgen_module.last_farthest_path = None
             cache = kvhive.make_cache(model, method, budget=FAST_PREFILL_LENGTH // 5)  # tokens: rows differ in length
             with torch.no_grad():
@@ -538,10 +538,6 @@ def test_cuda_prefill_fast_path_keeps_the_eager_loops_positions(method, dtype, s
                 if method.startswith("bumblebee")
                 else subgen_module.last_farthest_path
             )
-    finally:
-        kvhive.static_step.PREFILL_FAST_PATH = None
-        kvhive.static_step.PREFILL_COMPILE = True
-        kvhive.static_step.PREFILL_KERNELS = True
     assert paths[False] == ["eager loop"]
     if step == "kernel" and method == "subgen":
         # SubGen's Triton pick: its dot products are summed in the kernel's order, not cuBLAS's, so a
@@ -599,11 +595,8 @@ def test_cuda_farthest_point_fast_path_matches_the_eager_loop_over_layers(dtype)
         positions = torch.randperm(2048, device="cuda", generator=generator).expand(8, 2048).contiguous()
         for order in (None, positions):
             reference = farthest_point_order(keys, candidates, 400, order, fast=False)
-            try:
-                kvhive.static_step.PREFILL_KERNELS = False  # the torch step compiled: the eager loop's order
+            with kvhive.static_step.configured(prefill_kernels=False):  # the torch step compiled: the eager order
                 fast = farthest_point_order(keys, candidates, 400, order, fast=True)
-            finally:
-                kvhive.static_step.PREFILL_KERNELS = True
             assert torch.equal(fast, reference), f"layer {layer}"
             # The Triton pick (the default on CUDA), captured: the same sets but for near-ties.
             kernel = farthest_point_order(keys, candidates, 400, order, fast=True)
@@ -633,13 +626,10 @@ def test_cuda_threads_on_their_own_streams_share_the_captured_prefill_loops(meth
 
     # The captured eager step (no inductor compile: the capture and its sharing are what is tested here,
     # and a compile of every gain bucket would take most of the test's time limit).
-    static_step.PREFILL_COMPILE = False
-    try:
+    with static_step.configured(prefill_compile=False):
         alone = [kept(prompt) for prompt in prompts]  # captures made; the threads replay them
         assert len({repr(one) for one in alone}) == 4
         results = _kept_in_threads(kept, prompts)
-    finally:
-        static_step.PREFILL_COMPILE = True
     for index, runs in results.items():
         assert all(run == alone[index] for run in runs), f"thread {index}: kept other positions than alone"
 
@@ -720,8 +710,9 @@ def test_cuda_bumblebee_capture_holds_one_matrix_and_large_ones_leave_with_the_f
         return snapshot(cache)
 
     static_step.release_captured_loops()
-    static_step.PREFILL_COMPILE = False  # the captured eager step: the capture's buffers are what is tested
+    # The captured eager step: the capture's buffers are what is tested.
     try:
+        static_step.config.prefill_compile = False
         first = kept()
         held = {graph.inputs["sim"].data_ptr() for graph in submodular_module.CAPTURED_LOOPS.graphs.values()}
         assert held == {given[0]}, "the first capture copied the matrix instead of keeping it"
@@ -729,5 +720,5 @@ def test_cuda_bumblebee_capture_holds_one_matrix_and_large_ones_leave_with_the_f
         assert kept() == first
         assert not submodular_module.CAPTURED_LOOPS.graphs
     finally:
-        static_step.PREFILL_COMPILE = True
+        static_step.config.prefill_compile = True
         static_step.release_captured_loops()

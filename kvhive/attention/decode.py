@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from kvhive import static_step
 from kvhive.attention.column_sums import chunk_attention_with_column_sums, plain_softmax_attention
 from kvhive.attention.masks import dense_step_mask, full_mask, row_logit_scale, stored_causal_rows
 from kvhive.attention.scoring import build_scoring, filled_count, question_scoring
@@ -31,7 +32,6 @@ from kvhive.attention.varlen import (
 )
 from kvhive.cache.storage import PADDING_SCORE, PAGE_TOKENS
 from kvhive.methods.base import DECODE, KeyProbes
-from kvhive.static_step import in_static_step
 
 
 def decode_dense(module, cache, layer_index, query, mask, scaling, dropout, compressed, kwargs):
@@ -62,7 +62,7 @@ def decode_dense(module, cache, layer_index, query, mask, scaling, dropout, comp
             query,
             stored_mask,
             scaling,
-            store.tokens_seen_device if in_static_step() else store.tokens_seen,
+            store.tokens_seen_device if static_step.in_static_step() else store.tokens_seen,
             last_query_weights=last_weights,
             last_query_logits=last_logits,
             accumulated_weights=accumulated,

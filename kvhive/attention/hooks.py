@@ -21,8 +21,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from kvhive import static_step
 from kvhive.cache.kv_cache import ORIGINAL_POSITIONS, KVHiveCache
 from kvhive.cache.rows import CacheRows
-from kvhive.memory import trim_heap
-from kvhive.static_step import in_static_step
+from kvhive.heap import trim_heap
 
 ATTENTION_NAME = "kvhive"
 
@@ -42,7 +41,7 @@ def kvhive_mask(*args, **kwargs):
     stored tokens of a static decode step itself (padding recorded at prefill, the window by
     position)."""
     q_length = kwargs.get("q_length", args[1] if len(args) > 1 else None)
-    if q_length == 1 and in_static_step():
+    if q_length == 1 and static_step.in_static_step():
         return None  # no mask is built inside a compiled step (kvhive's attention masks it)
     if (
         q_length == 1

@@ -34,9 +34,9 @@ from kvhive.attention.decode import (
 from kvhive.attention.hooks import ATTENTION_NAME, attach, kvhive_mask, mark_prompt_chunk_on_cpu, register
 from kvhive.attention.masks import attention_mask_for
 from kvhive.attention.prefill import prefill, replay_prefill
-from kvhive.cache.kv_cache import active_update
+from kvhive.cache.handoff import active_update
 from kvhive.cache.rows import CacheRows
-from kvhive.memory import trim_heap
+from kvhive.heap import trim_heap
 
 __all__ = [
     "ATTENTION_NAME",

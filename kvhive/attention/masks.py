@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvhive.cache.kv_cache import CACHE_POSITIONS
+from kvhive.cache.options import CACHE_POSITIONS
 from kvhive.cache.storage import PADDING_SCORE
 from kvhive.methods.base import causal_mask
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvhive import static_step
 from kvhive.cache.budget import resolve_row_layer_budgets, row_budgets
 from kvhive.cache.decisions import check_keep
 from kvhive.cache.layout_plan import window_within_budget
@@ -28,7 +29,7 @@ from kvhive.cache.positions import reindex
 from kvhive.cache.storage import LayerStore, first_false
 from kvhive.cache.traits import MethodTraits
 from kvhive.methods.base import DECODE, PREFILL, KeyProbes, Policy, ScoringInputs
-from kvhive.static_step import captures_conditional_nodes, in_static_step, run_if
+from kvhive.static_step import captures_conditional_nodes, run_if
 
 MakeScoring = Callable[[str], ScoringInputs]
 
@@ -271,7 +272,7 @@ class Compressor:
             and self.traits.drops_at_most_one
             and scoring.known_filled == scoring.num_tokens == budget + 1
             and layer_index in self.hole_layers
-            and not in_static_step()
+            and not static_step.in_static_step()
         ):
             # An eager step over a full capacity whose method names its one dropped token: it
             # takes the newest token, and there is nothing more to decide.
@@ -291,7 +292,7 @@ class Compressor:
         policy, traits = self.policy, self.traits
         keep = policy.select_decode(scoring, budget, store.policy_state)
         store_token_scores(store, scoring)
-        if keep is None and not per_row and not in_static_step():
+        if keep is None and not per_row and not static_step.in_static_step():
             return  # an eager step the method knows evicts nothing (no compaction)
         bound = [scoring.num_tokens - 1]  # the capacity holds the bound plus the new token
         shape = scoring.keys.shape[:3]

@@ -53,7 +53,6 @@ from kvhive.methods.base import (
     PrefillScratch,
     ScoringInputs,
 )
-from kvhive.static_step import in_static_step
 
 # Names other modules import from here (their home is the module named above).
 __all__ = [
@@ -554,7 +553,7 @@ class KVHiveCache(Cache):
         a device tensor inside a compiled step."""
         if layer_idx >= len(self.layers):
             return 0
-        if in_static_step() and self.positions == ORIGINAL_POSITIONS:
+        if static_step.in_static_step() and self.positions == ORIGINAL_POSITIONS:
             # A compiled step reads the device counter (see LayerStore.tokens_seen).
             return self.layers[layer_idx].get_seq_length() if self.layers[layer_idx].is_initialized else 0
         tokens_seen = self.layers[layer_idx].tokens_seen

@@ -61,6 +61,7 @@ from typing import Literal
 
 import torch
 
+from kvhive import static_step
 from kvhive.methods.base import (
     DECODE,
     PREFILL,
@@ -86,7 +87,6 @@ from kvhive.methods.submodular import (
     relu_cosine_similarity_rows,
     similarity_buffer,
 )
-from kvhive.static_step import in_static_step, prefill_fast_path
 
 SCORE = "bumblebee_accumulated"
 SUMMARY = "bumblebee_summary"
@@ -304,7 +304,11 @@ class BumbleBee(Policy):
         # Where the greedy captures its loop (CUDA), the matrix goes into the captured loop's buffer;
         # not inside a caller's capture or trace (in_static_step), where the greedy records its steps
         # into the caller's graph and a replay of that would write into the shared buffer.
-        fast = prefill_fast_path(keys.device) and captures_loops(keys.device) and not in_static_step()
+        fast = (
+            static_step.prefill_fast_path(keys.device)
+            and captures_loops(keys.device)
+            and not static_step.in_static_step()
+        )
         # On the CPU, the matrix goes into the cache's prefill scratch, reused by the next layer or
         # row chunk of the same shape: a fresh matrix costs the page faults of its first write
         # (CUDA's caching allocator reuses the freed block itself).

@@ -141,6 +141,7 @@ from typing import Literal
 
 import torch
 
+from kvhive import static_step
 from kvhive.methods.base import DECODE, PREFILL, Policy, PolicyConfig, ScoringInputs, require, require_int_at_least
 from kvhive.methods.buzz_layout import (  # the layout names are re-exported here
     BuzzLayout,
@@ -171,7 +172,6 @@ from kvhive.methods.buzz_layout import (
 from kvhive.methods.buzz_layout import (
     theorem_ratio as theorem_ratio,
 )
-from kvhive.static_step import in_static_step
 
 SCORE = "buzz_accumulated"
 OLD = "buzz_old_samples"  # per-layer state: number of old samples (same for every head and row)
@@ -375,7 +375,7 @@ class Buzz(Policy):
         if scoring.filled is None:
             return self._evict(scoring, budget, state)
         if (
-            in_static_step() or state.get(ROWS)
+            static_step.in_static_step() or state.get(ROWS)
         ):  # stacked rows: every row's own schedule, on the device  # traced or captured once: the device path (kvhive.static_step)
             return self._evict_in_capacity(scoring, budget, state)
         # An eager step: the schedule is known on the host (Eq. 10's sizes do not depend on the

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvhive import static_step
 from kvhive.methods import farthest_kernel
 from kvhive.methods.base import (
     DECODE,
@@ -59,14 +60,7 @@ from kvhive.methods.subgen_candidates import (
     squared_distances,
     steady_rows,
 )
-from kvhive.static_step import (
-    BoundedCache,
-    CapturedLoops,
-    capture_stream,
-    in_static_step,
-    per_thread_attributes,
-    prefill_fast_path,
-)
+from kvhive.static_step import BoundedCache, CapturedLoops, capture_stream, per_thread_attributes
 
 # The cache's record of the position each kept key is rotated at (kvhive.cache.kv_cache.ROPE_POSITION,
 # only with cache positions): its keys are re-rotated, so recorded key norms are not reused then.
@@ -110,7 +104,7 @@ def farthest_point_order(
     ``fast`` (the GPU fast path): run each step as one fixed-shape launch or function.
     None (the default): ``kvhive.static_step.prefill_fast_path`` decides, i.e. on CUDA only: each
     pick one launch of :mod:`kvhive.methods.farthest_kernel`'s Triton kernel (the keys read in
-    their dtype; ``static_step.PREFILL_KERNELS = False``: the torch step :func:`_farthest_step`
+    their dtype; ``static_step.config.prefill_kernels`` False: the torch step :func:`_farthest_step`
     compiled with inductor instead), the whole loop captured as one CUDA graph per shape (rows,
     points, head dimension, count) and replayed for every later layer of those shapes; the CPU runs
     the eager loop below, the reference. True: that fast path (on the CPU the torch step, eager);
@@ -135,14 +129,14 @@ def farthest_point_order(
         chosen = positions.masked_fill(~candidates, after_every(positions)).argmin(-1)
     cuda = keys.device.type == "cuda"
     if fast is None:
-        fast = prefill_fast_path(keys.device)
+        fast = static_step.prefill_fast_path(keys.device)
     if fast is not False:
         named = fast is not True  # a backend (a name, "triton", or a dynamo backend callable)
         backend = fast if named else (_fast_backend(stored_keys) if cuda else None)
         # Inside a capture or a trace of the caller's (in_static_step), the steps are recorded into
         # the caller's graph: no capture (nor compile, nor kernel) of our own.
-        capture = cuda and not named and not in_static_step()
-        if in_static_step():
+        capture = cuda and not named and not static_step.in_static_step()
+        if static_step.in_static_step():
             backend = None
         if backend == KERNEL_BACKEND:
             if not farthest_kernel.kernel_supports(stored_keys):
@@ -195,14 +189,12 @@ _THIS_MODULE = sys.modules[__name__]
 
 def _fast_backend(keys: torch.Tensor) -> str | None:
     """The fast path's step on the GPU: the Triton kernel (one launch a pick, the keys read in their
-    dtype) where ``PREFILL_KERNELS`` (kvhive.static_step) and it runs on ``keys``; else the torch
-    step compiled with inductor where ``PREFILL_COMPILE``, else None (the eager step, still captured
+    dtype) where ``static_step.config.prefill_kernels`` and it runs on ``keys``; else the torch
+    step compiled with inductor where ``static_step.config.prefill_compile``, else None (the eager step, still captured
     on CUDA); on every torch kvhive runs on, as BumbleBee's (``submodular_graph.fast_backend``)."""
-    from kvhive import static_step
-
-    if static_step.PREFILL_KERNELS and farthest_kernel.kernel_supports(keys):
+    if static_step.config.prefill_kernels and farthest_kernel.kernel_supports(keys):
         return KERNEL_BACKEND
-    return "inductor" if static_step.PREFILL_COMPILE else None
+    return "inductor" if static_step.config.prefill_compile else None
 
 
 def _farthest_step(

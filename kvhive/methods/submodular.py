@@ -279,7 +279,6 @@ def greedy_maximize(
     and writes nothing into it after): a capture of new shapes keeps it as its input buffer instead of
     a copy (:func:`capture_buffers`), which :func:`similarity_buffer` then hands to the next caller.
     """
-    from kvhive.static_step import in_static_step
 
     n = objective.size
     k = min(k, n)
@@ -292,9 +291,9 @@ def greedy_maximize(
     sampler = StochasticSampler(objective.valid, k, epsilon, generator) if method == "stochastic" else None
     cuda = objective.sim.device.type == "cuda"
     if fast is None:
-        from kvhive.static_step import prefill_fast_path
+        from kvhive import static_step
 
-        fast = prefill_fast_path(objective.sim.device)
+        fast = static_step.prefill_fast_path(objective.sim.device)
     margin = _LAZY_EVALUATIONS
     if fast is False and objective.sim.device.type == "cpu":
         margin = _LAZY_EVALUATIONS * _EAGER_CPU_MARGIN // _EAGER_CPU_MARGIN_OF
@@ -316,8 +315,8 @@ def greedy_maximize(
             backend = fast_backend(fast) if cuda or named else None
             # Inside a capture or a trace of the caller's (in_static_step), the steps are recorded
             # into the caller's graph: no capture (nor compile) of our own.
-            capture = captures_loops(objective.sim.device) and not named and not in_static_step()
-            if in_static_step():
+            capture = captures_loops(objective.sim.device) and not named and not static_step.in_static_step()
+            if static_step.in_static_step():
                 backend = None
             chosen, enough, needed, path = fast_lazy_greedy(
                 objective, k, evaluations, sampler, attempts, backend, capture, donated

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvhive import static_step
 from kvhive.methods.submodular_objective import PADDING_GAIN, Concave, Mixture
 from kvhive.static_step import BoundedCache, CapturedLoops, capture_stream
 
@@ -297,15 +298,14 @@ def held_similarity_bytes(n: int, device) -> int:
 
 def fast_backend(fast) -> str | None:
     """The backend compiling the step: ``fast`` when it names one; on CUDA inductor where
-    ``kvhive.static_step.PREFILL_COMPILE``; else None (the step runs eagerly, still captured on
+    ``kvhive.static_step.config.prefill_compile``; else None (the step runs eagerly, still captured on
     CUDA). The step is a pure tensor function: no attention switch to trace, so it compiles on every
     torch kvhive runs on (the decode step's gate, ``TORCH_COMPILES_KVHIVE``, plays no part; torch 2.11
     checked by hand with tests/test_greedy_graph.py)."""
     if fast is not True:
         return fast
-    from kvhive import static_step
 
-    return "inductor" if static_step.PREFILL_COMPILE else None
+    return "inductor" if static_step.config.prefill_compile else None
 
 
 def fast_lazy_greedy(
