@@ -444,7 +444,7 @@ def test_each_thread_reads_the_path_its_own_last_call_took():
     objective = random_objective(rows=2, n=40, dim=8, seed=3)
     keys = torch.randn(2, 40, 8, generator=torch.Generator().manual_seed(4))
     candidates = torch.ones(2, 40, dtype=torch.bool)
-    both_ran = threading.Barrier(2)
+    both_ran = threading.Barrier(2, timeout=120)  # a thread that fails breaks it instead of hanging the other
 
     def work(index):
         fast = index == 1  # thread 1: the fixed-shape step (eager on the CPU); thread 0: the eager loop

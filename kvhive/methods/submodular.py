@@ -24,6 +24,7 @@ import sys
 
 import torch
 
+from kvhive import static_step
 from kvhive.methods.submodular_graph import (
     CAPTURED_LOOPS,
     LAZY_EVALUATIONS,
@@ -291,8 +292,6 @@ def greedy_maximize(
     sampler = StochasticSampler(objective.valid, k, epsilon, generator) if method == "stochastic" else None
     cuda = objective.sim.device.type == "cuda"
     if fast is None:
-        from kvhive import static_step
-
         fast = static_step.prefill_fast_path(objective.sim.device)
     margin = _LAZY_EVALUATIONS
     if fast is False and objective.sim.device.type == "cpu":
