@@ -31,7 +31,7 @@ from kvhive.attention.varlen import (
     varlen_attention_paged,
 )
 from kvhive.cache.storage import PADDING_SCORE, PAGE_TOKENS
-from kvhive.methods.base import DECODE, KeyProbes
+from kvhive.methods.base import KeyProbes
 
 
 def decode_dense(module, cache, layer_index, query, mask, scaling, dropout, compressed, kwargs):
@@ -39,17 +39,22 @@ def decode_dense(module, cache, layer_index, query, mask, scaling, dropout, comp
     the route (the module's docstring), then ``KVHiveCache.after_decode``. Returns transformers' pair."""
     store = cache.layers[layer_index]
     policy = cache.policy
+    traits = cache.traits  # the method's capabilities, read once when the cache was made
     keys, values, positions, token_scores, filled = store.decode_view()  # filled: a fixed capacity's slots
     num_queries = query.shape[2]
     stored_mask, causal_by_position, only_empty_slots = dense_step_mask(
-        store, positions, token_scores, filled, mask, num_queries, cache.static_decode
+        store, positions, token_scores, filled, mask, num_queries, cache.layout_plan.compileable
     )
     # The split-K kernel masks only past each row's length; a compiled step stays torch, for inductor.
     kernel_eligible = only_empty_slots and num_queries == 1 and not torch.compiler.is_compiling()
     # One new query's weights come with the attention; a prompt chunk's scoring computes its own.
-    wants_weights = compressed and num_queries == 1 and policy.needs_decode_attention and DECODE in policy.phases
-    extra = policy.extra_attention(store.policy_state, query, scaling) if compressed else None
-    if policy.changes_attention_logits:  # every layer (BUZZ log n), compressed or not
+    wants_weights = compressed and num_queries == 1 and traits.needs_decode_attention and traits.has_decode
+    extra = (
+        policy.extra_attention(store.policy_state, query, scaling)
+        if compressed and traits.attends_outside_cache
+        else None
+    )
+    if traits.changes_attention_logits:  # every layer (BUZZ log n), compressed or not
         query = row_logit_scale(policy, stored_mask, keys.shape[2], query)
     last_weights = last_logits = accumulated = probes = None
 
@@ -74,8 +79,15 @@ def decode_dense(module, cache, layer_index, query, mask, scaling, dropout, comp
 
     # Key probes (SubGen, BumbleBee) join the logits' product on the CPU: the keys are read once this
     # step. Float32 only: the methods form float32 products, which a narrower attention product is not.
-    if compressed and num_queries == 1 and keys.device.type == "cpu" and keys.dtype == query.dtype == torch.float32:
-        probes = cache.decode_key_probes(layer_index, make_scoring)
+    if (
+        compressed
+        and traits.takes_key_probes
+        and traits.has_decode
+        and num_queries == 1
+        and keys.device.type == "cpu"
+        and keys.dtype == query.dtype == torch.float32
+    ):
+        probes = cache.compressor.decode_key_probes(cache, layer_index, make_scoring)
     if wants_weights or extra is not None or probes is not None:
         by_kernel = None
         if wants_weights and kernel_eligible and extra is None and probes is None and kernel_runs_on(query):
@@ -110,7 +122,7 @@ def decode_dense(module, cache, layer_index, query, mask, scaling, dropout, comp
             output = attend_by_sdpa(store, query, keys, values, positions, stored_mask, scaling, causal_by_position)
     if cache.question_copy_tokens:  # a prompt chunk followed by a copy of the prompt's question
         make_scoring = question_scoring(cache, layer_index, query, stored_mask, scaling, make_scoring)
-    cache.after_decode(layer_index, make_scoring)
+    cache.compressor.after_decode(cache, layer_index, make_scoring)
     return output, None
 
 

@@ -69,13 +69,16 @@ def register() -> None:
 
 class _ModelAttachment:
     """What :func:`attach` added to one model: how many forwards with a kvhive cache are running
-    (a lock guards the count, so concurrent kvhive forwards switch and restore once) and the
-    attention implementation of each config they switched, restored when the last one ends."""
+    (a lock guards the count, so concurrent kvhive forwards switch and restore once), the
+    attention implementation of each config they switched, restored when the last one ends, and
+    the configs the model's attention layers and masks read (:func:`_attention_configs`, found
+    again when ``model.config`` is replaced)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.running = 0
         self.switched: list[tuple[object, object]] = []
+        self.configs: list = []
 
 
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -143,7 +146,10 @@ def _attention_configs(model) -> list:
 def _attachment(model) -> _ModelAttachment:
     # A deep copy or an unpickled copy of an attached model carries the hooks but no entry yet.
     with _ATTACHED_LOCK:
-        return _ATTACHED.setdefault(model, _ModelAttachment())
+        attachment = _ATTACHED.get(model)
+        if attachment is None:
+            attachment = _ATTACHED[model] = _ModelAttachment()
+        return attachment
 
 
 def _enter_forward(model, args, kwargs):
@@ -166,10 +172,12 @@ def _enter_forward(model, args, kwargs):
             config._kvhive_previous_attention = config._attn_implementation_internal
             config._attn_implementation_internal = ATTENTION_NAME
         return None
-    attachment = _attachment(model)
+    attachment = _ATTACHED.get(model) or _attachment(model)
     with attachment.lock:
         if attachment.running == 0:
-            configs = _attention_configs(model)
+            configs = attachment.configs
+            if not configs or configs[0] is not model.config:
+                configs = attachment.configs = _attention_configs(model)
             attachment.switched = [(config, config._attn_implementation_internal) for config in configs]
             for config in configs:
                 config._attn_implementation_internal = ATTENTION_NAME
@@ -201,7 +209,7 @@ def _leave_forward(model, args, kwargs, output):
         ran_chunk_on_cpu |= cache.__dict__.pop(PROMPT_CHUNK_ON_CPU, False)
     if ran_chunk_on_cpu:
         trim_heap()  # the chunk's last temporaries (the last layers' MLP) before the next chunk
-    attachment = _attachment(model)
+    attachment = _ATTACHED.get(model) or _attachment(model)
     with attachment.lock:
         attachment.running -= 1
         if attachment.running == 0:

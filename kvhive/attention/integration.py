@@ -79,7 +79,7 @@ def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dr
         scaling = query.shape[-1] ** -0.5
     store = cache.layers[layer_index]
     mask = attention_mask_for(cache, store, attention_mask, query, layer_index)
-    compressed = cache.is_compressed(layer_index)
+    compressed = layer_index in cache.compressor.compressed
     # A chunk of a chunked prefill on CPU: the heap's free pages go back to the OS before the
     # attention, after it, and at the end of the model's forward (the forward hook, told through the
     # cache), so the temporaries of one step (the projections and RoPE, the attention, the MLP) do not

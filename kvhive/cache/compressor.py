@@ -236,7 +236,7 @@ class Compressor:
             self._evict_in_place(layer_index, store, scoring, budget)
             return
         store.decode_steps_since_compression += 1
-        length = scoring.num_tokens
+        length = scoring.keys.shape[2]
         if length <= budget + cache.decode_slack or store.decode_steps_since_compression < cache.decode_every:
             return
         holes = layer_index in self.hole_layers

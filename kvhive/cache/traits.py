@@ -45,6 +45,7 @@ class MethodTraits:
     declares_kept_counts: bool
     declares_capacity: bool
     attends_outside_cache: bool
+    changes_attention_logits: bool  # ``logit_scale`` overridden (BUZZ log n)
 
     @classmethod
     def of(cls, policy: Policy) -> MethodTraits:
@@ -68,4 +69,5 @@ class MethodTraits:
             declares_kept_counts=overrides(policy, "kept_per_row"),
             declares_capacity=overrides(policy, "fixed_decode_capacity"),
             attends_outside_cache=overrides(policy, "extra_attention"),
+            changes_attention_logits=overrides(policy, "logit_scale"),
         )
