@@ -211,7 +211,8 @@ class BoundedCache:
             self.entries.clear()
 
 
-_CAPTURED_LOOPS: weakref.WeakSet = weakref.WeakSet()
+# Every CapturedLoops alive (release_captured_loops walks them; the forward hook skips the walk when empty).
+LIVE_CAPTURED_LOOPS: weakref.WeakSet = weakref.WeakSet()
 # One lock for every CapturedLoops: a capture in one thread (BumbleBee's) never overlaps another
 # thread's capture or replay (SubGen's) either.
 _CAPTURED_LOOPS_LOCK = threading.RLock()
@@ -242,7 +243,7 @@ def release_captured_loops(larger_than: int | None = None, wait: bool = True) ->
     device). The next prefill of a shape captures again. ``larger_than``: only the loops whose input
     buffers hold more bytes; ``wait=False``: skip the loops another thread is using. Returns how many
     graphs were dropped."""
-    return sum(loops.release(larger_than, wait) for loops in list(_CAPTURED_LOOPS))
+    return sum(loops.release(larger_than, wait) for loops in list(LIVE_CAPTURED_LOOPS))
 
 
 def _held_bytes(graph) -> int:
@@ -292,7 +293,7 @@ class CapturedLoops:
         self._lock = _CAPTURED_LOOPS_LOCK
         self._depth = 0  # nesting of the owning thread's using() (changed only under the lock)
         self._finished: dict[torch.device, torch.cuda.Event] = {}
-        _CAPTURED_LOOPS.add(self)
+        LIVE_CAPTURED_LOOPS.add(self)
 
     def release(self, larger_than: int | None = None, wait: bool = True) -> int:
         """Drop every graph, or those whose input buffers hold more than ``larger_than`` bytes

@@ -31,25 +31,25 @@ from kvhive.attention.varlen import (
     varlen_attention_paged,
 )
 from kvhive.cache.storage import PADDING_SCORE, PAGE_TOKENS
-from kvhive.methods.base import DECODE, KeyProbes
+from kvhive.methods.base import KeyProbes
 
 
 def decode_dense(module, cache, layer_index, query, mask, scaling, dropout, compressed, kwargs):
-    """Attention of new queries over a layer whose heads hold equal counts: the stored tokens' mask,
-    the route (the module's docstring), then ``KVHiveCache.after_decode``. Returns transformers' pair."""
+    """New queries over equal head counts: the stored tokens' mask, the route (module docstring), the decision."""
     store = cache.layers[layer_index]
-    policy = cache.policy
-    keys, values, positions, token_scores, filled = store.decode_view()  # filled: a fixed capacity's slots
+    policy, traits = cache.policy, cache.traits  # traits: the method's capabilities, read once
+    keys, values, positions, token_scores, filled = store.layout.decode_view()  # filled: a fixed capacity's slots
     num_queries = query.shape[2]
     stored_mask, causal_by_position, only_empty_slots = dense_step_mask(
-        store, positions, token_scores, filled, mask, num_queries, cache.static_decode
+        store, positions, token_scores, filled, mask, num_queries, cache.layout_plan.compileable
     )
     # The split-K kernel masks only past each row's length; a compiled step stays torch, for inductor.
     kernel_eligible = only_empty_slots and num_queries == 1 and not torch.compiler.is_compiling()
     # One new query's weights come with the attention; a prompt chunk's scoring computes its own.
-    wants_weights = compressed and num_queries == 1 and policy.needs_decode_attention and DECODE in policy.phases
-    extra = policy.extra_attention(store.policy_state, query, scaling) if compressed else None
-    if policy.changes_attention_logits:  # every layer (BUZZ log n), compressed or not
+    wants_weights = compressed and num_queries == 1 and traits.needs_decode_attention and traits.has_decode
+    attends_outside = compressed and traits.attends_outside_cache  # SubGen's estimate of evicted keys
+    extra = policy.extra_attention(store.policy_state, query, scaling) if attends_outside else None
+    if traits.changes_attention_logits:  # every layer (BUZZ log n), compressed or not
         query = row_logit_scale(policy, stored_mask, keys.shape[2], query)
     last_weights = last_logits = accumulated = probes = None
 
@@ -67,15 +67,16 @@ def decode_dense(module, cache, layer_index, query, mask, scaling, dropout, comp
             last_query_logits=last_logits,
             accumulated_weights=accumulated,
             filled=filled_count(store),
-            known_filled=store.known_length,
+            known_filled=store.layout.known_length,
             stored_in_order=store.stored_in_order,
             key_probes=probes,
         )
 
     # Key probes (SubGen, BumbleBee) join the logits' product on the CPU: the keys are read once this
     # step. Float32 only: the methods form float32 products, which a narrower attention product is not.
-    if compressed and num_queries == 1 and keys.device.type == "cpu" and keys.dtype == query.dtype == torch.float32:
-        probes = cache.decode_key_probes(layer_index, make_scoring)
+    if compressed and traits.takes_key_probes and traits.has_decode and num_queries == 1 and keys.device.type == "cpu":
+        if keys.dtype == query.dtype == torch.float32:
+            probes = cache.compressor.decode_key_probes(cache, layer_index, make_scoring)
     if wants_weights or extra is not None or probes is not None:
         by_kernel = None
         if wants_weights and kernel_eligible and extra is None and probes is None and kernel_runs_on(query):
@@ -110,7 +111,7 @@ def decode_dense(module, cache, layer_index, query, mask, scaling, dropout, comp
             output = attend_by_sdpa(store, query, keys, values, positions, stored_mask, scaling, causal_by_position)
     if cache.question_copy_tokens:  # a prompt chunk followed by a copy of the prompt's question
         make_scoring = question_scoring(cache, layer_index, query, stored_mask, scaling, make_scoring)
-    cache.after_decode(layer_index, make_scoring)
+    cache.compressor.after_decode(cache, layer_index, make_scoring)
     return output, None
 
 

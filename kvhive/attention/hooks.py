@@ -6,6 +6,13 @@ mask function (``AttentionMaskInterface``; without it transformers would silentl
 sliding-window pattern). :func:`attach` adds a forward pre-hook and an always-called forward hook
 to a model: a forward given a :class:`KVHiveCache` (or ``CacheRows``) runs ``"kvhive"``, every other
 forward the model's own implementation.
+
+The mask function (:func:`kvhive_mask`) is transformers' sdpa mask. It is None when nothing needs
+masking (no padding, no window in reach), which the attention reads as "causal over original
+positions"; otherwise it spans every original position and kept tokens are gathered from it by
+position. A compiled decode step (one new query) gets no mask at all: a mask over every original
+position grows by one column per step (a new graph each step); kvhive's attention masks the stored
+tokens of a static decode step itself (padding recorded at prefill, the window by position).
 """
 
 from __future__ import annotations
@@ -32,14 +39,7 @@ PROMPT_CHUNK_ON_CPU = "ran_prompt_chunk_on_cpu"
 
 
 def kvhive_mask(*args, **kwargs):
-    """transformers' sdpa mask. It is None when nothing needs masking (no padding, no window in
-    reach), which the attention reads as "causal over original positions"; otherwise it spans
-    every original position and kept tokens are gathered from it by position.
-
-    In a compiled decode step (one new query) there is no mask at all: a mask over every original
-    position grows by one column per step (a new graph each step); kvhive's attention masks the
-    stored tokens of a static decode step itself (padding recorded at prefill, the window by
-    position)."""
+    """transformers' sdpa mask, or None where kvhive's attention masks itself (module docstring)."""
     q_length = kwargs.get("q_length", args[1] if len(args) > 1 else None)
     if q_length == 1 and static_step.in_static_step():
         return None  # no mask is built inside a compiled step (kvhive's attention masks it)
@@ -69,13 +69,16 @@ def register() -> None:
 
 class _ModelAttachment:
     """What :func:`attach` added to one model: how many forwards with a kvhive cache are running
-    (a lock guards the count, so concurrent kvhive forwards switch and restore once) and the
-    attention implementation of each config they switched, restored when the last one ends."""
+    (a lock guards the count, so concurrent kvhive forwards switch and restore once), the
+    attention implementation of each config they switched, restored when the last one ends, and
+    the configs the model's attention layers and masks read (:func:`_attention_configs`, found
+    again when ``model.config`` is replaced)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.running = 0
         self.switched: list[tuple[object, object]] = []
+        self.configs: list = []
 
 
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -143,7 +146,31 @@ def _attention_configs(model) -> list:
 def _attachment(model) -> _ModelAttachment:
     # A deep copy or an unpickled copy of an attached model carries the hooks but no entry yet.
     with _ATTACHED_LOCK:
-        return _ATTACHED.setdefault(model, _ModelAttachment())
+        attachment = _ATTACHED.get(model)
+        if attachment is None:
+            attachment = _ATTACHED[model] = _ModelAttachment()
+        return attachment
+
+
+def _switch_in_trace(model) -> None:
+    """The pre-hook inside a compiled step (one thread, traced once): switch without the lock and the
+    thread-local bookkeeping, which dynamo cannot trace; the switch is replayed as a side effect."""
+    if not static_step.TORCH_COMPILES_KVHIVE and model.config._attn_implementation_internal != ATTENTION_NAME:
+        # Older dynamo does not trace the switch below (kvhive.static_step).
+        raise RuntimeError(
+            f"torch {torch.__version__} compiles a kvhive decode step only with kvhive's attention switched "
+            "before the compiled call: run it inside kvhive.compression(model) (kvhive.generate(compile=True) "
+            f"does), or use torch >= {static_step.COMPILE_MIN_TORCH}"
+        )
+    for config in _attention_configs(model):
+        config._kvhive_previous_attention = config._attn_implementation_internal
+        config._attn_implementation_internal = ATTENTION_NAME
+
+
+def _restore_in_trace(model) -> None:
+    """The forward hook inside a compiled step: undo :func:`_switch_in_trace`."""
+    for config in _attention_configs(model):
+        config._attn_implementation_internal = config._kvhive_previous_attention
 
 
 def _enter_forward(model, args, kwargs):
@@ -153,23 +180,13 @@ def _enter_forward(model, args, kwargs):
     for cache in caches:
         cache.check_model(model.config)  # before anything is stored: an empty cache refuses too
     if torch.compiler.is_compiling():
-        # Inside a compiled step (one thread, traced once): switch without the lock and the
-        # thread-local bookkeeping, which dynamo cannot trace; the switch is replayed as a side effect.
-        if not static_step.TORCH_COMPILES_KVHIVE and model.config._attn_implementation_internal != ATTENTION_NAME:
-            # Older dynamo does not trace the switch below (kvhive.static_step).
-            raise RuntimeError(
-                f"torch {torch.__version__} compiles a kvhive decode step only with kvhive's attention switched "
-                "before the compiled call: run it inside kvhive.compression(model) (kvhive.generate(compile=True) "
-                f"does), or use torch >= {static_step.COMPILE_MIN_TORCH}"
-            )
-        for config in _attention_configs(model):
-            config._kvhive_previous_attention = config._attn_implementation_internal
-            config._attn_implementation_internal = ATTENTION_NAME
-        return None
-    attachment = _attachment(model)
+        return _switch_in_trace(model)
+    attachment = _ATTACHED.get(model) or _attachment(model)
     with attachment.lock:
         if attachment.running == 0:
-            configs = _attention_configs(model)
+            configs = attachment.configs
+            if not configs or configs[0] is not model.config:
+                configs = attachment.configs = _attention_configs(model)
             attachment.switched = [(config, config._attn_implementation_internal) for config in configs]
             for config in configs:
                 config._attn_implementation_internal = ATTENTION_NAME
@@ -183,12 +200,10 @@ def _leave_forward(model, args, kwargs, output):
     if not caches:  # calls without a kvhive cache touch nothing else
         return None
     if torch.compiler.is_compiling():
-        for config in _attention_configs(model):
-            config._attn_implementation_internal = config._kvhive_previous_attention
-        return None
+        return _restore_in_trace(model)
     for cache in caches:
         cache.prefill_scratch.clear()  # held for one prefill only, also when the forward raised
-    if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+    if static_step.LIVE_CAPTURED_LOOPS and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         # Large captured prefill loops likewise (BumbleBee's similarity matrix at long prompts): not
         # held through the decode. Never waits for another thread's prefill.
         static_step.release_captured_loops(larger_than=static_step.HELD_LOOP_BYTES, wait=False)
@@ -201,7 +216,7 @@ def _leave_forward(model, args, kwargs, output):
         ran_chunk_on_cpu |= cache.__dict__.pop(PROMPT_CHUNK_ON_CPU, False)
     if ran_chunk_on_cpu:
         trim_heap()  # the chunk's last temporaries (the last layers' MLP) before the next chunk
-    attachment = _attachment(model)
+    attachment = _ATTACHED.get(model) or _attachment(model)
     with attachment.lock:
         attachment.running -= 1
         if attachment.running == 0:

@@ -9,6 +9,12 @@ different counts (:func:`kvhive.attention.decode.decode_packed`). The method get
 with through :class:`~kvhive.methods.base.ScoringInputs` (:mod:`kvhive.attention.scoring`) and may
 change the attention itself (logit scaling, an estimated extra term). Any other cache gets plain sdpa.
 
+A chunk of a chunked prefill on CPU returns the heap's free pages to the OS before the attention,
+after it, and at the end of the model's forward (the forward hook, told through the cache), so the
+temporaries of one step (the projections and RoPE, the attention, the MLP) do not stay resident on
+top of what the next holds (``kvhive.heap.trim_heap``). (No hook on the model's modules: kvhive
+leaves them as found.)
+
 This module also re-exports the names other modules and tests import from it.
 """
 
@@ -79,12 +85,8 @@ def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dr
         scaling = query.shape[-1] ** -0.5
     store = cache.layers[layer_index]
     mask = attention_mask_for(cache, store, attention_mask, query, layer_index)
-    compressed = cache.is_compressed(layer_index)
-    # A chunk of a chunked prefill on CPU: the heap's free pages go back to the OS before the
-    # attention, after it, and at the end of the model's forward (the forward hook, told through the
-    # cache), so the temporaries of one step (the projections and RoPE, the attention, the MLP) do not
-    # stay resident on top of what the next holds (kvhive.memory.trim_heap). (No hook on the model's
-    # modules: kvhive leaves them as found.)
+    compressed = layer_index in cache.compressor.compressed
+    # A chunk of a chunked prefill on CPU trims the heap around its attention (module docstring).
     chunk_on_cpu = query.shape[2] > 1 and query.device.type == "cpu" and cache.takes_prompt_chunks
     if chunk_on_cpu:
         mark_prompt_chunk_on_cpu(cache)

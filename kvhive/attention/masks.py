@@ -2,7 +2,18 @@
 the stored tokens' positions, the mask a layer builds itself where transformers gives none (a
 static decode step, positions="cache", a prompt chunk over a growing layer), left padding recorded at
 prefill (or refused where positions are re-indexed), and a method's per-row logit scale, which
-counts the keys each query row may attend."""
+counts the keys each query row may attend.
+
+How a forward after the prefill masks the stored tokens of a layer whose heads hold equal counts
+(:func:`dense_step_mask`): one new query in a static decode step (transformers' mask is a fixed
+unused column, ``KVHiveCache.get_mask_sizes``) or without a model mask to gather (none needed, or
+positions="cache") is masked by the layer itself, from left padding recorded at prefill and the
+sliding window by position (no mask when neither applies). Several new queries (a prompt chunk)
+without a model mask over a growing layer are causal by position: no mask, built one block of
+queries at a time where it is needed (sdpa's blocks, the scoring's rows), never for the whole chunk
+at once. Otherwise the model's mask is gathered at the stored positions (:func:`gather_mask`). A
+fixed capacity's empty slots are masked on top.
+"""
 
 from __future__ import annotations
 
@@ -128,18 +139,8 @@ def row_logit_scale(policy, mask: torch.Tensor | None, num_keys: int, queries: t
 
 
 def dense_step_mask(store, positions, token_scores, filled, mask, num_queries: int, static_decode: bool):
-    """How a forward after the prefill over a layer whose heads hold equal counts masks the stored
-    tokens: ``(stored mask [B, 1|H, q, L] or None, causal_by_position, only_empty_slots)``.
-
-    One new query in a static decode step (transformers' mask is a fixed unused column,
-    ``KVHiveCache.get_mask_sizes``) or without a model mask to gather (none needed, or
-    positions="cache"): the layer masks its tokens itself, from left padding recorded at prefill and
-    the sliding window by position (``None`` when neither applies). Several new
-    queries (a prompt chunk) without a model mask over a growing layer (``causal_by_position``): None,
-    read as causal over the stored positions and built one block of queries at a time where it is
-    needed (sdpa's blocks, the scoring's rows), never for the whole chunk at once. Otherwise the model's
-    mask at the stored positions (:func:`gather_mask`). A fixed capacity's empty slots (``filled``
-    ``[C]`` or ``[B, C]``, or None) are masked on top; ``only_empty_slots``: nothing else is masked."""
+    """``(stored mask [B, 1|H, q, L] or None, causal_by_position, only_empty_slots)`` of a step after the
+    prefill over equal head counts (module docstring); ``filled``: a capacity's slots (``[C]``/``[B, C]``)."""
     causal_by_position = num_queries > 1 and mask is None and filled is None and not store.is_sliding
     if num_queries == 1 and (static_decode or mask is None):
         # From what the layer knows on the device: left padding recorded at prefill (aligned with

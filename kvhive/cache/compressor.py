@@ -230,22 +230,28 @@ class Compressor:
         policy, state, budget = self.policy, store.policy_state, cache.layer_budgets[layer_index]
         scoring = make_scoring(DECODE)
         # initialize_decode ran in after_prefill (every layer's first forward is its prefill).
-        policy.observe_decode(scoring, state, budget=budget)
+        if self.traits.observes_decode:
+            policy.observe_decode(scoring, state, budget=budget)
         store_token_scores(store, scoring)
         if store.bounded_capacity or store.row_lengths_device is not None:  # a fixed capacity, or stacked rows
             self._evict_in_place(layer_index, store, scoring, budget)
             return
         store.decode_steps_since_compression += 1
-        length = scoring.num_tokens
+        length = scoring.keys.shape[2]
         if length <= budget + cache.decode_slack or store.decode_steps_since_compression < cache.decode_every:
             return
         holes = layer_index in self.hole_layers
         if length == budget + 1 and holes:
             hole = self._dropped_token(scoring, budget, store)
             if hole is not None:
-                store.fill_hole(hole)  # one token per row moved, not the whole kept window
+                store.layout.fill_hole(hole)  # one token per row moved, not the whole kept window
                 store.decode_steps_since_compression = 0
                 return
+        self._evict_by_mask(cache, layer_index, store, scoring, budget, holes)
+
+    def _evict_by_mask(self, cache, layer_index: int, store: LayerStore, scoring, budget: int, holes: bool) -> None:
+        """:meth:`_evict`'s keep mask (``Policy.select_decode``), checked, then applied by the layout."""
+        policy, state, length = self.policy, store.policy_state, scoring.keys.shape[2]
         known = policy.kept_per_row(DECODE, length, budget, state)
         keep = policy.select_decode(scoring, budget, state)
         store_token_scores(store, scoring)

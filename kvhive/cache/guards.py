@@ -6,6 +6,11 @@ batch size, a prompt that does not extend what the cache holds) instead of letti
 obscure shape error or, worse, as a silently wrong answer. ``KVHiveCache`` binds the checks as its
 methods (``check_model``, ``check_attention_module``, ``check_generation_inputs``): the ones that run
 at every decode step then cost no extra call.
+
+:func:`check_model` compares a model's shape with the cache's: its layers' kinds and windows, heads
+and head dimension are what the cache's layers, budgets and accounting were built from, so an empty
+cache refuses another model too. It runs before each forward of a model kvhive attached to, and when
+kvhive's attention first sees a layer's module; a config already matched is not compared again.
 """
 
 from __future__ import annotations
@@ -70,8 +75,8 @@ def check_reuse(cache: Cache, key_states: torch.Tensor, layer_idx: int) -> None:
             f"{key_states.shape[0]}: make a new cache for another batch size"
         )
     heads = store.num_heads // store.heads_per_kv_head
-    stored_keys = store.buffers()[0]
-    head_dim = stored_keys.shape[-1] if stored_keys is not None else key_states.shape[3]
+    buffers = store.layout.buffers
+    head_dim = buffers.keys.shape[-1] if buffers is not None else key_states.shape[3]
     if key_states.shape[1] != heads or key_states.shape[3] != head_dim:
         raise ValueError(
             f"this cache holds {heads} KV heads of dimension {head_dim} in layer {layer_idx}; "
@@ -81,11 +86,7 @@ def check_reuse(cache: Cache, key_states: torch.Tensor, layer_idx: int) -> None:
 
 
 def check_model(cache: Cache, config) -> None:
-    """Refuse a model other than the one this cache was made for, empty or filled (its layers'
-    kinds and windows, heads and head dimension are what the cache's layers, budgets and
-    accounting were built from). Called before a forward of a model kvhive attached to, and by
-    kvhive's attention the first time it sees a layer's module; a config already matched is
-    not compared again."""
+    """Refuse a model other than the one this cache was made for, empty or filled (module docstring)."""
     if cache._matching_config is not None and cache._matching_config() is config:
         return
     actual = model_shape(config)
@@ -112,21 +113,27 @@ def check_attention_module(cache: Cache, layer_index: int, module) -> None:
     cache._unattended_update = None
     known = cache._attention_modules.get(layer_index)
     if known is None:
-        config = getattr(module, "config", None)
-        if config is not None:
-            try:
-                check_model(cache, config)
-            except ValueError:
-                # The layer held nothing before this update (its module is seen for the first
-                # time): drop the other model's tokens, so nothing counts them.
-                cache.layers[layer_index].reset()
-                raise
-        cache._attention_modules[layer_index] = weakref.ref(module)
+        first_attention_module(cache, layer_index, module)
     elif known() is not module:
         raise ValueError(
             f"this cache was filled by another model (layer {layer_index} belongs to a different "
             "module): make a cache per model"
         )
+
+
+def first_attention_module(cache: Cache, layer_index: int, module) -> None:
+    """:func:`check_attention_module` the first time it sees the layer's module: the module's model
+    must be the cache's; the module is then the one the layer is continued by."""
+    config = getattr(module, "config", None)
+    if config is not None:
+        try:
+            check_model(cache, config)
+        except ValueError:
+            # The layer held nothing before this update (its module is seen for the first
+            # time): drop the other model's tokens, so nothing counts them.
+            cache.layers[layer_index].reset()
+            raise
+    cache._attention_modules[layer_index] = weakref.ref(module)
 
 
 def check_generation_inputs(

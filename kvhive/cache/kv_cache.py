@@ -244,7 +244,7 @@ class KVHiveCache(Cache):
     def is_compileable(self) -> bool:
         """Whether ``torch.compile`` may take this cache's decode step (:attr:`static_decode` on a
         torch that traces kvhive's attention switch, ``kvhive.static_step.compiles_kvhive``)."""
-        return self.layout_plan.compileable and static_step.compiles_kvhive()
+        return self.layout_plan.compileable and (static_step.TORCH_COMPILES_KVHIVE or static_step.compiles_kvhive())
 
     @property
     def static_decode(self) -> bool:

@@ -45,6 +45,8 @@ class MethodTraits:
     declares_kept_counts: bool
     declares_capacity: bool
     attends_outside_cache: bool
+    changes_attention_logits: bool  # ``logit_scale`` overridden (BUZZ log n)
+    observes_decode: bool  # ``observe_decode`` overridden (by the class or the instance): called each step
 
     @classmethod
     def of(cls, policy: Policy) -> MethodTraits:
@@ -68,4 +70,6 @@ class MethodTraits:
             declares_kept_counts=overrides(policy, "kept_per_row"),
             declares_capacity=overrides(policy, "fixed_decode_capacity"),
             attends_outside_cache=overrides(policy, "extra_attention"),
+            changes_attention_logits=overrides(policy, "logit_scale"),
+            observes_decode=overrides(policy, "observe_decode") or "observe_decode" in getattr(policy, "__dict__", {}),
         )

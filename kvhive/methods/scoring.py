@@ -399,10 +399,14 @@ class ScoringInputs(AttentionStatistics):
         With a multiplier and the attention's own logits (``last_query_logits``) the weights are
         the softmax of those logits times the factor: the keys are not read again (the step's
         largest cost after the model's own matmuls: one more pass over every stored key)."""
+        if (
+            isinstance(logit_multiplier, (int, float))
+            and logit_multiplier == 1.0
+            and self.last_query_weights is not None
+        ):
+            return self.last_query_weights
         last_row = slice(self.num_queries - 1, self.num_queries)
         if isinstance(logit_multiplier, (int, float)) and logit_multiplier == 1.0:
-            if self.last_query_weights is not None:
-                return self.last_query_weights
             return self.once("last", lambda: self.attention_weights(last_row)[:, :, 0])
         if self.last_query_logits is None:
             return self.attention_weights(last_row, logit_multiplier)[:, :, 0]

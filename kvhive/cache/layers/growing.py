@@ -216,12 +216,8 @@ class GrowingLayout(Layout):
         )
 
     def fill_hole(self, hole: torch.Tensor) -> None:
-        """Every row drops exactly one stored token, the one at stored index ``hole`` (``[B, H]``, or
-        flat): the newest token (the last stored) moves into the dropped token's slot, so a steady
-        decode eviction moves one token per row instead of every token after the dropped one. The
-        stored order is then no longer the tokens' order (``stored_in_order``); only a method that
-        reads none (``Policy.reads_stored_order`` False) is held this way. The per-token scores move
-        too, those nothing reads of the newest token's (``reset_score_names``) excepted."""
+        """Every row drops its token at stored index ``hole`` (``[B, H]`` or flat); the newest moves into
+        that slot (``Layout.fill_hole``), its per-token scores too (``reset_score_names``)."""
         store, buffers = self.store, self.buffers
         hole = hole.reshape(-1)
         # Slot j of segment s is row s * capacity + j of the flat buffers (one arange each, not a

@@ -162,6 +162,12 @@ class Layout:
         self.not_dense("expand_to_query_heads")
 
     def fill_hole(self, hole: torch.Tensor) -> None:
+        """Every row drops exactly one stored token, the one at stored index ``hole`` (``[B, H]``, or
+        flat): the newest token (the last stored) moves into the dropped token's slot, so a steady
+        decode eviction moves one token per row instead of every token after the dropped one. The
+        stored order is then no longer the tokens' order (``stored_in_order``); only a method that
+        reads none (``Policy.reads_stored_order`` False) is held this way. The per-token scores move
+        too, those nothing reads of the newest token's (``reset_score_names``) excepted."""
         self.not_dense("fill_hole")
 
     def compact_in_place(self, keep_mask, kept, at_most_one_dropped: bool = False, fill_hole: bool = False) -> None:
