@@ -19,6 +19,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from kvhive.cache.layout_plan import static_decode
+from kvhive.cache.options import ORIGINAL_POSITIONS
 from kvhive.cache.storage import LayerStore
 from kvhive.methods.base import Policy, ScoringInputs
 
@@ -483,7 +484,7 @@ def check_stackable(cache_class: type, first: Cache, caches: list[Cache]) -> Non
 
 def check_rows_stackable(cache: Cache, where: str) -> None:
     """Refuse a cache whose rows cannot be stacked, whatever the others."""
-    if cache.positions != "original":
+    if cache.positions != ORIGINAL_POSITIONS:
         raise ValueError(f"{where} uses positions={cache.positions!r}; stacked rows need positions='original'")
     if not all(layer.is_initialized for layer in cache.layers):
         raise ValueError(f"{where} holds no prompt: prefill each cache (its prompt through the model) first")
