@@ -76,6 +76,7 @@ MODE_FAMILIES: dict[str, set[str]] = {
         "per_row",
         "decodes_rows_of_different_lengths",
         "_slots",
+        "slots_held",
     },
     "static step / compiling": {
         "in_static_step",
@@ -84,6 +85,7 @@ MODE_FAMILIES: dict[str, set[str]] = {
         "static_decode",
         "_static_decode",
         "_compileable",
+        "compileable",
         "is_compileable",
         "compiles_kvhive",
         "TORCH_COMPILES_KVHIVE",

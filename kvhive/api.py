@@ -20,7 +20,7 @@ from typing import Any
 
 from kvhive import static_step
 from kvhive.attention import ATTENTION_NAME, register
-from kvhive.attention.hooks import attach
+from kvhive.attention.integration import attach
 from kvhive.cache import Budget, KVHiveCache
 from kvhive.cache.guards import refuse_encoder_decoder
 from kvhive.cache.options import CACHE_POSITIONS

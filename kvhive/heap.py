@@ -26,7 +26,7 @@ def _libc() -> ctypes.CDLL:
 def trim_heap() -> None:
     """Hand the C heap's free pages back to the OS (glibc ``malloc_trim``; nothing elsewhere).
 
-    glibc serves blocks below its mmap threshold (which rises, up to 32 MB, to the largest block
+    glibc serves blocks below its mmap threshold (which rises, up to glibc's cap, to the largest block
     freed) from its heap and keeps them resident once freed: a prompt chunk's temporaries (its
     queries, keys and values, the attention's logits) would stay resident into the next step and
     stack up on top of what it holds live. Cheap (it walks the free lists), no garbage collection."""

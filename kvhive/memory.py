@@ -55,8 +55,8 @@ _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.
 
 
 def parse_memory_size(text: str | int | float, flag: str = "--memory-limit") -> int:
-    """``"8GB"`` → 8·10⁹ bytes, ``"512MiB"`` → 512·2²⁰; a bare number is bytes. Units: B, KB, MB,
-    GB, TB (powers of 1000) and KiB, MiB, GiB, TiB (powers of 1024), any case. A size <= 0, a
+    """A size with a unit in bytes (``<n>GB`` is n·10⁹ bytes, ``<n>MiB`` n·2²⁰); a bare number is
+    bytes. Units: B, KB, MB, GB, TB (powers of 1000) and KiB, MiB, GiB, TiB (powers of 1024), any case. A size <= 0, a
     size under one byte, or another unit is refused with a ``ValueError`` naming ``flag``."""
     accepted = "a positive size such as 8GB, 512MiB or 2000000000 (bytes); units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
     if isinstance(text, bool):
@@ -76,7 +76,8 @@ def parse_memory_size(text: str | int | float, flag: str = "--memory-limit") -> 
 
 
 def format_bytes(size: int | None) -> str:
-    """``1.23 GB`` (powers of 1000, as sizes are usually quoted for memory limits)."""
+    """``size`` in the largest of GB, MB, KB it reaches, three significant digits, or in bytes (powers
+    of 1000, as sizes are usually quoted for memory limits); ``"n/a"`` for None."""
     if size is None:
         return "n/a"
     for unit, scale in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
@@ -119,8 +120,8 @@ def _reset_high_water_mark() -> str | None:
         # both means it did not reset (or that happened: tried again). "Well": the reset reads the
         # RSS counters approximately (per-CPU counters, up to a batch of pages per CPU each for the
         # file, anon and shmem counts) where /proc/self/status sums them exactly, so a good reset
-        # can land that far above; a 64 KiB slack refused good resets in two CI runs on this
-        # 2-core machine with two test workers. A kernel that does not reset leaves the process's
+        # can land that far above: the slack allows for it (a smaller one refused good resets on a
+        # 2-core machine with two test workers). A kernel that does not reset leaves the process's
         # earlier peak, far above.
         if after["VmHWM"] <= max(before["VmRSS"], after["VmRSS"]) + _RSS_COUNTER_SLACK:
             return None

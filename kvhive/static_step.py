@@ -7,7 +7,7 @@ is baked into all the replays. Such a step must take the device path, the one wi
 fixed shapes and every decision as tensor work, that the eager step may shortcut on the host (e.g.
 BUZZ's eager step returns "nothing to evict" below its threshold). Under ``torch.compile`` dynamo
 would guard on the host values and recompile; a CUDA graph has no guards, so a host shortcut taken
-at capture would silently replay (the GPU run of 71b99e7 found it: BUZZ overran its capacity)."""
+at capture would silently replay (BUZZ would overrun its capacity)."""
 
 from __future__ import annotations
 
@@ -228,16 +228,15 @@ def capture_stream() -> torch.cuda.Stream:
 # Captured prefill loops whose input buffers hold more than this many bytes are dropped at the end of
 # the forward that used them (kvhive's forward hook calls release_captured_loops with it): kept, they
 # would hold BumbleBee's R x n x n similarity matrix through the decode it compressed the cache for
-# (31 GB at 8 KV heads and a 32k prompt). Smaller ones stay for the next prompt of their shapes (2 GiB
-# at 8k: one capture's host time saved per prompt).
+# (R x n x n float32: sixteen times larger at a 32k prompt than at 8k). Smaller ones stay for the next
+# prompt of their shapes (one capture's host time saved per prompt).
 HELD_LOOP_BYTES = 4 << 30
 
 
 def release_captured_loops(larger_than: int | None = None, wait: bool = True) -> int:
     """Drop the prefill loops kvhive captured as CUDA graphs (BumbleBee's greedy, SubGen's
     farthest-point order: :class:`CapturedLoops`), with their graph memory and input buffers (the
-    largest: BumbleBee's ``R x n x n`` float32 similarity matrix, 2 GiB at 8 KV heads and an 8k
-    prompt). They are kept after a prefill so that the next prompt of the same shapes replays them
+    largest: BumbleBee's ``R x n x n`` float32 similarity matrix). They are kept after a prefill so that the next prompt of the same shapes replays them
     instead of capturing again; a server that decodes long after its prefills, or moves on to other
     prompt lengths, frees that memory here (``torch.cuda.empty_cache()`` then hands it back to the
     device). The next prefill of a shape captures again. ``larger_than``: only the loops whose input

@@ -659,7 +659,7 @@ def test_an_eager_static_decode_step_builds_no_mask(monkeypatch, padded):
     # over, padded rows included.
     import transformers.masking_utils
 
-    from kvhive.attention import hooks
+    from kvhive.attention import hooks, integration
 
     model = _model()
     prompt = _prompt(model, batch=2)
@@ -678,7 +678,7 @@ def test_an_eager_static_decode_step_builds_no_mask(monkeypatch, padded):
     for skip in (True, False):
         if not skip:  # the previous behaviour: every call reaches transformers' sdpa_mask
             monkeypatch.setattr(hooks, "kvhive_mask", lambda *a, **k: counting_mask(*a, **k))
-            hooks.register()
+            integration.register()
         monkeypatch.setattr(hooks, "sdpa_mask", counting_mask)
         cache = kvhive.make_cache(model, "tova", budget=BUDGET)
         assert cache.is_compileable
@@ -699,5 +699,5 @@ def test_an_eager_static_decode_step_builds_no_mask(monkeypatch, padded):
         else:
             assert len(built) == 3 and all(mask is not None for mask in built)
     monkeypatch.undo()
-    hooks.register()
+    integration.register()
     torch.testing.assert_close(logits[True], logits[False], atol=0, rtol=0)

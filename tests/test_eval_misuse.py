@@ -40,7 +40,7 @@ def _dying_executor(dead_item: str):
 
     def executor(work, writer, bar, fields):
         backend = FakeBackend()
-        from kvhive.evaluation.runner import _run_item
+        from kvhive.evaluation.runner import run_item
 
         written = 0
         for entry in work:
@@ -50,7 +50,7 @@ def _dying_executor(dead_item: str):
                     writer.append(record)
                     written += 1
                 continue
-            written += _run_item(
+            written += run_item(
                 backend, entry.task, entry.item, entry.settings, writer, fields["model"], fields["seed"],
                 fields["limit"], fields["suite"], fields["dtype"],
             )  # fmt: skip

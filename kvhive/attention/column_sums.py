@@ -1,4 +1,4 @@
-"""Column sums of causal softmax attention from the rows' log-sum-exp (Triton; issue 25 item 1).
+"""Column sums of causal softmax attention from the rows' log-sum-exp (Triton).
 
 A policy that scores prompt tokens by accumulated attention (H2O, BUZZ, BumbleBee) needs, per
 query head ``h`` and key ``n``, ``sum_i softmax(q_i K^T * scale)[n] = sum_i exp(q_i . k_n * scale

@@ -22,8 +22,7 @@ import types
 import weakref
 
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import sdpa_mask
 
 from kvhive import static_step
 from kvhive.cache.kv_cache import ORIGINAL_POSITIONS, KVHiveCache
@@ -58,15 +57,6 @@ def kvhive_mask(*args, **kwargs):
     return sdpa_mask(*args, **kwargs)
 
 
-def register() -> None:
-    """Make ``attn_implementation="kvhive"`` available (idempotent)."""
-    # Imported here: the attention function's module imports this one.
-    from kvhive.attention.integration import kvhive_attention
-
-    AttentionInterface.register(ATTENTION_NAME, kvhive_attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, kvhive_mask)
-
-
 class _ModelAttachment:
     """What :func:`attach` added to one model: how many forwards with a kvhive cache are running
     (a lock guards the count, so concurrent kvhive forwards switch and restore once), the
@@ -99,8 +89,8 @@ def attach(model) -> None:
 
     ``generate`` also shows a kvhive cache the full token sequence before each step
     (:class:`_ReuseCheckingPrepare`), so a reused cache refuses a prompt that does not continue
-    it. Idempotent."""
-    register()
+    it. Idempotent. The attention and mask functions are registered by
+    :func:`kvhive.attention.integration.attach`, which calls this one."""
     with _ATTACHED_LOCK:
         if model in _ATTACHED:
             return

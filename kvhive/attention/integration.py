@@ -24,8 +24,11 @@ import contextlib
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface
 
+from kvhive.attention import hooks
 from kvhive.attention.column_sums import prompt_attention_with_column_sums
 from kvhive.attention.decode import (
     QUERY_BLOCK,
@@ -37,7 +40,7 @@ from kvhive.attention.decode import (
     dense_decode_by_kernel,
     sdpa_in_query_blocks,
 )
-from kvhive.attention.hooks import ATTENTION_NAME, attach, kvhive_mask, mark_prompt_chunk_on_cpu, register
+from kvhive.attention.hooks import ATTENTION_NAME, kvhive_mask, mark_prompt_chunk_on_cpu
 from kvhive.attention.masks import attention_mask_for
 from kvhive.attention.prefill import prefill, replay_prefill
 from kvhive.cache.handoff import active_update
@@ -68,6 +71,20 @@ _ANY_BACKEND = contextlib.nullcontext()
 def sdpa_backends(device: torch.device):
     """The context in which kvhive's sdpa calls run on ``device`` (:data:`SDPA_BACKENDS` on CUDA)."""
     return sdpa_kernel(SDPA_BACKENDS) if device.type == "cuda" else _ANY_BACKEND
+
+
+def register() -> None:
+    """Make ``attn_implementation="kvhive"`` available (idempotent). The mask function is read
+    through :mod:`~kvhive.attention.hooks` at each call, so a replaced ``hooks.kvhive_mask`` counts."""
+    AttentionInterface.register(ATTENTION_NAME, kvhive_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, hooks.kvhive_mask)
+
+
+def attach(model) -> None:
+    """Register kvhive's attention and let ``model`` run it for the calls given a kvhive cache
+    (:func:`kvhive.attention.hooks.attach`). Idempotent."""
+    register()
+    hooks.attach(model)
 
 
 def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

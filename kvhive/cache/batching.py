@@ -18,8 +18,10 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
+from kvhive.cache.layout_plan import static_decode
+from kvhive.cache.options import ORIGINAL_POSITIONS
 from kvhive.cache.storage import LayerStore
-from kvhive.methods.base import DECODE, Policy, ScoringInputs
+from kvhive.methods.base import Policy, ScoringInputs
 
 # Room for decode tokens a stacked layer that grows gets past its longest row, when none is asked for.
 DEFAULT_STACK_ROOM = 64
@@ -42,7 +44,7 @@ def row_views(layer: LayerStore) -> list[tuple]:
     views of its own ``L_b`` stored tokens (a layer of rows of different lengths holds row ``b``
     in slots ``[0, L_b)`` of a common capacity; the slots past it are empty)."""
     keys, values, positions, scores = layer.dense()
-    lengths = layer._row_lengths or [layer.dense_length] * layer.batch_size
+    lengths = layer.row_lengths or [layer.dense_length] * layer.batch_size
     return [
         (
             keys[row : row + 1, :, :length],
@@ -155,10 +157,10 @@ def select_rows(cache: Cache, index: torch.Tensor) -> None:
         layer: [budgets[row] for row in rows] if len(budgets) == batch else budgets
         for layer, budgets in cache.row_layer_budgets.items()
     }
-    if cache._generated_ids is not None and cache._generated_ids.shape[0] == batch:
-        cache._generated_ids = cache._generated_ids.index_select(0, index.to(cache._generated_ids.device))
-    if cache._slots is not None:  # rows were selected: no longer the fixed slots
-        cache._slots = None
+    if cache.generated_ids is not None and cache.generated_ids.shape[0] == batch:
+        cache.generated_ids = cache.generated_ids.index_select(0, index.to(cache.generated_ids.device))
+    if cache.slots_held is not None:  # rows were selected: no longer the fixed slots
+        cache.slots_held = None
         for layer in initialized:
             layer.row_active, layer.row_active_device, layer.grows_in_slots = None, None, False
 
@@ -396,7 +398,7 @@ def stacked_layer(
     slots; ``room`` decode tokens past the longest row where the layer grows."""
     policy, index = first.policy, plan.layer_index
     layer = first.layers[index]
-    evicts = (index in first.compressed_layers and DECODE in policy.phases) or layer.is_sliding
+    evicts = (index in first.compressed_layers and first.traits.has_decode) or layer.is_sliding
     # A method whose rows may hold different lengths while it evicts (BUZZ's per-row schedule):
     # every such layer keeps a length per row, equal or not, in a bounded capacity.
     per_row = evicts and not layer.is_sliding and policy.decodes_rows_of_different_lengths
@@ -450,23 +452,23 @@ def take_stacked_layers(target: Cache, caches: list[Cache], layers: list[LayerSt
     for layer, budget in first.layer_budgets.items():
         budgets = budgets_of_rows(caches, layer, budget)
         row_budgets[layer] = budgets + [budgets[0]] * free  # free slots: the first row's budgets
-    cut_at_prefill = set.intersection(*(set(cache._cut_at_prefill) for cache in caches))
+    cut_at_prefill = set.intersection(*(set(cache.cut_at_prefill) for cache in caches))
     budgets_resolved_on = max(cache.layers[0].tokens_seen for cache in caches)
     target.layers = layers
     target.row_layer_budgets = row_budgets
     target.layer_budgets = {layer: max(budgets) for layer, budgets in row_budgets.items()}
-    target._cut_at_prefill = cut_at_prefill
+    target.cut_at_prefill = cut_at_prefill
     target.prefill_records = {}
     target.record_prefill = False
-    target._generated_ids = None
-    target._unattended_update = None
-    target._prompt_planned = False
-    target._budgets_resolved_on = budgets_resolved_on
+    target.generated_ids = None
+    target.unattended_update = None
+    target.prompt_planned = False
+    target.budgets_resolved_on = budgets_resolved_on
     target.prefill_chunk = None
     target.question_tokens = None
     target.decode_capacity = None
-    target._compileable = False  # per-row lengths and counts live on the host: eager decode
-    target._slots = None
+    target.layout_plan.compileable = False  # per-row lengths and counts live on the host: eager decode
+    target.slots_held = None
 
 
 def check_stackable(cache_class: type, first: Cache, caches: list[Cache]) -> None:
@@ -482,7 +484,7 @@ def check_stackable(cache_class: type, first: Cache, caches: list[Cache]) -> Non
 
 def check_rows_stackable(cache: Cache, where: str) -> None:
     """Refuse a cache whose rows cannot be stacked, whatever the others."""
-    if cache.positions != "original":
+    if cache.positions != ORIGINAL_POSITIONS:
         raise ValueError(f"{where} uses positions={cache.positions!r}; stacked rows need positions='original'")
     if not all(layer.is_initialized for layer in cache.layers):
         raise ValueError(f"{where} holds no prompt: prefill each cache (its prompt through the model) first")
@@ -509,8 +511,8 @@ def check_same_cache_settings(first: Cache, cache: Cache, where: str) -> None:
     """Refuse a cache of another model, model object, method, options, budgets, dtype or device than ``first``."""
     if cache.model_shape != first.model_shape:
         raise ValueError(f"{where} was made for another model ({cache.model_shape} vs {first.model_shape})")
-    for layer, module in first._attention_modules.items():
-        other = cache._attention_modules.get(layer)
+    for layer, module in first.attention_modules.items():
+        other = cache.attention_modules.get(layer)
         if other is not None and module() is not None and other() is not None and other() is not module():
             raise ValueError(f"{where} was filled by another model object than caches[0] (layer {layer})")
     if type(cache.policy) is not type(first.policy) or cache.policy.config != first.policy.config:
@@ -523,7 +525,7 @@ def check_same_cache_settings(first: Cache, cache: Cache, where: str) -> None:
                 f"{where} has {option}={getattr(cache, option)!r}, caches[0] {getattr(first, option)!r}: stacked "
                 "rows share one cache's options"
             )
-    if DECODE in first.policy.phases:
+    if first.traits.has_decode:
         differing = {
             layer: (first.layer_budgets.get(layer), cache.layer_budgets.get(layer))
             for layer in set(first.layer_budgets) | set(cache.layer_budgets)
@@ -550,23 +552,23 @@ def make_slots(cache: Cache, caches: list[Cache], rows_given: int, decode_capaci
     """Lay a freshly stacked cache out in fixed batch slots: the first ``rows_given`` rows run,
     the others are free; every layer in its static decode layout."""
     cache.decode_capacity = decode_capacity
-    if DECODE in cache.policy.phases:
+    if cache.traits.has_decode:
         # What the prefill of each cache found (a layer below its budget, a bound far above it).
-        cache._compileable = all(source.static_decode for source in caches) and cache._static_decode()
+        cache.layout_plan.compileable = all(source.static_decode for source in caches) and static_decode(cache)
     else:
-        cache._compileable = decode_capacity is not None and cache._static_decode()
-    cache._slots = [row < rows_given for row in range(batch_size(cache))]
+        cache.layout_plan.compileable = decode_capacity is not None and static_decode(cache)
+    cache.slots_held = [row < rows_given for row in range(batch_size(cache))]
     for store in cache.layers:
-        if cache._compileable and DECODE in cache.policy.phases and not store.has_row_lengths:
-            cache._reserve_decode(store)  # (a layer of per-row lengths has its bound already)
-        store.set_active_rows(cache._slots)
+        if cache.static_decode and cache.traits.has_decode and not store.has_row_lengths:
+            cache.layout_plan.reserve_decode(cache, store)  # (a layer of per-row lengths has its bound already)
+        store.set_active_rows(cache.slots_held)
 
 
 def active_slots(cache: Cache) -> list[bool]:
     """Fixed batch slots: whether each slot holds a running row (host)."""
-    if cache._slots is None:
+    if cache.slots_held is None:
         raise ValueError("this cache has no fixed batch slots: stack(..., batch_slots=N) makes them")
-    return list(cache._slots)
+    return list(cache.slots_held)
 
 
 def checked_slots(cache: Cache, slots, want_active: bool) -> list[int]:
@@ -589,9 +591,9 @@ def checked_slots(cache: Cache, slots, want_active: bool) -> list[int]:
 def set_slots(cache: Cache, slots: list[int], running: bool) -> None:
     """Mark ``slots`` running or free, in the cache and in every layer."""
     for slot in slots:
-        cache._slots[slot] = running
+        cache.slots_held[slot] = running
     for store in cache.layers:
-        store.set_active_rows(cache._slots)
+        store.set_active_rows(cache.slots_held)
 
 
 def trust_the_device(cache: Cache) -> None:

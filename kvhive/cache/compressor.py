@@ -85,7 +85,7 @@ class Compressor:
         """The cache's layer budgets, once per cache (rules in ``kvhive.cache.budget``)."""
         if cache.layer_budgets:
             return
-        cache._budgets_resolved_on = context_length
+        cache.budgets_resolved_on = context_length
         per_row = resolve_row_layer_budgets(
             self.policy, cache.budget, cache.compressed_layers, context_length, row_lengths
         )
@@ -131,7 +131,7 @@ class Compressor:
             limits = [policy.prefill_limit(budget) for budget in budgets]
             keep, counts = check_keep(keep, policy.name, layer_index, limits, known, uniform=store.is_uniform)
             store.keep(keep, counts)
-            cache._cut_at_prefill.add(layer_index)
+            cache.cut_at_prefill.add(layer_index)
             store.settled_tokens = store.tokens_seen  # chosen with every token so far: no crop below this
         if cache.positions == CACHE_POSITIONS:
             reindex(cache, store)
@@ -177,9 +177,9 @@ class Compressor:
         """A prompt chunk after the first (chunked prefill) for a prefill-only method: the method
         scores kept + new tokens with this chunk's queries (its observation window is the chunk's
         last queries) and keeps its budget, so the layer never holds more than budget + one chunk."""
-        if cache.budget.ratio is not None and not cache._prompt_planned:
+        if cache.budget.ratio is not None and not cache.prompt_planned:
             raise ValueError(
-                f"ratio={cache.budget.ratio:g} was resolved on the first {cache._budgets_resolved_on} prompt tokens, "
+                f"ratio={cache.budget.ratio:g} was resolved on the first {cache.budgets_resolved_on} prompt tokens, "
                 "but the prompt came in chunks (chunked prefill): a ratio needs the whole prompt's length; call "
                 "cache.plan_prompt(prompt_length) before the first chunk (kvhive.generate(..., prefill_chunk=N) does), "
                 "or give a token budget"
@@ -197,7 +197,7 @@ class Compressor:
         limits = [budget] * keep.shape[0]
         keep, counts = check_keep(keep, policy.name, layer_index, limits, known, uniform=store.is_uniform)
         store.keep(keep, counts)
-        cache._cut_at_prefill.add(layer_index)
+        cache.cut_at_prefill.add(layer_index)
         store.settled_tokens = store.tokens_seen
 
     # -- decode ------------------------------------------------------------------------------------
@@ -358,13 +358,13 @@ class Compressor:
             return  # a compiled step reads no host length (the warning comes from eager steps)
         budget = cache.layer_budgets.get(layer_index)
         if (
-            cache._warned_budget_not_kept
+            cache.warned_budget_not_kept
             or budget is None
-            or layer_index in cache._cut_at_prefill
+            or layer_index in cache.cut_at_prefill
             or store.max_length <= budget
         ):
             return
-        cache._warned_budget_not_kept = True
+        cache.warned_budget_not_kept = True
         phases = ", ".join(sorted(self.policy.phases))
         warnings.warn(
             f"method {self.policy.name!r} compresses only in phase(s) {phases}: layer {layer_index} now holds "

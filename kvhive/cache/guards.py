@@ -87,7 +87,7 @@ def check_reuse(cache: Cache, key_states: torch.Tensor, layer_idx: int) -> None:
 
 def check_model(cache: Cache, config) -> None:
     """Refuse a model other than the one this cache was made for, empty or filled (module docstring)."""
-    if cache._matching_config is not None and cache._matching_config() is config:
+    if cache.matching_config is not None and cache.matching_config() is config:
         return
     actual = model_shape(config)
     if actual != cache.model_shape:
@@ -103,15 +103,15 @@ def check_model(cache: Cache, config) -> None:
             "this cache was made for another model (" + "; ".join(differences) + "): make a cache per model "
             "with kvhive.make_cache(model, ...)"
         )
-    cache._matching_config = weakref.ref(config)
+    cache.matching_config = weakref.ref(config)
 
 
 def check_attention_module(cache: Cache, layer_index: int, module) -> None:
     """Called by kvhive's attention for the layer just updated. Refuses a cache filled by one
     model's attention layers being continued by another's (shapes may agree, so the modules
     themselves are compared)."""
-    cache._unattended_update = None
-    known = cache._attention_modules.get(layer_index)
+    cache.unattended_update = None
+    known = cache.attention_modules.get(layer_index)
     if known is None:
         first_attention_module(cache, layer_index, module)
     elif known() is not module:
@@ -133,7 +133,7 @@ def first_attention_module(cache: Cache, layer_index: int, module) -> None:
             # time): drop the other model's tokens, so nothing counts them.
             cache.layers[layer_index].reset()
             raise
-    cache._attention_modules[layer_index] = weakref.ref(module)
+    cache.attention_modules[layer_index] = weakref.ref(module)
 
 
 def check_generation_inputs(
@@ -158,7 +158,7 @@ def check_generation_inputs(
                 f"the prompt of {input_ids.shape[1]} tokens does not extend the {seen} tokens this "
                 "cache holds: pass the previous tokens followed by the new ones, or make a new cache"
             )
-        recorded = cache._generated_ids
+        recorded = cache.generated_ids
         if new_tokens is not None and recorded is not None and recorded.shape == (input_ids.shape[0], seen):
             if not torch.equal(recorded.to(input_ids.device), input_ids[:, :seen]):
                 raise ValueError(
@@ -166,4 +166,4 @@ def check_generation_inputs(
                     "answered as if they were its beginning; make a new cache for an unrelated prompt"
                 )
     # A reference, not a copy: generate appends to a new tensor, it never edits in place.
-    cache._generated_ids = input_ids if new_tokens is not None or not seen else None
+    cache.generated_ids = input_ids if new_tokens is not None or not seen else None

@@ -46,7 +46,6 @@ from kvhive.cache.storage import LayerStore, row_index
 from kvhive.cache.traits import MethodTraits
 from kvhive.methods.base import (
     AUTO_HEADS,
-    DECODE,
     QUERY_HEADS,
     KeyProbes,
     Policy,
@@ -177,23 +176,24 @@ class KVHiveCache(Cache):
         self.prefill_scratch = PrefillScratch()
         # Layers a prefill-only method cut at prefill, and whether the growth past the budget of
         # a layer it never cut was reported (once per cache).
-        self._cut_at_prefill: set[int] = set()
-        self._warned_budget_not_kept = False
+        self.cut_at_prefill: set[int] = set()
+        self.warned_budget_not_kept = False
         # Reuse checks: the attention module of each layer, and the token ids generate fed.
-        self._attention_modules: dict[int, weakref.ref] = {}
+        self.attention_modules: dict[int, weakref.ref] = {}
         # The model this cache was made for, and the last config found to match it (checked once).
         self.model_shape = model_shape(config)
-        self._matching_config: weakref.ref | None = None
-        self._generated_ids: torch.Tensor | None = None
-        self._unattended_update: int | None = None  # a layer updated whose attention has not run yet
+        self.matching_config: weakref.ref | None = None
+        self.generated_ids: torch.Tensor | None = None
+        self.unattended_update: int | None = None  # a layer updated whose attention has not run yet
         # Chunked prefill: whether the budgets were resolved for the whole prompt (plan_prompt), and
         # on how many tokens they were resolved.
-        self._prompt_planned = False
-        self._budgets_resolved_on: int | None = None
+        self.prompt_planned = False
+        self.budgets_resolved_on: int | None = None
         # Question-aware chunked prefill: how many tokens of the forward now running are a copy of
         # the question (set by the prompt's feeder around that forward, 0 otherwise): each layer
         # drops them once its attention ran.
         self.question_copy_tokens = 0
+        self.slots_held: list[bool] | None = None  # fixed batch slots: each one's row running (host)
         reserve_packed_room(self)
         self.compressor = Compressor(policy, traits, self.compressed_layers, hole_filling_layers(self))
         self.layout_plan = LayoutPlan(static_decode(self))
@@ -251,20 +251,6 @@ class KVHiveCache(Cache):
         """Whether the decode step keeps one shape and reads nothing back (``layout_plan.static_decode``)."""
         return self.layout_plan.compileable
 
-    @property
-    def _compileable(self) -> bool:
-        return self.layout_plan.compileable
-
-    @_compileable.setter
-    def _compileable(self, value: bool) -> None:
-        self.layout_plan.compileable = value
-
-    def _static_decode(self) -> bool:
-        return static_decode(self)
-
-    def _reserve_decode(self, store: LayerStore) -> None:
-        self.layout_plan.reserve_decode(self, store)
-
     def compile_problem(self, prompt_length: int) -> str | None:
         """Why this cache's decode step would not stay one graph after a prompt of
         ``prompt_length`` tokens, known before the prefill; None when it would (as far as the
@@ -313,7 +299,7 @@ class KVHiveCache(Cache):
         comes (``prefill_chunk`` given, or ``plan_prompt`` called). Otherwise it is a continuation
         (e.g. a multiple-choice answer scored over the compressed prompt) that a prefill-only method
         leaves uncompressed, as before chunked prefill existed."""
-        return self.prefill_chunk is not None or self._prompt_planned
+        return self.prefill_chunk is not None or self.prompt_planned
 
     def plan_prompt(self, prompt_length: int, row_lengths: list[int] | None = None) -> None:
         """Resolve the budgets for a prompt of ``prompt_length`` tokens (each row's real length in
@@ -330,7 +316,7 @@ class KVHiveCache(Cache):
             )
         if self.traits.compresses:
             self.compressor.resolve_budgets(self, prompt_length, row_lengths)
-        self._prompt_planned = True
+        self.prompt_planned = True
 
     def drop_question_copy(self, layer_index: int) -> int:
         """Question-aware chunked prefill: forget the copy of the question the forward now running
@@ -377,12 +363,12 @@ class KVHiveCache(Cache):
     # -- transformers' Cache API ---------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         self._check_reuse(key_states, layer_idx)
-        if self._unattended_update is not None:
+        if self.unattended_update is not None:
             self._refuse_unattended_update()
         store: LayerStore = self.layers[layer_idx]
         if key_states.shape[2] > 1 and store.is_initialized:
             self._check_continuation(store, key_states.shape[2])
-        self._unattended_update = layer_idx
+        self.unattended_update = layer_idx
         keys, values = store.update(key_states, value_states)
         # The attention function runs next; the cache hands itself over through transformers' kwargs.
         mark_update(self, layer_idx, keys, kwargs)
@@ -390,7 +376,7 @@ class KVHiveCache(Cache):
 
     def _refuse_unattended_update(self) -> None:
         raise ValueError(
-            f"layer {self._unattended_update} of this cache was updated but kvhive's attention did not run: the "
+            f"layer {self.unattended_update} of this cache was updated but kvhive's attention did not run: the "
             "model using it runs another attention implementation (another model than the one given to "
             "kvhive.make_cache?); make a cache per model with kvhive.make_cache(model, ...)"
         )
@@ -446,7 +432,7 @@ class KVHiveCache(Cache):
         """Whether :meth:`crop` can roll the newest tokens back (transformers' assisted decoding asks
         after the prefill): no eviction while decoding, one count for every head and row, and no
         sliding window already full (its oldest tokens would go with the drafts)."""
-        if DECODE in self.policy.phases:
+        if self.traits.has_decode:
             return False
         return all(
             layer.is_uniform
@@ -461,7 +447,7 @@ class KVHiveCache(Cache):
 
         Supported where nothing is evicted while decoding (the full cache and the prefill-only
         methods: the drafts were only appended); every layer is checked before any is changed."""
-        if DECODE in self.policy.phases:
+        if self.traits.has_decode:
             # A draft token may have made the method evict a prompt token or move its scores; no
             # crop can undo that, so the result would not be what the method keeps.
             raise ValueError(
@@ -478,10 +464,6 @@ class KVHiveCache(Cache):
             layer.crop(tokens_to_remove)
 
     # -- caches prefilled separately, decoded together (kvhive.cache.batching) --------------------------
-    # Fixed batch slots (stack(batch_slots=...)): whether each slot holds a running row (host), or
-    # None for a cache whose rows are not slots.
-    _slots: list[bool] | None = None
-
     @property
     def is_stacked(self) -> bool:
         """Whether the rows have seen different numbers of tokens (made by :meth:`stack`)."""
@@ -512,7 +494,7 @@ class KVHiveCache(Cache):
     @property
     def is_slotted(self) -> bool:
         """Whether the rows are fixed batch slots (``KVHiveCache.stack(batch_slots=...)``)."""
-        return self._slots is not None
+        return self.slots_held is not None
 
     @property
     def active_slots(self) -> list[bool]:
@@ -630,7 +612,7 @@ class KVHiveCache(Cache):
     # -- copies ----------------------------------------------------------------------------------
     # Shared, not copied: weak references to the model's modules and config (a copy serves the
     # same model) and the key rotator (read-only frequencies).
-    _SHARED_BY_COPIES = ("_attention_modules", "_matching_config", "key_rotator")
+    _SHARED_BY_COPIES = ("attention_modules", "matching_config", "key_rotator")
 
     def __deepcopy__(self, memo: dict) -> KVHiveCache:
         """An independent copy for the same model (transformers' prompt-reuse pattern: fill a cache

@@ -9,11 +9,12 @@ it refuses); :meth:`CacheOptions.check_for` adds the checks that depend on the m
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final, Literal, get_args
 
 from kvhive.cache.budget import Budget
 from kvhive.cache.traits import MethodTraits
-from kvhive.methods.base import DECODE, PREFILL, Policy, require_choice
+from kvhive.methods.base import DECODE, PREFILL, Policy
+from kvhive.methods.contract import require
 
 Positions = Literal["original", "cache"]
 """Keys keep their true positions (``"original"``) or are re-indexed to contiguous ones (``"cache"``)."""
@@ -32,6 +33,50 @@ class BudgetNotKeptWarning(UserWarning):
 
 def _is_count(value, minimum: int) -> bool:
     return not isinstance(value, bool) and isinstance(value, int) and value >= minimum
+
+
+def _choice(options) -> tuple:
+    """A rule's check and expected values for a choice among the ``Literal`` ``options``."""
+    accepted = get_args(options)
+    return (lambda value: value in accepted), " or ".join(repr(option) for option in accepted)
+
+
+# The value each option takes, one row per option, checked in this order: (option, accepts the
+# value, what is expected).
+_VALUE_RULES = (
+    ("decode_every", lambda value: _is_count(value, 1), "an integer >= 1"),
+    ("decode_slack", lambda value: _is_count(value, 0), "an integer >= 0"),
+    ("compress_sliding", lambda value: isinstance(value, bool), "True or False"),
+    ("record_prefill", lambda value: isinstance(value, bool), "True or False"),
+    ("positions", *_choice(Positions)),
+    ("dense_decode", *_choice(DenseDecode)),
+    ("prefill_chunk", lambda value: value is None or _is_count(value, 1), "an integer >= 1 (tokens), or None"),
+    ("decode_capacity", lambda value: value is None or _is_count(value, 1), "an integer >= 1 (tokens), or None"),
+)
+
+# Options that cannot be combined: (option, value, other option, its value, why). ``_GIVEN`` stands
+# for any value but None.
+_GIVEN: Final = object()
+_EXCLUSIVE_OPTIONS = (
+    (
+        "decode_capacity",
+        _GIVEN,
+        "prefill_chunk",
+        _GIVEN,
+        "decode_capacity (a compiled decode) and prefill_chunk cannot be combined yet",
+    ),
+    (
+        "prefill_chunk",
+        _GIVEN,
+        "positions",
+        CACHE_POSITIONS,
+        "prefill_chunk is not supported with positions='cache' (stream token by token instead)",
+    ),
+)
+
+
+def _takes(value, wanted) -> bool:
+    return value is not None if wanted is _GIVEN else value == wanted
 
 
 @dataclass(frozen=True)
@@ -57,36 +102,29 @@ class CacheOptions:
             object.__setattr__(self, "budget", budget)
         if not isinstance(budget, Budget):
             raise ValueError(f"invalid budget={budget!r}: expected an int >= 1 or a ratio in (0, 1]")
-        if not _is_count(self.decode_every, 1):
-            raise ValueError(f"invalid decode_every={self.decode_every!r}: expected an integer >= 1")
-        if not _is_count(self.decode_slack, 0):
-            raise ValueError(f"invalid decode_slack={self.decode_slack!r}: expected an integer >= 0")
-        if not isinstance(self.compress_sliding, bool):
-            raise ValueError(f"invalid compress_sliding={self.compress_sliding!r}: expected True or False")
-        if not isinstance(self.record_prefill, bool):
-            raise ValueError(f"invalid record_prefill={self.record_prefill!r}: expected True or False")
-        require_choice(self.positions, "positions", Positions)
-        require_choice(self.dense_decode, "dense_decode", DenseDecode)
-        chunk, capacity = self.prefill_chunk, self.decode_capacity
-        if chunk is not None and not _is_count(chunk, 1):
-            raise ValueError(f"invalid prefill_chunk={chunk!r}: expected an integer >= 1 (tokens), or None")
-        if capacity is not None and not _is_count(capacity, 1):
-            raise ValueError(f"invalid decode_capacity={capacity!r}: expected an integer >= 1 (tokens), or None")
-        if capacity is not None and chunk is not None:
-            raise ValueError("decode_capacity (a compiled decode) and prefill_chunk cannot be combined yet")
-        if chunk is not None and self.positions == CACHE_POSITIONS:
-            raise ValueError("prefill_chunk is not supported with positions='cache' (stream token by token instead)")
+        for option, accepts, expected in _VALUE_RULES:
+            value = getattr(self, option)
+            require(accepts(value), option, expected, value)
+        for option, value, other, other_value, why in _EXCLUSIVE_OPTIONS:
+            if _takes(getattr(self, option), value) and _takes(getattr(self, other), other_value):
+                raise ValueError(why)
 
     def check_for(self, policy: Policy, traits: MethodTraits, key_rotator) -> None:
         """Refuse options that ``policy`` cannot run with (the checks that need the method)."""
         check_question_tokens(self.question_tokens, self.prefill_chunk, policy)
-        if self.positions == CACHE_POSITIONS and key_rotator is None:
+        if self.positions != CACHE_POSITIONS:
+            return
+        if key_rotator is None:
             raise ValueError("positions='cache' needs a key_rotator (use kvhive.make_cache)")
-        if self.positions == CACHE_POSITIONS and traits.attends_outside_cache:
+        if traits.attends_outside_cache:
             raise ValueError(
                 f"positions='cache' is not supported by method {policy.name!r}: its estimator "
                 "keeps keys outside the cache that cannot be re-indexed"
             )
+
+
+# The phases of a method that compresses only the prompt (the methods a question-aware prefill serves).
+_PROMPT_ONLY = frozenset({PREFILL})
 
 
 def check_question_tokens(question_tokens, prefill_chunk, policy: Policy) -> None:
@@ -103,7 +141,7 @@ def check_question_tokens(question_tokens, prefill_chunk, policy: Policy) -> Non
             f"question_tokens={question_tokens} needs prefill_chunk (the question is appended to each chunk of a "
             "chunked prefill); without chunks the prompt's own last queries are the question already"
         )
-    if DECODE in policy.phases or PREFILL not in policy.phases:
+    if policy.phases != _PROMPT_ONLY:
         raise ValueError(
             f"question_tokens is for methods that compress only the prompt (e.g. snapkv, pyramidkv): method "
             f"{policy.name!r} "

@@ -2,9 +2,9 @@
 
 Comparing methods means decoding the same prompt under many caches (one per method and budget).
 One at a time, every decode step reads all of the model's weights once per cache; a decode step
-of a small model is bound by those reads (Qwen2.5-0.5B in bf16 on one CPU core: 0.13 s for a
-batch of one, 0.15 s for a batch of 16), so decoding the caches as the rows of one batch costs
-about one cache's time. Each row keeps its own :class:`KVHiveCache` (its own method, budget,
+of a small model is bound by those reads (a batch of 16 costs little more than a batch of one;
+measurements in docs/DESIGN.md), so decoding the caches as the rows of one batch costs about one
+cache's time. Each row keeps its own :class:`KVHiveCache` (its own method, budget,
 kept tokens and per-head lengths); kvhive's attention serves row ``i`` of the batch from cache
 ``i`` (:mod:`kvhive.attention.integration`), so a row computes what its cache would alone.
 

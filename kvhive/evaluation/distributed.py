@@ -4,7 +4,7 @@ Items are independent, so the grid spreads over Ray actors (:class:`EvalWorker`)
 one loaded model (one GPU per actor when the cluster has GPUs, else a share of its CPUs). Every
 pending (method, budget) of an item still goes to ONE backend call on one worker (one shared
 prefill), through the same per-item code as the single-process run
-(:func:`kvhive.evaluation.runner._run_item`), so the records are the same. Records stream back
+(:func:`kvhive.evaluation.runner.run_item`), so the records are the same. Records stream back
 to the driver, the only process that appends to ``results.jsonl``: same ``fsync`` per line, same
 lock, same resume (a killed driver loses nothing written and a rerun duplicates nothing).
 
@@ -34,7 +34,7 @@ from typing import Any
 
 from .backend import DEFAULT_DTYPE, Backend, Setting
 from .results import TRANSIENT_STATUS, ResultsWriter
-from .runner import EvalRun, MethodValidator, PendingItem, _run_item, run_eval
+from .runner import EvalRun, MethodValidator, PendingItem, run_eval, run_item
 from .tasks import Task
 
 INSTALL_HINT = "Ray is not installed: pip install 'kvhive[ray]' (or pip install 'ray>=2.9')"
@@ -125,8 +125,8 @@ class EvalWorker:
         """The records of one item's pending settings (one backend call), as the local run makes them."""
         if self.backend is None:
             raise RuntimeError("EvalWorker.run_item called before start()")
-        records: list[dict] = []  # _run_item appends each record to its "writer": here, a list
-        _run_item(
+        records: list[dict] = []  # run_item appends each record to its "writer": here, a list
+        run_item(
             self.backend,
             task,
             item,

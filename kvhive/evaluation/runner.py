@@ -384,7 +384,7 @@ def run_eval(
                 for task, item, pending in work:
                     if bar is not None:
                         bar.set_postfix_str(f"{task.name} {item.id}", refresh=False)
-                    written += _run_item(backend, task, item, pending, writer, name, seed, limit, suite, dtype)
+                    written += run_item(backend, task, item, pending, writer, name, seed, limit, suite, dtype)
                     if bar is not None:
                         bar.update(len(pending))
         finally:
@@ -407,7 +407,7 @@ def run_eval(
     )
 
 
-def _run_item(
+def run_item(
     backend: Backend,
     task: Task,
     item: Item,

@@ -257,9 +257,8 @@ class GrowingLayout(Layout):
     # -- transitions and rows -------------------------------------------------------------------
     def reserve(self, tokens: int, exact: bool) -> None:
         """Room for ``tokens`` more tokens in every row, and the fixed capacity layout from here on:
-        appends write at a device index (see :class:`~kvhive.cache.layers.capacity.CapacityLayout`)."""
-        from kvhive.cache.layers.capacity import CapacityLayout  # (capacity.py builds on this module)
-
+        appends write at a device index (the store builds the
+        :class:`~kvhive.cache.layers.capacity.CapacityLayout`, which builds on this module)."""
         store = self.store
         capacity = self.length + tokens
         if exact and capacity != self.buffers.keys.shape[2]:
@@ -269,7 +268,7 @@ class GrowingLayout(Layout):
         # The empty slots are attended with weight 0, and 0 x uninitialised memory can be NaN:
         # they hold zeros until a token is written there.
         self.buffers.zero_from(self.length)
-        store.use_layout(CapacityLayout(store, self.buffers, self.length, exact, store.fills_to_budget))
+        store.use_layout(store.capacity_layout(self.buffers, self.length, exact))
 
     def release_unused(self) -> None:
         """After a prefill: buffers of the stored tokens plus the append reserve, where they hold more.

@@ -26,6 +26,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvhive import static_step
 from kvhive.cache.layers.buffers import POSITION_DTYPE, SEGMENT_RESERVE_TOKENS, mark_static, reserve, row_index
+from kvhive.cache.layers.capacity import CapacityLayout
 from kvhive.cache.layers.counters import Count, RowCounts
 from kvhive.cache.layers.growing import GrowingLayout
 from kvhive.cache.layers.layout import Layout
@@ -88,6 +89,11 @@ class LayerStore(CompressorRecord, CacheLayerMixin):
         self.has_row_lengths = layout.has_row_lengths
         self.row_lengths_device = layout.row_lengths_device
 
+    def capacity_layout(self, buffers, length: int, exact: bool) -> Layout:
+        """The fixed capacity layout over ``buffers`` holding ``length`` tokens (the growing layout's
+        ``reserve`` transition), with this layer's ``fills_to_budget``."""
+        return CapacityLayout(self, buffers, length, exact, self.fills_to_budget)
+
     def reset(self) -> None:
         """Empty the layer: nothing stored, nothing seen, the growing layout."""
         self.is_initialized = False
@@ -147,8 +153,6 @@ class LayerStore(CompressorRecord, CacheLayerMixin):
     def row_lengths(self) -> list[int] | None:
         """Tokens held by each batch row (host) where rows hold different numbers, else None."""
         return self.layout.row_lengths_host()
-
-    _row_lengths = row_lengths  # (the name kv_cache reads)
 
     def trust_the_device(self) -> None:
         """Read every counter mirrored on the host back from the device, now (a leave or a join of

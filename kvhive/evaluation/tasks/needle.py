@@ -52,7 +52,7 @@ DEFAULT_LENGTHS = (1000, 2000, 4000)
 DEFAULT_DEPTHS = (0, 25, 50, 75, 100)
 
 # words for multi-key needle keys (fixed list so keys are reproducible without any data file)
-_KEY_WORDS_A = (
+KEY_WORDS_A = (
     "amber",
     "brisk",
     "calm",
@@ -79,7 +79,7 @@ _KEY_WORDS_A = (
     "young",
     "zesty",
 )
-_KEY_WORDS_B = (
+KEY_WORDS_B = (
     "anchor",
     "badger",
     "canyon",
@@ -268,14 +268,14 @@ class NeedleMultiKeyTask(NeedleTask):
     @classmethod
     def parameters(cls) -> dict[str, Parameter]:
         # at most as many needles as distinct keys (the key loop would never end)
-        return {**super().parameters(), "num_needles": Parameter("int", 1, len(_KEY_WORDS_A) * len(_KEY_WORDS_B))}
+        return {**super().parameters(), "num_needles": Parameter("int", 1, len(KEY_WORDS_A) * len(KEY_WORDS_B))}
 
     def _make_item(self, haystack: str, repetition: int, length: int, depth: float, seed: int) -> Item:
         rng = random.Random(f"needle_multikey:{seed}:{repetition}:{length}:{depth}")
         num_needles = int(self.params["num_needles"])
         keys: list[str] = []
         while len(keys) < num_needles:
-            key = f"{rng.choice(_KEY_WORDS_A)}-{rng.choice(_KEY_WORDS_B)}"
+            key = f"{rng.choice(KEY_WORDS_A)}-{rng.choice(KEY_WORDS_B)}"
             if key not in keys:
                 keys.append(key)
         numbers = [str(rng.randrange(1_000_000, 10_000_000)) for _ in keys]

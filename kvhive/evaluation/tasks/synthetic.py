@@ -14,7 +14,7 @@ from typing import Any
 
 from ..metrics import first_integer
 from .base import MAX_GENERATED_TOKENS, Item, Parameter, Task, take
-from .needle import _KEY_WORDS_A, _KEY_WORDS_B
+from .needle import KEY_WORDS_A, KEY_WORDS_B
 
 
 class SyntheticRecallTask(Task):
@@ -33,22 +33,22 @@ class SyntheticRecallTask(Task):
     @classmethod
     def parameters(cls) -> dict[str, Parameter]:
         return {
-            "num_pairs": Parameter("int", 1, len(_KEY_WORDS_A)),
+            "num_pairs": Parameter("int", 1, len(KEY_WORDS_A)),
             "num_items": Parameter("int", 1, 1_000_000),
             "max_new_tokens": Parameter("int", 1, MAX_GENERATED_TOKENS),
         }
 
     def load(self, data_dir, limit, seed, tokenizer) -> list[Item]:
         num_pairs = int(self.params["num_pairs"])
-        if not 1 <= num_pairs <= len(_KEY_WORDS_A):
-            raise ValueError(f"task 'synthetic_recall': num_pairs must be in 1..{len(_KEY_WORDS_A)}, got {num_pairs}")
+        if not 1 <= num_pairs <= len(KEY_WORDS_A):
+            raise ValueError(f"task 'synthetic_recall': num_pairs must be in 1..{len(KEY_WORDS_A)}, got {num_pairs}")
         count = int(self.params["num_items"]) if limit is None else int(limit)
         items = []
         for index in range(count):
             rng = random.Random(f"synthetic_recall:{seed}:{index}")
             # distinct first words: keys sharing a first word confuse small models (gemma-3-270m
             # full cache: 1/6 correct with shared words and 24 pairs, 7/8 with distinct words and 16)
-            keys = [f"{first}-{rng.choice(_KEY_WORDS_B)}" for first in rng.sample(_KEY_WORDS_A, num_pairs)]
+            keys = [f"{first}-{rng.choice(KEY_WORDS_B)}" for first in rng.sample(KEY_WORDS_A, num_pairs)]
             values = [rng.randrange(10_000, 100_000) for _ in keys]
             queried = rng.randrange(num_pairs)
             records = "\n".join(f"The value of key {k} is {v}." for k, v in zip(keys, values, strict=True))
