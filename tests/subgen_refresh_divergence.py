@@ -15,6 +15,7 @@ by hand to measure the figures stated in docs/METHODS.md::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -107,6 +108,50 @@ def decode_against_closest_pair(
     return Divergence(stream.shape[0] - prompt, differing, most_stale)
 
 
+def model_decisions(width: int, prompt: int, steps: int, layers: int, ratio: float) -> tuple[int, int]:
+    """``(differing, decisions)`` on the kv-heavy random model generating greedy tokens with the
+    default (exact) SubGen: at every decode decision of every (layer, KV head) row, whether a
+    ``stale_refresh_width=width`` decision from the same state keeps a different set."""
+    import kvhive
+    from kvhive.models import kv_heavy_model
+
+    model = kv_heavy_model(layers)
+    approximate = SubGen(stale_refresh_width=width)
+    counts = {"differing": 0, "decisions": 0}
+    originals = {name: getattr(SubGen, name) for name in ("select_decode", "select_decode_drop")}
+
+    def checked(name):
+        def select(self, scoring, budget, state):
+            if self is approximate:
+                return originals[name](self, scoring, budget, state)
+            scores = {key: value.clone() for key, value in scoring.token_scores.items()}
+            copy = dataclasses.replace(scoring, token_scores=scores, key_probes=None)
+            other = getattr(approximate, name)(copy, budget, {})
+            chosen = originals[name](self, scoring, budget, state)
+            if chosen is not None:
+                differ = chosen != other
+                rows = differ.shape[0] * differ.shape[1]
+                counts["differing"] += int(differ.reshape(rows, -1).any(-1).sum())
+                counts["decisions"] += rows
+            return chosen
+
+        return select
+
+    for name in originals:
+        setattr(SubGen, name, checked(name))
+    try:
+        cache = kvhive.make_cache(model, "subgen", ratio=ratio)
+        ids = torch.randint(3, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
+        with torch.inference_mode():
+            token = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            for _ in range(steps):
+                token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    finally:
+        for name, original in originals.items():
+            setattr(SubGen, name, original)
+    return counts["differing"], counts["decisions"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dims", type=int, nargs="*", default=[16, 64])
@@ -116,7 +161,20 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=40)
     parser.add_argument("--recent", type=int, default=4)
     parser.add_argument("--prompt", type=int, default=48)
+    parser.add_argument(
+        "--kv-heavy", type=int, default=0, metavar="PROMPT", help="also the kv-heavy model at this prompt"
+    )
+    parser.add_argument("--layers", type=int, default=2, help="kv-heavy layers")
+    parser.add_argument("--ratio", type=float, default=0.1, help="kv-heavy budget as a ratio of the prompt")
     args = parser.parse_args()
+    if args.kv_heavy:
+        for width in args.widths:
+            differing, decisions = model_decisions(width, args.kv_heavy, args.steps, args.layers, args.ratio)
+            print(
+                f"kv-heavy {args.layers} layers, {args.kv_heavy}-token prompt, {args.steps} greedy steps, "
+                f"ratio {args.ratio}: stale_refresh_width={width} differs from the exact rule on "
+                f"{differing} of {decisions} decisions (same state)"
+            )
     for dim in args.dims:
         for width in [None, *args.widths]:
             decisions = differing = most_stale = 0

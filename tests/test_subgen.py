@@ -1282,6 +1282,8 @@ def test_a_dropped_hub_refreshes_its_stale_neighbours_smallest_first():
 
     expected = _brute_force_decode(list(keys[0]), list(range(8)), target)
     assert 7 not in expected  # the hub went first
+    kept, _ = run(None)  # the exact rule (the default): every stale candidate refreshed
+    assert set(kept[0].nonzero().flatten().tolist()) == expected
     kept, nearest_sq = run(8)
     assert set(kept[0].nonzero().flatten().tolist()) == expected
     survivors = kept[0].nonzero().flatten()
