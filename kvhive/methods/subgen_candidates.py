@@ -219,7 +219,6 @@ def maintain_candidates(
         keys_sq = (keys * keys).sum(-1)
     positions = positions.to(nearest_position.dtype)
     rows, _, dim = keys.shape
-    exact = stale_refresh_width is None
     stale_refresh_width = refresh_width(stale_refresh_width, keys.shape[1])
     if probe is None:  # (a probed step's candidates are the probe's own, made for this step)
         candidates = candidates.clone()
@@ -311,11 +310,8 @@ def maintain_candidates(
         dropped_position = torch.where(newer_is_partner, partner_position, first_position)
         lost = candidates & (nearest_position == torch.where(dropped, dropped_position, -1.0))
         nearest_position.masked_fill_(lost, -1.0)
-        if removal + 1 < removal_bound or not exact:
-            # (The exact rule leaves the last removal's stale candidates marked: the next decision
-            # refreshes every one of them before its first removal, the same records.)
-            stale = candidates & (nearest_position < 0)
-            recompute(*_smallest_indices(nearest_sq, stale, stale_refresh_width), update_others=False)
+        stale = candidates & (nearest_position < 0)
+        recompute(*_smallest_indices(nearest_sq, stale, stale_refresh_width), update_others=False)
         if removal + 1 < removal_bound:
             excess = excess - active.long()
     ready.copy_(candidates.to(ready.dtype))
