@@ -17,6 +17,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
+import subgen_refresh_divergence
 import torch
 
 import kvhive
@@ -41,7 +42,7 @@ from kvhive.methods.subgen_attention import (
     memory_plan,
     structures_nbytes,
 )
-from kvhive.methods.subgen_candidates import padded_indices
+from kvhive.methods.subgen_candidates import APPROXIMATE_STALE_REFRESH_WIDTH, padded_indices
 from kvhive.models import TINY_ARCHITECTURES, TINY_ATTENTION_KINDS, tiny_model
 
 from helpers import left_padded_batch, prefill_and_decode, reference_logits, solo_runs
@@ -1281,6 +1282,8 @@ def test_a_dropped_hub_refreshes_its_stale_neighbours_smallest_first():
 
     expected = _brute_force_decode(list(keys[0]), list(range(8)), target)
     assert 7 not in expected  # the hub went first
+    kept, _ = run(None)  # the exact rule (the default): every stale candidate refreshed
+    assert set(kept[0].nonzero().flatten().tolist()) == expected
     kept, nearest_sq = run(8)
     assert set(kept[0].nonzero().flatten().tolist()) == expected
     survivors = kept[0].nonzero().flatten()
@@ -1302,7 +1305,7 @@ def test_decode_marks_stale_candidates_and_keeps_their_neighbours_live_over_a_lo
     # keys' own. Checked with the general search (every candidate's neighbour looked up among the
     # candidates) over a high-dimensional stream where more candidates go stale at once than a
     # removal refreshes (hubs: many share a neighbour).
-    from kvhive.methods.subgen import KEY_NORM, STALE_REFRESH_WIDTH
+    from kvhive.methods.subgen import KEY_NORM
 
     def stale_by_search(candidates, positions, nearest_position):
         alive = ((positions[:, None, :] == nearest_position[:, :, None]) & candidates[:, None, :]).any(-1)
@@ -1334,7 +1337,46 @@ def test_decode_marks_stale_candidates_and_keeps_their_neighbours_live_over_a_lo
         norms = (keys[0, 0] * keys[0, 0]).sum(-1)
         assert torch.equal(scores[KEY_NORM][0, 0][candidates[0]], norms[candidates[0]]), step
         most_stale = max(most_stale, int(stale.sum()))
-    assert most_stale > STALE_REFRESH_WIDTH  # the lower-bound path was taken
+    assert most_stale > APPROXIMATE_STALE_REFRESH_WIDTH  # the lower-bound path was taken
+
+
+@pytest.mark.parametrize("dim, seed", [(16, 0), (32, 1), (64, 2)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_default_decode_takes_the_true_closest_pair_on_every_decision_of_a_hub_stream(dim, seed, masked):
+    """Keys with hubs (Gaussian directions, random scales: a small key is the nearest neighbour of
+    many), d >= 16: a removal leaves more candidates stale (nearest neighbour dropped) than the
+    approximate refresh width. The default decode refreshes them all: every decision equals the
+    brute-force closest-pair rule on the same candidates (the newer member of the closest pair among
+    all candidates dropped), with and without the model mask (row-masked and every-row-full steps)."""
+    stream = subgen_refresh_divergence.hub_stream(48 + 150, dim, seed)
+    result = subgen_refresh_divergence.decode_against_closest_pair(
+        stream, SubGen(recent=4), budget=40, prompt=48, masked=masked, fail_fast=True
+    )
+    assert result.decisions == 150 and result.differing == []
+    assert result.most_stale > APPROXIMATE_STALE_REFRESH_WIDTH  # more stale than the width refreshes
+
+
+def test_an_approximate_stale_refresh_width_changes_decisions_on_a_hub_stream():
+    """``stale_refresh_width`` is an approximation: on a hub stream where the default takes the true
+    closest pair on every decision, a width of 8 (the former default) or 1 takes some decisions on
+    a lower bound (drops a stale candidate instead of the closest pair's newer member)."""
+    stream = subgen_refresh_divergence.hub_stream(48 + 200, 32, 0)
+
+    def differing(width):
+        policy = SubGen(recent=4, stale_refresh_width=width)
+        return subgen_refresh_divergence.decode_against_closest_pair(stream, policy, budget=40, prompt=48).differing
+
+    assert differing(None) == []
+    assert differing(APPROXIMATE_STALE_REFRESH_WIDTH) != []
+    assert differing(1) != []
+
+
+@pytest.mark.parametrize("width", [0, -1, 2.5, True, "8"])
+def test_stale_refresh_width_is_validated(width):
+    with pytest.raises(ValueError, match="stale_refresh_width.*integer >= 1"):
+        SubGen(stale_refresh_width=width)
+    assert SubGen().config.stale_refresh_width is None  # exact by default
+    assert SubGen(stale_refresh_width=3).config.stale_refresh_width == 3
 
 
 def test_subgen_knows_the_caches_rope_position_score_name():
@@ -1344,13 +1386,15 @@ def test_subgen_knows_the_caches_rope_position_score_name():
     assert _ROPE_POSITION == ROPE_POSITION
 
 
+@pytest.mark.parametrize("width", [None, APPROXIMATE_STALE_REFRESH_WIDTH])
 @pytest.mark.parametrize("recent", [0, 1, 4])
-def test_decode_in_the_cache_is_the_same_whether_or_not_the_newest_tokens_scores_are_kept(recent, monkeypatch):
+def test_decode_in_the_cache_is_the_same_whether_or_not_the_newest_tokens_scores_are_kept(recent, width, monkeypatch):
     """With a recent window the cache neither resets a new token's per-token scores nor moves them
     with the newest token into a freed slot (``reads_newest_token_scores`` False): SubGen writes a
     token's neighbour bookkeeping only when it leaves the window. Every decode step must keep what a
     cache that resets and moves the scores keeps; with ``recent = 0`` the newest token is a
-    candidate at once, and its scores must move."""
+    candidate at once, and its scores must move. (The exact refresh, the default, recomputes every
+    candidate's neighbour in a steady step, so only the approximate width's steps show the loss.)"""
     model = tiny_model("llama", "gqa")
     generator = torch.Generator().manual_seed(30 + recent)
     input_ids = torch.randint(3, model.config.vocab_size, (2, 28), generator=generator)
@@ -1360,7 +1404,7 @@ def test_decode_in_the_cache_is_the_same_whether_or_not_the_newest_tokens_scores
     def kept(reads: bool | None):
         if reads is not None:
             monkeypatch.setattr(SubGen, "reads_newest_token_scores", property(lambda self: reads))
-        cache = kvhive.make_cache(model, "subgen", budget=12, recent=recent)
+        cache = kvhive.make_cache(model, "subgen", budget=12, recent=recent, stale_refresh_width=width)
         assert all(
             store.new_token_scores_read == SubGen(recent=recent).reads_newest_token_scores for store in cache.layers
         )
@@ -1377,7 +1421,7 @@ def test_decode_in_the_cache_is_the_same_whether_or_not_the_newest_tokens_scores
 
     default = kept(None)
     assert torch.equal(default, kept(True))
-    if recent == 0:  # without the move the newest candidate's bookkeeping is lost
+    if recent == 0 and width is not None:  # without the move the newest candidate's bookkeeping is lost
         assert not torch.equal(default, kept(False))
 
 

@@ -50,13 +50,13 @@ from kvhive.methods.subgen_candidates import (
     KEY_NORM,
     NEAREST_DISTANCE,
     NEAREST_POSITION,
-    STALE_REFRESH_WIDTH,
     SteadyProbe,
     after_every,
     is_steady_step,
     maintain_candidates,
     neighbours_recorded,
     newest_candidate,
+    refresh_width,
     squared_distances,
     steady_rows,
 )
@@ -70,9 +70,15 @@ _ROPE_POSITION = "_rope_position"
 @dataclass(frozen=True)
 class SubGenConfig(PolicyConfig):
     recent: int = 32
+    # None: the paper's rule on every decode decision (every stale candidate refreshed before a
+    # removal). An integer: refresh at most that many per row and removal, an approximation
+    # (docs/METHODS.md, SubGen decode) that is cheaper on long prompts whose keys have hubs.
+    stale_refresh_width: int | None = None
 
     def validate(self) -> None:
         require_int_at_least(self.recent, 0, "recent")
+        if self.stale_refresh_width is not None:
+            require_int_at_least(self.stale_refresh_width, 1, "stale_refresh_width")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,7 +408,7 @@ class SubGen(Policy):
         decision): the newcomer and the stale candidates :func:`steady_rows` picks, whose distances
         to every candidate the step reads, chosen from the state before this step's attention (the
         decision after it sees the same). None for any other step."""
-        if not is_steady_step(scoring, budget):
+        if not is_steady_step(scoring, budget, self.config.stale_refresh_width):
             return None
         b, h, n, d = scoring.keys.shape
         scores = scoring.token_scores
@@ -418,7 +424,7 @@ class SubGen(Policy):
             scores[NEAREST_DISTANCE].reshape(shape),
             nearest_position,
             newcomer,
-            STALE_REFRESH_WIDTH,
+            refresh_width(self.config.stale_refresh_width, n),
         )
         context = SteadyProbe(split, positions, newcomer, index, asked_sq, None)
         return KeyProbes(rows=asked.view(b, h, -1, d), context=context)
@@ -427,7 +433,7 @@ class SubGen(Policy):
         """A steady step over real tokens only (one newcomer, one removal, every row full: after a
         decision, without a model mask): the token its closest-pair removal drops (the same
         decision as :meth:`select_decode`'s), as a stored index. None for any other step."""
-        if scoring.mask is not None or not is_steady_step(scoring, budget):
+        if scoring.mask is not None or not is_steady_step(scoring, budget, self.config.stale_refresh_width):
             return None
         dropped = self._decide(scoring, budget)[3]
         if dropped is None:  # (maintain_candidates takes its steady step under exactly these conditions)
@@ -503,6 +509,7 @@ class SubGen(Policy):
             # Every stored token real: each row holds n - recent candidates, one over the target.
             every_row_full=scoring.mask is None and n - budget == 1,
             probe=probe,
+            stale_refresh_width=self.config.stale_refresh_width,
         )
         # NEAREST_DISTANCE, NEAREST_POSITION and KEY_NORM were updated in place (stored()).
         return kept.reshape(b, h, n), forced, valid, dropped

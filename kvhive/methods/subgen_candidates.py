@@ -128,12 +128,20 @@ def _oldest_minimum(
     return low, at_low.amin(dim, keepdim=True)
 
 
-# Candidates whose nearest neighbour was dropped that get a new one before the next removal, per
-# removal and row, smallest recorded distance first. The dropped token is on average the nearest
-# neighbour of one candidate; a row with more keeps the rest as lower bounds (still stale) and
-# refreshes them before later removals, smallest first (high-dimensional keys have hubs: on the
-# kv-heavy benchmark model a row holds up to ~130 stale candidates after a removal).
-STALE_REFRESH_WIDTH = 8
+# The approximate refresh's width used before the exact rule became the default (the value of
+# ``SubGenConfig.stale_refresh_width`` that reproduces it). With a width, a removal refreshes the
+# stale candidates (nearest neighbour dropped) of smallest recorded distance up to that many per
+# row; a row with more keeps the rest as lower bounds, and when such a lower bound is the smallest
+# recorded distance the removal drops its candidate instead of the newer member of the true closest
+# pair (high-dimensional keys have hubs: on the kv-heavy benchmark model a row holds up to ~130
+# stale candidates after a removal).
+APPROXIMATE_STALE_REFRESH_WIDTH = 8
+
+
+def refresh_width(stale_refresh_width: int | None, tokens: int) -> int:
+    """The stale candidates refreshed per row and removal: every one (``tokens``, the stored tokens
+    of a row, bounds them) for the exact rule (None), else ``stale_refresh_width``."""
+    return tokens if stale_refresh_width is None else stale_refresh_width
 
 
 class SteadyProbe(NamedTuple):
@@ -159,7 +167,7 @@ def maintain_candidates(
     *,
     newcomer_bound: int,
     removal_bound: int,
-    stale_refresh_width: int = STALE_REFRESH_WIDTH,
+    stale_refresh_width: int | None = None,
     keys_sq: torch.Tensor | None = None,
     every_row_full: bool = False,
     probe: SteadyProbe | None = None,
@@ -177,15 +185,19 @@ def maintain_candidates(
 
     Fixed work, no host read: ``newcomer_bound`` (a host-known bound on the candidates not yet
     ``ready`` in any row) and ``removal_bound`` (on the excess over ``target``) set the number of
-    tensor steps; a row with less to do is masked. After each removal the
-    ``stale_refresh_width`` stale candidates (nearest neighbour gone) with the smallest recorded
-    distances get their nearest neighbour again. A stale candidate beyond that width keeps its
-    recorded distance, a lower bound of the true one, until a later removal refreshes it: the
-    closest-pair search is exact whenever no row has more stale candidates than that width at a
-    removal (true on the tests' streams and golden cases; in 2 dimensions a token is the unique
-    nearest neighbour of at most 6 others). A steady step (:func:`steady_step`) refreshes its
-    removal's stale candidates at the start of the next step instead; those left here are
-    refreshed (the same width, smallest first) before the first removal.
+    tensor steps; a row with less to do is masked. Before each removal every stale candidate
+    (nearest neighbour gone) gets its nearest neighbour again, so the removal takes the true closest
+    pair (the paper's rule): one batched block of rows, every stored token of a row a row of it
+    (a fixed shape, whatever the number of stale candidates). A steady step (:func:`steady_step`)
+    refreshes its removal's stale candidates at the start of the next step instead; those left here
+    are refreshed before the first removal.
+
+    ``stale_refresh_width`` (an approximation, opt in): refresh only that many stale candidates per
+    row and removal, smallest recorded distance first; a stale candidate beyond it keeps its
+    recorded distance, a lower bound of the true one, until a later removal refreshes it, and where
+    that bound is the smallest recorded distance the removal drops its candidate (not the closest
+    pair's newer member). The search is exact whenever no row has more stale candidates than the
+    width at a removal (in 2 dimensions a token is the unique nearest neighbour of at most 6 others).
 
     Stale candidates are recorded with ``nearest_position = -1`` (the position of no token), so
     a removal finds them without searching for every candidate's neighbour: this needs every
@@ -207,6 +219,7 @@ def maintain_candidates(
         keys_sq = (keys * keys).sum(-1)
     positions = positions.to(nearest_position.dtype)
     rows, _, dim = keys.shape
+    stale_refresh_width = refresh_width(stale_refresh_width, keys.shape[1])
     if probe is None:  # (a probed step's candidates are the probe's own, made for this step)
         candidates = candidates.clone()
     # A steady step (one token joins, one leaves) whose refresh is one block of _nearest_among.
@@ -315,7 +328,7 @@ def steady_block_fits(rows: int, tokens: int, stale_refresh_width: int) -> bool:
     return 0 < stale_refresh_width <= max(1, _BLOCK_ELEMENTS // max(1, rows * tokens))
 
 
-def is_steady_step(scoring: ScoringInputs, budget: int) -> bool:
+def is_steady_step(scoring: ScoringInputs, budget: int, stale_refresh_width: int | None) -> bool:
     """Whether a decode step's decision is :func:`steady_step` (what :func:`maintain_candidates`
     takes after a decision, one token over the budget, the block fitting): the step whose rows
     :meth:`SubGen.decode_key_probes` asks for and whose dropped token :meth:`SubGen.select_decode_drop`
@@ -324,7 +337,7 @@ def is_steady_step(scoring: ScoringInputs, budget: int) -> bool:
     return (
         neighbours_recorded(scoring.token_scores)
         and n - budget == 1
-        and steady_block_fits(b * h, n, STALE_REFRESH_WIDTH)
+        and steady_block_fits(b * h, n, refresh_width(stale_refresh_width, n))
     )
 
 
