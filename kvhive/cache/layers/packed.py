@@ -161,7 +161,8 @@ class PackedLayout(Layout):
         destination = ((self.segment_start + lengths.device.long())[:, None] + grow).reshape(-1)
         buffers.keys.index_copy_(0, destination, key_states.reshape(-1, key_states.shape[-1]))
         buffers.values.index_copy_(0, destination, value_states.reshape(-1, value_states.shape[-1]))
-        buffers.positions.index_copy_(0, destination, positions.reshape(-1).repeat(store.num_segments))
+        flat_positions = positions if positions.dim() == 1 else positions.reshape(-1)
+        buffers.positions.index_copy_(0, destination, flat_positions.repeat(store.num_segments))
         for buffer in buffers.scores.values():
             buffer.index_fill_(0, destination, 0.0)
         lengths.device.add_(new_tokens)
