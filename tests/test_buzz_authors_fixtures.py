@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-import kvhive.methods.buzz as buzz_module
+from kvhive import static_step
 from kvhive.cache import KVHiveCache
 from kvhive.methods.base import DECODE, PREFILL, ScoringInputs
 from kvhive.methods.buzz import OLD, PREFILL_ROUNDS, SCORE, Buzz, layout_for_budget, small_stride
@@ -303,14 +303,14 @@ def decode_through_the_cache(policy: Buzz, budget: int, case: dict) -> int:
     return evictions
 
 
-@pytest.mark.parametrize("static_step", [False, True], ids=["eager", "compiled-step-decision"])
+@pytest.mark.parametrize("recorded_step", [False, True], ids=["eager", "compiled-step-decision"])
 @pytest.mark.parametrize("name", ["fits", "stride3"])
-def test_the_cache_s_fixed_capacity_decode_keeps_the_authors_positions(name, static_step, monkeypatch):
+def test_the_cache_s_fixed_capacity_decode_keeps_the_authors_positions(name, recorded_step, monkeypatch):
     """Eager: the host schedule skips the steps that evict nothing and runs the device decision at
     each eviction. Compiled-step decision: the device decision at every step, as a traced or captured
     step runs it (``in_static_step``), keeping every filled slot where it evicts nothing."""
-    if static_step:
-        monkeypatch.setattr(buzz_module, "in_static_step", lambda: True)
+    if recorded_step:
+        monkeypatch.setattr(static_step, "in_static_step", lambda: True)
     case = CASES[name]
     policy, budget = policy_and_budget(case)
     assert decode_through_the_cache(policy, budget, case) >= 5

@@ -327,7 +327,7 @@ RANGES = {
         ),
         "decode_n": Range("one of ('seen', 'stored')", ("seen", "stored"), ("no_such_choice", "SEEN", None)),
     },
-    "subgen": {"recent": _int_at_least(0)},
+    "subgen": {"recent": _int_at_least(0), "stale_refresh_width": _int_at_least(1, more=(None, 8))},
     "subgen-attention": {
         "cluster_radius": Range(
             "a finite number > 0 (cluster radius delta)",
