@@ -274,7 +274,8 @@ def _weights_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
 
 
-def _highest(values) -> int | None:
+def highest_known(values) -> int | None:
+    """The largest of the values that are known (not None), or None when none is."""
     known = [v for v in values if v is not None]
     return max(known) if known else None
 
@@ -407,17 +408,17 @@ def run_benchmark(
     result["memory_baseline_bytes"] = memory_baseline
     for suffix, runs in (("_full", full_phases), ("", method_phases)):
         for phase in ("prefill", "decode"):
-            result[f"{phase}_peak_bytes{suffix}"] = _highest(run.get(f"{phase}_peak_bytes") for run in runs)
+            result[f"{phase}_peak_bytes{suffix}"] = highest_known(run.get(f"{phase}_peak_bytes") for run in runs)
         # What the decode phase starts from: the cache the prefill left, with the weights.
-        result[f"decode_start_bytes{suffix}"] = _highest(run.get("decode_start_bytes") for run in runs)
+        result[f"decode_start_bytes{suffix}"] = highest_known(run.get("decode_start_bytes") for run in runs)
     phase_peaks = [
         run.get(f"{phase}_peak_bytes") for run in full_phases + method_phases for phase in ("prefill", "decode")
     ]
     if cuda:
-        result["peak_rss_bytes"] = _highest([process_peak, peak_rss_bytes()])
-        result["peak_cuda_bytes"] = _highest([cuda_peak, torch.cuda.max_memory_allocated(device), *phase_peaks])
+        result["peak_rss_bytes"] = highest_known([process_peak, peak_rss_bytes()])
+        result["peak_cuda_bytes"] = highest_known([cuda_peak, torch.cuda.max_memory_allocated(device), *phase_peaks])
     else:
-        result["peak_rss_bytes"] = _highest([process_peak, peak_rss_bytes(), *phase_peaks])
+        result["peak_rss_bytes"] = highest_known([process_peak, peak_rss_bytes(), *phase_peaks])
     return result
 
 

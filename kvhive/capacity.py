@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from kvhive.bench import DTYPES, check_prefill_chunk, load_shape, timed_run
+from kvhive.bench import DTYPES, check_prefill_chunk, highest_known, load_shape, timed_run
 from kvhive.memory import PhaseMemory, format_bytes, is_out_of_memory, out_of_memory_reason, process_status
 
 
@@ -244,7 +244,9 @@ def capacity_trial(
             raise
         return TrialOutcome(value, False, out_of_memory_reason(error))
     if memory.unavailable is None:
-        peak = _highest([imported_peak, loaded_peak, phases.get("prefill_peak_bytes"), phases.get("decode_peak_bytes")])
+        peak = highest_known(
+            [imported_peak, loaded_peak, phases.get("prefill_peak_bytes"), phases.get("decode_peak_bytes")]
+        )
         details = {key: phases.get(key) for key in ("prefill_peak_bytes", "decode_peak_bytes")}
     elif not cuda and os.path.exists("/proc/self/status"):
         # No reset, so no phase peaks, but the never-reset high-water mark is the trial's peak.
@@ -260,11 +262,6 @@ def capacity_trial(
 
 def _process_peak_bytes() -> int:
     return process_status()["VmHWM"]
-
-
-def _highest(values) -> int | None:
-    known = [v for v in values if v is not None]
-    return max(known) if known else None
 
 
 def _max_positions(shape: str, num_layers: int | None) -> int:

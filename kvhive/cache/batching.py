@@ -21,7 +21,7 @@ from transformers.cache_utils import Cache
 from kvhive.cache.layout_plan import static_decode
 from kvhive.cache.options import ORIGINAL_POSITIONS
 from kvhive.cache.storage import LayerStore
-from kvhive.methods.base import Policy, ScoringInputs
+from kvhive.methods.base import Policy
 
 # Room for decode tokens a stacked layer that grows gets past its longest row, when none is asked for.
 DEFAULT_STACK_ROOM = 64
@@ -30,13 +30,6 @@ DEFAULT_STACK_ROOM = 64
 def batch_size(cache: Cache) -> int:
     """Rows of the cache's batch (0 before its first update)."""
     return next((layer.batch_size for layer in cache.layers if layer.is_initialized), 0)
-
-
-def real_lengths(scoring: ScoringInputs) -> list[int]:
-    """Real (unpadded) tokens of each row: the keys some query of the prompt may attend."""
-    if scoring.mask is None:
-        return [scoring.num_tokens] * scoring.batch_size
-    return scoring.mask[:, 0].any(dim=-2).sum(dim=-1).tolist()
 
 
 def row_views(layer: LayerStore) -> list[tuple]:
