@@ -1,6 +1,6 @@
 """Kernels of one steady decode step as a CUDA graph captures it, per method, counted on the CPU.
 
-A captured step is an eager step with ``in_static_step()`` forced True (as tests/test_slot_capture.py
+A captured step is an eager step with ``in_static_step()`` forced True (as tests/cache/test_slot_capture.py
 takes it); on a GPU its replay is launch-bound, each aten operation that is not a view one kernel
 node that every replay runs. The tiny Llama-GQA model (2 layers), a 160-token prompt, budget 48,
 after 6 decode steps. On the CPU the attention of a method that reads weights is the torch path

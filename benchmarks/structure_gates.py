@@ -6,7 +6,7 @@ side by side in one run (``--repo /work/baseline --repo .``):
 
 1. Runtime trace. One eager decode step of the tiny Llama-GQA (``kvhive.models.tiny_model("llama",
    "gqa")``, torch seed 0), traced with ``sys.setprofile`` (and ``threading.setprofile``): a
-   ``--prompt``-token prompt (default 160, random ids with seed 0 as tests/test_decode_host_reads.py
+   ``--prompt``-token prompt (default 160, random ids with seed 0 as tests/cache/test_decode_host_reads.py
    draws them), budget ``--budget`` (48), ``--warm`` (6) untraced decode steps, then one traced step.
    Counted: the distinct kvhive functions called (code objects whose file lies under the checkout's
    ``kvhive/``; comprehensions, generator expressions and lambdas are part of the function around

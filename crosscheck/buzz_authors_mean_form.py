@@ -6,7 +6,7 @@ The authors' ``BuzzKVCacheWithAccumulation`` (danielfang001/buzz-llm @ 9d952bd,
 "mean form" of its own; the mean form is kvhive's way of choosing ``(w, T)`` from a budget ``C``.
 This script gives their class the layout ``kvhive.methods.buzz.mean_layout(C, k, s)`` chooses and
 records the positions it keeps, prefill and every decode step, on fixed random inputs:
-``tests/fixtures/buzz_authors_mean_form.json``, read by ``tests/test_buzz_authors_fixtures.py``.
+``tests/fixtures/buzz_authors_mean_form.json``, read by ``tests/methods/test_buzz_authors_fixtures.py``.
 
 Their code is not part of kvhive: point ``--authors`` at a checkout (or ``git archive`` of
 ``entry_function``) of their repository::

@@ -27,7 +27,7 @@ from torch.torch_version import TorchVersion
 # torch.compile traces kvhive's forward pre-hook, which switches the model's attention to kvhive's
 # (config._attn_implementation) for a forward given a kvhive cache, from torch 2.13 on. Older dynamo
 # does not see the switch: a compiled step ran transformers' sdpa over kvhive's buffers, the empty
-# slots of a fixed capacity included (44 of 59 tests/test_compiled_decode.py cases failed on torch
+# slots of a fixed capacity included (44 of 59 tests/cache/test_compiled_decode.py cases failed on torch
 # 2.11; kvhive's attention guard now refuses such a step by name). There the attention must already
 # be switched when the compiled call starts: inside kvhive.compression(model), which kvhive's own
 # compiled paths (generate(compile=True), generate_batch(compile=...), kvhive bench --compile,
@@ -159,7 +159,7 @@ def run_if(predicate: torch.Tensor | None, work: Callable[[], None]) -> None:
     on the capturing device, only while :func:`captures_conditional_nodes`), record it inside an
     if-node of the capturing CUDA graph, so that each replay runs its kernels only where the
     predicate holds then. ``work`` must change nothing where the predicate is False: eager and
-    compiled steps run it unconditionally (tests/test_conditional_eviction.py runs the captured step
+    compiled steps run it unconditionally (tests/cache/test_conditional_eviction.py runs the captured step
     skipping it on the host where the predicate is False, against eager steps)."""
     if predicate is None:
         work()

@@ -3,7 +3,7 @@
 # copies mutmut's trampolined source (mutants/kvhive, every mutant selectable by name) into a
 # private directory once, then runs the given pytest arguments there with MUTANT_UNDER_TEST set.
 # A test that kills the mutant fails here and passes with MUTANT_UNDER_TEST unset.
-#   bash scripts/mutant_check.sh NAME tests/test_subgen.py::test_x [more pytest args]
+#   bash scripts/mutant_check.sh NAME tests/methods/test_subgen.py::test_x [more pytest args]
 #   NAME "" runs the unmutated code (the clean check).
 # KVHIVE_MUTCHECK_DIR picks the private directory (one per concurrent user); REFRESH=1 recopies.
 set -euo pipefail

@@ -66,7 +66,7 @@ FUNCTION_REASONS = (
 
 # Survivors reviewed by hand (mutant name -> verdict): a test that now kills it (checked by applying
 # the change by hand) or why it cannot change a result.
-_KILLED_ADAKV_REFERENCE = "killed by tests/test_adakv_allocation_reference.py (applied by hand)"
+_KILLED_ADAKV_REFERENCE = "killed by tests/methods/test_adakv_allocation_reference.py (applied by hand)"
 _NO_ROOM = (
     "equivalent: the settlement's no-room guard never binds (a head's target is below its candidates; "
     "exhaustive search over H <= 5, M <= 9, every owned-count vector, 14 alphas)"
@@ -113,7 +113,7 @@ REVIEWED = {
         for n in (20, 22)
     },
 }
-_KILLED_AHAKV_EDGES = "killed by tests/test_ahakv_edges.py (applied by hand)"
+_KILLED_AHAKV_EDGES = "killed by tests/methods/test_ahakv_edges.py (applied by hand)"
 _AHAKV = "kvhive.methods.ahakv."
 REVIEWED.update(
     {
@@ -161,7 +161,7 @@ REVIEWED.update(
 )
 
 # Survivors of the session of 2026-11-24 (third stop), each kill checked by applying the change by hand.
-_TEST_PARAMETERS = "tests/test_method_parameters.py"
+_TEST_PARAMETERS = "tests/methods/test_method_parameters.py"
 _ZERO_STATE = (
     f"killed by {_TEST_PARAMETERS}::test_a_layer_without_policy_state_reports_zero_state_bytes (applied by hand)"
 )
@@ -170,7 +170,7 @@ REVIEWED.update(
     {
         **{
             _M + f"subgen_attention.xǁStreamingStructuresǁtoken_equivalents__mutmut_{n}": (
-                "killed by tests/test_subgen.py::test_token_equivalents_count_the_vectors_each_row_holds (applied by hand)"
+                "killed by tests/methods/test_subgen.py::test_token_equivalents_count_the_vectors_each_row_holds (applied by hand)"
             )
             for n in (1, 3, 4, 6)
         },
@@ -183,26 +183,26 @@ REVIEWED.update(
             f"killed by {_TEST_PARAMETERS}::test_methods_without_a_fixed_window_honour_a_one_token_cache (applied by hand)"
         ),
         _M + "subgen_attention.x_structures_nbytes__mutmut_2": (
-            "killed by tests/test_subgen.py::test_prefill_and_50_decode_steps_keep_exact_budgets (bytes = sum over layers)"
+            "killed by tests/methods/test_subgen.py::test_prefill_and_50_decode_steps_keep_exact_budgets (bytes = sum over layers)"
         ),
         _M + "subgen_attention.x_structures_nbytes__mutmut_14": (
-            "killed by tests/test_subgen.py::test_prefill_and_50_decode_steps_keep_exact_budgets (bytes = sum over layers)"
+            "killed by tests/methods/test_subgen.py::test_prefill_and_50_decode_steps_keep_exact_budgets (bytes = sum over layers)"
         ),
         _M + "subgen_attention.x_clustering_statistics__mutmut_18": (
-            "killed by tests/test_subgen.py::test_prefill_and_50_decode_steps_keep_exact_budgets (gemma3: sliding layers first)"
+            "killed by tests/methods/test_subgen.py::test_prefill_and_50_decode_steps_keep_exact_budgets (gemma3: sliding layers first)"
         ),
         _M + "subgen_attention.x_clustering_statistics__mutmut_15": (
             "equivalent: the structures and the plan are stored together (both or neither)"
         ),
         _M
-        + "subgen.x__padded_indices__mutmut_7": "killed by tests/test_subgen.py::test_padded_indices_lists_each_rows_true_columns_in_order (applied by hand)",
+        + "subgen.x__padded_indices__mutmut_7": "killed by tests/methods/test_subgen.py::test_padded_indices_lists_each_rows_true_columns_in_order (applied by hand)",
         _M
-        + "subgen.x__padded_indices__mutmut_9": "killed by tests/test_subgen.py::test_padded_indices_lists_each_rows_true_columns_in_order (applied by hand)",
+        + "subgen.x__padded_indices__mutmut_9": "killed by tests/methods/test_subgen.py::test_padded_indices_lists_each_rows_true_columns_in_order (applied by hand)",
         _M
-        + "subgen.x__padded_indices__mutmut_21": "killed by tests/test_subgen.py::test_padded_indices_lists_each_rows_true_columns_in_order (3,000-column rows; applied by hand)",
+        + "subgen.x__padded_indices__mutmut_21": "killed by tests/methods/test_subgen.py::test_padded_indices_lists_each_rows_true_columns_in_order (3,000-column rows; applied by hand)",
         **{
             _M + f"subgen.x__padded_indices__mutmut_{n}": (
-                "killed by tests/test_subgen.py::test_padded_indices_lists_each_rows_true_columns_in_order "
+                "killed by tests/methods/test_subgen.py::test_padded_indices_lists_each_rows_true_columns_in_order "
                 "(an unstable sort, as stable=False; applied by hand)"
             )
             for n in (13, 16)
@@ -211,11 +211,11 @@ REVIEWED.update(
         _M + "subgen.x__padded_indices__mutmut_15": "equivalent: torch.sort sorts the last dimension by default",
         _M + "subgen.x__padded_indices__mutmut_19": "equivalent: dim +1 of the [R, N] mask is dim -1",
         _M + "subgen.x__squared_distances__mutmut_19": (
-            "killed by tests/test_subgen.py::test_decode_evicts_the_newer_member_of_the_closest_pair_hand_checked (keys at 1/100 scale; applied by hand)"
+            "killed by tests/methods/test_subgen.py::test_decode_evicts_the_newer_member_of_the_closest_pair_hand_checked (keys at 1/100 scale; applied by hand)"
         ),
         **{
             _M + f"submodular.xǁStreamingSummaryǁconcatenate__mutmut_{n}": (
-                "killed by tests/test_bumblebee.py::test_prefill_in_chunks_of_rows_equals_one_chunk (2 and 6 parts)"
+                "killed by tests/methods/test_bumblebee.py::test_prefill_in_chunks_of_rows_equals_one_chunk (2 and 6 parts)"
             )
             for n in (1, 2, 4, 5, 6, 7, 8, 10, 11, 12, 13, 14)
         },
@@ -248,8 +248,8 @@ _EXACT_BLOCKS = (
     "(test_blocked_farthest_point_equals_the_plain_algorithm: blocks 1-32, pools 1-128 equal the plain algorithm)"
 )
 _NEAREST_BLOCKS = "equivalent in results: the column blocks only bound memory; overlapping or larger blocks recompute the same distances"
-_EDGES = "killed by tests/test_subgen.py::test_farthest_point_order_edges_scale_exhausted_rows_one_center_no_rows (applied by hand)"
-_SEED_MESSAGE = "killed by tests/test_method_parameters.py::test_seed_accepts_exactly_the_range_a_torch_generator_takes (applied by hand)"
+_EDGES = "killed by tests/methods/test_subgen.py::test_farthest_point_order_edges_scale_exhausted_rows_one_center_no_rows (applied by hand)"
+_SEED_MESSAGE = "killed by tests/methods/test_method_parameters.py::test_seed_accepts_exactly_the_range_a_torch_generator_takes (applied by hand)"
 _SEED_CONSTANTS = (
     "equivalent: another injective map of (seed, layer, head) to a generator seed; the particular random stream "
     "is not a paper element (each draw is still i.i.d. uniform)"
@@ -277,7 +277,7 @@ REVIEWED.update(
         _SUBGEN + "x__padded_indices__mutmut_26": "equivalent on CPU: only the tensor's device changes",
         **{
             f"kvhive.methods.adakv.x_allocate__mutmut_{n}": (
-                "killed by tests/test_adakv_allocation_reference.py (early exits, budget 1, the padded protected-sinks "
+                "killed by tests/methods/test_adakv_allocation_reference.py (early exits, budget 1, the padded protected-sinks "
                 "path; applied by hand; that file is outside [tool.mutmut]'s test selection, see the header)"
             )
             for n in (4, 5, 6, 7, 9, 18, 22, 25, 28)
@@ -287,14 +287,14 @@ REVIEWED.update(
         "kvhive.methods.base.x_require_seed__mutmut_17": _SEED_MESSAGE,
         **{
             f"kvhive.methods.adakv.x__protected_window__mutmut_{n}": (
-                "killed by tests/test_adakv.py::test_protected_window_recognises_exactly_a_trailing_window_in_every_head "
+                "killed by tests/methods/test_adakv.py::test_protected_window_recognises_exactly_a_trailing_window_in_every_head "
                 "(applied by hand)"
             )
             for n in (2, 4, 5, 6, 9, 11, 12, 13, 15)
         },
         **{
             name: (
-                "killed by tests/test_ratio_rows.py::test_prefill_only_method_gives_each_row_its_own_share "
+                "killed by tests/cache/test_ratio_rows.py::test_prefill_only_method_gives_each_row_its_own_share "
                 "(padded rows; applied by hand; that file is outside [tool.mutmut]'s test selection)"
             )
             for name in (
@@ -330,7 +330,7 @@ REVIEWED.update(
         },
         **{
             f"kvhive.methods.subgen_attention.xǁStreamingStructuresǁ__init____mutmut_{n}": (
-                "killed by tests/test_subgen.py::test_structures_store_vectors_in_the_model_dtype_and_start_empty "
+                "killed by tests/methods/test_subgen.py::test_structures_store_vectors_in_the_model_dtype_and_start_empty "
                 "(applied by hand)"
             )
             for n in (8, 11, 17, 22, 24, 30, 34, 50, 56, 82, 87, 93, 98, 118, 121)
@@ -350,7 +350,7 @@ REVIEWED.update(
         "kvhive.methods.subgen_attention.xǁStreamingStructuresǁ__init____mutmut_77": 'equivalent: float("NAN") is float("nan")',
         **{
             f"kvhive.methods.pyramidkv.x_pyramid_budgets__mutmut_{n}": (
-                "killed by tests/test_pyramidkv.py (the 2 (b - w) boundary, sizes and context_length bounds; "
+                "killed by tests/methods/test_pyramidkv.py (the 2 (b - w) boundary, sizes and context_length bounds; "
                 "applied by hand)"
             )
             for n in (2, 3, 5, 6, 8, 9, 19, 20, 21, 26, 27, 29, 30, 31, 32, 34, 47)
@@ -366,7 +366,7 @@ REVIEWED.update(
         },
         **{
             f"kvhive.methods.snapkv.x_observation_scores__mutmut_{n}": (
-                "killed by tests/test_baselines.py::test_snapkv_keeps_top_observation_scores_and_window "
+                "killed by tests/methods/test_baselines.py::test_snapkv_keeps_top_observation_scores_and_window "
                 "(average pooling, kernel 5, hand-computed; applied by hand)"
             )
             for n in (46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57)
@@ -380,13 +380,13 @@ REVIEWED.update(
             "equivalent: 1-D pooling of a 2-D input treats it as one unbatched channel, the same values"
         ),
         _SUBGEN + "x_maintain_candidates__mutmut_179": (
-            "killed by tests/test_subgen.py::test_decode_bookkeeping_matches_the_reference_per_head_with_several_joining "
+            "killed by tests/methods/test_subgen.py::test_decode_bookkeeping_matches_the_reference_per_head_with_several_joining "
             "(applied by hand)"
         ),
         _SUBGEN + "x_maintain_candidates__mutmut_180": "equivalent: two stored tokens never share a position",
         **{
             _SUBGEN + f"x_maintain_candidates__mutmut_{n}": (
-                "killed by tests/test_subgen.py::test_decode_bookkeeping_matches_the_reference_per_head_with_several_joining "
+                "killed by tests/methods/test_subgen.py::test_decode_bookkeeping_matches_the_reference_per_head_with_several_joining "
                 "(applied by hand)"
             )
             for n in (142, 170)

@@ -46,7 +46,7 @@ for name, installed, floor in (("torch", torch.__version__, sys.argv[1]), ("tran
 print(f"oldest allowed releases: torch {torch.__version__}, transformers {transformers.__version__}")
 EOF
 if [ "$#" -eq 0 ]; then
-    set -- tests/test_transformers_compat.py tests/test_cache.py tests/test_generate_output.py \
-        tests/test_shared_prefill.py tests/test_all_methods.py tests/test_dtypes_and_decode_path.py
+    set -- tests/attention/test_transformers_compat.py tests/cache/test_cache.py tests/api/test_generate_output.py \
+        tests/api/test_shared_prefill.py tests/methods/test_all_methods.py tests/attention/test_dtypes_and_decode_path.py
 fi
 exec $venv/bin/python -m pytest -q -n 2 -p no:cacheprovider "$@"

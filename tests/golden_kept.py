@@ -1,5 +1,5 @@
 """Golden kept positions of every registered method, recorded from the code and compared by
-``tests/test_golden_kept_positions.py``.
+``tests/methods/test_golden_kept_positions.py``.
 
 A refactoring must not change which tokens a method keeps. This module runs every method on
 fixed inputs (tiny MHA and GQA models with a left-padded batch, a tiny Gemma 3 with sliding

@@ -154,3 +154,15 @@ def record_greedy_calls(monkeypatch, module, record: Callable[[object], None]) -
         return greedy(objective, *args, **kwargs)
 
     monkeypatch.setattr(module, "greedy_maximize", recorded)
+
+
+# Methods generate_batch refuses to stack, with the reason its error names (empty: every method stacks).
+REFUSED_BATCH_METHODS: dict[str, str] = {}
+
+
+def batch_budget(name: str) -> int | None:
+    """A budget every method accepts for the batching tests (None for methods without a budget)."""
+    from kvhive.methods.registry import policy_class
+
+    policy = policy_class(name)()
+    return max(32, policy.minimum_budget()) if policy.phases else None

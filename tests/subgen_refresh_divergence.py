@@ -6,7 +6,7 @@ neighbour dropped) per row and removal, an approximation. This script runs the m
 time over streams of keys with hubs (Gaussian directions with random scales: small keys are the
 nearest neighbour of many) and checks every decision against a brute-force closest pair computed
 from the method's own candidates at that step; it prints, per width, the decisions that differ and
-the most stale candidates any row held after a decision. Used by ``tests/test_subgen.py`` and run
+the most stale candidates any row held after a decision. Used by ``tests/methods/test_subgen.py`` and run
 by hand to measure the figures stated in docs/METHODS.md::
 
     .venv/bin/python tests/subgen_refresh_divergence.py [--dims 16 64] [--seeds 0 1 2] [--steps 200]

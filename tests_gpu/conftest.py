@@ -1,4 +1,4 @@
-"""The GPU suite reuses the CPU suite's helpers (tests/helpers.py, tests/test_dtypes_and_decode_path.py)."""
+"""The GPU suite reuses the CPU suite's helpers (tests/helpers.py, tests/attention/test_dtypes_and_decode_path.py)."""
 
 import sys
 from pathlib import Path

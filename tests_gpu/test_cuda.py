@@ -4,7 +4,7 @@ checker, in "error" mode), one decode step captured as a CUDA graph and replayed
 the eager steps; each dtype on CUDA against fp32 on CPU. They run on a GPU machine with
 ``python -m pytest tests_gpu`` and FAIL (never skip) where no CUDA device exists; CI, which has
 none, runs ``tests/`` only. The same logic is tested without a GPU in
-tests/test_dtypes_and_decode_path.py and tests/test_triton_kernel_interpreted.py (the kernel in
+tests/attention/test_dtypes_and_decode_path.py and tests/attention/test_triton_kernel_interpreted.py (the kernel in
 Triton's interpreter).
 
 The sync and graph checks are issue 23's targets (items 2 and 3): methods that evict at every
@@ -169,7 +169,7 @@ def test_cuda_dense_decode_auto_takes_the_kernel_over_a_capacity_in_bf16():
     # make_cache's default dense_decode="auto": over a fixed decode capacity (the full cache and
     # SnapKV with decode_capacity) every decode step of every layer runs the split-K kernel, not sdpa
     # over masked empty slots (57.5 ms a token for full+graph at 32k on an H200, 979327d); its logits
-    # agree with sdpa's; without a capacity "auto" keeps sdpa. tests/triton_kernel_check.py's check,
+    # agree with sdpa's; without a capacity "auto" keeps sdpa. tests/attention/triton_kernel_check.py's check,
     # here on CUDA in bf16 (the interpreter cannot run bf16 products).
     from triton_kernel_check import decode_auto_errors
 
@@ -268,7 +268,7 @@ def test_cuda_graph_records_a_scheduled_eviction_as_an_if_node(method, monkeypat
     # eviction steps records the decision and the compaction of every compressed layer inside an
     # if-node (kvhive.static_step.run_if), so a replay runs them only at the steps that evict; the
     # replays, evicting and not (32 of them, BUZZ's period at this budget is a few steps), equal
-    # eager steps. tests/test_conditional_eviction.py is the CPU proxy (skipping on the host).
+    # eager steps. tests/cache/test_conditional_eviction.py is the CPU proxy (skipping on the host).
     import importlib
 
     compressor = importlib.import_module("kvhive.cache.compressor")
@@ -674,7 +674,7 @@ def _prefill_synchronisations(model, method: str, length: int) -> int:
 
 @pytest.mark.parametrize("method", [m for m in method_names() if m != "full"])
 def test_cuda_prefill_synchronises_at_most_4_times_per_layer(method):
-    # The CPU proxy (tests/test_host_read_counter.py) counted on the device itself: the method's
+    # The CPU proxy (tests/cache/test_host_read_counter.py) counted on the device itself: the method's
     # synchronisations over the full cache's, at 256 and 2,048 tokens.
     model = tiny_model("llama", "gqa", dtype=torch.bfloat16).cuda()
     layers = model.config.num_hidden_layers

@@ -13,7 +13,7 @@ registers. An optional boolean mask ``[B, 1, q, N]`` (the model's: padding, a wi
 on top of causality. Each key column is written once (no atomics).
 
 The torch reference, and the path everywhere the kernel does not run, is
-:meth:`kvhive.methods.base.ScoringInputs.attention_with_column_sums` (tests/column_sums_check.py
+:meth:`kvhive.methods.base.ScoringInputs.attention_with_column_sums` (tests/attention/column_sums_check.py
 runs this kernel in Triton's interpreter against it).
 
 The passes the attention runs instead of sdpa where the method reads the column sums of the

@@ -37,7 +37,7 @@ tokens, ``log k``] regardless of the number of total tokens" (Eq. 11) and to "pr
 score flattening" / "emphasize key tokens" (Sec. 4.2, Fig. 3). Eq. 8 models ``w`` as Gaussian
 with variance ``d``, which is raw ``q.k``; under that model ``raw_qk`` gives rows of entropy
 ``log k`` while ``scaled_qk`` gives ``log n - ln(n/k)/d``, barely below the plain softmax's
-``log n - 1/2`` (``tests/test_ahakv.py::test_gain_entropy_on_gaussian_inputs_eq_10``). On real
+``log n - 1/2`` (``tests/methods/test_ahakv.py::test_gain_entropy_on_gaussian_inputs_eq_10``). On real
 activations (``benchmarks/ahakv_gain_entropy.py``, ``results/ahakv_gain/``; Gemma-3-270M, 3
 texts, full-attention layers, the last 32 rows before ``n`` = 512/1024/2048, ``k`` = 64/128/256)
 neither reaches ``log k`` = 4.16-5.55: the model's own rows already have entropy 2.8-3.6;
@@ -239,7 +239,7 @@ class AhaKVConfig(PolicyConfig):
 class AhaKV(ScorerPolicy):
     name = "ahakv"
     phases = frozenset({PREFILL, DECODE})
-    static_decode = True  # evicts to exactly the budget each step (tests/test_compiled_decode.py)
+    static_decode = True  # evicts to exactly the budget each step (tests/cache/test_compiled_decode.py)
     reads_stored_order = False  # recency by position (ScoringInputs): evictions fill the freed slot
     config_class = AhaKVConfig
     paper = "Gu et al. 2025, Algorithm 1 (Eq. 5, 12, 13-15)"

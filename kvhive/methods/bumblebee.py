@@ -231,7 +231,7 @@ class BumbleBee(Policy):
     needs_decode_attention = True
     prefill_column_sums = True  # accumulated attention of the prompt, with the attention's output
     # Within its budget at every step (a prompt that fit it fills up first): a fixed decode capacity
-    # of the budget (fixed_decode_capacity) gives its decode step one shape (tests/test_compiled_decode.py).
+    # of the budget (fixed_decode_capacity) gives its decode step one shape (tests/cache/test_compiled_decode.py).
     static_decode = True
     # The summary is always the tau_s oldest stored tokens and the joiner the next oldest (the local
     # window holds the newest): a step ranks the stored tokens by position (one sort of the stored

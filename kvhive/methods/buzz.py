@@ -87,7 +87,7 @@ Cache layout per head (Sec. 3.3, Fig. 3)::
   keeps exactly what it keeps alone.
 
 **Against the authors' code** (danielfang001/buzz-llm, ``BuzzKVCacheWithAccumulation`` and
-``modify_llama_forward.py``; ``tests/test_buzz_authors_fixtures.py`` checks kvhive's kept
+``modify_llama_forward.py``; ``tests/methods/test_buzz_authors_fixtures.py`` checks kvhive's kept
 positions against their class on fixed inputs, prefill and 160 decode steps):
 
 - decode evictions: the same positions at every step (two strides, two heads);
@@ -279,7 +279,7 @@ class Buzz(Policy):
     needs_decode_attention = True
     prefill_column_sums = True  # accumulated attention of the prompt, with the attention's output
     # Its kept size varies with its schedule, within the peak: a fixed decode capacity of that bound
-    # (fixed_decode_capacity) gives its decode step one shape (tests/test_compiled_decode.py).
+    # (fixed_decode_capacity) gives its decode step one shape (tests/cache/test_compiled_decode.py).
     static_decode = True
     # Stacked rows keep their own schedule (per-row counters, ROWS), so their lengths part.
     decodes_rows_of_different_lengths = True

@@ -139,14 +139,14 @@ class Policy:
     False for a method that writes a token's scores before it reads them, and not while the token
     is the newest (SubGen with a recent window: a token's neighbour bookkeeping is written when it
     leaves the window): the cache does neither, three fewer small ops per score and step (but for its
-    own padding flag, ``kvhive.cache.storage.PADDING_SCORE``; tests/test_unset_scores.py fills the
+    own padding flag, ``kvhive.cache.storage.PADDING_SCORE``; tests/cache/test_unset_scores.py fills the
     slots left unset with NaN)."""
 
     static_decode: ClassVar[bool] = False
     """A decode decision keeps exactly the layer's budget at every step (or, with
     :meth:`fixed_decode_capacity`, a number that varies within a declared bound), computed by tensor
     work of fixed shape without host reads, so a decode step compiles to one graph that serves every
-    later step (``KVHiveCache.is_compileable``; tests/test_compiled_decode.py holds every such method
+    later step (``KVHiveCache.is_compileable``; tests/cache/test_compiled_decode.py holds every such method
     to it)."""
 
     compiles_below_budget: ClassVar[bool] = True

@@ -25,7 +25,7 @@ The dot products are summed in the kernel's order rather than cuBLAS's (a roundi
 bits): near-ties between distances may resolve differently from the torch step's, so the centers
 are the exact greedy's up to such ties (tests_gpu reports the overlap of the kept sets). With
 integer-valued keys every sum is exact and the order equals the torch step's to the index
-(``tests/farthest_kernel_check.py`` in Triton's CPU interpreter, ties included).
+(``tests/methods/farthest_kernel_check.py`` in Triton's CPU interpreter, ties included).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ class H2OConfig(PolicyConfig):
 class H2O(ScorerPolicy):
     name = "h2o"
     phases = frozenset({PREFILL, DECODE})
-    static_decode = True  # evicts to exactly the budget each step (tests/test_compiled_decode.py)
+    static_decode = True  # evicts to exactly the budget each step (tests/cache/test_compiled_decode.py)
     reads_stored_order = False  # recency by position (ScoringInputs): evictions fill the freed slot
     config_class = H2OConfig
     paper = "Zhang et al. 2023, Algorithm 1 (heavy hitters + recent)"

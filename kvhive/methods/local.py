@@ -17,7 +17,7 @@ class LocalConfig(PolicyConfig):
 class Local(ScorerPolicy):
     name = "local"
     phases = frozenset({PREFILL, DECODE})
-    static_decode = True  # evicts to exactly the budget each step (tests/test_compiled_decode.py)
+    static_decode = True  # evicts to exactly the budget each step (tests/cache/test_compiled_decode.py)
     reads_stored_order = False  # recency by position (ScoringInputs): evictions fill the freed slot
     config_class = LocalConfig
     paper = "baseline: window attention (StreamingLLM, Xiao et al. 2023, Fig. 1b)"

@@ -54,7 +54,7 @@ class RandomLocal(ScorerPolicy):
     name = "random"
     phases = frozenset({PREFILL, DECODE})
     config_class = RandomLocalConfig
-    static_decode = True  # evicts to exactly the budget each step (tests/test_compiled_decode.py)
+    static_decode = True  # evicts to exactly the budget each step (tests/cache/test_compiled_decode.py)
     reads_stored_order = False  # recency by position (ScoringInputs): evictions fill the freed slot
     paper = "baseline: random eviction + recent window (Random+Local)"
 

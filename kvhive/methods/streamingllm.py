@@ -28,7 +28,7 @@ class StreamingLLMConfig(PolicyConfig):
 class StreamingLLM(ScorerPolicy):
     name = "streamingllm"
     phases = frozenset({PREFILL, DECODE})
-    static_decode = True  # evicts to exactly the budget each step (tests/test_compiled_decode.py)
+    static_decode = True  # evicts to exactly the budget each step (tests/cache/test_compiled_decode.py)
     reads_stored_order = False  # recency by position (ScoringInputs): evictions fill the freed slot
     config_class = StreamingLLMConfig
     paper = "Xiao et al. 2023, Sec. 3.2 (rolling KV cache with attention sinks)"

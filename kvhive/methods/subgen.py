@@ -315,7 +315,7 @@ class SubGen(Policy):
     phases = frozenset({PREFILL, DECODE})
     config_class = SubGenConfig
     paper = "Zandieh et al. 2024, Sec. 3.2 (recent r + greedy k-center of the rest, budget r + k)"
-    static_decode = True  # evicts to exactly the budget each step (tests/test_compiled_decode.py)
+    static_decode = True  # evicts to exactly the budget each step (tests/cache/test_compiled_decode.py)
     compiles_below_budget = False  # its clusters (and their buffers) appear at the first eviction
     # Recent window, candidate order and ties by original position, per-token state kept as
     # per-token scores (they move with their token): an eviction fills the freed slot.

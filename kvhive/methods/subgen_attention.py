@@ -151,7 +151,7 @@ class SubGenAttention(Policy):
     name = "subgen-attention"
     phases = frozenset({PREFILL, DECODE})
     config_class = SubGenAttentionConfig
-    static_decode = True  # keeps exactly the window each step (tests/test_compiled_decode.py)
+    static_decode = True  # keeps exactly the window each step (tests/cache/test_compiled_decode.py)
     compiles_below_budget = False  # its clusters (and their buffers) appear at the first eviction
     # The window by position and the leaving tokens inserted in position order: an eviction fills
     # the freed slot.

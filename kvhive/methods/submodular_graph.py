@@ -11,7 +11,7 @@ row's own ``d`` are ineligible, as the columns beyond a row's draws already are 
 loop). The exact gains a step evaluates are bucketed to a power of two (at least the eager
 loop's count, at most ``W``): evaluating more than needed changes only the stale bounds left
 behind, which stay upper bounds, and a settled step picks the exact argmax (lowest index among
-ties) whatever was evaluated, so the kept sets are the eager loop's (tests/test_greedy_graph.py).
+ties) whatever was evaluated, so the kept sets are the eager loop's (tests/methods/test_greedy_graph.py).
 On CUDA the step is compiled with inductor (``fullgraph=True, dynamic=False``: its kernels fuse
 into a few) when torch compiles kvhive, and the whole loop of ``k`` steps is captured once
 as a CUDA graph per shape bucket and replayed for every later layer of the same shapes.
@@ -40,7 +40,7 @@ _BUCKET_FLOOR = LAZY_EVALUATIONS
 # Compiled step functions: one per (backend, input shapes, bucket of exact gains per step, static
 # flags), the oldest dropped past 64; each has its own code object, so a second bucket or shape is a
 # first compile of its own, not a recompile of another (dynamo caches per code object;
-# tests/test_greedy_graph.py runs under error_on_recompile).
+# tests/methods/test_greedy_graph.py runs under error_on_recompile).
 _STEP_FUNCTIONS = BoundedCache(held=64)
 # Captured whole loops on CUDA, by shape bucket (few entries: a model's layers share their shapes),
 # shared by the process's threads one at a time (their input buffers are shared).
@@ -301,7 +301,7 @@ def fast_backend(fast) -> str | None:
     ``kvhive.static_step.config.prefill_compile``; else None (the step runs eagerly, still captured on
     CUDA). The step is a pure tensor function: no attention switch to trace, so it compiles on every
     torch kvhive runs on (the decode step's gate, ``TORCH_COMPILES_KVHIVE``, plays no part; torch 2.11
-    checked by hand with tests/test_greedy_graph.py)."""
+    checked by hand with tests/methods/test_greedy_graph.py)."""
     if fast is not True:
         return fast
 

@@ -34,7 +34,7 @@ def layer_scores(scoring: ScoringInputs) -> torch.Tensor:
 class TOVA(ScorerPolicy):
     name = "tova"
     phases = frozenset({PREFILL, DECODE})
-    static_decode = True  # evicts to exactly the budget each step (tests/test_compiled_decode.py)
+    static_decode = True  # evicts to exactly the budget each step (tests/cache/test_compiled_decode.py)
     reads_stored_order = False  # recency by position (ScoringInputs): evictions fill the freed slot
     config_class = TOVAConfig
     paper = "Oren et al. 2024, Sec. 3.3 (TOVA: drop the lowest current-query attention, averaged over heads)"

@@ -26,7 +26,7 @@ class ValueNormConfig(base.PolicyConfig):
 class ValueNorm(base.ScorerPolicy):
     name = "vnorm"
     phases = frozenset({base.PREFILL, base.DECODE})
-    static_decode = True  # evicts to exactly the budget each step (tests/test_compiled_decode.py)
+    static_decode = True  # evicts to exactly the budget each step (tests/cache/test_compiled_decode.py)
     config_class = ValueNormConfig
     paper = "kvhive example scorer, not a paper method: keep the largest value norms plus a recent window"
 
