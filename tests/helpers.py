@@ -166,3 +166,21 @@ def batch_budget(name: str) -> int | None:
 
     policy = policy_class(name)()
     return max(32, policy.minimum_budget()) if policy.phases else None
+
+
+def random_objective(rows=4, n=10, dim=4, lam=0.3, phi=None, seed=0, padding=True):
+    """Random keys (some near-duplicates, so facility location matters) and attention weights
+    spanning three orders of magnitude; row 1 starts with 3 padding elements."""
+    from kvhive.methods.submodular import Concave, Mixture, relu_cosine_similarity
+
+    phi = Concave("log") if phi is None else phi
+    generator = torch.Generator().manual_seed(seed)
+    keys = torch.randn(rows, n, dim, generator=generator)
+    keys[:, 1::3] = keys[:, 0::3][:, : keys[:, 1::3].shape[1]] + 0.1 * torch.randn(
+        rows, keys[:, 1::3].shape[1], dim, generator=generator
+    )
+    weights = torch.rand(rows, n, generator=generator) ** 3 * 20
+    valid = torch.ones(rows, n, dtype=torch.bool)
+    if padding and rows > 1:
+        valid[1, :3] = False
+    return Mixture(relu_cosine_similarity(keys, valid), weights, valid, lam, phi)

@@ -31,6 +31,7 @@ from kvhive.models import TINY_ARCHITECTURES, TINY_ATTENTION_KINDS, load_model, 
 from helpers import (
     left_padded_batch,
     prefill_and_decode,
+    random_objective,
     record_greedy_calls,
     reference_logits,
     scoring_inputs,
@@ -39,22 +40,6 @@ from helpers import (
 
 ALL_TINY = [(a, k) for a in TINY_ARCHITECTURES for k in TINY_ATTENTION_KINDS]
 CONCAVES = [Concave("log"), Concave("power")]
-
-
-def random_objective(rows=4, n=10, dim=4, lam=0.3, phi=None, seed=0, padding=True) -> Mixture:
-    """Random keys (some near-duplicates, so facility location matters) and attention weights
-    spanning three orders of magnitude; row 1 starts with 3 padding elements."""
-    phi = Concave("log") if phi is None else phi
-    generator = torch.Generator().manual_seed(seed)
-    keys = torch.randn(rows, n, dim, generator=generator)
-    keys[:, 1::3] = keys[:, 0::3][:, : keys[:, 1::3].shape[1]] + 0.1 * torch.randn(
-        rows, keys[:, 1::3].shape[1], dim, generator=generator
-    )
-    weights = torch.rand(rows, n, generator=generator) ** 3 * 20
-    valid = torch.ones(rows, n, dtype=torch.bool)
-    if padding and rows > 1:
-        valid[1, :3] = False
-    return Mixture(relu_cosine_similarity(keys, valid), weights, valid, lam, phi)
 
 
 def brute_force_best(objective: Mixture, k: int) -> torch.Tensor:

@@ -26,7 +26,6 @@ import time
 
 import pytest
 import torch
-from test_bumblebee import random_objective
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -39,7 +38,7 @@ from kvhive.methods.subgen import farthest_point_order
 from kvhive.methods.submodular import Concave, greedy_maximize
 from kvhive.static_step import CapturedLoops
 
-from helpers import record_greedy_calls, run_in_threads, scoring_inputs
+from helpers import random_objective, record_greedy_calls, run_in_threads, scoring_inputs
 
 
 def _generators(rows: int, seed: int = 100) -> list[torch.Generator]:

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_bumblebee import random_objective
 
 import kvhive.methods.submodular as submodular
 from kvhive.methods.submodular import Concave, Mixture, _GreedyState, greedy_maximize, relu_cosine_similarity
+
+from helpers import random_objective
 
 
 def tied_objective(rows=5, n=90, seed=0) -> Mixture:
