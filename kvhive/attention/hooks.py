@@ -236,8 +236,31 @@ class _ReuseCheckingPrepare:
     def __call__(self, input_ids, *args, **kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if isinstance(cache, KVHiveCache) and cache.positions == ORIGINAL_POSITIONS:
+            skip_cached_prefix(cache, input_ids, kwargs)
             new_tokens = kwargs.get("next_sequence_length")
             if new_tokens is None and not cache.get_seq_length():
                 new_tokens = input_ids.shape[-1]
             cache.check_generation_inputs(input_ids, bool(kwargs.get("is_first_iteration")), new_tokens)
         return self.__wrapped__(input_ids, *args, **kwargs)
+
+
+def skip_cached_prefix(cache: KVHiveCache, input_ids, kwargs: dict) -> None:
+    """Feed only the tokens ``cache`` has not seen on a first step given the whole sequence.
+
+    ``generate``'s own prefill slices the sequence after the cached tokens when the attention mask
+    covers it (``next_sequence_length``), but transformers' assisted and speculative decoding
+    (``prompt_lookup_num_tokens=``, ``assistant_model=``) prepares its first step without that
+    slice, so a cache that already holds the prompt's beginning would get the whole prompt a
+    second time, at positions after it. Here the slice is set as the prefill sets it: the first
+    step, no slice given, a cache holding tokens, and the attention mask (or, where ``generate``
+    dropped an all-ones mask, the position ids it made from it) as long as the sequence."""
+    if not kwargs.get("is_first_iteration") or kwargs.get("next_sequence_length") is not None:
+        return
+    covering = kwargs.get("attention_mask")
+    if covering is None:
+        covering = kwargs.get("position_ids")
+    if covering is None or input_ids is None or covering.shape[-1] != input_ids.shape[-1]:
+        return
+    seen = int(cache.get_seq_length())
+    if seen:
+        kwargs["next_sequence_length"] = int(input_ids.shape[-1]) - seen
