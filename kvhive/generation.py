@@ -33,6 +33,7 @@ def generate(
     max_new_tokens: int = 32,
     compile: bool | None = None,
     question: str | None = None,
+    streamer: Any = None,
     **cache_options: Any,
 ) -> tuple[str, KVHiveCache]:
     """Greedy generation with a compressed cache; returns the generated text and the cache.
@@ -45,7 +46,10 @@ def generate(
 
     ``question`` (with ``prefill_chunk``): the prompt's final part, its question (the prompt must
     end with it): a question-aware chunked prefill (``question_tokens``, :func:`kvhive.make_cache`),
-    each chunk scored with the question's queries instead of the chunk's own."""
+    each chunk scored with the question's queries instead of the chunk's own.
+
+    ``streamer``: handed to ``model.generate`` (a transformers streamer, e.g. ``TextStreamer``, or
+    :class:`kvhive.progress.GenerationProgress` for a progress bar)."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"invalid max_new_tokens={max_new_tokens!r}: expected an integer >= 1")
     if compile not in (None, True, False):
@@ -76,6 +80,7 @@ def generate(
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 pad_token_id=tokenizer.pad_token_id,
+                streamer=streamer,
                 **compile_options,
             )
     new_tokens = output[0, encoded["input_ids"].shape[1] :]
