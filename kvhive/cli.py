@@ -133,7 +133,9 @@ def command_generate(args: argparse.Namespace) -> int:
     method, parameters = _method_and_parameters(args.method, args.param)
     budget = _checked_budget("generate", method, args.budget, parameters, default=None)
     prompt = args.prompt if args.prompt is not None else _read_prompt_file(args.prompt_file)
-    model, tokenizer = kvhive.load_model(args.model)
+    from kvhive.progress import GenerationProgress
+
+    model, tokenizer = kvhive.load_model(args.model, device=args.device)
     text, cache = kvhive.generate(
         model,
         tokenizer,
@@ -145,6 +147,7 @@ def command_generate(args: argparse.Namespace) -> int:
         compile=args.compile,
         prefill_chunk=args.prefill_chunk,
         question=args.prefill_question,
+        streamer=GenerationProgress(args.max_new_tokens, enabled=not args.no_progress),
         **parameters,
     )
     statistics = cache.statistics()
@@ -180,7 +183,7 @@ def _generate_batch(args: argparse.Namespace) -> int:
         raise SystemExit(str(error).replace("--prompt-file", "--prompts-file")) from None
     method, parameters = _method_and_parameters(args.method, args.param)
     budget = _checked_budget("generate", method, args.budget, parameters, default=None)
-    model, tokenizer = kvhive.load_model(args.model)
+    model, tokenizer = kvhive.load_model(args.model, device=args.device)
     texts = kvhive.generate_batch(
         model,
         tokenizer,
@@ -351,15 +354,24 @@ def _command_bench_search(args: argparse.Namespace) -> int:
     budget = _checked_budget("bench", args.method, args.budget, parameters, default=BENCH_DEFAULT_BUDGET)
     fixed = f"batch {args.batch_size}" if args.search == "context" else f"context {args.context}"
 
+    from kvhive.progress import trial_progress
+
+    bar = trial_progress(args.search, enabled=not args.no_progress)
+
     def report(outcome) -> None:
         verdict = "fits" if outcome.fits else "does not fit"
-        print(f"kvhive bench: {args.search} {outcome.value} ({fixed}): {verdict}: {outcome.reason}", file=sys.stderr)
+        bar.update(1)
+        bar.write(
+            f"kvhive bench: {args.search} {outcome.value} ({fixed}): {verdict}: {outcome.reason}", file=sys.stderr
+        )
 
     try:
         result = _capacity_search(args, budget, parameters, report)
     except RuntimeError as error:  # a trial that failed for a reason other than memory
         print(f"kvhive bench: error: {error}", file=sys.stderr)
         return 2
+    finally:
+        bar.close()
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -461,6 +473,12 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument(
         "--seed", type=int, default=None, help="with --sample: every row's generator seed (default: random)"
     )
+    generate.add_argument(
+        "--device",
+        default="cpu",
+        help="where the model runs: cpu (default), cuda, cuda:N, mps (kvhive.load_model(device=...))",
+    )
+    generate.add_argument("--no-progress", action="store_true", help="no progress bar (drawn only on a terminal)")
     generate.add_argument("--json", action="store_true", help="print the text with cache statistics (a summary)")
     generate.add_argument(
         "--per-layer",
@@ -489,6 +507,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=1)
     bench.add_argument("--num-layers", type=int, default=None)
     bench.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    bench.add_argument(
+        "--no-progress", action="store_true", help="with --search: no progress bar (drawn only on a terminal)"
+    )
     bench.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     bench.add_argument("--param", action="append", metavar="NAME=VALUE")
     bench.add_argument(
@@ -561,10 +582,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # `kvhive eval` says how to resume with it
     from kvhive.evaluation.results import ResultsLockedError
+    from kvhive.models import MissingModelExtraError
 
     try:
         return args.func(args)
-    except (ValueError, OSError, ResultsLockedError) as error:
+    except (ValueError, OSError, ResultsLockedError, MissingModelExtraError) as error:
         # Bad input, a concurrent run on the same output folder, a read-only or full disk: one
         # line naming the problem (results already written stay valid), not a traceback.
         print(f"kvhive {args.command}: error: {error}", file=sys.stderr)

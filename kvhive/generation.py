@@ -21,6 +21,7 @@ from kvhive.cache import KVHiveCache
 from kvhive.cache.budget import bucket_up
 from kvhive.compat import cache_kwarg
 from kvhive.methods import Policy
+from kvhive.row_logits import apply_processors, refuse_unapplied_settings, row_processors
 
 
 def generate(
@@ -32,6 +33,7 @@ def generate(
     max_new_tokens: int = 32,
     compile: bool | None = None,
     question: str | None = None,
+    streamer: Any = None,
     **cache_options: Any,
 ) -> tuple[str, KVHiveCache]:
     """Greedy generation with a compressed cache; returns the generated text and the cache.
@@ -44,7 +46,10 @@ def generate(
 
     ``question`` (with ``prefill_chunk``): the prompt's final part, its question (the prompt must
     end with it): a question-aware chunked prefill (``question_tokens``, :func:`kvhive.make_cache`),
-    each chunk scored with the question's queries instead of the chunk's own."""
+    each chunk scored with the question's queries instead of the chunk's own.
+
+    ``streamer``: handed to ``model.generate`` (a transformers streamer, e.g. ``TextStreamer``, or
+    :class:`kvhive.progress.GenerationProgress` for a progress bar)."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"invalid max_new_tokens={max_new_tokens!r}: expected an integer >= 1")
     if compile not in (None, True, False):
@@ -75,6 +80,7 @@ def generate(
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 pad_token_id=tokenizer.pad_token_id,
+                streamer=streamer,
                 **compile_options,
             )
     new_tokens = output[0, encoded["input_ids"].shape[1] :]
@@ -204,7 +210,12 @@ def generate_batch(
     row_stops = _row_stop_strings(stop_strings, len(prompts))
     samplings = _row_samplings(len(prompts), do_sample, temperature, top_k, top_p, seed, model.device)
     stop_ids = _stop_ids(model, eos_token_id)
-    encoded = [encode_prompt(tokenizer, prompt, model, max_new_tokens) for prompt in prompts]
+    generation_config = getattr(model, "generation_config", None)
+    refuse_unapplied_settings(generation_config)
+    encoded = [_encode_row(tokenizer, prompt, model, max_new_tokens, index) for index, prompt in enumerate(prompts)]
+    processors = [
+        row_processors(generation_config, int(item["input_ids"].shape[1]), stop_ids, model.device) for item in encoded
+    ]
     scheduler = SlotScheduler(
         model,
         tokenizer,
@@ -214,6 +225,7 @@ def generate_batch(
         stop_ids,
         row_stops,
         max_new_tokens,
+        processors,
     )
     rows = len(prompts) if max_batch_size is None else min(max_batch_size, len(prompts))
     # (Below torch 2.13 a compiled step needs the attention switched before the call: kvhive.static_step.)
@@ -268,7 +280,9 @@ class SlotScheduler:
     slot (:meth:`KVHiveCache.free_slots`) for the next prompt, between two decode steps.
 
     ``new_cache`` makes one prompt's cache; ``samplings``, ``row_stops`` hold each prompt's
-    sampling and stop strings, ``stop_ids`` the tokens that end any row."""
+    sampling and stop strings, ``stop_ids`` the tokens that end any row; ``processors`` each prompt's
+    logits processors from the model's generation config (:mod:`kvhive.row_logits`; none: the
+    logits as they come)."""
 
     def __init__(
         self,
@@ -280,6 +294,7 @@ class SlotScheduler:
         stop_ids: set[int],
         row_stops: list[list[str]],
         max_new_tokens: int,
+        processors: list[list] | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -289,6 +304,7 @@ class SlotScheduler:
         self.stop_ids = stop_ids
         self.row_stops = row_stops
         self.max_new_tokens = max_new_tokens
+        self.processors = processors or [[] for _ in encoded]
         self.generated: list[list[int]] = [[] for _ in encoded]
         self.waiting = list(range(len(encoded)))
         self.running: list[int | None] = []  # the prompt in each slot (None: free)
@@ -307,7 +323,16 @@ class SlotScheduler:
             raise ValueError("generate_batch needs positions='original' (rows sit at different positions)")
         encoded = self.encoded[prompt_index]
         logits = prefill_prompt(self.model, encoded["input_ids"], cache, encoded.get("attention_mask"))
-        return cache, self.samplings[prompt_index].next_token(logits[0])
+        return cache, self.samplings[prompt_index].next_token(self.scores(prompt_index, logits[0]))
+
+    def scores(self, prompt_index: int, logits: torch.Tensor) -> torch.Tensor:
+        """A row's next-token ``logits [V]`` after its generation-config processors (as they come
+        when it has none), given its prompt and the tokens it generated so far."""
+        processors = self.processors[prompt_index]
+        if not processors:
+            return logits
+        sequence = self.encoded[prompt_index]["input_ids"][0].tolist() + self.generated[prompt_index]
+        return apply_processors(processors, sequence, logits)
 
     def finished(self, prompt_index: int, token: int) -> bool:
         """Record a row's new token; whether the row ends with it."""
@@ -373,11 +398,16 @@ class SlotScheduler:
                     break
 
     def choose(self, logits: torch.Tensor) -> None:
-        """Each slot's next token from its logits ``[S, V]``: greedy, or its row's draw."""
+        """Each slot's next token from its logits ``[S, V]``: greedy, or its row's draw, after the
+        row's generation-config processors."""
         self.next_tokens = logits.argmax(dim=-1)
         for slot, prompt_index in enumerate(self.running):
-            if prompt_index is not None and self.samplings[prompt_index].do_sample:
-                self.next_tokens[slot] = self.samplings[prompt_index].next_token(logits[slot])
+            if prompt_index is None:
+                continue
+            if self.samplings[prompt_index].do_sample or self.processors[prompt_index]:
+                self.next_tokens[slot] = self.samplings[prompt_index].next_token(
+                    self.scores(prompt_index, logits[slot])
+                )
 
     def run(self, step: Callable) -> list[str]:
         """Decode with ``step`` (:func:`decode_step`) until every prompt has ended; one text each."""
@@ -392,17 +422,42 @@ class SlotScheduler:
         return [self.tokenizer.decode(tokens, skip_special_tokens=True) for tokens in self.generated]
 
 
+def _encode_row(tokenizer, prompt, model, max_new_tokens: int, index: int):
+    """:func:`encode_prompt` for ``prompts[index]``, its refusals naming the prompt's index."""
+    try:
+        return encode_prompt(tokenizer, prompt, model, max_new_tokens)
+    except ValueError as error:
+        raise ValueError(f"prompts[{index}]: {error}") from None
+
+
 def _stop_ids(model, eos_token_id) -> set[int]:
-    """The token ids that end a row: ``eos_token_id`` (an int or ints) or the model's generation
-    config's (as ``model.generate`` stops)."""
+    """The token ids that end a row: ``eos_token_id`` (a token id or a list of them) or the model's
+    generation config's (as ``model.generate`` stops). A given id must be an integer in
+    ``[0, vocabulary size)``."""
     if eos_token_id is None:
         config = getattr(model, "generation_config", None)
         eos_token_id = getattr(config, "eos_token_id", None)
-    if eos_token_id is None:
-        return set()
-    if isinstance(eos_token_id, int):
-        return {eos_token_id}
-    return {int(token) for token in eos_token_id}
+        if eos_token_id is None:
+            return set()
+        return {eos_token_id} if isinstance(eos_token_id, int) else {int(token) for token in eos_token_id}
+    vocabulary = getattr(model.config.get_text_config(decoder=True), "vocab_size", None)
+    tokens = [eos_token_id] if not isinstance(eos_token_id, (list, tuple, set)) else list(eos_token_id)
+
+    def is_token(token) -> bool:
+        return (
+            isinstance(token, int)
+            and not isinstance(token, bool)
+            and token >= 0
+            and (vocabulary is None or token < vocabulary)
+        )
+
+    if not tokens or not all(is_token(token) for token in tokens):
+        accepted = f"[0, {vocabulary})" if vocabulary is not None else "[0, vocabulary size)"
+        raise ValueError(
+            f"invalid eos_token_id={eos_token_id!r}: expected a token id (an integer in {accepted}) or a non-empty "
+            "list of them; for a text that ends a row, pass stop_strings="
+        )
+    return set(tokens)
 
 
 class _RowSampling:
@@ -442,6 +497,9 @@ class _RowSampling:
         return torch.multinomial(probabilities, 1, generator=self.generator)[0, 0]
 
 
+SEED_LIMIT = 2**64  # a torch generator takes seeds below this (and above -2**63; kvhive takes >= 0)
+
+
 def _row_samplings(rows: int, do_sample, temperature, top_k, top_p, seed, device) -> list[_RowSampling]:
     """One sampling per prompt, from values given once or as one per prompt; refuses bad values
     naming the parameter and its range."""
@@ -467,7 +525,10 @@ def _row_samplings(rows: int, do_sample, temperature, top_k, top_p, seed, device
             lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1),
             "a number in (0, 1]",
         ),
-        "seed": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0), "an integer >= 0"),
+        "seed": (
+            lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v < SEED_LIMIT),
+            "an integer >= 0 and < 2**64 (a torch generator's seed range), or None",
+        ),
     }
     given = {"do_sample": do_sample, "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
     values = {}
@@ -478,6 +539,7 @@ def _row_samplings(rows: int, do_sample, temperature, top_k, top_p, seed, device
             if not accepted(item):
                 where = f"[{row}]" if isinstance(value, (list, tuple)) else ""
                 raise ValueError(f"invalid {name}{where}={item!r}: expected {accepted_range}")
+    _refuse_sampling_without_sampling(given, values)
     return [
         _RowSampling(
             values["do_sample"][row],
@@ -489,6 +551,28 @@ def _row_samplings(rows: int, do_sample, temperature, top_k, top_p, seed, device
         )
         for row in range(rows)
     ]
+
+
+# The sampling parameters and the values that mean "not given" (what a greedy row has). A seed is
+# not among them: it changes nothing without sampling, and a row's seed may be given with it off.
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": None, "top_p": None}
+
+
+def _refuse_sampling_without_sampling(given: dict[str, Any], values: dict[str, list]) -> None:
+    """Refuse sampling parameters given where no row samples (they would change nothing). With some
+    rows sampling, a value for every row (or a greedy row's entry of a per-row list) is theirs."""
+    if any(values["do_sample"]):
+        return
+    for name, default in SAMPLING_DEFAULTS.items():
+        for row, value in enumerate(values[name]):
+            if value == default:
+                continue
+            where = f"[{row}]" if isinstance(given[name], (list, tuple)) else ""
+            raise ValueError(
+                f"{name}{where}={value!r} is given but do_sample is False for every prompt: sampling parameters "
+                "(temperature, top_k, top_p) apply only to rows that sample; pass do_sample=True (or one "
+                f"value per prompt), or leave {name} at {default!r}"
+            )
 
 
 def _row_stop_strings(stop_strings, rows: int) -> list[list[str]]:

@@ -163,12 +163,52 @@ def _restore_in_trace(model) -> None:
         config._attn_implementation_internal = config._kvhive_previous_attention
 
 
+def refuse_two_caches(kwargs) -> None:
+    """Refuse a call given one cache as ``cache=`` and another as ``past_key_values=`` (one keyword:
+    its name from transformers 5.24 on, and the old one) where either is kvhive's: one of them would
+    be used and the other silently left out."""
+    named = (kwargs.get("cache"), kwargs.get("past_key_values"))
+    if named[0] is None or named[1] is None or named[0] is named[1]:
+        return
+    if any(isinstance(cache, (KVHiveCache, CacheRows)) for cache in named):
+        raise ValueError(
+            "this call was given two different caches, cache= and past_key_values= (one keyword: its name from "
+            "transformers 5.24 on, and its old name): one would be used and the other left out; pass one cache, as "
+            "cache= (past_key_values= before transformers 5.24)"
+        )
+
+
+def refuse_plain_question_chunks(cache: KVHiveCache, args, kwargs) -> None:
+    """Refuse a prompt fed to a question-aware cache (``question_tokens``) other than by
+    :func:`kvhive.api.prefill_prompt`, which plans the prompt and follows every context chunk with a
+    copy of the question: a plain forward of the prompt, or ``model.generate(prefill_chunk_size=...)``,
+    would give the plain chunked result, the question never scoring a chunk."""
+    if cache.question_tokens is None or cache.prompt_planned:
+        return
+    tokens = kwargs.get("input_ids")
+    if tokens is None:
+        tokens = kwargs.get("inputs_embeds")
+    if tokens is None and args:
+        tokens = args[0]
+    if tokens is None or tokens.dim() < 2 or tokens.shape[1] < 2:
+        return
+    raise ValueError(
+        f"this cache was made with question_tokens={cache.question_tokens} (a question-aware chunked prefill): its "
+        "prompt is fed by kvhive.prefill_prompt(model, input_ids, cache), which follows every chunk with a copy of "
+        "the question; a forward of the prompt or model.generate(prefill_chunk_size=...) would feed plain chunks. "
+        "Feed it with prefill_prompt(..., last_chunk=False) and then call model.generate without prefill_chunk_size, "
+        "use kvhive.generate(..., prefill_chunk=N, question=TEXT), or make the cache without question_tokens"
+    )
+
+
 def _enter_forward(model, args, kwargs):
+    refuse_two_caches(kwargs)
     caches = _kvhive_caches_in(args, kwargs)
     if not caches:
         return None
     for cache in caches:
         cache.check_model(model.config)  # before anything is stored: an empty cache refuses too
+        refuse_plain_question_chunks(cache, args, kwargs)
     if torch.compiler.is_compiling():
         return _switch_in_trace(model)
     attachment = _ATTACHED.get(model) or _attachment(model)
@@ -234,10 +274,43 @@ class _ReuseCheckingPrepare:
         return types.MethodType(type(self.model).prepare_inputs_for_generation, self.model)
 
     def __call__(self, input_ids, *args, **kwargs):
+        refuse_two_caches(kwargs)
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if isinstance(cache, KVHiveCache) and cache.positions == ORIGINAL_POSITIONS:
+            skip_cached_prefix(cache, input_ids, kwargs)
             new_tokens = kwargs.get("next_sequence_length")
             if new_tokens is None and not cache.get_seq_length():
                 new_tokens = input_ids.shape[-1]
             cache.check_generation_inputs(input_ids, bool(kwargs.get("is_first_iteration")), new_tokens)
         return self.__wrapped__(input_ids, *args, **kwargs)
+
+
+def skip_cached_prefix(cache: KVHiveCache, input_ids, kwargs: dict) -> None:
+    """Feed only the tokens ``cache`` has not seen on a first step given the whole sequence.
+
+    ``generate``'s own prefill slices the sequence after the cached tokens when the attention mask
+    covers it (``next_sequence_length``), but transformers' assisted and speculative decoding
+    (``prompt_lookup_num_tokens=``, ``assistant_model=``) prepares its first step without that
+    slice, so a cache that already holds the prompt's beginning would get the whole prompt a
+    second time, at positions after it. Here the slice is set as the prefill sets it: the first
+    step, no slice given, a cache holding tokens, and the attention mask (or, where ``generate``
+    dropped an all-ones mask, the position ids it made from it) covering the whole sequence."""
+    if not kwargs.get("is_first_iteration") or kwargs.get("next_sequence_length") is not None:
+        return
+    if input_ids is None:
+        return
+    length = int(input_ids.shape[-1])
+    mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
+    if mask is not None:
+        whole = mask.shape[-1] == length
+    elif positions is not None:
+        # A chunk of a chunked prefill has its own positions (from the cached length on); the whole
+        # sequence's start at 0, its longest row's last at length - 1.
+        whole = positions.shape[-1] == length and int(positions[..., -1].max()) == length - 1
+    else:
+        whole = False
+    if not whole:
+        return
+    seen = int(cache.get_seq_length())
+    if seen:
+        kwargs["next_sequence_length"] = int(input_ids.shape[-1]) - seen

@@ -106,6 +106,11 @@ def add_eval_arguments(
     )
     parser.add_argument("--suite", choices=sorted(SUITES), help="a predefined grid; explicit options override it")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="where the model runs: cpu, cuda, cuda:N (default: a GPU when torch sees one, else the CPU)",
+    )
     parser.add_argument("--no-report", action="store_true", help="do not write report.md after the run")
     parser.add_argument(
         "--ray",
@@ -191,6 +196,15 @@ def lines_said(command: str) -> Iterator[None]:
                     print(f"kvhive {command}: {message}", file=sys.stderr)
 
 
+def _say_expected_duration(args: argparse.Namespace) -> None:
+    """One line on stderr, for a named suite, of how long it takes (what its committed runs took)."""
+    if not getattr(args, "suite", None):
+        return
+    suite = get_suite(args.suite)
+    if suite.expected_duration:
+        print(f"kvhive eval: suite {suite.name!r} takes {suite.expected_duration}", file=sys.stderr)
+
+
 def run_eval_command(args: argparse.Namespace) -> int:
     factory = getattr(args, "backend_factory", None)
     if factory is None:
@@ -200,6 +214,9 @@ def run_eval_command(args: argparse.Namespace) -> int:
     dtype = grid["dtype"]
     if dtype != DEFAULT_DTYPE:
         factory = functools.partial(factory, dtype=dtype)
+    if getattr(args, "device", None) is not None:
+        factory = functools.partial(factory, device=args.device)
+    _say_expected_duration(args)
     data_dir = args.data_dir or default_data_dir()
     grid_arguments = (grid["tasks"], grid["methods"], grid["budgets"], grid["limit"], data_dir, grid["out_dir"])
     options = dict(

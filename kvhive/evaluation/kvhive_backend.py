@@ -380,11 +380,12 @@ class KVHiveBackend:
         return results
 
 
-def make_backend(model_name: str, dtype: str = DEFAULT_DTYPE) -> KVHiveBackend:
-    """Backend factory for the CLI: ``kvhive eval --model NAME [--dtype DTYPE]``."""
+def make_backend(model_name: str, dtype: str = DEFAULT_DTYPE, device: str | None = None) -> KVHiveBackend:
+    """Backend factory for the CLI: ``kvhive eval --model NAME [--dtype DTYPE] [--device DEVICE]``;
+    without a device, a GPU when torch sees one (a Ray worker given a GPU, or a GPU machine)."""
     from kvhive.models import load_model
 
-    model, tokenizer = load_model(model_name, dtype=getattr(torch, validate_dtype(dtype)))
-    if torch.cuda.is_available():  # a Ray worker given a GPU, or a GPU machine: evaluate there
-        model = model.to("cuda")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tokenizer = load_model(model_name, dtype=getattr(torch, validate_dtype(dtype)), device=device)
     return KVHiveBackend(model, tokenizer, model_name=model_name)

@@ -17,6 +17,7 @@ class Suite:
     limit: int | None
     description: str = field(default="")
     dtype: str | None = None  # the model's dtype for this suite (None: the CLI default)
+    expected_duration: str = field(default="")  # said when the run starts (what the committed runs took)
 
 
 QUICK = Suite(
@@ -39,6 +40,7 @@ QUICK = Suite(
     },
     limit=4,
     description="5 tasks x 3 methods x 2 ratio budgets (+ full cache), 4 items each",
+    expected_duration="about a minute on 2 CPU cores for gemma-3-270m, once the model is converted",
 )
 
 
@@ -71,6 +73,11 @@ def claims_suite(limit: int | None = 40) -> Suite:
         limit=limit,
         description="every method/budget the paper claims need (kvhive/evaluation/claims.py)",
         dtype="bfloat16",
+        expected_duration=(
+            "hours on a CPU: about 2 h of one core for gemma-3-270m and 4 h for qwen2.5-0.5b at 40 items a task "
+            "(results/claims_gemma, results/claims_qwen); the progress bar estimates the rest as it goes, and a "
+            "stopped run resumes where it stopped"
+        ),
     )
 
 

@@ -147,6 +147,28 @@ def memory_plan(budget: int, config: SubGenAttentionConfig) -> MemoryPlan | None
     return MemoryPlan(window, samples, max_clusters, config.samples_per_cluster)
 
 
+def minimum_plan_budget(config: SubGenAttentionConfig) -> int:
+    """The smallest budget :func:`memory_plan` splits. A plan needs one value sample
+    (``budget >= 1 / value_sample_fraction``) and one cluster of ``samples_per_cluster + 1`` keys
+    (``floor(budget * cluster_fraction) >= ceil((samples_per_cluster + 1) / 2)``); its window is never
+    empty (at least ``budget * (1 - both fractions) > 0`` tokens). Both needs only grow with the
+    budget, so the answer is found by bisection below that closed form's estimate (float rounding may
+    put the estimate a token off), in a number of steps logarithmic in the budget, whatever
+    ``samples_per_cluster`` is."""
+    half_cluster = -(-(config.samples_per_cluster + 1) // 2)
+    high = max(1, math.ceil(1 / config.value_sample_fraction), math.ceil(half_cluster / config.cluster_fraction))
+    while memory_plan(high, config) is None:
+        high *= 2
+    low = 0  # no plan at budget 0
+    while high - low > 1:
+        middle = (low + high) // 2
+        if memory_plan(middle, config) is None:
+            low = middle
+        else:
+            high = middle
+    return high
+
+
 class SubGenAttention(Policy):
     name = "subgen-attention"
     phases = frozenset({PREFILL, DECODE})
@@ -191,10 +213,7 @@ class SubGenAttention(Policy):
         return plan
 
     def minimum_budget(self) -> int:
-        budget = 1
-        while memory_plan(budget, self.config) is None:
-            budget += 1
-        return budget
+        return minimum_plan_budget(self.config)
 
     # -- structures ------------------------------------------------------------------------------
     def _structures(self, scoring: ScoringInputs, plan: MemoryPlan, state: dict) -> StreamingStructures:

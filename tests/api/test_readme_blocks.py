@@ -11,6 +11,12 @@ written until it is listed again):
   inside itself) and the evaluations, which take minutes to hours. Their command lines are still
   parsed and validated (every task, method and budget exists), so a typo fails here.
 * ``SUBSTITUTED``: a cheaper value that runs the same code path (named per line, with why).
+
+A python block that loads an embedded model whose extra is not installed (the chat model,
+``kvhive[qwen]``, outside CI's set-up) runs as written too, and must stop at ``load_model`` with the
+one-line error naming the ``pip install`` to run. The ```text blocks show commands for another
+machine (a GPU) or shell (activating ``.venv``): each ``kvhive`` line of them parses, and
+``.venv/bin/kvhive``'s runs as ``python -m kvhive.cli``.
 """
 
 from __future__ import annotations
@@ -77,12 +83,35 @@ def test_readme_has_the_blocks_this_test_knows_about():
     assert not stale, f"exceptions for lines no longer in the README: {stale}"
 
 
+def _missing_extra(block: str) -> str | None:
+    """The extra of the embedded model ``block`` loads, when that extra is not installed here."""
+    from kvhive.models import EMBEDDED_MODELS, MissingModelExtraError
+
+    for name, entry in EMBEDDED_MODELS.items():
+        if f'load_model("{name}")' in block:
+            try:
+                entry.require_chunks()
+            except MissingModelExtraError:
+                return entry.extra
+    return None
+
+
 @pytest.mark.parametrize("index", range(len(code_blocks("python"))))
 def test_python_block_runs_as_written(index):
     block = code_blocks("python")[index]
     result = subprocess.run(
         [sys.executable, "-c", block], cwd=REPO, capture_output=True, text=True, timeout=600, check=False
     )
+    extra = _missing_extra(block)
+    if extra is not None:
+        # What a reader without the extra meets: one line saying what to install.
+        last = result.stderr.strip().splitlines()[-1]
+        assert result.returncode != 0 and last.startswith("kvhive.models.embedded.MissingModelExtraError: model="), (
+            result.stderr[-3000:]
+        )
+        assert f"install them with: pip install 'kvhive[{extra}]'" in last
+        assert "During handling of the above exception" not in result.stderr  # one traceback, not two
+        return
     assert result.returncode == 0, result.stderr[-3000:]
     if "full_cache_bytes" in block:
         assert re.search(r"cache holds [01]\.\d{3} of the full cache's bytes", result.stdout), result.stdout
@@ -124,3 +153,32 @@ def test_excluded_commands_parse_and_name_real_tasks_methods_budgets(line):
     methods = grid["methods"]
     for method in (m for ms in methods.values() for m in ms) if isinstance(methods, dict) else methods:
         policy_class(method)
+
+
+def text_command_lines() -> list[list[str]]:
+    """The command lines of the ```text blocks that start with ``kvhive`` or ``.venv/bin/kvhive``,
+    split as a shell would (comments stripped)."""
+    lines = []
+    for block in code_blocks("text"):
+        for line in block.splitlines():
+            if line.split(" ", 1)[0] in ("kvhive", ".venv/bin/kvhive"):
+                lines.append(shlex.split(line, comments=True))
+    return lines
+
+
+def test_readme_text_blocks_show_the_venv_and_gpu_commands():
+    programs = [words[0] for words in text_command_lines()]
+    assert ".venv/bin/kvhive" in programs and programs.count("kvhive") >= 3
+    assert any("--device" in words for words in text_command_lines())
+
+
+@pytest.mark.parametrize("words", text_command_lines(), ids=" ".join)
+def test_text_block_commands_parse(words):
+    from kvhive.cli import build_parser
+
+    args = build_parser().parse_args(words[1:])  # an unknown option or value exits here
+    if words[0] == ".venv/bin/kvhive":
+        result = subprocess.run(_argv(["kvhive", *words[1:]]), cwd=REPO, capture_output=True, text=True, check=False)
+        assert result.returncode == 0 and result.stdout.strip(), result.stderr[-3000:]
+    elif "--device" in words:
+        assert args.device == words[words.index("--device") + 1]

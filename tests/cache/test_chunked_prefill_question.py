@@ -317,3 +317,21 @@ def test_the_cli_flag_needs_a_chunked_prefill():
 
     with pytest.raises(SystemExit, match="--prefill-question applies to a chunked prefill; give --prefill-chunk N"):
         kvhive_main(["generate", "--model", "tiny-llama-gqa", "--prefill-question", " which?", "some text which?"])
+
+
+def test_a_question_aware_cache_refuses_plain_chunks_and_works_after_prefill_prompt():
+    # model.generate(prefill_chunk_size=...) feeds plain chunks: the question would score none of them.
+    model = _model()
+    ids = _prompt_ids(model)
+    cache = kvhive.make_cache(model, "snapkv", BUDGET, prefill_chunk=CHUNK, question_tokens=QUESTION, window=4)
+    with pytest.raises(ValueError, match=r"made with question_tokens=20 .*model.generate\(prefill_chunk_size=\.\.\.\)"):
+        model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False, prefill_chunk_size=CHUNK)
+    with pytest.raises(ValueError, match=r"made with question_tokens=20"), torch.no_grad():
+        model(input_ids=ids, past_key_values=cache)
+    assert cache.get_seq_length() == 0  # refused before anything was stored
+    # The recipe the refusal names: the context chunks through prefill_prompt, then generate.
+    prefill_prompt(model, ids, cache, last_chunk=False)
+    output = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+    reference = kvhive.make_cache(model, "snapkv", BUDGET, prefill_chunk=CHUNK, question_tokens=QUESTION, window=4)
+    logits = prefill_prompt(model, ids, reference)
+    assert int(output[0, LENGTH]) == int(logits[0].argmax())

@@ -18,6 +18,12 @@ def _model():
     return tiny_model("llama", "gqa")
 
 
+def _untied_model():
+    # Untied embeddings: greedy text that varies (a tied tiny model repeats one token, which any
+    # wrong cache reproduces too).
+    return tiny_model("llama", "gqa", tie_word_embeddings=False)
+
+
 def _repetitive_prompt(model):
     # Repeats, so prompt lookup proposes drafts (some accepted, some cropped).
     base = torch.randint(3, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
@@ -26,8 +32,9 @@ def _repetitive_prompt(model):
 
 @pytest.mark.parametrize(("method", "options"), PROMPT_ONLY)
 def test_assisted_decoding_equals_plain_greedy_after_the_prompt(method, options):
-    model = _model()
+    model = _untied_model()
     prompt = _repetitive_prompt(model)
+    new_tokens = 20
     outputs, removed = [], []
     for assisted in (False, True):
         cache = kvhive.make_cache(model, method, **options)
@@ -41,8 +48,13 @@ def test_assisted_decoding_equals_plain_greedy_after_the_prompt(method, options)
         with torch.no_grad():
             model(input_ids=prompt[:, :-1], past_key_values=cache)  # the prompt is compressed first
         extra = {"prompt_lookup_num_tokens": 4} if assisted else {}
-        outputs.append(model.generate(prompt, past_key_values=cache, max_new_tokens=20, do_sample=False, **extra))
+        outputs.append(
+            model.generate(prompt, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False, **extra)
+        )
         assert cache.is_croppable
+        # The prompt went through the cache once: its tokens, then every new token but the last.
+        assert cache.get_seq_length() == prompt.shape[1] + new_tokens - 1
+    assert len(set(outputs[0][0, prompt.shape[1] :].tolist())) > 2  # the greedy text varies
     assert torch.equal(outputs[0], outputs[1])
     assert any(count < 0 for count in removed), removed  # drafts were rejected and rolled back
 
@@ -112,3 +124,17 @@ def test_head_wise_counts_are_refused_by_name():
     with pytest.raises(ValueError, match=r"different number of tokens per head or per row"):
         cache.crop(-1)
     assert cache.get_seq_length() == 81
+
+
+def test_speculative_decoding_with_an_assistant_feeds_the_prompt_once():
+    model = _untied_model()
+    assistant = tiny_model("llama", "gqa", seed=1, tie_word_embeddings=False)
+    prompt = _repetitive_prompt(model)
+    outputs = []
+    for extra in ({}, {"assistant_model": assistant}):
+        cache = kvhive.make_cache(model, "snapkv", budget=32)
+        with torch.no_grad():
+            model(input_ids=prompt[:, :-1], past_key_values=cache)
+        outputs.append(model.generate(prompt, past_key_values=cache, max_new_tokens=12, do_sample=False, **extra))
+        assert cache.get_seq_length() == prompt.shape[1] + 12 - 1
+    assert torch.equal(outputs[0], outputs[1])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import signal
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -1498,3 +1499,44 @@ def test_key_probes_are_taken_only_where_the_attentions_product_is_the_methods(d
     input_ids = torch.randint(3, model.config.vocab_size, (2, 28), generator=torch.Generator().manual_seed(1))
     prefill_and_decode(model, cache, input_ids, torch.ones_like(input_ids), steps=5)
     assert calls == {"probed": 0, "own": 5 * len(cache.compressed_layers)}
+
+
+def _smallest_budget_counting_up(config) -> int:
+    budget = 1
+    while memory_plan(budget, config) is None:
+        budget += 1
+    return budget
+
+
+@pytest.mark.parametrize("samples_per_cluster", [1, 2, 3, 4, 7, 16, 63])
+@pytest.mark.parametrize(("value_fraction", "cluster_fraction"), [(0.25, 0.25), (0.1, 0.5), (0.05, 0.3), (0.3, 0.05)])
+def test_minimum_budget_is_the_smallest_budget_with_a_plan(samples_per_cluster, value_fraction, cluster_fraction):
+    config = SubGenAttentionConfig(
+        samples_per_cluster=samples_per_cluster,
+        value_sample_fraction=value_fraction,
+        cluster_fraction=cluster_fraction,
+    )
+    smallest = SubGenAttention(config).minimum_budget()
+    assert smallest == _smallest_budget_counting_up(config)
+    assert memory_plan(smallest, config) is not None and memory_plan(smallest - 1, config) is None
+
+
+def _raise_timeout(signum, frame):
+    raise TimeoutError("the minimum-budget search ran past 20 s")
+
+
+def test_minimum_budget_of_huge_clusters_is_found_without_counting_up():
+    # Counting up one token at a time took ~10**12 steps here: the refusal hung instead of naming it.
+    # (An alarm turns a hang into a failure.)
+    policy = SubGenAttention(samples_per_cluster=10**12)
+    previous = signal.signal(signal.SIGALRM, _raise_timeout)
+    signal.alarm(20)
+    try:
+        smallest = policy.minimum_budget()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert smallest == math.ceil((10**12 // 2 + 1) / 0.25)
+    assert memory_plan(smallest, policy.config) is not None and memory_plan(smallest - 1, policy.config) is None
+    with pytest.raises(ValueError, match=rf"invalid budget=64 for subgen-attention: expected an integer >= {smallest}"):
+        policy.plan(64)
