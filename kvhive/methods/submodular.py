@@ -33,7 +33,9 @@ from kvhive.methods.submodular_graph import (
     fast_backend,
     fast_lazy_greedy,
     held_similarity_bytes,
+    kernel_greedy,
     similarity_buffer,
+    uses_kernel,
 )
 from kvhive.methods.submodular_objective import (
     PADDING_GAIN,
@@ -275,6 +277,10 @@ def greedy_maximize(
     per shape bucket; the CPU runs the eager loop, the reference. True: the fixed-shape step
     (compiled and captured as on CUDA; eager on the CPU); a dynamo backend (e.g. ``"aot_eager"``,
     the tests' CPU proxy): the step compiled with it, not captured; False: the eager loop.
+    On CUDA, stochastic greedy's fast path is :mod:`kvhive.methods.greedy_kernel`'s Triton step
+    where ``static_step.config.prefill_kernels`` (two launches a step for all rows, every drawn
+    element evaluated: the same picks up to float32 summation order), captured likewise;
+    ``"triton"``: that step, not captured (on the CPU under ``TRITON_INTERPRET=1``, the tests' proxy).
 
     ``donate_similarity``: the caller gives ``objective.sim`` up (it computed the matrix for this call
     and writes nothing into it after): a capture of new shapes keeps it as its input buffer instead of
@@ -296,9 +302,12 @@ def greedy_maximize(
     margin = _LAZY_EVALUATIONS
     if fast is False and objective.sim.device.type == "cpu":
         margin = _LAZY_EVALUATIONS * _EAGER_CPU_MARGIN // _EAGER_CPU_MARGIN_OF
+    kernel = fast is not False and uses_kernel(fast, objective, sampler is not None)
     if sampler is None:
         widths = [n] * k
         evaluations = [min(margin, n)] * k
+    elif kernel:  # every drawn element evaluated: no evaluation counts to plan
+        widths, evaluations = sampler.width, None
     else:
         widths = sampler.width
         evaluations = sampler.first_evaluations(margin)
@@ -309,6 +318,10 @@ def greedy_maximize(
     while True:
         if fast is False:
             chosen, enough, needed = _lazy_greedy(objective, k, evaluations, sampler, attempts)
+        elif kernel:
+            capture = captures_loops(objective.sim.device) and fast is True
+            chosen, enough, needed, path = kernel_greedy(objective, k, sampler, attempts, capture, donated)
+            _THIS_MODULE.last_greedy_path = path
         else:
             named = fast is not True  # a backend (a name or a dynamo backend callable)
             backend = fast_backend(fast) if cuda or named else None

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvhive import static_step
+from kvhive.methods import greedy_kernel
 from kvhive.methods.submodular_objective import PADDING_GAIN, Concave, Mixture
 from kvhive.static_step import BoundedCache, CapturedLoops, capture_stream
 
@@ -306,6 +307,82 @@ def fast_backend(fast) -> str | None:
         return fast
 
     return "inductor" if static_step.config.prefill_compile else None
+
+
+# The fast path's name for BumbleBee's Triton step (``fast="triton"``; on CUDA by default).
+KERNEL_BACKEND = "triton"
+
+
+def uses_kernel(fast, objective: Mixture, sampled: bool) -> bool:
+    """Whether the fast path runs the greedy on :mod:`kvhive.methods.greedy_kernel`: asked by name
+    (``fast="triton"``), or by default (``fast`` True) on CUDA where ``static_step.config.prefill_kernels``,
+    for stochastic greedy (every drawn element evaluated: a lazy greedy's pool is every element) and
+    where Triton runs; never inside a caller's trace or capture (there the steps join the caller's graph)."""
+    if fast == KERNEL_BACKEND:
+        if not greedy_kernel.kernel_supports(objective.sim):
+            raise ValueError(
+                f"fast={KERNEL_BACKEND!r}: the Triton greedy step needs Triton on a CUDA device (or TRITON_INTERPRET=1) "
+                f"and a contiguous float32 similarity; got {objective.sim.dtype} on {objective.sim.device}"
+            )
+        return True
+    return (
+        fast is True
+        and sampled
+        and objective.sim.device.type == "cuda"
+        and static_step.config.prefill_kernels
+        and not static_step.in_static_step()
+        and greedy_kernel.kernel_supports(objective.sim)
+    )
+
+
+def kernel_greedy(
+    objective: Mixture,
+    k: int,
+    sampler: StochasticSampler | None,
+    attempts: int,
+    capture: bool,
+    donated: tuple[str, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
+    """The eager loop's run on :func:`greedy_kernel.greedy_kernel_step` (two launches a step, all rows
+    at once): its ``(chosen, enough, needed)`` and the path taken. Every drawn element is evaluated,
+    so every step settles (``needed`` zeros). ``capture``: the loop captured as one CUDA graph per
+    shape, replayed by later layers of those shapes (as :func:`fast_lazy_greedy`'s)."""
+    n = objective.size
+    sampled = sampler is not None and not all(sampler.all_full)
+    widths = list(sampler.width) if sampled else [n] * k
+    inputs = _static_inputs(objective, sampler if sampled else None, attempts)
+    inputs["constants"] = greedy_kernel.kernel_constants(objective.phi, objective.sim.device)
+    functions = [
+        _kernel_step(width=width, sampled=sampled, any_full=sampled and width == n, phi=objective.phi)
+        for width in widths
+    ]
+    steps = list(range(k))
+    label = "greedy kernel (triton)"
+    if not capture:
+        state = _run_loop(inputs, steps, functions)
+    else:
+        device = objective.sim.device
+        shape = tuple((name, tuple(value.shape), value.dtype) for name, value in inputs.items())
+        key = ((device, KERNEL_BACKEND, k, shape, tuple(widths), sampled, objective.phi), ())
+        with CAPTURED_LOOPS.using(device) as graphs:
+            graph = CAPTURED_LOOPS.take(key)
+            if graph is None:
+                same = [other for other in graphs if other[0][:4] == key[0][:4]]
+                buffers = graphs[same[-1]].inputs if same else None
+                CAPTURED_LOOPS.make_room()
+                graph = _LoopGraph(inputs, steps, functions, buffers, donated)
+            CAPTURED_LOOPS.put(key, graph)
+            state = graph(inputs)
+        label += ", whole loop as one CUDA graph"
+    chosen, *_, evaluated_enough, drew_enough, needed = state
+    return chosen, torch.stack([evaluated_enough, drew_enough]), needed, label
+
+
+def _kernel_step(**static):
+    def function(inputs, state, step):
+        return greedy_kernel.greedy_kernel_step(inputs, state, step, **static)
+
+    return function
 
 
 def fast_lazy_greedy(

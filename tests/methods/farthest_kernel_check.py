@@ -1,7 +1,8 @@
 """Run SubGen's Triton farthest-point kernel (``kvhive.methods.farthest_kernel``) in Triton's CPU
 interpreter (``TRITON_INTERPRET=1`` must be set before this module imports triton) against the eager
-loop, the reference; prints JSON ``{case: {"equal": bool, "overlap": float}}``. Used by
-``test_farthest_kernel_interpreted.py``.
+loop, the reference; prints JSON ``{case: {"equal": bool, "overlap": float, "launches_per_centre": float}}``. Used by
+``test_farthest_kernel_interpreted.py``. Launches are counted by wrapping the kernel: every launch of
+the call, over the centres it picks (all rows of the case at once).
 
 Integer-valued keys make every product and sum exact in float32, in any order: there the kernel's
 order must equal the eager loop's to the index, ties included (many distances tie on such keys,
@@ -14,12 +15,32 @@ import sys
 
 import torch
 
+import kvhive.methods.farthest_kernel as farthest_kernel
 import kvhive.methods.subgen as subgen_module
 from kvhive.methods.subgen import farthest_point_order
+
+LAUNCHES = {"count": 0}
+
+
+class _Counted:
+    """A kernel whose launches (``kernel[grid](...)``) are counted."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def counted(*args, **kwargs):
+            LAUNCHES["count"] += 1
+            return launch(*args, **kwargs)
+
+        return counted
 
 
 def main():
     generator = torch.Generator().manual_seed(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
+    farthest_kernel._farthest_step_kernel = _Counted(farthest_kernel._farthest_step_kernel)
     results = {}
     cases = [
         # name, rows, points, dim, count, integer keys, candidates thinned, positions
@@ -49,14 +70,20 @@ def main():
         if with_positions:
             positions = torch.stack([torch.randperm(points, generator=generator) for _ in range(rows)])
         reference = farthest_point_order(keys, candidates, count, positions, fast=False)
+        LAUNCHES["count"] = 0
         kernel = farthest_point_order(keys, candidates, count, positions, fast="triton")
+        centres = min(count, points)  # the picks the loop takes (a row that ran out picks -1 after)
         assert subgen_module.last_farthest_path == "farthest-point kernel (triton)", subgen_module.last_farthest_path
         overlaps = []
         for row in range(rows):
             mine = set(kernel[row].tolist()) - {-1}
             theirs = set(reference[row].tolist()) - {-1}
             overlaps.append(len(mine & theirs) / max(1, len(theirs)))
-        results[name] = {"equal": bool(torch.equal(kernel, reference)), "overlap": min(overlaps)}
+        results[name] = {
+            "equal": bool(torch.equal(kernel, reference)),
+            "overlap": min(overlaps),
+            "launches_per_centre": LAUNCHES["count"] / centres,
+        }
     print(json.dumps(results))
 
 
