@@ -49,12 +49,15 @@ def decode_step_blockwise(cache, layer_index, query, mask, scaling, compressed: 
     if traits.changes_attention_logits:
         query = row_logit_scale(policy, stored_mask, key_rows.shape[2], query)
     wants_weights = compressed and traits.needs_decode_attention and traits.has_decode
-    output, weights, logits = blockwise_attention(
-        query, store.codec, key_rows, value_rows, stored_mask, scaling, wants_weights
+    # A method deciding while decoding scores from the layer's dequantized keys and values: the blocks
+    # attention dequantized are kept for it (the layer's copy it reads), not dequantized twice.
+    decides = compressed and traits.has_decode
+    output, weights, logits, dequantized = blockwise_attention(
+        query, store.codec, key_rows, value_rows, stored_mask, scaling, wants_weights, decides
     )
 
     def make_scoring(phase: str):
-        keys, values, _, _, _ = store.decode_view()  # dequantized: the numbers attention read
+        keys, values = dequantized if dequantized is not None else store.decode_view()[:2]
         return build_scoring(
             cache,
             layer_index,
@@ -75,11 +78,14 @@ def decode_step_blockwise(cache, layer_index, query, mask, scaling, compressed: 
     return output, None
 
 
-def blockwise_attention(query, codec, key_rows, value_rows, stored_mask, scaling: float, wants_weights: bool):
-    """``(output [B, 1, Hq, dv], weights [B, Hq, L] or None, logits [B, H, G, 1, L] or None)`` of one
-    query per head over byte buffers ``[B, H, L, row]``, ``BLOCK_TOKENS`` slots dequantized at a time
-    (online softmax in float32). ``stored_mask`` ``[B, 1|H, 1, L]`` (True: attended) or None; the
-    logits are returned before it, as the explicit-softmax route returns them."""
+def blockwise_attention(
+    query, codec, key_rows, value_rows, stored_mask, scaling: float, wants_weights: bool, keep_blocks: bool = False
+):
+    """``(output [B, 1, Hq, dv], weights [B, Hq, L] or None, logits [B, H, G, 1, L] or None, dequantized)``
+    of one query per head over byte buffers ``[B, H, L, row]``, ``BLOCK_TOKENS`` slots dequantized at a
+    time (online softmax in float32). ``stored_mask`` ``[B, 1|H, 1, L]`` (True: attended) or None; the
+    logits are returned before it, as the explicit-softmax route returns them. ``keep_blocks``: the
+    dequantized keys and values of every block, joined in the model's dtype (``dequantized``; else None)."""
     batch, query_heads, _, head_dim = query.shape
     heads, length = key_rows.shape[1], key_rows.shape[2]
     group = query_heads // heads
@@ -87,10 +93,13 @@ def blockwise_attention(query, codec, key_rows, value_rows, stored_mask, scaling
     running_max = rows.new_full((batch, heads, group, 1), float("-inf"))
     denominator = rows.new_zeros(batch, heads, group, 1)
     numerator = rows.new_zeros(batch, heads, group, codec.value_dim)
-    all_logits = []
+    all_logits, key_blocks, value_blocks = [], [], []
     for start in range(0, length, BLOCK_TOKENS):
         stop = min(length, start + BLOCK_TOKENS)
         keys, values = codec.dequantize_block(key_rows, value_rows, start, stop)
+        if keep_blocks:
+            key_blocks.append(keys.to(query.dtype))
+            value_blocks.append(values.to(query.dtype))
         logits = torch.matmul(rows, keys.transpose(-1, -2)) * scaling  # [B, H, G, block]
         if wants_weights:
             all_logits.append(logits)
@@ -104,10 +113,12 @@ def blockwise_attention(query, codec, key_rows, value_rows, stored_mask, scaling
         numerator = numerator * correction + torch.matmul(exponentials, values)
         running_max = block_max
     output = (numerator / denominator).to(query.dtype).reshape(batch, query_heads, 1, -1).transpose(1, 2)
+    dequantized = (torch.cat(key_blocks, dim=2), torch.cat(value_blocks, dim=2)) if keep_blocks else None
     if not wants_weights:
-        return output, None, None
+        return output, None, None, dequantized
     logits = torch.cat(all_logits, dim=-1) if len(all_logits) > 1 else all_logits[0]
     masked = logits if stored_mask is None else torch.where(stored_mask[:, :, 0].unsqueeze(2), logits, float("-inf"))
     safe_max = running_max.clamp_min(torch.finfo(torch.float32).min)
     weights = torch.exp(masked - safe_max) / denominator
-    return output, weights.reshape(batch, query_heads, length), logits.view(batch, heads, group, 1, length)
+    weights = weights.reshape(batch, query_heads, length)
+    return output, weights, logits.view(batch, heads, group, 1, length), dequantized

@@ -190,7 +190,9 @@ def test_blockwise_attention_equals_attention_over_the_dequantized_cache(bits, m
         return dequantize_block(key_rows, value_rows, start, stop)
 
     monkeypatch.setattr(codec, "dequantize_block", counted)
-    output, weights, logits = blockwise_attention(query, codec, key_rows, value_rows, mask, 0.25, True)
+    output, weights, logits, dequantized = blockwise_attention(
+        query, codec, key_rows, value_rows, mask, 0.25, True, keep_blocks=True
+    )
     assert max(blocks) <= BLOCK_TOKENS and sum(blocks) == length  # never the whole layer at once
     dense_keys = codec.keys_of(key_rows, codec.channel_scale[:, :, None])
     dense_values = codec.values_of(value_rows)
@@ -198,6 +200,7 @@ def test_blockwise_attention_equals_attention_over_the_dequantized_cache(bits, m
         query, dense_keys, dense_values, attn_mask=mask, scale=0.25, enable_gqa=True
     )
     torch.testing.assert_close(output, expected.transpose(1, 2), atol=1e-5, rtol=1e-5)
+    assert torch.equal(dequantized[0], dense_keys) and torch.equal(dequantized[1], dense_values)
     grouped = query.reshape(batch, heads, group, 1, dim)
     expected_logits = grouped @ dense_keys[:, :, None].transpose(-1, -2) * 0.25
     torch.testing.assert_close(logits, expected_logits, atol=1e-5, rtol=1e-5)

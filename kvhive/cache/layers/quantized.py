@@ -81,7 +81,7 @@ def dequantize_rows(rows: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     codes = rows[..., SCALE_BYTES:]
     if bits == 4:
         codes = torch.stack([codes & 0x0F, codes >> 4], dim=-1).flatten(-2)
-    return codes.float() * scale + low
+    return torch.addcmul(low, codes.float(), scale)
 
 
 class KVCodec:
