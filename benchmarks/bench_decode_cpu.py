@@ -11,6 +11,10 @@ JSON line per method.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_decode_cpu.py --rounds 3
 
+``--kv-bits 4`` (or 8) adds, for every method, its cache stored quantized (``make_cache(kv_bits=...)``)
+as a method of its own (``h2o+kv4``), timed in the same rounds, with the median over rounds of its
+ratio to the same method unquantized in the same round (``x_unquantized_paired``).
+
 ``--compile inductor`` (or another dynamo backend) compares compiled against compiled, the shape of
 issue 23's compiled GPU target: every method's step runs through ``torch.compile(fullgraph=True,
 dynamic=False)`` (its own compiled function; compiling and ``--warmup`` steps are not timed), the
@@ -56,13 +60,16 @@ def main() -> None:
         default=3,
         help="with --compile: untimed steps per method before the rounds (the first compiles), each checked against eager",
     )
+    parser.add_argument("--kv-bits", type=int, choices=(4, 8), default=None, help="add each method stored quantized")
     args = parser.parse_args()
     methods = [m for m in args.methods.split(",") if m]
-    unknown = [m for m in methods if m not in method_names()]
+    unknown = [m for m in methods if m.split("+kv")[0] not in method_names()]
     if unknown:
         raise SystemExit(f"--methods: unknown {unknown}; known: {', '.join(method_names())}")
     if "snapkv" not in methods:
         methods.insert(0, "snapkv")
+    if args.kv_bits is not None:
+        methods = [label for m in methods for label in (m, f"{m}+kv{args.kv_bits}")]
     torch.manual_seed(0)
     model = kv_heavy_model(num_layers=args.layers)
     prompt = torch.randint(3, model.config.vocab_size, (1, args.context), generator=torch.Generator().manual_seed(0))
@@ -124,11 +131,19 @@ def main() -> None:
             "layers": args.layers,
             "threads": torch.get_num_threads(),
             "compile": args.compile,
+            "kv_bits": args.kv_bits if "+kv" in method else None,
             "kvhive_commit": kvhive.__dict__.get("__commit__"),
         }
+        versus = ""
+        if "+kv" in method:  # paired with the same method unquantized, round by round
+            plain = times[method.split("+kv")[0]]
+            line["x_unquantized_paired"] = round(
+                statistics.median(t / u for t, u in zip(times[method], plain, strict=True)), 3
+            )
+            versus = f"  {line['x_unquantized_paired']:5.3f}x unquantized (paired)"
         print(
             f"{method:18s} {best * 1e3:7.2f} ms/step  {best / reference:5.2f}x snapkv  (paired {paired:5.3f}x)   "
-            f"rounds {line['round_medians_ms']}"
+            f"rounds {line['round_medians_ms']}{versus}"
         )
         if args.json:
             with open(args.json, "a") as handle:
@@ -137,16 +152,18 @@ def main() -> None:
 
 def _cache(model, method: str, budget: float, context: int, decode_steps: int, backend: str | None):
     """The method's cache; compiled: the full cache as transformers' StaticCache, a growing layer in a
-    fixed decode capacity."""
+    fixed decode capacity. ``method+kvN``: the method's cache stored in N bits."""
+    method, _, bits = method.partition("+kv")
+    quantized = {"kv_bits": int(bits)} if bits else {}
     if backend is None:
-        return make_cache(model, method, None if method == "full" else budget)
-    if method == "full":
+        return make_cache(model, method, None if method == "full" else budget, **quantized)
+    if method == "full" and not quantized:
         from transformers import StaticCache
 
         return StaticCache(config=model.config, max_cache_len=context + decode_steps)
-    cache = make_cache(model, method, budget)
+    cache = make_cache(model, method, budget, **quantized)
     if not cache.static_decode:  # a layer that grows while decoding: a fixed capacity for every step
-        cache = make_cache(model, method, budget, decode_capacity=decode_steps)
+        cache = make_cache(model, method, budget, decode_capacity=decode_steps, **quantized)
     return cache
 
 

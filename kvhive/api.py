@@ -151,6 +151,7 @@ def make_cache(
     decode_capacity: int | None = None,
     bucket_budget: bool = False,
     question_tokens: int | None = None,
+    kv_bits: int | None = None,
     **method_parameters: Any,
 ) -> KVHiveCache:
     """A :class:`KVHiveCache` for ``model`` running ``method`` at ``budget`` tokens per head
@@ -171,7 +172,9 @@ def make_cache(
     ``question_tokens``: with ``prefill_chunk`` and a prefill-only method (SnapKV, PyramidKV, KNorm),
     the prompt's last that many tokens are its question: every chunk is scored with the question's
     queries (a copy of the question fed after the chunk, then dropped) instead of the chunk's own
-    (:func:`prefill_prompt`; docs/METHODS.md, "Question-aware chunked prefill")."""
+    (:func:`prefill_prompt`; docs/METHODS.md, "Question-aware chunked prefill"). ``kv_bits``: the kept
+    keys and values are stored as int8 (8) or packed int4 (4) codes with scales (None: the model's
+    dtype; docs/DESIGN.md, "Quantized storage")."""
     refuse_encoder_decoder(model.config)
     if not isinstance(bucket_budget, bool):
         raise ValueError(f"invalid bucket_budget={bucket_budget!r}: expected True or False")
@@ -198,6 +201,7 @@ def make_cache(
         prefill_chunk=prefill_chunk,
         decode_capacity=decode_capacity,
         question_tokens=question_tokens,
+        kv_bits=kv_bits,
     )
 
 

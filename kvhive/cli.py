@@ -132,6 +132,7 @@ def command_generate(args: argparse.Namespace) -> int:
         raise SystemExit("kvhive generate: --per-layer adds detail to --json output; give --json too")
     method, parameters = _method_and_parameters(args.method, args.param)
     budget = _checked_budget("generate", method, args.budget, parameters, default=None)
+    parameters.update(_kv_bits_option(args))
     prompt = args.prompt if args.prompt is not None else _read_prompt_file(args.prompt_file)
     from kvhive.progress import GenerationProgress
 
@@ -181,6 +182,8 @@ def _generate_batch(args: argparse.Namespace) -> int:
         prompts = _read_prompts_file(args.prompts_file)
     except SystemExit as error:
         raise SystemExit(str(error).replace("--prompt-file", "--prompts-file")) from None
+    if args.kv_bits is not None:
+        raise SystemExit("kvhive generate: --kv-bits is not supported with --prompts-file (a batch of prompts)")
     method, parameters = _method_and_parameters(args.method, args.param)
     budget = _checked_budget("generate", method, args.budget, parameters, default=None)
     model, tokenizer = kvhive.load_model(args.model, device=args.device)
@@ -267,6 +270,22 @@ def savings_headline(cache, statistics: dict) -> str:
     return line
 
 
+def _kv_bits_option(args: argparse.Namespace) -> dict:
+    """``--kv-bits`` as ``make_cache``'s keyword (empty when not given: the model's dtype)."""
+    return {} if args.kv_bits is None else {"kv_bits": args.kv_bits}
+
+
+def _add_kv_bits_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=(4, 8),
+        default=None,
+        help="store the kept keys and values as int8 (8) or packed int4 (4) codes with scales (default: the "
+        "model's dtype)",
+    )
+
+
 def command_bench(args: argparse.Namespace) -> int:
     from kvhive import bench
 
@@ -274,6 +293,8 @@ def command_bench(args: argparse.Namespace) -> int:
     for flag, value in given.items():
         if value is not None and args.search is None:
             raise SystemExit(f"kvhive bench: {flag} belongs to a --search (context or batch); give --search too")
+    if args.kv_bits is not None and (args.search is not None or args.varlen):
+        raise SystemExit("kvhive bench: --kv-bits applies to a method's benchmark, not --search or --varlen")
     if args.search is not None:
         return _command_bench_search(args)
     if args.varlen:
@@ -283,6 +304,7 @@ def command_bench(args: argparse.Namespace) -> int:
     else:
         method, parameters = _method_and_parameters(args.method, args.param)
         budget = _checked_budget("bench", method, args.budget, parameters, default=BENCH_DEFAULT_BUDGET)
+        parameters.update(_kv_bits_option(args))
         result = bench.run_benchmark(
             shape=args.shape,
             method=method,
@@ -432,6 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--max-new-tokens", type=int, default=32)
     generate.add_argument("--param", action="append", metavar="NAME=VALUE", help="method parameter (repeatable)")
     generate.add_argument("--compress-sliding", action="store_true", help="also compress sliding-window layers")
+    _add_kv_bits_argument(generate)
     generate.add_argument(
         "--prefill-chunk",
         type=_positive_int_argument("--prefill-chunk"),
@@ -517,6 +540,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead: variable-length decode attention vs dense sdpa at equal total length",
     )
+    _add_kv_bits_argument(bench)
     bench.add_argument(
         "--search",
         choices=("context", "batch"),

@@ -38,7 +38,7 @@ def decode_dense(module, cache, layer_index, query, mask, scaling, dropout, comp
     """New queries over equal head counts: the stored tokens' mask, the route (module docstring), the decision."""
     store = cache.layers[layer_index]
     policy, traits = cache.policy, cache.traits  # traits: the method's capabilities, read once
-    keys, values, positions, token_scores, filled = store.layout.decode_view()  # filled: a fixed capacity's slots
+    keys, values, positions, token_scores, filled = store.decode_view()  # filled: a fixed capacity's slots
     num_queries = query.shape[2]
     stored_mask, causal_by_position, only_empty_slots = dense_step_mask(
         store, positions, token_scores, filled, mask, num_queries, cache.layout_plan.compileable

@@ -43,6 +43,7 @@ from kvhive.attention.decode import (
 from kvhive.attention.hooks import ATTENTION_NAME, kvhive_mask, mark_prompt_chunk_on_cpu
 from kvhive.attention.masks import attention_mask_for
 from kvhive.attention.prefill import prefill, replay_prefill
+from kvhive.attention.quantized_decode import decode_quantized
 from kvhive.cache.handoff import active_update
 from kvhive.cache.rows import CacheRows
 from kvhive.heap import trim_heap
@@ -108,6 +109,8 @@ def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dr
     if chunk_on_cpu:
         mark_prompt_chunk_on_cpu(cache)
         trim_heap()
+    if store.codec is not None and not store.in_prefill:  # quantized storage (kv_bits)
+        return decode_quantized(module, cache, layer_index, query, mask, scaling, dropout, compressed, kwargs)
     if not (store.in_prefill or store.is_uniform):
         return decode_packed(cache, layer_index, query, mask, scaling, compressed)
     with sdpa_kernel(SDPA_BACKENDS) if query.is_cuda else _ANY_BACKEND:  # sdpa_backends, inline: every step

@@ -77,6 +77,8 @@ def check_reuse(cache: Cache, key_states: torch.Tensor, layer_idx: int) -> None:
     heads = store.num_heads // store.heads_per_kv_head
     buffers = store.layout.buffers
     head_dim = buffers.keys.shape[-1] if buffers is not None else key_states.shape[3]
+    if store.codec is not None and buffers is not None:  # byte rows: the head size is the codec's
+        head_dim = store.codec.key_dim
     if key_states.shape[1] != heads or key_states.shape[3] != head_dim:
         raise ValueError(
             f"this cache holds {heads} KV heads of dimension {head_dim} in layer {layer_idx}; "

@@ -24,6 +24,7 @@ from kvhive.cache.guards import model_shape
 from kvhive.cache.guards import refuse_encoder_decoder as refuse_encoder_decoder  # (re-exported: kvhive.api)
 from kvhive.cache.handoff import active_update as active_update  # (re-exported: kvhive.attention)
 from kvhive.cache.handoff import mark_update
+from kvhive.cache.layers.quantized import install_codecs, refuse_quantized_rows
 from kvhive.cache.layout_plan import (
     BOUNDED_CAPACITY_SLACK,
     LayoutPlan,
@@ -119,6 +120,8 @@ class KVHiveCache(Cache):
             context, at the positions right after the chunk; the method scores kept + chunk with the
             question's queries and the copy's entries are dropped (docs/METHODS.md, "Question-aware
             chunked prefill").
+        kv_bits: store the kept keys and values as int8 (8) or packed int4 (4) codes with scales
+            (``kvhive/cache/layers/quantized.py``); None keeps the model's dtype.
     """
 
     def __init__(
@@ -137,6 +140,7 @@ class KVHiveCache(Cache):
         prefill_chunk: int | None = None,
         decode_capacity: int | None = None,
         question_tokens: int | None = None,
+        kv_bits: int | None = None,
     ) -> None:
         options = CacheOptions(
             budget, compress_sliding, decode_every, decode_slack, record_prefill, positions, dense_decode,
@@ -152,6 +156,7 @@ class KVHiveCache(Cache):
             for index, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs, strict=True))
         ]
         super().__init__(layers=layers)
+        self.kv_bits = install_codecs(layers, kv_bits, positions)
         self.policy = policy
         self.traits = traits
         for store in layers:
@@ -482,6 +487,7 @@ class KVHiveCache(Cache):
         ``batch_slots`` the rows past those given are free slots that rows leave (:meth:`free_slots`)
         and join (:meth:`fill_slots`) in place. Layouts, refusals and slots:
         :func:`kvhive.cache.batching.stack`."""
+        refuse_quantized_rows(caches)
         return batching.stack(KVHiveCache, caches, decode_capacity, batch_slots, slot_capacity)
 
     def add_rows(self, caches: list[KVHiveCache], decode_capacity: int | None = None) -> None:
@@ -489,6 +495,7 @@ class KVHiveCache(Cache):
         decoding) after this cache's rows, in place: ``KVHiveCache.stack([self, *caches])`` with
         the same checks and refusals, taken by this object (a caller holding it keeps its
         reference). Every layer's buffers are laid out again (:func:`kvhive.cache.batching.add_rows`)."""
+        refuse_quantized_rows([self, *caches])
         batching.add_rows(KVHiveCache, self, caches, decode_capacity)
 
     @property
@@ -607,6 +614,7 @@ class KVHiveCache(Cache):
             "metadata_bytes": self.metadata_nbytes(),
             "policy_state_bytes": self.policy_state_nbytes(),
             "full_cache_bytes": self.full_cache_nbytes(),
+            "kv_bits": self.kv_bits,
         }
 
     # -- copies ----------------------------------------------------------------------------------

@@ -77,6 +77,9 @@ class LayerStore(CompressorRecord, CacheLayerMixin):
         self.segment_reserve_tokens = SEGMENT_RESERVE_TOKENS
         self.rope_tokens_seen = 0
         self.last_update_tokens = 0
+        # Quantized storage (``kv_bits``): the codec that encodes appends and dequantizes what is read
+        # (``layers/quantized.py``); None: the model's dtype.
+        self.codec = None
         self.reset()
 
     def use_layout(self, layout: Layout) -> None:
@@ -118,6 +121,8 @@ class LayerStore(CompressorRecord, CacheLayerMixin):
         # Whether the stored order is the tokens' order (oldest first); False once a decode eviction
         # wrote the newest token into the freed slot (fill_hole), until the layer is emptied.
         self.stored_in_order = True
+        if self.codec is not None:
+            self.codec.reset()
         self.reset_record()
         self.use_layout(GrowingLayout(self))
 
@@ -195,11 +200,14 @@ class LayerStore(CompressorRecord, CacheLayerMixin):
             positions = self.seen.device.view(1).to(POSITION_DTYPE)
         else:
             positions = self.new_positions(new_tokens)
+        codec = self.codec
+        if codec is not None:  # byte rows in the buffers; a prompt's attention reads them dequantized
+            key_states, value_states = codec.encode(key_states, value_states)
         views = self.layout.append(key_states, value_states, positions, new_tokens)
         self.seen.advance(new_tokens)
         if self.row_seen is not None:
             self.row_seen.advance(new_tokens)
-        return views
+        return views if codec is None or new_tokens == 1 else codec.dense_view(views)
 
     def new_positions(self, new_tokens: int) -> torch.Tensor:
         """Original positions of ``new_tokens`` appended tokens: ``[new]``, or ``[B, 1, new]`` when
@@ -328,6 +336,8 @@ class LayerStore(CompressorRecord, CacheLayerMixin):
         device_index = host_index.to(self.device)
         if self.layout.buffers is not None:
             self.use_layout(self.layout.select_rows(device_index, rows))
+        if self.codec is not None:
+            self.codec.select_rows(device_index)
         if self.row_seen is not None:
             self.row_seen = self.row_seen.select(rows, device_index)
         if self.row_active is not None:
@@ -474,8 +484,10 @@ class LayerStore(CompressorRecord, CacheLayerMixin):
 
     # -- the dense layouts' views (the packed layout refuses them) ----------------------------------
     def dense(self):
-        """``(keys, values, positions, token_scores)`` viewed as ``[B, H, L, ...]`` (no copy)."""
-        return self.layout.dense()
+        """``(keys, values, positions, token_scores)`` viewed as ``[B, H, L, ...]`` (no copy; quantized
+        storage: the keys and values dequantized, a copy)."""
+        view = self.layout.dense()
+        return view if self.codec is None else self.codec.dense_view(view)
 
     @property
     def dense_length(self) -> int:
@@ -485,8 +497,10 @@ class LayerStore(CompressorRecord, CacheLayerMixin):
     def decode_view(self):
         """``(keys, values, positions, token_scores, filled)`` for a dense decode step's attention: the
         stored tokens and None, or with a fixed capacity the whole buffers and ``filled`` (``[C]``, or
-        ``[B, C]`` for rows of different lengths; None when the host knows every slot holds one)."""
-        return self.layout.decode_view()
+        ``[B, C]`` for rows of different lengths; None when the host knows every slot holds one).
+        Quantized storage: the keys and values dequantized (a copy of the layer)."""
+        view = self.layout.decode_view()
+        return view if self.codec is None else self.codec.dense_view(view)
 
     @property
     def known_length(self) -> int | None:
@@ -501,6 +515,8 @@ class LayerStore(CompressorRecord, CacheLayerMixin):
 
     def set_keys(self, keys: torch.Tensor) -> None:
         """Overwrite the stored keys (dense ``[B, H, L, d]``), e.g. after re-rotating them."""
+        if self.codec is not None:
+            raise RuntimeError(f"layer {self.layer_index} stores quantized keys (kv_bits): they cannot be rewritten")
         self.dense()[0].copy_(keys)
 
     def drop_oldest(self, count: int) -> None:
@@ -517,15 +533,21 @@ class LayerStore(CompressorRecord, CacheLayerMixin):
         if heads_per_kv_head == 1 or self.heads_per_kv_head == heads_per_kv_head:
             return
         self.layout.expand_to_query_heads(heads_per_kv_head)
+        if self.codec is not None:
+            self.codec.expand_to_query_heads(heads_per_kv_head)
 
     # -- the packed layout's views (the dense layouts refuse them) ----------------------------------
     def packed(self):
-        """The flat layout read by the variable-length attention (``PackedLayout.packed``)."""
-        return self.layout.packed()
+        """The flat layout read by the variable-length attention (``PackedLayout.packed``; quantized
+        storage: keys and values dequantized, a copy)."""
+        view = self.layout.packed()
+        return view if self.codec is None else self.codec.flat_view(view, self.layout.segment_capacity)
 
     def packed_buffers(self):
-        """The packed buffers as they are (``PackedLayout.packed_buffers``)."""
-        return self.layout.packed_buffers()
+        """The packed buffers as they are (``PackedLayout.packed_buffers``; quantized storage: keys and
+        values dequantized, a copy)."""
+        view = self.layout.packed_buffers()
+        return view if self.codec is None else self.codec.flat_view(view, self.layout.segment_capacity)
 
     def packed_pages(self):
         """The page table of the packed buffers (``PackedLayout.packed_pages``)."""
@@ -586,11 +608,13 @@ class LayerStore(CompressorRecord, CacheLayerMixin):
 
     def stored_keys(self) -> torch.Tensor:
         """Keys of the stored tokens, ``[T, d]`` in segment order (a copy)."""
-        return self.layout.buffers.flat()[0][self.layout.stored_index()]
+        keys = self.layout.buffers.flat()[0][self.layout.stored_index()]
+        return keys if self.codec is None else self.codec.stored_keys(keys, self.lengths_host.reshape(-1))
 
     def stored_values(self) -> torch.Tensor:
         """Values of the stored tokens, ``[T, dv]`` in segment order (a copy)."""
-        return self.layout.buffers.flat()[1][self.layout.stored_index()]
+        values = self.layout.buffers.flat()[1][self.layout.stored_index()]
+        return values if self.codec is None else self.codec.values_of(values).to(self.dtype)
 
     def segment_offsets(self) -> torch.Tensor:
         """``[B*H + 1]`` (host) start of each row in the segment order of ``stored_*``."""
@@ -613,8 +637,12 @@ class LayerStore(CompressorRecord, CacheLayerMixin):
         buffers = self.layout.buffers
         if buffers is None:
             return 0
-        return self.num_stored * buffers.metadata_bytes_per_token() + self.layout.metadata_nbytes()
+        codec_bytes = 0 if self.codec is None else self.codec.metadata_nbytes()
+        return self.num_stored * buffers.metadata_bytes_per_token() + self.layout.metadata_nbytes() + codec_bytes
 
     def bytes_per_token(self) -> int:
-        """Key + value bytes of one token in one stored head."""
+        """Key + value bytes of one token in one stored head (at the model's dtype, quantized or not:
+        what an uncompressed cache holds per token)."""
+        if self.codec is not None:
+            return self.codec.full_precision_bytes_per_token()
         return self.layout.buffers.bytes_per_token()

@@ -1,0 +1,124 @@
+"""A decode step over a layer stored quantized (``kv_bits``): attention that reads the byte buffers a
+block of slots at a time, never a dequantized copy of the whole layer.
+
+One new query over equal head counts (the steady step): :func:`blockwise_attention` dequantizes
+``BLOCK_TOKENS`` slots of keys and values at a time and folds them into an online softmax (running
+maximum, denominator and weighted sum, all float32), so what it holds beyond the byte buffers is one
+block of float keys and values plus the logits ``[B, Hq, L]`` (a head size smaller than the keys).
+The logits give the new query's weights to a method that scores by them, from the same numbers the
+output was computed with. A method scores (``make_scoring``, only when the cache's decision asks for
+it) from the dequantized view of the layer (``LayerStore.decode_view``): what attention read.
+
+Everything else (a prompt chunk after the prefill, a method's estimated extra attention or key
+probes, heads holding different counts) takes the routes of :mod:`kvhive.attention.decode` over the
+dequantized view of the layer: one layer's copy, made for that step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvhive import static_step
+from kvhive.attention.decode import decode_dense, decode_packed
+from kvhive.attention.masks import dense_step_mask, row_logit_scale
+from kvhive.attention.scoring import build_scoring, filled_count
+
+BLOCK_TOKENS = 256
+
+
+def decode_quantized(module, cache, layer_index, query, mask, scaling, dropout, compressed, kwargs):
+    """A forward after the prefill over a quantized layer; transformers' pair (module docstring)."""
+    store = cache.layers[layer_index]
+    traits = cache.traits
+    if not store.is_uniform:
+        return decode_packed(cache, layer_index, query, mask, scaling, compressed)
+    needs_full_view = query.shape[2] != 1 or (
+        compressed and (traits.attends_outside_cache or (traits.takes_key_probes and traits.has_decode))
+    )
+    if needs_full_view:
+        return decode_dense(module, cache, layer_index, query, mask, scaling, dropout, compressed, kwargs)
+    return decode_step_blockwise(cache, layer_index, query, mask, scaling, compressed)
+
+
+def decode_step_blockwise(cache, layer_index, query, mask, scaling, compressed: bool):
+    """One new query over a dense quantized layer (:func:`blockwise_attention`), then the decision."""
+    store = cache.layers[layer_index]
+    policy, traits = cache.policy, cache.traits
+    key_rows, value_rows, positions, token_scores, filled = store.layout.decode_view()
+    stored_mask, _, _ = dense_step_mask(store, positions, token_scores, filled, mask, 1, cache.layout_plan.compileable)
+    if traits.changes_attention_logits:
+        query = row_logit_scale(policy, stored_mask, key_rows.shape[2], query)
+    wants_weights = compressed and traits.needs_decode_attention and traits.has_decode
+    # A method deciding while decoding scores from the layer's dequantized keys and values: the blocks
+    # attention dequantized are kept for it (the layer's copy it reads), not dequantized twice.
+    decides = compressed and traits.has_decode
+    output, weights, logits, dequantized = blockwise_attention(
+        query, store.codec, key_rows, value_rows, stored_mask, scaling, wants_weights, decides
+    )
+
+    def make_scoring(phase: str):
+        keys, values = dequantized if dequantized is not None else store.decode_view()[:2]
+        return build_scoring(
+            cache,
+            layer_index,
+            phase,
+            (keys, values, positions, token_scores),
+            query,
+            stored_mask,
+            scaling,
+            store.tokens_seen_device if static_step.in_static_step() else store.tokens_seen,
+            last_query_weights=weights,
+            last_query_logits=logits,
+            filled=filled_count(store),
+            known_filled=store.layout.known_length,
+            stored_in_order=store.stored_in_order,
+        )
+
+    cache.compressor.after_decode(cache, layer_index, make_scoring)
+    return output, None
+
+
+def blockwise_attention(
+    query, codec, key_rows, value_rows, stored_mask, scaling: float, wants_weights: bool, keep_blocks: bool = False
+):
+    """``(output [B, 1, Hq, dv], weights [B, Hq, L] or None, logits [B, H, G, 1, L] or None, dequantized)``
+    of one query per head over byte buffers ``[B, H, L, row]``, ``BLOCK_TOKENS`` slots dequantized at a
+    time (online softmax in float32). ``stored_mask`` ``[B, 1|H, 1, L]`` (True: attended) or None; the
+    logits are returned before it, as the explicit-softmax route returns them. ``keep_blocks``: the
+    dequantized keys and values of every block, joined in the model's dtype (``dequantized``; else None)."""
+    batch, query_heads, _, head_dim = query.shape
+    heads, length = key_rows.shape[1], key_rows.shape[2]
+    group = query_heads // heads
+    rows = query.reshape(batch, heads, group, head_dim).float()
+    running_max = rows.new_full((batch, heads, group, 1), float("-inf"))
+    denominator = rows.new_zeros(batch, heads, group, 1)
+    numerator = rows.new_zeros(batch, heads, group, codec.value_dim)
+    all_logits, key_blocks, value_blocks = [], [], []
+    for start in range(0, length, BLOCK_TOKENS):
+        stop = min(length, start + BLOCK_TOKENS)
+        keys, values = codec.dequantize_block(key_rows, value_rows, start, stop)
+        if keep_blocks:
+            key_blocks.append(keys.to(query.dtype))
+            value_blocks.append(values.to(query.dtype))
+        logits = torch.matmul(rows, keys.transpose(-1, -2)) * scaling  # [B, H, G, block]
+        if wants_weights:
+            all_logits.append(logits)
+        if stored_mask is not None:
+            logits = torch.where(stored_mask[:, :, 0, start:stop].unsqueeze(2), logits, float("-inf"))
+        block_max = torch.maximum(running_max, logits.amax(dim=-1, keepdim=True))
+        safe_max = block_max.clamp_min(torch.finfo(torch.float32).min)
+        correction = torch.exp(running_max - safe_max)
+        exponentials = torch.exp(logits - safe_max)
+        denominator = denominator * correction + exponentials.sum(dim=-1, keepdim=True)
+        numerator = numerator * correction + torch.matmul(exponentials, values)
+        running_max = block_max
+    output = (numerator / denominator).to(query.dtype).reshape(batch, query_heads, 1, -1).transpose(1, 2)
+    dequantized = (torch.cat(key_blocks, dim=2), torch.cat(value_blocks, dim=2)) if keep_blocks else None
+    if not wants_weights:
+        return output, None, None, dequantized
+    logits = torch.cat(all_logits, dim=-1) if len(all_logits) > 1 else all_logits[0]
+    masked = logits if stored_mask is None else torch.where(stored_mask[:, :, 0].unsqueeze(2), logits, float("-inf"))
+    safe_max = running_max.clamp_min(torch.finfo(torch.float32).min)
+    weights = torch.exp(masked - safe_max) / denominator
+    weights = weights.reshape(batch, query_heads, length)
+    return output, weights, logits.view(batch, heads, group, 1, length), dequantized
