@@ -437,8 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help=f"model name or path: {', '.join(EMBEDDED_MODELS)} (embedded; default {DEFAULT_MODEL}), "
-        "a tiny-* test model, a local directory or .gguf file",
+        help=f"model name or path: {', '.join(EMBEDDED_MODELS)} (embedded; default {DEFAULT_MODEL}, a base model that "
+        "continues text; qwen2.5-0.5b is the chat model, for instructions), a tiny-* test model, a local directory "
+        "or .gguf file",
     )
     generate.add_argument(
         "--method",

@@ -297,20 +297,19 @@ def skip_cached_prefix(cache: KVHiveCache, input_ids, kwargs: dict) -> None:
     dropped an all-ones mask, the position ids it made from it) covering the whole sequence."""
     if not kwargs.get("is_first_iteration") or kwargs.get("next_sequence_length") is not None:
         return
-    if input_ids is None:
+    seen = int(cache.get_seq_length())  # the host's count: no device read
+    if input_ids is None or not seen:
         return
     length = int(input_ids.shape[-1])
     mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
     if mask is not None:
         whole = mask.shape[-1] == length
     elif positions is not None:
-        # A chunk of a chunked prefill has its own positions (from the cached length on); the whole
-        # sequence's start at 0, its longest row's last at length - 1.
+        # A later chunk of a chunked prefill has its own positions (from the cached length on): one
+        # read of its last position tells it from the whole sequence, whose longest row ends at
+        # length - 1. (Prefill only: a decode step never gets here.)
         whole = positions.shape[-1] == length and int(positions[..., -1].max()) == length - 1
     else:
         whole = False
-    if not whole:
-        return
-    seen = int(cache.get_seq_length())
-    if seen:
-        kwargs["next_sequence_length"] = int(input_ids.shape[-1]) - seen
+    if whole:
+        kwargs["next_sequence_length"] = length - seen

