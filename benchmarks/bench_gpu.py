@@ -39,15 +39,17 @@ Prefill rows: ``prefill_s`` is one prefill over the prompt with its compression.
 and SubGen's farthest-point order take their fast path (issue 25: a fixed-shape step compiled with
 inductor, the whole selection loop captured as one CUDA graph per shape and replayed for the later
 layers) or the eager loops: ``--prefill-path auto`` (the default) takes the fast path on CUDA, as
-kvhive does (SubGen's pick there is one Triton kernel launch, ``kvhive.methods.farthest_kernel``);
-``fast`` forces it; ``compiled`` runs SubGen's torch step compiled instead of its kernel; ``graph``
+kvhive does (SubGen's pick there is one Triton kernel launch, ``kvhive.methods.farthest_kernel``;
+BumbleBee's stochastic greedy step two, ``kvhive.methods.greedy_kernel``);
+``fast`` forces it; ``compiled`` runs the torch steps compiled instead of the kernels; ``graph``
 takes it without compiling the torch steps (captured as they are: no compile per shape, more kernels
 per step); ``eager`` takes the eager loops. The fast path
 compiles and captures at its first layer of a new shape, so every row first runs one untimed
 prefill of the same prompt (``--no-prefill-warmup`` skips it; its time is ``prefill_first_s``):
 ``prefill_s`` is then what every later prompt of that length costs, for the stock rows as for
 kvhive's. ``prefill_selection_path`` records the path each selection took (BumbleBee's greedy,
-SubGen's order; absent for the methods that have neither). ``--left-padding P`` left-pads every other
+SubGen's order; absent for the methods that have neither), ``prefill_selection_kind`` what ran their
+steps ("triton kernel", "compiled" or "eager"), with the torch version. ``--left-padding P`` left-pads every other
 batch row (rows 1, 3, ...) by ``P`` tokens: the prefill runs with that attention mask, as a padded
 batch does (issue 25: a left-padded batch's column sums from flash attention row by row), and each
 decode step passes the mask grown by one column (eager rows only: not with ``+graph`` or
@@ -419,6 +421,10 @@ def _measure(settings: dict, parts: dict, model, bandwidth: float) -> dict:
     }
     if selection:
         result["prefill_selection_path"] = selection
+        result["prefill_selection_kind"] = {name: selection_kind(value) for name, value in selection.items()}
+        # The prefill steps compile on every torch; the decode step only above kvhive's gate.
+        result["torch"] = torch.__version__
+        result["decode_compiles_on_this_torch"] = kvhive.static_step.TORCH_COMPILES_KVHIVE
     if held_by_fast_path is not None:
         result["held_after_warmup_prefill_bytes"] = held_by_fast_path
     if cuda:
@@ -584,6 +590,16 @@ def run_in_fresh_process(settings: dict, out: Path, timeout: float) -> None:
         append_line(out, {**settings, "kind": "e2e", "error": reason or "worker wrote no line"})
 
 
+def selection_kind(path: str) -> str:
+    """ "triton kernel", "compiled" or "eager": what ran a prefill selection's steps, from the path it
+    recorded (``submodular.last_greedy_path``, ``subgen.last_farthest_path``)."""
+    if "(triton)" in path:
+        return "triton kernel"
+    if path.startswith("fixed-shape step (") and not path.startswith("fixed-shape step (eager)"):
+        return "compiled"
+    return "eager"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--context", type=int, default=None, help="prompt tokens (default 32768; 512 with --tiny)")
@@ -605,9 +621,9 @@ def main(argv=None) -> int:
         choices=("auto", "fast", "compiled", "graph", "eager"),
         default="auto",
         help="BumbleBee's greedy and SubGen's farthest-point order: kvhive's default (auto: the fast path on CUDA, "
-        "the eager loops on the CPU), the fast path (fixed-shape step: SubGen's Triton kernel, BumbleBee's step "
-        "compiled; captured as one CUDA graph per shape on CUDA), compiled (the fast path with SubGen's torch step "
-        "compiled instead of its kernel), graph (the torch steps not compiled: captured as they are) or the eager loops",
+        "the eager loops on the CPU), the fast path (SubGen's and BumbleBee's Triton kernels, BumbleBee's lazy greedy "
+        "step compiled; captured as one CUDA graph per shape on CUDA), compiled (the fast path with the torch steps "
+        "compiled instead of the kernels), graph (the torch steps not compiled: captured as they are) or the eager loops",
     )
     parser.add_argument(
         "--no-prefill-warmup",

@@ -539,18 +539,22 @@ def test_cuda_prefill_fast_path_keeps_the_eager_loops_positions(method, dtype, s
                 else subgen_module.last_farthest_path
             )
     assert paths[False] == ["eager loop"]
-    if step == "kernel" and method == "subgen":
-        # SubGen's Triton pick: its dot products are summed in the kernel's order, not cuBLAS's, so a
-        # near-tie may resolve otherwise: the kept sets must agree but for such ties (a skipped block
-        # or update would lose many), and a replay must equal the capture.
-        assert paths[True] == ["farthest-point kernel (triton), whole loop as one CUDA graph"] * 2
+    if step == "kernel":
+        # The Triton steps (SubGen's pick, BumbleBee's stochastic greedy step): their sums run in the
+        # kernel's order, not cuBLAS's / torch's, so a near-tie may resolve otherwise: the kept sets
+        # must agree but for such ties (a skipped block or update would lose many), and a replay must
+        # equal the capture.
+        kernel = "farthest-point kernel" if method == "subgen" else "greedy kernel"
+        assert paths[True] == [f"{kernel} (triton), whole loop as one CUDA graph"] * 2
         overlap = _kept_overlap(caches[True][0], caches[False][0])
         print(
-            f"subgen kernel in {dtype}: kept positions equal to the eager loop's: "
+            f"{method} kernel in {dtype}: kept positions equal to the eager loop's: "
             f"{caches[True][0] == caches[False][0]}, smallest overlap {overlap:.4f}"
         )
-        assert overlap >= 0.98, f"subgen kernel in {dtype}: kept-set overlap {overlap:.4f} with the eager loop"
-        assert caches[True][1] == caches[True][0], f"subgen kernel in {dtype}: a replayed capture kept other positions"
+        assert overlap >= 0.98, f"{method} kernel in {dtype}: kept-set overlap {overlap:.4f} with the eager loop"
+        assert caches[True][1] == caches[True][0], (
+            f"{method} kernel in {dtype}: a replayed capture kept other positions"
+        )
         return
     backend = "eager" if step == "captured-eager-step" else "inductor"  # on every torch (no attention switch)
     assert paths[True] == [f"fixed-shape step ({backend}), whole loop as one CUDA graph"] * 2

@@ -117,6 +117,9 @@ MAX_SIMILARITY_ELEMENTS = 1 << 29
 # runs each KV head as a chunk of its own; half the free memory holds all heads of a layer at once
 # on a large GPU beside the model (results/tuning_notes.md, "BumbleBee similarity chunks").
 DEVICE_SIMILARITY_FRACTION = 0.5
+# Joiners per block of a streamed prompt (BumbleBee._stream_prompt): each block's keys are gathered
+# beside the members' once, and the summary's step reads O(tau_s + block) keys per joiner.
+STREAMING_JOINERS = 256
 
 
 def similarity_rows_per_chunk(rows: int, candidates: int, device: torch.device | str, reusable: int = 0) -> int:
@@ -183,6 +186,9 @@ class BumbleBeeConfig(PolicyConfig):
     greedy: Literal["stochastic", "lazy", "plain"] = "stochastic"  # prefill maximiser: "stochastic" | "lazy" | "plain"
     epsilon: float = 1e-5  # stochastic greedy's epsilon
     seed: int = 0
+    # Prompts with more candidates (tokens outside the local window) than this are streamed: Algorithm 1
+    # over the first this many, Algorithm 2 over the rest (no n x n matrix); None: always one-shot.
+    streaming_above_tokens: int | None = 8192
 
     def validate(self) -> None:
         require_probability(self.mixture_weight, "mixture_weight")
@@ -216,6 +222,8 @@ class BumbleBeeConfig(PolicyConfig):
         require(self.greedy in GREEDY_METHODS, "greedy", "'stochastic', 'lazy' or 'plain'", self.greedy)
         require(_is_number(self.epsilon) and 0 < self.epsilon < 1, "epsilon", "a number in (0, 1)", self.epsilon)
         require_seed(self.seed)
+        if self.streaming_above_tokens is not None:
+            require_int_at_least(self.streaming_above_tokens, 1, "streaming_above_tokens")
 
 
 @dataclass(frozen=True)
@@ -282,6 +290,19 @@ class BumbleBee(Policy):
             return torch.ones(batch, heads, tokens, dtype=torch.bool, device=scoring.keys.device)
         summary_size, local = self.split(budget)
         candidates = tokens - local
+        threshold = self.config.streaming_above_tokens
+        if threshold is not None and candidates > max(threshold, summary_size):
+            chosen = self._stream_prompt(scoring, max(threshold, summary_size), candidates, summary_size, state)
+        else:
+            chosen = self._summarise(scoring, candidates, summary_size, state)
+        state[SYNCED] = (scoring.sequence_length, budget)
+        keep = torch.cat([chosen, chosen.new_ones(batch * heads, local)], dim=1)
+        return keep.reshape(batch, heads, tokens)
+
+    def _summarise(self, scoring: ScoringInputs, candidates: int, summary_size: int, state: dict) -> torch.Tensor:
+        """Algorithm 1 over the first ``candidates`` stored tokens: ``chosen [R, candidates]``, the
+        ``summary_size`` members picked by the greedy; their summary goes to ``state[SUMMARY]``."""
+        batch, heads, _, dim = scoring.keys.shape
         rows = batch * heads
         keys = scoring.keys[:, :, :candidates].reshape(rows, candidates, dim)
         valid = scoring.valid[:, :, :candidates].reshape(rows, candidates)
@@ -362,9 +383,48 @@ class BumbleBee(Policy):
                     scratch.give(sim)  # nothing refers to it any more (the summary took copies)
                 del sim
         state[SUMMARY] = StreamingSummary.concatenate(summaries)
-        state[SYNCED] = (scoring.sequence_length, budget)
-        keep = torch.cat([chosen, chosen.new_ones(rows, local)], dim=1)
-        return keep.reshape(batch, heads, tokens)
+        return chosen
+
+    def _stream_prompt(
+        self, scoring: ScoringInputs, first: int, candidates: int, summary_size: int, state: dict
+    ) -> torch.Tensor:
+        """A long prompt the streaming way: Algorithm 1 over its first ``first`` tokens, then the
+        later candidates join the summary one at a time, oldest first, each dropping the member of
+        smallest marginal gain (Algorithm 2, as a chunked prefill's later chunks do). The joiners go
+        in blocks of ``STREAMING_JOINERS`` beside the members (the summary's step reads
+        ``O(tau_s + block)`` keys a joiner), so no ``candidates x candidates`` matrix is built: memory
+        ``O(first^2)`` per head for the first greedy, ``O(tau_s^2)`` after. ``chosen [R, candidates]``."""
+        batch, heads, _, dim = scoring.keys.shape
+        rows = batch * heads
+        device = scoring.keys.device
+        chosen = torch.zeros(rows, candidates, dtype=torch.bool, device=device)
+        chosen[:, :first] = self._summarise(scoring, first, summary_size, state)
+        summary: StreamingSummary = state[SUMMARY]
+        keys = scoring.keys[:, :, :candidates].reshape(rows, candidates, dim)
+        valid = scoring.valid[:, :, :candidates].reshape(rows, candidates)
+        positions = scoring.positions[:, :, :candidates].reshape(rows, candidates)
+        weights = self._accumulated(scoring)[:, :, :candidates].reshape(rows, candidates)
+        # The members' stored indices by rank (oldest first): the summary's order.
+        order = torch.arange(first, device=device)
+        members = torch.where(chosen[:, :first], order, first).sort(dim=-1).values[:, :summary_size]
+        for start in range(first, candidates, STREAMING_JOINERS):
+            joiners = torch.arange(start, min(candidates, start + STREAMING_JOINERS), device=device)
+            ground = torch.cat([members, joiners.expand(rows, -1)], dim=1)  # members first, then joiners
+            dropped = summary.step(
+                keys.gather(1, ground[:, :, None].expand(-1, -1, dim)),
+                valid.gather(1, ground),
+                weights.gather(1, ground),
+                positions.gather(1, ground),
+                summary_size,
+                joiners.numel(),
+                self.config.mixture_weight,
+                self.concave,
+                normalise_mass=self.config.importance_scale == "normalised",
+            )
+            stays = torch.ones_like(ground, dtype=torch.bool).scatter_(1, dropped, False)
+            # tau_s survive in every row, in rank order (members by rank, then joiners by age).
+            members = ground.masked_select(stays).view(rows, summary_size)
+        return chosen.zero_().scatter_(1, members, True)
 
     def kept_per_row(self, phase: str, num_tokens: int, budget: int, state: dict) -> int | None:
         # Prefill keeps tau_s members and the tau_l window; decode drops num_tokens - budget.

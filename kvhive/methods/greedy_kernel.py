@@ -303,12 +303,18 @@ def kernel_supports(sim: torch.Tensor) -> bool:
     return sim.dtype == torch.float32 and sim.is_contiguous()
 
 
+# The constants' tensors by (phi, device): made once (a host-to-device copy waits for the host).
+_CONSTANTS: dict = {}
+
+
 def kernel_constants(phi: Concave, device) -> torch.Tensor:
     """The float64 constants the kernels read (Python floats reach a kernel as float32):
-    ``alpha, beta, 1/alpha - 1, tiny, PADDING_GAIN``."""
-    return torch.tensor(
-        [phi.alpha, phi.beta, 1.0 / phi.alpha - 1.0, 1e-300, PADDING_GAIN], dtype=torch.float64, device=device
-    )
+    ``alpha, beta, 1/alpha - 1, tiny, PADDING_GAIN``; one tensor per (phi, device), never written."""
+    key = (phi, torch.device(device))
+    if key not in _CONSTANTS:
+        values = [phi.alpha, phi.beta, 1.0 / phi.alpha - 1.0, 1e-300, PADDING_GAIN]
+        _CONSTANTS[key] = torch.tensor(values, dtype=torch.float64, device=device)
+    return _CONSTANTS[key]
 
 
 def greedy_kernel_step(

@@ -60,6 +60,7 @@ from kvhive.methods.subgen_candidates import (
     squared_distances,
     steady_rows,
 )
+from kvhive.methods.submodular_graph import prefill_compile_backend
 from kvhive.static_step import BoundedCache, CapturedLoops, capture_stream, per_thread_attributes
 
 # The cache's record of the position each kept key is rotated at (kvhive.cache.kv_cache.ROPE_POSITION,
@@ -200,7 +201,7 @@ def _fast_backend(keys: torch.Tensor) -> str | None:
     on CUDA); on every torch kvhive runs on, as BumbleBee's (``submodular_graph.fast_backend``)."""
     if static_step.config.prefill_kernels and farthest_kernel.kernel_supports(keys):
         return KERNEL_BACKEND
-    return "inductor" if static_step.config.prefill_compile else None
+    return prefill_compile_backend()
 
 
 def _farthest_step(

@@ -305,7 +305,16 @@ def fast_backend(fast) -> str | None:
     checked by hand with tests/methods/test_greedy_graph.py)."""
     if fast is not True:
         return fast
+    return prefill_compile_backend()
 
+
+def prefill_compile_backend() -> str | None:
+    """The backend of the prefill selections' fixed-shape steps (BumbleBee's greedy step, SubGen's
+    farthest-point step) on the fast path: inductor where ``static_step.config.prefill_compile``, else
+    None (eager). On every torch kvhive runs on: the steps are pure functions of fixed-shape tensors
+    with no attention switch to trace, so the decode step's gate (``static_step.TORCH_COMPILES_KVHIVE``,
+    torch >= ``static_step.COMPILE_MIN_TORCH``) is deliberately not consulted
+    (tests/methods/test_prefill_compile_gate.py runs this under a patched older torch)."""
     return "inductor" if static_step.config.prefill_compile else None
 
 

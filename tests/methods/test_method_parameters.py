@@ -313,6 +313,7 @@ RANGES = {
         ),
         "epsilon": _fraction("a number in (0, 1)", low_open=True, high_open=True),
         "seed": _SEED,
+        "streaming_above_tokens": _int_at_least(1, (None, 8192)),
     },
     "ada": {
         "alpha": _PROBABILITY,
