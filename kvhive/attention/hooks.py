@@ -27,6 +27,7 @@ from transformers.masking_utils import sdpa_mask
 from kvhive import static_step
 from kvhive.cache.kv_cache import ORIGINAL_POSITIONS, KVHiveCache
 from kvhive.cache.rows import CacheRows
+from kvhive.cache.stacked_forward import prepare_stacked_forward
 from kvhive.heap import trim_heap
 
 ATTENTION_NAME = "kvhive"
@@ -211,6 +212,8 @@ def _enter_forward(model, args, kwargs):
         refuse_plain_question_chunks(cache, args, kwargs)
     if torch.compiler.is_compiling():
         return _switch_in_trace(model)
+    # Stacked rows: a slot overflow refused before anything is stored; each row's own positions.
+    positioned = prepare_stacked_forward(caches[0], args, kwargs) if len(caches) == 1 else None
     attachment = _ATTACHED.get(model) or _attachment(model)
     with attachment.lock:
         if attachment.running == 0:
@@ -222,7 +225,7 @@ def _enter_forward(model, args, kwargs):
                 config._attn_implementation_internal = ATTENTION_NAME
         attachment.running += 1
     _ENTERED.__dict__.setdefault("models", []).append(model)
-    return None
+    return None if positioned is None else (args, positioned)
 
 
 def _leave_forward(model, args, kwargs, output):

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
-from kvhive.cache.layout_plan import static_decode
-from kvhive.cache.options import ORIGINAL_POSITIONS
+from kvhive.cache.layout_plan import static_decode, window_within_budget
+from kvhive.cache.stack_checks import check_stackable, refuse_slotted
 from kvhive.cache.storage import LayerStore
 from kvhive.methods.base import Policy
 
@@ -136,6 +136,7 @@ def select_rows(cache: Cache, index: torch.Tensor) -> None:
     initialized = [layer for layer in cache.layers if layer.is_initialized]
     if not initialized:
         return
+    refuse_slotted(cache, "selecting its rows (reorder_cache, batch_select_indices, batch_repeat_interleave)")
     for layer in initialized:
         layer.check_rows_selectable(cache.policy.name)
     batch = initialized[0].batch_size
@@ -152,10 +153,6 @@ def select_rows(cache: Cache, index: torch.Tensor) -> None:
     }
     if cache.generated_ids is not None and cache.generated_ids.shape[0] == batch:
         cache.generated_ids = cache.generated_ids.index_select(0, index.to(cache.generated_ids.device))
-    if cache.slots_held is not None:  # rows were selected: no longer the fixed slots
-        cache.slots_held = None
-        for layer in initialized:
-            layer.row_active, layer.row_active_device, layer.grows_in_slots = None, None, False
 
 
 # -- the rows one layer takes from other caches -----------------------------------------------------
@@ -190,6 +187,18 @@ class RowPlan:
             states=states,
             state_seen=state_seen,
         )
+
+    def keep_last(self, tokens: int) -> None:
+        """Each row's newest ``tokens`` at most: a sliding layer's rows keep ``window - 1`` (the full
+        cache with ``compress_sliding`` keeps a whole prompt until its first decode step; no later
+        query attends the older ones). Rows longer than that hold their tokens oldest first."""
+        self.views = [
+            tuple(part[:, :, -tokens:] for part in view[:3])
+            + ({name: score[:, :, -tokens:] for name, score in view[3].items()},)
+            if view[0].shape[2] > tokens
+            else view
+            for view in self.views
+        ]
 
     @property
     def lengths(self) -> list[int]:
@@ -238,18 +247,19 @@ class RowPlan:
                 "schedule per layer)"
             )
 
-    def refuse_unequal_lengths(self, why: str) -> None:
-        """Stacking a layer that keeps one length for every row (``why`` it does): refuse rows of
-        different lengths."""
+    def refuse_unequal_lengths(self, policy: Policy, budget: int | None) -> None:
+        """Stacking a layer whose method evicts while decoding and keeps one length for every row:
+        refuse rows of different lengths, naming why the method keeps one."""
         lengths = self.lengths
         if len(set(lengths)) > 1:
             raise ValueError(
-                f"cannot stack these caches: layer {self.layer_index} {why} and its rows keep different numbers of "
-                f"tokens {lengths} (prompts shorter than the budget or the window); a layer that evicts while "
-                "decoding keeps one length for every row: give prompts longer than the budget, or decode them alone"
+                f"cannot stack these caches: layer {self.layer_index} keeps different numbers of tokens {lengths} "
+                f"in its rows (prompts shorter than its budget of {budget}), and method {policy.name!r} "
+                f"{one_length_reason(policy)}, so its rows decode with one length: give prompts of at least "
+                f"{budget} tokens (or a budget of at most the shortest), or decode them alone (kvhive.generate)"
             )
 
-    def refuse_misfits(self, running: LayerStore) -> None:
+    def refuse_misfits(self, running: LayerStore, policy: Policy) -> None:
         """Joining the ``running`` rows: refuse a row longer than its slot (a layer of per-row
         lengths) or of another length than the running rows (a layer that keeps one)."""
         for length in self.lengths:
@@ -263,9 +273,18 @@ class RowPlan:
             elif length != running.dense_length:
                 raise ValueError(
                     f"cannot join: a row holds {length} tokens in layer {self.layer_index}, where every running row "
-                    f"holds {running.dense_length}; a layer that evicts while decoding keeps one length for every row "
-                    "(give prompts longer than the budget, or decode them alone)"
+                    f"holds {running.dense_length}; method {policy.name!r} {one_length_reason(policy)}, so its "
+                    "rows decode with one length (give prompts of at least the budget, or decode them alone)"
                 )
+
+
+def one_length_reason(policy: Policy) -> str:
+    """Why ``policy``'s evicting layers keep one length for every row."""
+    if not policy.compiles_below_budget:
+        return "builds its state at its first eviction"
+    if policy.reads_stored_order and not policy.decodes_rows_of_different_lengths:
+        return "ranks its tokens by their stored order (a row below its budget would be ranked over empty slots)"
+    return "holds a layer in a capacity of its own bound (fixed_decode_capacity)"
 
 
 # -- caches prefilled separately, decoded together --------------------------------------------------
@@ -363,6 +382,7 @@ def add_rows(cache_class: type, cache: Cache, caches: list[Cache], decode_capaci
     ``batch_select_indices`` (docs/DESIGN.md, "Joining a running batch")."""
     if not isinstance(caches, (list, tuple)) or not caches:
         raise ValueError(f"caches: expected a non-empty list of KVHiveCache, got {caches!r}")
+    refuse_slotted(cache, "add_rows")
     joined = [cache, *caches]
     check_stack_request(cache_class, joined, decode_capacity, None, None)
     take_stacked_layers(cache, joined, stacked_layers(joined, decode_capacity), free=0)
@@ -384,27 +404,62 @@ def stacked_layers(
     ]
 
 
+def layer_kind(first: Cache, index: int) -> str:
+    """How a stacked layer decodes: ``"window"`` (a sliding layer that keeps its window: uncompressed,
+    a method that never evicts, or a budget that reaches the window), ``"evicts"`` (its method evicts
+    while decoding) or ``"grows"`` (the full cache, prefill-only methods; a compressed sliding layer
+    of a prefill-only method too, its window masked by position)."""
+    layer, traits = first.layers[index], first.traits
+    compressed = index in first.compressed_layers
+    if layer.is_sliding and (not compressed or not traits.compresses or window_within_budget(first, index, layer)):
+        return "window"
+    if compressed and traits.has_decode:
+        return "evicts"
+    return "grows"
+
+
+def rows_fill_to_budget(policy: Policy) -> bool:
+    """Whether ``policy``'s rows of different lengths decode together in a capacity of the budget plus
+    the new token: it keeps ``min(budget, N)`` (no bound of its own) and builds no state at its first
+    eviction, so a decision over a row still below its budget keeps every token it holds; one that
+    ranks by the stored order is held to one length."""
+    return (
+        type(policy).fixed_decode_capacity is Policy.fixed_decode_capacity
+        and policy.compiles_below_budget
+        and not policy.reads_stored_order
+        and not policy.decodes_rows_of_different_lengths
+    )
+
+
 def stacked_layer(
     first: Cache, plan: RowPlan, free: int, room: int, slotted: bool, slot_capacity: int | None
 ) -> LayerStore:
     """One new layer of the rows of ``plan`` (laid out like ``first``'s layer) and ``free`` free
-    slots; ``room`` decode tokens past the longest row where the layer grows."""
+    slots; ``room`` decode tokens past the longest row where the layer grows. Every layer that can
+    keeps a length per row (a free slot then takes a row of any length): a sliding layer in a
+    capacity of its window, a layer that evicts in its method's bound (or its budget) plus the new
+    token, a layer that grows in its slots' capacity (or with room to grow)."""
     policy, index = first.policy, plan.layer_index
     layer = first.layers[index]
-    evicts = (index in first.compressed_layers and first.traits.has_decode) or layer.is_sliding
-    # A method whose rows may hold different lengths while it evicts (BUZZ's per-row schedule):
-    # every such layer keeps a length per row, equal or not, in a bounded capacity.
-    per_row = evicts and not layer.is_sliding and policy.decodes_rows_of_different_lengths
-    if evicts and not per_row:
-        plan.refuse_unequal_lengths(
-            "slides (keeps its window)" if layer.is_sliding else f"evicts while decoding ({policy.name!r})"
+    kind = layer_kind(first, index)
+    if kind == "window":
+        plan.keep_last(layer.sliding_window - 1)
+    lengths = plan.lengths
+    budget = first.layer_budgets.get(index)
+    per_row = kind == "window"
+    if kind == "evicts":
+        # BUZZ's rows follow their own schedule: always a length per row. A method keeping
+        # min(budget, N) takes one where rows differ, or may differ later (a free slot's joiner).
+        per_row = policy.decodes_rows_of_different_lengths or (
+            rows_fill_to_budget(policy) and (slotted or len(set(lengths)) > 1)
         )
+        if not per_row:
+            plan.refuse_unequal_lengths(policy, budget)
     plan.refuse_other_schedule()
     state, most_seen = plan.merged_state(policy, free=free)
     views = plan.views + [plan.views[0]] * free  # free slots: copies of the first row
-    lengths = plan.lengths
     row_capacity = None
-    if slotted and not evicts:
+    if slotted and kind == "grows":
         row_capacity = slot_capacity if slot_capacity is not None else max(lengths) + room
     store = LayerStore(layer.layer_index, layer.sliding_window)
     store.new_token_scores_read = layer.new_token_scores_read
@@ -421,8 +476,12 @@ def stacked_layer(
     )
     store.tokens_seen = most_seen  # the count every row's state is now relative to
     store.policy_state = state
-    if per_row:
-        bound = policy.fixed_decode_capacity(store.dense()[0], first.layer_budgets[index], state)
+    if kind == "window":
+        store.reserve_rows(layer.sliding_window, window=layer.sliding_window)  # the window: the oldest's slot is reused
+    elif per_row:
+        bound = policy.fixed_decode_capacity(store.dense()[0], budget, state)
+        if bound is None and rows_fill_to_budget(policy):
+            bound = budget
         if bound is None:
             raise ValueError(
                 f"cannot stack these caches: method {policy.name!r} declares no bound for layer {index}'s rows"
@@ -462,82 +521,6 @@ def take_stacked_layers(target: Cache, caches: list[Cache], layers: list[LayerSt
     target.decode_capacity = None
     target.layout_plan.compileable = False  # per-row lengths and counts live on the host: eager decode
     target.slots_held = None
-
-
-def check_stackable(cache_class: type, first: Cache, caches: list[Cache]) -> None:
-    """Refuse caches that cannot be rows of one batch with ``first`` (each named by its place)."""
-    for number, cache in enumerate(caches):
-        if not isinstance(cache, cache_class):
-            raise ValueError(f"caches[{number}]: expected a {cache_class.__name__}, got {type(cache).__name__}")
-        where = f"caches[{number}]"
-        check_rows_stackable(cache, where)
-        if cache is not first:
-            check_same_cache_settings(first, cache, where)
-
-
-def check_rows_stackable(cache: Cache, where: str) -> None:
-    """Refuse a cache whose rows cannot be stacked, whatever the others."""
-    if cache.positions != ORIGINAL_POSITIONS:
-        raise ValueError(f"{where} uses positions={cache.positions!r}; stacked rows need positions='original'")
-    if not all(layer.is_initialized for layer in cache.layers):
-        raise ValueError(f"{where} holds no prompt: prefill each cache (its prompt through the model) first")
-    batches = {layer.batch_size for layer in cache.layers}
-    if len(batches) != 1 or min(batches) < 1:
-        raise ValueError(f"{where} holds batches of {sorted(batches)} rows in its layers; expected one batch size >= 1")
-    if min(batches) > 1 and not cache.is_stacked and any(layer.has_padding for layer in cache.layers):
-        # Its rows' token counts include the left padding, so each row's next position (its
-        # tokens seen, as a stacked row continues) would not be the one it has alone.
-        raise ValueError(
-            f"{where} holds a left-padded batch of {min(batches)} rows: its rows' positions count the padding; "
-            "prefill each prompt alone (a batch of one) and stack those"
-        )
-    for layer in cache.layers:
-        if not layer.is_uniform:
-            raise ValueError(
-                f"cannot stack caches of method {cache.policy.name!r}: layer {layer.layer_index} of {where} holds "
-                "a different number of tokens per head (head-wise budgets, Ada-KV's packed layout), which has no "
-                "dense row to stack; decode each prompt alone (kvhive.generate)"
-            )
-
-
-def check_same_cache_settings(first: Cache, cache: Cache, where: str) -> None:
-    """Refuse a cache of another model, model object, method, options, budgets, dtype or device than ``first``."""
-    if cache.model_shape != first.model_shape:
-        raise ValueError(f"{where} was made for another model ({cache.model_shape} vs {first.model_shape})")
-    for layer, module in first.attention_modules.items():
-        other = cache.attention_modules.get(layer)
-        if other is not None and module() is not None and other() is not None and other() is not module():
-            raise ValueError(f"{where} was filled by another model object than caches[0] (layer {layer})")
-    if type(cache.policy) is not type(first.policy) or cache.policy.config != first.policy.config:
-        raise ValueError(
-            f"{where} runs method {cache.policy!r}, caches[0] {first.policy!r}: stacked rows run one method"
-        )
-    for option in ("budget", "compress_sliding", "decode_every", "decode_slack", "dense_decode"):
-        if getattr(cache, option) != getattr(first, option):
-            raise ValueError(
-                f"{where} has {option}={getattr(cache, option)!r}, caches[0] {getattr(first, option)!r}: stacked "
-                "rows share one cache's options"
-            )
-    if first.traits.has_decode:
-        differing = {
-            layer: (first.layer_budgets.get(layer), cache.layer_budgets.get(layer))
-            for layer in set(first.layer_budgets) | set(cache.layer_budgets)
-            if first.layer_budgets.get(layer) != cache.layer_budgets.get(layer)
-        }
-        if differing:
-            raise ValueError(
-                f"{where} keeps other layer budgets than caches[0] {differing} (a ratio of prompts of different "
-                f"lengths): method {first.policy.name!r} keeps one budget per layer while decoding; give a token "
-                "budget"
-            )
-    for ours, theirs in zip(first.layers, cache.layers, strict=True):
-        if (ours.dtype, ours.device) != (theirs.dtype, theirs.device):
-            raise ValueError(
-                f"{where} holds {theirs.dtype} on {theirs.device} in layer {theirs.layer_index}, caches[0] "
-                f"{ours.dtype} on {ours.device}: stacked rows share one dtype and device"
-            )
-        if ours.heads_per_kv_head != theirs.heads_per_kv_head:
-            raise ValueError(f"{where} stores another number of heads per KV head than caches[0]")
 
 
 # -- fixed batch slots ----------------------------------------------------------------------------
@@ -620,6 +603,9 @@ def fill_slots(cache_class: type, cache: Cache, slots: list[int], caches: list[C
     if rows != len(slots):
         raise ValueError(f"{len(slots)} slot(s) {slots} for {rows} joining row(s): give one slot per row")
     plans = [RowPlan.collect(cache.policy, caches, index) for index in range(len(cache.layers))]
+    for plan, layer in zip(plans, cache.layers, strict=True):
+        if layer.keeps_window_per_row:
+            plan.keep_last(layer.sliding_window - 1)
     joined = [joined_state(cache, plan, slots) for plan in plans]
     for layer, plan, (state, most_seen) in zip(cache.layers, plans, joined, strict=True):
         for slot, view, count in zip(slots, plan.views, plan.tokens_seen, strict=True):
@@ -641,7 +627,7 @@ def joined_state(cache: Cache, plan: RowPlan, slots: list[int]) -> tuple[dict, i
     it is relative to; refuses rows the layer cannot take."""
     layer = cache.layers[plan.layer_index]
     plan.refuse_other_schedule(running=layer)
-    plan.refuse_misfits(layer)
+    plan.refuse_misfits(layer, cache.policy)
     policy = cache.policy
     state, most_seen = plan.merged_state(policy, running=layer, slots=slots)
     if (

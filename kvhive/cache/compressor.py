@@ -50,7 +50,12 @@ def store_token_scores(store: LayerStore, scoring: ScoringInputs) -> None:
 
 def trim_sliding(store: LayerStore) -> None:
     """A sliding layer keeps the last ``window - 1`` tokens, as transformers' own cache does."""
-    if not store.is_sliding or store.num_stored == 0:
+    if not store.is_sliding:
+        return
+    if store.keeps_window_per_row:  # stacked rows, each its own window: on the device
+        store.layout.drop_outside_window()
+        return
+    if store.num_stored == 0:
         return
     if store.is_uniform:
         # An uncompressed layer holds its tokens contiguously, newest last: drop the oldest
@@ -62,8 +67,15 @@ def trim_sliding(store: LayerStore) -> None:
 
 def drop_outside_window(store: LayerStore, every_layout: bool = False) -> None:
     """Forget tokens of a sliding layer that no later query can attend, once it holds more than its
-    window (its heads may hold different positions)."""
-    if not store.is_sliding or store.num_stored == 0:
+    window (its heads may hold different positions). Stacked rows keep their own window
+    (``keeps_window_per_row``), or, where the method cut them, grow: the attention masks each row's
+    window by position."""
+    if not store.is_sliding:
+        return
+    if store.keeps_window_per_row:
+        store.layout.drop_outside_window()
+        return
+    if store.has_row_lengths or store.num_stored == 0:
         return
     if every_layout or store.max_length > store.sliding_window - 1:
         store.keep(store.stored_flat_positions() >= store.tokens_seen - store.sliding_window + 1)
@@ -303,10 +315,17 @@ class Compressor:
         bound = [scoring.num_tokens - 1]  # the capacity holds the bound plus the new token
         shape = scoring.keys.shape[:3]
         if per_row:
+            # A method without a bound of its own fills each row up to its budget (its decision over
+            # a row still below it keeps every token the row holds), dropping at most one a step.
+            fill_to = None if traits.declares_capacity else budget
+            if keep is None and fill_to is not None:
+                keep = torch.ones(shape, dtype=torch.bool, device=scoring.keys.device)
             keep, kept = check_keep(
-                keep, policy.name, layer_index, bound, shape=shape, filled=scoring.filled, per_row=True
+                keep, policy.name, layer_index, bound, shape=shape, filled=scoring.filled, per_row=True, fill_to=fill_to
             )
-            store.compact_in_place(keep, kept)
+            at_most_one = fill_to is not None or traits.drops_at_most_one
+            fill_hole = at_most_one and layer_index in self.hole_layers
+            store.compact_in_place(keep, kept, at_most_one_dropped=at_most_one, fill_hole=fill_hole)
             return
         known = None
         if traits.drops_at_most_one and keep is not None and scoring.known_filled == scoring.num_tokens:

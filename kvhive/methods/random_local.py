@@ -99,7 +99,8 @@ class RandomLocal(ScorerPolicy):
         elif scoring.filled is not None:
             # A layer filling a fixed capacity: the new token sits at the filled length, not at
             # the end (the slots past it are empty), a device index.
-            new_slots = (scoring.filled - 1).reshape(1)
+            # (Stacked rows of different lengths: [B, 1, 1], each row's own.)
+            new_slots = scoring.filled - 1 if scoring.filled.dim() == 3 else (scoring.filled - 1).reshape(1)
         else:
             # Made on the device: a host arange copied over is a copy a CUDA graph cannot capture
             # (and a synchronisation in an eager step).

@@ -63,7 +63,9 @@ CACHE_METHODS = [
     ("pyramidkv", 32),
     ("knorm", 32),
     ("h2o", 32),
+    ("h2o", 48),  # prompts 40 and 45 below the budget: rows filling up beside rows that evict
     ("tova", 32),
+    ("tova", 48),
     ("streamingllm", 32),
     ("subgen", 33),
     ("random", 32),
@@ -155,13 +157,14 @@ def test_random_keeps_each_rows_first_real_position(model):
 
 
 def test_joining_row_shorter_than_the_budget_is_refused(model):
-    """A method evicting while decoding holds one length per layer: a joiner that kept fewer tokens
-    (its prompt is shorter than the budget) is refused, the running batch left as it was."""
+    """A method that builds its state at its first eviction holds one length per layer: a joiner
+    that kept fewer tokens (its prompt is shorter than the budget) is refused, naming the method and
+    why, the running batch left as it was."""
     prompts = _token_prompts()
-    running = KVHiveCache.stack([_prefilled(model, "h2o", 48, p) for p in (prompts[0], prompts[2])])
+    running = KVHiveCache.stack([_prefilled(model, "subgen", 48, p) for p in (prompts[0], prompts[2])])
     before = running.row_tokens_seen()
-    with pytest.raises(ValueError, match="evicts while decoding.*different numbers of tokens"):
-        running.add_rows([_prefilled(model, "h2o", 48, prompts[1])])  # 40 tokens < 48
+    with pytest.raises(ValueError, match="different numbers of tokens.*'subgen' builds its state at its first"):
+        running.add_rows([_prefilled(model, "subgen", 48, prompts[1])])  # 40 tokens < 48
     assert running.row_tokens_seen() == before
     with pytest.raises(ValueError, match="non-empty list"):
         running.add_rows([])

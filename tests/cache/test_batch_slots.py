@@ -229,8 +229,13 @@ def test_slot_refusals(model):
         slotted.free_slots([3])
     with pytest.raises(ValueError, match="1 slot.* for 2 joining row"):
         slotted.fill_slots([2], [joiner, second])
-    short, _ = _prefilled(model, "h2o", prompts[0][:, :20])  # below the budget: another length
-    with pytest.raises(ValueError, match="every running row holds"):
+    # A method that builds its state at its first eviction keeps one length per layer: a row below
+    # its budget is refused, naming the method and why (H2O's slots take it: they keep a length per row).
+    first, _ = _prefilled(model, "subgen", prompts[0])
+    second, _ = _prefilled(model, "subgen", prompts[1])
+    slotted = KVHiveCache.stack([first, second], batch_slots=3)
+    short, _ = _prefilled(model, "subgen", prompts[0][:, :20])  # below the budget: another length
+    with pytest.raises(ValueError, match="every running row holds.*'subgen' builds its state at its first eviction"):
         slotted.fill_slots([2], [short])
     assert slotted.active_slots == [True, True, False]  # refused before anything changed
     full_first, _ = _prefilled(model, "full", prompts[1])

@@ -196,12 +196,39 @@ def test_stack_refusals(model):
             model(input_ids=torch.ones(2, 2, dtype=torch.long), **{cache_kwarg(model): stacked}, use_cache=True)
 
 
-def test_evicting_layer_of_different_lengths_is_refused(model):
-    """A prompt shorter than the budget keeps fewer tokens than the others: a method that evicts
-    while decoding holds one length per layer, so the rows cannot share it."""
-    caches = [_prefilled(model, "h2o", 48, prompt) for prompt in _prompts()]  # 40 < 48 < 57
-    with pytest.raises(ValueError, match="evicts while decoding.*different numbers of tokens"):
+@pytest.mark.parametrize(
+    "method,budget,why",
+    [
+        ("subgen", 48, "builds its state at its first eviction"),
+        ("bumblebee", 48, "holds a layer in a capacity of its own bound"),
+        ("vnorm", 48, "ranks its tokens by their stored order"),
+    ],
+)
+def test_evicting_layer_of_different_lengths_is_refused(model, method, budget, why):
+    """A prompt shorter than the budget keeps fewer tokens than the others: a method that builds its
+    state at its first eviction, or holds a layer in its own bound, decodes its rows with one length,
+    so the rows cannot share the layer; the error names the method, the budget and why."""
+    caches = [_prefilled(model, method, budget, prompt) for prompt in _prompts()]  # 40 < 48 < 57
+    with pytest.raises(ValueError, match=f"different numbers of tokens.*budget of {budget}.*'{method}' {why}"):
         KVHiveCache.stack(caches)
+
+
+@pytest.mark.parametrize("method", ["h2o", "tova", "streamingllm", "random", "ahakv", "local"])
+def test_rows_below_the_budget_decode_with_rows_above_it(model, method):
+    """A method that keeps ``min(budget, N)`` decodes a row whose prompt is shorter than the budget
+    beside rows that evict: each row fills up to the budget in a capacity of the budget plus the new
+    token, then drops one token a step, as it does alone (the 40-token row reaches 48 in 8 steps)."""
+    prompts = _prompts()
+    steps = torch.randint(3, 250, (len(prompts), 2 * STEPS), generator=torch.Generator().manual_seed(9))
+    caches = [_prefilled(model, method, 48, prompt) for prompt in prompts]  # 40 < 48 < 57
+    stacked = KVHiveCache.stack(caches)
+    assert [layer.has_row_lengths and layer.bounded_capacity for layer in stacked.layers] == [True, True]
+    got = _decode(model, stacked, steps, stacked=True)
+    for row, cache in enumerate(caches):
+        expected = _decode(model, cache, steps[row : row + 1], stacked=False)
+        torch.testing.assert_close(got[row : row + 1], expected, rtol=1e-4, atol=1e-5)
+        for layer, alone in zip(stacked.layers, cache.layers, strict=True):
+            assert layer.lengths_host[row].tolist() == alone.lengths_host[0].tolist()
 
 
 def test_packed_layout_is_refused(model):

@@ -8,6 +8,11 @@ capacity with the empty slots masked. The capacity is bounded where the layer's 
 slots of a layer that grows, ``set_rows(row_capacity=...)``, where an append past it is refused so
 rows joining later fit in place), else it grows when a row reaches its end. In fixed batch slots a
 free row (``LayerStore.row_active_device`` False) keeps one token and does not grow.
+
+A sliding-window layer whose rows hold their last tokens (``window``: a capacity of the window) keeps
+each row within its window after every step (:meth:`RowsLayout.drop_outside_window`): a row holding
+the whole window drops its oldest token, the newest moving into its slot, so rows of prompts shorter
+than the window grow while longer ones slide, with no host read and one shape.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import copy
 import torch
 
 from kvhive import static_step
-from kvhive.cache.layers.buffers import TokenBuffers, mark_static, reserve
+from kvhive.cache.layers.buffers import TokenBuffers, first_false, mark_static, reserve
 from kvhive.cache.layers.capacity import CapacityLayout
 from kvhive.cache.layers.counters import RowCounts
 from kvhive.cache.layers.layout import Layout
@@ -48,10 +53,15 @@ class RowsLayout(CapacityLayout):
     has_row_lengths = True
     known_length = None
 
-    def __init__(self, store, buffers: TokenBuffers, lengths: RowCounts, bounded: bool) -> None:
+    def __init__(
+        self, store, buffers: TokenBuffers, lengths: RowCounts, bounded: bool, window: int | None = None
+    ) -> None:
         Layout.__init__(self, store, buffers)
         self.lengths = lengths
         self.bounded_capacity = bounded
+        # A sliding layer's window, where each row holds its last tokens (consecutive positions) in a
+        # capacity of the window: drop_outside_window keeps it so. None: the rows never slide here.
+        self.window = window
 
     @classmethod
     def of_lengths(cls, store, buffers: TokenBuffers, lengths: list[int], bounded: bool) -> RowsLayout:
@@ -143,14 +153,52 @@ class RowsLayout(CapacityLayout):
         return buffers.keys, buffers.values, buffers.positions, dict(buffers.scores), filled
 
     def compact_in_place(self, keep_mask, kept, at_most_one_dropped: bool = False, fill_hole: bool = False) -> None:
-        """Every row keeps its tokens where ``keep_mask [B, H, C]`` is True, compacted at the front by
-        a sort; ``kept [B]`` is each row's count (every head of a row keeps the same count). The host
-        lengths are read back when next asked for."""
-        if fill_hole or at_most_one_dropped:
-            raise ValueError("a layer of rows of different lengths compacts by a sort (kept per row)")
-        self.buffers.gather_in_place(self.compaction_rows(keep_mask, False))
+        """Every row keeps its tokens where ``keep_mask [B, H, C]`` is True, compacted at the front;
+        ``kept [B]`` is each row's count (every head of a row keeps the same count). By a sort, or
+        where each row drops at most one filled slot (``at_most_one_dropped``) by moving the later
+        tokens down one slot, or (``fill_hole``, for a method that reads no stored order) by moving
+        each row's newest token into the freed slot. The host lengths are read back when next asked for."""
+        if fill_hole:
+            if not at_most_one_dropped:
+                raise ValueError("fill_hole moves one token per row: it needs at_most_one_dropped")
+            self.move_newest(first_false(keep_mask))
+            self.store.stored_in_order = False
+        else:
+            self.buffers.gather_in_place(self.compaction_rows(keep_mask, at_most_one_dropped))
         self.lengths.device.copy_(kept)
         self.lengths.mark_stale()
+
+    def move_newest(self, hole: torch.Tensor) -> None:
+        """Each row's newest token (its last filled slot) moves into slot ``hole`` (``[B, H]``, or
+        ``[B]`` for every head of a row); a row whose hole is past its newest token (it drops none)
+        copies it into an empty slot, which changes nothing it holds."""
+        store = self.store
+        heads, capacity = store.num_heads, self.buffers.keys.shape[2]
+        segments = store.batch_size * heads
+        newest = (self.lengths.device - 1).clamp(min=0).repeat_interleave(heads, output_size=segments)
+        hole = hole.reshape(-1) if hole.dim() == 2 else hole.repeat_interleave(heads, output_size=segments)
+        base = torch.arange(segments, device=store.device) * capacity
+        self.buffers.move_rows(base + hole, base + newest)
+
+    def drop_outside_window(self) -> None:
+        """A sliding layer's step (``window``): each row drops the token the next query can no longer
+        attend (its position before each row's ``tokens_seen - window + 1``; a row holds consecutive
+        positions, so at most one, and only a row holding the whole window), its newest token taking
+        the slot. Device work of one shape; the host lengths stay known in an eager step."""
+        store, lengths, window = self.store, self.lengths, self.window
+        capacity = self.buffers.keys.shape[2]
+        filled = torch.arange(capacity, device=store.device)[None, :] < lengths.device[:, None]
+        first_kept = store.row_seen.device - (window - 1)
+        # (Every head of a row holds the same positions: the first head's say where the oldest is.)
+        leaving = filled & (self.buffers.positions[:, 0] < first_kept[:, None])
+        dropped = leaving.any(dim=-1)
+        newest = (lengths.device - 1).clamp(min=0)
+        self.move_newest(torch.where(dropped, first_false(~leaving), newest))
+        lengths.device.sub_(dropped.to(lengths.device.dtype))
+        if static_step.in_static_step() or lengths.stale:
+            lengths.mark_stale()
+        else:  # consecutive positions: a row drops one exactly when it holds more than window - 1
+            lengths.host = [min(length, window - 1) for length in lengths.host]
 
     def fill_hole_in_capacity(self, hole, kept) -> None:
         self.refuse("fill_hole_in_capacity")
@@ -203,12 +251,13 @@ class RowsLayout(CapacityLayout):
         ]
         self.lengths.set(lengths)
 
-    def reserve_rows(self, capacity: int) -> None:
+    def reserve_rows(self, capacity: int, window: int | None = None) -> None:
         """Exactly ``capacity`` slots per row, a bound the layer's decisions keep: an append never asks
-        for the host lengths. Slots past each row's length are zero."""
+        for the host lengths. Slots past each row's length are zero. ``window``: a sliding layer whose
+        rows keep their last tokens (:meth:`drop_outside_window`)."""
         longest = self.length
         if capacity < longest:
             raise ValueError(f"capacity {capacity} is below the longest row ({longest} tokens)")
         if capacity != self.buffers.keys.shape[2]:
             self.reallocate(capacity, longest)
-        self.store.use_layout(RowsLayout(self.store, self.buffers, self.lengths, bounded=True))
+        self.store.use_layout(RowsLayout(self.store, self.buffers, self.lengths, bounded=True, window=window))

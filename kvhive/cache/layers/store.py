@@ -414,12 +414,18 @@ class LayerStore(CompressorRecord, CacheLayerMixin):
         self.layout.write_row(row, keys, values, positions, scores)
         self.row_seen.set_row(row, tokens_seen)
 
-    def reserve_rows(self, capacity: int) -> None:
+    def reserve_rows(self, capacity: int, window: int | None = None) -> None:
         """Rows of different lengths held in exactly ``capacity`` slots, a bound the layer's
         decisions keep (``bounded_capacity``: a method that evicts in such rows compacts them after
-        every append), so an append never asks for the host lengths. Slots past each row's length
-        are zero."""
-        self.layout.reserve_rows(capacity)
+        every append; ``window``: a sliding layer whose rows keep their last tokens, each dropping
+        its oldest once it holds the window), so an append never asks for the host lengths. Slots
+        past each row's length are zero."""
+        self.layout.reserve_rows(capacity, window)
+
+    @property
+    def keeps_window_per_row(self) -> bool:
+        """Stacked rows of a sliding layer, each keeping its own window (``reserve_rows(window=...)``)."""
+        return getattr(self.layout, "window", None) is not None
 
     # -- shape (host-side: never reads the device) ------------------------------------------------
     @property
