@@ -600,7 +600,11 @@ class KVHiveCache(Cache):
         return budget_label(self.budget)
 
     def statistics(self) -> dict:
+        """What the cache holds: kept tokens per layer, bytes of every layer (sliding-window ones
+        included) and, ``held_fraction_of_full``, those bytes over the full cache's for the same
+        tokens (None before a prefill)."""
         kept = self.kept_tokens()
+        held, full = self.nbytes(), self.full_cache_nbytes()
         return {
             "method": self.policy.name,
             "budget": self.budget_label(),
@@ -609,11 +613,12 @@ class KVHiveCache(Cache):
             "tokens_seen": self.get_seq_length(),
             "kept_tokens_total": int(sum(int(v.sum()) for v in kept.values())),
             "kept_tokens_per_layer": {str(i): v.tolist() for i, v in kept.items()},
-            "cache_bytes": self.nbytes(),
+            "cache_bytes": held,
             "reserved_bytes": self.reserved_nbytes(),
             "metadata_bytes": self.metadata_nbytes(),
             "policy_state_bytes": self.policy_state_nbytes(),
-            "full_cache_bytes": self.full_cache_nbytes(),
+            "full_cache_bytes": full,
+            "held_fraction_of_full": held / full if full else None,
             "kv_bits": self.kv_bits,
         }
 

@@ -33,7 +33,10 @@ from kvhive.methods.registry import make_policy_from_spec
 
 class _SizeTracker:
     """Cache size over a run: tokens per stored head (mean, final, peak) and the KV entries and
-    bytes held in the layers the budget applies to (mean and peak). A method whose size moves
+    bytes held in the layers the budget applies to (mean and peak), and the bytes the whole cache
+    held (every layer, sliding-window ones included) as a fraction of what the full cache holds for
+    the same tokens (``held_fraction_mean``/``_peak``: on Gemma 3 the sliding layers hold most of
+    the cache whatever the method). A method whose size moves
     below its budget (BUZZ's beehive, SubGen's clusters) holds fewer tokens on average than one
     pinned at the budget, and one storing a copy per query head (Ada-KV on a one-KV-head model)
     holds more entries at the same tokens per head: a fair comparison needs what was held next
@@ -43,6 +46,8 @@ class _SizeTracker:
         self.samples: list[float] = []
         self.entries: list[int] = []
         self.bytes: list[int] = []
+        self.cache_bytes: list[int] = []
+        self.full_bytes: list[int] = []
         self.stored_heads: set[int] = set()
         self.layers = 0
 
@@ -53,6 +58,9 @@ class _SizeTracker:
         self.bytes.append(sum(layer.nbytes() for layer in layers))
         self.stored_heads.update(int(layer.lengths_host.shape[1]) for layer in layers)
         self.layers = len(layers)
+        # The whole cache (sliding-window layers included) and the full cache at the same tokens.
+        self.cache_bytes.append(cache.nbytes())
+        self.full_bytes.append(cache.full_cache_nbytes())
 
     def summary(self) -> dict[str, float]:
         if not self.samples:
@@ -67,7 +75,16 @@ class _SizeTracker:
             "kv_bytes_mean": round(sum(self.bytes) / len(self.bytes), 3),
             "kv_bytes_peak": max(self.bytes),
             "layers_counted": self.layers,
+            # Every layer: what the cache held against what the full cache holds for the same tokens.
+            "cache_bytes_mean": round(sum(self.cache_bytes) / len(self.cache_bytes), 3),
+            "cache_bytes_peak": max(self.cache_bytes),
+            "full_cache_bytes_mean": round(sum(self.full_bytes) / len(self.full_bytes), 3),
+            "full_cache_bytes_peak": max(self.full_bytes),
         }
+        fractions = [held / full for held, full in zip(self.cache_bytes, self.full_bytes, strict=True) if full]
+        if fractions:
+            summary["held_fraction_mean"] = round(sum(fractions) / len(fractions), 4)
+            summary["held_fraction_peak"] = round(max(fractions), 4)
         if (
             len(self.stored_heads) == 1
         ):  # heads per compressed layer (query heads when Ada-KV stores a copy per query head)

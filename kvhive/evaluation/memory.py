@@ -12,6 +12,8 @@ the model's config, no weights), so the derivation cannot drift from what the ca
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from kvhive.cache.budget import Budget
@@ -54,9 +56,16 @@ def derive_held_memory(record: dict, config) -> dict | None:
     }
 
 
+WHOLE_CACHE_FIELDS = ("cache_bytes_mean", "cache_bytes_peak", "held_fraction_mean", "held_fraction_peak")
+"""What the whole cache held (every layer, sliding-window ones included): its bytes, and those bytes
+as a fraction of the full cache's at the same tokens (mean and peak over the item)."""
+
+
 def held_memory(summary, task: str, method: str, budget: float | int | None) -> dict | None:
     """Mean over the setting's items of the KV entries and bytes it held (the item's mean and its
-    peak, in the layers its budget applies to), or None when some record lacks them."""
+    peak, in the layers its budget applies to), or None when some record lacks them; with
+    :data:`WHOLE_CACHE_FIELDS` (means over the items, ``held_fraction_max`` the largest peak of
+    any item) where every record has them."""
     records = summary.item_records(task, method, budget)
     fields = ("kv_entries_mean", "kv_entries_peak", "kv_bytes_mean", "kv_bytes_peak")
     if not records or any(not all(f in (r.get("cache") or {}) for f in fields) for r in records):
@@ -64,7 +73,39 @@ def held_memory(summary, task: str, method: str, budget: float | int | None) -> 
     out = {f: sum(float(r["cache"][f]) for r in records) / len(records) for f in fields}
     for name in ("stored_heads", "layers_counted"):
         out[name] = sorted({int(r["cache"][name]) for r in records if name in r["cache"]})
+    out.update(whole_cache_held(records) or {})
     return out
 
 
-__all__ = ["DERIVED_NOTE", "derive_held_memory", "held_memory"]
+def whole_cache_held(records: list[dict]) -> dict | None:
+    """Means over ``records`` of :data:`WHOLE_CACHE_FIELDS` and ``held_fraction_max`` (the largest
+    peak fraction of any item), or None when some record lacks them (recorded before the backend
+    measured the whole cache)."""
+    if not records or any(not all(f in (r.get("cache") or {}) for f in WHOLE_CACHE_FIELDS) for r in records):
+        return None
+    out = {f: sum(float(r["cache"][f]) for r in records) / len(records) for f in WHOLE_CACHE_FIELDS}
+    out["held_fraction_max"] = max(float(r["cache"]["held_fraction_peak"]) for r in records)
+    return out
+
+
+def warn_if_above_full(task: str, setting_label: str, cache_sizes: dict) -> None:
+    """Warn when a setting's whole cache held more bytes than the full cache at some point of an
+    item (Ada-KV storing a copy per query head on a model with one KV head): its budget then saves
+    no memory, whatever its tokens per head say."""
+    peak = cache_sizes.get("held_fraction_peak")
+    if peak is not None and peak > 1.0:
+        warnings.warn(
+            f"task {task!r}, setting {setting_label}: the cache held more bytes than the full cache (all layers) on "
+            "an item (its records' cache.held_fraction_peak): this setting saves no KV memory there",
+            stacklevel=2,
+        )
+
+
+__all__ = [
+    "DERIVED_NOTE",
+    "WHOLE_CACHE_FIELDS",
+    "derive_held_memory",
+    "held_memory",
+    "warn_if_above_full",
+    "whole_cache_held",
+]

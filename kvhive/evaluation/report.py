@@ -26,6 +26,7 @@ from kvhive.methods.registry import method_names
 from .backend import DEFAULT_DTYPE, FULL_METHOD
 from .environment import kvhive_commit, package_versions, versions_text
 from .memory import held_memory
+from .memory_plot import held_memory_figure
 from .metrics import aggregate_item_metrics
 from .results import TRANSIENT_STATUS, ResultsLineSkipped, ResultsSummary, read_results, scan_results
 
@@ -164,6 +165,8 @@ def task_table(summary: ResultsSummary, task: str) -> str:
     show_kept = any(row[5] is not None for row in rows)
     memories = [held_memory(summary, task, method, budget) for method, _, budget, _, _, _ in rows]
     show_memory = any(memory is not None for memory in memories)
+    # Every layer, sliding-window ones included: what the budget saves of the whole cache.
+    show_whole = any(memory is not None and "held_fraction_mean" in memory for memory in memories)
     names: list[str] = []
     for _, _, _, aggregate, _, _ in rows:
         for name in _metric_names(aggregate, main):
@@ -176,6 +179,7 @@ def task_table(summary: ResultsSummary, task: str) -> str:
         ["method", "budget", *map(md_text, names), "n", f"{md_text(main)} / full", "n paired with full"]
         + (["mean kept / head"] if show_kept else [])
         + (["stored heads × layers", "KV entries held mean / peak", "KV MiB mean / peak"] if show_memory else [])
+        + (["whole cache MiB mean / peak", "whole cache / full mean / peak"] if show_whole else [])
         + (["items not scored"] if show_problems else [])
     )
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -203,6 +207,8 @@ def task_table(summary: ResultsSummary, task: str) -> str:
             cells.append(f"{kept:.1f}" if kept is not None else "–")
         if show_memory:
             cells += _memory_cells(memory)
+        if show_whole:
+            cells += _whole_cache_cells(memory)
         if show_problems:
             cell_problems = problems.get((method, budget), [])
             cells.append(", ".join(f"{count} {status}" for status, count, _ in cell_problems) or "–")
@@ -268,6 +274,16 @@ def _memory_cells(memory: dict | None) -> list[str]:
         f"{heads} × {layers}",
         f"{memory['kv_entries_mean']:,.0f} / {memory['kv_entries_peak']:,.0f}",
         f"{memory['kv_bytes_mean'] / 2**20:.2f} / {memory['kv_bytes_peak'] / 2**20:.2f}",
+    ]
+
+
+def _whole_cache_cells(memory: dict | None) -> list[str]:
+    if memory is None or "held_fraction_mean" not in memory:
+        return ["–", "not recorded"]
+    peak = memory["held_fraction_max"]
+    return [
+        f"{memory['cache_bytes_mean'] / 2**20:.2f} / {memory['cache_bytes_peak'] / 2**20:.2f}",
+        f"{memory['held_fraction_mean']:.3f} / {peak:.3f}" + (" **above full**" if peak > 1.0 else ""),
     ]
 
 
@@ -383,13 +399,17 @@ def quality_figures(summary: ResultsSummary, task: str):
 
 
 def plot_task(summary: ResultsSummary, task: str, out_dir: Path) -> list[Path]:
-    """Quality vs budget PNG(s) of one task (see :func:`quality_figures`)."""
+    """Quality vs budget PNG(s) of one task (see :func:`quality_figures`), and quality vs the memory
+    the whole cache held where the results recorded it (:func:`held_memory_figure`, ``_held``)."""
     import matplotlib.pyplot as plt
 
     figures = quality_figures(summary, task)
+    named = [("" if len(figures) == 1 else ("_ratio" if kind is float else "_tokens"), f) for kind, f in figures]
+    held = held_memory_figure(summary, task)
+    if held is not None:
+        named.append(("_held", held))
     paths: list[Path] = []
-    for budget_type, figure in figures:
-        suffix = "" if len(figures) == 1 else ("_ratio" if budget_type is float else "_tokens")
+    for suffix, figure in named:
         path = out_dir / f"quality_{_safe(task)}{suffix}.png"
         figure.savefig(path)
         plt.close(figure)
@@ -427,7 +447,9 @@ NOISE_CHECK_TEXT = (
     "the paired bootstrap of the ratio of the two statistics, its 95% interval against that fraction. *held KV "
     "entries mean/peak*: the keys and values the cache held in the layers the budget applies to, mean and peak over "
     "an item, averaged over the items (stored heads counted: Ada-KV on a one-KV-head model stores one copy per "
-    "query head, labelled *×N memory*)."
+    "query head, labelled *×N memory*). *whole cache / full*: the bytes every layer held (sliding-window layers "
+    "included), as a fraction of the full cache's at the same tokens, mean and peak over an item (the peak column: "
+    "the largest of any item)."
 )
 SAMPLE_SIZE_TEXT = (
     "*paper's gap … needs n≈N*: the candidate's advantage the paper reports over that baseline, as a fraction of "

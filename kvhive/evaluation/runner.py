@@ -35,6 +35,7 @@ from .backend import (
     with_cache_options,
 )
 from .environment import run_environment
+from .memory import warn_if_above_full
 from .results import RESULTS_FILE, TRANSIENT_STATUS, ResultsWriter
 from .tasks import TASKS, Item, Task, get_task, parse_task_spec
 from .tasks.base import encode
@@ -572,6 +573,7 @@ def run_item(
             record["prefill_question"] = True
         if cache_sizes.get(setting):
             record["cache"] = cache_sizes[setting]
+            warn_if_above_full(task.name, setting.label, cache_sizes[setting])
         if status != "ok":
             record["reason"] = reason
             record["context_tokens"] = context_tokens
