@@ -198,11 +198,11 @@ def generate_batch(
     capacity to a bucket (``bucket_up``), so other batches of similar size reuse the graph. Refused,
     naming why, where the cache's step cannot compile (``KVHiveCache.compile_problem``).
 
-    Every method decodes stacked rows (BUZZ with each row's own eviction schedule, BumbleBee's
-    summaries and subgen-attention's estimators per row). Caches that cannot be stacked (Ada-KV when
-    heads keep different counts; rows of different lengths in a layer that evicts while decoding,
-    e.g. H2O with a prompt shorter than the budget; BUZZ keeps a length per row there) are refused
-    with a ValueError naming the reason: decode those prompts one at a time with ``kvhive.generate``."""
+    Every method decodes stacked rows, of prompts of any lengths: a sliding layer keeps each row's
+    window, a method keeping ``min(budget, N)`` (H2O, TOVA, ...) fills a short prompt's row up to its
+    budget beside rows that evict, a free slot takes any prompt. Refused with a ValueError naming the
+    method and why: Ada-KV when heads keep different counts; rows below the budget of subgen,
+    BumbleBee or vnorm (one length per layer). Decode those one at a time with ``kvhive.generate``."""
     _check_batch_arguments(prompts, max_new_tokens, max_batch_size, compile, cache_options)
     if compile:
         cache_options.setdefault("bucket_budget", True)  # one shape for prompts of nearby lengths

@@ -348,10 +348,13 @@ def stack(
     Refused with a ValueError naming the reason: caches of different models, methods, options,
     budgets, dtypes or devices; empty or unprefilled caches; a batch of several rows with left
     padding (its rows' positions count the padding); re-indexed positions; head-wise counts
-    (Ada-KV's packed layout); a layer that evicts while decoding (or slides) whose rows keep
-    different counts, unless its method ``decodes_rows_of_different_lengths`` (BUZZ: such a layer
-    keeps a length per row in a capacity bounded by ``fixed_decode_capacity``); a method whose
-    per-layer state cannot be stacked (``Policy.stack_states``; every registered method can).
+    (Ada-KV's packed layout); a layer that evicts while decoding whose rows keep different counts,
+    where its method keeps one length per layer (it builds its state at its first eviction, holds
+    its own bound without ``decodes_rows_of_different_lengths``, or ranks by the stored order); a
+    method whose per-layer state cannot be stacked (``Policy.stack_states``; every registered
+    method can). A sliding layer keeps each row's own window (a capacity of the window); a layer
+    whose method keeps ``min(budget, N)`` each row's own length up to the budget (a capacity of the
+    budget plus the new token); BUZZ's a length per row within its ``fixed_decode_capacity``.
 
     **Fixed batch slots** (``batch_slots=S``, at least the rows given): the buffers hold ``S``
     rows from the start; the rows past those given are free slots. Rows then leave

@@ -143,3 +143,25 @@ def test_the_remaining_refusal_names_what_limits(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     with pytest.raises(ValueError, match="budget of 33.*'subgen' builds its state at its first eviction"):
         kvhive.generate_batch(model, tokenizer, list(PROMPTS), "subgen", 33, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("max_batch_size", [None, 1])
+@pytest.mark.parametrize("name", ["ada-snapkv", "ada-pyramidkv", "ada-h2o"])
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_ada_kv_rows_equal_alone_or_are_refused_by_name(name, kv_heads, max_batch_size):
+    """Ada-KV's rows keep different counts per head once the prompt is cut (a packed layer, no dense
+    row to stack): generate_batch gives each prompt's text alone where the rows stack (one KV head,
+    copies per query head; prompts within the budget), and refuses by name where they do not."""
+    model = tiny_model("gemma3", "gqa", sliding_window=WINDOW, num_key_value_heads=kv_heads)
+    tokenizer = tiny_tokenizer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            texts = kvhive.generate_batch(
+                model, tokenizer, list(PROMPTS), name, BUDGET, max_new_tokens=8, max_batch_size=max_batch_size
+            )
+        except ValueError as error:
+            assert f"method '{name}'" in str(error) and "head-wise budgets" in str(error)
+            return
+        expected = [kvhive.generate(model, tokenizer, prompt, name, BUDGET, max_new_tokens=8)[0] for prompt in PROMPTS]
+    assert texts == expected
