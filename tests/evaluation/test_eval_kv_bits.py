@@ -35,7 +35,9 @@ def test_quantized_settings_run_are_labelled_and_hold_fewer_bytes(tmp_path):
             "--tasks",
             "needle:lengths=300:depths=50:max_new_tokens=6,ppl:num_tokens=64:window=32",
             "--methods",
-            "h2o,h2o:kv_bits=8,h2o:kv_bits=4",
+            "h2o",
+            "--kv-bits",
+            "8,4",
             "--budgets",
             "0.3",
             "--limit",
@@ -64,3 +66,22 @@ def test_quantized_settings_run_are_labelled_and_hold_fewer_bytes(tmp_path):
     held = {label: series[0][0] for label, series in points.items()}
     assert held["h2o (4-bit)"] < held["h2o (8-bit)"] < held["h2o (model dtype)"]
     assert held["h2o (8-bit)"] == by_key[("needle", "h2o:kv_bits=8@0.3")]["cache"]["kv_bytes_mean"]
+
+
+def test_eval_kv_bits_adds_each_method_at_each_width(capsys):
+    from kvhive.evaluation.cli import with_kv_bits
+
+    assert with_kv_bits(["full", "h2o", "snapkv:window=4"], [4, 8]) == [
+        "full",
+        "h2o",
+        "h2o:kv_bits=4",
+        "h2o:kv_bits=8",
+        "snapkv:window=4",
+        "snapkv:window=4:kv_bits=4",
+        "snapkv:window=4:kv_bits=8",
+    ]
+    assert with_kv_bits({"needle": ["h2o"]}, [4]) == {"needle": ["h2o", "h2o:kv_bits=4"]}
+    assert with_kv_bits(["h2o"], None) == ["h2o"]
+    with pytest.raises(SystemExit):
+        kvhive_main(["eval", "--tasks", "needle", "--methods", "h2o", "--kv-bits", "3"])
+    assert "--kv-bits" in capsys.readouterr().err
