@@ -22,8 +22,70 @@ from kvhive import static_step
 from kvhive.attention.decode import decode_dense, decode_packed
 from kvhive.attention.masks import dense_step_mask, row_logit_scale
 from kvhive.attention.scoring import build_scoring, filled_count
+from kvhive.cache.layers.quantized import code_planes, row_scales
+from kvhive.methods.scoring import ScoringInputs
 
 BLOCK_TOKENS = 256
+
+
+class ScoringOverBytes(ScoringInputs):
+    """The :class:`ScoringInputs` of a decode step over a quantized layer: ``keys`` and ``values``
+    are dequantized (``dequantize``: the layer's ``decode_view``, one copy) when a method first reads
+    them, so a method that scores by the attention's weights, positions or its own per-token scores
+    never makes the copy. Their sizes come from the byte rows (``[B, H, L, row]``)."""
+
+    dequantize = None
+    dequantized = None
+
+    def dequantized_view(self):
+        if self.dequantized is None:
+            self.dequantized = self.dequantize()[:2]
+        return self.dequantized
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.dequantized_view()[0]
+
+    @keys.setter
+    def keys(self, rows: torch.Tensor) -> None:
+        self.key_rows = rows
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.dequantized_view()[1]
+
+    @values.setter
+    def values(self, rows: torch.Tensor) -> None:
+        self.value_rows = rows
+
+    @property
+    def batch_size(self) -> int:
+        return self.key_rows.shape[0]
+
+    @property
+    def num_heads(self) -> int:
+        return self.key_rows.shape[1]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.key_rows.shape[2]
+
+    @property
+    def group_size(self) -> int:
+        return self.queries.shape[1] // self.key_rows.shape[1]
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """As :attr:`ScoringInputs.valid`, its device read from the positions (the keys are not made)."""
+
+        def compute() -> torch.Tensor:
+            if self.mask is None:
+                last_row = torch.ones(1, 1, self.num_tokens, dtype=torch.bool, device=self.positions.device)
+            else:
+                last_row = self.mask[:, :, -1, :]
+            return last_row.expand(self.batch_size, self.num_heads, self.num_tokens)
+
+        return self.once("valid", compute)
 
 
 def decode_quantized(module, cache, layer_index, query, mask, scaling, dropout, compressed, kwargs):
@@ -49,20 +111,16 @@ def decode_step_blockwise(cache, layer_index, query, mask, scaling, compressed: 
     if traits.changes_attention_logits:
         query = row_logit_scale(policy, stored_mask, key_rows.shape[2], query)
     wants_weights = compressed and traits.needs_decode_attention and traits.has_decode
-    # A method deciding while decoding scores from the layer's dequantized keys and values: the blocks
-    # attention dequantized are kept for it (the layer's copy it reads), not dequantized twice.
-    decides = compressed and traits.has_decode
-    output, weights, logits, dequantized = blockwise_attention(
-        query, store.codec, key_rows, value_rows, stored_mask, scaling, wants_weights, decides
+    output, weights, logits, _ = blockwise_attention(
+        query, store.codec, key_rows, value_rows, stored_mask, scaling, wants_weights
     )
 
     def make_scoring(phase: str):
-        keys, values = dequantized if dequantized is not None else store.decode_view()[:2]
-        return build_scoring(
+        inputs = build_scoring(
             cache,
             layer_index,
             phase,
-            (keys, values, positions, token_scores),
+            (key_rows, value_rows, positions, token_scores),
             query,
             stored_mask,
             scaling,
@@ -72,7 +130,10 @@ def decode_step_blockwise(cache, layer_index, query, mask, scaling, compressed: 
             filled=filled_count(store),
             known_filled=store.layout.known_length,
             stored_in_order=store.stored_in_order,
+            inputs_class=ScoringOverBytes,
         )
+        inputs.dequantize = store.decode_view
+        return inputs
 
     cache.compressor.after_decode(cache, layer_index, make_scoring)
     return output, None
@@ -82,25 +143,42 @@ def blockwise_attention(
     query, codec, key_rows, value_rows, stored_mask, scaling: float, wants_weights: bool, keep_blocks: bool = False
 ):
     """``(output [B, 1, Hq, dv], weights [B, Hq, L] or None, logits [B, H, G, 1, L] or None, dequantized)``
-    of one query per head over byte buffers ``[B, H, L, row]``, ``BLOCK_TOKENS`` slots dequantized at a
-    time (online softmax in float32). ``stored_mask`` ``[B, 1|H, 1, L]`` (True: attended) or None; the
-    logits are returned before it, as the explicit-softmax route returns them. ``keep_blocks``: the
-    dequantized keys and values of every block, joined in the model's dtype (``dequantized``; else None)."""
+    of one query per head over byte buffers ``[B, H, L, row]``, ``BLOCK_TOKENS`` slots at a time (online
+    softmax in float32). ``stored_mask`` ``[B, 1|H, 1, L]`` (True: attended) or None; the logits are
+    returned before it, as the explicit-softmax route returns them. ``keep_blocks``: the dequantized
+    keys and values of every block, joined in the model's dtype (``dequantized``; else None).
+
+    The products read the codes, not dequantized keys and values: a key is ``(codes x scale + minimum)
+    x channel_scale``, so ``q . key = scale (q' . codes) + minimum sum(q')`` with ``q' = q x
+    channel_scale`` (once a step), and the output's ``sum_j p_j value_j = (p x scale) @ codes +
+    p . minimum``: the per-token scales apply to the ``[.., block]`` products, never to ``[block, d]``
+    floats. At int4 the even and odd channels are two products over the two nibbles."""
     batch, query_heads, _, head_dim = query.shape
     heads, length = key_rows.shape[1], key_rows.shape[2]
     group = query_heads // heads
-    rows = query.reshape(batch, heads, group, head_dim).float()
+    bits = codec.bits
+    rows = query.reshape(batch, heads, group, head_dim).float() * codec.channel_scale[:, :, None]
+    query_planes = [rows] if bits == 8 else [rows[..., 0::2], rows[..., 1::2]]
+    query_sum = rows.sum(dim=-1, keepdim=True)  # [B, H, G, 1]
     running_max = rows.new_full((batch, heads, group, 1), float("-inf"))
     denominator = rows.new_zeros(batch, heads, group, 1)
-    numerator = rows.new_zeros(batch, heads, group, codec.value_dim)
+    planes = 1 if bits == 8 else 2
+    numerators = [rows.new_zeros(batch, heads, group, codec.value_dim // planes) for _ in range(planes)]
+    value_low_sum = rows.new_zeros(batch, heads, group, 1)
     all_logits, key_blocks, value_blocks = [], [], []
     for start in range(0, length, BLOCK_TOKENS):
         stop = min(length, start + BLOCK_TOKENS)
-        keys, values = codec.dequantize_block(key_rows, value_rows, start, stop)
+        key_block, value_block = key_rows[:, :, start:stop], value_rows[:, :, start:stop]
         if keep_blocks:
+            keys, values = codec.dequantize_block(key_rows, value_rows, start, stop)
             key_blocks.append(keys.to(query.dtype))
             value_blocks.append(values.to(query.dtype))
-        logits = torch.matmul(rows, keys.transpose(-1, -2)) * scaling  # [B, H, G, block]
+        key_scale, key_low = row_scales(key_block)  # [B, H, b, 1]
+        products = None
+        for plane_query, plane in zip(query_planes, code_planes(key_block, bits), strict=True):
+            product = torch.matmul(plane_query, plane.transpose(-1, -2))
+            products = product if products is None else products + product
+        logits = (products * key_scale.transpose(-1, -2) + query_sum * key_low.transpose(-1, -2)) * scaling
         if wants_weights:
             all_logits.append(logits)
         if stored_mask is not None:
@@ -108,17 +186,22 @@ def blockwise_attention(
         block_max = torch.maximum(running_max, logits.amax(dim=-1, keepdim=True))
         safe_max = block_max.clamp_min(torch.finfo(torch.float32).min)
         correction = torch.exp(running_max - safe_max)
-        exponentials = torch.exp(logits - safe_max)
+        exponentials = torch.exp(logits - safe_max)  # [B, H, G, b]
+        value_scale, value_low = row_scales(value_block)
         denominator = denominator * correction + exponentials.sum(dim=-1, keepdim=True)
-        numerator = numerator * correction + torch.matmul(exponentials, values)
+        value_low_sum = value_low_sum * correction + torch.matmul(exponentials, value_low)
+        scaled = exponentials * value_scale.transpose(-1, -2)
+        for index, plane in enumerate(code_planes(value_block, bits)):
+            numerators[index] = numerators[index] * correction + torch.matmul(scaled, plane)
         running_max = block_max
-    output = (numerator / denominator).to(query.dtype).reshape(batch, query_heads, 1, -1).transpose(1, 2)
+    numerator = numerators[0] if bits == 8 else torch.stack(numerators, dim=-1).flatten(-2)
+    output = (numerator + value_low_sum) / denominator
+    output = output.to(query.dtype).reshape(batch, query_heads, 1, -1).transpose(1, 2)
     dequantized = (torch.cat(key_blocks, dim=2), torch.cat(value_blocks, dim=2)) if keep_blocks else None
     if not wants_weights:
         return output, None, None, dequantized
     logits = torch.cat(all_logits, dim=-1) if len(all_logits) > 1 else all_logits[0]
     masked = logits if stored_mask is None else torch.where(stored_mask[:, :, 0].unsqueeze(2), logits, float("-inf"))
     safe_max = running_max.clamp_min(torch.finfo(torch.float32).min)
-    weights = torch.exp(masked - safe_max) / denominator
-    weights = weights.reshape(batch, query_heads, length)
+    weights = (torch.exp(masked - safe_max) / denominator).reshape(batch, query_heads, length)
     return output, weights, logits.view(batch, heads, group, 1, length), dequantized

@@ -27,15 +27,17 @@ def build_scoring(
     stored_in_order: bool = True,
     scratch: PrefillScratch | None = None,
     key_probes: KeyProbes | None = None,
+    inputs_class: type[ScoringInputs] = ScoringInputs,
 ) -> ScoringInputs:
     """The :class:`ScoringInputs` of layer ``layer_index`` of ``cache`` for a decision in ``phase``:
     ``view`` is the layer's stored ``(keys, values, positions, token_scores)`` as the decision reads
     them, ``queries`` the queries the model attended with, ``mask`` the attention's mask over the
     stored tokens (None: causal over the stored positions), ``sequence_length`` the tokens seen (a
     device counter in a static decode step). The keywords are the attention's by-products (see
-    :class:`ScoringInputs`); the token scores are copied, so a decision may add its own."""
+    :class:`ScoringInputs`); the token scores are copied, so a decision may add its own.
+    ``inputs_class``: a subclass that reads the keys and values its own way (quantized storage)."""
     keys, values, positions, token_scores = view
-    return ScoringInputs(
+    return inputs_class(
         keys=keys,
         values=values,
         queries=queries,

@@ -249,7 +249,7 @@ class Compressor:
             self._evict_in_place(layer_index, store, scoring, budget)
             return
         store.decode_steps_since_compression += 1
-        length = scoring.keys.shape[2]
+        length = scoring.num_tokens
         if length <= budget + cache.decode_slack or store.decode_steps_since_compression < cache.decode_every:
             return
         holes = layer_index in self.hole_layers
@@ -263,7 +263,7 @@ class Compressor:
 
     def _evict_by_mask(self, cache, layer_index: int, store: LayerStore, scoring, budget: int, holes: bool) -> None:
         """:meth:`_evict`'s keep mask (``Policy.select_decode``), checked, then applied by the layout."""
-        policy, state, length = self.policy, store.policy_state, scoring.keys.shape[2]
+        policy, state, length = self.policy, store.policy_state, scoring.num_tokens
         known = policy.kept_per_row(DECODE, length, budget, state)
         keep = policy.select_decode(scoring, budget, state)
         store_token_scores(store, scoring)
@@ -313,7 +313,7 @@ class Compressor:
         if keep is None and not per_row and not static_step.in_static_step():
             return  # an eager step the method knows evicts nothing (no compaction)
         bound = [scoring.num_tokens - 1]  # the capacity holds the bound plus the new token
-        shape = scoring.keys.shape[:3]
+        shape = (scoring.batch_size, scoring.num_heads, scoring.num_tokens)
         if per_row:
             # A method without a bound of its own fills each row up to its budget (its decision over
             # a row still below it keeps every token the row holds), dropping at most one a step.
@@ -352,10 +352,10 @@ class Compressor:
         hole = self.policy.select_decode_drop(scoring, budget, store.policy_state)
         if hole is None:
             return None
-        if hole.dtype != torch.int64 or hole.shape != scoring.keys.shape[:2]:
+        if hole.dtype != torch.int64 or hole.shape != (scoring.batch_size, scoring.num_heads):
             raise TypeError(
                 f"{self.policy.name}: select_decode_drop must give one stored index per row and head, a long tensor "
-                f"of shape {tuple(scoring.keys.shape[:2])}; got {hole.dtype} of shape {tuple(hole.shape)}"
+                f"of shape {(scoring.batch_size, scoring.num_heads)}; got {hole.dtype} of shape {tuple(hole.shape)}"
             )
         store_token_scores(store, scoring)
         return hole

@@ -55,7 +55,10 @@ def validate_dtype(dtype: str) -> str:
 # every chunk with the item's question (question-aware chunked prefill: the item's ``question``, the
 # prompt's final part, is appended to each chunk and dropped after). Kept in the method spec, so such a
 # setting has its own name (label, results key, report row) and is never mixed with the one-shot one.
-CACHE_OPTIONS = ("prefill_chunk", "prefill_question")
+# ``:kv_bits=4`` (or 8) stores the kept keys and values quantized (``make_cache(kv_bits=...)``): a
+# setting of its own beside the full-precision one, so quality can be read against held bytes.
+CACHE_OPTIONS = ("prefill_chunk", "prefill_question", "kv_bits")
+ACCEPTED_KV_BITS = (4, 8)
 
 
 def split_cache_options(method: str) -> tuple[str, dict[str, int | bool]]:
@@ -77,6 +80,11 @@ def split_cache_options(method: str) -> tuple[str, dict[str, int | bool]]:
                 raise ValueError(f"invalid method={method!r}: prefill_question must be true or false, got {text!r}")
             if text.strip().lower() == "true":
                 options[option] = True
+            continue
+        if option == "kv_bits":
+            if not equals or text.strip() not in {str(bits) for bits in ACCEPTED_KV_BITS}:
+                raise ValueError(f"invalid method={method!r}: kv_bits must be one of 4, 8, got {text!r}")
+            options[option] = int(text)
             continue
         if not equals or not re.fullmatch(r"\s*\d+\s*", text) or int(text) < 1:
             raise ValueError(f"invalid method={method!r}: {option} must be an integer >= 1 (tokens), got {text!r}")
@@ -129,6 +137,11 @@ class Setting:
         """Whether the chunked prefill is question-aware (``snapkv:prefill_chunk=512:prefill_question=true``):
         every chunk scored with the item's question (``Item.question``) instead of its own last queries."""
         return bool(split_cache_options(self.method)[1].get("prefill_question"))
+
+    @property
+    def kv_bits(self) -> int | None:
+        """The bits the kept keys and values are stored in (``snapkv:kv_bits=4``), or None: the model's dtype."""
+        return split_cache_options(self.method)[1].get("kv_bits")
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from typing import Any
 
 from kvhive.models.embedded import DEFAULT_MODEL
 
-from .backend import DEFAULT_DTYPE, DTYPES, Backend, parse_budgets
+from .backend import DEFAULT_DTYPE, DTYPES, FULL_METHOD, Backend, parse_budgets
 from .report import write_report
 from .results import ResultsLineSkipped, read_results
 from .runner import run_eval, validate_out_dir
@@ -59,6 +59,27 @@ def _budget_list(text: str) -> list[float | int]:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _kv_bits_list(text: str) -> list[int]:
+    widths = _comma_list(text)
+    if not widths or any(width not in ("4", "8") for width in widths):
+        raise argparse.ArgumentTypeError(f"invalid --kv-bits {text!r}: expected comma-separated values among 4, 8")
+    return [int(width) for width in widths]
+
+
+def with_kv_bits(methods, widths: list[int] | None):
+    """Each method spec, then the same spec stored in each of ``widths`` bits (``METHOD:kv_bits=N``); the
+    full cache once, unquantized. ``methods`` is a list, or a dict of lists per task (a suite's)."""
+    if not widths:
+        return methods
+    if isinstance(methods, dict):
+        return {task: with_kv_bits(listed, widths) for task, listed in methods.items()}
+    return [
+        spec
+        for method in methods
+        for spec in (method, *(f"{method}:kv_bits={bits}" for bits in widths if method != FULL_METHOD))
+    ]
+
+
 def add_eval_arguments(
     subparsers: Any,
     backend_factory: BackendFactory | None = None,
@@ -83,6 +104,13 @@ def add_eval_arguments(
         type=_budget_list,
         help="comma-separated budgets: a decimal in (0, 1] is a ratio, an integer is tokens per head (e.g. 0.1,0.5,128); "
         "default: each task's own",
+    )
+    parser.add_argument(
+        "--kv-bits",
+        type=_kv_bits_list,
+        default=None,
+        help="comma-separated bit widths (4, 8): every method also runs with its kept keys and values stored "
+        "in each (METHOD:kv_bits=N, a setting of its own); the report plots quality against the bytes held",
     )
     parser.add_argument("--limit", type=int, help="max items per task (default: the suite's, else all)")
     parser.add_argument(
@@ -163,6 +191,7 @@ def resolve_eval_grid(args: argparse.Namespace) -> dict[str, Any]:
     methods = args.methods or (suite.methods if suite else None)
     if not methods:
         raise SystemExit("kvhive eval: give --methods or --suite")
+    methods = with_kv_bits(methods, getattr(args, "kv_bits", None))
     budgets = args.budgets if args.budgets is not None else (suite.budgets if suite else None)
     limit = args.limit if args.limit is not None else (suite.limit if suite else None)
     if suite is not None and args.tasks:

@@ -136,6 +136,7 @@ class KVHiveBackend:
                 None if setting.method == FULL_METHOD else setting.budget,
                 prefill_chunk=setting.prefill_chunk,
                 question_tokens=question_tokens if setting.prefill_question else None,
+                kv_bits=setting.kv_bits,
             )
             for setting in settings
         ]
@@ -328,7 +329,9 @@ class KVHiveBackend:
     def _streaming_cache(self, setting: Setting):
         budget = None if setting.method == FULL_METHOD else setting.budget
         compress_sliding = compresses_sliding(setting.method, setting.budget, self.sliding_window)
-        return make_cache(self.model, _policy(setting), budget, compress_sliding=compress_sliding)
+        return make_cache(
+            self.model, _policy(setting), budget, compress_sliding=compress_sliding, kv_bits=setting.kv_bits
+        )
 
     @torch.no_grad()
     def streaming_nll(

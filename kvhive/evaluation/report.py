@@ -24,6 +24,7 @@ from typing import Any
 from kvhive.methods.registry import method_names
 
 from .backend import DEFAULT_DTYPE, FULL_METHOD
+from .bytes_plot import quality_by_bytes_figure
 from .environment import kvhive_commit, package_versions, versions_text
 from .memory import held_memory
 from .memory_plot import held_memory_figure
@@ -413,6 +414,12 @@ def plot_task(summary: ResultsSummary, task: str, out_dir: Path) -> list[Path]:
         path = out_dir / f"quality_{_safe(task)}{suffix}.png"
         figure.savefig(path)
         plt.close(figure)
+        paths.append(path)
+    by_bytes = quality_by_bytes_figure(summary, task)  # settings stored quantized: quality per byte
+    if by_bytes is not None:
+        path = out_dir / f"quality_{_safe(task)}_bytes.png"
+        by_bytes.savefig(path)
+        plt.close(by_bytes)
         paths.append(path)
     return paths
 

@@ -571,6 +571,8 @@ def run_item(
             record["prefill_chunk"] = setting.prefill_chunk
         if setting.prefill_question:
             record["prefill_question"] = True
+        if setting.kv_bits is not None:  # also in the method's name: a setting of its own
+            record["kv_bits"] = setting.kv_bits
         if cache_sizes.get(setting):
             record["cache"] = cache_sizes[setting]
             warn_if_above_full(task.name, setting.label, cache_sizes[setting])

@@ -73,15 +73,28 @@ def quantize_rows(x: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.cat([header.flatten(-2), codes], dim=-1)
 
 
-def dequantize_rows(rows: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """Rows of bytes (:func:`quantize_rows`) as float32 ``[..., dim]``."""
+def row_scales(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, minimum)`` of rows of bytes, float32 ``[..., 1]`` each."""
     header = rows[..., :SCALE_BYTES].to(torch.int16)
     halves = (header[..., 0::2] | (header[..., 1::2] << 8)).view(torch.float16).float()
-    scale, low = halves[..., 0:1], halves[..., 1:2]
+    return halves[..., 0:1], halves[..., 1:2]
+
+
+def code_planes(rows: torch.Tensor, bits: int) -> list[torch.Tensor]:
+    """The codes of rows of bytes as float32: ``[codes [..., d]]`` (int8), or ``[even channels, odd
+    channels]`` ``[..., d / 2]`` each (int4: the low and high nibbles, not interleaved)."""
     codes = rows[..., SCALE_BYTES:]
-    if bits == 4:
-        codes = torch.stack([codes & 0x0F, codes >> 4], dim=-1).flatten(-2)
-    return torch.addcmul(low, codes.float(), scale)
+    if bits == 8:
+        return [codes.float()]
+    return [(codes & 0x0F).float(), (codes >> 4).float()]
+
+
+def dequantize_rows(rows: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Rows of bytes (:func:`quantize_rows`) as float32 ``[..., dim]``."""
+    scale, low = row_scales(rows)
+    planes = code_planes(rows, bits)
+    codes = planes[0] if bits == 8 else torch.stack(planes, dim=-1).flatten(-2)
+    return torch.addcmul(low, codes, scale)
 
 
 class KVCodec:

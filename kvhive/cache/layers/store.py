@@ -207,7 +207,9 @@ class LayerStore(CompressorRecord, CacheLayerMixin):
         self.seen.advance(new_tokens)
         if self.row_seen is not None:
             self.row_seen.advance(new_tokens)
-        return views if codec is None or new_tokens == 1 else codec.dense_view(views)
+        if codec is None or (new_tokens == 1 and not self.in_prefill):  # a decode step reads the bytes
+            return views
+        return codec.dense_view(views)
 
     def new_positions(self, new_tokens: int) -> torch.Tensor:
         """Original positions of ``new_tokens`` appended tokens: ``[new]``, or ``[B, 1, new]`` when
