@@ -12,7 +12,16 @@ masking (no padding, no window in reach), which the attention reads as "causal o
 positions"; otherwise it spans every original position and kept tokens are gathered from it by
 position. A compiled decode step (one new query) gets no mask at all: a mask over every original
 position grows by one column per step (a new graph each step); kvhive's attention masks the stored
-tokens of a static decode step itself (padding recorded at prefill, the window by position).
+tokens of a static decode step itself (padding recorded at prefill, the window by position). The
+same step run eagerly asks for a fixed unused column (``KVHiveCache.get_mask_sizes``: a mask over the
+positions seen would span ``q_offset + 1`` columns), which is not built either (transformers >= 5.24
+passes ``q_offset``; older versions build the column, unused).
+
+The forward hook, when a forward with a kvhive cache ends, empties the caches' prefill scratch (held
+for one prefill only, also when the forward raised), returns the heap's free pages after a prompt
+chunk the attention ran on the CPU, and releases large captured prefill loops (BumbleBee's
+similarity matrix at long prompts: not held through the decode; it never waits for another thread's
+prefill).
 """
 
 from __future__ import annotations
@@ -43,17 +52,8 @@ def kvhive_mask(*args, **kwargs):
     q_length = kwargs.get("q_length", args[1] if len(args) > 1 else None)
     if q_length == 1 and static_step.in_static_step():
         return None  # no mask is built inside a compiled step (kvhive's attention masks it)
-    if (
-        q_length == 1
-        and kwargs.get("kv_length") == 1
-        and kwargs.get("kv_offset") == 0
-        and (kwargs.get("q_offset") or 0) > 0
-    ):
-        # The fixed unused column KVHiveCache.get_mask_sizes asks for in a static decode step, run
-        # eagerly (a mask over the positions seen would span q_offset + 1 columns): kvhive's attention
-        # masks the stored tokens itself, so the ten ops that build this column are not spent
-        # (transformers >= 5.24 passes q_offset; older versions build the column, unused).
-        return None
+    if q_length == 1 and kwargs.get("kv_length") == 1 and kwargs.get("kv_offset") == 0 and kwargs.get("q_offset"):
+        return None  # the fixed unused column of an eager static decode step (module docstring)
     kwargs["allow_is_bidirectional_skip"] = False
     return sdpa_mask(*args, **kwargs)
 
@@ -108,15 +108,13 @@ def _kvhive_caches_in(args, kwargs) -> list[KVHiveCache]:
     """The kvhive caches a forward was given (each row's cache for ``CacheRows``)."""
     # transformers >= 5.24 names the forward argument ``cache`` (``past_key_values`` before).
     for value in (kwargs.get("cache"), kwargs.get("past_key_values"), *args):
-        if isinstance(value, KVHiveCache):
-            return [value]
-        if isinstance(value, CacheRows):
-            return list(value.caches)
+        if isinstance(value, (KVHiveCache, CacheRows)):
+            return [value] if isinstance(value, KVHiveCache) else list(value.caches)
     return []
 
 
-# The attached models whose forward this thread entered with a kvhive cache, innermost last: the
-# always-called forward hook also runs when the pre-hook raised, and must then restore nothing.
+# The forwards this thread entered with a kvhive cache, innermost last: ``(model, its kvhive caches)``.
+# The always-called forward hook also runs when the pre-hook raised, and must then restore nothing.
 _ENTERED = threading.local()
 
 
@@ -203,13 +201,21 @@ def refuse_plain_question_chunks(cache: KVHiveCache, args, kwargs) -> None:
 
 
 def _enter_forward(model, args, kwargs):
-    refuse_two_caches(kwargs)
-    caches = _kvhive_caches_in(args, kwargs)
-    if not caches:
-        return None
-    for cache in caches:
-        cache.check_model(model.config)  # before anything is stored: an empty cache refuses too
-        refuse_plain_question_chunks(cache, args, kwargs)
+    if kwargs.get("past_key_values") is not None and kwargs.get("cache") is not None:
+        refuse_two_caches(kwargs)
+    given = kwargs.get("cache")  # transformers >= 5.24 (``past_key_values`` before)
+    if isinstance(given, KVHiveCache):  # a decode step's case, without a search
+        caches = [given]
+    else:
+        caches = _kvhive_caches_in(args, kwargs)
+        if not caches:
+            return None
+    config = model.config
+    for cache in caches:  # before anything is stored: an empty cache refuses too
+        if cache.matching_config is None or cache.matching_config() is not config:
+            cache.check_model(config)
+        if cache.question_tokens is not None and not cache.prompt_planned:
+            refuse_plain_question_chunks(cache, args, kwargs)
     if torch.compiler.is_compiling():
         return _switch_in_trace(model)
     # Stacked rows: a slot overflow refused before anything is stored; each row's own positions.
@@ -218,43 +224,37 @@ def _enter_forward(model, args, kwargs):
     with attachment.lock:
         if attachment.running == 0:
             configs = attachment.configs
-            if not configs or configs[0] is not model.config:
+            if not configs or configs[0] is not config:
                 configs = attachment.configs = _attention_configs(model)
-            attachment.switched = [(config, config._attn_implementation_internal) for config in configs]
-            for config in configs:
-                config._attn_implementation_internal = ATTENTION_NAME
+            attachment.switched = [(each, each._attn_implementation_internal) for each in configs]
+            for switched in configs:
+                switched._attn_implementation_internal = ATTENTION_NAME
         attachment.running += 1
-    _ENTERED.__dict__.setdefault("models", []).append(model)
+    _ENTERED.__dict__.setdefault("forwards", []).append((model, caches))
     return None if positioned is None else (args, positioned)
 
 
 def _leave_forward(model, args, kwargs, output):
-    caches = _kvhive_caches_in(args, kwargs)
-    if not caches:  # calls without a kvhive cache touch nothing else
-        return None
     if torch.compiler.is_compiling():
-        return _restore_in_trace(model)
-    for cache in caches:
-        cache.prefill_scratch.clear()  # held for one prefill only, also when the forward raised
-    if static_step.LIVE_CAPTURED_LOOPS and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
-        # Large captured prefill loops likewise (BumbleBee's similarity matrix at long prompts): not
-        # held through the decode. Never waits for another thread's prefill.
-        static_step.release_captured_loops(larger_than=static_step.HELD_LOOP_BYTES, wait=False)
-    entered = _ENTERED.__dict__.get("models")
-    if not entered or entered[-1] is not model:
+        return _restore_in_trace(model) if _kvhive_caches_in(args, kwargs) else None
+    entered = _ENTERED.__dict__.get("forwards")
+    if not entered or entered[-1][0] is not model:  # no kvhive cache, or the pre-hook raised
         return None
-    entered.pop()
+    _, caches = entered.pop()
     ran_chunk_on_cpu = False
-    for cache in caches:  # the note of a prompt chunk the attention ran on the CPU, removed
+    for cache in caches:
+        cache.prefill_scratch.clear()
         ran_chunk_on_cpu |= cache.__dict__.pop(PROMPT_CHUNK_ON_CPU, False)
     if ran_chunk_on_cpu:
         trim_heap()  # the chunk's last temporaries (the last layers' MLP) before the next chunk
+    if static_step.LIVE_CAPTURED_LOOPS and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        static_step.release_captured_loops(larger_than=static_step.HELD_LOOP_BYTES, wait=False)  # (module docstring)
     attachment = _ATTACHED.get(model) or _attachment(model)
     with attachment.lock:
         attachment.running -= 1
         if attachment.running == 0:
-            for config, previous in attachment.switched:
-                config._attn_implementation_internal = previous
+            for switched, previous in attachment.switched:
+                switched._attn_implementation_internal = previous
             attachment.switched = []
     return None
 

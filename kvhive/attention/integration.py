@@ -2,7 +2,9 @@
 that runs ``attn_implementation="kvhive"`` (:mod:`kvhive.attention.hooks` registers it and switches
 a model to it for the forwards given a kvhive cache).
 
-Over a :class:`KVHiveCache` layer it dispatches by phase and layout: the prefill
+A steady eager decode step takes the route its layer chose (:mod:`kvhive.attention.routes`) after
+one guard, that the module is the one that filled the layer (the cache's update checked the rest).
+Otherwise, over a :class:`KVHiveCache` layer, it dispatches by phase and layout (:func:`attend`): the prefill
 (:mod:`kvhive.attention.prefill`: the attention, then the layer is cut right away), later forwards
 over a layer whose heads hold equal counts (:func:`kvhive.attention.decode.decode_dense`) or
 different counts (:func:`kvhive.attention.decode.decode_packed`). The method gets what it scores
@@ -20,14 +22,13 @@ This module also re-exports the names other modules and tests import from it.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
+from kvhive import static_step
 from kvhive.attention import hooks
 from kvhive.attention.column_sums import prompt_attention_with_column_sums
 from kvhive.attention.decode import (
@@ -44,12 +45,14 @@ from kvhive.attention.hooks import ATTENTION_NAME, kvhive_mask, mark_prompt_chun
 from kvhive.attention.masks import attention_mask_for
 from kvhive.attention.prefill import prefill, replay_prefill
 from kvhive.attention.quantized_decode import decode_quantized
+from kvhive.attention.routes import ANY_BACKEND, SDPA_BACKENDS, choose_route
 from kvhive.cache.handoff import active_update
 from kvhive.cache.rows import CacheRows
 from kvhive.heap import trim_heap
 
 __all__ = [
     "ATTENTION_NAME",
+    "SDPA_BACKENDS",
     "QUERY_BLOCK",
     "attach",
     "attention_by_row",
@@ -60,18 +63,10 @@ __all__ = [
     "sdpa_backends",
 ]
 
-# kvhive picks its own sdpa backends: cuDNN's sdpa re-plans for every new key length (milliseconds
-# of host time per call), so a decode step would depend on it.
-SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-# Elsewhere sdpa picks as it does (one context, reused: it holds nothing).
-_ANY_BACKEND = contextlib.nullcontext()
-
 
 def sdpa_backends(device: torch.device):
     """The context in which kvhive's sdpa calls run on ``device`` (:data:`SDPA_BACKENDS` on CUDA)."""
-    return sdpa_kernel(SDPA_BACKENDS) if device.type == "cuda" else _ANY_BACKEND
+    return sdpa_kernel(SDPA_BACKENDS) if device.type == "cuda" else ANY_BACKEND
 
 
 def register() -> None:
@@ -89,7 +84,7 @@ def attach(model) -> None:
 
 
 def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention over a :class:`KVHiveCache` layer; plain sdpa for any other cache."""
+    """Attention over a :class:`KVHiveCache` layer (module docstring); plain sdpa for any other cache."""
     cache, layer_index = active_update(key, kwargs)
     if cache is None:
         with sdpa_backends(query.device):
@@ -98,10 +93,22 @@ def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dr
             )
     if isinstance(cache, CacheRows):
         return attention_by_row(module, cache, layer_index, query, key, value, attention_mask, scaling, dropout, kwargs)
-    cache.check_attention_module(layer_index, module)
+    store = cache.layers[layer_index]
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    store = cache.layers[layer_index]
+    route = store.decode_route
+    if not static_step.in_static_step() and route is not None and cache.attention_modules[layer_index]() is module:
+        cache.unattended_update = None
+        return route(module, cache, store, layer_index, query, key, value, attention_mask, scaling, dropout, kwargs)
+    cache.check_attention_module(layer_index, module)
+    result = attend(module, cache, store, layer_index, query, key, value, attention_mask, scaling, dropout, kwargs)
+    if not static_step.in_static_step() and query.shape[2] == 1 and not store.in_prefill and store.decode_route is None:
+        store.decode_route = choose_route(cache, store, layer_index, query, attend)
+    return result
+
+
+def attend(module, cache, store, layer_index, query, key, value, attention_mask, scaling, dropout, kwargs):
+    """The general attention over a layer, by phase and layout (module docstring)."""
     mask = attention_mask_for(cache, store, attention_mask, query, layer_index)
     compressed = layer_index in cache.compressor.compressed
     # A chunk of a chunked prefill on CPU trims the heap around its attention (module docstring).
@@ -113,7 +120,7 @@ def kvhive_attention(module, query, key, value, attention_mask, scaling=None, dr
         return decode_quantized(module, cache, layer_index, query, mask, scaling, dropout, compressed, kwargs)
     if not (store.in_prefill or store.is_uniform):
         return decode_packed(cache, layer_index, query, mask, scaling, compressed)
-    with sdpa_kernel(SDPA_BACKENDS) if query.is_cuda else _ANY_BACKEND:  # sdpa_backends, inline: every step
+    with sdpa_kernel(SDPA_BACKENDS) if query.is_cuda else ANY_BACKEND:  # sdpa_backends, inline: every step
         if store.in_prefill:
             result = prefill(module, cache, layer_index, query, key, value, mask, scaling, dropout, compressed, kwargs)
         else:

@@ -22,7 +22,7 @@ import torch
 
 from kvhive import static_step
 from kvhive.cache.budget import resolve_row_layer_budgets, row_budgets
-from kvhive.cache.decisions import check_keep
+from kvhive.cache.decisions import check_capacity_keep, check_keep, check_row_keep
 from kvhive.cache.layout_plan import window_within_budget
 from kvhive.cache.options import CACHE_POSITIONS, BudgetNotKeptWarning
 from kvhive.cache.positions import reindex
@@ -239,27 +239,39 @@ class Compressor:
             )
         if not cache.layer_budgets:  # (resolved at the prefill: a static step reads no host count)
             self.resolve_budgets(cache, store.tokens_seen)
-        policy, state, budget = self.policy, store.policy_state, cache.layer_budgets[layer_index]
         scoring = make_scoring(DECODE)
         # initialize_decode ran in after_prefill (every layer's first forward is its prefill).
-        if self.traits.observes_decode:
-            policy.observe_decode(scoring, state, budget=budget)
-        store_token_scores(store, scoring)
         if store.bounded_capacity or store.row_lengths_device is not None:  # a fixed capacity, or stacked rows
+            budget = cache.layer_budgets[layer_index]
+            if self.traits.observes_decode:
+                self.policy.observe_decode(scoring, store.policy_state, budget=budget)
+            store_token_scores(store, scoring)
             self._evict_in_place(layer_index, store, scoring, budget)
             return
+        self.evict_step(cache, layer_index, store, scoring)
+
+    def evict_step(self, cache, layer_index: int, store: LayerStore, scoring: ScoringInputs) -> None:
+        """A growing layer's decode decision: the method observes, then evicts past the budget."""
+        policy, state, budget = self.policy, store.policy_state, cache.layer_budgets[layer_index]
+        if self.traits.observes_decode:
+            policy.observe_decode(scoring, state, budget=budget)
+        if scoring.token_scores:
+            store_token_scores(store, scoring)
         store.decode_steps_since_compression += 1
         length = scoring.num_tokens
         if length <= budget + cache.decode_slack or store.decode_steps_since_compression < cache.decode_every:
             return
         holes = layer_index in self.hole_layers
-        if length == budget + 1 and holes:
-            hole = self._dropped_token(scoring, budget, store)
-            if hole is not None:
-                store.layout.fill_hole(hole)  # one token per row moved, not the whole kept window
-                store.decode_steps_since_compression = 0
-                return
-        self._evict_by_mask(cache, layer_index, store, scoring, budget, holes)
+        hole = policy.select_decode_drop(scoring, budget, state) if length == budget + 1 and holes else None
+        if hole is None:
+            self._evict_by_mask(cache, layer_index, store, scoring, budget, holes)
+            return
+        if hole.dtype != torch.int64 or hole.shape != scoring.keys.shape[:2]:
+            self.refuse_dropped_token(hole, scoring)
+        if scoring.token_scores:
+            store_token_scores(store, scoring)
+        store.layout.fill_hole(hole)  # one token per row moved, not the whole kept window
+        store.decode_steps_since_compression = 0
 
     def _evict_by_mask(self, cache, layer_index: int, store: LayerStore, scoring, budget: int, holes: bool) -> None:
         """:meth:`_evict`'s keep mask (``Policy.select_decode``), checked, then applied by the layout."""
@@ -312,17 +324,15 @@ class Compressor:
         store_token_scores(store, scoring)
         if keep is None and not per_row and not static_step.in_static_step():
             return  # an eager step the method knows evicts nothing (no compaction)
-        bound = [scoring.num_tokens - 1]  # the capacity holds the bound plus the new token
+        bound = scoring.num_tokens - 1  # the capacity holds the bound plus the new token
         shape = (scoring.batch_size, scoring.num_heads, scoring.num_tokens)
         if per_row:
             # A method without a bound of its own fills each row up to its budget (its decision over
             # a row still below it keeps every token the row holds), dropping at most one a step.
             fill_to = None if traits.declares_capacity else budget
             if keep is None and fill_to is not None:
-                keep = torch.ones(shape, dtype=torch.bool, device=scoring.keys.device)
-            keep, kept = check_keep(
-                keep, policy.name, layer_index, bound, shape=shape, filled=scoring.filled, per_row=True, fill_to=fill_to
-            )
+                keep = torch.ones(shape, dtype=torch.bool, device=scoring.filled.device)
+            keep, kept = check_row_keep(keep, policy.name, layer_index, bound, shape, scoring.filled, fill_to)
             at_most_one = fill_to is not None or traits.drops_at_most_one
             fill_hole = at_most_one and layer_index in self.hole_layers
             store.compact_in_place(keep, kept, at_most_one_dropped=at_most_one, fill_hole=fill_hole)
@@ -336,9 +346,7 @@ class Compressor:
         # A method that keeps min(budget, N) keeps every stored token while they fit the budget (its
         # decision over the capacity knows nothing of the empty slots, and would drop one).
         fill_to = budget if store.fills_to_budget else None
-        keep, kept = check_keep(
-            keep, policy.name, layer_index, bound, known, shape=shape, filled=scoring.filled, fill_to=fill_to
-        )
+        keep, kept = check_capacity_keep(keep, policy.name, layer_index, bound, shape, scoring.filled, known, fill_to)
         # Filling to a budget (or a method that says so), a step drops at most one token: the
         # compaction needs no sort, and may write the newest token into the freed slot.
         at_most_one = store.fills_to_budget or traits.drops_at_most_one
@@ -347,18 +355,22 @@ class Compressor:
 
     def _dropped_token(self, scoring: ScoringInputs, budget: int, store: LayerStore) -> torch.Tensor | None:
         """A steady step's one dropped token per row, where the method names it
-        (``Policy.select_decode_drop``; the per-token scores stored after it), else None. Its shape
-        and dtype are checked on the host (an index out of range is refused by the move that uses it)."""
+        (``Policy.select_decode_drop``; the per-token scores stored after it), else None."""
         hole = self.policy.select_decode_drop(scoring, budget, store.policy_state)
         if hole is None:
             return None
         if hole.dtype != torch.int64 or hole.shape != (scoring.batch_size, scoring.num_heads):
-            raise TypeError(
-                f"{self.policy.name}: select_decode_drop must give one stored index per row and head, a long tensor "
-                f"of shape {(scoring.batch_size, scoring.num_heads)}; got {hole.dtype} of shape {tuple(hole.shape)}"
-            )
+            self.refuse_dropped_token(hole, scoring)
         store_token_scores(store, scoring)
         return hole
+
+    def refuse_dropped_token(self, hole: torch.Tensor, scoring: ScoringInputs) -> None:
+        """Refuse an answer of ``select_decode_drop`` of another shape or dtype than one stored index per
+        row and head (checked on the host; an index out of range is refused by the move that uses it)."""
+        raise TypeError(
+            f"{self.policy.name}: select_decode_drop must give one stored index per row and head, a long tensor "
+            f"of shape {(scoring.batch_size, scoring.num_heads)}; got {hole.dtype} of shape {tuple(hole.shape)}"
+        )
 
     def _grow(self, cache, layer_index: int, store: LayerStore, make_scoring: MakeScoring) -> None:
         """A decode step (or a later prompt chunk) of a layer whose method compresses only the prompt:
@@ -367,9 +379,9 @@ class Compressor:
         if self.traits.has_prefill and store.last_update_tokens > 1 and cache.takes_prompt_chunks:
             self.compress_prompt_chunk(cache, layer_index, store, make_scoring)
         if self.traits.compresses:
-            self._warn_budget_not_kept(cache, layer_index, store)
+            self.warn_budget_not_kept(cache, layer_index, store)
 
-    def _warn_budget_not_kept(self, cache, layer_index: int, store: LayerStore) -> None:
+    def warn_budget_not_kept(self, cache, layer_index: int, store: LayerStore) -> None:
         """Warn (once per cache) when a prefill-only method holds more than its budget without
         ever having compressed this layer: a token-by-token stream, or a prompt that fit the
         budget, gets no compression at all, so the cache is the full cache under the method's name."""

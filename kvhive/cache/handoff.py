@@ -31,12 +31,13 @@ LAST_UPDATES = LastUpdates()
 
 
 def active_update(keys: torch.Tensor, attention_kwargs: dict) -> tuple[Cache | None, int | None]:
-    """The cache and layer whose ``update`` just returned ``keys``, or ``(None, None)``: from the
-    attention's kwargs, else (older transformers) the thread's last update, matched by the identity
-    of the returned keys."""
+    """The cache and layer whose ``update`` just returned ``keys``, or ``(None, None)`` (module docstring)."""
     handed = attention_kwargs.pop(UPDATE_KWARG, None)
-    if handed is not None:
-        return handed
+    return handed if handed is not None else last_update(keys)
+
+
+def last_update(keys: torch.Tensor) -> tuple[Cache | None, int | None]:
+    """Older transformers: the thread's last update, if it returned ``keys`` (matched by identity)."""
     last = LAST_UPDATES.last
     if last is None:
         return None, None
@@ -48,10 +49,9 @@ def active_update(keys: torch.Tensor, attention_kwargs: dict) -> tuple[Cache | N
 
 
 def mark_update(cache: Cache, layer_index: int, keys: torch.Tensor, update_kwargs: dict) -> None:
-    """Record that ``cache.update`` for ``layer_index`` just returned ``keys`` (read back by
-    :func:`active_update` in kvhive's attention). ``update_kwargs`` are the kwargs ``update`` got."""
+    """Hand ``cache`` and ``layer_index`` to the attention that reads ``keys`` next (module docstring)."""
     layer_kwargs = update_kwargs.get("kwargs")
     if isinstance(layer_kwargs, dict):
         layer_kwargs[UPDATE_KWARG] = (cache, layer_index)
-        return
-    LAST_UPDATES.last = (weakref.ref(cache), layer_index, weakref.ref(keys))
+    else:
+        LAST_UPDATES.last = (weakref.ref(cache), layer_index, weakref.ref(keys))

@@ -341,22 +341,14 @@ class KVHiveCache(Cache):
         return next_position(self, tokens_seen)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        """The mask transformers builds: a fixed unused column in a static decode step, the new tokens only
+        after an unpadded prompt at original positions, else every original position (kvhive.attention.masks)."""
         if query_length == 1 and self.layout_plan.compileable:
-            # A static decode step masks its stored tokens itself (padding recorded at prefill): the
-            # mask transformers builds for it is a fixed, unused column, not one growing every step.
             return 1, 0
         layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
-        if (
-            self.positions == ORIGINAL_POSITIONS
-            and layer is not None
-            and layer.is_initialized
-            and layer.is_uniform
-            and not layer.has_padding
-        ):
-            # After an unpadded prompt kvhive's attention masks by the stored positions and ignores
-            # the model's mask (see kvhive_attention): the mask transformers builds need only span
-            # the new tokens, not every token seen (which grows without bound in a long stream).
-            return query_length, layer.tokens_seen
+        if layer is not None and layer.is_initialized and layer.is_uniform and not layer.has_padding:
+            if self.positions == ORIGINAL_POSITIONS:
+                return query_length, layer.tokens_seen
         return self.mask_sizes_over_positions(query_length, layer_idx)
 
     def mask_sizes_over_positions(self, query_length: int, layer_idx: int) -> tuple[int, int]:
@@ -367,17 +359,30 @@ class KVHiveCache(Cache):
 
     # -- transformers' Cache API ---------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        # A steady eager step (one token per row of the shape the layer's last full check passed, the
+        # previous layer's attention ran) needs no check; any other update is checked in full first.
+        if self.unattended_update is not None or layer_idx >= len(self.layers) or torch.compiler.is_compiling():
+            self._check_update(key_states, layer_idx)
+        elif key_states.shape != self.layers[layer_idx].steady_key_shape:
+            self._check_update(key_states, layer_idx)
+        self.unattended_update = layer_idx
+        keys, values = self.layers[layer_idx].update(key_states, value_states)
+        # The attention function runs next; the cache hands itself over through transformers' kwargs.
+        mark_update(self, layer_idx, keys, kwargs)
+        return keys, values
+
+    def _check_update(self, key_states: torch.Tensor, layer_idx: int) -> None:
+        """Refuse, before anything is stored, new tokens the layer cannot take (another model's shapes,
+        another batch size, a layer left unattended, tokens a filled layer cannot continue with); a
+        decode token that passes gives the layer's steady shape."""
         self._check_reuse(key_states, layer_idx)
         if self.unattended_update is not None:
             self._refuse_unattended_update()
         store: LayerStore = self.layers[layer_idx]
         if key_states.shape[2] > 1 and store.is_initialized:
             self._check_continuation(store, key_states.shape[2])
-        self.unattended_update = layer_idx
-        keys, values = store.update(key_states, value_states)
-        # The attention function runs next; the cache hands itself over through transformers' kwargs.
-        mark_update(self, layer_idx, keys, kwargs)
-        return keys, values
+        if key_states.shape[2] == 1 and store.is_initialized and not torch.compiler.is_compiling():
+            store.steady_key_shape = key_states.shape
 
     def _refuse_unattended_update(self) -> None:
         raise ValueError(
@@ -539,16 +544,15 @@ class KVHiveCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int | torch.Tensor:
         """The true number of tokens seen (``positions="cache"``: the next re-indexed position);
-        a device tensor inside a compiled step."""
+        a device tensor inside a compiled step (``LayerStore.get_seq_length``)."""
         if layer_idx >= len(self.layers):
             return 0
-        if static_step.in_static_step() and self.positions == ORIGINAL_POSITIONS:
-            # A compiled step reads the device counter (see LayerStore.tokens_seen).
-            return self.layers[layer_idx].get_seq_length() if self.layers[layer_idx].is_initialized else 0
-        tokens_seen = self.layers[layer_idx].tokens_seen
+        layer = self.layers[layer_idx]
         if self.positions == CACHE_POSITIONS:
-            return self._next_position(tokens_seen)
-        return tokens_seen
+            return self._next_position(layer.tokens_seen)
+        if static_step.in_static_step():
+            return layer.seen.device if layer.is_initialized else 0
+        return layer.tokens_seen
 
     # -- accounting ----------------------------------------------------------------------------
     def kept_tokens(self) -> dict[int, torch.Tensor]:

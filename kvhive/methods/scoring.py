@@ -394,19 +394,13 @@ class ScoringInputs(AttentionStatistics):
 
     def last_query_attention(self, logit_multiplier: float | tuple[float, ...] | torch.Tensor = 1.0) -> torch.Tensor:
         """Weights ``[B, Hq, N]`` of the newest query (TOVA; decode-phase accumulation), its logits
-        multiplied by ``logit_multiplier`` (AhaKV, Eq. 12: one factor, or one per batch row).
-
-        With a multiplier and the attention's own logits (``last_query_logits``) the weights are
-        the softmax of those logits times the factor: the keys are not read again (the step's
-        largest cost after the model's own matmuls: one more pass over every stored key)."""
-        if (
-            isinstance(logit_multiplier, (int, float))
-            and logit_multiplier == 1.0
-            and self.last_query_weights is not None
-        ):
+        multiplied by ``logit_multiplier`` (AhaKV, Eq. 12: one factor, or one per batch row), from the
+        attention's own weights or logits where it gave them (``last_query_logits``)."""
+        unscaled = isinstance(logit_multiplier, (int, float)) and logit_multiplier == 1.0
+        if unscaled and self.last_query_weights is not None:
             return self.last_query_weights
         last_row = slice(self.num_queries - 1, self.num_queries)
-        if isinstance(logit_multiplier, (int, float)) and logit_multiplier == 1.0:
+        if unscaled:
             return self.once("last", lambda: self.attention_weights(last_row)[:, :, 0])
         if self.last_query_logits is None:
             return self.attention_weights(last_row, logit_multiplier)[:, :, 0]

@@ -65,10 +65,8 @@ def lowest_ranked(
     forced: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``[..., 1]``: the index of the token :func:`keep_top_scores` drops when it keeps all but one:
-    the lowest-ranked one and, among equal ranks, the oldest (what the stable sort of more drops
-    would leave out): the first minimum (``argmin``) when tokens are stored oldest first, else the
-    smallest of ``positions`` among the minima. No sort over the stored tokens."""
+    """``[..., 1]``: the token :func:`keep_top_scores` drops when it keeps all but one, with no sort: the
+    lowest-ranked and, among equal ranks, the oldest (the first, or the smallest of ``positions``)."""
     ranking = _ranking(scores, valid, forced)
     if positions is None:
         return ranking.argmin(dim=-1, keepdim=True)

@@ -175,13 +175,9 @@ class TokenBuffers:
     ) -> None:
         """Copy flat row ``source_rows[s]`` to row ``destination_rows[s]``: keys, values, position and
         the per-token scores (those of ``score_names`` where given)."""
-        scores = self.scores
-        moved = scores.values() if score_names is None else [scores[name] for name in score_names]
-        flat = [self.keys.view(-1, self.keys.shape[-1]), self.values.view(-1, self.values.shape[-1])]
-        flat.append(self.positions.view(-1))
-        for buffer in moved:
-            flat.append(buffer.view(-1))
-        for buffer in flat:
+        scores = self.scores.values() if score_names is None else [self.scores[name] for name in score_names]
+        keys, values = self.keys.view(-1, self.keys.shape[-1]), self.values.view(-1, self.values.shape[-1])
+        for buffer in (keys, values, self.positions.view(-1), *(score.view(-1) for score in scores)):
             buffer.index_copy_(0, destination_rows, buffer.index_select(0, source_rows))
 
     def gather_in_place(self, rows: torch.Tensor) -> None:

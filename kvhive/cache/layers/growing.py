@@ -33,22 +33,9 @@ class GrowingLayout(Layout):
 
     # -- appends --------------------------------------------------------------------------------
     def append(self, key_states, value_states, positions, new_tokens: int):
-        buffers = self.buffers
-        if buffers is None:
-            # First tokens (the prompt): exactly their size; a later append grows the buffer.
-            store = self.store
-            buffers = self.buffers = TokenBuffers.dense(
-                key_states, value_states, store.batch_size, store.num_heads, new_tokens
-            )
-        end = self.start + self.length
-        if end + new_tokens > buffers.keys.shape[2]:
-            needed = self.length + new_tokens
-            capacity = buffers.keys.shape[2]
-            if needed + reserve(needed) // 2 > capacity:
-                # Grow geometrically; otherwise (a sliding slice reached the end) move it to the front.
-                capacity = needed + reserve(needed)
-            self.move_to_front(capacity)
-            buffers, end = self.buffers, self.length
+        buffers, end = self.buffers, self.start + self.length
+        if buffers is None or end + new_tokens > buffers.keys.shape[2]:
+            buffers, end = self.make_room(key_states, value_states, new_tokens)
         stop = end + new_tokens
         buffers.keys[:, :, end:stop].copy_(key_states)
         buffers.values[:, :, end:stop].copy_(value_states)
@@ -57,6 +44,20 @@ class GrowingLayout(Layout):
             buffers.scores[name][:, :, end:stop].zero_()
         self.length += new_tokens
         return buffers.keys[:, :, self.start : stop], buffers.values[:, :, self.start : stop]
+
+    def make_room(self, key_states, value_states, new_tokens: int) -> tuple[TokenBuffers, int]:
+        """Buffers with room for ``new_tokens`` after the stored ones, and the slot they start at: the
+        first tokens (the prompt) get exactly their size, a later append grows the buffers
+        geometrically, or (a sliding slice reached the end) moves the slice to their front."""
+        if self.buffers is None:
+            store = self.store
+            self.buffers = TokenBuffers.dense(key_states, value_states, store.batch_size, store.num_heads, new_tokens)
+            return self.buffers, self.start + self.length
+        needed, capacity = self.length + new_tokens, self.buffers.keys.shape[2]
+        if needed + reserve(needed) // 2 > capacity:
+            capacity = needed + reserve(needed)
+        self.move_to_front(capacity)
+        return self.buffers, self.length
 
     def move_to_front(self, capacity: int) -> None:
         """Copy the stored slice to the front of new buffers of ``capacity`` slots (or of the same
@@ -84,9 +85,12 @@ class GrowingLayout(Layout):
         return self.buffers.window(self.start, self.start + self.length)
 
     def decode_view(self):
-        if self.buffers is None:
+        buffers = self.buffers
+        if buffers is None:
             self.dense()  # (refuses: no tokens yet)
-        return (*self.buffers.window(self.start, self.start + self.length), None)
+        span = slice(self.start, self.start + self.length)
+        scores = {name: buffer[:, :, span] for name, buffer in buffers.scores.items()}
+        return buffers.keys[:, :, span], buffers.values[:, :, span], buffers.positions[:, :, span], scores, None
 
     @property
     def max_length(self) -> int:
@@ -220,8 +224,7 @@ class GrowingLayout(Layout):
         that slot (``Layout.fill_hole``), its per-token scores too (``reset_score_names``)."""
         store, buffers = self.store, self.buffers
         hole = hole.reshape(-1)
-        # Slot j of segment s is row s * capacity + j of the flat buffers (one arange each, not a
-        # base computed and added to each slot index).
+        # Slot j of segment s is row s * capacity + j of the flat buffers.
         capacity, newest = buffers.keys.shape[2], self.start + self.length - 1
         rows = store.batch_size * store.num_heads * capacity
         first_slots = torch.arange(self.start, self.start + rows, capacity, device=store.device)

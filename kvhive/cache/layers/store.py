@@ -85,12 +85,19 @@ class LayerStore(CompressorRecord, CacheLayerMixin):
     def use_layout(self, layout: Layout) -> None:
         """Take ``layout`` (a transition): the only place the layout and its traits change."""
         self.layout = layout
+        self.forget_decode_route()
         self.is_uniform = layout.is_uniform
         self.fixed_capacity = layout.fixed_capacity
         self.bounded_capacity = layout.bounded_capacity
         self.fills_to_budget = layout.fills_to_budget
         self.has_row_lengths = layout.has_row_lengths
         self.row_lengths_device = layout.row_lengths_device
+
+    def forget_decode_route(self) -> None:
+        """At a transition: the next eager decode step runs the general attention and chooses the
+        layer's route again (``kvhive.attention.routes``); the cache checks its next update in full."""
+        self.decode_route = None
+        self.steady_key_shape = None
 
     def capacity_layout(self, buffers, length: int, exact: bool) -> Layout:
         """The fixed capacity layout over ``buffers`` holding ``length`` tokens (the growing layout's
@@ -184,15 +191,11 @@ class LayerStore(CompressorRecord, CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append the new tokens; returns what attention reads (the dense view, a fixed capacity's
-        whole buffers, or the flat buffers when packed)."""
-        new_tokens = key_states.shape[2]
+        """Append the new tokens; returns what attention reads (``Layout.append``)."""
+        new_tokens = self.last_update_tokens = key_states.shape[2]
         self.in_prefill = not self.is_initialized
-        self.last_update_tokens = new_tokens
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        elif new_tokens > 1:
-            self.layout.take_chunk()
+        if self.in_prefill or new_tokens > 1:
+            self.start_update(key_states, value_states)
         if self.heads_per_kv_head > 1:
             key_states = key_states.repeat_interleave(self.heads_per_kv_head, dim=1)
             value_states = value_states.repeat_interleave(self.heads_per_kv_head, dim=1)
@@ -210,6 +213,15 @@ class LayerStore(CompressorRecord, CacheLayerMixin):
         if codec is None or (new_tokens == 1 and not self.in_prefill):  # a decode step reads the bytes
             return views
         return codec.dense_view(views)
+
+    def start_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """An update that is not a decode step: the layer's first (its prefill) initialises it; a later
+        one of several tokens (a prompt chunk) makes it grow again (a transition)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        else:
+            self.layout.take_chunk()
+            self.forget_decode_route()
 
     def new_positions(self, new_tokens: int) -> torch.Tensor:
         """Original positions of ``new_tokens`` appended tokens: ``[new]``, or ``[B, 1, new]`` when
@@ -346,6 +358,7 @@ class LayerStore(CompressorRecord, CacheLayerMixin):
             self.row_active = [self.row_active[row] for row in rows]
             self.row_active_device = self.row_active_device.index_select(0, device_index)
         self.batch_size = len(rows)
+        self.forget_decode_route()
 
     def set_rows(
         self,
@@ -403,6 +416,7 @@ class LayerStore(CompressorRecord, CacheLayerMixin):
         if self.row_active_device is None:
             self.row_active_device = mark_static(torch.ones(self.batch_size, dtype=torch.bool, device=self.device))
         self.row_active = list(active)
+        self.forget_decode_route()
         self.row_active_device.copy_(torch.tensor(active, dtype=torch.bool), non_blocking=False)
         self.layout.hold_free_rows(self.row_active)
 
