@@ -152,9 +152,13 @@ def test_cli_prompts_file(tmp_path, capsys):
         main([*base, "--sample", "a prompt"])
     assert main([*base, "--prompts-file", str(path), "--sample", "--temperature", "-1"]) == 2
     assert "invalid temperature=-1.0: expected a number > 0" in capsys.readouterr().err
-    # h2o at 48 tokens: the 40-token prompt keeps fewer tokens than the others in a layer that evicts
-    assert main([*base, "--method", "h2o", "--budget", "48", "--prompts-file", str(path)]) == 2
+    # subgen at 48 tokens: the 40-token prompt keeps fewer tokens than the others in a layer that
+    # evicts, and subgen builds its state at its first eviction (h2o fills that row to its budget)
+    assert main([*base, "--method", "subgen", "--budget", "48", "--prompts-file", str(path)]) == 2
     assert "cannot stack these caches" in capsys.readouterr().err
+    assert main([*base, "--method", "h2o", "--budget", "48", "--prompts-file", str(path)]) == 0
+    texts = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert texts == [kvhive.generate(model, tokenizer, p, "h2o", 48, max_new_tokens=5)[0] for p in prompts]
     with pytest.raises(SystemExit, match="exactly one"):
         main([*base, "--prompts-file", str(path), "a prompt"])
     (tmp_path / "empty.txt").write_text("\n \n", encoding="utf-8")
