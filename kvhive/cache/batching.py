@@ -388,7 +388,9 @@ def stacked_layer(
     first: Cache, plan: RowPlan, free: int, room: int, slotted: bool, slot_capacity: int | None
 ) -> LayerStore:
     """One new layer of the rows of ``plan`` (laid out like ``first``'s layer) and ``free`` free
-    slots; ``room`` decode tokens past the longest row where the layer grows."""
+    slots; ``room`` decode tokens past the longest row where the layer grows. A layer keeping a
+    length per row in a bounded capacity holds no more than a slot can (``slot_capacity``, fixed
+    batch slots): a budget far above the rows costs nothing there."""
     policy, index = first.policy, plan.layer_index
     layer = first.layers[index]
     evicts = (index in first.compressed_layers and first.traits.has_decode) or layer.is_sliding
@@ -427,6 +429,9 @@ def stacked_layer(
             raise ValueError(
                 f"cannot stack these caches: method {policy.name!r} declares no bound for layer {index}'s rows"
             )
+        policy.prepare_fixed_capacity(store.dense()[0], first.layer_budgets[index], state)
+        if slot_capacity is not None:
+            bound = min(bound, slot_capacity)
         store.reserve_rows(max(bound, max(lengths)) + 1)  # the bound plus the new token
     store.has_padding = plan.has_padding
     store.stored_in_order = plan.stored_in_order
@@ -651,5 +656,7 @@ def joined_state(cache: Cache, plan: RowPlan, slots: list[int]) -> tuple[dict, i
     ):
         # The layer decodes in the fixed capacity its method declared: the stacked state gets the
         # device counters that declaration set up (as at stacking, when the cache reserves its decode).
-        policy.fixed_decode_capacity(layer.buffers()[0], cache.layer_budgets[plan.layer_index], state)
+        budget = cache.layer_budgets[plan.layer_index]
+        policy.fixed_decode_capacity(layer.buffers()[0], budget, state)
+        policy.prepare_fixed_capacity(layer.buffers()[0], budget, state)
     return state, most_seen
