@@ -441,7 +441,9 @@ def stacked_layer(
     slots; ``room`` decode tokens past the longest row where the layer grows. Every layer that can
     keeps a length per row (a free slot then takes a row of any length): a sliding layer in a
     capacity of its window, a layer that evicts in its method's bound (or its budget) plus the new
-    token, a layer that grows in its slots' capacity (or with room to grow)."""
+    token, a layer that grows in its slots' capacity (or with room to grow). A layer keeping a
+    length per row in a bounded capacity holds no more than a slot can (``slot_capacity``, fixed
+    batch slots): a budget far above the rows costs nothing there."""
     policy, index = first.policy, plan.layer_index
     layer = first.layers[index]
     kind = layer_kind(first, index)
@@ -489,6 +491,9 @@ def stacked_layer(
             raise ValueError(
                 f"cannot stack these caches: method {policy.name!r} declares no bound for layer {index}'s rows"
             )
+        policy.prepare_fixed_capacity(store.dense()[0], budget, state)
+        if slot_capacity is not None:
+            bound = min(bound, slot_capacity)
         store.reserve_rows(max(bound, max(lengths)) + 1)  # the bound plus the new token
     store.has_padding = plan.has_padding
     store.stored_in_order = plan.stored_in_order
@@ -640,5 +645,7 @@ def joined_state(cache: Cache, plan: RowPlan, slots: list[int]) -> tuple[dict, i
     ):
         # The layer decodes in the fixed capacity its method declared: the stacked state gets the
         # device counters that declaration set up (as at stacking, when the cache reserves its decode).
-        policy.fixed_decode_capacity(layer.buffers()[0], cache.layer_budgets[plan.layer_index], state)
+        budget = cache.layer_budgets[plan.layer_index]
+        policy.fixed_decode_capacity(layer.buffers()[0], budget, state)
+        policy.prepare_fixed_capacity(layer.buffers()[0], budget, state)
     return state, most_seen

@@ -193,4 +193,6 @@ class LayoutPlan:
             self.compileable = False
             store.fills_to_budget = False
             return
+        if traits.declares_capacity:
+            cache.policy.prepare_fixed_capacity(keys, budget, store.policy_state)
         store.reserve_decode(max(bound, stored) + 1 - stored, exact=True)

@@ -439,9 +439,15 @@ class BumbleBee(Policy):
     # -- decode: Algorithm 2 -------------------------------------------------------------------
     def fixed_decode_capacity(self, keys: torch.Tensor, budget: int, state: dict) -> int | None:
         """A layer holds at most its budget after every decision (fewer only while a prompt that
-        fit the budget fills up): the bound of a fixed decode capacity. The summary's tensors get
-        fixed addresses; a layer whose prompt fit gets an empty summary that its first eviction
-        builds from the oldest ``tau_s`` stored tokens, as :meth:`select_decode` does."""
+        fit the budget fills up): the bound of a fixed decode capacity."""
+        self.split(budget)  # a budget below the local window is refused here too
+        return budget
+
+    def prepare_fixed_capacity(self, keys: torch.Tensor, budget: int, state: dict) -> None:
+        """The summary's tensors get fixed addresses; a layer whose prompt fit gets an empty summary
+        (``tau_s`` slots: the cache takes the capacity only for a budget near the tokens held) that
+        its first eviction builds from the oldest ``tau_s`` stored tokens, as :meth:`select_decode`
+        does."""
         batch, heads, tokens, _ = keys.shape
         summary_size, _ = self.split(budget)
         summary: StreamingSummary | None = state.get(SUMMARY)
@@ -454,7 +460,6 @@ class BumbleBee(Policy):
         summary.mark_static()
         state[BUILT] = torch.tensor(built, device=keys.device)
         torch._dynamo.mark_static_address(state[BUILT])
-        return budget
 
     takes_key_probes = True
 

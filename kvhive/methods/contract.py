@@ -301,6 +301,13 @@ class Policy:
         cache then compacts nothing)."""
         return None
 
+    def prepare_fixed_capacity(self, keys: torch.Tensor, budget: int, state: dict) -> None:
+        """Called once the cache holds a layer in the fixed capacity :meth:`fixed_decode_capacity`
+        declared (never where the layer decodes in the growing layout instead, e.g. a bound far above
+        what the prompt left): where a method allocates the state of fixed addresses that a decode
+        step over that capacity writes. :meth:`fixed_decode_capacity` itself allocates nothing sized
+        by the bound, so a budget far above the prompt costs memory only for the tokens held."""
+
     def kept_per_row(self, phase: str, num_tokens: int, budget: int, state: dict) -> int | None:
         """Tokens every (batch row, head) keeps after ``select_prefill`` (``phase="prefill"``) or
         ``select_decode`` (``"decode"``) on a layer holding ``num_tokens`` per row, known on the host
