@@ -219,7 +219,9 @@ def _enter_forward(model, args, kwargs):
     if torch.compiler.is_compiling():
         return _switch_in_trace(model)
     # Stacked rows: a slot overflow refused before anything is stored; each row's own positions.
-    positioned = prepare_stacked_forward(caches[0], args, kwargs) if len(caches) == 1 else None
+    first = caches[0].layers[0] if len(caches) == 1 and caches[0].layers else None
+    stacked = first is not None and first.row_seen is not None
+    positioned = prepare_stacked_forward(caches[0], args, kwargs) if stacked else None
     attachment = _ATTACHED.get(model) or _attachment(model)
     with attachment.lock:
         if attachment.running == 0:
@@ -243,7 +245,7 @@ def _leave_forward(model, args, kwargs, output):
     _, caches = entered.pop()
     ran_chunk_on_cpu = False
     for cache in caches:
-        cache.prefill_scratch.clear()
+        cache.prefill_scratch.held = None  # PrefillScratch.clear, inline: every step
         ran_chunk_on_cpu |= cache.__dict__.pop(PROMPT_CHUNK_ON_CPU, False)
     if ran_chunk_on_cpu:
         trim_heap()  # the chunk's last temporaries (the last layers' MLP) before the next chunk

@@ -59,6 +59,10 @@ class ScoringOverBytes(ScoringInputs):
         self.value_rows = rows
 
     @property
+    def token_shape(self) -> torch.Size:
+        return self.key_rows.shape[:3]
+
+    @property
     def batch_size(self) -> int:
         return self.key_rows.shape[0]
 

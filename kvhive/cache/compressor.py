@@ -258,7 +258,8 @@ class Compressor:
         if scoring.token_scores:
             store_token_scores(store, scoring)
         store.decode_steps_since_compression += 1
-        length = scoring.num_tokens
+        shape = scoring.token_shape
+        length = shape[2]
         if length <= budget + cache.decode_slack or store.decode_steps_since_compression < cache.decode_every:
             return
         holes = layer_index in self.hole_layers
@@ -266,7 +267,7 @@ class Compressor:
         if hole is None:
             self._evict_by_mask(cache, layer_index, store, scoring, budget, holes)
             return
-        if hole.dtype != torch.int64 or hole.shape != scoring.keys.shape[:2]:
+        if hole.dtype != torch.int64 or hole.shape != shape[:2]:
             self.refuse_dropped_token(hole, scoring)
         if scoring.token_scores:
             store_token_scores(store, scoring)

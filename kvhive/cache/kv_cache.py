@@ -76,6 +76,15 @@ __all__ = [
 # method reads).
 
 
+def layer_stores(text_config) -> list[LayerStore]:
+    """One store per decoder layer of ``text_config``, a sliding layer's with its window."""
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+    return [
+        LayerStore(index, kwargs.get("sliding_window") if "sliding" in layer_type else None)
+        for index, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs, strict=True))
+    ]
+
+
 class KVHiveCache(Cache):
     """A cache that applies ``policy`` to keep ``budget`` tokens per head.
 
@@ -150,11 +159,7 @@ class KVHiveCache(Cache):
         options.check_for(policy, traits, key_rotator)
         refuse_encoder_decoder(config)
         text_config = config.get_text_config(decoder=True)
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
-        layers = [
-            LayerStore(index, kwargs.get("sliding_window") if "sliding" in layer_type else None)
-            for index, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs, strict=True))
-        ]
+        layers = layer_stores(text_config)
         super().__init__(layers=layers)
         self.kv_bits = install_codecs(layers, kv_bits, positions)
         self.policy = policy
@@ -202,10 +207,9 @@ class KVHiveCache(Cache):
         reserve_packed_room(self)
         self.compressor = Compressor(policy, traits, self.compressed_layers, hole_filling_layers(self))
         self.layout_plan = LayoutPlan(static_decode(self))
-        if options.budget.tokens is not None:
-            problem = minimum_budget_problem(policy, options.budget.tokens)
-            if problem is not None:
-                raise ValueError(problem)
+        problem = None if options.budget.tokens is None else minimum_budget_problem(policy, options.budget.tokens)
+        if problem is not None:
+            raise ValueError(problem)
 
     def _refuse_all_sliding(self) -> None:
         # Every layer slides (Mistral with sliding_window set) and keeps its window: the budget

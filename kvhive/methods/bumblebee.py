@@ -75,6 +75,8 @@ from kvhive.methods.base import (
     require_probability,
     require_seed,
 )
+from kvhive.methods.bumblebee_order import oldest_tokens, rank_by_position
+from kvhive.methods.bumblebee_streaming import stream_later_candidates
 from kvhive.methods.submodular import (
     CAPTURED_LOOPS,
     Concave,
@@ -117,9 +119,6 @@ MAX_SIMILARITY_ELEMENTS = 1 << 29
 # runs each KV head as a chunk of its own; half the free memory holds all heads of a layer at once
 # on a large GPU beside the model (results/tuning_notes.md, "BumbleBee similarity chunks").
 DEVICE_SIMILARITY_FRACTION = 0.5
-# Joiners per block of a streamed prompt (BumbleBee._stream_prompt): each block's keys are gathered
-# beside the members' once, and the summary's step reads O(tau_s + block) keys per joiner.
-STREAMING_JOINERS = 256
 
 
 def similarity_rows_per_chunk(rows: int, candidates: int, device: torch.device | str, reusable: int = 0) -> int:
@@ -388,43 +387,21 @@ class BumbleBee(Policy):
     def _stream_prompt(
         self, scoring: ScoringInputs, first: int, candidates: int, summary_size: int, state: dict
     ) -> torch.Tensor:
-        """A long prompt the streaming way: Algorithm 1 over its first ``first`` tokens, then the
-        later candidates join the summary one at a time, oldest first, each dropping the member of
-        smallest marginal gain (Algorithm 2, as a chunked prefill's later chunks do). The joiners go
-        in blocks of ``STREAMING_JOINERS`` beside the members (the summary's step reads
-        ``O(tau_s + block)`` keys a joiner), so no ``candidates x candidates`` matrix is built: memory
-        ``O(first^2)`` per head for the first greedy, ``O(tau_s^2)`` after. ``chosen [R, candidates]``."""
-        batch, heads, _, dim = scoring.keys.shape
-        rows = batch * heads
-        device = scoring.keys.device
-        chosen = torch.zeros(rows, candidates, dtype=torch.bool, device=device)
-        chosen[:, :first] = self._summarise(scoring, first, summary_size, state)
-        summary: StreamingSummary = state[SUMMARY]
-        keys = scoring.keys[:, :, :candidates].reshape(rows, candidates, dim)
-        valid = scoring.valid[:, :, :candidates].reshape(rows, candidates)
-        positions = scoring.positions[:, :, :candidates].reshape(rows, candidates)
-        weights = self._accumulated(scoring)[:, :, :candidates].reshape(rows, candidates)
-        # The members' stored indices by rank (oldest first): the summary's order.
-        order = torch.arange(first, device=device)
-        members = torch.where(chosen[:, :first], order, first).sort(dim=-1).values[:, :summary_size]
-        for start in range(first, candidates, STREAMING_JOINERS):
-            joiners = torch.arange(start, min(candidates, start + STREAMING_JOINERS), device=device)
-            ground = torch.cat([members, joiners.expand(rows, -1)], dim=1)  # members first, then joiners
-            dropped = summary.step(
-                keys.gather(1, ground[:, :, None].expand(-1, -1, dim)),
-                valid.gather(1, ground),
-                weights.gather(1, ground),
-                positions.gather(1, ground),
-                summary_size,
-                joiners.numel(),
-                self.config.mixture_weight,
-                self.concave,
-                normalise_mass=self.config.importance_scale == "normalised",
-            )
-            stays = torch.ones_like(ground, dtype=torch.bool).scatter_(1, dropped, False)
-            # tau_s survive in every row, in rank order (members by rank, then joiners by age).
-            members = ground.masked_select(stays).view(rows, summary_size)
-        return chosen.zero_().scatter_(1, members, True)
+        """A long prompt the streaming way (:func:`~kvhive.methods.bumblebee_streaming.stream_later_candidates`):
+        Algorithm 1 over its first ``first`` tokens, then Algorithm 2 for the later candidates.
+        ``chosen [R, candidates]``."""
+        chosen_first = self._summarise(scoring, first, summary_size, state)
+        return stream_later_candidates(
+            scoring,
+            chosen_first,
+            state[SUMMARY],
+            self._accumulated(scoring),
+            candidates,
+            summary_size,
+            self.config.mixture_weight,
+            self.concave,
+            normalise_mass=self.config.importance_scale == "normalised",
+        )
 
     def kept_per_row(self, phase: str, num_tokens: int, budget: int, state: dict) -> int | None:
         # Prefill keeps tau_s members and the tau_l window; decode drops num_tokens - budget.
@@ -475,7 +452,7 @@ class BumbleBee(Policy):
         summary_size, _ = self.split(budget)
         rows = batch * heads
         keys = scoring.keys.reshape(rows, capacity, dim)
-        order, ranked = _rank_by_position(
+        order, ranked = rank_by_position(
             scoring, scoring.positions.reshape(rows, capacity), self._stored_slots(scoring)
         )
         if order is None:  # stored in order: the rank is the stored index
@@ -502,7 +479,7 @@ class BumbleBee(Policy):
         return scoring.known_filled == capacity and capacity > budget and REBUILDS not in state
 
     def _ranked(self, scoring: ScoringInputs, stored: torch.Tensor | None):
-        """``(order, ranked, joiner)``: :func:`_rank_by_position` of the stored tokens, as
+        """``(order, ranked, joiner)``: :func:`rank_by_position` of the stored tokens, as
         :meth:`decode_key_probes` took it before the attention where the attention computed the
         joiner's products (``joiner``: ``(stored index, key, products)`` for
         :meth:`StreamingSummary.step`), else now (``joiner`` None)."""
@@ -512,7 +489,7 @@ class BumbleBee(Policy):
             order, ranked, joiner, joiner_key = probes.context
             return order, ranked, (joiner, joiner_key, probes.products.reshape(batch * heads, capacity))
         positions = scoring.positions.reshape(batch * heads, capacity)
-        return (*_rank_by_position(scoring, positions, stored), None)
+        return (*rank_by_position(scoring, positions, stored), None)
 
     def _summary_step(
         self, scoring: ScoringInputs, budget: int, state: dict, order, active: torch.Tensor | None, joiner
@@ -601,7 +578,7 @@ class BumbleBee(Policy):
         weights = self._accumulated(scoring).reshape(rows, tokens)
         summary: StreamingSummary | None = state.get(SUMMARY)
         seen, kept = state.get(SYNCED, (None, None))
-        order, ranked = _rank_by_position(scoring, positions, None)
+        order, ranked = rank_by_position(scoring, positions, None)
         # Only appends since the last decision (counted on the host): the members are still the
         # oldest tau_s stored tokens. The device checks it without the host waiting.
         appended_only = seen is not None and tokens == kept + scoring.sequence_length - seen
@@ -609,12 +586,12 @@ class BumbleBee(Policy):
         if summary is None or summary.size != summary_size or not appended_only:
             # The prompt fit in the budget (Alg. 2 lines 6-8 kept every token so far), or the
             # stored tokens changed otherwise: the oldest tau_s stored tokens are the summary.
-            summary = StreamingSummary.from_keys(*_oldest(keys, valid, positions, order, summary_size))
+            summary = StreamingSummary.from_keys(*oldest_tokens(keys, valid, positions, order, summary_size))
             state[SUMMARY] = summary
             state[REBUILDS] = int(state.get(REBUILDS, 0)) + 1
         else:
             if pending is not None:  # stacked rows whose prompt fit: their summary, as alone
-                fresh = StreamingSummary.from_keys(*_oldest(keys, valid, positions, order, summary_size))
+                fresh = StreamingSummary.from_keys(*oldest_tokens(keys, valid, positions, order, summary_size))
                 summary.assign_rows(pending, fresh)
                 state[REBUILDS] = int(state.get(REBUILDS, 0)) + 1
             torch._assert_async(summary.matches(ranked), "BumbleBee's summary is not the oldest stored tokens")
@@ -700,39 +677,6 @@ class BumbleBee(Policy):
         if PENDING in state and bool(state[PENDING].any()):
             return False
         return True
-
-
-def _oldest(
-    keys: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor, order: torch.Tensor | None, size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The keys, validity and positions of the ``size`` oldest stored tokens, oldest first: the
-    first ``size`` stored ones while the cache stores them in their order (``order`` None), else
-    those ``order`` (:func:`_rank_by_position`) ranks first."""
-    if order is None:
-        return keys[:, :size], valid[:, :size], positions[:, :size]
-    first = order[:, :size]
-    return (
-        keys.gather(1, first[:, :, None].expand(-1, -1, keys.shape[-1])),
-        valid.gather(1, first),
-        positions.gather(1, first),
-    )
-
-
-def _rank_by_position(
-    scoring: ScoringInputs, positions: torch.Tensor, stored: torch.Tensor | None
-) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """``(order, ranked)``: ``order [R, N]`` the stored index of each stored token ranked by original
-    position (the empty slots of a fixed capacity, where ``stored [N]`` is False, last), None while
-    the cache stores the tokens in their order (the rank is the stored index); ``ranked`` their
-    positions in that order. The sort's own values, not a gather from the stored positions: a
-    compiled step moves a token into the freed slot later in the same graph, and the check reads
-    what the step started from."""
-    if scoring.stored_in_order:
-        return None, positions
-    if stored is not None:
-        positions = torch.where(stored, positions, torch.iinfo(positions.dtype).max)
-    ranked, order = positions.sort(dim=-1, stable=True)
-    return order, ranked
 
 
 class BumbleBeePower(BumbleBee):

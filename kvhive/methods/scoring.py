@@ -51,11 +51,11 @@ class PrefillScratch:
     """
 
     def __init__(self) -> None:
-        self._held: torch.Tensor | None = None
+        self.held: torch.Tensor | None = None
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A tensor of ``shape`` (uninitialised: the caller writes every element)."""
-        held, self._held = self._held, None
+        held, self.held = self.held, None
         if held is not None and held.shape == shape and held.dtype == dtype and held.device == torch.device(device):
             return held
         del held  # freed before the new allocation
@@ -63,14 +63,14 @@ class PrefillScratch:
 
     def give(self, tensor: torch.Tensor) -> None:
         """Hold ``tensor`` for the next ``take`` (the caller no longer uses it)."""
-        self._held = tensor
+        self.held = tensor
 
     def clear(self) -> None:
-        self._held = None
+        self.held = None
 
     @property
     def nbytes(self) -> int:
-        return 0 if self._held is None else self._held.nbytes
+        return 0 if self.held is None else self.held.nbytes
 
 
 @dataclass
@@ -105,6 +105,11 @@ class AttentionStatistics:
         if key not in self._memo:
             self._memo[key] = compute()
         return self._memo[key]
+
+    @property
+    def token_shape(self) -> torch.Size:
+        """``(B, H, N)``: rows, stored heads and stored tokens (one read for all three)."""
+        return self.keys.shape[:3]
 
     @property
     def batch_size(self) -> int:

@@ -28,7 +28,7 @@ def layer_scores(scoring: ScoringInputs) -> torch.Tensor:
     """``[B, H, N]``: the newest query's attention averaged over every query head, one row per
     batch element broadcast to every stored head (one kept set per layer)."""
     averaged = scoring.last_query_attention().float().mean(dim=1, keepdim=True)
-    return averaged.expand(scoring.batch_size, scoring.num_heads, scoring.num_tokens)  # [B, H, N]
+    return averaged.expand(scoring.token_shape)  # [B, H, N]
 
 
 class TOVA(ScorerPolicy):
