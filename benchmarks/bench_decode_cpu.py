@@ -42,7 +42,7 @@ import kvhive
 from kvhive.api import make_cache
 from kvhive.compat import cache_kwarg
 from kvhive.methods.registry import method_names
-from kvhive.models.shapes import kv_heavy_model, qwen2_5_0_5b_shape_model
+from kvhive.models.shapes import kv_heavy_model
 
 SHAPES = ("kv-heavy", "qwen2.5-0.5b", "qwen2.5-0.5b-embedded")
 
@@ -164,6 +164,29 @@ def main() -> None:
         if args.json:
             with open(args.json, "a") as handle:
                 handle.write(json.dumps(line) + "\n")
+
+
+def qwen2_5_0_5b_shape_model(num_layers: int = 24):
+    """Random-weight Qwen2 with Qwen2.5-0.5B's dimensions (the embedded ``qwen2.5-0.5b``'s shape):
+    hidden 896, 14 query and 2 KV heads of dim 64, intermediate 4864, vocabulary 151936, tied
+    embeddings. Its decode step is dominated by the MLP and the output layer, not the KV cache."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=num_layers,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return Qwen2ForCausalLM(config).eval()
 
 
 def _model(shape: str, layers: int | None):

@@ -27,7 +27,7 @@ from .embedded import (
     embedded_model,
 )
 from .loading import converted_model_directory, kvhive_cache_dir, load_gguf, load_model
-from .shapes import kv_heavy_model, kv_heavy_model_config, llama3_8b_shape_config, qwen2_5_0_5b_shape_model
+from .shapes import kv_heavy_model, kv_heavy_model_config, llama3_8b_shape_config
 from .summary import model_summary
 from .tiny import (
     TINY_ARCHITECTURES,
@@ -54,7 +54,6 @@ __all__ = [
     "embedded_model",
     "kv_heavy_model",
     "kv_heavy_model_config",
-    "qwen2_5_0_5b_shape_model",
     "kvhive_cache_dir",
     "llama3_8b_shape_config",
     "load_gguf",

@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from .tiny import build_random_model
 
-__all__ = ["kv_heavy_model", "kv_heavy_model_config", "llama3_8b_shape_config", "qwen2_5_0_5b_shape_model"]
+__all__ = ["kv_heavy_model", "kv_heavy_model_config", "llama3_8b_shape_config"]
 
 
 def kv_heavy_model_config(num_layers: int = 4, **overrides: Any) -> LlamaConfig:
@@ -83,26 +83,3 @@ def llama3_8b_shape_config(num_layers: int = 32, **overrides: Any) -> LlamaConfi
     }
     settings.update(overrides)
     return LlamaConfig(**settings)
-
-
-def qwen2_5_0_5b_shape_model(num_layers: int = 24, seed: int = 0, *, dtype: torch.dtype = torch.float32):
-    """Random-weight Qwen2 with Qwen2.5-0.5B's dimensions (the embedded ``qwen2.5-0.5b``'s shape): hidden
-    896, 14 query heads and 2 KV heads of dim 64 (GQA group size 7), intermediate 4864, vocabulary
-    151936, tied embeddings, ``num_layers`` layers (24 in the real model). A decode step of this
-    shape is dominated by its MLP and output layer, with few KV heads per layer: the opposite balance
-    of :func:`kv_heavy_model`."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=num_layers,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        max_position_embeddings=32768,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-    )
-    return build_random_model(Qwen2ForCausalLM, config, seed=seed, dtype=dtype)
