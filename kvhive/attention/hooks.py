@@ -201,12 +201,11 @@ def refuse_plain_question_chunks(cache: KVHiveCache, args, kwargs) -> None:
 
 
 def _enter_forward(model, args, kwargs):
-    if kwargs.get("past_key_values") is not None and kwargs.get("cache") is not None:
-        refuse_two_caches(kwargs)
     given = kwargs.get("cache")  # transformers >= 5.24 (``past_key_values`` before)
-    if isinstance(given, KVHiveCache):  # a decode step's case, without a search
+    if isinstance(given, KVHiveCache) and kwargs.get("past_key_values") is None:  # a decode step's case
         caches = [given]
     else:
+        refuse_two_caches(kwargs)
         caches = _kvhive_caches_in(args, kwargs)
         if not caches:
             return None

@@ -152,6 +152,16 @@ class KVCodec:
         keys = self.keys_of(key_rows[:, :, start:stop], self.channel_scale[:, :, None])
         return keys, self.values_of(value_rows[:, :, start:stop])
 
+    def append(self, store, key_states: torch.Tensor, value_states: torch.Tensor, positions, new_tokens: int):
+        """``LayerStore.update``'s append for byte rows: the new tokens encoded, appended and counted.
+        A decode step's attention reads the bytes; a prompt's reads the stored rows dequantized."""
+        keys, values = self.encode(key_states, value_states)
+        views = store.layout.append(keys, values, positions, new_tokens)
+        store.seen.advance(new_tokens)
+        if store.row_seen is not None:
+            store.row_seen.advance(new_tokens)
+        return views if new_tokens == 1 and not store.in_prefill else self.dense_view(views)
+
     def dense_view(self, view: tuple) -> tuple:
         """A dense view (``(keys, values, ...)`` of byte rows ``[B, H, L, row]``) with the keys and values
         dequantized to the model's dtype (a copy of the view's tokens)."""

@@ -203,16 +203,13 @@ class LayerStore(CompressorRecord, CacheLayerMixin):
             positions = self.seen.device.view(1).to(POSITION_DTYPE)
         else:
             positions = self.new_positions(new_tokens)
-        codec = self.codec
-        if codec is not None:  # byte rows in the buffers; a prompt's attention reads them dequantized
-            key_states, value_states = codec.encode(key_states, value_states)
+        if self.codec is not None:  # byte rows in the buffers (kvhive.cache.layers.quantized)
+            return self.codec.append(self, key_states, value_states, positions, new_tokens)
         views = self.layout.append(key_states, value_states, positions, new_tokens)
         self.seen.advance(new_tokens)
         if self.row_seen is not None:
             self.row_seen.advance(new_tokens)
-        if codec is None or (new_tokens == 1 and not self.in_prefill):  # a decode step reads the bytes
-            return views
-        return codec.dense_view(views)
+        return views
 
     def start_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """An update that is not a decode step: the layer's first (its prefill) initialises it; a later
