@@ -89,7 +89,8 @@ def attach(model) -> None:
 
     ``generate`` also shows a kvhive cache the full token sequence before each step
     (:class:`_ReuseCheckingPrepare`), so a reused cache refuses a prompt that does not continue
-    it. Idempotent. The attention and mask functions are registered by
+    it, and runs its compiled decode step with the attention switched before the compiled call
+    (:class:`_SwitchingCompiledCall`). Idempotent. The attention and mask functions are registered by
     :func:`kvhive.attention.integration.attach`, which calls this one."""
     with _ATTACHED_LOCK:
         if model in _ATTACHED:
@@ -101,6 +102,8 @@ def attach(model) -> None:
     model.register_forward_hook(_leave_forward, with_kwargs=True, always_call=True)
     if callable(getattr(model, "prepare_inputs_for_generation", None)):
         model.prepare_inputs_for_generation = _ReuseCheckingPrepare(model)
+    if callable(getattr(model, "get_compiled_call", None)):
+        model.get_compiled_call = _SwitchingCompiledCall(model)
 
 
 def _kvhive_caches_in(args, kwargs) -> list[KVHiveCache]:
@@ -149,8 +152,9 @@ def _switch_in_trace(model) -> None:
         # Older dynamo does not trace the switch below (kvhive.static_step).
         raise RuntimeError(
             f"torch {torch.__version__} compiles a kvhive decode step only with kvhive's attention switched "
-            "before the compiled call: run it inside kvhive.compression(model) (kvhive.generate(compile=True) "
-            f"does), or use torch >= {static_step.COMPILE_MIN_TORCH}"
+            "before the compiled call: run a step compiled by your own torch.compile inside "
+            "kvhive.compression(model) (model.generate and kvhive.generate(compile=True) switch it themselves), "
+            f"or use torch >= {static_step.COMPILE_MIN_TORCH}"
         )
     for config in _attention_configs(model):
         config._kvhive_previous_attention = config._attn_implementation_internal
@@ -171,6 +175,14 @@ def _enter_forward(model, args, kwargs):
         cache.check_model(model.config)  # before anything is stored: an empty cache refuses too
     if torch.compiler.is_compiling():
         return _switch_in_trace(model)
+    _switch_attention(model)
+    _ENTERED.__dict__.setdefault("models", []).append(model)
+    return None
+
+
+def _switch_attention(model) -> None:
+    """Switch ``model``'s configs to kvhive's attention for one kvhive call (the first of
+    concurrent calls switches, the last restores: :func:`_restore_attention`)."""
     attachment = _ATTACHED.get(model) or _attachment(model)
     with attachment.lock:
         if attachment.running == 0:
@@ -181,8 +193,17 @@ def _enter_forward(model, args, kwargs):
             for config in configs:
                 config._attn_implementation_internal = ATTENTION_NAME
         attachment.running += 1
-    _ENTERED.__dict__.setdefault("models", []).append(model)
-    return None
+
+
+def _restore_attention(model) -> None:
+    """End one kvhive call of :func:`_switch_attention`: the last one restores the configs."""
+    attachment = _ATTACHED.get(model) or _attachment(model)
+    with attachment.lock:
+        attachment.running -= 1
+        if attachment.running == 0:
+            for config, previous in attachment.switched:
+                config._attn_implementation_internal = previous
+            attachment.switched = []
 
 
 def _leave_forward(model, args, kwargs, output):
@@ -206,13 +227,7 @@ def _leave_forward(model, args, kwargs, output):
         ran_chunk_on_cpu |= cache.__dict__.pop(PROMPT_CHUNK_ON_CPU, False)
     if ran_chunk_on_cpu:
         trim_heap()  # the chunk's last temporaries (the last layers' MLP) before the next chunk
-    attachment = _ATTACHED.get(model) or _attachment(model)
-    with attachment.lock:
-        attachment.running -= 1
-        if attachment.running == 0:
-            for config, previous in attachment.switched:
-                config._attn_implementation_internal = previous
-            attachment.switched = []
+    _restore_attention(model)
     return None
 
 
@@ -241,3 +256,47 @@ class _ReuseCheckingPrepare:
                 new_tokens = input_ids.shape[-1]
             cache.check_generation_inputs(input_ids, bool(kwargs.get("is_first_iteration")), new_tokens)
         return self.__wrapped__(input_ids, *args, **kwargs)
+
+
+class _SwitchingCompiledCall:
+    """The model's own ``get_compiled_call`` (transformers' compiled forward, which ``generate`` runs
+    for each decode step when the cache ``is_compileable``), whose compiled call, given a kvhive cache,
+    runs with the model's attention switched to kvhive's before the call starts, and restored after
+    it: the route is chosen outside the graph, as for an eager forward. Dynamo below torch 2.13 does
+    not see the forward pre-hook's switch inside a trace (``kvhive.static_step``); with the switch
+    made before the call, the trace reads kvhive's attention on every torch, and each later call
+    meets the same route (one graph). Calls without a kvhive cache go straight through.
+
+    ``__wrapped__`` is the model's own bound method; a class, not a closure, so the model still
+    pickles and deep-copies (as :class:`_ReuseCheckingPrepare`)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    @property
+    def __wrapped__(self):
+        return types.MethodType(type(self.model).get_compiled_call, self.model)
+
+    def __call__(self, *args, **kwargs):
+        return _SwitchedCall(self.model, self.__wrapped__(*args, **kwargs))
+
+
+class _SwitchedCall:
+    """One compiled forward of ``model``, run with kvhive's attention switched for kvhive caches."""
+
+    def __init__(self, model, compiled) -> None:
+        self.model = model
+        self.compiled = compiled
+
+    def __call__(self, *args, **kwargs):
+        caches = _kvhive_caches_in(args, kwargs)
+        if not caches:
+            return self.compiled(*args, **kwargs)
+        for cache in caches:
+            cache.check_model(self.model.config)
+        _switch_attention(self.model)
+        try:
+            with static_step.attention_switched():
+                return self.compiled(*args, **kwargs)
+        finally:
+            _restore_attention(self.model)
