@@ -41,8 +41,9 @@ def use_kvhive_attention(model) -> str:
 @contextlib.contextmanager
 def compression(model) -> Iterator[Any]:
     """Run ``model`` with kvhive attention inside the block, restoring the previous one after. A
-    kvhive decode step compiles inside it on every torch (``kvhive.static_step``: below torch 2.13,
-    only there)."""
+    kvhive decode step compiled by one's own ``torch.compile`` compiles inside it on every torch
+    (``kvhive.static_step``: below torch 2.13, only there; ``model.generate`` switches the attention
+    before its compiled calls itself)."""
     previous = use_kvhive_attention(model)
     try:
         with static_step.attention_switched():

@@ -26,16 +26,19 @@ from torch.torch_version import TorchVersion
 
 # torch.compile traces kvhive's forward pre-hook, which switches the model's attention to kvhive's
 # (config._attn_implementation) for a forward given a kvhive cache, from torch 2.13 on. Older dynamo
-# does not see the switch: a compiled step ran transformers' sdpa over kvhive's buffers, the empty
-# slots of a fixed capacity included (44 of 59 tests/cache/test_compiled_decode.py cases failed on torch
-# 2.11; kvhive's attention guard now refuses such a step by name). There the attention must already
-# be switched when the compiled call starts: inside kvhive.compression(model), which kvhive's own
-# compiled paths (generate(compile=True), generate_batch(compile=...), kvhive bench --compile,
-# benchmarks/bench_gpu.py's +compile rows) enter on such a torch (checked on torch 2.11: every
-# decode-evicting method's compiled step equal to eager, one graph for 40 steps). A cache says it
-# compiles (KVHiveCache.is_compileable) inside that block only, so transformers' generate decodes it
-# eagerly elsewhere. Inside it the model runs kvhive's attention for every call (plain sdpa for other
-# caches), so two threads should not use the model, one compiling, at once on such a torch.
+# reads a transformers config as constants of the object before the call (it does not see a switch
+# made inside the trace): a compiled step ran transformers' sdpa over kvhive's buffers, the empty slots
+# of a fixed capacity included (44 of 59 tests/cache/test_compiled_decode.py cases failed on torch
+# 2.11; kvhive's attention guard now refuses such a step by name). There the route is chosen outside
+# the graph: the attention is switched before the compiled call starts. transformers' generate
+# compiles the model's forward through model.get_compiled_call, which kvhive wraps to switch before
+# each compiled call given a kvhive cache (kvhive.attention.hooks), so model.generate compiles a
+# kvhive cache's decode step on every torch (KVHiveCache.is_compileable). A step compiled by one's
+# own torch.compile runs inside kvhive.compression(model) there, as kvhive's own compiled paths do
+# (generate(compile=True), generate_batch(compile=...), kvhive bench --compile,
+# benchmarks/bench_gpu.py's +compile rows; checked on torch 2.11: every method's compiled step equal
+# to eager, one graph). Inside that block the model runs kvhive's attention for every call (plain
+# sdpa for other caches), so two threads should not use the model, one compiling, at once there.
 COMPILE_MIN_TORCH = "2.13"
 TORCH_COMPILES_KVHIVE = TorchVersion(torch.__version__) >= COMPILE_MIN_TORCH
 # How many kvhive.compression blocks this thread (or task) is in: the attention switched before the call.
@@ -43,10 +46,11 @@ _ATTENTION_SWITCHED = contextvars.ContextVar("kvhive_attention_switched", defaul
 
 
 def compiles_kvhive() -> bool:
-    """Whether a decode step compiled now runs kvhive's attention: on a torch whose dynamo traces the
-    forward pre-hook's switch, or inside :func:`attention_switched` (``kvhive.compression``). Inside a
-    trace (transformers reads ``is_compileable`` in the forward) it is: a step compiling without the
-    switch is refused by the pre-hook itself (dynamo cannot read the context variable)."""
+    """Whether a decode step compiled now by one's own ``torch.compile`` runs kvhive's attention: on a
+    torch whose dynamo traces the forward pre-hook's switch, or inside :func:`attention_switched`
+    (``kvhive.compression``, and transformers' compiled forward of an attached model). Inside a trace
+    it is: a step compiling without the switch is refused by the pre-hook itself (dynamo cannot read
+    the context variable)."""
     return TORCH_COMPILES_KVHIVE or torch.compiler.is_compiling() or _ATTENTION_SWITCHED.get() > 0
 
 

@@ -90,7 +90,8 @@ def attach(model) -> None:
 
     ``generate`` also shows a kvhive cache the full token sequence before each step
     (:class:`_ReuseCheckingPrepare`), so a reused cache refuses a prompt that does not continue
-    it. Idempotent. The attention and mask functions are registered by
+    it, and runs its compiled decode step with the attention switched before the compiled call
+    (:class:`_SwitchingCompiledCall`). Idempotent. The attention and mask functions are registered by
     :func:`kvhive.attention.integration.attach`, which calls this one."""
     with _ATTACHED_LOCK:
         if model in _ATTACHED:
@@ -102,6 +103,8 @@ def attach(model) -> None:
     model.register_forward_hook(_leave_forward, with_kwargs=True, always_call=True)
     if callable(getattr(model, "prepare_inputs_for_generation", None)):
         model.prepare_inputs_for_generation = _ReuseCheckingPrepare(model)
+    if callable(getattr(model, "get_compiled_call", None)):
+        model.get_compiled_call = _SwitchingCompiledCall(model)
 
 
 def _kvhive_caches_in(args, kwargs) -> list[KVHiveCache]:
@@ -148,8 +151,9 @@ def _switch_in_trace(model) -> None:
         # Older dynamo does not trace the switch below (kvhive.static_step).
         raise RuntimeError(
             f"torch {torch.__version__} compiles a kvhive decode step only with kvhive's attention switched "
-            "before the compiled call: run it inside kvhive.compression(model) (kvhive.generate(compile=True) "
-            f"does), or use torch >= {static_step.COMPILE_MIN_TORCH}"
+            "before the compiled call: run a step compiled by your own torch.compile inside "
+            "kvhive.compression(model) (model.generate and kvhive.generate(compile=True) switch it themselves), "
+            f"or use torch >= {static_step.COMPILE_MIN_TORCH}"
         )
     for config in _attention_configs(model):
         config._kvhive_previous_attention = config._attn_implementation_internal
@@ -221,7 +225,15 @@ def _enter_forward(model, args, kwargs):
     first = caches[0].layers[0] if len(caches) == 1 and caches[0].layers else None
     stacked = first is not None and first.row_seen is not None
     positioned = prepare_stacked_forward(caches[0], args, kwargs) if stacked else None
-    attachment = _ATTACHED.get(model) or _attachment(model)
+    _switch_attention(model)
+    _ENTERED.__dict__.setdefault("forwards", []).append((model, caches))
+    return None if positioned is None else (args, positioned)
+
+
+def _switch_attention(model) -> None:
+    """Switch ``model``'s configs to kvhive's attention for one kvhive call (the first of
+    concurrent calls switches, the last restores: :func:`_restore_attention`)."""
+    config, attachment = model.config, _ATTACHED.get(model) or _attachment(model)
     with attachment.lock:
         if attachment.running == 0:
             configs = attachment.configs
@@ -231,8 +243,17 @@ def _enter_forward(model, args, kwargs):
             for switched in configs:
                 switched._attn_implementation_internal = ATTENTION_NAME
         attachment.running += 1
-    _ENTERED.__dict__.setdefault("forwards", []).append((model, caches))
-    return None if positioned is None else (args, positioned)
+
+
+def _restore_attention(model) -> None:
+    """End one kvhive call of :func:`_switch_attention`: the last one restores the configs."""
+    attachment = _ATTACHED.get(model) or _attachment(model)
+    with attachment.lock:
+        attachment.running -= 1
+        if attachment.running == 0:
+            for config, previous in attachment.switched:
+                config._attn_implementation_internal = previous
+            attachment.switched = []
 
 
 def _leave_forward(model, args, kwargs, output):
@@ -250,13 +271,7 @@ def _leave_forward(model, args, kwargs, output):
         trim_heap()  # the chunk's last temporaries (the last layers' MLP) before the next chunk
     if static_step.LIVE_CAPTURED_LOOPS and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         static_step.release_captured_loops(larger_than=static_step.HELD_LOOP_BYTES, wait=False)  # (module docstring)
-    attachment = _ATTACHED.get(model) or _attachment(model)
-    with attachment.lock:
-        attachment.running -= 1
-        if attachment.running == 0:
-            for switched, previous in attachment.switched:
-                switched._attn_implementation_internal = previous
-            attachment.switched = []
+    _restore_attention(model)
     return None
 
 
@@ -317,3 +332,47 @@ def skip_cached_prefix(cache: KVHiveCache, input_ids, kwargs: dict) -> None:
         whole = False
     if whole:
         kwargs["next_sequence_length"] = length - seen
+
+
+class _SwitchingCompiledCall:
+    """The model's own ``get_compiled_call`` (transformers' compiled forward, which ``generate`` runs
+    for each decode step when the cache ``is_compileable``), whose compiled call, given a kvhive cache,
+    runs with the model's attention switched to kvhive's before the call starts, and restored after
+    it: the route is chosen outside the graph, as for an eager forward. Dynamo below torch 2.13 does
+    not see the forward pre-hook's switch inside a trace (``kvhive.static_step``); with the switch
+    made before the call, the trace reads kvhive's attention on every torch, and each later call
+    meets the same route (one graph). Calls without a kvhive cache go straight through.
+
+    ``__wrapped__`` is the model's own bound method; a class, not a closure, so the model still
+    pickles and deep-copies (as :class:`_ReuseCheckingPrepare`)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    @property
+    def __wrapped__(self):
+        return types.MethodType(type(self.model).get_compiled_call, self.model)
+
+    def __call__(self, *args, **kwargs):
+        return _SwitchedCall(self.model, self.__wrapped__(*args, **kwargs))
+
+
+class _SwitchedCall:
+    """One compiled forward of ``model``, run with kvhive's attention switched for kvhive caches."""
+
+    def __init__(self, model, compiled) -> None:
+        self.model = model
+        self.compiled = compiled
+
+    def __call__(self, *args, **kwargs):
+        caches = _kvhive_caches_in(args, kwargs)
+        if not caches:
+            return self.compiled(*args, **kwargs)
+        for cache in caches:
+            cache.check_model(self.model.config)
+        _switch_attention(self.model)
+        try:
+            with static_step.attention_switched():
+                return self.compiled(*args, **kwargs)
+        finally:
+            _restore_attention(self.model)

@@ -251,9 +251,11 @@ class KVHiveCache(Cache):
     # -- the decode layout (kvhive.cache.layout_plan) ------------------------------------------
     @property
     def is_compileable(self) -> bool:
-        """Whether ``torch.compile`` may take this cache's decode step (:attr:`static_decode` on a
-        torch that traces kvhive's attention switch, ``kvhive.static_step.compiles_kvhive``)."""
-        return self.layout_plan.compileable and (static_step.TORCH_COMPILES_KVHIVE or static_step.compiles_kvhive())
+        """Whether ``torch.compile`` may take this cache's decode step (:attr:`static_decode`), as
+        transformers' ``generate`` reads it: its compiled forward switches the attention before the
+        call on every torch (``kvhive.attention.hooks``). A compiled step of one's own needs a torch
+        that traces the switch or ``kvhive.compression(model)`` (``kvhive.static_step.compiles_kvhive``)."""
+        return self.layout_plan.compileable
 
     @property
     def static_decode(self) -> bool:

@@ -65,8 +65,9 @@ def compile_problem(cache, prompt_length: int) -> str | None:
     if not static_step.compiles_kvhive():
         return (
             f"torch {torch.__version__} does not trace kvhive's attention switch in a compiled step; compile "
-            "inside kvhive.compression(model) (kvhive.generate(compile=True) does), use torch >= "
-            f"{static_step.COMPILE_MIN_TORCH} (pyproject's floor), or decode without compile"
+            "a step of your own inside kvhive.compression(model) (model.generate and kvhive.generate(compile=True) "
+            f"switch it themselves), use torch >= {static_step.COMPILE_MIN_TORCH} (pyproject's floor), or decode "
+            "without compile"
         )
     if not cache.layout_plan.compileable:
         return "its decode step does not compile to one graph"

@@ -439,7 +439,10 @@ class SubGen(Policy):
         dropped = self._decide(scoring, budget)[3]
         if dropped is None:  # (maintain_candidates takes its steady step under exactly these conditions)
             raise RuntimeError("SubGen's steady decode step did not run where its conditions held")
-        return dropped.view(torch.uint8).argmax(dim=-1).view(scoring.keys.shape[:2])
+        # argmax takes no bool: a free view as uint8 eagerly; traced, a conversion (which Inductor fuses
+        # into the argmax), as Inductor before torch 2.13 cannot lower a bool tensor viewed as another dtype.
+        flags = dropped.to(torch.uint8) if torch.compiler.is_compiling() else dropped.view(torch.uint8)
+        return flags.argmax(dim=-1).view(scoring.keys.shape[:2])
 
     def select_decode(self, scoring: ScoringInputs, budget: int, state: dict) -> torch.Tensor:
         kept, forced, valid, _ = self._decide(scoring, budget)

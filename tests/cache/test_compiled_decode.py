@@ -17,6 +17,7 @@ from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
 import kvhive
+from kvhive.api import compiling_attention
 from kvhive.methods.base import Policy
 from kvhive.methods.registry import method_names, policy_class
 from kvhive.models.tiny import tiny_model, tiny_tokenizer
@@ -39,6 +40,19 @@ def _model():
     return tiny_model("llama", "gqa")
 
 
+def _compiled(model, step, backend="aot_eager"):
+    """``step`` through one's own ``torch.compile``, each call with the model's attention switched
+    before it where the torch needs that (below 2.13: ``kvhive.compression``, kvhive.static_step; on
+    the torch CI installs nothing changes), so this file runs on the GPU images' torch 2.11 too."""
+    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend=backend)
+
+    def call(*args):
+        with compiling_attention(model, True):
+            return compiled(*args)
+
+    return call
+
+
 def _prompt(model, batch=1, length=96):
     return torch.randint(3, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(0))
 
@@ -55,7 +69,7 @@ def test_one_compiled_decode_step_serves_40_evicting_steps(method):
     def step(token, position, cache):
         return model(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True).logits
 
-    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend="aot_eager")
+    compiled = _compiled(model, step, backend="aot_eager")
     prompt = _prompt(model)
     budget = max(BUDGET, policy_class(method)().minimum_budget())  # subgen needs recent + 1 = 33
     compiled_cache = kvhive.make_cache(model, method, budget=budget)
@@ -159,7 +173,7 @@ def test_a_growing_cache_compiles_with_a_fixed_decode_capacity(method):
     def step(token, position, cache):
         return model(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True).logits
 
-    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend="aot_eager")
+    compiled = _compiled(model, step, backend="aot_eager")
     prompt = _prompt(model)
     options = _growing_options(method, decode_capacity=DECODE_CAPACITY)
     caches = [kvhive.make_cache(model, method, **options) for _ in range(2)]
@@ -213,7 +227,7 @@ def test_ada_storing_a_copy_per_query_head_compiles_too(kv_heads):
     def step(token, position, cache):
         return model(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True).logits
 
-    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend="aot_eager")
+    compiled = _compiled(model, step, backend="aot_eager")
     prompt = _prompt(model)
     options = _growing_options("ada-snapkv", **({} if kv_heads == 1 else {"head_granularity": "query"}))
     caches = [kvhive.make_cache(model, "ada-snapkv", decode_capacity=24, **options) for _ in range(2)]
@@ -285,7 +299,7 @@ def test_a_packed_layer_decoded_past_its_capacity(method):
     def step(token, position, cache):
         return model(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True).logits
 
-    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend="aot_eager")
+    compiled = _compiled(model, step, backend="aot_eager")
     cache = kvhive.make_cache(model, method, **options)
     with torch.no_grad():
         token = model(input_ids=_prompt(model), past_key_values=cache).logits[:, -1:].argmax(-1)
@@ -375,7 +389,7 @@ def test_sliding_window_layers_compile_too(compress_sliding):
     def step(token, position, cache):
         return model(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True).logits
 
-    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend="aot_eager")
+    compiled = _compiled(model, step, backend="aot_eager")
     prompt = _prompt(model)
     caches = [kvhive.make_cache(model, "h2o", budget=budget, compress_sliding=compress_sliding) for _ in range(2)]
     assert caches[0].is_compileable
@@ -418,7 +432,7 @@ def test_a_varying_kept_size_compiles_in_a_fixed_capacity_and_keeps_the_eager_po
     def step(token, position, cache):
         return model(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True).logits
 
-    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend="aot_eager")
+    compiled = _compiled(model, step, backend="aot_eager")
     prompt = _prompt(model, length=prompt_length)
     budget = max(BUDGET, policy_class(method)().minimum_budget())
     compiled_cache, eager_cache, growing = (kvhive.make_cache(model, method, budget=budget) for _ in range(3))
@@ -485,7 +499,7 @@ def test_a_prompt_shorter_than_the_budget_fills_a_fixed_capacity_in_one_graph(me
     def step(token, position, cache):
         return model(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True).logits
 
-    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend="aot_eager")
+    compiled = _compiled(model, step, backend="aot_eager")
     prompt = _prompt(model, length=10)
     budget = max(BUDGET, policy_class(method)().minimum_budget())
     compiled_cache, eager_cache, growing = (kvhive.make_cache(model, method, budget=budget) for _ in range(3))
@@ -546,25 +560,26 @@ def test_generate_with_compile_refuses_a_short_prompt_for_a_method_whose_state_s
     assert text == kvhive.generate(model, tokenizer, long_prompt, method, 64, max_new_tokens=4, compile=False)[0]
 
 
-def test_a_torch_that_does_not_trace_the_attention_switch_compiles_inside_compression(monkeypatch):
-    # Below torch 2.13 dynamo does not trace kvhive's forward pre-hook, which switches the model's
-    # attention for a forward given a kvhive cache (kvhive.static_step): a compiled step must start
-    # with the attention already switched, inside kvhive.compression(model). Outside it the cache keeps
-    # its static layout (a CUDA graph of an eager step works) but says it does not compile, so
-    # transformers' generate decodes it eagerly, and a compiled step is refused by name; kvhive's own
-    # compiled paths (generate, generate_batch, the benchmarks) enter the block and compile. (Checked on
-    # torch 2.11 itself outside CI, which installs 2.13 and newer: the pre-hook's switch inside the
-    # trace was refused by kvhive's attention guard, the switched step equal to eager in one graph.)
+def test_a_torch_that_does_not_trace_the_attention_switch_compiles_with_the_switch_made_before_the_call(monkeypatch):
+    # Below torch 2.13 dynamo does not see the switch kvhive's forward pre-hook makes inside a trace
+    # (kvhive.static_step): a compiled step must start with the attention already switched. The cache
+    # says it compiles (transformers' generate compiles it through the model's get_compiled_call, which
+    # kvhive wraps to switch before each compiled call), and model.generate compiles its decode step
+    # once, equal to eager, with the model's own attention back after it. A step compiled by one's own
+    # torch.compile outside kvhive.compression(model) is refused by name; kvhive's own compiled paths
+    # (generate, generate_batch, the benchmarks) enter the block and compile. (Checked on torch 2.11
+    # itself outside CI, which installs 2.13 and newer: every method's compiled step through
+    # model.generate equal to eager in one graph.)
     from kvhive import static_step
 
     monkeypatch.setattr(static_step, "TORCH_COMPILES_KVHIVE", False)
     model, tokenizer = _model(), tiny_tokenizer()
     cache = kvhive.make_cache(model, "tova", budget=BUDGET)
-    assert cache.static_decode and not cache.is_compileable
+    assert cache.static_decode and cache.is_compileable
     assert "kvhive.compression(model)" in cache.compile_problem(96)
     with kvhive.compression(model):
         assert cache.is_compileable and cache.compile_problem(96) is None
-    assert not cache.is_compileable and model.config._attn_implementation != "kvhive"
+    assert model.config._attn_implementation != "kvhive"
 
     def step(token, position, cache):
         return model(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True).logits
@@ -592,6 +607,34 @@ def test_a_torch_that_does_not_trace_the_attention_switch_compiles_inside_compre
         shape="kv-heavy", method="tova", budget=16, context=64, decode_tokens=3, num_layers=1, compile=True
     )
     assert result["compiled_decode"] is True and result["decode_ms_per_token"] > 0
+
+    # transformers' own compiled path, outside any kvhive block.
+    torch._dynamo.reset()
+    counters.clear()
+    config = CompileConfig(fullgraph=True, dynamic=False, backend="aot_eager")
+    config._compile_all_devices = True  # transformers compiles only on accelerators otherwise
+    prompt = _prompt(model, length=60)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # aot_eager ignores the default mode="reduce-overhead"
+        compiled_ids = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            past_key_values=kvhive.make_cache(model, "tova", budget=BUDGET),
+            max_new_tokens=24,
+            do_sample=False,
+            compile_config=config,
+        )
+    assert counters["stats"]["unique_graphs"] == 1, "generate did not compile its decode step once"
+    assert model.config._attn_implementation != "kvhive"  # the switch ended with each compiled call
+    eager_ids = model.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        past_key_values=kvhive.make_cache(model, "tova", budget=BUDGET),
+        max_new_tokens=24,
+        do_sample=False,
+        disable_compile=True,
+    )
+    assert torch.equal(compiled_ids, eager_ids)
 
 
 def test_first_false_is_right_under_inductor():
@@ -626,7 +669,7 @@ def test_bumblebee_fills_the_freed_slot_the_same_compiled_from_a_short_prompt(ba
     def step(token, position, cache):
         return model(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True).logits
 
-    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend=backend)
+    compiled = _compiled(model, step, backend=backend)
     prompt = _prompt(model, length=9)
     compiled_cache, eager_cache = (kvhive.make_cache(model, "bumblebee", budget=BUDGET) for _ in range(2))
     with torch.no_grad():
