@@ -7,7 +7,7 @@ import torch
 
 import kvhive
 from kvhive.cache.budget import Budget
-from kvhive.cache.decisions import check_keep
+from kvhive.cache.decisions import check_capacity_keep, check_keep, check_row_keep
 from kvhive.cache.options import CacheOptions
 from kvhive.cache.traits import MethodTraits
 from kvhive.methods.base import DECODE, PREFILL, Policy
@@ -63,14 +63,21 @@ def test_check_keep_counts_on_the_host_or_trusts_a_declared_count():
 def test_check_keep_over_a_capacity_checks_the_shape_and_keeps_the_counts_on_the_device():
     keep = torch.tensor([[[True, False, True, False]]])
     filled = torch.tensor(3)
-    mask, kept = check_keep(keep, "m", 0, [3], shape=keep.shape, filled=filled)
+    mask, kept = check_capacity_keep(keep, "m", 0, 3, keep.shape, filled)
     assert isinstance(kept, torch.Tensor) and int(kept) == 2 and mask is keep
     # Filling to a budget of 3: the three filled slots are kept whatever the decision says.
-    mask, kept = check_keep(keep, "m", 0, [3], shape=keep.shape, filled=filled, fill_to=3)
+    mask, kept = check_capacity_keep(keep, "m", 0, 3, keep.shape, filled, fill_to=3)
     assert mask.tolist() == [[[True, True, True, False]]] and int(kept) == 3
     with pytest.raises(
         TypeError, match=r"a decision over a fixed capacity must be a boolean mask of shape \(1, 1, 5\)"
     ):
-        check_keep(keep, "m", 0, [3], shape=torch.Size([1, 1, 5]), filled=filled)
+        check_capacity_keep(keep, "m", 0, 3, torch.Size([1, 1, 5]), filled)
     with pytest.raises(TypeError, match="a decision over rows of different lengths"):
-        check_keep(None, "m", 0, [3], shape=keep.shape, filled=filled, per_row=True)
+        check_row_keep(None, "m", 0, 3, keep.shape, filled.view(1, 1, 1))
+    # Rows of different lengths: each row's own count, and a row filling to its budget keeps its tokens.
+    rows = torch.tensor([[[True, False, True, False]], [[False, True, False, False]]])
+    row_filled = torch.tensor([3, 2]).view(2, 1, 1)
+    mask, kept = check_row_keep(rows, "m", 0, 3, rows.shape, row_filled)
+    assert kept.tolist() == [2, 1]
+    mask, kept = check_row_keep(rows, "m", 0, 3, rows.shape, row_filled, fill_to=2)
+    assert kept.tolist() == [2, 2] and mask[1, 0].tolist() == [True, True, False, False]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import kvhive.methods.bumblebee as bumblebee_module
+import kvhive.methods.bumblebee_streaming as bumblebee_streaming
 from kvhive.methods.bumblebee import SCORE, SUMMARY, BumbleBee
 from kvhive.methods.submodular import StreamingSummary
 
@@ -93,7 +93,7 @@ def test_the_streamed_summary_does_not_depend_on_the_joiner_blocks(monkeypatch):
     inputs = _inputs(tokens, seed=3)
     results = []
     for block in (1, 7, 256):
-        monkeypatch.setattr(bumblebee_module, "STREAMING_JOINERS", block)
+        monkeypatch.setattr(bumblebee_streaming, "STREAMING_JOINERS", block)
         state: dict = {}
         kept = BumbleBee(streaming_above_tokens=threshold).select_prefill(_inputs(tokens, seed=3), budget, state)
         results.append((kept, state[SUMMARY].positions.clone()))
