@@ -132,19 +132,9 @@ def _block_attention(query_rows, block_keys, block_values, segment_of_block, all
     weights = torch.exp(logits - segment_max[segment_of_block][:, :, None])
     denominator = torch.zeros(num_segments, rows, device=logits.device).index_add_(0, segment_of_block, weights.sum(-1))
     partial = torch.matmul(weights.to(block_values.dtype), block_values).float()  # [NB, R, dv]
-    return (_sum_by_segment(partial, segment_of_block, num_segments) / denominator[:, :, None]).to(query_rows.dtype)
-
-
-def _sum_by_segment(partial: torch.Tensor, segment_of_block: torch.Tensor, num_segments: int) -> torch.Tensor:
-    """``[NB, R, dv]`` summed over each segment's blocks: ``[S, R, dv]``. On the CPU a product with
-    the ``[S, NB]`` block membership: ``index_add_`` over a leading dimension runs as a threaded
-    scatter there, whose cost with more than one thread dwarfs the attention itself."""
-    if partial.device.type != "cpu":
-        numerator = partial.new_zeros(num_segments, *partial.shape[1:])
-        return numerator.index_add_(0, segment_of_block, partial)
-    segments = torch.arange(num_segments, device=partial.device)
-    membership = (segment_of_block[None, :] == segments[:, None]).to(partial.dtype)  # [S, NB]
-    return torch.matmul(membership, partial.reshape(partial.shape[0], -1)).view(num_segments, *partial.shape[1:])
+    numerator = torch.zeros(num_segments, rows, block_values.shape[-1], device=logits.device)
+    numerator.index_add_(0, segment_of_block, partial)
+    return (numerator / denominator[:, :, None]).to(query_rows.dtype)
 
 
 def varlen_attention_paged(
